@@ -1,0 +1,1 @@
+//! Pure KV-cache core (placeholder until the pool lands).
