@@ -1,0 +1,15 @@
+//! Prints a GGUF file's metadata (arrays abbreviated) and tensor table: `cargo run -p pk-gguf --example gguf_dump -- FILE`.
+fn main() {
+    let path = std::env::args().nth(1).expect("usage: gguf_dump FILE");
+    let f = pk_gguf::GgufFile::open(&path).unwrap_or_else(|e| panic!("{e}"));
+    for (k, v) in &f.metadata {
+        match v {
+            pk_gguf::MetaValue::Array(a) => println!("{k}: array[{}] first={:?}", a.len(), a.first()),
+            pk_gguf::MetaValue::String(s) if s.len() > 200 => println!("{k}: {:?}...", &s[..200]),
+            v => println!("{k}: {v:?}"),
+        }
+    }
+    for t in &f.tensors {
+        println!("{} {:?} {}", t.name, t.dims, t.ggml_type);
+    }
+}
