@@ -1,0 +1,124 @@
+//! Model hyper-parameters read from GGUF metadata (`{arch}.*` keys).
+
+use pk_gguf::{GgufFile, GgufError};
+
+use crate::ModelError;
+
+/// How RoPE pairs dimensions. llama.cpp calls these NORM (adjacent pairs, used by the
+/// Llama architecture, whose GGUF converter permutes Q/K weights for it) and NEOX
+/// (first half with second half, used by Gemma, Qwen, …).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    Normal,
+    Neox,
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub arch: String,
+    pub name: String,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub d_model: usize,
+    pub d_ff: usize,
+    pub vocab_size: usize,
+    pub context_length: usize,
+    pub rope_theta: f32,
+    pub rope_style: RopeStyle,
+    pub rms_eps: f32,
+}
+
+/// Architectures whose forward pass we implement.
+pub const SUPPORTED_ARCHS: &[&str] = &["llama"];
+
+impl ModelConfig {
+    pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig, ModelError> {
+        let arch = f.get_str("general.architecture")?.to_string();
+        if !SUPPORTED_ARCHS.contains(&arch.as_str()) {
+            return Err(ModelError::UnsupportedArch(arch));
+        }
+        let key = |k: &str| format!("{arch}.{k}");
+        let n_heads = f.get_u64(&key("attention.head_count"))? as usize;
+        let d_model = f.get_u64(&key("embedding_length"))? as usize;
+        let head_dim = match f.get_u64(&key("attention.key_length")) {
+            Ok(v) => v as usize,
+            Err(GgufError::MissingKey(_)) => d_model / n_heads.max(1),
+            Err(e) => return Err(e.into()),
+        };
+        let vocab_size = match f.get_u64(&key("vocab_size")) {
+            Ok(v) => v as usize,
+            Err(_) => f.get_str_array("tokenizer.ggml.tokens")?.len(),
+        };
+        let cfg = ModelConfig {
+            name: f.get_str("general.name").unwrap_or("unnamed").to_string(),
+            n_layers: f.get_u64(&key("block_count"))? as usize,
+            n_heads,
+            n_kv_heads: f.get_u64(&key("attention.head_count_kv")).unwrap_or(n_heads as u64) as usize,
+            head_dim,
+            d_model,
+            d_ff: f.get_u64(&key("feed_forward_length"))? as usize,
+            vocab_size,
+            context_length: f.get_u64(&key("context_length"))? as usize,
+            rope_theta: f.get_f64(&key("rope.freq_base")).unwrap_or(10000.0) as f32,
+            rope_style: RopeStyle::Normal,
+            rms_eps: f.get_f64(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5) as f32,
+            arch,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<(), ModelError> {
+        let bad = |m: String| Err(ModelError::BadConfig(m));
+        if self.n_layers == 0 || self.n_heads == 0 || self.n_kv_heads == 0 || self.head_dim == 0 {
+            return bad(format!("zero-sized dimension in {self:?}"));
+        }
+        if self.n_heads % self.n_kv_heads != 0 {
+            return bad(format!("{} heads not divisible by {} KV heads", self.n_heads, self.n_kv_heads));
+        }
+        if self.head_dim % 2 != 0 {
+            return bad(format!("head_dim {} is odd; RoPE needs pairs", self.head_dim));
+        }
+        Ok(())
+    }
+
+    /// Query heads per KV head (the GQA group size).
+    pub fn group_size(&self) -> usize {
+        self.n_heads / self.n_kv_heads
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// Shapes of real models, for random-weight benchmarks at sizes we cannot download.
+    pub fn dummy(name: &str) -> Option<ModelConfig> {
+        let (n_layers, n_heads, n_kv_heads, d_model, d_ff, vocab_size, ctx, theta) = match name {
+            "smollm2-135m" => (30, 9, 3, 576, 1536, 49152, 8192, 100000.0),
+            "llama-3.2-1b" => (16, 32, 8, 2048, 8192, 128256, 131072, 500000.0),
+            "llama-3.1-8b" => (32, 32, 8, 4096, 14336, 128256, 131072, 500000.0),
+            _ => return None,
+        };
+        Some(ModelConfig {
+            arch: "llama".into(),
+            name: format!("dummy-{name}"),
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim: d_model / n_heads,
+            d_model,
+            d_ff,
+            vocab_size,
+            context_length: ctx,
+            rope_theta: theta,
+            rope_style: RopeStyle::Normal,
+            rms_eps: 1e-5,
+        })
+    }
+}

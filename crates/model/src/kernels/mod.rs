@@ -1,0 +1,11 @@
+//! CPU compute kernels used by the model code.
+//!
+//! The model calls only the functions re-exported here; which implementation runs
+//! (portable scalar reference or SIMD chosen at run time) is decided inside this module,
+//! so faster kernels can replace slow ones without the model code changing.
+
+mod matmul;
+mod ops;
+
+pub use matmul::{matmul, matmul_reference, QMatrix};
+pub use ops::{add_in_place, dot_f32, rmsnorm, silu_mul_in_place, softmax_in_place};

@@ -1,0 +1,153 @@
+//! The Llama-family transformer (Llama 2/3, SmolLM2): RMSNorm, RoPE, grouped-query
+//! attention over the paged KV store, SwiGLU MLP, optionally tied output head.
+//!
+//! Paper: "LLaMA: Open and Efficient Foundation Language Models" (arXiv 2302.13971).
+//! One forward call processes a batch of sequences, each contributing any number of new
+//! tokens (a prompt chunk in prefill, one token in decode), so prefill and continuous
+//! batching share one code path. All weight matmuls run once over the whole batch.
+
+use pk_gguf::GgufFile;
+
+use crate::attention::{paged_attention, AttnSeq, AttnShape};
+use crate::config::{ModelConfig, RopeStyle};
+use crate::kernels::{add_in_place, matmul, rmsnorm, silu_mul_in_place};
+use crate::kv_store::KvStore;
+use crate::weights::Weights;
+use crate::ModelError;
+
+/// One sequence's new tokens in a forward call.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqForward<'a> {
+    pub tokens: &'a [u32],
+    /// Absolute position (for RoPE) of `tokens[0]`.
+    pub start_position: usize,
+    /// Stored index at which `tokens[0]`'s K/V is written; later tokens follow densely.
+    pub stored_start: usize,
+    /// Physical block ids covering stored indices `0..stored_start + tokens.len()`.
+    pub block_table: &'a [u32],
+    /// Logits are returned for `tokens[logits_from..]` (use `tokens.len()` for none).
+    pub logits_from: usize,
+}
+
+pub struct Llama {
+    pub config: ModelConfig,
+    pub weights: Weights,
+    /// `inv_freq[i] = theta^(-2i/head_dim)`, precomputed once.
+    inv_freq: Vec<f32>,
+}
+
+impl Llama {
+    pub fn from_gguf(f: &GgufFile) -> Result<Llama, ModelError> {
+        let config = ModelConfig::from_gguf(f)?;
+        let weights = Weights::from_gguf(f, &config)?;
+        Ok(Llama::new(config, weights))
+    }
+
+    pub fn new(config: ModelConfig, weights: Weights) -> Llama {
+        let hd = config.head_dim;
+        let inv_freq = (0..hd / 2).map(|i| config.rope_theta.powf(-2.0 * i as f32 / hd as f32)).collect();
+        Llama { config, weights, inv_freq }
+    }
+
+    /// Runs the new tokens of every sequence through the model, writing their K/V into
+    /// `store`, and returns the requested logits rows (`vocab_size` floats each) in order.
+    pub fn forward(&self, store: &mut KvStore, seqs: &[SeqForward]) -> Vec<f32> {
+        let c = &self.config;
+        let (d, qd, kvd) = (c.d_model, c.q_dim(), c.kv_dim());
+        let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        let bs = store.geometry.block_size_tokens;
+
+        let mut x = vec![0f32; n * d];
+        let mut positions = Vec::with_capacity(n);
+        for s in seqs {
+            for (i, &t) in s.tokens.iter().enumerate() {
+                let row = positions.len();
+                self.weights.token_embd.dequantize_row(t as usize, &mut x[row * d..(row + 1) * d]);
+                positions.push(s.start_position + i);
+            }
+        }
+        let mut attn_seqs = Vec::with_capacity(seqs.len());
+        let mut row = 0;
+        for s in seqs {
+            attn_seqs.push(AttnSeq { block_table: s.block_table, stored_start: s.stored_start, n_queries: s.tokens.len(), row_offset: row });
+            row += s.tokens.len();
+        }
+
+        let mut h = vec![0f32; n * d];
+        let mut q = vec![0f32; n * qd];
+        let mut k = vec![0f32; n * kvd];
+        let mut v = vec![0f32; n * kvd];
+        let mut attn = vec![0f32; n * qd];
+        let mut proj = vec![0f32; n * d];
+        let mut gate = vec![0f32; n * c.d_ff];
+        let mut up = vec![0f32; n * c.d_ff];
+        let shape = AttnShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
+
+        for (li, lw) in self.weights.layers.iter().enumerate() {
+            for r in 0..n {
+                rmsnorm(&x[r * d..(r + 1) * d], &lw.attn_norm, c.rms_eps, &mut h[r * d..(r + 1) * d]);
+            }
+            matmul(&lw.wq, &h, n, &mut q);
+            matmul(&lw.wk, &h, n, &mut k);
+            matmul(&lw.wv, &h, n, &mut v);
+            for r in 0..n {
+                self.rope(&mut q[r * qd..(r + 1) * qd], positions[r]);
+                self.rope(&mut k[r * kvd..(r + 1) * kvd], positions[r]);
+            }
+            for (s, a) in seqs.iter().zip(&attn_seqs) {
+                for i in 0..s.tokens.len() {
+                    let idx = s.stored_start + i;
+                    let r = a.row_offset + i;
+                    store.write_token(li, s.block_table[idx / bs], idx % bs, &k[r * kvd..(r + 1) * kvd], &v[r * kvd..(r + 1) * kvd]);
+                }
+            }
+            paged_attention(store, li, shape, &attn_seqs, &q, &mut attn);
+            matmul(&lw.wo, &attn, n, &mut proj);
+            add_in_place(&mut x, &proj);
+
+            for r in 0..n {
+                rmsnorm(&x[r * d..(r + 1) * d], &lw.ffn_norm, c.rms_eps, &mut h[r * d..(r + 1) * d]);
+            }
+            matmul(&lw.w_gate, &h, n, &mut gate);
+            matmul(&lw.w_up, &h, n, &mut up);
+            silu_mul_in_place(&mut gate, &up);
+            matmul(&lw.w_down, &gate, n, &mut proj);
+            add_in_place(&mut x, &proj);
+        }
+
+        // Only the requested rows go through the (large) output head.
+        let mut sel = Vec::new();
+        for (s, a) in seqs.iter().zip(&attn_seqs) {
+            for i in s.logits_from.min(s.tokens.len())..s.tokens.len() {
+                let r = a.row_offset + i;
+                let mut normed = vec![0f32; d];
+                rmsnorm(&x[r * d..(r + 1) * d], &self.weights.output_norm, c.rms_eps, &mut normed);
+                sel.extend_from_slice(&normed);
+            }
+        }
+        let n_out = sel.len() / d;
+        let mut logits = vec![0f32; n_out * c.vocab_size];
+        if n_out > 0 {
+            matmul(self.weights.output_head(), &sel, n_out, &mut logits);
+        }
+        logits
+    }
+
+    /// Rotates every head of `x` (a row of q or k) by its position.
+    fn rope(&self, x: &mut [f32], pos: usize) {
+        let hd = self.config.head_dim;
+        let half = hd / 2;
+        for head in x.chunks_exact_mut(hd) {
+            for i in 0..half {
+                let (sin, cos) = (pos as f32 * self.inv_freq[i]).sin_cos();
+                let (a, b) = match self.config.rope_style {
+                    RopeStyle::Normal => (2 * i, 2 * i + 1),
+                    RopeStyle::Neox => (i, i + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * cos - x1 * sin;
+                head[b] = x0 * sin + x1 * cos;
+            }
+        }
+    }
+}

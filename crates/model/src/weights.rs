@@ -1,0 +1,133 @@
+//! Loading Llama-family weights from GGUF, or generating random weights of a real shape.
+//!
+//! Weights stay in their quantised GGML format in memory (copied out of the memory map
+//! once, so that later kernels may repack them); only norms are converted to f32.
+
+use pk_gguf::{dequantize, GgmlType, GgufFile};
+use rand::{Rng, SeedableRng};
+
+use crate::config::ModelConfig;
+use crate::kernels::QMatrix;
+use crate::ModelError;
+
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub wq: QMatrix,
+    pub wk: QMatrix,
+    pub wv: QMatrix,
+    pub wo: QMatrix,
+    pub ffn_norm: Vec<f32>,
+    pub w_gate: QMatrix,
+    pub w_up: QMatrix,
+    pub w_down: QMatrix,
+}
+
+pub struct Weights {
+    /// `vocab × d_model`; row t is token t's embedding.
+    pub token_embd: QMatrix,
+    pub layers: Vec<LayerWeights>,
+    pub output_norm: Vec<f32>,
+    /// The output head; `None` means tied to `token_embd`.
+    pub output: Option<QMatrix>,
+}
+
+impl Weights {
+    pub fn output_head(&self) -> &QMatrix {
+        self.output.as_ref().unwrap_or(&self.token_embd)
+    }
+
+    pub fn from_gguf(f: &GgufFile, cfg: &ModelConfig) -> Result<Weights, ModelError> {
+        let layers = (0..cfg.n_layers)
+            .map(|i| {
+                let p = |n: &str| format!("blk.{i}.{n}.weight");
+                Ok(LayerWeights {
+                    attn_norm: vector(f, &p("attn_norm"), cfg.d_model)?,
+                    wq: matrix(f, &p("attn_q"), cfg.q_dim(), cfg.d_model)?,
+                    wk: matrix(f, &p("attn_k"), cfg.kv_dim(), cfg.d_model)?,
+                    wv: matrix(f, &p("attn_v"), cfg.kv_dim(), cfg.d_model)?,
+                    wo: matrix(f, &p("attn_output"), cfg.d_model, cfg.q_dim())?,
+                    ffn_norm: vector(f, &p("ffn_norm"), cfg.d_model)?,
+                    w_gate: matrix(f, &p("ffn_gate"), cfg.d_ff, cfg.d_model)?,
+                    w_up: matrix(f, &p("ffn_up"), cfg.d_ff, cfg.d_model)?,
+                    w_down: matrix(f, &p("ffn_down"), cfg.d_model, cfg.d_ff)?,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let output = match f.tensor_info("output.weight") {
+            Ok(_) => Some(matrix(f, "output.weight", cfg.vocab_size, cfg.d_model)?),
+            Err(_) => None,
+        };
+        Ok(Weights {
+            token_embd: matrix(f, "token_embd.weight", cfg.vocab_size, cfg.d_model)?,
+            layers,
+            output_norm: vector(f, "output_norm.weight", cfg.d_model)?,
+            output,
+        })
+    }
+
+    /// Random weights of `cfg`'s shape in format `ty`, for speed benchmarks only: the values
+    /// are small and finite so that the arithmetic is representative, not meaningful.
+    pub fn random(cfg: &ModelConfig, ty: GgmlType, seed: u64) -> Weights {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut m = |rows, cols| random_matrix(&mut rng, ty, rows, cols);
+        let layers = (0..cfg.n_layers)
+            .map(|_| LayerWeights {
+                attn_norm: vec![1.0; cfg.d_model],
+                wq: m(cfg.q_dim(), cfg.d_model),
+                wk: m(cfg.kv_dim(), cfg.d_model),
+                wv: m(cfg.kv_dim(), cfg.d_model),
+                wo: m(cfg.d_model, cfg.q_dim()),
+                ffn_norm: vec![1.0; cfg.d_model],
+                w_gate: m(cfg.d_ff, cfg.d_model),
+                w_up: m(cfg.d_ff, cfg.d_model),
+                w_down: m(cfg.d_model, cfg.d_ff),
+            })
+            .collect();
+        Weights { token_embd: m(cfg.vocab_size, cfg.d_model), layers, output_norm: vec![1.0; cfg.d_model], output: None }
+    }
+}
+
+fn matrix(f: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<QMatrix, ModelError> {
+    let info = f.tensor_info(name)?;
+    if info.row_len() != cols || info.n_rows() != rows {
+        return Err(ModelError::BadConfig(format!(
+            "tensor {name} has shape {:?}, expected [{cols}, {rows}]",
+            info.dims
+        )));
+    }
+    Ok(QMatrix::new(info.ggml_type, rows, cols, f.tensor_data(info).to_vec()))
+}
+
+fn vector(f: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+    let info = f.tensor_info(name)?;
+    if info.n_elems() as usize != len {
+        return Err(ModelError::BadConfig(format!("tensor {name} has {} elements, expected {len}", info.n_elems())));
+    }
+    let mut out = vec![0f32; len];
+    dequantize(info.ggml_type, f.tensor_data(info), &mut out);
+    Ok(out)
+}
+
+/// Random blocks whose scale fields are valid small f16 values (random bytes there would
+/// make NaNs and infinities, which run at different speeds on some CPUs).
+fn random_matrix(rng: &mut impl Rng, ty: GgmlType, rows: usize, cols: usize) -> QMatrix {
+    let row_bytes = ty.row_bytes(cols).expect("dummy shapes are block multiples");
+    let mut data = vec![0u8; rows * row_bytes];
+    rng.fill(&mut data[..]);
+    let scale = |rng: &mut dyn rand::RngCore| half::f16::from_f32(rng.gen_range(0.001f32..0.01)).to_le_bytes();
+    let bb = ty.block_bytes();
+    for blk in data.chunks_exact_mut(bb) {
+        match ty {
+            GgmlType::F32 => blk.copy_from_slice(&rng.gen_range(-0.05f32..0.05).to_le_bytes()),
+            GgmlType::F16 => blk.copy_from_slice(&half::f16::from_f32(rng.gen_range(-0.05..0.05)).to_le_bytes()),
+            GgmlType::BF16 => blk.copy_from_slice(&half::bf16::from_f32(rng.gen_range(-0.05..0.05)).to_le_bytes()),
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => blk[0..2].copy_from_slice(&scale(rng)),
+            GgmlType::Q4_1 | GgmlType::Q4K => {
+                blk[0..2].copy_from_slice(&scale(rng));
+                blk[2..4].copy_from_slice(&scale(rng));
+            }
+            GgmlType::Q6K => blk[208..210].copy_from_slice(&scale(rng)),
+        }
+    }
+    QMatrix::new(ty, rows, cols, data)
+}
