@@ -1,1 +1,76 @@
-//! Pure KV-cache core (placeholder until the pool lands).
+//! `pk-kv`: the pure KV-cache core of pagekeeper — bookkeeping over block ids.
+//!
+//! This crate decides which physical block holds which token of which sequence. The K/V
+//! tensors themselves live in another crate, indexed by the `BlockId`s handed out here.
+//! The design follows vLLM v1 (`BlockPool`, free queue, `KVCacheManager`, chained block
+//! hashes for prefix caching), with mistral.rs-style `u32` block indices and
+//! TigerBeetle-style invariant checks (`check_invariants` on the pool, tables and manager).
+//!
+//! Architecture invariant: no I/O, no async, no threads, no model code, no tensors, no
+//! randomness. Allocation failure is `None`, never an error or a panic; a panic always
+//! means a caller broke a documented precondition.
+//!
+//! Code map:
+//! - `block`: `BlockId` and `BlockHash`.
+//! - `hash`: chained BLAKE3 block hashes.
+//! - `free_queue` (private): intrusive LRU list of free blocks.
+//! - `pool`: `BlockPool` — ref counts, free queue, prefix-cache index.
+//! - `table`: `BlockTable` — one sequence's blocks, token addressing, eviction, fork.
+//! - `manager`: `KvCacheManager` — the facade the scheduler uses.
+//!
+//! Invariants. `B` is `block_size_tokens`. Each is checked by a `check_invariants`.
+//!
+//! NOTE 1: Block ids never change once in a table, except by whole-block eviction
+//! (`remove_block`), which shifts later entries left. Tables never reorder or replace
+//! blocks, so block ids given to the attention kernel in one step stay valid in the next.
+//!
+//! NOTE 2: Tables are dense. Every block but the last is full and none is empty, so
+//! `block_ids.len() == ceil(num_stored_tokens / B)` and stored token `i` lives in slot
+//! `(block_ids[i / B], i % B)`. Dense tables are what let block-wise eviction work with an
+//! unmodified paged-attention kernel.
+//!
+//! NOTE 3: Full blocks are immutable. New tokens are only written at stored index
+//! `num_stored_tokens`, which is in the partial last block or a fresh one. So full blocks
+//! can be shared (fork, prefix cache) without copies, a partial block is never shared
+//! (ref count 1), and a fork copies only the partial block (`BlockCopy`).
+//!
+//! NOTE 4: A block is in the free queue exactly when its ref count is 0, and then exactly
+//! once. Freed blocks join the tail and allocation takes the head, so the least recently
+//! freed block is reused first. A table frees its blocks last to first, so a sequence's
+//! prefix blocks, the most shareable, are reused last.
+//!
+//! NOTE 5: A block's prefix-cache hash is set when its owner registers it (full and in
+//! use), survives while the block is free, so `lookup_cached` can revive it, and is dropped
+//! only when the block is reallocated. The hash → block index and the per-block hashes
+//! agree in both directions; one block per hash, the first registration wins.
+//!
+//! NOTE 6: Hashes are chained: block k's hash covers tokens `[0, (k + 1) * B)` and the
+//! `extra` bytes (model id, cache salt), so a hit means the whole prefix matches. Lookups
+//! stop at the first miss, and never cover the last prompt token: its logits are needed.
+//!
+//! NOTE 7: `next_position` (all tokens ever appended or adopted) is at least
+//! `num_stored_tokens` and equal until a block is removed; new tokens get `next_position`
+//! as their RoPE position, so positions are never reused after eviction. After its first
+//! eviction a sequence adds no more blocks to the prefix cache: their K/V was computed over
+//! a pruned context and their table index is no longer their logical block index.
+//!
+//! NOTE 8: The manager is the only holder of pool references: each block's ref count equals
+//! the number of table entries that list it. A sequence that is freed returns every block
+//! it held, so when all sequences are freed every block is free.
+//!
+//! NOTE 9: Limits. `num_blocks <= u32::MAX - 2` (two sentinel indices follow the blocks)
+//! and `num_blocks * B <= u32::MAX`, so every token count in this crate fits a `u32`.
+//! Positions are `u64`.
+
+pub mod block;
+mod free_queue;
+pub mod hash;
+pub mod manager;
+pub mod pool;
+pub mod table;
+
+pub use block::{BlockHash, BlockId};
+pub use hash::{hash_block, hash_prefix_blocks};
+pub use manager::{CachedPrefix, KvCacheManager, NewSlots, SeqId};
+pub use pool::BlockPool;
+pub use table::{AppendedTokens, BlockCopy, BlockTable, Slot};

@@ -1,0 +1,372 @@
+//! `KvCacheManager`: the facade the scheduler talks to. It owns the `BlockPool` and every
+//! sequence's `BlockTable`, and it is the only holder of pool references.
+//!
+//! Design: vLLM v1's `KVCacheManager` (`get_computed_blocks`, `allocate_slots`,
+//! `cache_blocks`, `free`). The scheduler sees sequence ids, token counts and block ids;
+//! it never touches the pool. Allocation failure is `None` with nothing changed, and the
+//! scheduler answers it by preempting or waiting.
+//!
+//! Typical flow for one request:
+//! 1. `get_computed_prefix(prompt, extra)`: how much of the prompt is already cached
+//!    (a pure query, so a scheduler can use it for budgeting).
+//! 2. `add_sequence(seq, &prefix)`: adopt those blocks.
+//! 3. `allocate_slots(seq, n)` for the tokens to compute; write their K/V into the slots.
+//! 4. `cache_full_blocks(seq, tokens)` once the K/V of newly completed blocks is written.
+//! 5. Repeat 3–4 per decode step; `free(seq)` when done.
+
+use std::collections::BTreeMap;
+
+use crate::block::{BlockHash, BlockId};
+use crate::hash::hash_block;
+use crate::pool::BlockPool;
+use crate::table::{BlockCopy, BlockTable, Slot};
+
+/// Identifies one sequence (one request, or one branch of a forked request).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct SeqId(pub u64);
+
+/// The longest cached prefix of a prompt, from `get_computed_prefix`.
+///
+/// It holds no references: it says what was cached when it was computed. `add_sequence`
+/// looks every hash up again, so a prefix that went stale in between is safe to pass.
+#[derive(Clone, Debug)]
+pub struct CachedPrefix {
+    block_ids: Vec<BlockId>,
+    block_hashes: Vec<BlockHash>,
+    block_size_tokens: u32,
+    /// The model id / cache salt bytes the hashes were computed with; the sequence keeps
+    /// them so that the blocks it caches later chain with the same bytes.
+    extra: Vec<u8>,
+}
+
+impl CachedPrefix {
+    /// The cached blocks, in prompt order; each is full.
+    pub fn block_ids(&self) -> &[BlockId] {
+        &self.block_ids
+    }
+
+    /// Prompt tokens whose K/V is cached: `block_ids().len() * block_size_tokens`.
+    pub fn num_cached_tokens(&self) -> u32 {
+        self.block_ids.len() as u32 * self.block_size_tokens
+    }
+}
+
+/// Where `allocate_slots` put the new tokens.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct NewSlots {
+    /// Absolute (RoPE) position of `slots[0]`; `slots[i]` has position `first_position + i`.
+    pub first_position: u64,
+    /// One slot per new token, in order.
+    pub slots: Vec<Slot>,
+}
+
+#[derive(Debug)]
+struct SeqState {
+    table: BlockTable,
+    /// Chained hashes of the sequence's first `block_hashes.len()` full blocks, in the
+    /// sequence's own order. Kept so each block is hashed once, and so a block whose hash
+    /// another block already registered still extends the chain.
+    block_hashes: Vec<BlockHash>,
+    extra: Vec<u8>,
+    /// Cleared by the first `remove_block`. From then on, new blocks hold K/V computed
+    /// over a pruned context and sit at table indices that no longer equal their logical
+    /// block index, so they must never be found by a full-context prefix lookup.
+    prefix_cacheable: bool,
+}
+
+#[derive(Debug)]
+pub struct KvCacheManager {
+    pool: BlockPool,
+    /// Ordered so that iteration (invariant checks, debugging) is deterministic.
+    seqs: BTreeMap<SeqId, SeqState>,
+}
+
+impl KvCacheManager {
+    /// A manager over a fresh pool; see `BlockPool::new` for the limits.
+    pub fn new(num_blocks: u32, block_size_tokens: u32) -> Self {
+        KvCacheManager {
+            pool: BlockPool::new(num_blocks, block_size_tokens),
+            seqs: BTreeMap::new(),
+        }
+    }
+
+    /// Read-only pool access, for metrics (`usage`, `num_free_blocks`, …) and tests.
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    pub fn block_size_tokens(&self) -> u32 {
+        self.pool.block_size_tokens()
+    }
+
+    pub fn num_sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    pub fn block_table(&self, seq: SeqId) -> Option<&BlockTable> {
+        self.seqs.get(&seq).map(|state| &state.table)
+    }
+
+    /// Finds the longest run of cached full blocks at the start of `token_ids`, by
+    /// chained hash, stopping at the first miss. Takes no references.
+    ///
+    /// Never a full hit: at most `(len - 1) / B` blocks are matched, so at least the last
+    /// prompt token is always computed, because the model needs its logits to sample the
+    /// next token (vLLM's rule).
+    pub fn get_computed_prefix(&self, token_ids: &[u32], extra: &[u8]) -> CachedPrefix {
+        let block_size_tokens = self.block_size_tokens();
+        let num_blocks_max = token_ids.len().saturating_sub(1) / block_size_tokens as usize;
+        let mut prefix = CachedPrefix {
+            block_ids: Vec::new(),
+            block_hashes: Vec::new(),
+            block_size_tokens,
+            extra: extra.to_vec(),
+        };
+        for block_token_ids in token_ids
+            .chunks_exact(block_size_tokens as usize)
+            .take(num_blocks_max)
+        {
+            let block_hash = hash_block(prefix.block_hashes.last(), block_token_ids, extra);
+            let Some(block_id) = self.pool.cached_block(&block_hash) else {
+                break;
+            };
+            prefix.block_ids.push(block_id);
+            prefix.block_hashes.push(block_hash);
+        }
+        prefix
+    }
+
+    /// Starts sequence `seq` with the cached blocks of `prefix`, taking a reference to
+    /// each. Returns the number of tokens adopted, which is `prefix.num_cached_tokens()`
+    /// unless some of its blocks were reallocated since `get_computed_prefix`; then the
+    /// prefix is cut at the first block no longer cached.
+    ///
+    /// Panics if `seq` already exists.
+    pub fn add_sequence(&mut self, seq: SeqId, prefix: &CachedPrefix) -> u32 {
+        assert!(
+            !self.seqs.contains_key(&seq),
+            "add_sequence: {seq:?} already exists"
+        );
+        assert_eq!(
+            prefix.block_size_tokens,
+            self.block_size_tokens(),
+            "add_sequence: prefix from another pool"
+        );
+        let mut block_ids = Vec::with_capacity(prefix.block_hashes.len());
+        for block_hash in &prefix.block_hashes {
+            // The hash, not the remembered id, is what proves the contents: if the block
+            // was reallocated and another block cached under the same hash, that one is
+            // just as good.
+            let Some(block_id) = self.pool.lookup_cached(block_hash) else {
+                break;
+            };
+            block_ids.push(block_id);
+        }
+        let block_hashes = prefix.block_hashes[..block_ids.len()].to_vec();
+        let table = BlockTable::from_cached_blocks(self.block_size_tokens(), block_ids);
+        let num_cached_tokens = table.num_stored_tokens();
+        let state = SeqState {
+            table,
+            block_hashes,
+            extra: prefix.extra.clone(),
+            prefix_cacheable: true,
+        };
+        self.seqs.insert(seq, state);
+        num_cached_tokens
+    }
+
+    /// Makes room for `num_new_tokens` more tokens of `seq` and says where they go. All or
+    /// nothing: `None` means not enough free blocks, and nothing changed.
+    ///
+    /// Panics if `seq` does not exist.
+    #[must_use = "allocation can fail; check for None"]
+    pub fn allocate_slots(&mut self, seq: SeqId, num_new_tokens: u32) -> Option<NewSlots> {
+        let state = Self::state_mut(&mut self.seqs, seq, "allocate_slots");
+        let appended = state.table.append_tokens(num_new_tokens, &mut self.pool)?;
+        let slots = state.table.slots(appended.stored_range()).collect();
+        Some(NewSlots {
+            first_position: appended.first_position,
+            slots,
+        })
+    }
+
+    /// Registers the sequence's newly completed full blocks in the prefix cache.
+    ///
+    /// `token_ids` are the sequence's tokens from position 0 (prompt then outputs); it may
+    /// run past the stored tokens, and only full stored blocks are hashed. Call it once the
+    /// K/V of those blocks is written, since from then on other prompts may share them.
+    /// Does nothing once the sequence has had a block removed (see `SeqState`).
+    ///
+    /// Panics if `seq` does not exist or `token_ids` is shorter than its stored tokens.
+    pub fn cache_full_blocks(&mut self, seq: SeqId, token_ids: &[u32]) {
+        let block_size_tokens = self.block_size_tokens() as usize;
+        let state = Self::state_mut(&mut self.seqs, seq, "cache_full_blocks");
+        if !state.prefix_cacheable {
+            return;
+        }
+        let num_stored_tokens = state.table.num_stored_tokens() as usize;
+        assert!(
+            token_ids.len() >= num_stored_tokens,
+            "cache_full_blocks: {} token ids for {seq:?}, which stores {num_stored_tokens}",
+            token_ids.len()
+        );
+        for block_index in state.block_hashes.len()..state.table.num_full_blocks() {
+            let block_token_ids =
+                &token_ids[block_index * block_size_tokens..(block_index + 1) * block_size_tokens];
+            let block_hash = hash_block(state.block_hashes.last(), block_token_ids, &state.extra);
+            // A `false` here means another block already holds this hash; ours stays
+            // uncached but the chain continues from the hash, not from the block.
+            self.pool
+                .cache_block(state.table.block_ids()[block_index], block_hash);
+            state.block_hashes.push(block_hash);
+        }
+    }
+
+    /// Ends `seq`, releasing its blocks (cached ones stay revivable until reallocated).
+    /// Returns `false` if there was no such sequence, so aborts may call it blindly.
+    pub fn free(&mut self, seq: SeqId) -> bool {
+        let Some(mut state) = self.seqs.remove(&seq) else {
+            return false;
+        };
+        state.table.free_all(&mut self.pool);
+        true
+    }
+
+    /// Starts `child` as a copy of `parent`, sharing its full blocks. Returns:
+    /// - `None`: no free block for the copy-on-write of a partial last block; nothing changed;
+    /// - `Some(None)`: forked, nothing to copy;
+    /// - `Some(Some(copy))`: forked; the caller must copy `copy.num_tokens` slots of K/V
+    ///   from `copy.src` to `copy.dst` before either sequence writes again.
+    ///
+    /// Panics if `parent` does not exist or `child` does.
+    #[must_use = "allocation can fail, and a returned BlockCopy must be performed"]
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Option<Option<BlockCopy>> {
+        assert!(
+            !self.seqs.contains_key(&child),
+            "fork: child {child:?} already exists"
+        );
+        let parent_state = Self::state_mut(&mut self.seqs, parent, "fork");
+        let (child_table, copy) = parent_state.table.fork(&mut self.pool)?;
+        let child_state = SeqState {
+            table: child_table,
+            block_hashes: parent_state.block_hashes.clone(),
+            extra: parent_state.extra.clone(),
+            prefix_cacheable: parent_state.prefix_cacheable,
+        };
+        self.seqs.insert(child, child_state);
+        Some(copy)
+    }
+
+    /// Evicts the full block at `index` of `seq`'s table (see `BlockTable::remove_block`)
+    /// and returns its id. The sequence stops adding blocks to the prefix cache.
+    ///
+    /// Panics if `seq` does not exist, or `index` is out of range or names a partial block.
+    pub fn remove_block(&mut self, seq: SeqId, index: usize) -> BlockId {
+        let state = Self::state_mut(&mut self.seqs, seq, "remove_block");
+        let block_id = state.table.remove_block(index, &mut self.pool);
+        state.prefix_cacheable = false;
+        state.block_hashes = Vec::new();
+        block_id
+    }
+
+    /// Fraction of blocks in use, for the `kv_cache_usage_perc` metric.
+    pub fn usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// Panics with a message naming the broken rule unless the pool, every table, and the
+    /// links between them are consistent (see the NOTEs in the crate docs):
+    /// - each block's pool ref count equals the number of table entries holding it;
+    /// - no table lists a block twice;
+    /// - a partial last block belongs to one table only and is not in the prefix cache;
+    /// - while a sequence is prefix-cacheable, it has no gap between stored tokens and
+    ///   position, and each hashed block is either cached under that hash or uncached.
+    pub fn check_invariants(&self) {
+        self.pool.check_invariants();
+        let block_size_tokens = self.block_size_tokens();
+        let mut num_refs_by_block = vec![0u32; self.pool.num_blocks() as usize];
+        for (seq, state) in &self.seqs {
+            let table = &state.table;
+            table.check_invariants();
+            assert_eq!(
+                table.block_size_tokens(),
+                block_size_tokens,
+                "manager: {seq:?} has the wrong block size"
+            );
+            let mut sorted_block_ids = table.block_ids().to_vec();
+            sorted_block_ids.sort_unstable();
+            sorted_block_ids.dedup();
+            assert_eq!(
+                sorted_block_ids.len(),
+                table.num_blocks(),
+                "manager: {seq:?} lists a block twice"
+            );
+            for block_id in table.block_ids() {
+                num_refs_by_block[block_id.index()] += 1;
+            }
+            if state.prefix_cacheable {
+                self.check_prefix_hashes(*seq, state);
+            } else {
+                assert!(
+                    state.block_hashes.is_empty(),
+                    "manager: {seq:?} keeps hashes after eviction"
+                );
+            }
+        }
+        for (index, &num_refs) in num_refs_by_block.iter().enumerate() {
+            let ref_count = self.pool.ref_count(BlockId(index as u32));
+            assert_eq!(
+                ref_count, num_refs,
+                "manager: block {index} has pool ref count {ref_count} but {num_refs} table entries"
+            );
+        }
+        for (seq, state) in &self.seqs {
+            let table = &state.table;
+            if table.num_blocks() > table.num_full_blocks() {
+                let partial_block = *table.block_ids().last().expect("a partial block exists");
+                assert_eq!(
+                    num_refs_by_block[partial_block.index()],
+                    1,
+                    "manager: {seq:?}'s partial block is shared"
+                );
+                assert_eq!(
+                    self.pool.block_hash(partial_block),
+                    None,
+                    "manager: {seq:?}'s partial block is cached"
+                );
+            }
+        }
+    }
+
+    fn check_prefix_hashes(&self, seq: SeqId, state: &SeqState) {
+        let table = &state.table;
+        assert_eq!(
+            table.next_position(),
+            table.num_stored_tokens() as u64,
+            "manager: {seq:?} is prefix-cacheable but has evicted tokens"
+        );
+        assert!(
+            state.block_hashes.len() <= table.num_full_blocks(),
+            "manager: {seq:?} has hashes for blocks that are not full"
+        );
+        for (block_id, block_hash) in table.block_ids().iter().zip(&state.block_hashes) {
+            let cached_hash = self.pool.block_hash(*block_id);
+            assert!(
+                cached_hash.is_none() || cached_hash == Some(*block_hash),
+                "manager: {seq:?}'s block {} is cached under a hash the sequence did not compute",
+                block_id.0
+            );
+        }
+    }
+
+    fn state_mut<'a>(
+        seqs: &'a mut BTreeMap<SeqId, SeqState>,
+        seq: SeqId,
+        caller: &str,
+    ) -> &'a mut SeqState {
+        match seqs.get_mut(&seq) {
+            Some(state) => state,
+            None => panic!("{caller}: unknown sequence {seq:?}"),
+        }
+    }
+}
