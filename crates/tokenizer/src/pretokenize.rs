@@ -1,0 +1,172 @@
+//! Pre-tokenizers: how text is cut into words before BPE, chosen by `tokenizer.ggml.pre`.
+//!
+//! The regexes are the ones llama.cpp uses (`llama-vocab.cpp`, `llama_vocab::impl::load`).
+//! Those patterns end in `\s+(?!\S)`, a lookahead that would push `fancy-regex` onto its
+//! slow backtracking engine. Instead we run the pattern with `\s+(?!\S)|\s+` replaced by
+//! plain `\s+` (so the whole regex goes to the fast `regex-automata` engine) and then apply
+//! the lookahead by hand, exactly as llama.cpp's own hand-written GPT-2 splitter does: a
+//! whitespace run of two or more characters that is not at the end of the segment gives
+//! up its last character, which then starts the next word (usually as the ` ` of ` word`).
+//!
+//! NOTE 1: Each regex stage runs on the segments produced by the previous stage, never
+//! across them, so "end of the segment" above means the end of the current segment.
+//! NOTE 2: Every character is matched by some alternative of each main pattern, so the
+//! words tile the segment; text between matches is still emitted if that ever changes.
+
+use fancy_regex::Regex;
+
+/// GPT-2's pattern with the trailing `\s+(?!\S)|\s+` folded into `\s+` (see the header).
+const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
+
+/// Llama 3's pattern, with the same folding. Its `\s*[\r\n]+` alternative also yields
+/// whitespace-only words; those end in a line break and must not be shortened.
+const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+";
+
+/// Which family of splitting rules a vocabulary uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreTokenizerKind {
+    /// Plain GPT-2 (`gpt2`, `default` and any pre-type we do not know).
+    ///
+    /// llama.cpp itself gives `default` an extra four-stage split and rejects unknown
+    /// names; we fall back to plain GPT-2 instead, which is what HF's GPT-2 tokenizer does.
+    Gpt2,
+    /// Every `\p{N}` character on its own, then GPT-2 (`smollm`, `starcoder`, `refact`, ...).
+    DigitsThenGpt2,
+    /// Llama 3 (`llama-bpe`, `llama3`): digits in groups of up to three.
+    Llama3,
+}
+
+impl PreTokenizerKind {
+    /// Maps a `tokenizer.ggml.pre` value to its rules, following llama.cpp's grouping.
+    pub fn from_pre(pre: &str) -> PreTokenizerKind {
+        match pre {
+            "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" | "exaone" | "minerva-7b" => {
+                PreTokenizerKind::DigitsThenGpt2
+            }
+            "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => PreTokenizerKind::Llama3,
+            _ => PreTokenizerKind::Gpt2,
+        }
+    }
+}
+
+/// A compiled pre-tokenizer.
+pub(crate) struct PreTokenizer {
+    kind: PreTokenizerKind,
+    digits: Option<Regex>,
+    main: Regex,
+}
+
+impl PreTokenizer {
+    pub fn new(kind: PreTokenizerKind) -> PreTokenizer {
+        let (digits, main) = match kind {
+            PreTokenizerKind::Gpt2 => (None, GPT2),
+            PreTokenizerKind::DigitsThenGpt2 => (Some(r"\p{N}"), GPT2),
+            PreTokenizerKind::Llama3 => (None, LLAMA3),
+        };
+        // The patterns are constants checked by the unit tests, so compilation cannot fail
+        // on user input.
+        let compile = |p: &str| Regex::new(p).expect("built-in pre-tokenizer regex compiles");
+        PreTokenizer { kind, digits: digits.map(compile), main: compile(main) }
+    }
+
+    pub fn kind(&self) -> PreTokenizerKind {
+        self.kind
+    }
+
+    /// Calls `emit` with each word of `text`, in order; the words concatenate to `text`.
+    pub fn split<'t>(&self, text: &'t str, emit: &mut dyn FnMut(&'t str)) {
+        let Some(digits) = &self.digits else {
+            self.split_main(text, emit);
+            return;
+        };
+        let mut pos = 0;
+        for m in digits.find_iter(text) {
+            // A non-fancy regex runs on regex-automata, which cannot fail at match time.
+            let Ok(m) = m else { break };
+            if m.start() > pos {
+                self.split_main(&text[pos..m.start()], emit);
+            }
+            emit(m.as_str());
+            pos = m.end();
+        }
+        if pos < text.len() {
+            self.split_main(&text[pos..], emit);
+        }
+    }
+
+    fn split_main<'t>(&self, seg: &'t str, emit: &mut dyn FnMut(&'t str)) {
+        let mut pos = 0;
+        while pos < seg.len() {
+            let Ok(Some(m)) = self.main.find_from_pos(seg, pos) else {
+                emit(&seg[pos..]);
+                return;
+            };
+            if m.start() > pos {
+                emit(&seg[pos..m.start()]);
+            }
+            let end = self.apply_lookahead(seg, m.start(), m.end());
+            emit(&seg[m.start()..end]);
+            pos = end;
+        }
+    }
+
+    /// Implements `\s+(?!\S)`: shortens a whitespace run by its last character unless the
+    /// run ends the segment or is a single character.
+    fn apply_lookahead(&self, seg: &str, start: usize, end: usize) -> usize {
+        let word = &seg[start..end];
+        if end == seg.len() || !word.chars().all(char::is_whitespace) {
+            return end;
+        }
+        if self.kind == PreTokenizerKind::Llama3 && word.contains(['\r', '\n']) {
+            return end;
+        }
+        match word.char_indices().next_back() {
+            Some((last, _)) if last > 0 => start + last,
+            _ => end,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(kind: PreTokenizerKind, text: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        PreTokenizer::new(kind).split(text, &mut |w| out.push(w.to_string()));
+        assert_eq!(out.concat(), text, "words must tile the text");
+        out
+    }
+
+    #[test]
+    fn gpt2_words() {
+        use PreTokenizerKind::Gpt2;
+        assert_eq!(words(Gpt2, "Hello world's  end"), ["Hello", " world", "'s", " ", " end"]);
+        assert_eq!(words(Gpt2, "a\n\nb"), ["a", "\n", "\n", "b"]);
+        assert_eq!(words(Gpt2, "x   "), ["x", "   "]);
+        assert_eq!(words(Gpt2, "in 1872, at"), ["in", " 1872", ",", " at"]);
+        assert_eq!(words(Gpt2, "  !?x"), [" ", " !?", "x"]);
+    }
+
+    #[test]
+    fn smollm_splits_every_digit() {
+        use PreTokenizerKind::DigitsThenGpt2;
+        assert_eq!(words(DigitsThenGpt2, "in 1872, at"), ["in", " ", "1", "8", "7", "2", ",", " at"]);
+        // The whitespace run ends its segment (a digit follows), so it is not shortened.
+        assert_eq!(words(DigitsThenGpt2, "a  1"), ["a", "  ", "1"]);
+    }
+
+    #[test]
+    fn llama3_words() {
+        use PreTokenizerKind::Llama3;
+        assert_eq!(words(Llama3, "12345 don'T"), ["123", "45", " don", "'T"]);
+        assert_eq!(words(Llama3, "a  \n\n  b"), ["a", "  \n\n", " ", " b"]);
+    }
+
+    #[test]
+    fn pre_names() {
+        assert_eq!(PreTokenizerKind::from_pre("smollm"), PreTokenizerKind::DigitsThenGpt2);
+        assert_eq!(PreTokenizerKind::from_pre("llama-bpe"), PreTokenizerKind::Llama3);
+        assert_eq!(PreTokenizerKind::from_pre("something-new"), PreTokenizerKind::Gpt2);
+    }
+}
