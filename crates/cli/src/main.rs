@@ -1,1 +1,44 @@
-fn main() {}
+//! The `pagekeeper` command line: a thin layer over `pk-engine`.
+
+mod commands;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "pagekeeper", version, about = "LLM inference with a paged, evicting, tiered KV cache")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Download the default model (SmolLM2-135M-Instruct Q4_1) into $PAGEKEEPER_HOME.
+    FetchModel,
+    /// Print a model's architecture, sizes, quantisation types and context length.
+    Info(commands::InfoArgs),
+    /// Generate text from a prompt, streaming it to stdout.
+    Generate(commands::GenerateArgs),
+    /// Perplexity of a text file, by llama.cpp's method.
+    Perplexity(commands::PerplexityArgs),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::FetchModel => pk_engine::model_store::fetch_default_model(true).map(|_| ()),
+        Command::Info(a) => commands::info(a),
+        Command::Generate(a) => commands::generate(a),
+        Command::Perplexity(a) => commands::perplexity(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,224 @@
+//! Subcommand implementations. Each parses its flags, builds an engine and reports.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use pk_engine::model_store::resolve_model;
+use pk_engine::{Engine, EngineConfig, GenerateParams, SamplingParams};
+use pk_model::KvDtype;
+use pk_tokenizer::ChatMessage;
+
+/// Options shared by every command that runs a model.
+#[derive(Args, Clone)]
+pub struct ModelArgs {
+    /// A local GGUF file; default: SmolLM2-135M-Instruct Q4_1, fetched on first use.
+    #[arg(long, env = "PAGEKEEPER_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Worker threads for the kernels (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// Precision of the live KV cache: f16 or f32.
+    #[arg(long, default_value = "f16")]
+    pub kv_dtype: String,
+}
+
+impl ModelArgs {
+    pub fn engine(&self, kv_capacity_tokens: Option<usize>) -> Result<Engine> {
+        if let Some(n) = self.threads {
+            if n == 0 {
+                bail!("--threads must be at least 1");
+            }
+            rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring threads")?;
+        }
+        let kv_dtype = KvDtype::parse(&self.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected f16 or f32)", self.kv_dtype))?;
+        let path = resolve_model(self.model.as_deref(), true)?;
+        let config = EngineConfig { block_size_tokens: self.block_size, kv_dtype, kv_capacity_tokens, ..Default::default() };
+        Engine::load(&path, config)
+    }
+}
+
+#[derive(Args)]
+pub struct InfoArgs {
+    #[arg(long, env = "PAGEKEEPER_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn info(a: InfoArgs) -> Result<()> {
+    let path = resolve_model(a.model.as_deref(), true)?;
+    let f = pk_gguf::GgufFile::open(&path).with_context(|| format!("loading {}", path.display()))?;
+    let arch = f.get_str("general.architecture")?.to_string();
+    let mut by_type = std::collections::BTreeMap::<String, (usize, u64)>::new();
+    let mut n_params = 0u64;
+    for t in &f.tensors {
+        let e = by_type.entry(t.ggml_type.to_string()).or_default();
+        e.0 += 1;
+        e.1 += t.n_elems();
+        n_params += t.n_elems();
+    }
+    let cfg = pk_model::ModelConfig::from_gguf(&f);
+    if a.json {
+        let mut v = serde_json::json!({
+            "path": path.display().to_string(),
+            "name": f.get_str("general.name").unwrap_or(""),
+            "architecture": arch,
+            "file_bytes": f.file_len_bytes(),
+            "parameters": n_params,
+            "tensor_types": by_type.iter().map(|(k, (n, e))| (k.clone(), serde_json::json!({"tensors": n, "elements": e}))).collect::<serde_json::Map<_, _>>(),
+            "supported": cfg.is_ok(),
+        });
+        if let Ok(c) = &cfg {
+            v["config"] = serde_json::json!({
+                "n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
+                "d_model": c.d_model, "d_ff": c.d_ff, "vocab_size": c.vocab_size, "context_length": c.context_length,
+                "rope_theta": c.rope_theta, "rms_eps": c.rms_eps,
+            });
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("file:            {} ({:.1} MiB, GGUF v{})", path.display(), f.file_len_bytes() as f64 / (1 << 20) as f64, f.version);
+    println!("name:            {}", f.get_str("general.name").unwrap_or("?"));
+    println!("architecture:    {arch}");
+    println!("parameters:      {:.1} M", n_params as f64 / 1e6);
+    match &cfg {
+        Ok(c) => {
+            println!("layers:          {}", c.n_layers);
+            println!("heads:           {} query / {} KV (head_dim {})", c.n_heads, c.n_kv_heads, c.head_dim);
+            println!("embedding:       {}  feed-forward: {}", c.d_model, c.d_ff);
+            println!("vocabulary:      {}", c.vocab_size);
+            println!("context length:  {}", c.context_length);
+            println!("rope theta:      {}", c.rope_theta);
+            let kv_token_bytes = 2 * c.n_layers * c.kv_dim() * 2;
+            println!("KV per token:    {} bytes at f16", kv_token_bytes);
+        }
+        Err(e) => println!("not runnable:    {e}"),
+    }
+    for (t, (n, e)) in &by_type {
+        println!("tensors {t:>6}:  {n} tensors, {:.1} M elements", *e as f64 / 1e6);
+    }
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt text (a user message with --chat).
+    #[arg(long)]
+    pub prompt: String,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    pub chat: bool,
+    /// System message for --chat (default: the template's own).
+    #[arg(long)]
+    pub system: Option<String>,
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// 0 means greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// 0 disables top-k.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop strings (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+}
+
+pub fn generate(a: GenerateArgs) -> Result<()> {
+    let mut engine = a.model.engine(None)?;
+    let prompt_text = if a.chat {
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(ChatMessage::new("system", s));
+        }
+        msgs.push(ChatMessage::new("user", &a.prompt));
+        engine.chat_template.render(&msgs, true)?
+    } else {
+        if a.system.is_some() {
+            bail!("--system needs --chat");
+        }
+        a.prompt.clone()
+    };
+    // Chat templates contain special tokens; raw prompts are plain text.
+    let ids = engine.tokenizer.encode(&prompt_text, a.chat);
+    let params = GenerateParams {
+        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
+        max_tokens: a.max_tokens,
+        stop: a.stop.clone(),
+        ignore_eos: false,
+    };
+    let mut stdout = std::io::stdout().lock();
+    let out = engine.generate(&ids, &params, &mut |s| {
+        let _ = stdout.write_all(s.as_bytes());
+        let _ = stdout.flush();
+    })?;
+    let _ = writeln!(stdout);
+    let n = out.token_ids.len();
+    eprintln!(
+        "prompt: {} tokens ({} cached) in {:.2} s ({:.1} tok/s); generated: {} tokens in {:.2} s ({:.1} tok/s); finish: {:?}",
+        out.prompt_tokens,
+        out.cached_prompt_tokens,
+        out.prefill_seconds,
+        (out.prompt_tokens - out.cached_prompt_tokens) as f64 / out.prefill_seconds.max(1e-9),
+        n,
+        out.decode_seconds,
+        n as f64 / out.decode_seconds.max(1e-9),
+        out.finish_reason
+    );
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Text file (read as UTF-8; invalid bytes are replaced).
+    #[arg(long)]
+    pub file: PathBuf,
+    /// Tokens per chunk.
+    #[arg(long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Score at most this many chunks (default: all).
+    #[arg(long)]
+    pub chunks: Option<usize>,
+    /// Print one JSON object at the end instead of the llama.cpp-style line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn perplexity(a: PerplexityArgs) -> Result<()> {
+    let bytes = std::fs::read(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    let text = String::from_utf8_lossy(&bytes);
+    let mut engine = a.model.engine(Some(a.ctx))?;
+    let ids = engine.tokenizer.encode(&text, false);
+    let n_chunks = a.chunks.map_or(ids.len() / a.ctx, |c| c.min(ids.len() / a.ctx));
+    eprintln!("perplexity: {} tokens, calculating over {n_chunks} chunks, n_ctx={}", ids.len(), a.ctx);
+    let t0 = std::time::Instant::now();
+    let r = pk_engine::perplexity::perplexity(&mut engine, &ids, a.ctx, a.chunks, &mut |i, ppl| {
+        eprint!("[{i}]{ppl:.4},");
+        if i == 1 {
+            let per = t0.elapsed().as_secs_f64();
+            eprint!(" ({per:.2} s per chunk, ETA {:.0} s) ", per * (n_chunks - 1) as f64);
+        }
+    })?;
+    eprintln!();
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("Final estimate: PPL = {:.4} +/- {:.5}", r.ppl, r.ppl_stderr);
+    }
+    Ok(())
+}

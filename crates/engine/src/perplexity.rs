@@ -1,0 +1,63 @@
+//! Perplexity by llama.cpp's method (`llama-perplexity`), so our numbers compare with its.
+//!
+//! The token ids are split into consecutive non-overlapping chunks of `n_ctx` tokens; each
+//! chunk runs in a fresh sequence (no BOS); with `first = n_ctx / 2`, the logits at
+//! positions `first ..= n_ctx - 2` are scored against tokens `first + 1 ..= n_ctx - 1`
+//! (each predicted from all tokens before it in its chunk). PPL = exp(mean NLL).
+
+use anyhow::{bail, Result};
+
+use crate::engine::Engine;
+use crate::sampler::log_prob;
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PerplexityResult {
+    pub ppl: f64,
+    /// Standard error of the estimate, as llama.cpp prints it (± after the value).
+    pub ppl_stderr: f64,
+    pub n_chunks: usize,
+    pub n_ctx: usize,
+    pub scored_tokens: usize,
+    /// Running PPL after each chunk, like llama.cpp's `[1]…,[2]…` line.
+    pub running_ppl: Vec<f64>,
+}
+
+pub fn perplexity(engine: &mut Engine, ids: &[u32], n_ctx: usize, max_chunks: Option<usize>, on_chunk: &mut dyn FnMut(usize, f64)) -> Result<PerplexityResult> {
+    if n_ctx < 4 {
+        bail!("--ctx must be at least 4, got {n_ctx}");
+    }
+    let available = ids.len() / n_ctx;
+    if available == 0 {
+        bail!("the text has {} tokens, fewer than one chunk of {n_ctx}", ids.len());
+    }
+    let n_chunks = max_chunks.map_or(available, |m| m.min(available));
+    let first = n_ctx / 2;
+    let vocab = engine.model.config.vocab_size;
+    let (mut nll_sum, mut nll2_sum, mut count) = (0f64, 0f64, 0usize);
+    let mut running = Vec::with_capacity(n_chunks);
+    for c in 0..n_chunks {
+        let chunk = &ids[c * n_ctx..(c + 1) * n_ctx];
+        let logits = engine.score(chunk, first)?;
+        for i in 0..n_ctx - 1 - first {
+            let row = &logits[i * vocab..(i + 1) * vocab];
+            let nll = -log_prob(row, chunk[first + 1 + i]);
+            nll_sum += nll;
+            nll2_sum += nll * nll;
+            count += 1;
+        }
+        let ppl = (nll_sum / count as f64).exp();
+        running.push(ppl);
+        on_chunk(c + 1, ppl);
+    }
+    let mean = nll_sum / count as f64;
+    let var = (nll2_sum / count as f64 - mean * mean).max(0.0);
+    let ppl = mean.exp();
+    Ok(PerplexityResult {
+        ppl,
+        ppl_stderr: ppl * (var / (count as f64 - 1.0).max(1.0)).sqrt(),
+        n_chunks,
+        n_ctx,
+        scored_tokens: count,
+        running_ppl: running,
+    })
+}

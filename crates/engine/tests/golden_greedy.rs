@@ -1,0 +1,71 @@
+//! Greedy generation through the whole engine (tokenizer → paged prefill → decode →
+//! sampling) against llama.cpp's greedy tokens for the six golden prompts.
+
+mod common;
+
+use pk_engine::{EngineConfig, FinishReason, GenerateParams};
+
+#[test]
+fn first_eight_greedy_tokens_match_llama_cpp() {
+    let mut engine = common::engine(EngineConfig::default());
+    let golden = common::golden();
+    for p in golden["prompts"].as_array().unwrap() {
+        let name = p["name"].as_str().unwrap();
+        let prompt_ids = common::ids(&p["prompt_token_ids"]);
+        // The tokenizer must produce the same prompt ids from the prompt text.
+        let chat = name.starts_with("chat");
+        assert_eq!(engine.tokenizer.encode(p["prompt"].as_str().unwrap(), chat), prompt_ids, "{name}: tokenization");
+        let want: Vec<u32> = common::ids(&p["greedy_token_ids"]).into_iter().take(8).collect();
+        let out = engine.generate(&prompt_ids, &GenerateParams { max_tokens: 8, ..Default::default() }, &mut |_| {}).unwrap();
+        let mut got = out.token_ids.clone();
+        // llama.cpp's list ends with the end-of-generation token; ours stops before it.
+        if out.finish_reason == FinishReason::Stop {
+            got.push(engine.tokenizer.eos_id());
+        }
+        assert_eq!(got, want, "{name}: greedy tokens differ");
+        engine.check_invariants();
+    }
+}
+
+#[test]
+fn prefix_cache_hit_gives_identical_greedy_output() {
+    let mut engine = common::engine(EngineConfig::default());
+    let golden = common::golden();
+    let prompt_ids = common::ids(&golden["prompts"][0]["prompt_token_ids"]);
+    let params = GenerateParams { max_tokens: 12, ..Default::default() };
+    let first = engine.generate(&prompt_ids, &params, &mut |_| {}).unwrap();
+    assert_eq!(first.cached_prompt_tokens, 0);
+    let second = engine.generate(&prompt_ids, &params, &mut |_| {}).unwrap();
+    // 37 prompt tokens with 16-token blocks: two full blocks are reusable.
+    assert_eq!(second.cached_prompt_tokens, 32);
+    assert_eq!(first.token_ids, second.token_ids);
+    engine.check_invariants();
+}
+
+#[test]
+fn streamed_text_equals_final_text_and_stop_strings_cut() {
+    let mut engine = common::engine(EngineConfig::default());
+    let prompt = engine.tokenizer.encode("The planets of the solar system, in order from the Sun, are", false);
+    let mut streamed = String::new();
+    let out = engine.generate(&prompt, &GenerateParams { max_tokens: 24, ..Default::default() }, &mut |s| streamed.push_str(s)).unwrap();
+    assert_eq!(streamed, out.text);
+    assert!(!out.text.is_empty());
+    // Stopping at the first newline must cut the text before it.
+    let mut streamed2 = String::new();
+    let params = GenerateParams { max_tokens: 24, stop: vec!["\n".into()], ..Default::default() };
+    let out2 = engine.generate(&prompt, &params, &mut |s| streamed2.push_str(s)).unwrap();
+    assert_eq!(out2.finish_reason, FinishReason::Stop);
+    assert!(!out2.text.contains('\n'));
+    assert_eq!(streamed2, out2.text);
+    assert!(out.text.starts_with(&out2.text));
+}
+
+#[test]
+fn kv_cache_exhaustion_is_an_error_not_a_panic() {
+    let mut engine = common::engine(EngineConfig { kv_capacity_tokens: Some(32), ..Default::default() });
+    let prompt: Vec<u32> = (0..40).map(|i| 1000 + i).collect();
+    let err = engine.generate(&prompt, &GenerateParams::default(), &mut |_| {}).unwrap_err();
+    assert!(err.to_string().contains("KV cache is full"), "{err}");
+    engine.check_invariants();
+    assert_eq!(engine.kv_manager().pool().num_free_blocks(), 2, "blocks of the failed request were freed");
+}
