@@ -1,21 +1,26 @@
-//! The engine: one model, one paged KV cache, and the prefill/decode loop for a request.
+//! The engine: one model, one paged KV cache, and a continuous-batching scheduler.
 //!
 //! The engine is single-owner (`&mut self`): the pool, the block tables and the physical
-//! KV store are never shared behind locks. The server (later) talks to it over channels.
-//! A request's life: find its longest cached prefix (prefix caching, full blocks only),
-//! allocate slots for the rest of the prompt, prefill in chunks of bounded size, then
-//! decode one token per step until a stop condition, and free the sequence.
+//! KV store are never shared behind locks; a server drives it from one thread and talks
+//! to it over channels. Each `step()` admits waiting requests while blocks are free,
+//! builds one batch (a decode token for every running sequence first, then prompt chunks
+//! up to a token budget), runs one forward pass over it, samples, and streams events.
+//! When a sequence cannot get a block, the most recently admitted other sequence is
+//! preempted by recompute (vLLM v1): its blocks are freed and it re-enters the queue
+//! with its prompt and generated tokens, to be prefilled again (prefix cache permitting).
 
+use std::collections::VecDeque;
 use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use pk_kv::{KvCacheManager, SeqId};
 use pk_model::{KvDtype, KvGeometry, KvStore, Llama, SeqForward};
-use pk_tokenizer::{ChatTemplate, StreamDecoder, Tokenizer};
+use pk_tokenizer::{ChatTemplate, Tokenizer};
 
-use crate::sampler::{Sampler, SamplingParams};
-use crate::stop::StopMatcher;
+use crate::request::{Request, RequestOutput, SeqEvent};
+use crate::sampler::SamplingParams;
+use crate::sequence::SeqState;
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -24,13 +29,24 @@ pub struct EngineConfig {
     /// Capacity of the KV pool in tokens (rounded up to whole blocks). Defaults to the
     /// model's context length.
     pub kv_capacity_tokens: Option<usize>,
-    /// Upper bound on tokens per forward call during prefill; bounds activation memory.
-    pub prefill_chunk_tokens: usize,
+    /// Upper bound on tokens per forward call; bounds activation memory and step latency.
+    pub max_batch_tokens: usize,
+    /// Upper bound on sequences decoding at once.
+    pub max_running_seqs: usize,
+    /// Upper bound on requests waiting for admission; `submit` refuses beyond it.
+    pub max_waiting_requests: usize,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { block_size_tokens: 16, kv_dtype: KvDtype::F16, kv_capacity_tokens: None, prefill_chunk_tokens: 512 }
+        EngineConfig {
+            block_size_tokens: 16,
+            kv_dtype: KvDtype::F16,
+            kv_capacity_tokens: None,
+            max_batch_tokens: 512,
+            max_running_seqs: 32,
+            max_waiting_requests: 256,
+        }
     }
 }
 
@@ -58,6 +74,7 @@ pub enum FinishReason {
     Length,
 }
 
+/// Result of a blocking `generate` call.
 #[derive(Debug, Clone)]
 pub struct GenerateOutput {
     pub token_ids: Vec<u32>,
@@ -69,17 +86,41 @@ pub struct GenerateOutput {
     pub decode_seconds: f64,
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the request queue is full ({0} waiting); retry later")]
+    QueueFull(usize),
+    #[error("invalid request: {0}")]
+    Invalid(String),
+}
+
+/// Counters for observability; monotonically increasing except the gauges.
+#[derive(Debug, Default, Clone)]
+pub struct EngineStats {
+    pub prefix_queries_tokens: u64,
+    pub prefix_hits_tokens: u64,
+    pub preemptions: u64,
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    pub steps: u64,
+}
+
 pub struct Engine {
     pub model: Llama,
     pub tokenizer: Tokenizer,
     pub chat_template: ChatTemplate,
     pub config: EngineConfig,
+    pub model_name: String,
+    pub stats: EngineStats,
     kv: KvCacheManager,
     store: KvStore,
     /// Bytes mixed into every block hash so that caches of different models or KV
     /// precisions never alias.
     cache_namespace: Vec<u8>,
     next_seq: u64,
+    waiting: VecDeque<SeqState>,
+    /// In admission order; preemption takes from the back.
+    running: Vec<SeqState>,
 }
 
 impl Engine {
@@ -88,15 +129,18 @@ impl Engine {
         let model = Llama::from_gguf(&gguf).context("building the model")?;
         let tokenizer = Tokenizer::from_gguf(&gguf).context("building the tokenizer")?;
         let chat_template = ChatTemplate::from_gguf(&gguf).context("reading the chat template")?;
-        let name = model_path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = model_path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         Engine::new(model, tokenizer, chat_template, config, &name)
     }
 
-    pub fn new(model: Llama, tokenizer: Tokenizer, chat_template: ChatTemplate, config: EngineConfig, model_id: &str) -> Result<Engine> {
+    pub fn new(model: Llama, tokenizer: Tokenizer, chat_template: ChatTemplate, config: EngineConfig, model_name: &str) -> Result<Engine> {
         let c = &model.config;
         let bs = config.block_size_tokens as usize;
         if !(1..=256).contains(&bs) {
             bail!("block size must be between 1 and 256 tokens, got {bs}");
+        }
+        if config.max_batch_tokens == 0 || config.max_running_seqs == 0 {
+            bail!("max_batch_tokens and max_running_seqs must be at least 1");
         }
         let capacity_tokens = config.kv_capacity_tokens.unwrap_or(c.context_length);
         let num_blocks = capacity_tokens.div_ceil(bs).max(1);
@@ -109,8 +153,21 @@ impl Engine {
             config.kv_dtype
         );
         let kv = KvCacheManager::new(num_blocks as u32, bs as u32);
-        let cache_namespace = format!("{model_id}|{:?}", config.kv_dtype).into_bytes();
-        Ok(Engine { model, tokenizer, chat_template, config, kv, store, cache_namespace, next_seq: 0 })
+        let cache_namespace = format!("{model_name}|{:?}", config.kv_dtype).into_bytes();
+        Ok(Engine {
+            model,
+            tokenizer,
+            chat_template,
+            config,
+            model_name: model_name.to_string(),
+            stats: EngineStats::default(),
+            kv,
+            store,
+            cache_namespace,
+            next_seq: 0,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+        })
     }
 
     pub fn kv_manager(&self) -> &KvCacheManager {
@@ -121,128 +178,304 @@ impl Engine {
         &self.store
     }
 
-    fn new_seq(&mut self) -> SeqId {
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    fn new_seq_id(&mut self) -> SeqId {
         self.next_seq += 1;
         SeqId(self.next_seq)
     }
 
-    fn table_u32(&self, seq: SeqId) -> Vec<u32> {
-        self.kv.block_table(seq).expect("live sequence").block_ids().iter().map(|b| b.0).collect()
+    /// Queues a request. Validation errors and a full queue are refused immediately.
+    pub fn submit(&mut self, req: Request) -> Result<(), SubmitError> {
+        if self.waiting.len() >= self.config.max_waiting_requests {
+            return Err(SubmitError::QueueFull(self.waiting.len()));
+        }
+        if req.prompt_ids.is_empty() {
+            return Err(SubmitError::Invalid("the prompt is empty".into()));
+        }
+        req.params.sampling.validate().map_err(SubmitError::Invalid)?;
+        let ctx = self.model.config.context_length;
+        if req.prompt_ids.len() >= ctx {
+            return Err(SubmitError::Invalid(format!("the prompt has {} tokens; the model's context is {ctx}", req.prompt_ids.len())));
+        }
+        if let Some(&bad) = req.prompt_ids.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
+            return Err(SubmitError::Invalid(format!("token id {bad} is outside the vocabulary")));
+        }
+        let mut namespace = self.cache_namespace.clone();
+        if let Some(salt) = &req.cache_salt {
+            namespace.extend_from_slice(b"|salt|");
+            namespace.extend_from_slice(salt.as_bytes());
+        }
+        self.waiting.push_back(SeqState::new(req, namespace));
+        Ok(())
     }
 
-    /// Appends `tokens` to `seq` and runs them through the model in chunks; returns the
-    /// logits rows for `tokens[logits_from..]`.
-    fn extend(&mut self, seq: SeqId, tokens: &[u32], logits_from: usize) -> Result<Vec<f32>> {
+    /// Blocks needed to compute `n_tokens` more tokens, plus one block of headroom for decode.
+    fn blocks_for(&self, n_tokens: usize) -> usize {
+        n_tokens.div_ceil(self.config.block_size_tokens as usize) + 1
+    }
+
+    /// Moves waiting requests into the running set while blocks and slots allow.
+    fn admit(&mut self) {
+        while self.running.len() < self.config.max_running_seqs {
+            let Some(front) = self.waiting.front() else { break };
+            let prefix = self.kv.get_computed_prefix(&front.all_ids, &front.namespace);
+            let cached = prefix.num_cached_tokens() as usize;
+            let needed = self.blocks_for(front.all_ids.len() - cached) + prefix.block_ids().len();
+            let total = self.kv.pool().num_blocks() as usize;
+            if needed > total && self.running.is_empty() {
+                let mut s = self.waiting.pop_front().expect("front exists");
+                let msg = format!(
+                    "the request needs {} KV blocks of {} tokens but the cache has only {total}",
+                    needed,
+                    self.config.block_size_tokens
+                );
+                (s.req.sink)(SeqEvent::Error(msg));
+                continue;
+            }
+            if needed > self.kv.pool().num_free_blocks() as usize {
+                break;
+            }
+            let mut s = self.waiting.pop_front().expect("front exists");
+            let seq = self.new_seq_id();
+            let adopted = self.kv.add_sequence(seq, &prefix) as usize;
+            if s.preemptions == 0 {
+                self.stats.prefix_queries_tokens += s.n_prompt as u64;
+                self.stats.prefix_hits_tokens += adopted as u64;
+                s.cached_prompt_tokens = adopted;
+            }
+            s.seq = Some(seq);
+            s.num_computed = adopted;
+            self.running.push(s);
+        }
+    }
+
+    /// Frees the most recently admitted running sequence other than `keep` and puts it
+    /// back at the head of the queue. Returns its (former) sequence id.
+    fn preempt_one(&mut self, keep: SeqId) -> Option<SeqId> {
+        let victim = (0..self.running.len()).rev().find(|&i| self.running[i].seq != Some(keep))?;
+        let mut s = self.running.remove(victim);
+        let seq = s.seq.take().expect("running sequences hold a block table");
+        self.kv.free(seq);
+        s.num_computed = 0;
+        s.preemptions += 1;
+        self.stats.preemptions += 1;
+        tracing::debug!("preempted a sequence ({} tokens) to free blocks", s.all_ids.len());
+        self.waiting.push_front(s);
+        Some(seq)
+    }
+
+    /// One scheduler iteration. Returns the number of tokens run through the model.
+    pub fn step(&mut self) -> usize {
+        let mut aborted = Vec::new();
+        self.running.retain_mut(|s| {
+            if s.aborted {
+                aborted.push(s.seq.take());
+            }
+            !s.aborted
+        });
+        for seq in aborted.into_iter().flatten() {
+            self.kv.free(seq);
+        }
+        self.admit();
+        if self.running.is_empty() {
+            return 0;
+        }
+        // Plan: decode tokens first (one each), then prompt chunks, within the token budget.
+        let mut order: Vec<(bool, SeqId)> = self.running.iter().map(|s| (s.is_prefilling(), s.seq.expect("running"))).collect();
+        order.sort_by_key(|&(prefilling, _)| prefilling);
+        let mut budget = self.config.max_batch_tokens;
+        let mut plan: Vec<(SeqId, usize, usize)> = Vec::new(); // (seq, from, to) in all_ids
+        for (_, seq) in order {
+            if budget == 0 {
+                break;
+            }
+            let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) else { continue };
+            let (from, pending) = (self.running[i].num_computed, self.running[i].all_ids.len() - self.running[i].num_computed);
+            let take = pending.min(budget);
+            if take == 0 {
+                continue;
+            }
+            let ok = loop {
+                if self.kv.allocate_slots(seq, take as u32).is_some() {
+                    break true;
+                }
+                // Out of blocks: preempt the newest other sequence and retry this one.
+                match self.preempt_one(seq) {
+                    Some(victim) => plan.retain(|p| p.0 != victim),
+                    None => break false,
+                }
+            };
+            if !ok {
+                let i = self.running.iter().position(|s| s.seq == Some(seq)).expect("still running");
+                let s = self.running.remove(i);
+                self.fail(s, "the KV cache is full even with every other sequence preempted; raise the KV capacity".into());
+                continue;
+            }
+            plan.push((seq, from, from + take));
+            budget -= take;
+        }
+        if plan.is_empty() {
+            return 0;
+        }
+        let n_tokens = self.run_plan(&plan);
+        self.stats.steps += 1;
+        n_tokens
+    }
+
+    fn run_plan(&mut self, plan: &[(SeqId, usize, usize)]) -> usize {
+        let idx_of = |running: &[SeqState], seq: SeqId| running.iter().position(|s| s.seq == Some(seq)).expect("planned sequence is running");
+        let tables: Vec<Vec<u32>> = plan
+            .iter()
+            .map(|(seq, _, _)| self.kv.block_table(*seq).expect("live").block_ids().iter().map(|b| b.0).collect())
+            .collect();
+        let mut fwd = Vec::with_capacity(plan.len());
+        for (k, &(seq, from, to)) in plan.iter().enumerate() {
+            let s = &self.running[idx_of(&self.running, seq)];
+            let stored_after = self.kv.block_table(seq).expect("live").num_stored_tokens() as usize;
+            let n = to - from;
+            let wants_logits = to == s.all_ids.len();
+            fwd.push(SeqForward {
+                tokens: &s.all_ids[from..to],
+                start_position: s.position_of(from),
+                stored_start: stored_after - n,
+                block_table: &tables[k],
+                logits_from: if wants_logits { n - 1 } else { n },
+            });
+        }
+        let logits = self.model.forward(&mut self.store, &fwd);
+        drop(fwd);
+        let vocab = self.model.config.vocab_size;
+        let mut row = 0;
+        let mut n_tokens = 0;
+        let ctx = self.model.config.context_length;
+        let mut finished = Vec::new();
+        for &(seq, from, to) in plan {
+            n_tokens += to - from;
+            let i = idx_of(&self.running, seq);
+            let s = &mut self.running[i];
+            let was_prefill = s.is_prefilling();
+            s.num_computed = to;
+            if was_prefill {
+                self.stats.prompt_tokens += (to - from) as u64;
+            }
+            if to == s.all_ids.len() {
+                let l = &logits[row * vocab..(row + 1) * vocab];
+                row += 1;
+                if s.sample_and_emit(l, &self.tokenizer, ctx) {
+                    finished.push(seq);
+                }
+                self.stats.generation_tokens += 1;
+            }
+            if s.aborted {
+                finished.push(seq);
+            }
+            let computed = s.num_computed;
+            self.kv.cache_full_blocks(seq, &self.running[i].all_ids[..computed]);
+        }
+        for seq in finished {
+            if let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) {
+                let s = self.running.remove(i);
+                self.finish(s);
+            }
+        }
+        n_tokens
+    }
+
+    fn finish(&mut self, mut s: SeqState) {
+        if let Some(seq) = s.seq.take() {
+            self.kv.free(seq);
+        }
+        if s.aborted {
+            return;
+        }
+        let out = s.output();
+        (s.req.sink)(SeqEvent::Finished(out));
+    }
+
+    fn fail(&mut self, mut s: SeqState, msg: String) {
+        if let Some(seq) = s.seq.take() {
+            self.kv.free(seq);
+        }
+        (s.req.sink)(SeqEvent::Error(msg));
+    }
+
+    /// Runs one request to completion (no other requests may be in flight), calling
+    /// `on_text` with each piece of final text.
+    pub fn generate(&mut self, prompt_ids: &[u32], params: &GenerateParams, on_text: &mut dyn FnMut(&str)) -> Result<GenerateOutput> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let req = Request {
+            prompt_ids: prompt_ids.to_vec(),
+            params: params.clone(),
+            cache_salt: None,
+            sink: Box::new(move |e| tx.send(e).is_ok()),
+        };
+        self.submit(req).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let t0 = Instant::now();
+        loop {
+            self.step();
+            while let Ok(ev) = rx.try_recv() {
+                match ev {
+                    SeqEvent::Text { text, .. } => on_text(&text),
+                    SeqEvent::Error(e) => bail!("{e}"),
+                    SeqEvent::Finished(o) => return Ok(Self::to_generate_output(o, t0)),
+                }
+            }
+            if !self.has_work() {
+                bail!("the request ended without a result");
+            }
+        }
+    }
+
+    fn to_generate_output(o: RequestOutput, t0: Instant) -> GenerateOutput {
+        let first = o.first_token_at.unwrap_or(o.finished_at);
+        GenerateOutput {
+            token_ids: o.token_ids,
+            text: o.text,
+            finish_reason: o.finish_reason,
+            prompt_tokens: o.prompt_tokens,
+            cached_prompt_tokens: o.cached_prompt_tokens,
+            prefill_seconds: first.duration_since(t0).as_secs_f64(),
+            decode_seconds: o.finished_at.duration_since(first).as_secs_f64(),
+        }
+    }
+
+    /// Runs `tokens` as a fresh sequence outside the scheduler and returns the logits rows
+    /// for `tokens[logits_from..]`; the sequence is freed afterwards. For perplexity and
+    /// evaluation (teacher forcing); no requests may be in flight.
+    pub fn score(&mut self, tokens: &[u32], logits_from: usize) -> Result<Vec<f32>> {
+        assert!(!self.has_work(), "score() runs outside the scheduler");
+        let seq = self.new_seq_id();
+        let empty = self.kv.get_computed_prefix(&[], &self.cache_namespace);
+        self.kv.add_sequence(seq, &empty);
         let mut logits = Vec::new();
-        let chunk = self.config.prefill_chunk_tokens.max(1);
+        let chunk = self.config.max_batch_tokens;
         let mut done = 0;
+        let mut result = Ok(());
         while done < tokens.len() {
             let end = (done + chunk).min(tokens.len());
-            let stored_start = self.kv.block_table(seq).expect("live sequence").num_stored_tokens() as usize;
-            let slots = self.kv.allocate_slots(seq, (end - done) as u32).with_context(|| {
-                format!(
-                    "KV cache is full: {} free blocks of {} tokens, the sequence needs more",
-                    self.kv.pool().num_free_blocks(),
-                    self.kv.block_size_tokens()
-                )
-            })?;
-            let table = self.table_u32(seq);
-            let from = logits_from.max(done).min(end) - done;
-            let fwd = SeqForward {
-                tokens: &tokens[done..end],
-                start_position: slots.first_position as usize,
-                stored_start,
-                block_table: &table,
-                logits_from: from,
+            let Some(slots) = self.kv.allocate_slots(seq, (end - done) as u32) else {
+                result = Err(anyhow::anyhow!("KV cache is full: {} tokens do not fit", tokens.len()));
+                break;
             };
+            let table: Vec<u32> = self.kv.block_table(seq).expect("live").block_ids().iter().map(|b| b.0).collect();
+            let from = logits_from.clamp(done, end) - done;
+            let fwd = SeqForward { tokens: &tokens[done..end], start_position: slots.first_position as usize, stored_start: done, block_table: &table, logits_from: from };
             logits.extend(self.model.forward(&mut self.store, &[fwd]));
             done = end;
         }
-        Ok(logits)
-    }
-
-    /// Generates a continuation of `prompt_ids`, calling `on_text` with each new piece of
-    /// text as soon as it is final (stop strings are held back until they cannot match).
-    pub fn generate(&mut self, prompt_ids: &[u32], params: &GenerateParams, on_text: &mut dyn FnMut(&str)) -> Result<GenerateOutput> {
-        if prompt_ids.is_empty() {
-            bail!("the prompt is empty");
-        }
-        params.sampling.validate().map_err(anyhow::Error::msg)?;
-        let ctx = self.model.config.context_length;
-        if prompt_ids.len() >= ctx {
-            bail!("the prompt has {} tokens; the model's context is {ctx}", prompt_ids.len());
-        }
-        let seq = self.new_seq();
-        let prefix = self.kv.get_computed_prefix(prompt_ids, &self.cache_namespace);
-        let cached = self.kv.add_sequence(seq, &prefix) as usize;
-        let result = self.generate_inner(seq, prompt_ids, cached, params, on_text);
         self.kv.free(seq);
-        result
-    }
-
-    fn generate_inner(&mut self, seq: SeqId, prompt: &[u32], cached: usize, params: &GenerateParams, on_text: &mut dyn FnMut(&str)) -> Result<GenerateOutput> {
-        let t0 = Instant::now();
-        let new = &prompt[cached..];
-        let mut logits = self.extend(seq, new, new.len() - 1)?;
-        self.kv.cache_full_blocks(seq, prompt);
-        let prefill_seconds = t0.elapsed().as_secs_f64();
-        let t1 = Instant::now();
-
-        let mut sampler = Sampler::new(params.sampling.clone());
-        let mut decoder = StreamDecoder::new();
-        let mut stop = StopMatcher::new(&params.stop);
-        let mut out_ids = Vec::new();
-        let mut all_ids = prompt.to_vec();
-        let ctx = self.model.config.context_length;
-        let finish = loop {
-            if out_ids.len() >= params.max_tokens {
-                break FinishReason::Length;
-            }
-            let id = sampler.sample(&logits);
-            if !params.ignore_eos && self.tokenizer.is_eog(id) {
-                break FinishReason::Stop;
-            }
-            out_ids.push(id);
-            all_ids.push(id);
-            let piece = decoder.push(&self.tokenizer, id);
-            let (emit, hit) = stop.push(&piece);
-            if !emit.is_empty() {
-                on_text(&emit);
-            }
-            if hit {
-                break FinishReason::Stop;
-            }
-            if all_ids.len() >= ctx || out_ids.len() >= params.max_tokens {
-                break FinishReason::Length;
-            }
-            logits = self.extend(seq, &[id], 0)?;
-        };
-        let tail = stop.finish(&decoder.finish());
-        if !tail.is_empty() {
-            on_text(&tail);
-        }
-        self.kv.cache_full_blocks(seq, &all_ids);
-        Ok(GenerateOutput {
-            text: stop.text().to_string(),
-            token_ids: out_ids,
-            finish_reason: finish,
-            prompt_tokens: prompt.len(),
-            cached_prompt_tokens: cached,
-            prefill_seconds,
-            decode_seconds: t1.elapsed().as_secs_f64(),
-        })
-    }
-
-    /// Runs `tokens` as a fresh sequence and returns the logits rows for
-    /// `tokens[logits_from..]`; the sequence is freed afterwards. Used by perplexity and
-    /// evaluation (teacher forcing).
-    pub fn score(&mut self, tokens: &[u32], logits_from: usize) -> Result<Vec<f32>> {
-        let seq = self.new_seq();
-        let empty = self.kv.get_computed_prefix(&[], &self.cache_namespace);
-        self.kv.add_sequence(seq, &empty);
-        let r = self.extend(seq, tokens, logits_from);
-        self.kv.free(seq);
-        r
+        result.map(|_| logits)
     }
 
     /// Checks the KV manager's invariants (tests).

@@ -1,12 +1,16 @@
 //! `pk-engine`: loads a model, owns the paged KV cache (pool, block tables, physical
-//! store), runs requests through prefill and decode, samples, and measures perplexity.
-//! Also fetches the default model.
+//! store), schedules requests with continuous batching (prefill chunks and decode tokens
+//! of many sequences in one forward pass), samples, and measures perplexity. Also fetches
+//! the default model.
 
 pub mod engine;
 pub mod model_store;
 pub mod perplexity;
+pub mod request;
 pub mod sampler;
+mod sequence;
 pub mod stop;
 
-pub use engine::{Engine, EngineConfig, FinishReason, GenerateOutput, GenerateParams};
-pub use sampler::{SamplingParams, Sampler};
+pub use engine::{Engine, EngineConfig, EngineStats, FinishReason, GenerateOutput, GenerateParams, SubmitError};
+pub use request::{Request, RequestOutput, SeqEvent};
+pub use sampler::{Sampler, SamplingParams};

@@ -65,7 +65,7 @@ fn kv_cache_exhaustion_is_an_error_not_a_panic() {
     let mut engine = common::engine(EngineConfig { kv_capacity_tokens: Some(32), ..Default::default() });
     let prompt: Vec<u32> = (0..40).map(|i| 1000 + i).collect();
     let err = engine.generate(&prompt, &GenerateParams::default(), &mut |_| {}).unwrap_err();
-    assert!(err.to_string().contains("KV cache is full"), "{err}");
+    assert!(err.to_string().contains("needs 4 KV blocks of 16 tokens but the cache has only 2"), "{err}");
     engine.check_invariants();
     assert_eq!(engine.kv_manager().pool().num_free_blocks(), 2, "blocks of the failed request were freed");
 }

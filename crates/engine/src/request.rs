@@ -1,0 +1,41 @@
+//! Requests as the scheduler sees them, and the events it sends back.
+
+use std::time::Instant;
+
+use crate::engine::{FinishReason, GenerateParams};
+
+/// What the engine reports about a request, in order: zero or more `Text`, then exactly
+/// one `Finished` or `Error`.
+#[derive(Debug, Clone)]
+pub enum SeqEvent {
+    /// Newly final text and the token ids that produced it (ids may arrive before their
+    /// text when a character spans tokens or a stop string might be starting).
+    Text { text: String, token_ids: Vec<u32> },
+    Finished(RequestOutput),
+    Error(String),
+}
+
+/// The sink for a request's events; returning `false` means the client went away and the
+/// request should be aborted (its blocks freed at the next step).
+pub type EventSink = Box<dyn FnMut(SeqEvent) -> bool + Send>;
+
+pub struct Request {
+    pub prompt_ids: Vec<u32>,
+    pub params: GenerateParams,
+    /// Mixed into prefix-cache hashes: requests with different salts never share blocks.
+    pub cache_salt: Option<String>,
+    pub sink: EventSink,
+}
+
+#[derive(Debug, Clone)]
+pub struct RequestOutput {
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+    pub cached_prompt_tokens: usize,
+    pub arrival: Instant,
+    pub first_token_at: Option<Instant>,
+    pub finished_at: Instant,
+    pub num_preemptions: usize,
+}

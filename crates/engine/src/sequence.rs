@@ -1,0 +1,125 @@
+//! Per-request state inside the scheduler: tokens, progress, sampling and text streaming.
+
+use std::time::Instant;
+
+use pk_kv::SeqId;
+use pk_tokenizer::{StreamDecoder, Tokenizer};
+
+use crate::engine::FinishReason;
+use crate::request::{Request, RequestOutput, SeqEvent};
+use crate::sampler::Sampler;
+use crate::stop::StopMatcher;
+
+pub(crate) struct SeqState {
+    pub req: Request,
+    /// Prefix-cache namespace (model, KV dtype, cache salt).
+    pub namespace: Vec<u8>,
+    /// The block table's id while admitted; `None` while waiting (also after preemption).
+    pub seq: Option<SeqId>,
+    /// Prompt followed by generated tokens; index = absolute position.
+    pub all_ids: Vec<u32>,
+    pub n_prompt: usize,
+    /// Tokens of `all_ids` whose K/V is in the cache.
+    pub num_computed: usize,
+    pub cached_prompt_tokens: usize,
+    pub preemptions: usize,
+    pub aborted: bool,
+    sampler: Sampler,
+    decoder: StreamDecoder,
+    stop: StopMatcher,
+    /// Generated ids not yet reported with a `Text` event.
+    unreported_ids: Vec<u32>,
+    arrival: Instant,
+    first_token_at: Option<Instant>,
+    finish_reason: Option<FinishReason>,
+}
+
+impl SeqState {
+    pub fn new(req: Request, namespace: Vec<u8>) -> SeqState {
+        let all_ids = req.prompt_ids.clone();
+        SeqState {
+            n_prompt: all_ids.len(),
+            sampler: Sampler::new(req.params.sampling.clone()),
+            stop: StopMatcher::new(&req.params.stop),
+            decoder: StreamDecoder::new(),
+            req,
+            namespace,
+            seq: None,
+            all_ids,
+            num_computed: 0,
+            cached_prompt_tokens: 0,
+            preemptions: 0,
+            aborted: false,
+            unreported_ids: Vec::new(),
+            arrival: Instant::now(),
+            first_token_at: None,
+            finish_reason: None,
+        }
+    }
+
+    /// More than one token to compute: a prompt (or, after preemption, a recompute).
+    pub fn is_prefilling(&self) -> bool {
+        self.all_ids.len() - self.num_computed > 1 || self.num_computed < self.n_prompt
+    }
+
+    /// Absolute (RoPE) position of `all_ids[i]`.
+    pub fn position_of(&self, i: usize) -> usize {
+        i
+    }
+
+    fn generated(&self) -> usize {
+        self.all_ids.len() - self.n_prompt
+    }
+
+    /// Samples the next token from `logits`, streams its text, and returns whether the
+    /// sequence is finished.
+    pub fn sample_and_emit(&mut self, logits: &[f32], tokenizer: &Tokenizer, context_length: usize) -> bool {
+        let id = self.sampler.sample(logits);
+        self.first_token_at.get_or_insert_with(Instant::now);
+        let params = &self.req.params;
+        if !params.ignore_eos && tokenizer.is_eog(id) {
+            self.finish_reason = Some(FinishReason::Stop);
+            return true;
+        }
+        self.all_ids.push(id);
+        self.unreported_ids.push(id);
+        let piece = self.decoder.push(tokenizer, id);
+        let (text, hit) = self.stop.push(&piece);
+        if !text.is_empty() || hit {
+            let ids = std::mem::take(&mut self.unreported_ids);
+            if !(self.req.sink)(SeqEvent::Text { text, token_ids: ids }) {
+                self.aborted = true;
+                return true;
+            }
+        }
+        if hit {
+            self.finish_reason = Some(FinishReason::Stop);
+            return true;
+        }
+        if self.generated() >= params.max_tokens || self.all_ids.len() >= context_length {
+            self.finish_reason = Some(FinishReason::Length);
+            return true;
+        }
+        false
+    }
+
+    /// The final result; flushes held-back text as a last `Text` event.
+    pub fn output(&mut self) -> RequestOutput {
+        let tail = self.stop.finish(&self.decoder.finish());
+        if !tail.is_empty() || !self.unreported_ids.is_empty() {
+            let ids = std::mem::take(&mut self.unreported_ids);
+            (self.req.sink)(SeqEvent::Text { text: tail, token_ids: ids });
+        }
+        RequestOutput {
+            token_ids: self.all_ids[self.n_prompt..].to_vec(),
+            text: self.stop.text().to_string(),
+            finish_reason: self.finish_reason.unwrap_or(FinishReason::Length),
+            prompt_tokens: self.n_prompt,
+            cached_prompt_tokens: self.cached_prompt_tokens,
+            arrival: self.arrival,
+            first_token_at: self.first_token_at,
+            finished_at: Instant::now(),
+            num_preemptions: self.preemptions,
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! Continuous batching: many requests in one engine give exactly the tokens each gets alone
+//! (every row's arithmetic is independent of the batch), including after preemption.
+
+mod common;
+
+use std::sync::mpsc;
+
+use pk_engine::{EngineConfig, GenerateParams, Request, SeqEvent};
+
+fn prompts(engine: &pk_engine::Engine) -> Vec<Vec<u32>> {
+    [
+        "The planets of the solar system, in order from the Sun, are",
+        "Mr. Phileas Fogg lived, in 1872, at No. 7, Saville Row",
+        "fn main() {\n    let numbers = vec![1, 2, 3];\n",
+        "Once upon a time, in a land far away, there lived a",
+        "The quick brown fox",
+    ]
+    .iter()
+    .map(|p| engine.tokenizer.encode(p, false))
+    .collect()
+}
+
+fn run_batched(config: EngineConfig, prompts: &[Vec<u32>], params: &GenerateParams) -> (Vec<Vec<u32>>, u64) {
+    let mut engine = common::engine(config);
+    let mut rxs = Vec::new();
+    for p in prompts {
+        let (tx, rx) = mpsc::channel();
+        engine
+            .submit(Request { prompt_ids: p.clone(), params: params.clone(), cache_salt: None, sink: Box::new(move |e| tx.send(e).is_ok()) })
+            .unwrap();
+        rxs.push(rx);
+    }
+    let mut max_running = 0;
+    while engine.has_work() {
+        engine.step();
+        max_running = max_running.max(engine.num_running());
+        engine.check_invariants();
+    }
+    assert!(max_running >= 2, "requests were not batched");
+    let outs = rxs
+        .iter()
+        .map(|rx| {
+            let mut ids = Vec::new();
+            for ev in rx.try_iter() {
+                match ev {
+                    SeqEvent::Text { token_ids, .. } => ids.extend(token_ids),
+                    SeqEvent::Finished(o) => assert_eq!(o.token_ids, ids),
+                    SeqEvent::Error(e) => panic!("{e}"),
+                }
+            }
+            ids
+        })
+        .collect();
+    assert_eq!(engine.kv_manager().pool().num_free_blocks(), engine.kv_manager().pool().num_blocks());
+    (outs, engine.stats.preemptions)
+}
+
+#[test]
+fn batched_equals_sequential_and_survives_preemption() {
+    let params = GenerateParams { max_tokens: 24, ignore_eos: true, ..Default::default() };
+    let mut single = common::engine(EngineConfig::default());
+    let ps = prompts(&single);
+    let alone: Vec<Vec<u32>> = ps.iter().map(|p| single.generate(p, &params, &mut |_| {}).unwrap().token_ids).collect();
+
+    let (batched, preemptions) = run_batched(EngineConfig::default(), &ps, &params);
+    assert_eq!(preemptions, 0);
+    assert_eq!(batched, alone);
+
+    // 12 blocks of 16 tokens cannot hold five sequences of ~40 tokens: preemption by
+    // recompute must kick in and still give the same tokens.
+    let tight = EngineConfig { kv_capacity_tokens: Some(12 * 16), ..Default::default() };
+    let (preempted, preemptions) = run_batched(tight, &ps, &params);
+    assert!(preemptions > 0, "expected preemptions with a tight KV cache");
+    assert_eq!(preempted, alone);
+}
+
+#[test]
+fn queue_limit_refuses_with_a_clear_error() {
+    let mut engine = common::engine(EngineConfig { max_waiting_requests: 1, ..Default::default() });
+    let mk = || Request { prompt_ids: vec![1, 2, 3], params: GenerateParams::default(), cache_salt: None, sink: Box::new(|_| true) };
+    engine.submit(mk()).unwrap();
+    let err = engine.submit(mk()).unwrap_err();
+    assert!(err.to_string().contains("queue is full"), "{err}");
+    let bad = Request { prompt_ids: vec![u32::MAX], params: GenerateParams::default(), cache_salt: None, sink: Box::new(|_| true) };
+    assert!(engine.submit(bad).is_err());
+}
