@@ -1,6 +1,7 @@
 //! The `pagekeeper` command line: a thin layer over `pk-engine`.
 
 mod commands;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -21,6 +22,8 @@ enum Command {
     Generate(commands::GenerateArgs),
     /// Perplexity of a text file, by llama.cpp's method.
     Perplexity(commands::PerplexityArgs),
+    /// OpenAI-compatible HTTP server with continuous batching and Prometheus metrics.
+    Serve(serve::ServeArgs),
 }
 
 fn main() {
@@ -36,6 +39,7 @@ fn main() {
         Command::Info(a) => commands::info(a),
         Command::Generate(a) => commands::generate(a),
         Command::Perplexity(a) => commands::perplexity(a),
+        Command::Serve(a) => serve::serve(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

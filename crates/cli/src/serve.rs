@@ -1,0 +1,80 @@
+//! `pagekeeper serve`: the OpenAI-compatible server.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use pk_engine::model_store::resolve_model;
+use pk_engine::{Engine, EngineConfig};
+use pk_model::KvDtype;
+use pk_server::{AppState, EngineHandle, ServerLimits};
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: crate::commands::ModelArgs,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Name clients use in the `model` field (default: the model file's stem).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// KV pool capacity in tokens (default: 4 × the model's context length).
+    #[arg(long)]
+    pub kv_capacity_tokens: Option<usize>,
+    /// Sequences decoding at once.
+    #[arg(long, default_value_t = 32)]
+    pub max_running_seqs: usize,
+    /// Requests waiting for admission before new ones get 429.
+    #[arg(long, default_value_t = 256)]
+    pub max_waiting_requests: usize,
+    /// Tokens per forward pass (prefill chunks + decode tokens).
+    #[arg(long, default_value_t = 512)]
+    pub max_batch_tokens: usize,
+    /// Prompt + completion tokens per request (default: the model's context length).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+}
+
+pub fn serve(a: ServeArgs) -> Result<()> {
+    let metrics = pk_server::install_metrics().context("installing the metrics recorder")?;
+    let path = resolve_model(a.model.model.as_deref(), true)?;
+    if let Some(n) = a.model.threads {
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring threads")?;
+    }
+    let kv_dtype = KvDtype::parse(&a.model.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?}", a.model.kv_dtype))?;
+    // Tokenizer and template load in milliseconds on this side; the weights load on the
+    // engine thread so that /health can say 503 meanwhile.
+    let gguf = pk_gguf::GgufFile::open(&path).with_context(|| format!("loading {}", path.display()))?;
+    let tokenizer = Arc::new(pk_tokenizer::Tokenizer::from_gguf(&gguf)?);
+    let chat_template = Arc::new(pk_tokenizer::ChatTemplate::from_gguf(&gguf)?);
+    let ctx = pk_model::ModelConfig::from_gguf(&gguf)?.context_length;
+    drop(gguf);
+    let model_name = a.served_model_name.clone().unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
+    let config = EngineConfig {
+        block_size_tokens: a.model.block_size,
+        kv_dtype,
+        kv_capacity_tokens: Some(a.kv_capacity_tokens.unwrap_or(4 * ctx)),
+        max_batch_tokens: a.max_batch_tokens,
+        max_running_seqs: a.max_running_seqs,
+        max_waiting_requests: a.max_waiting_requests,
+    };
+    let name = model_name.clone();
+    let engine = EngineHandle::spawn(move || Engine::load(&path, config).map(|mut e| {
+        e.model_name = name;
+        e
+    }));
+    let state = Arc::new(AppState {
+        engine,
+        tokenizer,
+        chat_template,
+        model_name,
+        limits: ServerLimits { max_request_body_bytes: 4 << 20, max_total_tokens: a.max_model_len.unwrap_or(ctx).min(ctx), max_messages: 1024 },
+        metrics,
+    });
+    let addr: SocketAddr = format!("{}:{}", a.host, a.port).parse().with_context(|| format!("bad --host/--port {}:{}", a.host, a.port))?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(pk_server::serve(state, addr))
+}

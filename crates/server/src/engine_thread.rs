@@ -1,0 +1,115 @@
+//! The engine loop: one OS thread owns the `Engine` and is fed by a bounded channel.
+//!
+//! No lock is ever taken around the KV cache: HTTP handlers only send commands and read
+//! per-request event channels. The loop blocks on the channel when idle and otherwise
+//! drains it between steps, so admission happens at step boundaries (continuous batching).
+//! Metrics are published from here after every step.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pk_engine::{Engine, EngineStats, Request, SubmitError};
+use tokio::sync::{mpsc, oneshot};
+
+pub enum Command {
+    Submit(Request, oneshot::Sender<Result<(), SubmitError>>),
+}
+
+/// Cloneable handle used by the HTTP side.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    pub ready: Arc<AtomicBool>,
+}
+
+/// Bound on commands in flight between the HTTP side and the engine thread.
+const COMMAND_QUEUE_LEN: usize = 1024;
+/// How often the throughput line is logged.
+const LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+impl EngineHandle {
+    /// Starts the engine thread; `load` runs on it (so /health can answer 503 meanwhile).
+    pub fn spawn(load: impl FnOnce() -> anyhow::Result<Engine> + Send + 'static) -> EngineHandle {
+        let (tx, rx) = mpsc::channel(COMMAND_QUEUE_LEN);
+        let ready = Arc::new(AtomicBool::new(false));
+        let r = ready.clone();
+        std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || match load() {
+                Ok(engine) => {
+                    r.store(true, Ordering::Release);
+                    run(engine, rx);
+                }
+                Err(e) => {
+                    tracing::error!("model loading failed: {e:#}");
+                    std::process::exit(1);
+                }
+            })
+            .expect("spawning the engine thread");
+        EngineHandle { tx, ready }
+    }
+
+    pub async fn submit(&self, req: Request) -> Result<(), SubmitError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.try_send(Command::Submit(req, reply)).map_err(|_| SubmitError::QueueFull(COMMAND_QUEUE_LEN))?;
+        rx.await.unwrap_or_else(|_| Err(SubmitError::Invalid("the engine stopped".into())))
+    }
+}
+
+fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
+    let model = engine.model_name.clone();
+    let mut published = EngineStats::default();
+    let mut last_log = Instant::now();
+    let mut logged = EngineStats::default();
+    loop {
+        if !engine.has_work() {
+            publish(&engine, &model, &mut published);
+            match rx.blocking_recv() {
+                Some(cmd) => handle(&mut engine, cmd),
+                None => return,
+            }
+        }
+        while let Ok(cmd) = rx.try_recv() {
+            handle(&mut engine, cmd);
+        }
+        engine.step();
+        publish(&engine, &model, &mut published);
+        if last_log.elapsed() >= LOG_INTERVAL {
+            let secs = last_log.elapsed().as_secs_f64();
+            tracing::info!(
+                "Avg prompt throughput: {:.1} tokens/s, Avg generation throughput: {:.1} tokens/s, Running: {} reqs, Waiting: {} reqs, KV cache usage: {:.1}%",
+                (engine.stats.prompt_tokens - logged.prompt_tokens) as f64 / secs,
+                (engine.stats.generation_tokens - logged.generation_tokens) as f64 / secs,
+                engine.num_running(),
+                engine.num_waiting(),
+                engine.kv_manager().usage() * 100.0
+            );
+            logged = engine.stats.clone();
+            last_log = Instant::now();
+        }
+    }
+}
+
+fn handle(engine: &mut Engine, cmd: Command) {
+    match cmd {
+        Command::Submit(req, reply) => {
+            let _ = reply.send(engine.submit(req));
+        }
+    }
+}
+
+/// Publishes gauges and the counters' increments since the last call.
+fn publish(engine: &Engine, model: &str, last: &mut EngineStats) {
+    let labels = [("model_name", model.to_string())];
+    metrics::gauge!("vllm:num_requests_running", &labels).set(engine.num_running() as f64);
+    metrics::gauge!("vllm:num_requests_waiting", &labels).set(engine.num_waiting() as f64);
+    metrics::gauge!("vllm:kv_cache_usage_perc", &labels).set(engine.kv_manager().usage());
+    let s = &engine.stats;
+    metrics::counter!("vllm:prompt_tokens", &labels).increment(s.prompt_tokens - last.prompt_tokens);
+    metrics::counter!("vllm:generation_tokens", &labels).increment(s.generation_tokens - last.generation_tokens);
+    metrics::counter!("vllm:num_preemptions", &labels).increment(s.preemptions - last.preemptions);
+    metrics::counter!("vllm:prefix_cache_queries", &labels).increment(s.prefix_queries_tokens - last.prefix_queries_tokens);
+    metrics::counter!("vllm:prefix_cache_hits", &labels).increment(s.prefix_hits_tokens - last.prefix_hits_tokens);
+    *last = s.clone();
+}

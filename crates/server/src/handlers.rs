@@ -1,0 +1,393 @@
+//! HTTP handlers: validation, tokenization, submission, and response shaping (JSON or SSE).
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::Stream;
+use pk_engine::{FinishReason, GenerateParams, Request, RequestOutput, SamplingParams, SeqEvent, SubmitError};
+use pk_tokenizer::ChatMessage;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::openai::{ChatRequest, CommonParams, CompletionRequest, ErrorBody, ErrorDetail, PromptField, Usage};
+use crate::AppState;
+
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    param: Option<&'static str>,
+}
+
+impl ApiError {
+    fn bad(message: impl Into<String>) -> ApiError {
+        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), param: None }
+    }
+    fn param(param: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), param: Some(param) }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = match self.status {
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
+            s if s.is_server_error() => "internal_error",
+            _ => "invalid_request_error",
+        };
+        let body = ErrorBody {
+            error: ErrorDetail { message: self.message, kind: kind.into(), param: self.param.map(String::from), code: Some(self.status.as_u16()) },
+        };
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(r: JsonRejection) -> ApiError {
+        // axum answers 422 for well-formed JSON of the wrong shape; OpenAI-compatible
+        // servers (vLLM, llama-server) answer 400 for every malformed body.
+        let status = match r.status() {
+            StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNSUPPORTED_MEDIA_TYPE => r.status(),
+            _ => StatusCode::BAD_REQUEST,
+        };
+        ApiError { status, message: format!("malformed request body: {}", r.body_text()), param: None }
+    }
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn new_id(prefix: &str) -> String {
+    format!("{prefix}-{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>())
+}
+
+fn finish_str(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+fn check_ready(state: &AppState) -> Result<(), ApiError> {
+    if !state.engine.ready.load(Ordering::Acquire) {
+        return Err(ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: "the model is still loading".into(), param: None });
+    }
+    Ok(())
+}
+
+/// Turns the shared request fields into engine parameters, validating every one.
+fn generate_params(c: &CommonParams, prompt_tokens: usize, default_max_tokens: Option<usize>, state: &AppState) -> Result<GenerateParams, ApiError> {
+    if let Some(m) = &c.model {
+        if m != &state.model_name {
+            return Err(ApiError { status: StatusCode::NOT_FOUND, message: format!("the model `{m}` does not exist; this server serves `{}`", state.model_name), param: Some("model") });
+        }
+    }
+    if let Some(n) = c.n {
+        if n != 1 {
+            return Err(ApiError::param("n", format!("only n = 1 is supported, got {n}")));
+        }
+    }
+    if let Some(p) = &c.kv_policy {
+        if p != "full" {
+            return Err(ApiError::param("kv_policy", format!("unknown or unsupported kv_policy {p:?}; supported: \"full\"")));
+        }
+    }
+    if let Some(b) = c.kv_budget {
+        if b <= 0 {
+            return Err(ApiError::param("kv_budget", format!("kv_budget must be a positive number of tokens, got {b}")));
+        }
+    }
+    let limit = state.limits.max_total_tokens;
+    if prompt_tokens >= limit {
+        return Err(ApiError::param("messages", format!("This model's maximum context length is {limit} tokens. However, your prompt has {prompt_tokens} tokens.")));
+    }
+    let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
+        Some(m) if m < 1 => return Err(ApiError::param("max_tokens", format!("max_tokens must be at least 1, got {m}"))),
+        Some(m) => m as usize,
+        None => default_max_tokens.unwrap_or(limit - prompt_tokens),
+    };
+    if prompt_tokens + max_tokens > limit {
+        return Err(ApiError::param(
+            "max_tokens",
+            format!("This model's maximum context length is {limit} tokens. However, you requested {} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion).", prompt_tokens + max_tokens),
+        ));
+    }
+    let sampling = SamplingParams {
+        temperature: c.temperature.unwrap_or(1.0),
+        top_k: match c.top_k {
+            None | Some(-1) => 0,
+            Some(k) if k < 0 => return Err(ApiError::param("top_k", format!("top_k must be -1 or >= 0, got {k}"))),
+            Some(k) => k as usize,
+        },
+        top_p: c.top_p.unwrap_or(1.0),
+        seed: c.seed.map(|s| s as u64),
+    };
+    sampling.validate().map_err(|m| ApiError::param("temperature", m))?;
+    let stop = c.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
+    if stop.len() > 16 {
+        return Err(ApiError::param("stop", "at most 16 stop strings are supported"));
+    }
+    Ok(GenerateParams { sampling, max_tokens, stop, ignore_eos: c.ignore_eos })
+}
+
+struct Submitted {
+    rx: mpsc::UnboundedReceiver<SeqEvent>,
+    prompt_tokens: usize,
+}
+
+async fn submit(state: &AppState, prompt_ids: Vec<u32>, params: GenerateParams, cache_salt: Option<String>) -> Result<Submitted, ApiError> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let prompt_tokens = prompt_ids.len();
+    let req = Request { prompt_ids, params, cache_salt, sink: Box::new(move |e| tx.send(e).is_ok()) };
+    state.engine.submit(req).await.map_err(|e| match e {
+        SubmitError::QueueFull(_) => ApiError { status: StatusCode::TOO_MANY_REQUESTS, message: e.to_string(), param: None },
+        SubmitError::Invalid(m) => ApiError::bad(m),
+    })?;
+    Ok(Submitted { rx, prompt_tokens })
+}
+
+fn record_latencies(model: &str, o: &RequestOutput) {
+    let labels = [("model_name", model.to_string())];
+    let first = o.first_token_at.unwrap_or(o.finished_at);
+    metrics::histogram!("vllm:time_to_first_token_seconds", &labels).record(first.duration_since(o.arrival).as_secs_f64());
+    metrics::histogram!("vllm:e2e_request_latency_seconds", &labels).record(o.finished_at.duration_since(o.arrival).as_secs_f64());
+    if o.token_ids.len() > 1 {
+        let itl = o.finished_at.duration_since(first).as_secs_f64() / (o.token_ids.len() - 1) as f64;
+        metrics::histogram!("vllm:inter_token_latency_seconds", &labels).record(itl);
+    }
+}
+
+/// Waits for a request's result (non-streaming responses).
+async fn collect(mut s: Submitted, model: &str) -> Result<RequestOutput, ApiError> {
+    while let Some(ev) = s.rx.recv().await {
+        match ev {
+            SeqEvent::Text { .. } => {}
+            SeqEvent::Finished(o) => {
+                record_latencies(model, &o);
+                return Ok(o);
+            }
+            SeqEvent::Error(m) => return Err(ApiError::bad(m)),
+        }
+    }
+    Err(ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: "the engine dropped the request".into(), param: None })
+}
+
+/// What differs between the two endpoints' stream chunks.
+#[derive(Clone, Copy)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+fn chunk(kind: Kind, id: &str, created: u64, model: &str, text: Option<&str>, finish: Option<&str>, first: bool) -> Value {
+    match kind {
+        Kind::Completion => json!({
+            "id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}],
+        }),
+        Kind::Chat => {
+            let mut delta = serde_json::Map::new();
+            if first {
+                delta.insert("role".into(), json!("assistant"));
+            }
+            if let Some(t) = text {
+                delta.insert("content".into(), json!(t));
+            }
+            json!({
+                "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+            })
+        }
+    }
+}
+
+fn stream_response(kind: Kind, s: Submitted, model: String, include_usage: bool) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let id = new_id(match kind {
+        Kind::Completion => "cmpl",
+        Kind::Chat => "chatcmpl",
+    });
+    let created = now_unix();
+    let prompt_tokens = s.prompt_tokens;
+    let mut rx = s.rx;
+    let stream = async_stream(move |yield_| async move {
+        let mut first = true;
+        if let Kind::Chat = kind {
+            yield_(Event::default().data(chunk(kind, &id, created, &model, Some(""), None, true).to_string())).await;
+            first = false;
+        }
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                SeqEvent::Text { text, .. } => {
+                    if !text.is_empty() {
+                        yield_(Event::default().data(chunk(kind, &id, created, &model, Some(&text), None, first).to_string())).await;
+                        first = false;
+                    }
+                }
+                SeqEvent::Finished(o) => {
+                    record_latencies(&model, &o);
+                    let fin = finish_str(o.finish_reason);
+                    let text = match kind {
+                        Kind::Completion => Some(""),
+                        Kind::Chat => None,
+                    };
+                    yield_(Event::default().data(chunk(kind, &id, created, &model, text, Some(fin), first).to_string())).await;
+                    if include_usage {
+                        let obj = match kind {
+                            Kind::Completion => "text_completion",
+                            Kind::Chat => "chat.completion.chunk",
+                        };
+                        let usage = Usage::new(prompt_tokens, o.token_ids.len(), o.cached_prompt_tokens);
+                        let v = json!({"id": id, "object": obj, "created": created, "model": model, "choices": [], "usage": usage});
+                        yield_(Event::default().data(v.to_string())).await;
+                    }
+                    break;
+                }
+                SeqEvent::Error(m) => {
+                    let v = json!({"error": {"message": m, "type": "invalid_request_error", "param": null, "code": 400}});
+                    yield_(Event::default().data(v.to_string())).await;
+                    break;
+                }
+            }
+        }
+        yield_(Event::default().data("[DONE]")).await;
+    });
+    Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+/// A tiny generator: runs `f` with a callback that feeds a channel-backed stream, so the
+/// SSE body can be written as straight-line async code without another dependency.
+fn async_stream<F, Fut>(f: F) -> impl Stream<Item = Result<Event, Infallible>>
+where
+    F: FnOnce(Box<dyn Fn(Event) -> futures::future::BoxFuture<'static, ()> + Send + Sync>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    // Bounded: a slow client applies back-pressure instead of buffering without limit.
+    let (tx, rx) = mpsc::channel::<Event>(64);
+    let send: Box<dyn Fn(Event) -> futures::future::BoxFuture<'static, ()> + Send + Sync> = Box::new(move |e| {
+        let tx = tx.clone();
+        Box::pin(async move {
+            let _ = tx.send(e).await;
+        })
+    });
+    tokio::spawn(f(send));
+    tokio_stream::wrappers::ReceiverStream::new(rx).map_ok()
+}
+
+trait MapOk: Stream<Item = Event> + Sized {
+    fn map_ok(self) -> futures::stream::Map<Self, fn(Event) -> Result<Event, Infallible>> {
+        futures::StreamExt::map(self, Ok as fn(Event) -> Result<Event, Infallible>)
+    }
+}
+impl<S: Stream<Item = Event>> MapOk for S {}
+
+pub async fn completions(State(state): State<Arc<AppState>>, body: Result<Json<CompletionRequest>, JsonRejection>) -> Result<Response, ApiError> {
+    check_ready(&state)?;
+    let Json(req) = body?;
+    if req.echo {
+        return Err(ApiError::param("echo", "echo is not supported"));
+    }
+    let prompt_ids = match &req.prompt {
+        PromptField::Text(t) => state.tokenizer.encode(t, true),
+        PromptField::Tokens(ids) => ids.clone(),
+        PromptField::TextBatch(v) if v.len() == 1 => state.tokenizer.encode(&v[0], true),
+        PromptField::TextBatch(_) => return Err(ApiError::param("prompt", "only one prompt per request is supported")),
+    };
+    if prompt_ids.is_empty() {
+        return Err(ApiError::param("prompt", "the prompt is empty"));
+    }
+    let params = generate_params(&req.common, prompt_ids.len(), Some(16), &state)?;
+    let include_usage = req.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let s = submit(&state, prompt_ids, params, req.common.cache_salt.clone()).await?;
+    if req.common.stream {
+        return Ok(stream_response(Kind::Completion, s, state.model_name.clone(), include_usage).into_response());
+    }
+    let prompt_tokens = s.prompt_tokens;
+    let o = collect(s, &state.model_name).await?;
+    Ok(Json(json!({
+        "id": new_id("cmpl"), "object": "text_completion", "created": now_unix(), "model": state.model_name,
+        "choices": [{"index": 0, "text": o.text, "logprobs": null, "finish_reason": finish_str(o.finish_reason)}],
+        "usage": Usage::new(prompt_tokens, o.token_ids.len(), o.cached_prompt_tokens),
+    }))
+    .into_response())
+}
+
+fn message_text(content: &Option<Value>) -> Result<String, ApiError> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut out = String::new();
+            for p in parts {
+                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => out.push_str(t),
+                    _ => return Err(ApiError::param("messages", "only text content parts are supported")),
+                }
+            }
+            Ok(out)
+        }
+        Some(_) => Err(ApiError::param("messages", "message content must be a string or a list of text parts")),
+    }
+}
+
+pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Result<Json<ChatRequest>, JsonRejection>) -> Result<Response, ApiError> {
+    check_ready(&state)?;
+    let Json(req) = body?;
+    if req.messages.is_empty() {
+        return Err(ApiError::param("messages", "messages must not be empty"));
+    }
+    if req.messages.len() > state.limits.max_messages {
+        return Err(ApiError::param("messages", format!("at most {} messages are supported", state.limits.max_messages)));
+    }
+    let mut msgs = Vec::with_capacity(req.messages.len());
+    for m in &req.messages {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {
+            return Err(ApiError::param("messages", format!("unsupported role {:?}", m.role)));
+        }
+        let role = if m.role == "developer" { "system" } else { m.role.as_str() };
+        msgs.push(ChatMessage::new(role, &message_text(&m.content)?));
+    }
+    let prompt = state.chat_template.render(&msgs, true).map_err(|e| ApiError::param("messages", format!("chat template failed: {e}")))?;
+    let prompt_ids = state.tokenizer.encode(&prompt, true);
+    let params = generate_params(&req.common, prompt_ids.len(), None, &state)?;
+    let include_usage = req.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let s = submit(&state, prompt_ids, params, req.common.cache_salt.clone()).await?;
+    if req.common.stream {
+        return Ok(stream_response(Kind::Chat, s, state.model_name.clone(), include_usage).into_response());
+    }
+    let prompt_tokens = s.prompt_tokens;
+    let o = collect(s, &state.model_name).await?;
+    Ok(Json(json!({
+        "id": new_id("chatcmpl"), "object": "chat.completion", "created": now_unix(), "model": state.model_name,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text}, "logprobs": null, "finish_reason": finish_str(o.finish_reason)}],
+        "usage": Usage::new(prompt_tokens, o.token_ids.len(), o.cached_prompt_tokens),
+    }))
+    .into_response())
+}
+
+pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{"id": state.model_name, "object": "model", "created": now_unix(), "owned_by": "pagekeeper", "max_model_len": state.limits.max_total_tokens}],
+    }))
+}
+
+pub async fn health(State(state): State<Arc<AppState>>) -> Response {
+    if state.engine.ready.load(Ordering::Acquire) {
+        (StatusCode::OK, "ok").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "loading").into_response()
+    }
+}
+
+pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    ([("content-type", "text/plain; version=0.0.4")], state.metrics.render()).into_response()
+}

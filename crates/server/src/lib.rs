@@ -1,0 +1,69 @@
+//! `pk-server`: the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`,
+//! `/v1/models`, `/health`, `/metrics`) over one engine thread, with SSE streaming.
+//!
+//! Handlers tokenize and validate on the async side, then hand a `Request` to the engine
+//! thread and read its events from a per-request channel. A client that disconnects
+//! drops its receiver; the engine notices on the next event and frees the sequence.
+
+mod engine_thread;
+mod handlers;
+pub mod openai;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use pk_tokenizer::{ChatTemplate, Tokenizer};
+
+pub use engine_thread::EngineHandle;
+
+/// Limits applied before a request reaches the engine.
+#[derive(Debug, Clone)]
+pub struct ServerLimits {
+    pub max_request_body_bytes: usize,
+    /// Prompt + completion tokens per request (default: the model's context length).
+    pub max_total_tokens: usize,
+    /// Messages per chat request.
+    pub max_messages: usize,
+}
+
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<Tokenizer>,
+    pub chat_template: Arc<ChatTemplate>,
+    pub model_name: String,
+    pub limits: ServerLimits,
+    pub metrics: PrometheusHandle,
+}
+
+/// Installs the global Prometheus recorder (once per process).
+pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
+    const LATENCY_BUCKETS_S: &[f64] = &[0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+    Ok(PrometheusBuilder::new().set_buckets(LATENCY_BUCKETS_S)?.install_recorder()?)
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let body_limit = state.limits.max_request_body_bytes;
+    Router::new()
+        .route("/v1/completions", post(handlers::completions))
+        .route("/v1/chat/completions", post(handlers::chat_completions))
+        .route("/v1/models", get(handlers::models))
+        .route("/health", get(handlers::health))
+        .route("/metrics", get(handlers::metrics))
+        .layer(DefaultBodyLimit::max(body_limit))
+        .with_state(state)
+}
+
+pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!("listening on http://{}", listener.local_addr()?);
+    eprintln!("pagekeeper: serving {} on http://{}", state.model_name, listener.local_addr()?);
+    axum::serve(listener, router(state)).with_graceful_shutdown(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+    .await?;
+    Ok(())
+}

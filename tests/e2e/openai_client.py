@@ -1,0 +1,115 @@
+"""End-to-end test of `pagekeeper serve` with the official `openai` Python client.
+
+Run by crates/cli/tests/server_e2e.rs against a live server: python3 openai_client.py BASE_URL
+Every check is an assert; the process exits non-zero on the first failure.
+"""
+import concurrent.futures
+import json
+import sys
+import urllib.error
+import urllib.request
+
+import openai
+
+base = sys.argv[1]
+client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+models = client.models.list()
+model = models.data[0].id
+assert len(models.data) == 1 and model, models
+
+# Chat, non-streaming, greedy.
+chat = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=12, temperature=0
+)
+assert chat.object == "chat.completion"
+assert chat.choices[0].message.role == "assistant"
+assert chat.choices[0].message.content, chat
+assert chat.choices[0].finish_reason in ("stop", "length")
+assert chat.usage.prompt_tokens == 37, chat.usage  # the golden chat_capital prompt has 37 tokens
+assert chat.usage.completion_tokens <= 12
+
+# Chat streaming must give the same text as non-streaming (greedy), ending in [DONE].
+pieces, finish, usage = [], None, None
+stream = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "What is the capital of France?"}],
+    max_tokens=12,
+    temperature=0,
+    stream=True,
+    stream_options={"include_usage": True},
+)
+for ch in stream:
+    if ch.usage is not None:
+        usage = ch.usage
+    for c in ch.choices:
+        if c.delta.content:
+            pieces.append(c.delta.content)
+        if c.finish_reason:
+            finish = c.finish_reason
+assert "".join(pieces) == chat.choices[0].message.content, (pieces, chat.choices[0].message.content)
+assert finish == chat.choices[0].finish_reason
+# The second identical request reuses the first one's full blocks (37 tokens -> 2 blocks of 16).
+assert usage is not None and usage.prompt_tokens_details.cached_tokens == 32, usage
+
+# Completions with a stop string.
+comp = client.completions.create(model=model, prompt="The planets of the solar system, in order from the Sun, are", max_tokens=32, temperature=0, stop=["\n"])
+assert comp.object == "text_completion"
+assert "\n" not in comp.choices[0].text
+assert comp.usage.prompt_tokens > 0
+
+# Streaming completions.
+text = "".join(c.choices[0].text for c in client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True) if c.choices)
+assert len(text) > 0
+
+# pagekeeper extensions pass through extra_body; cache_salt separates prefix caches.
+salted = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=2, temperature=0,
+    extra_body={"cache_salt": "tenant-a", "kv_policy": "full"},
+)
+assert salted.usage.prompt_tokens_details.cached_tokens == 0, salted.usage
+
+# Concurrent requests are batched and all complete.
+def one(i):
+    r = client.completions.create(model=model, prompt=f"Number {i} is", max_tokens=8, temperature=0)
+    return r.usage.completion_tokens
+with concurrent.futures.ThreadPoolExecutor(8) as ex:
+    counts = list(ex.map(one, range(8)))
+assert all(0 < c <= 8 for c in counts), counts
+
+# Bad input: clear 4xx errors with messages.
+for kwargs, needle in [
+    (dict(max_tokens=10**6), "maximum context length"),
+    (dict(temperature=-1), "temperature"),
+    (dict(extra_body={"kv_policy": "nonsense"}), "kv_policy"),
+]:
+    try:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], **{"max_tokens": 4, **kwargs})
+        raise AssertionError(f"expected an error for {kwargs}")
+    except openai.BadRequestError as e:
+        assert needle in str(e), (needle, str(e))
+try:
+    client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    raise AssertionError("expected 404")
+except openai.NotFoundError:
+    pass
+
+# Malformed JSON body -> 400 with an OpenAI error object.
+req = urllib.request.Request(base + "/v1/completions", data=b'{"prompt": ', headers={"content-type": "application/json"})
+try:
+    urllib.request.urlopen(req)
+    raise AssertionError("expected 400")
+except urllib.error.HTTPError as e:
+    assert e.code == 400, e.code
+    assert "message" in json.loads(e.read())["error"]
+
+# Metrics with vLLM's names and a model_name label.
+metrics = urllib.request.urlopen(base + "/metrics").read().decode()
+for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries",
+             "vllm:prefix_cache_hits", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:num_preemptions",
+             "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:inter_token_latency_seconds"]:
+    assert name in metrics, name
+hits = [l for l in metrics.splitlines() if l.startswith("vllm:prefix_cache_hits{")]
+assert hits and float(hits[0].split()[-1]) >= 32, hits
+assert f'model_name="{model}"' in metrics
+print("openai client e2e: all checks passed")
