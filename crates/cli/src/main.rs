@@ -1,5 +1,6 @@
 //! The `pagekeeper` command line: a thin layer over `pk-engine`.
 
+mod bench;
 mod commands;
 mod serve;
 
@@ -22,6 +23,9 @@ enum Command {
     Generate(commands::GenerateArgs),
     /// Perplexity of a text file, by llama.cpp's method.
     Perplexity(commands::PerplexityArgs),
+    /// Benchmarks (speed); results go to BENCHMARKS.md.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
     /// OpenAI-compatible HTTP server with continuous batching and Prometheus metrics.
     Serve(serve::ServeArgs),
 }
@@ -40,6 +44,7 @@ fn main() {
         Command::Generate(a) => commands::generate(a),
         Command::Perplexity(a) => commands::perplexity(a),
         Command::Serve(a) => serve::serve(a),
+        Command::Bench(c) => bench::run(c),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

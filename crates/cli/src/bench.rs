@@ -1,0 +1,146 @@
+//! `pagekeeper bench perf`: prefill and decode speed versus context length, KV bytes and
+//! peak RSS, on a real GGUF or on random weights of a real model's shape.
+
+use std::io::Write;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use pk_engine::{Engine, EngineConfig, GenerateParams};
+use pk_model::{KvDtype, Llama, ModelConfig};
+use rand::{Rng, SeedableRng};
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Prefill and decode speed per context length.
+    Perf(PerfArgs),
+}
+
+#[derive(Args)]
+pub struct PerfArgs {
+    #[command(flatten)]
+    pub model: crate::commands::ModelArgs,
+    /// Random weights of a real shape instead of a file: smollm2-135m, llama-3.2-1b, llama-3.1-8b.
+    #[arg(long)]
+    pub dummy: Option<String>,
+    /// Weight format of --dummy models (Q4_1, Q8_0, Q4_0, F16, …).
+    #[arg(long, default_value = "Q4_1")]
+    pub dummy_type: String,
+    /// Prompt lengths to measure, comma-separated.
+    #[arg(long, default_value = "512,2048", value_delimiter = ',')]
+    pub contexts: Vec<usize>,
+    #[arg(long, default_value_t = 128)]
+    pub decode_tokens: usize,
+    /// Print one JSON object on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(cmd: BenchCommand) -> Result<()> {
+    match cmd {
+        BenchCommand::Perf(a) => perf(a),
+    }
+}
+
+/// Peak resident set size of this process (Linux `VmHWM`), in bytes.
+fn peak_rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn dummy_type(name: &str) -> Result<pk_gguf::GgmlType> {
+    use pk_gguf::GgmlType::*;
+    Ok(match name.to_ascii_uppercase().as_str() {
+        "Q4_1" => Q4_1,
+        "Q4_0" => Q4_0,
+        "Q5_0" => Q5_0,
+        "Q8_0" => Q8_0,
+        "F16" => F16,
+        "BF16" => BF16,
+        "F32" => F32,
+        other => bail!("unsupported --dummy-type {other}"),
+    })
+}
+
+fn build_engine(a: &PerfArgs, capacity_tokens: usize) -> Result<Engine> {
+    let max_ctx = capacity_tokens;
+    let Some(name) = &a.dummy else {
+        return a.model.engine(Some(max_ctx));
+    };
+    if let Some(n) = a.model.threads {
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring threads")?;
+    }
+    let cfg = ModelConfig::dummy(name).with_context(|| format!("unknown --dummy {name:?} (smollm2-135m, llama-3.2-1b, llama-3.1-8b)"))?;
+    let weights = pk_model::weights::Weights::random(&cfg, dummy_type(&a.dummy_type)?, 1);
+    // The tokenizer only decodes generated ids for streaming; the default model's serves.
+    let gguf = pk_gguf::GgufFile::open(pk_engine::model_store::resolve_model(None, true)?)?;
+    let tokenizer = pk_tokenizer::Tokenizer::from_gguf(&gguf)?;
+    let template = pk_tokenizer::ChatTemplate::from_gguf(&gguf)?;
+    let kv_dtype = KvDtype::parse(&a.model.kv_dtype).context("bad --kv-dtype")?;
+    let config = EngineConfig { block_size_tokens: a.model.block_size, kv_dtype, kv_capacity_tokens: Some(max_ctx), ..Default::default() };
+    Engine::new(Llama::new(cfg, weights), tokenizer, template, config, &format!("dummy-{name}"))
+}
+
+pub fn perf(a: PerfArgs) -> Result<()> {
+    if a.contexts.is_empty() || a.contexts.contains(&0) {
+        bail!("--contexts needs positive lengths");
+    }
+    let max_ctx = *a.contexts.iter().max().expect("non-empty");
+    let mut engine = build_engine(&a, max_ctx + a.decode_tokens + 64)?;
+    let model_ctx = engine.model.config.context_length;
+    if max_ctx + a.decode_tokens > model_ctx {
+        bail!("context {max_ctx} + {} decode tokens exceeds the model's context {model_ctx}", a.decode_tokens);
+    }
+    let vocab = engine.model.config.vocab_size as u32;
+    let kv_bytes_per_token = engine.kv_store().geometry.bytes_per_token(engine.kv_store().dtype);
+    let threads = rayon::current_num_threads();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+    let mut runs = Vec::new();
+    if !a.json {
+        eprintln!("model {} | threads {threads} | block {} | kv {:?}", engine.model_name, a.model.block_size, engine.kv_store().dtype);
+        println!("{:>8} {:>12} {:>8} {:>12} {:>12} {:>12}", "context", "prefill t/s", "decode", "decode t/s", "KV MiB", "peak RSS MiB");
+    }
+    for &ctx in &a.contexts {
+        // Random ids avoid prefix-cache hits between runs; ids 1000.. skip special tokens.
+        let prompt: Vec<u32> = (0..ctx).map(|_| rng.gen_range(1000..vocab)).collect();
+        let params = GenerateParams { max_tokens: a.decode_tokens, ignore_eos: true, ..Default::default() };
+        let out = engine.generate(&prompt, &params, &mut |_| {})?;
+        let decoded = out.token_ids.len().saturating_sub(1);
+        let run = serde_json::json!({
+            "context_tokens": ctx,
+            "prefill_tok_s": ctx as f64 / out.prefill_seconds,
+            "decode_tokens": out.token_ids.len(),
+            "decode_tok_s": decoded as f64 / out.decode_seconds.max(1e-9),
+            "kv_bytes": (ctx + out.token_ids.len()) * kv_bytes_per_token,
+            "peak_rss_bytes": peak_rss_bytes(),
+        });
+        if !a.json {
+            println!(
+                "{:>8} {:>12.1} {:>8} {:>12.1} {:>12.1} {:>12.1}",
+                ctx,
+                run["prefill_tok_s"].as_f64().unwrap(),
+                out.token_ids.len(),
+                run["decode_tok_s"].as_f64().unwrap(),
+                run["kv_bytes"].as_f64().unwrap() / (1 << 20) as f64,
+                run["peak_rss_bytes"].as_f64().unwrap() / (1 << 20) as f64
+            );
+            let _ = std::io::stdout().flush();
+        }
+        runs.push(run);
+    }
+    if a.json {
+        let v = serde_json::json!({
+            "model": engine.model_name,
+            "threads": threads,
+            "kv_policy": "full",
+            "kv_budget": null,
+            "runs": runs,
+        });
+        println!("{v}");
+    }
+    Ok(())
+}
