@@ -15,8 +15,11 @@
 //! - `hash`: chained BLAKE3 block hashes.
 //! - `free_queue` (private): intrusive LRU list of free blocks.
 //! - `pool`: `BlockPool` — ref counts, free queue, prefix-cache index.
-//! - `table`: `BlockTable` — one sequence's blocks, token addressing, eviction, fork.
+//! - `table`: `BlockTable` — one sequence's blocks, token addressing, eviction, fork;
+//!   `table/compact.rs`: prefill compaction and truncation (`TokenMove`).
 //! - `manager`: `KvCacheManager` — the facade the scheduler uses.
+//! - `policy`: eviction policies (`EvictionPolicy`, `PolicySpec`): PagedEviction and the
+//!   baselines, reading K/V through the `KvView`/`QueryView` traits, never tensors.
 //!
 //! Invariants. `B` is `block_size_tokens`. Each is checked by a `check_invariants`.
 //!
@@ -52,7 +55,8 @@
 //! `num_stored_tokens` and equal until a block is removed; new tokens get `next_position`
 //! as their RoPE position, so positions are never reused after eviction. After its first
 //! eviction a sequence adds no more blocks to the prefix cache: their K/V was computed over
-//! a pruned context and their table index is no longer their logical block index.
+//! a pruned context and their table index is no longer their logical block index. Prefill
+//! pruning (`compact`, `truncate`) that drops tokens has the same effect.
 //!
 //! NOTE 8: The manager is the only holder of pool references: each block's ref count equals
 //! the number of table entries that list it. A sequence that is freed returns every block
@@ -61,16 +65,32 @@
 //! NOTE 9: Limits. `num_blocks <= u32::MAX - 2` (two sentinel indices follow the blocks)
 //! and `num_blocks * B <= u32::MAX`, so every token count in this crate fits a `u32`.
 //! Positions are `u64`.
+//!
+//! NOTE 10: Pruning never writes a block another table or the prefix cache can read.
+//! Compaction moves kept tokens left (`keep[j] >= j`, so ascending copies are safe in
+//! place) and gives any destination block that is shared or cached, and a new partial last
+//! block, a private copy first. So shared and cached blocks stay immutable (NOTE 3).
+//!
+//! NOTE 11: An eviction policy holds one entry per full block of its sequence's table, in
+//! table order (`num_scored_blocks() == num_full_blocks()`): set at prefill for the kept
+//! layout, pushed when a block fills, removed at the same index as `remove_block`. A block
+//! is scored once, so decode costs one block score per B tokens plus a minimum over at
+//! most budget / B blocks. Policies never name block 0 (sinks) or the newest full block.
 
 pub mod block;
 mod free_queue;
 pub mod hash;
 pub mod manager;
+pub mod policy;
 pub mod pool;
 pub mod table;
 
 pub use block::{BlockHash, BlockId};
 pub use hash::{hash_block, hash_prefix_blocks};
 pub use manager::{CachedPrefix, KvCacheManager, NewSlots, SeqId};
+pub use policy::{
+    validate_budget, DenseKv, DenseQueries, EvictionPolicy, KvView, PagedScore, PolicyError,
+    PolicySpec, QueryNeed, QueryView,
+};
 pub use pool::BlockPool;
-pub use table::{AppendedTokens, BlockCopy, BlockTable, Slot};
+pub use table::{AppendedTokens, BlockCopy, BlockTable, Slot, TokenMove};

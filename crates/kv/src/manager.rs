@@ -13,13 +13,17 @@
 //! 3. `allocate_slots(seq, n)` for the tokens to compute; write their K/V into the slots.
 //! 4. `cache_full_blocks(seq, tokens)` once the K/V of newly completed blocks is written.
 //! 5. Repeat 3–4 per decode step; `free(seq)` when done.
+//!
+//! With an eviction policy (`crate::policy`), after the prompt's K/V is written and its
+//! exact attention has run: `compact(seq, &keep)` and perform the returned moves; during
+//! decode, `remove_block(seq, index)` whenever the policy names a victim.
 
 use std::collections::BTreeMap;
 
 use crate::block::{BlockHash, BlockId};
 use crate::hash::hash_block;
 use crate::pool::BlockPool;
-use crate::table::{BlockCopy, BlockTable, Slot};
+use crate::table::{BlockCopy, BlockTable, Slot, TokenMove};
 
 /// Identifies one sequence (one request, or one branch of a forked request).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
@@ -68,7 +72,8 @@ struct SeqState {
     /// another block already registered still extends the chain.
     block_hashes: Vec<BlockHash>,
     extra: Vec<u8>,
-    /// Cleared by the first `remove_block`. From then on, new blocks hold K/V computed
+    /// Cleared by the first `remove_block`, or by a `compact`/`truncate` that drops
+    /// tokens. From then on, new blocks hold K/V computed
     /// over a pruned context and sit at table indices that no longer equal their logical
     /// block index, so they must never be found by a full-context prefix lookup.
     prefix_cacheable: bool,
@@ -264,9 +269,54 @@ impl KvCacheManager {
     pub fn remove_block(&mut self, seq: SeqId, index: usize) -> BlockId {
         let state = Self::state_mut(&mut self.seqs, seq, "remove_block");
         let block_id = state.table.remove_block(index, &mut self.pool);
+        Self::stop_prefix_caching(state);
+        block_id
+    }
+
+    /// Keeps only the stored tokens listed in `keep` (strictly increasing stored indices),
+    /// densely and in order: prefill pruning. Returns the K/V copies the caller must make,
+    /// in order, before anything else allocates from the pool (see `TokenMove`). Blocks
+    /// shared with other sequences or held in the prefix cache are never written: they
+    /// get private copies. If tokens were dropped, the sequence stops adding blocks to the
+    /// prefix cache (NOTE 7). Positions do not change.
+    ///
+    /// `None`: no free block for a copy-on-write; nothing changed.
+    ///
+    /// Panics if `seq` does not exist or `keep` is not strictly increasing stored indices.
+    #[must_use = "allocation can fail, and the returned moves must be performed"]
+    pub fn compact(&mut self, seq: SeqId, keep: &[u32]) -> Option<Vec<TokenMove>> {
+        let state = Self::state_mut(&mut self.seqs, seq, "compact");
+        let num_stored_tokens = state.table.num_stored_tokens();
+        let moves = state.table.compact(keep, &mut self.pool)?;
+        if (keep.len() as u32) < num_stored_tokens {
+            Self::stop_prefix_caching(state);
+        }
+        Some(moves)
+    }
+
+    /// Keeps the first `new_num_stored_tokens` tokens of `seq` and frees the blocks past
+    /// them (see `BlockTable::truncate`; usually no moves). If tokens were dropped, the
+    /// sequence stops adding blocks to the prefix cache. Positions do not change.
+    ///
+    /// `None`: no free block for a copy-on-write of a shared partial block; nothing changed.
+    ///
+    /// Panics if `seq` does not exist or stores fewer tokens.
+    #[must_use = "allocation can fail, and the returned moves must be performed"]
+    pub fn truncate(&mut self, seq: SeqId, new_num_stored_tokens: u32) -> Option<Vec<TokenMove>> {
+        let state = Self::state_mut(&mut self.seqs, seq, "truncate");
+        let num_stored_tokens = state.table.num_stored_tokens();
+        let moves = state
+            .table
+            .truncate(new_num_stored_tokens, &mut self.pool)?;
+        if new_num_stored_tokens < num_stored_tokens {
+            Self::stop_prefix_caching(state);
+        }
+        Some(moves)
+    }
+
+    fn stop_prefix_caching(state: &mut SeqState) {
         state.prefix_cacheable = false;
         state.block_hashes = Vec::new();
-        block_id
     }
 
     /// Fraction of blocks in use, for the `kv_cache_usage_perc` metric.

@@ -14,11 +14,18 @@
 //! Ownership. The table holds one pool reference per entry. It cannot release them on
 //! drop (it has no pool), so callers must end every table with `free_all`; the manager
 //! does, and `KvCacheManager::check_invariants` counts references to catch leaks.
+//!
+//! Pruning. Besides whole-block eviction (`remove_block`), a table can be compacted to a
+//! chosen subset of its tokens or truncated (`compact`, `truncate`, in `table/compact.rs`),
+//! which PagedEviction-style prefill pruning needs.
 
 use std::ops::Range;
 
 use crate::block::BlockId;
 use crate::pool::BlockPool;
+
+mod compact;
+pub use compact::TokenMove;
 
 /// Where one token's K/V is written: a block and an offset inside it.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -190,8 +197,9 @@ impl BlockTable {
     /// Panics if `index` is out of range or names the partial last block: a partial block
     /// is still being written, and removing it would leave a hole before the write cursor.
     //
-    // Per-block metadata that later eviction policies add (for example block scores) must
-    // be removed at the same index here, so it stays parallel to `block_ids`.
+    // Per-block metadata kept outside the table (an eviction policy's block scores) must be
+    // removed at the same index too (`EvictionPolicy::on_block_removed`), so it stays
+    // parallel to `block_ids`.
     pub fn remove_block(&mut self, index: usize, pool: &mut BlockPool) -> BlockId {
         assert!(
             index < self.block_ids.len(),

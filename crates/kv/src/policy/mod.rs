@@ -1,0 +1,220 @@
+//! KV eviction policies: which prompt tokens to keep at prefill, and which whole block to
+//! evict during decode, for one sequence under a token budget.
+//!
+//! Design: PagedEviction (arXiv 2509.04377; spec in `shared/spec/paged-eviction.md`) and
+//! the baselines of `shared/spec/baselines.md`, behind one small trait. Mechanism stays in
+//! the pool and the tables (`KvCacheManager::compact`, `remove_block`); a policy only reads
+//! K/V (and, for attention-based baselines, a few queries) through `KvView`/`QueryView`
+//! and answers with stored indices. It never touches blocks, ids or the pool.
+//!
+//! Protocol, per sequence (the engine drives it; a policy instance serves one sequence):
+//! 1. Prefill: write all `T` prompt tokens, run exact attention over the full prompt, then
+//!    `keep = policy.select_prefill(kv, queries, budget, B)` (all of `0..T` when
+//!    `T <= budget`, else exactly `budget` sorted stored indices), then
+//!    `manager.compact(seq, &keep)` and perform the returned moves. The policy now holds
+//!    one score per full block of the kept layout.
+//! 2. Decode: after each token, if the last block has just become full, call
+//!    `policy.on_block_filled(kv, queries, block_index)` (every time, not only when over
+//!    budget: the block is scored once, here). Then, if stored tokens > budget,
+//!    `policy.choose_victim(num_blocks)` names a block; `manager.remove_block(seq, i)` and
+//!    `policy.on_block_removed(i)`. Stored tokens then cycle between about `budget` and
+//!    `budget + B`, never above `budget + B`.
+//! 3. Queries: `prefill_queries()`/`decode_queries()` say how many recent queries the
+//!    policy reads (`QueryNeed`); key/value-only policies read none and are passed `None`.
+//!
+//! Decision (spec "which layer decides"): one selection for all layers, from token scores
+//! averaged over layers and KV heads (option (b)). One block table per sequence serves
+//! every layer (a block id indexes each layer's storage), so per-layer selection (option
+//! (a)) would need a table per layer; it is left to be measured later.
+//!
+//! Block-state invariant (NOTE 11 in the crate docs): a policy holds exactly one entry per
+//! full block of the table, in table order: `num_scored_blocks() == num_full_blocks()`
+//! after `select_prefill`, after each `on_block_filled`, and after each
+//! `on_block_removed`. The partial last block is scored when it fills.
+//!
+//! PagedEviction decisions (spec `paged-eviction.md`):
+//! - Default score `‖v‖/(‖k‖+eps)` (`paged-eviction`), eps = 1e-6: it is the paper's
+//!   stated formula, and it combines both signals the variants use alone (low-norm keys
+//!   attract attention, as KNorm found; large values move the output most). The authors'
+//!   code ended up on `v_norm`; it and `inv_k_norm` are kept as `paged-eviction:v-norm`
+//!   and `paged-eviction:inv-k-norm` so the choice can be measured, not argued.
+//! - Prefill counts: the spec keeps the first block, the tail (`B + T mod B` tokens) and
+//!   `C - 2B` middle tokens, which stores `C + T mod B` tokens, over the budget. We keep
+//!   `C - 2B - T mod B` middle tokens, so prefill stores exactly `C` and decode cycles
+//!   between `C` and `C + B` as the spec says. (`C >= 3B` keeps this count positive.)
+//! - Global candidates by default; `paged-eviction:local[=topk]` (authors' topk = 3)
+//!   restricts decode candidates to the oldest `topk` non-sink blocks.
+//!
+//! Ties are deterministic everywhere: at prefill, of equal scores the lower stored index
+//! is kept; at decode, of equal block scores the lower table index is evicted. Scores are
+//! compared with `f32::total_cmp`.
+//!
+//! Code map: `view` (the read traits and dense test implementations), `spec` (names,
+//! parsing, `build`), `select` (top-k selection and block scores), `scorers` (key/value
+//! norm scores: PagedEviction, KNorm, KeyDiff), `attention` (query-based scores: SnapKV,
+//! H2O, TOVA, ExpectedAttention), `scored` (the policy shared by every score-based
+//! method), `simple` (full cache and StreamingLLM).
+
+use std::fmt;
+
+mod attention;
+mod scored;
+mod scorers;
+mod select;
+mod simple;
+mod spec;
+mod view;
+
+pub use spec::{PagedScore, PolicySpec};
+pub use view::{DenseKv, DenseQueries, KvView, QueryView};
+
+/// How many of the most recent queries a policy reads. The engine passes the queries of
+/// the last `count(available)` tokens (post-RoPE, every layer and query head), with their
+/// stored positions; a policy must work with fewer (at least the newest one).
+///
+/// At prefill, "available" is the prompt; at decode, it is what the engine kept, at most
+/// the just-filled block's own tokens.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum QueryNeed {
+    /// Keys and values only; pass `None`.
+    None,
+    /// The last `n` queries.
+    Last(usize),
+    /// Every available query (H2O's full attention matrix).
+    All,
+}
+
+impl QueryNeed {
+    /// How many queries to pass when `available` exist.
+    pub fn count(self, available: usize) -> usize {
+        match self {
+            QueryNeed::None => 0,
+            QueryNeed::Last(n) => n.min(available),
+            QueryNeed::All => available,
+        }
+    }
+}
+
+/// A KV eviction policy for one sequence. See the module docs for the protocol.
+pub trait EvictionPolicy: fmt::Debug + Send {
+    /// The spec this policy was built from, for logs and metrics.
+    fn spec(&self) -> PolicySpec;
+
+    /// Queries `select_prefill` reads.
+    fn prefill_queries(&self) -> QueryNeed {
+        QueryNeed::None
+    }
+
+    /// Queries `on_block_filled` reads.
+    fn decode_queries(&self) -> QueryNeed {
+        QueryNeed::None
+    }
+
+    /// Chooses the prompt tokens to keep: sorted, distinct stored indices of `kv`, all of
+    /// them when `kv.n_tokens() <= budget_tokens`, else exactly `budget_tokens`. Resets
+    /// the policy's state to one score per full block of the kept layout.
+    ///
+    /// Panics if the budget is below 3 blocks (see `validate_budget`), or if the policy
+    /// needs queries and `queries` is `None`.
+    fn select_prefill(
+        &mut self,
+        kv: &dyn KvView,
+        queries: Option<&dyn QueryView>,
+        budget_tokens: u32,
+        block_size_tokens: u32,
+    ) -> Vec<u32>;
+
+    /// Block `block_index` of the table (stored tokens `block_index * B ..` `+ B`) has just
+    /// become full: score it, once. Blocks between the last scored one and `block_index`
+    /// are scored too, so a caller that skipped some stays aligned.
+    ///
+    /// Panics if `block_index` is already scored or not full in `kv`.
+    fn on_block_filled(
+        &mut self,
+        kv: &dyn KvView,
+        queries: Option<&dyn QueryView>,
+        block_index: usize,
+    );
+
+    /// The table index of the block to evict, given the table's `num_blocks` (full blocks,
+    /// plus the partial last block if any). Never the first (sink) block, never the newest
+    /// full block, never a partial block. `None` if nothing may be evicted.
+    fn choose_victim(&self, num_blocks: usize) -> Option<usize>;
+
+    /// Block `block_index` was removed from the table: drop its state, shifting later
+    /// entries left as the table does.
+    fn on_block_removed(&mut self, block_index: usize);
+
+    /// Full blocks the policy holds state for (equals the table's full blocks).
+    fn num_scored_blocks(&self) -> usize;
+}
+
+/// Blocks a budget must hold: the sink block, one evictable block, and the block being
+/// filled (spec "Budget").
+pub const MIN_BUDGET_BLOCKS: u32 = 3;
+
+/// Checks a per-sequence token budget against the block size: `B > 0` and
+/// `budget_tokens >= 3 * B`.
+pub fn validate_budget(budget_tokens: u32, block_size_tokens: u32) -> Result<(), PolicyError> {
+    if block_size_tokens == 0 {
+        return Err(PolicyError::ZeroBlockSize);
+    }
+    if (budget_tokens as u64) < MIN_BUDGET_BLOCKS as u64 * block_size_tokens as u64 {
+        return Err(PolicyError::BudgetTooSmall {
+            budget_tokens,
+            block_size_tokens,
+        });
+    }
+    Ok(())
+}
+
+/// Invalid policy names, options or budgets. Messages name what would be valid.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum PolicyError {
+    UnknownPolicy {
+        name: String,
+    },
+    InvalidOption {
+        policy: &'static str,
+        option: String,
+        valid: &'static str,
+    },
+    BudgetTooSmall {
+        budget_tokens: u32,
+        block_size_tokens: u32,
+    },
+    ZeroBlockSize,
+}
+
+impl fmt::Display for PolicyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PolicyError::UnknownPolicy { name } => write!(
+                f,
+                "unknown KV eviction policy `{name}`; valid policies: {}",
+                spec::VALID_POLICIES
+            ),
+            PolicyError::InvalidOption {
+                policy,
+                option,
+                valid,
+            } => write!(
+                f,
+                "invalid option `{option}` for KV eviction policy {policy}; valid options: {valid}"
+            ),
+            PolicyError::BudgetTooSmall {
+                budget_tokens,
+                block_size_tokens,
+            } => write!(
+                f,
+                "KV budget of {budget_tokens} tokens is too small: it must be at least {} tokens \
+                 ({MIN_BUDGET_BLOCKS} blocks of {block_size_tokens}: the sink block, one evictable \
+                 block and the block being filled)",
+                MIN_BUDGET_BLOCKS as u64 * *block_size_tokens as u64
+            ),
+            PolicyError::ZeroBlockSize => write!(f, "KV block size must be at least 1 token"),
+        }
+    }
+}
+
+impl std::error::Error for PolicyError {}

@@ -1,0 +1,422 @@
+//! `PolicySpec`: a policy and its parameters as a value, parsed from the names used on the
+//! CLI (`--kv-policy`) and the API, printed back in the same canonical form, and turned
+//! into a policy by `build`.
+//!
+//! Grammar: `NAME[:OPTION]...`, where an option is a flag or `key=value`. Options left at
+//! their defaults are omitted when printing, so `Display` gives the shortest name and
+//! `parse(display(spec)) == spec` for every spec.
+
+use std::fmt;
+use std::str::FromStr;
+
+use super::attention::{ExpectedAttentionScorer, H2oScorer, SnapKvScorer, TovaScorer};
+use super::scored::{Candidates, Protect, ScoredPolicy};
+use super::scorers::{KNormScorer, KeyDiffScorer, PagedScorer};
+use super::simple::{FullCache, StreamingLlm};
+use super::{validate_budget, EvictionPolicy, PolicyError};
+
+/// Every policy name, with its options, for error messages and `--help`.
+pub(crate) const VALID_POLICIES: &str = "full, streaming-llm[:n-sink=N], knorm, keydiff, \
+     snapkv[:window=N][:kernel=N], h2o, tova, expected-attention[:window=N][:n-sink=N], \
+     paged-eviction[:v-norm|:inv-k-norm][:local[=N]] (default: paged-eviction)";
+
+const SNAPKV_WINDOW_DEFAULT: u32 = 64;
+const SNAPKV_KERNEL_DEFAULT: u32 = 5;
+const EXPECTED_WINDOW_DEFAULT: u32 = 64;
+const EXPECTED_N_SINK_DEFAULT: u32 = 4;
+/// The authors' scripts use topk = 3 for the local variant.
+const LOCAL_TOPK_DEFAULT: u32 = 3;
+
+/// PagedEviction's token importance (spec "Token importance"); higher is kept.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Default)]
+pub enum PagedScore {
+    /// `‖v‖ / (‖k‖ + eps)`: the paper's formula, and our default.
+    #[default]
+    VOverK,
+    /// `‖v‖`: what the authors' code ended up using.
+    VNorm,
+    /// `1 / (‖k‖ + eps)`: the inverse-key-norm variant.
+    InvKNorm,
+}
+
+/// A KV eviction policy and its parameters. `Default` is `paged-eviction`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum PolicySpec {
+    /// `full`: keep everything.
+    Full,
+    /// `streaming-llm[:n-sink=N]`: sinks + recent; `None` means the whole first block.
+    StreamingLlm { n_sink_tokens: Option<u32> },
+    /// `knorm`: inverse key L2 norm.
+    KNorm,
+    /// `keydiff`: key diversity.
+    KeyDiff,
+    /// `snapkv[:window=N][:kernel=N]`: observation-window attention, max-pooled.
+    SnapKv {
+        window_tokens: u32,
+        kernel_tokens: u32,
+    },
+    /// `h2o`: heavy hitters + recent window, half the budget each.
+    H2o,
+    /// `tova`: attention of the newest query.
+    Tova,
+    /// `expected-attention[:window=N][:n-sink=N]`: attention expected from query statistics.
+    ExpectedAttention {
+        window_queries: u32,
+        n_sink_tokens: u32,
+    },
+    /// `paged-eviction[:v-norm|:inv-k-norm][:local[=N]]`: the method of the spec.
+    /// `local_topk`: restrict decode candidates to the oldest N non-sink blocks.
+    PagedEviction {
+        score: PagedScore,
+        local_topk: Option<u32>,
+    },
+}
+
+impl Default for PolicySpec {
+    fn default() -> Self {
+        PolicySpec::PagedEviction {
+            score: PagedScore::VOverK,
+            local_topk: None,
+        }
+    }
+}
+
+impl PolicySpec {
+    /// The base name, without options.
+    pub fn name(&self) -> &'static str {
+        match self {
+            PolicySpec::Full => "full",
+            PolicySpec::StreamingLlm { .. } => "streaming-llm",
+            PolicySpec::KNorm => "knorm",
+            PolicySpec::KeyDiff => "keydiff",
+            PolicySpec::SnapKv { .. } => "snapkv",
+            PolicySpec::H2o => "h2o",
+            PolicySpec::Tova => "tova",
+            PolicySpec::ExpectedAttention { .. } => "expected-attention",
+            PolicySpec::PagedEviction { .. } => "paged-eviction",
+        }
+    }
+
+    /// Whether this policy ever drops tokens (`full` does not, and ignores the budget).
+    pub fn evicts(&self) -> bool {
+        *self != PolicySpec::Full
+    }
+
+    /// Checks the spec against a per-sequence budget and block size: `validate_budget`
+    /// (except for `full`, which ignores the budget), and for `streaming-llm` that the
+    /// sinks fit in the first block, which is the block decode never evicts.
+    pub fn validate(&self, budget_tokens: u32, block_size_tokens: u32) -> Result<(), PolicyError> {
+        if !self.evicts() {
+            return match block_size_tokens {
+                0 => Err(PolicyError::ZeroBlockSize),
+                _ => Ok(()),
+            };
+        }
+        validate_budget(budget_tokens, block_size_tokens)?;
+        if let PolicySpec::StreamingLlm {
+            n_sink_tokens: Some(n_sink),
+        } = *self
+        {
+            if n_sink > block_size_tokens {
+                return Err(PolicyError::InvalidOption {
+                    policy: "streaming-llm",
+                    option: format!("n-sink={n_sink}"),
+                    valid:
+                        "n-sink=N with 1 <= N <= the block size (the sinks live in the first block)",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// A fresh policy for one sequence.
+    pub fn build(&self) -> Box<dyn EvictionPolicy> {
+        let spec = *self;
+        let scored = |scorer: Box<dyn super::scored::TokenScorer>, protect, candidates| {
+            Box::new(ScoredPolicy::new(spec, scorer, protect, candidates))
+                as Box<dyn EvictionPolicy>
+        };
+        match spec {
+            PolicySpec::Full => Box::new(FullCache::default()),
+            PolicySpec::StreamingLlm { n_sink_tokens } => {
+                Box::new(StreamingLlm::new(n_sink_tokens))
+            }
+            PolicySpec::KNorm => scored(
+                Box::new(KNormScorer),
+                Protect::Nothing,
+                Candidates::AllOlder,
+            ),
+            PolicySpec::KeyDiff => scored(
+                Box::<KeyDiffScorer>::default(),
+                Protect::Nothing,
+                Candidates::AllOlder,
+            ),
+            PolicySpec::SnapKv {
+                window_tokens,
+                kernel_tokens,
+            } => scored(
+                Box::new(SnapKvScorer {
+                    window: window_tokens as usize,
+                    kernel: kernel_tokens as usize,
+                }),
+                Protect::LastTokens(window_tokens as usize),
+                Candidates::AllOlder,
+            ),
+            PolicySpec::H2o => scored(
+                Box::new(H2oScorer),
+                Protect::RecentHalf,
+                Candidates::OlderThanRecentHalf,
+            ),
+            PolicySpec::Tova => {
+                scored(Box::new(TovaScorer), Protect::Nothing, Candidates::AllOlder)
+            }
+            PolicySpec::ExpectedAttention {
+                window_queries,
+                n_sink_tokens,
+            } => scored(
+                Box::new(ExpectedAttentionScorer {
+                    window: window_queries as usize,
+                    n_sink_tokens: n_sink_tokens as usize,
+                }),
+                Protect::FirstTokens(n_sink_tokens as usize),
+                Candidates::AllOlder,
+            ),
+            PolicySpec::PagedEviction { score, local_topk } => scored(
+                Box::new(PagedScorer { score }),
+                Protect::FirstBlockAndTail,
+                match local_topk {
+                    Some(topk) => Candidates::OldestK(topk as usize),
+                    None => Candidates::AllOlder,
+                },
+            ),
+        }
+    }
+
+    /// One spec of every policy and variant, with default options: for tests and `--help`.
+    pub fn all_defaults() -> Vec<PolicySpec> {
+        [
+            "full",
+            "streaming-llm",
+            "knorm",
+            "keydiff",
+            "snapkv",
+            "h2o",
+            "tova",
+            "expected-attention",
+            "paged-eviction",
+            "paged-eviction:v-norm",
+            "paged-eviction:inv-k-norm",
+            "paged-eviction:local",
+        ]
+        .iter()
+        .map(|name| name.parse().expect("built-in names parse"))
+        .collect()
+    }
+}
+
+/// Parses the `N` of `key=N` as a positive integer.
+fn positive(
+    policy: &'static str,
+    option: &str,
+    value: &str,
+    valid: &'static str,
+) -> Result<u32, PolicyError> {
+    match value.parse::<u32>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(PolicyError::InvalidOption {
+            policy,
+            option: option.to_string(),
+            valid,
+        }),
+    }
+}
+
+impl FromStr for PolicySpec {
+    type Err = PolicyError;
+
+    fn from_str(text: &str) -> Result<Self, PolicyError> {
+        let mut parts = text.trim().split(':');
+        let name = parts.next().unwrap_or_default();
+        let mut spec = match name {
+            "full" => PolicySpec::Full,
+            "streaming-llm" => PolicySpec::StreamingLlm {
+                n_sink_tokens: None,
+            },
+            "knorm" => PolicySpec::KNorm,
+            "keydiff" => PolicySpec::KeyDiff,
+            "snapkv" => PolicySpec::SnapKv {
+                window_tokens: SNAPKV_WINDOW_DEFAULT,
+                kernel_tokens: SNAPKV_KERNEL_DEFAULT,
+            },
+            "h2o" => PolicySpec::H2o,
+            "tova" => PolicySpec::Tova,
+            "expected-attention" => PolicySpec::ExpectedAttention {
+                window_queries: EXPECTED_WINDOW_DEFAULT,
+                n_sink_tokens: EXPECTED_N_SINK_DEFAULT,
+            },
+            "paged-eviction" => PolicySpec::default(),
+            _ => {
+                return Err(PolicyError::UnknownPolicy {
+                    name: text.to_string(),
+                })
+            }
+        };
+        let mut seen: Vec<&str> = Vec::new();
+        for option in parts {
+            let (key, value) = match option.split_once('=') {
+                Some((key, value)) => (key, Some(value)),
+                None => (option, None),
+            };
+            // `v-norm` and `inv-k-norm` both set the score; count them as one key.
+            let slot = if matches!(key, "ratio" | "v-norm" | "inv-k-norm") {
+                "score"
+            } else {
+                key
+            };
+            let invalid = |valid| PolicyError::InvalidOption {
+                policy: spec.name(),
+                option: option.to_string(),
+                valid,
+            };
+            if seen.contains(&slot) {
+                return Err(invalid("each option at most once"));
+            }
+            seen.push(slot);
+            spec = apply_option(spec, key, value, option)
+                .ok_or_else(|| invalid(valid_options(&spec)))??;
+        }
+        Ok(spec)
+    }
+}
+
+/// The options a policy accepts, for error messages.
+fn valid_options(spec: &PolicySpec) -> &'static str {
+    match spec {
+        PolicySpec::StreamingLlm { .. } => "n-sink=N (N >= 1)",
+        PolicySpec::SnapKv { .. } => "window=N (N >= 1), kernel=N (odd, N >= 1)",
+        PolicySpec::ExpectedAttention { .. } => "window=N (N >= 1), n-sink=N (N >= 0)",
+        PolicySpec::PagedEviction { .. } => {
+            "ratio (default), v-norm, inv-k-norm, local, local=N (N >= 1)"
+        }
+        _ => "none (this policy takes no options)",
+    }
+}
+
+/// `None`: the option is not one this policy knows (the caller reports the valid ones).
+fn apply_option(
+    spec: PolicySpec,
+    key: &str,
+    value: Option<&str>,
+    option: &str,
+) -> Option<Result<PolicySpec, PolicyError>> {
+    let policy = spec.name();
+    let valid = valid_options(&spec);
+    let number = |value: Option<&str>| positive(policy, option, value.unwrap_or(""), valid);
+    Some(match (spec, key, value) {
+        (PolicySpec::StreamingLlm { .. }, "n-sink", Some(v)) => {
+            number(Some(v)).map(|n| PolicySpec::StreamingLlm {
+                n_sink_tokens: Some(n),
+            })
+        }
+        (PolicySpec::SnapKv { kernel_tokens, .. }, "window", Some(v)) => {
+            number(Some(v)).map(|n| PolicySpec::SnapKv {
+                window_tokens: n,
+                kernel_tokens,
+            })
+        }
+        (PolicySpec::SnapKv { window_tokens, .. }, "kernel", Some(v)) => match number(Some(v)) {
+            Ok(n) if n % 2 == 1 => Ok(PolicySpec::SnapKv {
+                window_tokens,
+                kernel_tokens: n,
+            }),
+            Ok(_) => Err(PolicyError::InvalidOption {
+                policy,
+                option: option.to_string(),
+                valid,
+            }),
+            Err(error) => Err(error),
+        },
+        (PolicySpec::ExpectedAttention { n_sink_tokens, .. }, "window", Some(v)) => number(Some(v))
+            .map(|n| PolicySpec::ExpectedAttention {
+                window_queries: n,
+                n_sink_tokens,
+            }),
+        (PolicySpec::ExpectedAttention { window_queries, .. }, "n-sink", Some(v)) => {
+            match v.parse::<u32>() {
+                Ok(n) => Ok(PolicySpec::ExpectedAttention {
+                    window_queries,
+                    n_sink_tokens: n,
+                }),
+                Err(_) => Err(PolicyError::InvalidOption {
+                    policy,
+                    option: option.to_string(),
+                    valid,
+                }),
+            }
+        }
+        (PolicySpec::PagedEviction { local_topk, .. }, "ratio" | "v-norm" | "inv-k-norm", None) => {
+            let score = match key {
+                "v-norm" => PagedScore::VNorm,
+                "inv-k-norm" => PagedScore::InvKNorm,
+                _ => PagedScore::VOverK,
+            };
+            Ok(PolicySpec::PagedEviction { score, local_topk })
+        }
+        (PolicySpec::PagedEviction { score, .. }, "local", value) => {
+            let topk = match value {
+                None => Ok(LOCAL_TOPK_DEFAULT),
+                Some(v) => number(Some(v)),
+            };
+            topk.map(|n| PolicySpec::PagedEviction {
+                score,
+                local_topk: Some(n),
+            })
+        }
+        _ => return None,
+    })
+}
+
+impl fmt::Display for PolicySpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())?;
+        match *self {
+            PolicySpec::StreamingLlm {
+                n_sink_tokens: Some(n),
+            } => write!(f, ":n-sink={n}")?,
+            PolicySpec::SnapKv {
+                window_tokens,
+                kernel_tokens,
+            } => {
+                if window_tokens != SNAPKV_WINDOW_DEFAULT {
+                    write!(f, ":window={window_tokens}")?;
+                }
+                if kernel_tokens != SNAPKV_KERNEL_DEFAULT {
+                    write!(f, ":kernel={kernel_tokens}")?;
+                }
+            }
+            PolicySpec::ExpectedAttention {
+                window_queries,
+                n_sink_tokens,
+            } => {
+                if window_queries != EXPECTED_WINDOW_DEFAULT {
+                    write!(f, ":window={window_queries}")?;
+                }
+                if n_sink_tokens != EXPECTED_N_SINK_DEFAULT {
+                    write!(f, ":n-sink={n_sink_tokens}")?;
+                }
+            }
+            PolicySpec::PagedEviction { score, local_topk } => {
+                match score {
+                    PagedScore::VOverK => {}
+                    PagedScore::VNorm => f.write_str(":v-norm")?,
+                    PagedScore::InvKNorm => f.write_str(":inv-k-norm")?,
+                }
+                if let Some(topk) = local_topk {
+                    write!(f, ":local={topk}")?;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,215 @@
+//! Policy names: parsing, canonical printing, round trips, and the errors users see for
+//! unknown names, bad options and budgets below three blocks.
+
+use pk_kv::{validate_budget, PagedScore, PolicyError, PolicySpec};
+
+fn parse(name: &str) -> Result<PolicySpec, String> {
+    name.parse::<PolicySpec>()
+        .map_err(|error| error.to_string())
+}
+
+#[test]
+fn canonical_names_round_trip() {
+    for name in [
+        "full",
+        "streaming-llm",
+        "streaming-llm:n-sink=4",
+        "knorm",
+        "keydiff",
+        "snapkv",
+        "snapkv:window=32",
+        "snapkv:kernel=7",
+        "snapkv:window=16:kernel=3",
+        "h2o",
+        "tova",
+        "expected-attention",
+        "expected-attention:window=128:n-sink=0",
+        "paged-eviction",
+        "paged-eviction:v-norm",
+        "paged-eviction:inv-k-norm",
+        "paged-eviction:local=3",
+        "paged-eviction:v-norm:local=5",
+    ] {
+        let spec = parse(name).unwrap();
+        assert_eq!(spec.to_string(), name, "display of {name}");
+        assert_eq!(parse(&spec.to_string()).unwrap(), spec);
+    }
+}
+
+#[test]
+fn every_default_spec_round_trips_and_builds() {
+    let specs = PolicySpec::all_defaults();
+    assert_eq!(specs.len(), 12);
+    for spec in specs {
+        assert_eq!(parse(&spec.to_string()).unwrap(), spec, "{spec}");
+        assert_eq!(spec.build().spec(), spec, "{spec} builds itself");
+    }
+}
+
+#[test]
+fn defaults_and_aliases() {
+    assert_eq!(PolicySpec::default().to_string(), "paged-eviction");
+    assert_eq!(
+        PolicySpec::default(),
+        PolicySpec::PagedEviction {
+            score: PagedScore::VOverK,
+            local_topk: None
+        }
+    );
+    // Explicit defaults print in the short form.
+    assert_eq!(
+        parse("paged-eviction:ratio").unwrap().to_string(),
+        "paged-eviction"
+    );
+    assert_eq!(
+        parse("snapkv:window=64:kernel=5").unwrap().to_string(),
+        "snapkv"
+    );
+    assert_eq!(
+        parse("paged-eviction:local").unwrap().to_string(),
+        "paged-eviction:local=3"
+    );
+    assert_eq!(parse(" tova ").unwrap(), PolicySpec::Tova);
+    assert_eq!(
+        parse("paged-eviction:local=2:inv-k-norm").unwrap(),
+        PolicySpec::PagedEviction {
+            score: PagedScore::InvKNorm,
+            local_topk: Some(2)
+        }
+    );
+}
+
+#[test]
+fn unknown_policy_lists_the_valid_names() {
+    for name in ["lru", "", "PagedEviction", "paged_eviction", "snap-kv"] {
+        let message = parse(name).unwrap_err();
+        assert!(
+            message.starts_with(&format!("unknown KV eviction policy `{name}`")),
+            "{message}"
+        );
+        for valid in [
+            "full",
+            "streaming-llm",
+            "knorm",
+            "keydiff",
+            "snapkv",
+            "h2o",
+            "tova",
+            "expected-attention",
+            "paged-eviction",
+            "v-norm",
+            "inv-k-norm",
+        ] {
+            assert!(message.contains(valid), "{message} lacks {valid}");
+        }
+    }
+}
+
+#[test]
+fn bad_options_name_the_valid_ones() {
+    let cases = [
+        ("snapkv:window=0", "window=N"),
+        ("snapkv:kernel=4", "kernel=N (odd"),
+        ("snapkv:size=3", "window=N"),
+        ("streaming-llm:n-sink=x", "n-sink=N"),
+        ("paged-eviction:l2", "v-norm, inv-k-norm"),
+        ("paged-eviction:v-norm=1", "v-norm, inv-k-norm"),
+        ("paged-eviction:local=0", "local=N"),
+        ("paged-eviction:v-norm:inv-k-norm", "at most once"),
+        ("h2o:window=3", "takes no options"),
+        ("full:", "takes no options"),
+    ];
+    for (name, hint) in cases {
+        let message = parse(name).unwrap_err();
+        assert!(message.starts_with("invalid option `"), "{name}: {message}");
+        assert!(message.contains(hint), "{name}: `{message}` lacks `{hint}`");
+    }
+    assert_eq!(
+        "snapkv:kernel=4".parse::<PolicySpec>(),
+        Err(PolicyError::InvalidOption {
+            policy: "snapkv",
+            option: "kernel=4".to_string(),
+            valid: "window=N (N >= 1), kernel=N (odd, N >= 1)",
+        })
+    );
+}
+
+#[test]
+fn budget_below_three_blocks_is_an_error() {
+    assert_eq!(validate_budget(48, 16), Ok(()));
+    let error = validate_budget(47, 16).unwrap_err();
+    assert_eq!(
+        error,
+        PolicyError::BudgetTooSmall {
+            budget_tokens: 47,
+            block_size_tokens: 16
+        }
+    );
+    let message = error.to_string();
+    assert!(message.contains("at least 48 tokens"), "{message}");
+    assert!(message.contains("3 blocks of 16"), "{message}");
+    assert_eq!(validate_budget(10, 0), Err(PolicyError::ZeroBlockSize));
+    // A budget large enough for any block size passes without overflow.
+    assert_eq!(validate_budget(u32::MAX, u32::MAX / 3), Ok(()));
+    assert!(validate_budget(u32::MAX, u32::MAX).is_err());
+}
+
+#[test]
+fn spec_validation_checks_budget_and_sinks() {
+    let paged = PolicySpec::default();
+    assert!(paged.validate(47, 16).is_err());
+    assert!(paged.validate(48, 16).is_ok());
+    // `full` ignores the budget.
+    assert!(PolicySpec::Full.validate(0, 16).is_ok());
+    assert!(PolicySpec::Full.validate(0, 0).is_err());
+    let streaming = parse("streaming-llm:n-sink=20").unwrap();
+    let message = streaming.validate(64, 16).unwrap_err().to_string();
+    assert!(
+        message.contains("n-sink=20") && message.contains("block size"),
+        "{message}"
+    );
+    assert!(streaming.validate(96, 32).is_ok());
+}
+
+#[test]
+#[should_panic(expected = "paged-eviction: KV budget of 40 tokens is too small")]
+fn select_prefill_rejects_a_small_budget() {
+    let kv = pk_kv::DenseKv::from_fn(1, 1, 1, 60, |_, _, _, k, v| {
+        k[0] = 1.0;
+        v[0] = 1.0;
+    });
+    PolicySpec::default()
+        .build()
+        .select_prefill(&kv, None, 40, 16);
+}
+
+#[test]
+#[should_panic(expected = "snapkv: this policy scores tokens by attention and needs queries")]
+fn attention_policies_require_queries() {
+    let kv = pk_kv::DenseKv::from_fn(1, 1, 1, 60, |_, _, _, k, v| {
+        k[0] = 1.0;
+        v[0] = 1.0;
+    });
+    "snapkv"
+        .parse::<PolicySpec>()
+        .unwrap()
+        .build()
+        .select_prefill(&kv, None, 48, 16);
+}
+
+#[test]
+fn query_needs_are_declared() {
+    use pk_kv::QueryNeed;
+    let need = |name: &str| {
+        let policy = parse(name).unwrap().build();
+        (policy.prefill_queries(), policy.decode_queries())
+    };
+    assert_eq!(need("paged-eviction"), (QueryNeed::None, QueryNeed::None));
+    assert_eq!(need("knorm"), (QueryNeed::None, QueryNeed::None));
+    assert_eq!(need("snapkv"), (QueryNeed::Last(64), QueryNeed::Last(64)));
+    assert_eq!(need("tova"), (QueryNeed::Last(1), QueryNeed::Last(1)));
+    assert_eq!(need("h2o"), (QueryNeed::All, QueryNeed::All));
+    assert_eq!(QueryNeed::Last(64).count(10), 10);
+    assert_eq!(QueryNeed::All.count(10), 10);
+    assert_eq!(QueryNeed::None.count(10), 0);
+}
