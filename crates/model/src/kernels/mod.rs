@@ -6,6 +6,7 @@
 
 mod matmul;
 mod ops;
+mod q8;
 
 pub use matmul::{matmul, matmul_reference, QMatrix};
 pub use ops::{add_in_place, dot_f32, rmsnorm, silu_mul_in_place, softmax_in_place};
