@@ -33,6 +33,8 @@ pub struct PerfArgs {
     /// Print one JSON object on stdout instead of a table.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub kv: crate::commands::KvPolicyArgs,
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -107,7 +109,7 @@ pub fn perf(a: PerfArgs) -> Result<()> {
     for &ctx in &a.contexts {
         // Random ids avoid prefix-cache hits between runs; ids 1000.. skip special tokens.
         let prompt: Vec<u32> = (0..ctx).map(|_| rng.gen_range(1000..vocab)).collect();
-        let params = GenerateParams { max_tokens: a.decode_tokens, ignore_eos: true, ..Default::default() };
+        let params = GenerateParams { max_tokens: a.decode_tokens, ignore_eos: true, kv_policy: a.kv.spec()?, kv_budget: a.kv.kv_budget, ..Default::default() };
         let out = engine.generate(&prompt, &params, &mut |_| {})?;
         let decoded = out.token_ids.len().saturating_sub(1);
         let run = serde_json::json!({
@@ -115,7 +117,7 @@ pub fn perf(a: PerfArgs) -> Result<()> {
             "prefill_tok_s": ctx as f64 / out.prefill_seconds,
             "decode_tokens": out.token_ids.len(),
             "decode_tok_s": decoded as f64 / out.decode_seconds.max(1e-9),
-            "kv_bytes": (ctx + out.token_ids.len()) * kv_bytes_per_token,
+            "kv_bytes": out.kv_stored_tokens * kv_bytes_per_token,
             "peak_rss_bytes": peak_rss_bytes(),
         });
         if !a.json {
@@ -136,8 +138,8 @@ pub fn perf(a: PerfArgs) -> Result<()> {
         let v = serde_json::json!({
             "model": engine.model_name,
             "threads": threads,
-            "kv_policy": "full",
-            "kv_budget": null,
+            "kv_policy": a.kv.label(),
+            "kv_budget": a.kv.kv_budget,
             "runs": runs,
         });
         println!("{v}");

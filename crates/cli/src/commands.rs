@@ -42,6 +42,33 @@ impl ModelArgs {
     }
 }
 
+/// Per-request KV eviction: a policy name and a token budget per sequence.
+#[derive(Args, Clone, Default)]
+pub struct KvPolicyArgs {
+    /// full, streaming-llm, knorm, keydiff, snapkv, h2o, tova, expected-attention,
+    /// paged-eviction (variants: paged-eviction:v-norm, paged-eviction:inv-k-norm, …).
+    #[arg(long)]
+    pub kv_policy: Option<String>,
+    /// Tokens each sequence may keep in the KV cache (at least 3 blocks).
+    #[arg(long)]
+    pub kv_budget: Option<u32>,
+}
+
+impl KvPolicyArgs {
+    pub fn spec(&self) -> Result<Option<pk_kv::PolicySpec>> {
+        self.kv_policy.as_deref().map(|p| p.parse::<pk_kv::PolicySpec>().map_err(|e| anyhow::anyhow!("--kv-policy: {e}"))).transpose()
+    }
+
+    /// The name reports print: the policy given, else what the engine will use.
+    pub fn label(&self) -> String {
+        match (&self.kv_policy, self.kv_budget) {
+            (Some(p), _) => p.clone(),
+            (None, Some(_)) => pk_kv::PolicySpec::default().to_string(),
+            (None, None) => "full".into(),
+        }
+    }
+}
+
 #[derive(Args)]
 pub struct InfoArgs {
     #[arg(long, env = "PAGEKEEPER_MODEL")]
@@ -135,6 +162,8 @@ pub struct GenerateArgs {
     /// Stop strings (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
+    #[command(flatten)]
+    pub kv: KvPolicyArgs,
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
@@ -159,6 +188,8 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         max_tokens: a.max_tokens,
         stop: a.stop.clone(),
         ignore_eos: false,
+        kv_policy: a.kv.spec()?,
+        kv_budget: a.kv.kv_budget,
     };
     let mut stdout = std::io::stdout().lock();
     let out = engine.generate(&ids, &params, &mut |s| {

@@ -36,6 +36,10 @@ pub struct ServeArgs {
     /// Prompt + completion tokens per request (default: the model's context length).
     #[arg(long)]
     pub max_model_len: Option<usize>,
+    /// Default policy and budget for requests that set none (`kv_policy`/`kv_budget` in the
+    /// request body override them).
+    #[command(flatten)]
+    pub kv: crate::commands::KvPolicyArgs,
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
@@ -60,6 +64,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         max_batch_tokens: a.max_batch_tokens,
         max_running_seqs: a.max_running_seqs,
         max_waiting_requests: a.max_waiting_requests,
+        default_kv_policy: a.kv.spec()?.unwrap_or_default(),
+        default_kv_budget: a.kv.kv_budget,
     };
     let name = model_name.clone();
     let engine = EngineHandle::spawn(move || Engine::load(&path, config).map(|mut e| {

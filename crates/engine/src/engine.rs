@@ -14,10 +14,11 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use pk_kv::{KvCacheManager, SeqId};
+use pk_kv::{KvCacheManager, PolicySpec, SeqId};
 use pk_model::{KvDtype, KvGeometry, KvStore, Llama, SeqForward};
 use pk_tokenizer::{ChatTemplate, Tokenizer};
 
+use crate::eviction::{self, EvictionStats, SeqEviction};
 use crate::request::{Request, RequestOutput, SeqEvent};
 use crate::sampler::SamplingParams;
 use crate::sequence::SeqState;
@@ -35,6 +36,10 @@ pub struct EngineConfig {
     pub max_running_seqs: usize,
     /// Upper bound on requests waiting for admission; `submit` refuses beyond it.
     pub max_waiting_requests: usize,
+    /// Policy for requests that give a budget but no policy.
+    pub default_kv_policy: PolicySpec,
+    /// Budget applied to requests that give none (`None`: no eviction by default).
+    pub default_kv_budget: Option<u32>,
 }
 
 impl Default for EngineConfig {
@@ -46,6 +51,8 @@ impl Default for EngineConfig {
             max_batch_tokens: 512,
             max_running_seqs: 32,
             max_waiting_requests: 256,
+            default_kv_policy: PolicySpec::default(),
+            default_kv_budget: None,
         }
     }
 }
@@ -57,11 +64,16 @@ pub struct GenerateParams {
     pub stop: Vec<String>,
     /// Keep generating past end-of-generation tokens (benchmarks).
     pub ignore_eos: bool,
+    /// KV eviction policy; `None` means the engine's default (`full` unless a budget is
+    /// given, then the engine's default evicting policy).
+    pub kv_policy: Option<PolicySpec>,
+    /// Per-sequence KV budget in tokens (the same for every layer).
+    pub kv_budget: Option<u32>,
 }
 
 impl Default for GenerateParams {
     fn default() -> Self {
-        GenerateParams { sampling: SamplingParams::default(), max_tokens: 128, stop: Vec::new(), ignore_eos: false }
+        GenerateParams { sampling: SamplingParams::default(), max_tokens: 128, stop: Vec::new(), ignore_eos: false, kv_policy: None, kv_budget: None }
     }
 }
 
@@ -84,6 +96,7 @@ pub struct GenerateOutput {
     pub cached_prompt_tokens: usize,
     pub prefill_seconds: f64,
     pub decode_seconds: f64,
+    pub kv_stored_tokens: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +119,8 @@ pub struct EngineStats {
 }
 
 pub struct Engine {
+    /// What eviction did, per policy name.
+    pub eviction_stats: std::collections::BTreeMap<String, EvictionStats>,
     pub model: Llama,
     pub tokenizer: Tokenizer,
     pub chat_template: ChatTemplate,
@@ -155,6 +170,7 @@ impl Engine {
         let kv = KvCacheManager::new(num_blocks as u32, bs as u32);
         let cache_namespace = format!("{model_name}|{:?}", config.kv_dtype).into_bytes();
         Ok(Engine {
+            eviction_stats: Default::default(),
             model,
             tokenizer,
             chat_template,
@@ -211,13 +227,46 @@ impl Engine {
         if let Some(&bad) = req.prompt_ids.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
             return Err(SubmitError::Invalid(format!("token id {bad} is outside the vocabulary")));
         }
+        let eviction = self.eviction_for(&req.params).map_err(SubmitError::Invalid)?;
         let mut namespace = self.cache_namespace.clone();
         if let Some(salt) = &req.cache_salt {
             namespace.extend_from_slice(b"|salt|");
             namespace.extend_from_slice(salt.as_bytes());
         }
-        self.waiting.push_back(SeqState::new(req, namespace));
+        let mut state = SeqState::new(req, namespace);
+        state.eviction = eviction;
+        self.waiting.push_back(state);
         Ok(())
+    }
+
+    /// Resolves a request's policy and budget against the engine defaults.
+    fn eviction_for(&self, p: &GenerateParams) -> Result<Option<SeqEviction>, String> {
+        let budget = p.kv_budget.or(self.config.default_kv_budget);
+        let spec = match (p.kv_policy, budget) {
+            (Some(spec), _) => spec,
+            (None, Some(_)) => self.config.default_kv_policy,
+            (None, None) => return Ok(None),
+        };
+        if !spec.evicts() {
+            if p.kv_budget.is_some() {
+                return Err(format!("kv_policy {spec} keeps every token and takes no kv_budget"));
+            }
+            return Ok(None);
+        }
+        let Some(budget) = budget else {
+            return Err(format!("kv_policy {spec} needs a kv_budget (tokens kept per sequence)"));
+        };
+        spec.validate(budget, self.config.block_size_tokens).map_err(|e| e.to_string())?;
+        if spec.build().prefill_queries() != pk_kv::QueryNeed::None || spec.build().decode_queries() != pk_kv::QueryNeed::None {
+            if !self.capture_supported() {
+                return Err(format!("kv_policy {spec} needs attention queries, which this build does not capture yet"));
+            }
+        }
+        Ok(Some(SeqEviction::new(spec, budget)))
+    }
+
+    fn capture_supported(&self) -> bool {
+        false
     }
 
     /// Blocks needed to compute `n_tokens` more tokens, plus one block of headroom for decode.
@@ -268,6 +317,9 @@ impl Engine {
         let seq = s.seq.take().expect("running sequences hold a block table");
         self.kv.free(seq);
         s.num_computed = 0;
+        if let Some(ev) = s.eviction.as_mut() {
+            ev.reset();
+        }
         s.preemptions += 1;
         self.stats.preemptions += 1;
         tracing::debug!("preempted a sequence ({} tokens) to free blocks", s.all_ids.len());
@@ -380,6 +432,31 @@ impl Engine {
             if s.aborted {
                 finished.push(seq);
             }
+            let prefill_done = !s.is_prefilling();
+            let stored_now = |kv: &KvCacheManager| kv.block_table(seq).map_or(0, |t| t.num_stored_tokens() as usize);
+            if let Some(ev) = s.eviction.as_mut() {
+                let stats = self.eviction_stats.entry(ev.spec.name().to_string()).or_default();
+                if !ev.initialised {
+                    // The whole prompt (or, after preemption, everything) is in the cache and
+                    // its exact attention is done: select, compact, and from now on evict.
+                    if prefill_done && !finished.contains(&seq) {
+                        if !eviction::after_prefill(ev, &mut self.kv, &mut self.store, seq, None, stats) {
+                            // No block for a copy-on-write during compaction: give up on
+                            // this request rather than corrupt a shared block.
+                            s.aborted = true;
+                            (s.req.sink)(SeqEvent::Error("the KV cache is full: no block to compact the pruned prompt into".into()));
+                            finished.push(seq);
+                        }
+                    }
+                } else if to - from == 1 {
+                    eviction::after_decode(ev, &mut self.kv, &self.store, seq, None, stats);
+                }
+                s.kv_stored_tokens = stored_now(&self.kv);
+                // Evicting sequences never feed the prefix cache: their blocks are about to
+                // be compacted or removed, and a cached block would force copies.
+                continue;
+            }
+            s.kv_stored_tokens = stored_now(&self.kv);
             let computed = s.num_computed;
             self.kv.cache_full_blocks(seq, &self.running[i].all_ids[..computed]);
         }
@@ -447,6 +524,7 @@ impl Engine {
             cached_prompt_tokens: o.cached_prompt_tokens,
             prefill_seconds: first.duration_since(t0).as_secs_f64(),
             decode_seconds: o.finished_at.duration_since(first).as_secs_f64(),
+            kv_stored_tokens: o.kv_stored_tokens,
         }
     }
 

@@ -4,6 +4,7 @@
 //! the default model.
 
 pub mod engine;
+pub mod eviction;
 pub mod model_store;
 pub mod perplexity;
 pub mod request;
@@ -11,6 +12,7 @@ pub mod sampler;
 mod sequence;
 pub mod stop;
 
+pub use eviction::EvictionStats;
 pub use engine::{Engine, EngineConfig, EngineStats, FinishReason, GenerateOutput, GenerateParams, SubmitError};
 pub use request::{Request, RequestOutput, SeqEvent};
 pub use sampler::{Sampler, SamplingParams};

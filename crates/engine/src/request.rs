@@ -38,4 +38,7 @@ pub struct RequestOutput {
     pub first_token_at: Option<Instant>,
     pub finished_at: Instant,
     pub num_preemptions: usize,
+    /// Tokens the sequence held in the KV cache when it finished (≤ budget + one block
+    /// under an evicting policy).
+    pub kv_stored_tokens: usize,
 }

@@ -6,6 +6,7 @@ use pk_kv::SeqId;
 use pk_tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::engine::FinishReason;
+use crate::eviction::SeqEviction;
 use crate::request::{Request, RequestOutput, SeqEvent};
 use crate::sampler::Sampler;
 use crate::stop::StopMatcher;
@@ -24,6 +25,9 @@ pub(crate) struct SeqState {
     pub cached_prompt_tokens: usize,
     pub preemptions: usize,
     pub aborted: bool,
+    pub eviction: Option<SeqEviction>,
+    /// Stored tokens after the last step, for the final report.
+    pub kv_stored_tokens: usize,
     sampler: Sampler,
     decoder: StreamDecoder,
     stop: StopMatcher,
@@ -50,6 +54,8 @@ impl SeqState {
             cached_prompt_tokens: 0,
             preemptions: 0,
             aborted: false,
+            eviction: None,
+            kv_stored_tokens: 0,
             unreported_ids: Vec::new(),
             arrival: Instant::now(),
             first_token_at: None,
@@ -120,6 +126,7 @@ impl SeqState {
             first_token_at: self.first_token_at,
             finished_at: Instant::now(),
             num_preemptions: self.preemptions,
+            kv_stored_tokens: self.kv_stored_tokens,
         }
     }
 }

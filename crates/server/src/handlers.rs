@@ -96,16 +96,15 @@ fn generate_params(c: &CommonParams, prompt_tokens: usize, default_max_tokens: O
             return Err(ApiError::param("n", format!("only n = 1 is supported, got {n}")));
         }
     }
-    if let Some(p) = &c.kv_policy {
-        if p != "full" {
-            return Err(ApiError::param("kv_policy", format!("unknown or unsupported kv_policy {p:?}; supported: \"full\"")));
-        }
-    }
-    if let Some(b) = c.kv_budget {
-        if b <= 0 {
-            return Err(ApiError::param("kv_budget", format!("kv_budget must be a positive number of tokens, got {b}")));
-        }
-    }
+    let kv_policy = match &c.kv_policy {
+        Some(p) => Some(p.parse::<pk_kv::PolicySpec>().map_err(|e| ApiError::param("kv_policy", e.to_string()))?),
+        None => None,
+    };
+    let kv_budget = match c.kv_budget {
+        Some(b) if b <= 0 || b > u32::MAX as i64 => return Err(ApiError::param("kv_budget", format!("kv_budget must be a positive number of tokens, got {b}"))),
+        Some(b) => Some(b as u32),
+        None => None,
+    };
     let limit = state.limits.max_total_tokens;
     if prompt_tokens >= limit {
         return Err(ApiError::param("messages", format!("This model's maximum context length is {limit} tokens. However, your prompt has {prompt_tokens} tokens.")));
@@ -136,7 +135,7 @@ fn generate_params(c: &CommonParams, prompt_tokens: usize, default_max_tokens: O
     if stop.len() > 16 {
         return Err(ApiError::param("stop", "at most 16 stop strings are supported"));
     }
-    Ok(GenerateParams { sampling, max_tokens, stop, ignore_eos: c.ignore_eos })
+    Ok(GenerateParams { sampling, max_tokens, stop, ignore_eos: c.ignore_eos, kv_policy, kv_budget })
 }
 
 struct Submitted {

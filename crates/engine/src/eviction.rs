@@ -1,0 +1,190 @@
+//! Glue between the pure eviction policies of `pk-kv` and the engine's physical KV store.
+//!
+//! The policies read K/V through `KvView` and queries through `QueryView`; here those are
+//! implemented over `KvStore` (through the sequence's block table) and over the queries the
+//! forward pass captured. The engine calls `after_prefill` once a sequence's prompt is in
+//! the cache (exact attention over the full prompt has happened) and `after_decode` after
+//! every decode token; both edit the block table through the manager and move K/V in the
+//! store as the manager says.
+
+use std::cell::RefCell;
+
+use pk_kv::{EvictionPolicy, KvCacheManager, KvView, PolicySpec, QueryView, SeqId};
+use pk_model::KvStore;
+
+/// A sequence's eviction state: its policy instance and budget.
+pub(crate) struct SeqEviction {
+    pub policy: Box<dyn EvictionPolicy>,
+    pub spec: PolicySpec,
+    pub budget_tokens: u32,
+    /// Prefill selection has run (the policy holds block scores).
+    pub initialised: bool,
+}
+
+impl SeqEviction {
+    pub fn new(spec: PolicySpec, budget_tokens: u32) -> SeqEviction {
+        SeqEviction { policy: spec.build(), spec, budget_tokens, initialised: false }
+    }
+
+    /// After a preemption the sequence is recomputed from scratch: start over.
+    pub fn reset(&mut self) {
+        self.policy = self.spec.build();
+        self.initialised = false;
+    }
+}
+
+/// Counters of what eviction did, for metrics.
+#[derive(Debug, Default, Clone)]
+pub struct EvictionStats {
+    pub pruned_prompt_tokens: u64,
+    pub evicted_blocks: u64,
+}
+
+/// `KvView` over one sequence's stored tokens. Reads convert a whole (layer, KV head,
+/// block) at a time and keep it, because policies scan tokens in order.
+pub(crate) struct StoreView<'a> {
+    store: &'a KvStore,
+    table: &'a [u32],
+    n_tokens: usize,
+    cache: RefCell<BlockCache>,
+}
+
+#[derive(Default)]
+struct BlockCache {
+    key: Option<(bool, usize, usize, u32)>,
+    data: Vec<f32>,
+}
+
+impl<'a> StoreView<'a> {
+    pub fn new(store: &'a KvStore, table: &'a [u32], n_tokens: usize) -> StoreView<'a> {
+        StoreView { store, table, n_tokens, cache: RefCell::new(BlockCache::default()) }
+    }
+
+    fn read(&self, is_value: bool, layer: usize, kv_head: usize, token: usize, out: &mut [f32]) {
+        let g = &self.store.geometry;
+        let (bs, hd) = (g.block_size_tokens, g.head_dim);
+        let block = self.table[token / bs];
+        let mut c = self.cache.borrow_mut();
+        let key = (is_value, layer, kv_head, block);
+        if c.key != Some(key) {
+            c.data.resize(bs * hd, 0.0);
+            if is_value {
+                self.store.read_v(layer, block, kv_head, &mut c.data);
+            } else {
+                self.store.read_k(layer, block, kv_head, &mut c.data);
+            }
+            c.key = Some(key);
+        }
+        let slot = token % bs;
+        out.copy_from_slice(&c.data[slot * hd..(slot + 1) * hd]);
+    }
+}
+
+impl KvView for StoreView<'_> {
+    fn n_layers(&self) -> usize {
+        self.store.geometry.n_layers
+    }
+    fn n_kv_heads(&self) -> usize {
+        self.store.geometry.n_kv_heads
+    }
+    fn head_dim(&self) -> usize {
+        self.store.geometry.head_dim
+    }
+    fn n_tokens(&self) -> usize {
+        self.n_tokens
+    }
+    fn key(&self, layer: usize, kv_head: usize, token: usize, out: &mut [f32]) {
+        self.read(false, layer, kv_head, token, out)
+    }
+    fn value(&self, layer: usize, kv_head: usize, token: usize, out: &mut [f32]) {
+        self.read(true, layer, kv_head, token, out)
+    }
+}
+
+/// Post-RoPE queries of a sequence's last few tokens, captured by the forward pass:
+/// `data[layer][q][head * head_dim ..]`, with each query's stored index.
+pub(crate) struct CapturedQueries {
+    pub n_heads: usize,
+    pub head_dim: usize,
+    pub positions: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+impl QueryView for CapturedQueries {
+    fn n_queries(&self) -> usize {
+        self.positions.len()
+    }
+    fn n_heads(&self) -> usize {
+        self.n_heads
+    }
+    fn query(&self, layer: usize, head: usize, q: usize, out: &mut [f32]) {
+        let q_dim = self.n_heads * self.head_dim;
+        let at = (layer * self.positions.len() + q) * q_dim + head * self.head_dim;
+        out.copy_from_slice(&self.data[at..at + self.head_dim]);
+    }
+    fn query_position(&self, q: usize) -> usize {
+        self.positions[q]
+    }
+}
+
+fn table_of(kv: &KvCacheManager, seq: SeqId) -> Vec<u32> {
+    kv.block_table(seq).expect("live sequence").block_ids().iter().map(|b| b.0).collect()
+}
+
+/// Runs prefill selection over everything the sequence has stored and compacts the kept
+/// tokens. Returns false when compaction could not get a block for a copy-on-write (the
+/// caller then treats it like any other allocation failure).
+pub(crate) fn after_prefill(
+    ev: &mut SeqEviction,
+    kv: &mut KvCacheManager,
+    store: &mut KvStore,
+    seq: SeqId,
+    queries: Option<&CapturedQueries>,
+    stats: &mut EvictionStats,
+) -> bool {
+    let table = table_of(kv, seq);
+    let n_stored = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
+    let bs = kv.block_size_tokens();
+    let keep = {
+        let view = StoreView::new(store, &table, n_stored);
+        ev.policy.select_prefill(&view, queries.map(|q| q as &dyn QueryView), ev.budget_tokens, bs)
+    };
+    ev.initialised = true;
+    if keep.len() == n_stored {
+        return true;
+    }
+    let Some(moves) = kv.compact(seq, &keep) else { return false };
+    for m in &moves {
+        store.copy_slot((m.src.block_id.0, m.src.offset_tokens as usize), (m.dst.block_id.0, m.dst.offset_tokens as usize));
+    }
+    stats.pruned_prompt_tokens += (n_stored - keep.len()) as u64;
+    true
+}
+
+/// After a decode token: score a block that just filled, then evict while over budget.
+pub(crate) fn after_decode(
+    ev: &mut SeqEviction,
+    kv: &mut KvCacheManager,
+    store: &KvStore,
+    seq: SeqId,
+    queries: Option<&CapturedQueries>,
+    stats: &mut EvictionStats,
+) {
+    let bs = kv.block_size_tokens() as usize;
+    let n_stored = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
+    if n_stored % bs != 0 {
+        return;
+    }
+    let table = table_of(kv, seq);
+    {
+        let view = StoreView::new(store, &table, n_stored);
+        ev.policy.on_block_filled(&view, queries.map(|q| q as &dyn QueryView), n_stored / bs - 1);
+    }
+    while kv.block_table(seq).expect("live").num_stored_tokens() > ev.budget_tokens {
+        let n_blocks = kv.block_table(seq).expect("live").num_blocks();
+        let Some(victim) = ev.policy.choose_victim(n_blocks) else { break };
+        kv.remove_block(seq, victim);
+        ev.policy.on_block_removed(victim);
+        stats.evicted_blocks += 1;
+    }
+}

@@ -1,0 +1,52 @@
+//! Eviction policies running in the real engine on the real model: the KV a sequence holds
+//! stays within budget + one block, the pool's invariants hold, and bad settings are refused.
+
+mod common;
+
+use pk_engine::{EngineConfig, GenerateParams};
+use pk_kv::PolicySpec;
+
+#[test]
+fn stored_tokens_stay_within_budget_for_every_key_value_policy() {
+    let mut engine = common::engine(EngineConfig::default());
+    let book = common::book_ids();
+    let prompt = &book[1000..1600];
+    for name in ["paged-eviction", "paged-eviction:v-norm", "paged-eviction:inv-k-norm", "streaming-llm", "knorm", "keydiff"] {
+        let spec: PolicySpec = name.parse().unwrap();
+        let params = GenerateParams { max_tokens: 40, ignore_eos: true, kv_policy: Some(spec), kv_budget: Some(128), ..Default::default() };
+        let out = engine.generate(prompt, &params, &mut |_| {}).unwrap();
+        assert_eq!(out.token_ids.len(), 40, "{name}");
+        assert!(out.kv_stored_tokens <= 128 + 16, "{name}: {} stored tokens", out.kv_stored_tokens);
+        assert!(out.kv_stored_tokens >= 128, "{name}: {} stored tokens", out.kv_stored_tokens);
+        engine.check_invariants();
+        assert_eq!(engine.kv_manager().pool().num_free_blocks(), engine.kv_manager().pool().num_blocks());
+    }
+    let stats = &engine.eviction_stats["paged-eviction"];
+    assert!(stats.pruned_prompt_tokens >= 3 * (600 - 128), "{stats:?}");
+    assert!(stats.evicted_blocks > 0, "{stats:?}");
+}
+
+#[test]
+fn budget_at_least_context_changes_nothing() {
+    // With a budget above prompt + output, PagedEviction never prunes or evicts, so the
+    // greedy tokens equal the full cache's exactly.
+    let mut engine = common::engine(EngineConfig::default());
+    let prompt = engine.tokenizer.encode("The planets of the solar system, in order from the Sun, are", false);
+    let full = engine.generate(&prompt, &GenerateParams { max_tokens: 20, ..Default::default() }, &mut |_| {}).unwrap();
+    let params = GenerateParams { max_tokens: 20, kv_policy: Some(PolicySpec::default()), kv_budget: Some(256), ..Default::default() };
+    let pe = engine.generate(&prompt, &params, &mut |_| {}).unwrap();
+    assert_eq!(full.token_ids, pe.token_ids);
+}
+
+#[test]
+fn invalid_policy_settings_are_refused() {
+    let mut engine = common::engine(EngineConfig::default());
+    let prompt = vec![1000, 1001, 1002];
+    let too_small = GenerateParams { kv_policy: Some(PolicySpec::default()), kv_budget: Some(32), ..Default::default() };
+    let e = engine.generate(&prompt, &too_small, &mut |_| {}).unwrap_err().to_string();
+    assert!(e.contains("budget"), "{e}");
+    let no_budget = GenerateParams { kv_policy: Some("knorm".parse().unwrap()), ..Default::default() };
+    let e = engine.generate(&prompt, &no_budget, &mut |_| {}).unwrap_err().to_string();
+    assert!(e.contains("needs a kv_budget"), "{e}");
+    assert!("nonsense".parse::<PolicySpec>().unwrap_err().to_string().contains("paged-eviction"));
+}
