@@ -52,6 +52,13 @@ impl Llama {
     /// Runs the new tokens of every sequence through the model, writing their K/V into
     /// `store`, and returns the requested logits rows (`vocab_size` floats each) in order.
     pub fn forward(&self, store: &mut KvStore, seqs: &[SeqForward]) -> Vec<f32> {
+        self.forward_with_queries(store, seqs, &[]).0
+    }
+
+    /// Like `forward`, and also returns, per sequence, the post-RoPE queries of its last
+    /// `capture_last[i]` new tokens (`[layer][token][n_heads * head_dim]`), which
+    /// attention-based eviction policies score with. A missing entry means none.
+    pub fn forward_with_queries(&self, store: &mut KvStore, seqs: &[SeqForward], capture_last: &[usize]) -> (Vec<f32>, Vec<Vec<f32>>) {
         let c = &self.config;
         let (d, qd, kvd) = (c.d_model, c.q_dim(), c.kv_dim());
         let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
@@ -73,6 +80,7 @@ impl Llama {
             row += s.tokens.len();
         }
 
+        let mut captured: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
         let mut h = vec![0f32; n * d];
         let mut q = vec![0f32; n * qd];
         let mut k = vec![0f32; n * kvd];
@@ -93,6 +101,13 @@ impl Llama {
             for r in 0..n {
                 self.rope(&mut q[r * qd..(r + 1) * qd], positions[r]);
                 self.rope(&mut k[r * kvd..(r + 1) * kvd], positions[r]);
+            }
+            for (si, a) in attn_seqs.iter().enumerate() {
+                let want = capture_last.get(si).copied().unwrap_or(0).min(a.n_queries);
+                if want > 0 {
+                    let first = a.row_offset + a.n_queries - want;
+                    captured[si].extend_from_slice(&q[first * qd..(first + want) * qd]);
+                }
             }
             for (s, a) in seqs.iter().zip(&attn_seqs) {
                 for i in 0..s.tokens.len() {
@@ -130,7 +145,7 @@ impl Llama {
         if n_out > 0 {
             matmul(self.weights.output_head(), &sel, n_out, &mut logits);
         }
-        logits
+        (logits, captured)
     }
 
     /// Rotates every head of `x` (a row of q or k) by its position.
