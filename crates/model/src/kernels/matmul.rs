@@ -5,63 +5,150 @@
 //! dequantises one weight row at a time into a small buffer and reuses it for every
 //! token of the batch, so a batch of n tokens reads the weights once.
 
+use std::cell::Cell;
+
 use pk_gguf::{dequantize, GgmlType};
 use rayon::prelude::*;
 
 use super::ops::dot_f32;
+use super::pack::{Packed, GROUP_ROWS};
 use super::q8::{self, Q8Acts};
+#[cfg(target_arch = "x86_64")]
+use super::x86;
 
 /// A weight matrix in a GGML block format: `rows` output features of `cols` inputs each.
+///
+/// Formats with an integer SIMD kernel (Q4_0, Q4_1, Q5_0, Q8_0) are repacked at load into
+/// row groups ([`Packed`]) and the GGUF copy is dropped; rows are restored exactly on demand.
 #[derive(Clone)]
 pub struct QMatrix {
     pub ty: GgmlType,
     pub rows: usize,
     pub cols: usize,
-    pub data: Vec<u8>,
+    storage: Storage,
+}
+
+#[derive(Clone)]
+enum Storage {
+    Gguf(Vec<u8>),
+    Packed(Packed),
 }
 
 impl QMatrix {
     pub fn new(ty: GgmlType, rows: usize, cols: usize, data: Vec<u8>) -> QMatrix {
         let row_bytes = ty.row_bytes(cols).expect("row length is a whole number of blocks");
         assert_eq!(data.len(), rows * row_bytes, "weight data size");
-        QMatrix { ty, rows, cols, data }
+        let storage = match Packed::new(ty, rows, cols, &data) {
+            Some(p) => Storage::Packed(p),
+            None => Storage::Gguf(data),
+        };
+        QMatrix { ty, rows, cols, storage }
     }
 
     pub fn row_bytes(&self) -> usize {
-        self.data.len() / self.rows
+        self.ty.row_bytes(self.cols).unwrap()
     }
 
-    pub fn row(&self, r: usize) -> &[u8] {
-        let rb = self.row_bytes();
-        &self.data[r * rb..(r + 1) * rb]
+    /// Writes row `r` in its GGUF encoding into `out` (`row_bytes()` long).
+    pub fn row_gguf(&self, r: usize, out: &mut [u8]) {
+        match &self.storage {
+            Storage::Gguf(d) => out.copy_from_slice(&d[r * out.len()..(r + 1) * out.len()]),
+            Storage::Packed(p) => p.row_gguf(r, out),
+        }
     }
 
     /// Dequantises row `r` into `out` (length `cols`).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        dequantize(self.ty, self.row(r), out);
+        match &self.storage {
+            Storage::Gguf(d) => {
+                let rb = self.row_bytes();
+                dequantize(self.ty, &d[r * rb..(r + 1) * rb], out)
+            }
+            Storage::Packed(p) => {
+                let mut buf = vec![0u8; self.row_bytes()];
+                p.row_gguf(r, &mut buf);
+                dequantize(self.ty, &buf, out)
+            }
+        }
     }
 }
 
-/// Rows per parallel work item: large enough to amortise scheduling, small enough that
-/// the two threads of this machine stay balanced when one of them is descheduled.
+/// Rows per parallel work item of the reference paths.
 const ROWS_PER_TASK: usize = 64;
+
+/// Smallest work item of the SIMD path, in (8-row group × block × token) units of 256
+/// multiply-adds (≈ 1 µs at 2048 units): big enough that rayon's hand-off (a few µs when
+/// a worker must be woken) is amortised, small enough to balance two threads.
+const MIN_TASK_UNITS: usize = 2048;
+
+thread_local! {
+    /// Quantised activations, reused across calls so that decode does not allocate.
+    static ACTS: Cell<Q8Acts> = Cell::new(Q8Acts::default());
+}
+
+/// The output pointer shared by tasks that write disjoint rows.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
 
 /// `out[t * w.rows + r] = dot(W[r], x[t * w.cols ..])` for t in 0..n_tokens.
 ///
 /// Formats with 32-element blocks take llama.cpp's path: activations quantised to 8-bit
-/// blocks once per call, then integer dot products; other formats dequantise.
+/// blocks once per call, then integer dot products (SIMD when the CPU has AVX2, bit-exact
+/// with the scalar reference); other formats dequantise.
 pub fn matmul(w: &QMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) {
+    let Storage::Packed(p) = &w.storage else {
+        return matmul_reference(w, x, n_tokens, out);
+    };
+    assert_eq!(x.len(), n_tokens * w.cols);
+    assert_eq!(out.len(), n_tokens * w.rows);
+    let mut acts = ACTS.take();
+    acts.quantize(x);
+    #[cfg(target_arch = "x86_64")]
+    if let Some(isa) = x86::detect() {
+        gemm_packed(isa, p, &acts, n_tokens, out);
+        ACTS.set(acts);
+        return;
+    }
+    matmul_q8_scalar(w, &acts, n_tokens, out);
+    ACTS.set(acts);
+}
+
+/// Splits the row groups into tasks and runs the SIMD kernel on each, writing straight
+/// into `out` (each task owns whole rows of every token, so writes never overlap).
+#[cfg(target_arch = "x86_64")]
+fn gemm_packed(isa: x86::Isa, p: &Packed, acts: &Q8Acts, n_tokens: usize, out: &mut [f32]) {
+    let n_groups = p.rows.div_ceil(GROUP_ROWS);
+    let units_per_group = p.blocks_per_row * n_tokens;
+    let threads = rayon::current_num_threads();
+    let n_tasks = if threads == 1 { 1 } else { (n_groups * units_per_group / MIN_TASK_UNITS).clamp(1, n_groups) };
+    let groups_per_task = n_groups.div_ceil(n_tasks);
+    let ptr = OutPtr(out.as_mut_ptr());
+    let run = |task: usize| {
+        let ptr = ptr;
+        for g in task * groups_per_task..((task + 1) * groups_per_task).min(n_groups) {
+            // SAFETY: `detect` checked the ISA; `acts` holds n_tokens tokens; group g writes
+            // only rows 8g..8g+8 of each token, which no other task owns.
+            unsafe { x86::gemm_group(isa, p, g, acts, 0, n_tokens, ptr.0, p.rows) };
+        }
+    };
+    if n_tasks == 1 {
+        run(0);
+    } else {
+        (0..n_groups.div_ceil(groups_per_task)).into_par_iter().for_each(run);
+    }
+}
+
+/// The scalar integer path over quantised activations: the reference for the SIMD kernels.
+pub fn matmul_q8_scalar(w: &QMatrix, acts: &Q8Acts, n_tokens: usize, out: &mut [f32]) {
     let dot: fn(&[u8], &Q8Acts, usize) -> f32 = match w.ty {
         GgmlType::Q4_0 => q8::dot_q4_0,
         GgmlType::Q4_1 => q8::dot_q4_1,
         GgmlType::Q5_0 => q8::dot_q5_0,
         GgmlType::Q8_0 => q8::dot_q8_0,
-        _ => return matmul_reference(w, x, n_tokens, out),
+        ty => panic!("no 8-bit activation path for {ty:?}"),
     };
-    assert_eq!(x.len(), n_tokens * w.cols);
-    assert_eq!(out.len(), n_tokens * w.rows);
-    let mut acts = Q8Acts::default();
-    acts.quantize(x);
     let blocks_per_row = w.cols / q8::QK;
     let n_tasks = w.rows.div_ceil(ROWS_PER_TASK);
     let tiles: Vec<Vec<f32>> = (0..n_tasks)
@@ -69,11 +156,12 @@ pub fn matmul(w: &QMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) {
         .map(|task| {
             let r0 = task * ROWS_PER_TASK;
             let r1 = (r0 + ROWS_PER_TASK).min(w.rows);
+            let mut row = vec![0u8; w.row_bytes()];
             let mut tile = vec![0f32; (r1 - r0) * n_tokens];
             for r in r0..r1 {
-                let row = w.row(r);
+                w.row_gguf(r, &mut row);
                 for t in 0..n_tokens {
-                    tile[(r - r0) * n_tokens + t] = dot(row, &acts, t * blocks_per_row);
+                    tile[(r - r0) * n_tokens + t] = dot(&row, acts, t * blocks_per_row);
                 }
             }
             tile
@@ -138,6 +226,41 @@ mod tests {
             }
         }
         QMatrix::new(ty, rows, cols, data)
+    }
+
+    /// The SIMD kernels equal the scalar integer reference bit for bit, for every packed
+    /// format, both instruction sets, a partial last row group and token counts on both
+    /// sides of the register tile; and a token's row does not depend on its batch.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_matches_scalar_reference_exactly() {
+        let Some(best) = x86::detect() else { return };
+        let isas = if best == x86::Isa::Avx512Vnni { vec![x86::Isa::Avx2, best] } else { vec![best] };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
+            let (rows, cols) = (19, 128);
+            let w = random_weights(&mut rng, ty, rows, cols);
+            let Storage::Packed(p) = &w.storage else { panic!("{ty:?} is not packed") };
+            for n in [1, 3, 4, 6, 9] {
+                let mut x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                x[cols / 2] = -250.0;
+                let mut acts = Q8Acts::default();
+                acts.quantize(&x);
+                let mut want = vec![0f32; n * rows];
+                matmul_q8_scalar(&w, &acts, n, &mut want);
+                for &isa in &isas {
+                    let mut got = vec![f32::NAN; n * rows];
+                    gemm_packed(isa, p, &acts, n, &mut got);
+                    assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{ty:?} {isa:?} n={n}");
+                }
+                // Token by token through the public entry point: the same bits.
+                for t in 0..n {
+                    let mut one = vec![0f32; rows];
+                    matmul(&w, &x[t * cols..(t + 1) * cols], 1, &mut one);
+                    assert_eq!(one, want[t * rows..(t + 1) * rows], "{ty:?} token {t} alone");
+                }
+            }
+        }
     }
 
     /// The 8-bit activation path agrees with exact dequantise-and-dot up to the activation

@@ -18,6 +18,9 @@ pub struct Q8Acts {
     pub d: Vec<f32>,
     /// `d * Σ qs` per block (rounded through f16), used by formats with a min (Q4_1).
     pub s: Vec<f32>,
+    /// `Σ qs` per block, exact; the SIMD kernels subtract `offset × sum` for weights stored
+    /// with an unsigned offset.
+    pub sum: Vec<i32>,
     pub qs: Vec<i8>,
 }
 
@@ -28,6 +31,7 @@ impl Q8Acts {
         let n_blocks = x.len() / QK;
         self.d.resize(n_blocks, 0.0);
         self.s.resize(n_blocks, 0.0);
+        self.sum.resize(n_blocks, 0);
         self.qs.resize(x.len(), 0);
         for b in 0..n_blocks {
             let xb = &x[b * QK..(b + 1) * QK];
@@ -43,6 +47,7 @@ impl Q8Acts {
             }
             self.d[b] = f16::from_f32(d).to_f32();
             self.s[b] = f16::from_f32(d * sum as f32).to_f32();
+            self.sum[b] = sum;
         }
     }
 }

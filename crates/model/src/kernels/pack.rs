@@ -1,0 +1,174 @@
+//! Weights repacked at load time into groups of 8 interleaved rows, the layout the SIMD
+//! integer kernels read (the idea of ggml's `q4_0_8x8` repacking, adapted to our formats).
+//!
+//! For each group of [`GROUP_ROWS`] rows and each 32-element block, one "group block" holds
+//! the 8 rows' f16 scales side by side, then their quants arranged so that one 32-byte load
+//! gives 4 consecutive quants of each of the 8 rows (4 bytes per row, rows in order). An
+//! integer multiply-add of that vector with 4 activation bytes broadcast to every lane
+//! (`vpdpbusd`, or `vpmaddubsw` + `vpmaddwd`) then accumulates one row per 32-bit lane: no
+//! horizontal sums, and the per-block scaling is one vector op for 8 rows.
+//!
+//! Group block layouts (byte offsets), `d`/`m` are 8 × f16:
+//! - Q4_0: `d` @0, nibbles @16 (128 B). Q4_1: `d` @0, `m` @16, nibbles @32 (128 B).
+//!   Nibble vector k (k < 4) has row r's original `qs[4k..4k+4]` at bytes `4r..4r+4`, so its
+//!   low nibbles are elements `4k..4k+4` and its high nibbles elements `16+4k..16+4k+4`.
+//! - Q8_0: `d` @0, bytes @16 (256 B): vector k has row r's elements `4k..4k+4` as `q ^ 0x80`
+//!   (unsigned `q + 128`, because `vpdpbusd` wants its first operand unsigned).
+//! - Q5_0: `d` @0, bytes @16 (256 B): as Q8_0, holding the unsigned 5-bit value `q + 16`.
+//!
+//! Every group block is the same size as (or for Q5_0 larger than) the 8 original blocks,
+//! and [`Packed::row_gguf`] restores a row's original bytes exactly, so the GGUF copy need
+//! not be kept. The last group is padded with zero rows (scale 0).
+
+use pk_gguf::GgmlType;
+
+pub const GROUP_ROWS: usize = 8;
+const QK: usize = 32;
+
+#[derive(Clone)]
+pub struct Packed {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub blocks_per_row: usize,
+    pub data: Vec<u8>,
+}
+
+/// Bytes of one group block of `ty`, or `None` when `ty` has no packed layout.
+pub fn group_block_bytes(ty: GgmlType) -> Option<usize> {
+    match ty {
+        GgmlType::Q4_0 => Some(16 + 128),
+        GgmlType::Q4_1 => Some(32 + 128),
+        GgmlType::Q8_0 | GgmlType::Q5_0 => Some(16 + 256),
+        _ => None,
+    }
+}
+
+impl Packed {
+    /// Repacks row-major GGUF blocks; `None` for formats without a packed layout.
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, gguf: &[u8]) -> Option<Packed> {
+        let gbb = group_block_bytes(ty)?;
+        let (bpr, src_bb) = (cols / QK, ty.block_bytes());
+        let n_groups = rows.div_ceil(GROUP_ROWS);
+        let mut data = vec![0u8; n_groups * bpr * gbb];
+        for r in 0..rows {
+            let (g, lane) = (r / GROUP_ROWS, r % GROUP_ROWS);
+            for b in 0..bpr {
+                let src = &gguf[(r * bpr + b) * src_bb..(r * bpr + b + 1) * src_bb];
+                let dst = &mut data[(g * bpr + b) * gbb..(g * bpr + b + 1) * gbb];
+                pack_block(ty, src, dst, lane);
+            }
+        }
+        Some(Packed { ty, rows, blocks_per_row: bpr, data })
+    }
+
+    pub fn group_block_bytes(&self) -> usize {
+        group_block_bytes(self.ty).unwrap()
+    }
+
+    /// The packed bytes of row group `g` (all its blocks, in order).
+    pub fn group(&self, g: usize) -> &[u8] {
+        let n = self.blocks_per_row * self.group_block_bytes();
+        &self.data[g * n..(g + 1) * n]
+    }
+
+    /// Writes row `r`'s original GGUF bytes into `out` (`blocks_per_row × block_bytes`).
+    pub fn row_gguf(&self, r: usize, out: &mut [u8]) {
+        let (g, lane, gbb, sbb) = (r / GROUP_ROWS, r % GROUP_ROWS, self.group_block_bytes(), self.ty.block_bytes());
+        for b in 0..self.blocks_per_row {
+            let src = &self.data[(g * self.blocks_per_row + b) * gbb..][..gbb];
+            unpack_block(self.ty, src, &mut out[b * sbb..(b + 1) * sbb], lane);
+        }
+    }
+}
+
+/// Moves one GGUF block of row lane `lane` into its places in a group block.
+fn pack_block(ty: GgmlType, src: &[u8], dst: &mut [u8], lane: usize) {
+    dst[2 * lane..2 * lane + 2].copy_from_slice(&src[0..2]);
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 => {
+            let (qs, at) = if ty == GgmlType::Q4_1 {
+                dst[16 + 2 * lane..18 + 2 * lane].copy_from_slice(&src[2..4]);
+                (&src[4..20], 32)
+            } else {
+                (&src[2..18], 16)
+            };
+            for k in 0..4 {
+                dst[at + 32 * k + 4 * lane..][..4].copy_from_slice(&qs[4 * k..4 * k + 4]);
+            }
+        }
+        GgmlType::Q8_0 => {
+            for e in 0..QK {
+                dst[16 + 32 * (e / 4) + 4 * lane + e % 4] = src[2 + e] ^ 0x80;
+            }
+        }
+        GgmlType::Q5_0 => {
+            let qh = u32::from_le_bytes([src[2], src[3], src[4], src[5]]);
+            for e in 0..QK {
+                let nib = if e < 16 { src[6 + e] & 0x0f } else { src[6 + e - 16] >> 4 };
+                dst[16 + 32 * (e / 4) + 4 * lane + e % 4] = nib | ((((qh >> e) & 1) as u8) << 4);
+            }
+        }
+        _ => unreachable!("no packed layout for {ty:?}"),
+    }
+}
+
+/// The exact inverse of [`pack_block`].
+fn unpack_block(ty: GgmlType, src: &[u8], dst: &mut [u8], lane: usize) {
+    dst[0..2].copy_from_slice(&src[2 * lane..2 * lane + 2]);
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 => {
+            let (at, qs_at) = if ty == GgmlType::Q4_1 {
+                dst[2..4].copy_from_slice(&src[16 + 2 * lane..18 + 2 * lane]);
+                (32, 4)
+            } else {
+                (16, 2)
+            };
+            for k in 0..4 {
+                dst[qs_at + 4 * k..qs_at + 4 * k + 4].copy_from_slice(&src[at + 32 * k + 4 * lane..][..4]);
+            }
+        }
+        GgmlType::Q8_0 => {
+            for e in 0..QK {
+                dst[2 + e] = src[16 + 32 * (e / 4) + 4 * lane + e % 4] ^ 0x80;
+            }
+        }
+        GgmlType::Q5_0 => {
+            let mut qh = 0u32;
+            dst[6..22].fill(0);
+            for e in 0..QK {
+                let v = src[16 + 32 * (e / 4) + 4 * lane + e % 4];
+                qh |= ((v >> 4) as u32 & 1) << e;
+                if e < 16 {
+                    dst[6 + e] |= v & 0x0f;
+                } else {
+                    dst[6 + e - 16] |= (v & 0x0f) << 4;
+                }
+            }
+            dst[2..6].copy_from_slice(&qh.to_le_bytes());
+        }
+        _ => unreachable!("no packed layout for {ty:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn pack_roundtrips_every_row_exactly() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_0] {
+            let (rows, cols) = (19, 96);
+            let mut gguf = vec![0u8; rows * ty.row_bytes(cols).unwrap()];
+            rng.fill(&mut gguf[..]);
+            let p = Packed::new(ty, rows, cols, &gguf).unwrap();
+            let rb = ty.row_bytes(cols).unwrap();
+            let mut row = vec![0u8; rb];
+            for r in 0..rows {
+                p.row_gguf(r, &mut row);
+                assert_eq!(row, gguf[r * rb..(r + 1) * rb], "{ty:?} row {r}");
+            }
+        }
+    }
+}
