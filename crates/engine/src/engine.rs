@@ -266,7 +266,7 @@ impl Engine {
     }
 
     fn capture_supported(&self) -> bool {
-        false
+        true
     }
 
     /// Blocks needed to compute `n_tokens` more tokens, plus one block of headroom for decode.
@@ -405,14 +405,28 @@ impl Engine {
                 logits_from: if wants_logits { n - 1 } else { n },
             });
         }
-        let logits = self.model.forward(&mut self.store, &fwd);
+        // Attention-based policies score with queries: the last prompt chunk's (capped to
+        // the chunk) at prefill, each decode token's afterwards.
+        let capture: Vec<usize> = plan
+            .iter()
+            .map(|&(seq, from, to)| {
+                let s = &self.running[idx_of(&self.running, seq)];
+                match &s.eviction {
+                    Some(ev) if !ev.initialised && to == s.all_ids.len() => ev.policy.prefill_queries().count(to - from),
+                    Some(ev) if ev.initialised && ev.policy.decode_queries() != pk_kv::QueryNeed::None => 1,
+                    _ => 0,
+                }
+            })
+            .collect();
+        let (logits, captured) = self.model.forward_with_queries(&mut self.store, &fwd, &capture);
         drop(fwd);
+        let (n_heads, head_dim) = (self.model.config.n_heads, self.model.config.head_dim);
         let vocab = self.model.config.vocab_size;
         let mut row = 0;
         let mut n_tokens = 0;
         let ctx = self.model.config.context_length;
         let mut finished = Vec::new();
-        for &(seq, from, to) in plan {
+        for (k, &(seq, from, to)) in plan.iter().enumerate() {
             n_tokens += to - from;
             let i = idx_of(&self.running, seq);
             let s = &mut self.running[i];
@@ -436,11 +450,19 @@ impl Engine {
             let stored_now = |kv: &KvCacheManager| kv.block_table(seq).map_or(0, |t| t.num_stored_tokens() as usize);
             if let Some(ev) = s.eviction.as_mut() {
                 let stats = self.eviction_stats.entry(ev.spec.name().to_string()).or_default();
+                let n_captured = capture[k];
+                let stored_end = stored_now(&self.kv);
+                let queries = (n_captured > 0).then(|| eviction::CapturedQueries {
+                    n_heads,
+                    head_dim,
+                    positions: (stored_end - n_captured..stored_end).collect(),
+                    data: captured[k].clone(),
+                });
                 if !ev.initialised {
                     // The whole prompt (or, after preemption, everything) is in the cache and
                     // its exact attention is done: select, compact, and from now on evict.
                     if prefill_done && !finished.contains(&seq) {
-                        if !eviction::after_prefill(ev, &mut self.kv, &mut self.store, seq, None, stats) {
+                        if !eviction::after_prefill(ev, &mut self.kv, &mut self.store, seq, queries.as_ref(), stats) {
                             // No block for a copy-on-write during compaction: give up on
                             // this request rather than corrupt a shared block.
                             s.aborted = true;
@@ -449,7 +471,10 @@ impl Engine {
                         }
                     }
                 } else if to - from == 1 {
-                    eviction::after_decode(ev, &mut self.kv, &self.store, seq, None, stats);
+                    if let Some(q) = queries {
+                        ev.recent_queries.push((q.positions[0], q.data));
+                    }
+                    eviction::after_decode(ev, &mut self.kv, &self.store, seq, n_heads, stats);
                 }
                 s.kv_stored_tokens = stored_now(&self.kv);
                 // Evicting sequences never feed the prefix cache: their blocks are about to

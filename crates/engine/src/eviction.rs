@@ -19,17 +19,22 @@ pub(crate) struct SeqEviction {
     pub budget_tokens: u32,
     /// Prefill selection has run (the policy holds block scores).
     pub initialised: bool,
+    /// Post-RoPE queries of the tokens decoded since the last block filled, for policies
+    /// that score blocks with queries: (stored index, `[layer][n_heads * head_dim]`). Cleared
+    /// whenever a block fills, so stored indices never go stale across an eviction.
+    pub recent_queries: Vec<(usize, Vec<f32>)>,
 }
 
 impl SeqEviction {
     pub fn new(spec: PolicySpec, budget_tokens: u32) -> SeqEviction {
-        SeqEviction { policy: spec.build(), spec, budget_tokens, initialised: false }
+        SeqEviction { policy: spec.build(), spec, budget_tokens, initialised: false, recent_queries: Vec::new() }
     }
 
     /// After a preemption the sequence is recomputed from scratch: start over.
     pub fn reset(&mut self) {
         self.policy = self.spec.build();
         self.initialised = false;
+        self.recent_queries.clear();
     }
 }
 
@@ -162,24 +167,19 @@ pub(crate) fn after_prefill(
 }
 
 /// After a decode token: score a block that just filled, then evict while over budget.
-pub(crate) fn after_decode(
-    ev: &mut SeqEviction,
-    kv: &mut KvCacheManager,
-    store: &KvStore,
-    seq: SeqId,
-    queries: Option<&CapturedQueries>,
-    stats: &mut EvictionStats,
-) {
+pub(crate) fn after_decode(ev: &mut SeqEviction, kv: &mut KvCacheManager, store: &KvStore, seq: SeqId, n_heads: usize, stats: &mut EvictionStats) {
     let bs = kv.block_size_tokens() as usize;
     let n_stored = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
     if n_stored % bs != 0 {
         return;
     }
     let table = table_of(kv, seq);
+    let queries = recent_as_view(ev, store, n_heads);
     {
         let view = StoreView::new(store, &table, n_stored);
-        ev.policy.on_block_filled(&view, queries.map(|q| q as &dyn QueryView), n_stored / bs - 1);
+        ev.policy.on_block_filled(&view, queries.as_ref().map(|q| q as &dyn QueryView), n_stored / bs - 1);
     }
+    ev.recent_queries.clear();
     while kv.block_table(seq).expect("live").num_stored_tokens() > ev.budget_tokens {
         let n_blocks = kv.block_table(seq).expect("live").num_blocks();
         let Some(victim) = ev.policy.choose_victim(n_blocks) else { break };
@@ -187,4 +187,23 @@ pub(crate) fn after_decode(
         ev.policy.on_block_removed(victim);
         stats.evicted_blocks += 1;
     }
+}
+
+/// The newest queries the policy asks for, transposed to `CapturedQueries`' layout.
+fn recent_as_view(ev: &SeqEviction, store: &KvStore, n_heads: usize) -> Option<CapturedQueries> {
+    let want = ev.policy.decode_queries().count(ev.recent_queries.len());
+    if want == 0 {
+        return None;
+    }
+    let g = &store.geometry;
+    let q_dim = n_heads * g.head_dim;
+    let recent = &ev.recent_queries[ev.recent_queries.len() - want..];
+    let mut data = vec![0f32; g.n_layers * want * q_dim];
+    for layer in 0..g.n_layers {
+        for (q, (_, per_layer)) in recent.iter().enumerate() {
+            let dst = (layer * want + q) * q_dim;
+            data[dst..dst + q_dim].copy_from_slice(&per_layer[layer * q_dim..(layer + 1) * q_dim]);
+        }
+    }
+    Some(CapturedQueries { n_heads, head_dim: g.head_dim, positions: recent.iter().map(|r| r.0).collect(), data })
 }

@@ -7,11 +7,11 @@ use pk_engine::{EngineConfig, GenerateParams};
 use pk_kv::PolicySpec;
 
 #[test]
-fn stored_tokens_stay_within_budget_for_every_key_value_policy() {
+fn stored_tokens_stay_within_budget_for_every_policy() {
     let mut engine = common::engine(EngineConfig::default());
     let book = common::book_ids();
     let prompt = &book[1000..1600];
-    for name in ["paged-eviction", "paged-eviction:v-norm", "paged-eviction:inv-k-norm", "streaming-llm", "knorm", "keydiff"] {
+    for name in ["paged-eviction", "paged-eviction:v-norm", "paged-eviction:inv-k-norm", "streaming-llm", "knorm", "keydiff", "snapkv", "h2o", "tova", "expected-attention"] {
         let spec: PolicySpec = name.parse().unwrap();
         let params = GenerateParams { max_tokens: 40, ignore_eos: true, kv_policy: Some(spec), kv_budget: Some(128), ..Default::default() };
         let out = engine.generate(prompt, &params, &mut |_| {}).unwrap();
