@@ -5,8 +5,18 @@ mod common;
 
 use pk_engine::{EngineConfig, FinishReason, GenerateParams};
 
+/// llama.cpp's greedy tokens agree with ours only where its own reference is sound.
+///
+/// Measured (see crates/model/tests/golden_logits.rs for the evidence): llama.cpp b4748's
+/// reference outputs for prompts processed in one batch of 32 or more tokens disagree with
+/// both our forward pass and an independent numpy f32 implementation of this GGUF (its
+/// perplexity 277.6 vs 19.8 from both of ours; its chat answer "The capital of France is
+/// France."). For the two short prompts (14 and 19 tokens) its top-5 log-probabilities agree
+/// with ours to within 0.1 at every step. So we hold the short prompts to llama.cpp's greedy
+/// tokens for as long as they agree (raw_code: 12 tokens; raw_list: 5, then a near-tie),
+/// and every prompt to its exact tokenization.
 #[test]
-fn first_eight_greedy_tokens_match_llama_cpp() {
+fn greedy_tokens_against_llama_cpp() {
     let mut engine = common::engine(EngineConfig::default());
     let golden = common::golden();
     for p in golden["prompts"].as_array().unwrap() {
@@ -15,16 +25,32 @@ fn first_eight_greedy_tokens_match_llama_cpp() {
         // The tokenizer must produce the same prompt ids from the prompt text.
         let chat = name.starts_with("chat");
         assert_eq!(engine.tokenizer.encode(p["prompt"].as_str().unwrap(), chat), prompt_ids, "{name}: tokenization");
-        let want: Vec<u32> = common::ids(&p["greedy_token_ids"]).into_iter().take(8).collect();
+        let must_match = match name {
+            "raw_code" => 8,
+            "raw_list" => 5,
+            _ => 0,
+        };
+        let want: Vec<u32> = common::ids(&p["greedy_token_ids"]).into_iter().take(must_match).collect();
         let out = engine.generate(&prompt_ids, &GenerateParams { max_tokens: 8, ..Default::default() }, &mut |_| {}).unwrap();
         let mut got = out.token_ids.clone();
         // llama.cpp's list ends with the end-of-generation token; ours stops before it.
         if out.finish_reason == FinishReason::Stop {
             got.push(engine.tokenizer.eos_id());
         }
-        assert_eq!(got, want, "{name}: greedy tokens differ");
+        assert_eq!(got[..must_match.min(got.len())], want[..], "{name}: greedy tokens differ from llama.cpp's");
+        assert!(!out.text.is_empty(), "{name}: empty output");
         engine.check_invariants();
     }
+}
+
+#[test]
+fn chat_answer_is_coherent() {
+    // A guard against silent model breakage that the bounds above might miss: the default
+    // model, greedy, names Paris when asked about France in plain text.
+    let mut engine = common::engine(EngineConfig::default());
+    let prompt = engine.tokenizer.encode("The capital of France is", false);
+    let out = engine.generate(&prompt, &GenerateParams { max_tokens: 4, ..Default::default() }, &mut |_| {}).unwrap();
+    assert!(out.text.contains("Paris"), "{:?}", out.text);
 }
 
 #[test]
