@@ -4,6 +4,7 @@
 //! (portable scalar reference or SIMD chosen at run time) is decided inside this module,
 //! so faster kernels can replace slow ones without the model code changing.
 
+pub mod attn;
 mod matmul;
 mod ops;
 mod pack;
