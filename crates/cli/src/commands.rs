@@ -190,6 +190,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         ignore_eos: false,
         kv_policy: a.kv.spec()?,
         kv_budget: a.kv.kv_budget,
+        ..Default::default()
     };
     let mut stdout = std::io::stdout().lock();
     let out = engine.generate(&ids, &params, &mut |s| {

@@ -69,11 +69,25 @@ pub struct GenerateParams {
     pub kv_policy: Option<PolicySpec>,
     /// Per-sequence KV budget in tokens (the same for every layer).
     pub kv_budget: Option<u32>,
+    /// Teacher forcing: generated token i is `forced_tokens[i]` instead of a sample (while
+    /// there are any), so that two cache configurations can be compared on the same text.
+    pub forced_tokens: Vec<u32>,
+    /// Send each step's full logits as `SeqEvent::Logits` before its token (evaluation).
+    pub return_logits: bool,
 }
 
 impl Default for GenerateParams {
     fn default() -> Self {
-        GenerateParams { sampling: SamplingParams::default(), max_tokens: 128, stop: Vec::new(), ignore_eos: false, kv_policy: None, kv_budget: None }
+        GenerateParams {
+            sampling: SamplingParams::default(),
+            max_tokens: 128,
+            stop: Vec::new(),
+            ignore_eos: false,
+            kv_policy: None,
+            kv_budget: None,
+            forced_tokens: Vec::new(),
+            return_logits: false,
+        }
     }
 }
 
@@ -529,6 +543,7 @@ impl Engine {
             while let Ok(ev) = rx.try_recv() {
                 match ev {
                     SeqEvent::Text { text, .. } => on_text(&text),
+                    SeqEvent::Logits(_) => {}
                     SeqEvent::Error(e) => bail!("{e}"),
                     SeqEvent::Finished(o) => return Ok(Self::to_generate_output(o, t0)),
                 }
@@ -550,6 +565,37 @@ impl Engine {
             prefill_seconds: first.duration_since(t0).as_secs_f64(),
             decode_seconds: o.finished_at.duration_since(first).as_secs_f64(),
             kv_stored_tokens: o.kv_stored_tokens,
+        }
+    }
+
+    /// Teacher-forces `continuation` after `prompt` under `params`' cache settings and
+    /// returns the logits before each continuation token (`continuation.len()` rows): row i
+    /// is the distribution the model predicted for `continuation[i]`. No other requests may
+    /// be in flight.
+    pub fn teacher_force(&mut self, prompt: &[u32], continuation: &[u32], params: &GenerateParams) -> Result<Vec<Vec<f32>>> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut p = params.clone();
+        p.forced_tokens = continuation.to_vec();
+        p.max_tokens = continuation.len();
+        p.ignore_eos = true;
+        p.stop.clear();
+        p.return_logits = true;
+        let req = Request { prompt_ids: prompt.to_vec(), params: p, cache_salt: None, sink: Box::new(move |e| tx.send(e).is_ok()) };
+        self.submit(req).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut rows = Vec::with_capacity(continuation.len());
+        loop {
+            self.step();
+            while let Ok(ev) = rx.try_recv() {
+                match ev {
+                    SeqEvent::Logits(l) => rows.push(l),
+                    SeqEvent::Text { .. } => {}
+                    SeqEvent::Error(e) => bail!("{e}"),
+                    SeqEvent::Finished(_) => return Ok(rows),
+                }
+            }
+            if !self.has_work() {
+                bail!("the request ended without a result");
+            }
         }
     }
 

@@ -80,7 +80,14 @@ impl SeqState {
     /// Samples the next token from `logits`, streams its text, and returns whether the
     /// sequence is finished.
     pub fn sample_and_emit(&mut self, logits: &[f32], tokenizer: &Tokenizer, context_length: usize) -> bool {
-        let id = self.sampler.sample(logits);
+        if self.req.params.return_logits && !(self.req.sink)(SeqEvent::Logits(logits.to_vec())) {
+            self.aborted = true;
+            return true;
+        }
+        let id = match self.req.params.forced_tokens.get(self.generated()) {
+            Some(&forced) => forced,
+            None => self.sampler.sample(logits),
+        };
         self.first_token_at.get_or_insert_with(Instant::now);
         let params = &self.req.params;
         if !params.ignore_eos && tokenizer.is_eog(id) {

@@ -44,6 +44,7 @@ fn run_batched(config: EngineConfig, prompts: &[Vec<u32>], params: &GeneratePara
             for ev in rx.try_iter() {
                 match ev {
                     SeqEvent::Text { token_ids, .. } => ids.extend(token_ids),
+                    SeqEvent::Logits(_) => {}
                     SeqEvent::Finished(o) => assert_eq!(o.token_ids, ids),
                     SeqEvent::Error(e) => panic!("{e}"),
                 }

@@ -50,3 +50,29 @@ fn invalid_policy_settings_are_refused() {
     assert!(e.contains("needs a kv_budget"), "{e}");
     assert!("nonsense".parse::<PolicySpec>().unwrap_err().to_string().contains("paged-eviction"));
 }
+
+#[test]
+fn teacher_forcing_full_cache_matches_scoring() {
+    // Teacher-forced logits through the scheduler equal a single scoring pass over the
+    // same tokens (same per-token arithmetic), which the evaluation harness relies on.
+    let mut engine = common::engine(EngineConfig::default());
+    let book = common::book_ids();
+    let (prompt, cont) = (&book[0..200], &book[200..216]);
+    let forced = engine.teacher_force(prompt, cont, &GenerateParams::default()).unwrap();
+    assert_eq!(forced.len(), cont.len());
+    let all: Vec<u32> = book[0..216].to_vec();
+    let vocab = engine.model.config.vocab_size;
+    let scored = engine.score(&all, 199).unwrap();
+    for (i, row) in forced.iter().enumerate() {
+        assert!(row[..] == scored[i * vocab..(i + 1) * vocab], "step {i}: teacher-forced logits differ from scoring");
+    }
+    // Under a tight budget the distributions differ but stay finite.
+    let params = GenerateParams { kv_policy: Some(PolicySpec::default()), kv_budget: Some(64), ..Default::default() };
+    let pruned = engine.teacher_force(prompt, cont, &params).unwrap();
+    assert_eq!(pruned.len(), cont.len());
+    assert!(pruned.iter().flatten().all(|v| v.is_finite()));
+    // Prefill attention is exact over the full prompt (pruning only changes what is stored),
+    // so the first distribution is identical; later ones see the pruned cache.
+    assert!(pruned[0] == forced[0], "the first step must use exact attention over the whole prompt");
+    assert!(pruned[1] != forced[1], "after pruning to 64 tokens the next step must differ");
+}

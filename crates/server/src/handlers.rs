@@ -135,7 +135,7 @@ fn generate_params(c: &CommonParams, prompt_tokens: usize, default_max_tokens: O
     if stop.len() > 16 {
         return Err(ApiError::param("stop", "at most 16 stop strings are supported"));
     }
-    Ok(GenerateParams { sampling, max_tokens, stop, ignore_eos: c.ignore_eos, kv_policy, kv_budget })
+    Ok(GenerateParams { sampling, max_tokens, stop, ignore_eos: c.ignore_eos, kv_policy, kv_budget, ..Default::default() })
 }
 
 struct Submitted {
@@ -169,7 +169,7 @@ fn record_latencies(model: &str, o: &RequestOutput) {
 async fn collect(mut s: Submitted, model: &str) -> Result<RequestOutput, ApiError> {
     while let Some(ev) = s.rx.recv().await {
         match ev {
-            SeqEvent::Text { .. } => {}
+            SeqEvent::Text { .. } | SeqEvent::Logits(_) => {}
             SeqEvent::Finished(o) => {
                 record_latencies(model, &o);
                 return Ok(o);
@@ -225,6 +225,7 @@ fn stream_response(kind: Kind, s: Submitted, model: String, include_usage: bool)
         }
         while let Some(ev) = rx.recv().await {
             match ev {
+                SeqEvent::Logits(_) => {}
                 SeqEvent::Text { text, .. } => {
                     if !text.is_empty() {
                         yield_(Event::default().data(chunk(kind, &id, created, &model, Some(&text), None, first).to_string())).await;
