@@ -81,7 +81,8 @@ assert all(0 < c <= 8 for c in counts), counts
 for kwargs, needle in [
     (dict(max_tokens=10**6), "maximum context length"),
     (dict(temperature=-1), "temperature"),
-    (dict(extra_body={"kv_policy": "nonsense"}), "kv_policy"),
+    (dict(extra_body={"kv_policy": "nonsense"}), "eviction policy"),
+    (dict(extra_body={"kv_policy": "paged-eviction", "kv_budget": 8}), "budget"),
 ]:
     try:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], **{"max_tokens": 4, **kwargs})

@@ -68,5 +68,12 @@ fn openai_python_client_against_live_server() {
     );
     assert!(out.status.success(), "openai client checks failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("all checks passed"));
+
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/e2e/load.py");
+    let out = Command::new("python3").arg(script).arg(format!("http://127.0.0.1:{port}")).output().expect("running python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "load test failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("load: all checks passed"));
+    eprintln!("{stdout}");
     drop(server);
 }

@@ -220,7 +220,9 @@ fn stream_response(kind: Kind, s: Submitted, model: String, include_usage: bool)
     let stream = async_stream(move |yield_| async move {
         let mut first = true;
         if let Kind::Chat = kind {
-            yield_(Event::default().data(chunk(kind, &id, created, &model, Some(""), None, true).to_string())).await;
+            if !yield_(Event::default().data(chunk(kind, &id, created, &model, Some(""), None, true).to_string())).await {
+                return;
+            }
             first = false;
         }
         while let Some(ev) = rx.recv().await {
@@ -228,7 +230,9 @@ fn stream_response(kind: Kind, s: Submitted, model: String, include_usage: bool)
                 SeqEvent::Logits(_) => {}
                 SeqEvent::Text { text, .. } => {
                     if !text.is_empty() {
-                        yield_(Event::default().data(chunk(kind, &id, created, &model, Some(&text), None, first).to_string())).await;
+                        if !yield_(Event::default().data(chunk(kind, &id, created, &model, Some(&text), None, first).to_string())).await {
+                            return;
+                        }
                         first = false;
                     }
                 }
@@ -267,16 +271,16 @@ fn stream_response(kind: Kind, s: Submitted, model: String, include_usage: bool)
 /// SSE body can be written as straight-line async code without another dependency.
 fn async_stream<F, Fut>(f: F) -> impl Stream<Item = Result<Event, Infallible>>
 where
-    F: FnOnce(Box<dyn Fn(Event) -> futures::future::BoxFuture<'static, ()> + Send + Sync>) -> Fut,
+    F: FnOnce(Box<dyn Fn(Event) -> futures::future::BoxFuture<'static, bool> + Send + Sync>) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     // Bounded: a slow client applies back-pressure instead of buffering without limit.
     let (tx, rx) = mpsc::channel::<Event>(64);
-    let send: Box<dyn Fn(Event) -> futures::future::BoxFuture<'static, ()> + Send + Sync> = Box::new(move |e| {
+    let send: Box<dyn Fn(Event) -> futures::future::BoxFuture<'static, bool> + Send + Sync> = Box::new(move |e| {
         let tx = tx.clone();
-        Box::pin(async move {
-            let _ = tx.send(e).await;
-        })
+        // `false` once the client is gone: the caller then stops, dropping the request's
+        // event receiver, and the engine aborts the sequence at its next token.
+        Box::pin(async move { tx.send(e).await.is_ok() })
     });
     tokio::spawn(f(send));
     tokio_stream::wrappers::ReceiverStream::new(rx).map_ok()
