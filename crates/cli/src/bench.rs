@@ -13,6 +13,8 @@ use rand::{Rng, SeedableRng};
 pub enum BenchCommand {
     /// Prefill and decode speed per context length.
     Perf(PerfArgs),
+    /// Server throughput and TTFT/ITL percentiles at several client concurrencies.
+    Serve(crate::bench_serve::ServeBenchArgs),
 }
 
 #[derive(Args)]
@@ -40,6 +42,7 @@ pub struct PerfArgs {
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Perf(a) => perf(a),
+        BenchCommand::Serve(a) => crate::bench_serve::run(a),
     }
 }
 

@@ -1,0 +1,186 @@
+//! `pagekeeper bench serve`: throughput and latency percentiles of the OpenAI server at
+//! several client concurrencies, measured over real HTTP with streaming responses.
+//!
+//! It starts `pagekeeper serve` as a child process (so the numbers include HTTP, SSE and
+//! the engine thread exactly as users run them), then for each concurrency level runs
+//! that many client threads, each sending streaming completions back to back.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+#[derive(Args)]
+pub struct ServeBenchArgs {
+    /// A local GGUF (default: the default model).
+    #[arg(long)]
+    pub model: Option<std::path::PathBuf>,
+    /// Client concurrency levels.
+    #[arg(long, default_value = "1,4,16,64", value_delimiter = ',')]
+    pub concurrency: Vec<usize>,
+    /// Requests per level (default: max(8, 2 × concurrency)).
+    #[arg(long)]
+    pub requests: Option<usize>,
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// Prompt length in tokens (approximately; slices of the bundled book).
+    #[arg(long, default_value_t = 128)]
+    pub prompt_tokens: usize,
+    #[arg(long, default_value_t = 8471)]
+    pub port: u16,
+    #[arg(long)]
+    pub threads: Option<usize>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One request's timings.
+struct Sample {
+    ttft_s: f64,
+    itl_s: Vec<f64>,
+    e2e_s: f64,
+    completion_tokens: usize,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i]
+}
+
+fn one_request(http: &reqwest::blocking::Client, url: &str, prompt: &str, max_tokens: usize) -> Result<Sample> {
+    let body = serde_json::json!({
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true,
+        "ignore_eos": true, "stream_options": {"include_usage": true},
+    });
+    let t0 = Instant::now();
+    let resp = http.post(url).json(&body).send()?.error_for_status()?;
+    let mut first = None;
+    let mut last = t0;
+    let mut itl = Vec::new();
+    let mut completion_tokens = 0;
+    for line in BufReader::new(resp).lines() {
+        let line = line?;
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: serde_json::Value = serde_json::from_str(data)?;
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as usize;
+        }
+        let has_text = v["choices"].as_array().is_some_and(|c| c.iter().any(|c| c["text"].as_str().is_some_and(|t| !t.is_empty())));
+        if has_text {
+            let now = Instant::now();
+            match first {
+                None => first = Some(now.duration_since(t0).as_secs_f64()),
+                Some(_) => itl.push(now.duration_since(last).as_secs_f64()),
+            }
+            last = now;
+        }
+    }
+    Ok(Sample { ttft_s: first.unwrap_or(f64::NAN), itl_s: itl, e2e_s: t0.elapsed().as_secs_f64(), completion_tokens })
+}
+
+pub fn run(a: ServeBenchArgs) -> Result<()> {
+    let exe = std::env::current_exe()?;
+    let mut cmd = Command::new(exe);
+    cmd.args(["serve", "--port", &a.port.to_string(), "--max-running-seqs", "64"]);
+    if let Some(m) = &a.model {
+        cmd.arg("--model").arg(m);
+    }
+    if let Some(t) = a.threads {
+        cmd.args(["--threads", &t.to_string()]);
+    }
+    let _server = Server(cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().context("starting the server")?);
+    let base = format!("http://127.0.0.1:{}", a.port);
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(600)).build()?;
+    let t0 = Instant::now();
+    while http.get(format!("{base}/health")).send().map(|r| r.status().as_u16()).unwrap_or(0) != 200 {
+        if t0.elapsed() > Duration::from_secs(120) {
+            bail!("the server did not become healthy");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let book = include_str!("../../../tests/fixtures/around-the-world-in-80-days.txt");
+    let words: Vec<&str> = book.split_whitespace().collect();
+    // About 1.3 tokens per word in this text.
+    let prompt_words = (a.prompt_tokens as f64 / 1.3) as usize;
+    let url = format!("{base}/v1/completions");
+    let mut levels = Vec::new();
+    if !a.json {
+        println!("{:>6} {:>8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10}", "conc", "requests", "decode t/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "E2E p50");
+    }
+    for &conc in &a.concurrency {
+        let n_requests = a.requests.unwrap_or((2 * conc).max(8));
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let start = Instant::now();
+        let samples: Vec<Sample> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..conc)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut out = Vec::new();
+                        loop {
+                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            if i >= n_requests {
+                                break;
+                            }
+                            // Distinct prompts per request, so prefix caching does not flatter TTFT.
+                            let at = (i * 997) % (words.len() - prompt_words);
+                            let prompt = words[at..at + prompt_words].join(" ");
+                            out.push(one_request(&http, &url, &prompt, a.max_tokens));
+                        }
+                        out
+                    })
+                })
+                .collect();
+            handles.into_iter().flat_map(|h| h.join().expect("client thread")).collect::<Result<Vec<_>>>()
+        })?;
+        let wall = start.elapsed().as_secs_f64();
+        let tokens: usize = samples.iter().map(|s| s.completion_tokens).sum();
+        let mut ttft: Vec<f64> = samples.iter().map(|s| s.ttft_s).collect();
+        let mut itl: Vec<f64> = samples.iter().flat_map(|s| s.itl_s.iter().copied()).collect();
+        let mut e2e: Vec<f64> = samples.iter().map(|s| s.e2e_s).collect();
+        for v in [&mut ttft, &mut itl, &mut e2e] {
+            v.sort_by(f64::total_cmp);
+        }
+        let level = serde_json::json!({
+            "concurrency": conc, "requests": n_requests, "completion_tokens": tokens, "wall_s": wall,
+            "decode_tok_s": tokens as f64 / wall,
+            "ttft_p50_s": percentile(&ttft, 0.5), "ttft_p99_s": percentile(&ttft, 0.99),
+            "itl_p50_s": percentile(&itl, 0.5), "itl_p99_s": percentile(&itl, 0.99),
+            "e2e_p50_s": percentile(&e2e, 0.5),
+        });
+        if !a.json {
+            println!(
+                "{:>6} {:>8} {:>12.1} {:>9.3}s {:>9.3}s {:>9.4}s {:>9.4}s {:>9.2}s",
+                conc,
+                n_requests,
+                tokens as f64 / wall,
+                percentile(&ttft, 0.5),
+                percentile(&ttft, 0.99),
+                percentile(&itl, 0.5),
+                percentile(&itl, 0.99),
+                percentile(&e2e, 0.5)
+            );
+        }
+        levels.push(level);
+    }
+    if a.json {
+        println!("{}", serde_json::json!({"max_tokens": a.max_tokens, "prompt_tokens": a.prompt_tokens, "levels": levels}));
+    }
+    Ok(())
+}
