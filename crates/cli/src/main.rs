@@ -1,6 +1,7 @@
 //! The `pagekeeper` command line: a thin layer over `pk-engine`.
 
 mod bench;
+mod bench_serve;
 mod commands;
 mod serve;
 
