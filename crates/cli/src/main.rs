@@ -3,6 +3,7 @@
 mod bench;
 mod bench_serve;
 mod commands;
+mod eval;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -29,6 +30,8 @@ enum Command {
     Bench(bench::BenchCommand),
     /// OpenAI-compatible HTTP server with continuous batching and Prometheus metrics.
     Serve(serve::ServeArgs),
+    /// Quality of KV eviction policies: synthetic long-context tasks and divergence from the full cache.
+    Eval(eval::EvalArgs),
 }
 
 fn main() {
@@ -46,6 +49,7 @@ fn main() {
         Command::Perplexity(a) => commands::perplexity(a),
         Command::Serve(a) => serve::serve(a),
         Command::Bench(c) => bench::run(c),
+        Command::Eval(a) => eval::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

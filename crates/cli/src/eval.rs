@@ -1,0 +1,117 @@
+//! `pagekeeper eval`: quality of KV eviction policies against the full cache (pk-eval).
+//!
+//! Writes into `--out`: `results.jsonl` (raw, one line per cell and sample; a rerun skips
+//! what is there), `summary.json` (the `--json` object), `summary.csv` and `summary.md`.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use pk_eval::{report, Budget, SweepConfig, Task};
+
+#[derive(Args)]
+pub struct EvalArgs {
+    /// A few minutes on two cores (the default preset): 1K and 2K tokens, budgets 25% and 50%, B = 16.
+    #[arg(long, conflicts_with = "full")]
+    pub quick: bool,
+    /// The report: every task, 1K–8K tokens, all budgets, B = 8/16/32, 10 samples (hours; resumable).
+    #[arg(long)]
+    pub full: bool,
+    /// Evicting policies to compare with the full cache, comma-separated
+    /// (default: paged-eviction, streaming-llm, keydiff, knorm).
+    #[arg(long, value_delimiter = ',')]
+    pub policies: Option<Vec<String>>,
+    /// KV budgets: percentages of the context (25%) or token counts (512), comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub budgets: Option<Vec<String>>,
+    /// passkey, niah-single, niah-multikey, niah-multivalue, kv-retrieval, variable-tracking, text-kl.
+    #[arg(long, value_delimiter = ',')]
+    pub tasks: Option<Vec<String>>,
+    /// Context lengths in tokens, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub lengths: Option<Vec<usize>>,
+    /// Tokens per KV block, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub block_sizes: Option<Vec<u32>>,
+    /// Samples per (task, length); needle depths are swept across them.
+    #[arg(long)]
+    pub samples: Option<usize>,
+    /// Seed of the generated tasks.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Output directory (created; results.jsonl there is resumed).
+    #[arg(long, default_value = "eval-out")]
+    pub out: PathBuf,
+    /// Print one JSON object on stdout instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// A local GGUF file; default: SmolLM2-135M-Instruct Q4_1, fetched on first use.
+    #[arg(long, env = "PAGEKEEPER_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Hide the progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+fn config(a: &EvalArgs) -> Result<SweepConfig> {
+    let model = pk_engine::model_store::resolve_model(a.model.as_deref(), true)?;
+    let mut c = if a.full { SweepConfig::full(model, a.out.clone()) } else { SweepConfig::quick(model, a.out.clone()) };
+    if let Some(p) = &a.policies {
+        c.policies = p.iter().map(|s| s.parse::<pk_kv::PolicySpec>().map_err(|e| anyhow::anyhow!("--policies: {e}"))).collect::<Result<_>>()?;
+        c.policies.retain(|p| p.evicts()); // the full cache always runs as the reference
+    }
+    if let Some(b) = &a.budgets {
+        c.budgets = b.iter().map(|s| Budget::parse(s).map_err(|e| anyhow::anyhow!("--budgets: {e}"))).collect::<Result<_>>()?;
+    }
+    if let Some(t) = &a.tasks {
+        c.tasks = t.iter().map(|s| Task::parse(s).map_err(|e| anyhow::anyhow!("--tasks: {e}"))).collect::<Result<_>>()?;
+    }
+    if let Some(l) = &a.lengths {
+        c.lengths = l.clone();
+    }
+    if let Some(b) = &a.block_sizes {
+        c.block_sizes = b.clone();
+    }
+    if let Some(n) = a.samples {
+        c.samples = n;
+    }
+    if let Some(s) = a.seed {
+        c.seed = s;
+    }
+    c.progress = !a.no_progress;
+    if c.samples == 0 || c.lengths.is_empty() || c.tasks.is_empty() || c.block_sizes.is_empty() {
+        bail!("nothing to run: samples, lengths, tasks and block sizes must not be empty");
+    }
+    Ok(c)
+}
+
+pub fn run(a: EvalArgs) -> Result<()> {
+    let cfg = config(&a)?;
+    let t0 = Instant::now();
+    let outcome = pk_eval::run_sweep(&cfg)?;
+    let report = report::summarise(&outcome.model, &outcome.records);
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    let write = |name: &str, text: String| {
+        let p = cfg.out_dir.join(name);
+        std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
+    };
+    let json = serde_json::to_string(&report)?;
+    write("summary.json", json.clone() + "\n")?;
+    write("summary.csv", report::csv(&report))?;
+    write("summary.md", report::markdown(&report, &command))?;
+    eprintln!(
+        "eval: ran {} new of {} cells in {:.1} s; results in {}",
+        outcome.cells_run,
+        outcome.cells_total,
+        t0.elapsed().as_secs_f64(),
+        cfg.out_dir.display()
+    );
+    if a.json {
+        println!("{json}");
+    } else {
+        println!("{}", report::calibration_text(&report));
+        print!("{}", report::table_text(&report));
+    }
+    Ok(())
+}

@@ -1,0 +1,106 @@
+//! Raw results: one JSON line per (cell, sample) in `OUT/results.jsonl`, appended as soon
+//! as it is measured, so a killed sweep loses at most the line being written (a torn last
+//! line is skipped when reading).
+
+use std::collections::HashMap;
+use std::io::{BufRead, Write};
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct RawResult {
+    pub model: String,
+    pub seed: u64,
+    pub task: String,
+    pub context_tokens: usize,
+    pub sample: usize,
+    pub policy: String,
+    pub kv_budget: Option<u32>,
+    pub block_size: u32,
+    pub prompt_tokens: usize,
+    /// Exact-match score (generative tasks) or top-1 agreement (`text-kl`), in [0, 1].
+    pub score: f64,
+    pub depth: Option<f64>,
+    pub answer: Option<String>,
+    pub expected: Vec<String>,
+    /// Agreement with the full cache's greedy answer (generative tasks).
+    pub token_f1: Option<f64>,
+    pub rouge_l: Option<f64>,
+    pub kl_mean: Option<f64>,
+    pub top1_agreement: Option<f64>,
+    pub ppl_full: Option<f64>,
+    pub ppl_policy: Option<f64>,
+    pub kv_stored_tokens: usize,
+    pub seconds: f64,
+}
+
+/// Identifies one measurement; a sweep skips keys already in the file.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CellKey {
+    pub model: String,
+    pub seed: u64,
+    pub task: String,
+    pub context_tokens: usize,
+    pub sample: usize,
+    pub policy: String,
+    pub kv_budget: Option<u32>,
+    pub block_size: u32,
+}
+
+impl RawResult {
+    pub fn key(&self) -> CellKey {
+        CellKey {
+            model: self.model.clone(),
+            seed: self.seed,
+            task: self.task.clone(),
+            context_tokens: self.context_tokens,
+            sample: self.sample,
+            policy: self.policy.clone(),
+            kv_budget: self.kv_budget,
+            block_size: self.block_size,
+        }
+    }
+}
+
+/// Every readable record of `path` by key (a later duplicate wins); none if it is missing.
+pub fn load(path: &Path) -> Result<HashMap<CellKey, RawResult>> {
+    let mut out = HashMap::new();
+    let file = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(e).with_context(|| format!("opening {}", path.display())),
+    };
+    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.with_context(|| format!("reading {}", path.display()))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<RawResult>(&line) {
+            Ok(r) => {
+                out.insert(r.key(), r);
+            }
+            Err(e) => tracing::warn!("{}:{}: skipping an unreadable line ({e})", path.display(), i + 1),
+        }
+    }
+    Ok(out)
+}
+
+/// Appends records to a JSON-lines file, one write and flush per record.
+pub struct Appender(std::fs::File);
+
+impl Appender {
+    pub fn open(path: &Path) -> Result<Appender> {
+        let f = std::fs::OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("opening {}", path.display()))?;
+        Ok(Appender(f))
+    }
+
+    pub fn append(&mut self, r: &RawResult) -> Result<()> {
+        let mut line = serde_json::to_string(r)?;
+        line.push('\n');
+        self.0.write_all(line.as_bytes())?;
+        self.0.flush()?;
+        Ok(())
+    }
+}

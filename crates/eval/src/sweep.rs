@@ -1,0 +1,251 @@
+//! The sweep: for each block size (one engine each), task, length and sample, run the full
+//! cache first (the calibration and the reference), then every (policy, budget) against it.
+//!
+//! The full run also fills the prefix cache, so key/value-scored policies reuse its blocks
+//! and only prefill the last partial block; pruning then copies what it keeps. Policies
+//! that score with prompt queries (SnapKV, …) run with a cache salt and prefill everything,
+//! because a prefix-cache hit would leave them only the last chunk's queries.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use pk_engine::{Engine, EngineConfig};
+use pk_kv::PolicySpec;
+use pk_tokenizer::ChatMessage;
+
+use crate::config::SweepConfig;
+use crate::filler;
+use crate::metrics;
+use crate::record::{self, Appender, CellKey, RawResult};
+use crate::rng::{hash_str, SplitMix64};
+use crate::runner::{self, KvSetting};
+use crate::tasks::{self, Task};
+
+/// What a sweep measured: every record of this configuration (old and new).
+pub struct SweepOutcome {
+    pub model: String,
+    pub records: Vec<RawResult>,
+    pub cells_total: usize,
+    pub cells_run: usize,
+}
+
+/// One (block size, task, length, sample): the full cache and every (policy, budget).
+struct Unit {
+    block_size: u32,
+    task: Task,
+    context_tokens: usize,
+    sample: usize,
+    /// (policy, budget); `None` policy is the full cache.
+    cells: Vec<(Option<PolicySpec>, Option<u32>)>,
+}
+
+pub fn model_name(path: &Path) -> String {
+    path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+fn units(cfg: &SweepConfig) -> Vec<Unit> {
+    let mut out = Vec::new();
+    for &block_size in &cfg.block_sizes {
+        for &task in &cfg.tasks {
+            for &context_tokens in &cfg.lengths {
+                let budgets = cfg.budget_tokens(context_tokens, block_size);
+                for sample in 0..cfg.samples {
+                    let mut cells = vec![(None, None)];
+                    for p in cfg.policies.iter().filter(|p| p.evicts()) {
+                        cells.extend(budgets.iter().map(|&b| (Some(*p), Some(b))));
+                    }
+                    out.push(Unit { block_size, task, context_tokens, sample, cells });
+                }
+            }
+        }
+    }
+    out
+}
+
+fn key(cfg: &SweepConfig, model: &str, u: &Unit, policy: Option<PolicySpec>, budget: Option<u32>) -> CellKey {
+    CellKey {
+        model: model.to_string(),
+        seed: cfg.seed,
+        task: u.task.name().to_string(),
+        context_tokens: u.context_tokens,
+        sample: u.sample,
+        policy: policy.map_or_else(|| "full".to_string(), |p| p.to_string()),
+        kv_budget: budget,
+        block_size: u.block_size,
+    }
+}
+
+/// Runs what is not yet in `OUT/results.jsonl` and returns every record of the sweep.
+pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
+    std::fs::create_dir_all(&cfg.out_dir).with_context(|| format!("creating {}", cfg.out_dir.display()))?;
+    let path = cfg.out_dir.join("results.jsonl");
+    let mut done = record::load(&path)?;
+    let model = model_name(&cfg.model_path);
+    let units = units(cfg);
+    let cells_total: usize = units.iter().map(|u| u.cells.len()).sum();
+    let pending: usize = units.iter().flat_map(|u| u.cells.iter().map(move |&(p, b)| (u, p, b))).filter(|&(u, p, b)| !done.contains_key(&key(cfg, &model, u, p, b))).count();
+    eprintln!("eval: {cells_total} cells x samples in this sweep, {} already in {}, {pending} to run", cells_total - pending, path.display());
+    let bar = progress_bar(pending as u64, cfg.progress);
+    let mut out = Appender::open(&path)?;
+    let mut engine: Option<Engine> = None;
+    let max_len = cfg.lengths.iter().copied().max().unwrap_or(0);
+    for u in &units {
+        if u.cells.iter().all(|&(p, b)| done.contains_key(&key(cfg, &model, u, p, b))) {
+            continue;
+        }
+        if engine.as_ref().is_none_or(|e| e.config.block_size_tokens != u.block_size) {
+            drop(engine.take()); // free the previous engine's KV pool first
+            // Room for the full run's cached prompt plus a policy's own run beside it.
+            let capacity = 2 * (max_len + cfg.continuation_tokens + 64) + 4 * u.block_size as usize;
+            let config = EngineConfig { block_size_tokens: u.block_size, kv_capacity_tokens: Some(capacity), ..Default::default() };
+            engine = Some(Engine::load(&cfg.model_path, config)?);
+        }
+        let e = engine.as_mut().expect("loaded above");
+        bar.set_message(format!("{} {} B={} #{}", u.task.name(), u.context_tokens, u.block_size, u.sample));
+        let ctx = UnitRun { cfg, model: &model, unit: u };
+        let new = if u.task.is_generative() { ctx.run_generative(e, &done, &bar)? } else { ctx.run_text_kl(e, &done, &bar)? };
+        for r in new {
+            out.append(&r)?;
+            done.insert(r.key(), r);
+        }
+    }
+    bar.finish_and_clear();
+    let records: Vec<RawResult> =
+        units.iter().flat_map(|u| u.cells.iter().filter_map(|&(p, b)| done.get(&key(cfg, &model, u, p, b)).cloned()).collect::<Vec<_>>()).collect();
+    Ok(SweepOutcome { model, records, cells_total, cells_run: pending })
+}
+
+fn progress_bar(len: u64, show: bool) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(len), if show { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
+    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} cells  {elapsed_precise} ETA {eta_precise}  {msg}").expect("valid template"));
+    bar
+}
+
+struct UnitRun<'a> {
+    cfg: &'a SweepConfig,
+    model: &'a str,
+    unit: &'a Unit,
+}
+
+impl UnitRun<'_> {
+    fn base(&self, policy: Option<PolicySpec>, budget: Option<u32>, prompt_tokens: usize) -> RawResult {
+        let u = self.unit;
+        RawResult {
+            model: self.model.to_string(),
+            seed: self.cfg.seed,
+            task: u.task.name().to_string(),
+            context_tokens: u.context_tokens,
+            sample: u.sample,
+            policy: policy.map_or_else(|| "full".to_string(), |p| p.to_string()),
+            kv_budget: budget,
+            block_size: u.block_size,
+            prompt_tokens,
+            score: 0.0,
+            depth: None,
+            answer: None,
+            expected: Vec::new(),
+            token_f1: None,
+            rouge_l: None,
+            kl_mean: None,
+            top1_agreement: None,
+            ppl_full: None,
+            ppl_policy: None,
+            kv_stored_tokens: 0,
+            seconds: 0.0,
+        }
+    }
+
+    fn pending<'u>(&'u self, done: &'u HashMap<CellKey, RawResult>) -> impl Iterator<Item = (Option<PolicySpec>, Option<u32>)> + 'u {
+        self.unit.cells.iter().copied().filter(move |&(p, b)| !done.contains_key(&key(self.cfg, self.model, self.unit, p, b)))
+    }
+
+    fn run_generative(&self, e: &mut Engine, done: &HashMap<CellKey, RawResult>, bar: &ProgressBar) -> Result<Vec<RawResult>> {
+        let u = self.unit;
+        let count = |s: &str| e.tokenizer.encode(s, false).len();
+        let sample = tasks::generate(u.task, u.context_tokens, self.cfg.seed, u.sample, self.cfg.samples, &count);
+        let text = e.chat_template.render(&[ChatMessage::new("user", sample.user_message.as_str())], true)? + &sample.answer_prefix;
+        let prompt = e.tokenizer.encode(&text, true);
+        let ctx = e.model.config.context_length;
+        if prompt.len() + sample.max_answer_tokens >= ctx {
+            bail!("{} at {} tokens: the prompt has {} tokens, too many for the model's context of {ctx}", u.task.name(), u.context_tokens, prompt.len());
+        }
+        let mut new = Vec::new();
+        // The full cache first: calibration, the reference answer, and a warm prefix cache.
+        let t0 = Instant::now();
+        let full = runner::generate(e, &prompt, sample.max_answer_tokens, KvSetting::FULL, None)?;
+        let mut full_rec = self.base(None, None, prompt.len());
+        full_rec.seconds = t0.elapsed().as_secs_f64();
+        full_rec.kv_stored_tokens = full.kv_stored_tokens;
+        self.fill_answer(&mut full_rec, &sample, &full.text, &full.text);
+        for (policy, budget) in self.pending(done).collect::<Vec<_>>() {
+            let Some(spec) = policy else {
+                new.push(full_rec.clone());
+                bar.inc(1);
+                continue;
+            };
+            let t0 = Instant::now();
+            let out = runner::generate(e, &prompt, sample.max_answer_tokens, KvSetting { policy, budget }, salt(spec, budget))?;
+            let mut r = self.base(policy, budget, prompt.len());
+            r.seconds = t0.elapsed().as_secs_f64();
+            r.kv_stored_tokens = out.kv_stored_tokens;
+            self.fill_answer(&mut r, &sample, &out.text, &full.text);
+            new.push(r);
+            bar.inc(1);
+        }
+        Ok(new)
+    }
+
+    fn fill_answer(&self, r: &mut RawResult, sample: &tasks::Sample, answer: &str, full_answer: &str) {
+        r.score = metrics::match_score(answer, &sample.expected);
+        r.depth = Some(sample.depth);
+        r.expected = sample.expected.clone();
+        r.answer = Some(answer.to_string());
+        r.token_f1 = Some(metrics::token_f1(answer, full_answer));
+        r.rouge_l = Some(metrics::rouge_l(answer, full_answer));
+    }
+
+    fn run_text_kl(&self, e: &mut Engine, done: &HashMap<CellKey, RawResult>, bar: &ProgressBar) -> Result<Vec<RawResult>> {
+        let u = self.unit;
+        let n_cont = self.cfg.continuation_tokens;
+        if u.context_tokens <= n_cont + 16 {
+            bail!("text-kl needs a context longer than the {n_cont}-token continuation");
+        }
+        let mut rng = SplitMix64::for_parts(&[self.cfg.seed, hash_str("text-kl"), u.context_tokens as u64, u.sample as u64]);
+        let ids = filler::natural_text_tokens(u.context_tokens, &mut rng, &|s| e.tokenizer.encode(s, false));
+        let (prefix, cont) = ids.split_at(u.context_tokens - n_cont);
+        let t0 = Instant::now();
+        let full = runner::teacher_force(e, prefix, cont, KvSetting::FULL, None)?;
+        let full_seconds = t0.elapsed().as_secs_f64();
+        let mut new = Vec::new();
+        for (policy, budget) in self.pending(done).collect::<Vec<_>>() {
+            let t0 = Instant::now();
+            let (logits, kv_stored_tokens) = match policy {
+                Some(spec) => {
+                    let o = runner::teacher_force(e, prefix, cont, KvSetting { policy, budget }, salt(spec, budget))?;
+                    (o.logits, o.kv_stored_tokens)
+                }
+                None => (full.logits.clone(), full.kv_stored_tokens),
+            };
+            let d = metrics::divergence(&full.logits, &logits, cont, 1);
+            let mut r = self.base(policy, budget, prefix.len());
+            r.seconds = if policy.is_none() { full_seconds } else { t0.elapsed().as_secs_f64() };
+            r.kv_stored_tokens = kv_stored_tokens;
+            r.score = d.top1_agreement;
+            r.kl_mean = Some(d.kl_mean);
+            r.top1_agreement = Some(d.top1_agreement);
+            r.ppl_full = Some(d.ppl_full);
+            r.ppl_policy = Some(d.ppl_policy);
+            new.push(r);
+            bar.inc(1);
+        }
+        Ok(new)
+    }
+}
+
+/// Policies that score with prompt queries must not start from a prefix-cache hit.
+fn salt(spec: PolicySpec, budget: Option<u32>) -> Option<String> {
+    (spec.build().prefill_queries() != pk_kv::QueryNeed::None).then(|| format!("eval|{spec}|{budget:?}"))
+}
