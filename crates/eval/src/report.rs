@@ -137,6 +137,7 @@ pub fn markdown(report: &Report, command: &str) -> String {
     s += "Score: exact match of the expected strings (generative tasks), top-1 agreement with the full cache (text-kl). \
           F1 / ROUGE-L: the greedy answer against the full cache's. KL: mean per-token KL(p_full || p_policy), nats. \
           \"uncalibrated\": the full cache scores below 80% there.\n\n";
+    s += &format!("```\n{}```\n\n", calibration_text(report));
     s += &format!("| {} |\n|{}\n", HEADER.join(" | "), "---|".repeat(12));
     for r in &report.results {
         s += &format!("| {} |\n", cells(r).join(" | "));
@@ -214,5 +215,7 @@ mod tests {
         assert!(json["results"][0]["kv_budget"].is_null());
         assert!(table_text(&r).contains("passkey (uncalibrated)"));
         assert_eq!(csv(&r).lines().count(), 3);
+        let md = markdown(&r, "pagekeeper eval");
+        assert!(md.contains("full score 0.750  <- below 80%") && md.contains("| passkey (uncalibrated) | 1024 | 16 | knorm | 256 | 0.500 |"), "{md}");
     }
 }
