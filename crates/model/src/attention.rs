@@ -7,12 +7,14 @@
 //! per step beyond one block of scratch, and evicted blocks need no special case: the
 //! kernel sees only the compacted block table and the number of stored tokens.
 
+use std::cell::RefCell;
+
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::attn;
+use crate::kernels::{attn, attn512};
 use crate::kernels::dot_f32;
-use crate::kv_store::KvStore;
+use crate::kv_store::{KvStore, LayerKv};
 
 /// One sequence's share of an attention call.
 #[derive(Debug, Clone, Copy)]
@@ -27,15 +29,47 @@ pub struct AttnSeq<'a> {
     pub row_offset: usize,
 }
 
-/// Whether to use the AVX2 block kernel (`kernels::attn`). Off: it is within 1e-4 of the
-/// reference (tests below) and ≈ 1.8× faster at 2048 tokens, but its different summation
-/// order moves SmolLM2's first-step log-probabilities by up to 0.24 nats (chaotic through the
-/// 8-bit activation rounding), past two of golden_logits' measured bounds (chat_capital 2.60
-/// vs 2.5, chat_python 1.93 vs 1.9). Turn on once those bounds are re-measured.
-const SIMD_ATTENTION: bool = false;
+/// Which implementation computes a tile. All three agree within 1e-4 (tests below), and
+/// each is batch-invariant on its own; the choice depends only on the CPU and head size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// Portable: converts each block to f32 scratch, scalar online softmax.
+    Scalar,
+    /// AVX2 + FMA over f32 scratch copies of each block (`kernels::attn`).
+    Avx2,
+    /// AVX-512 straight from the store, f16 widened in registers (`kernels::attn512`).
+    Avx512,
+}
 
-/// Query tokens per task: one converted K/V block serves this many tokens × group heads.
+impl Kernel {
+    /// The fastest kernel this CPU runs for this head size.
+    ///
+    /// The SIMD kernels sum in a different order from the scalar one, which moves SmolLM2's
+    /// first-step log-probabilities by up to a few tenths of a nat (chaotic through the 8-bit
+    /// activation rounding); golden_logits' bounds were re-measured with `Avx512`.
+    pub fn best(head_dim: usize) -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if attn512::supported(head_dim) {
+                return Kernel::Avx512;
+            }
+            if attn::x86_supported(head_dim) {
+                return Kernel::Avx2;
+            }
+        }
+        let _ = head_dim;
+        Kernel::Scalar
+    }
+}
+
+/// Query tokens per task: one pass over a KV head's blocks serves this many tokens × group
+/// heads, and a prefill of 2048 tokens makes 64 tasks per KV head, plenty to balance.
 const QUERY_TILE_TOKENS: usize = 32;
+
+/// Below this many (query row × visible key) products an attention call runs on the calling
+/// thread: ≈ 0.1 ms of work, well above what waking a pool thread costs, so two threads are
+/// never slower than one (a decode step at a short context stays single-threaded).
+const MIN_PARALLEL_ROW_KEYS: usize = 32 * 1024;
 
 #[derive(Clone, Copy)]
 pub struct AttnShape {
@@ -43,6 +77,26 @@ pub struct AttnShape {
     pub n_kv_heads: usize,
     pub head_dim: usize,
 }
+
+/// One unit of parallel work: a tile of one sequence's query tokens against one KV head.
+#[derive(Clone, Copy)]
+struct Task {
+    seq: usize,
+    kv_head: usize,
+    t0: usize,
+    t1: usize,
+}
+
+thread_local! {
+    /// The task list, reused so that a decode step does not allocate.
+    static TASKS: RefCell<Vec<Task>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The output pointer shared by tasks that write disjoint (row, head) slices.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
 
 /// `out[row][h*hd..]` = softmax(q·Kᵀ/√d)·V for every query row of every sequence.
 pub fn paged_attention(
@@ -53,12 +107,13 @@ pub fn paged_attention(
     q: &[f32],
     out: &mut [f32],
 ) {
-    paged_attention_with(SIMD_ATTENTION, store, layer, shape, seqs, q, out)
+    paged_attention_with(Kernel::best(shape.head_dim), store, layer, shape, seqs, q, out)
 }
 
+/// [`paged_attention`] with a chosen kernel (tests and benchmarks compare them).
 #[allow(clippy::too_many_arguments)]
-fn paged_attention_with(
-    simd: bool,
+pub fn paged_attention_with(
+    kernel: Kernel,
     store: &KvStore,
     layer: usize,
     shape: AttnShape,
@@ -67,29 +122,83 @@ fn paged_attention_with(
     out: &mut [f32],
 ) {
     let q_dim = shape.n_heads * shape.head_dim;
-    let mut tasks = Vec::new();
-    for (si, s) in seqs.iter().enumerate() {
-        for kvh in 0..shape.n_kv_heads {
-            for t0 in (0..s.n_queries).step_by(QUERY_TILE_TOKENS) {
-                tasks.push((si, kvh, t0, (t0 + QUERY_TILE_TOKENS).min(s.n_queries)));
-            }
+    let n_rows: usize = seqs.iter().map(|s| s.row_offset + s.n_queries).max().unwrap_or(0);
+    assert!(q.len() >= n_rows * q_dim && out.len() >= n_rows * q_dim, "q/out shorter than the rows");
+    for s in seqs {
+        if s.n_queries > 0 {
+            let last = s.stored_start + s.n_queries - 1;
+            assert!(last / store.geometry.block_size_tokens < s.block_table.len(), "block table shorter than stored tokens");
         }
     }
-    let results: Vec<Vec<f32>> = tasks
-        .par_iter()
-        .map(|&(si, kvh, t0, t1)| attend_tile(simd, store, layer, shape, &seqs[si], kvh, t0, t1, q))
-        .collect();
+    let kernel = match kernel {
+        Kernel::Avx512 if !cfg!(target_arch = "x86_64") => Kernel::Scalar,
+        k => k,
+    };
     let group = shape.n_heads / shape.n_kv_heads;
-    let hd = shape.head_dim;
-    for (&(si, kvh, t0, t1), res) in tasks.iter().zip(&results) {
-        let s = &seqs[si];
-        for (ti, t) in (t0..t1).enumerate() {
-            let row = s.row_offset + t;
-            for g in 0..group {
-                let h = kvh * group + g;
-                let src = &res[(ti * group + g) * hd..(ti * group + g + 1) * hd];
-                out[row * q_dim + h * hd..row * q_dim + (h + 1) * hd].copy_from_slice(src);
+    let row_keys: usize = seqs.iter().map(|s| s.n_queries * group * shape.n_kv_heads * (s.stored_start + s.n_queries)).sum();
+    let ptr = OutPtr(out.as_mut_ptr());
+    TASKS.with_borrow_mut(|tasks| {
+        tasks.clear();
+        for (si, s) in seqs.iter().enumerate() {
+            for kv_head in 0..shape.n_kv_heads {
+                for t0 in (0..s.n_queries).step_by(QUERY_TILE_TOKENS) {
+                    tasks.push(Task { seq: si, kv_head, t0, t1: (t0 + QUERY_TILE_TOKENS).min(s.n_queries) });
+                }
             }
+        }
+        // SAFETY (both branches): tasks write disjoint (row, head) slices of `out`, whose
+        // length was checked above; block tables were checked to cover every visible key.
+        let run = |t: &Task| unsafe { attend_task(kernel, store, layer, shape, &seqs[t.seq], t, q, ptr) };
+        if rayon::current_num_threads() > 1 && tasks.len() > 1 && row_keys >= MIN_PARALLEL_ROW_KEYS {
+            tasks.par_iter().for_each(run);
+        } else {
+            tasks.iter().for_each(run);
+        }
+    });
+}
+
+/// Computes one task's rows into `out`.
+///
+/// # Safety
+/// `out` must hold every row of `s`, and no other task may write this (tile, KV head).
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: AttnShape, s: &AttnSeq, t: &Task, q: &[f32], out: OutPtr) {
+    let hd = shape.head_dim;
+    let group = shape.n_heads / shape.n_kv_heads;
+    let q_dim = shape.n_heads * hd;
+    let at = |tok: usize, g: usize| (s.row_offset + tok) * q_dim + (t.kv_head * group + g) * hd;
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx512 {
+        let (k, v, f16) = match store.layer(layer) {
+            LayerKv::F16 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, true),
+            LayerKv::F32 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, false),
+        };
+        let g = &store.geometry;
+        let kv = attn512::HeadKv { k, v, f16, block_table: s.block_table, n_kv_heads: g.n_kv_heads, kv_head: t.kv_head, block_size: g.block_size_tokens, head_dim: hd };
+        debug_assert_eq!(store.head_offset(1, 0), g.n_kv_heads * g.block_size_tokens * hd);
+        let max_rows = attn512::max_rows(hd);
+        let mut rows = [attn512::Row { q: std::ptr::null(), out: std::ptr::null_mut(), n_visible: 0 }; 4];
+        let mut n = 0;
+        for tok in t.t0..t.t1 {
+            for g in 0..group {
+                rows[n] = attn512::Row { q: q.as_ptr().add(at(tok, g)), out: out.0.add(at(tok, g)), n_visible: s.stored_start + tok + 1 };
+                n += 1;
+                if n == max_rows {
+                    attn512::attend(&kv, &rows[..n], 1.0 / (hd as f32).sqrt());
+                    n = 0;
+                }
+            }
+        }
+        if n > 0 {
+            attn512::attend(&kv, &rows[..n], 1.0 / (hd as f32).sqrt());
+        }
+        return;
+    }
+    let res = attend_tile(kernel == Kernel::Avx2, store, layer, shape, s, t.kv_head, t.t0, t.t1, q);
+    for (ti, tok) in (t.t0..t.t1).enumerate() {
+        for g in 0..group {
+            let src = &res[(ti * group + g) * hd..(ti * group + g + 1) * hd];
+            std::ptr::copy_nonoverlapping(src.as_ptr(), out.0.add(at(tok, g)), hd);
         }
     }
 }
@@ -137,17 +246,12 @@ fn attend_tile(
     for b in 0..n_blocks {
         let block = s.block_table[b];
         let n_valid = bs.min(last_visible + 1 - b * bs);
-        store.read_k(layer, block, kvh, &mut kbuf[..n_valid * hd]);
         store.read_v(layer, block, kvh, &mut vbuf[..n_valid * hd]);
         if simd {
             #[cfg(target_arch = "x86_64")]
             {
                 // Transposed K: one vector load then gives a dimension of 8 keys.
-                for j in 0..n_valid {
-                    for d in 0..hd {
-                        kt[d * sp + j] = kbuf[j * hd + d];
-                    }
-                }
+                store.read_k_transposed(layer, block, kvh, sp, &mut kt);
                 let blk = attn::BlockF32 {
                     kt: &kt,
                     v: &vbuf,
@@ -187,6 +291,7 @@ fn attend_tile(
             }
             continue;
         }
+        store.read_k(layer, block, kvh, &mut kbuf[..n_valid * hd]);
         for t in t0..t1 {
             let visible_end = s.stored_start + t + 1; // exclusive
             if visible_end <= b * bs {
@@ -254,6 +359,21 @@ mod tests {
         out
     }
 
+    /// Every kernel this CPU can run for head size `hd`.
+    fn kernels(hd: usize) -> Vec<Kernel> {
+        let mut ks = vec![Kernel::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if attn::x86_supported(hd) {
+                ks.push(Kernel::Avx2);
+            }
+            if attn512::supported(hd) {
+                ks.push(Kernel::Avx512);
+            }
+        }
+        ks
+    }
+
     #[test]
     fn paged_matches_naive_with_scrambled_blocks() {
         for (n_heads, n_kv, hd, bs, n_tokens, n_q) in [
@@ -265,11 +385,15 @@ mod tests {
             (8, 2, 128, 16, 150, 150),
             (8, 2, 128, 128, 150, 2),
         ] {
-            check_paged(n_heads, n_kv, hd, bs, n_tokens, n_q);
+            for dtype in [KvDtype::F32, KvDtype::F16] {
+                check_paged(dtype, n_heads, n_kv, hd, bs, n_tokens, n_q);
+            }
         }
     }
 
-    fn check_paged(n_heads: usize, n_kv: usize, hd: usize, bs: usize, n_tokens: usize, n_q: usize) {
+    /// Checks every kernel against naive attention, then that each query row has the same
+    /// bits computed alone (as in a decode step) as in the whole batch (as in prefill).
+    fn check_paged(dtype: KvDtype, n_heads: usize, n_kv: usize, hd: usize, bs: usize, n_tokens: usize, n_q: usize) {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let num_blocks = n_tokens.div_ceil(bs) + 3;
         let g = KvGeometry {
@@ -279,15 +403,20 @@ mod tests {
             block_size_tokens: bs,
             num_blocks,
         };
-        let mut store = KvStore::new(g, KvDtype::F32);
+        let mut store = KvStore::new(g, dtype);
+        // Values exactly representable in the store, so the reference sees what it holds.
+        let value = |rng: &mut rand::rngs::StdRng| {
+            let x: f32 = rng.gen_range(-1.0..1.0);
+            if dtype == KvDtype::F16 { half::f16::from_f32(x).to_f32() } else { x }
+        };
         let mut table: Vec<u32> = (0..num_blocks as u32).collect();
         table.reverse();
         table.swap(0, 2);
         let mut ks = vec![vec![vec![0f32; hd]; n_tokens]; n_kv];
         let mut vs = ks.clone();
         for t in 0..n_tokens {
-            let k: Vec<f32> = (0..n_kv * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let v: Vec<f32> = (0..n_kv * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let k: Vec<f32> = (0..n_kv * hd).map(|_| value(&mut rng)).collect();
+            let v: Vec<f32> = (0..n_kv * hd).map(|_| value(&mut rng)).collect();
             store.write_token(0, table[t / bs], t % bs, &k, &v);
             for h in 0..n_kv {
                 ks[h][t] = k[h * hd..(h + 1) * hd].to_vec();
@@ -306,9 +435,9 @@ mod tests {
             n_queries: n_q,
             row_offset: 0,
         };
-        for simd in [false, true] {
+        for kernel in kernels(hd) {
             paged_attention_with(
-                simd,
+                kernel,
                 &store,
                 0,
                 AttnShape {
@@ -334,10 +463,19 @@ mod tests {
                     for (a, b) in want.iter().zip(got) {
                         assert!(
                             (a - b).abs() < 1e-4,
-                            "simd {simd} bs {bs} token {i} head {h}: {a} vs {b}"
+                            "{kernel:?} bs {bs} token {i} head {h}: {a} vs {b}"
                         );
                     }
                 }
+            }
+            let shape = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd };
+            let q_dim = n_heads * hd;
+            for i in 0..n_q {
+                let alone = AttnSeq { block_table: &table, stored_start: start + i, n_queries: 1, row_offset: 0 };
+                let mut one = vec![0f32; q_dim];
+                paged_attention_with(kernel, &store, 0, shape, &[alone], &q[i * q_dim..(i + 1) * q_dim], &mut one);
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&one), bits(&out[i * q_dim..(i + 1) * q_dim]), "{kernel:?} bs {bs}: token {i} alone differs");
             }
         }
     }

@@ -54,16 +54,21 @@ fn log_softmax(x: &[f32]) -> Vec<f32> {
 
 /// Per prompt: the largest allowed |our log-prob − llama.cpp's| over its top-5, and the rank
 /// (0 = our argmax) that llama.cpp's greedy first token must have in our distribution.
-/// Measured maxima (f16 cache, block size 16): 2.36, 2.02, 1.81, 0.69, 0.085, 0.27.
+/// Measured maxima (f16 cache, block size 16), scalar attention: 2.36, 2.02, 1.81, 0.69,
+/// 0.085, 0.27; AVX-512 attention (`attention::Kernel::Avx512`, summing in another order, the
+/// default where the CPU has it): 2.46, 1.93, 1.93, 0.73, 0.049, 0.35, and llama.cpp's first
+/// token for chat_capital ranks 2nd (a third candidate now sits in the near-tie). The bounds
+/// take the larger of the two plus a margin. They measure disagreement with a reference that
+/// is itself wrong for long batches (above); golden_perplexity holds us to an independent one.
 const BOUNDS: &[(&str, f32, usize)] = &[
     // Long prompts (37–46 tokens): the reference came from its > 32-token batch path.
-    ("chat_capital", 2.5, 1), // "The" vs "L": a near-tie (0.4 nats) that summation order flips.
+    ("chat_capital", 2.6, 2), // "The" vs "L": a near-tie (0.4 nats) that summation order flips.
     ("chat_sky", 2.1, 0),
-    ("chat_python", 1.9, 1), // We start with "```", llama.cpp with "Here".
+    ("chat_python", 2.05, 1), // We start with "```", llama.cpp with "Here".
     ("raw_verne", 0.8, 0),
     // Short prompts (14 and 19 tokens): the reference is close, though not within 0.05.
     ("raw_list", 0.1, 0),
-    ("raw_code", 0.3, 0),
+    ("raw_code", 0.4, 0),
 ];
 
 #[test]
@@ -85,13 +90,17 @@ fn first_step_top5_logprobs_match_llama_cpp() {
         let table: Vec<u32> = (0..8).rev().collect();
         let logits = model.forward(&mut store, &[SeqForward { tokens: &ids, start_position: 0, stored_start: 0, block_table: &table, logits_from: ids.len() - 1 }]);
         let lp = log_softmax(&logits);
+        let mut worst = 0f32;
         for want in p["top5_per_step"][0].as_array().unwrap() {
             let id = want["id"].as_u64().unwrap() as usize;
             let w = want["logprob"].as_f64().unwrap() as f32;
+            worst = worst.max((lp[id] - w).abs());
             assert!((lp[id] - w).abs() < bound, "{name}: token {id} logprob {} vs llama.cpp {w} (bound {bound})", lp[id]);
         }
+        // Printed so that re-measuring the bounds needs only `--nocapture`.
         let first = p["greedy_token_ids"][0].as_u64().unwrap() as usize;
         let above = lp.iter().filter(|&&v| v > lp[first]).count();
+        eprintln!("{name}: max |Δ logprob| {worst:.3} (bound {bound}), llama.cpp's first token ranks {above}");
         assert!(above <= rank, "{name}: llama.cpp's first token {first} has rank {above} in ours, allowed {rank}");
     }
 }

@@ -5,6 +5,8 @@
 //! so faster kernels can replace slow ones without the model code changing.
 
 pub mod attn;
+#[cfg(target_arch = "x86_64")]
+pub mod attn512;
 mod matmul;
 mod ops;
 mod pack;

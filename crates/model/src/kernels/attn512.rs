@@ -1,0 +1,216 @@
+//! Attention for a few query rows of one KV head, straight from the paged K/V store (AVX-512).
+//!
+//! The kernel walks a sequence's block table and reads each block's K and V in place, in
+//! the store's own precision (f16, widened with `vcvtph2ps`, or f32): nothing is gathered,
+//! converted into scratch or allocated. K is stored transposed per block (`K[d][slot]`, see
+//! `kv_store`), so the scores of 16 keys for one query row are the 16 lanes of one vector,
+//! `s += q[d] · K[d][slot..slot + 16]`, and each loaded K vector serves up to `R` rows (the
+//! query heads of a GQA group, or several tokens of a prefill tile). The rows' online-softmax
+//! state (running max, running sum, `head_dim` accumulators) stays in registers for the
+//! whole walk, so a 64-wide head with 4 rows uses 16 of the 32 vector registers.
+//!
+//! NOTE 1 (batch invariance): a row's arithmetic depends only on its query, its number of
+//! visible keys and the K/V, never on the other rows of the call or on `R`. Keys are taken
+//! in chunks of 16 slots aligned to block starts; a chunk a row cannot see is a no-op for
+//! it (its softmax state is left alone; its accumulators get `+ 0·v`, which changes at most
+//! the sign of a zero). So a token's attention has the same bits in a prefill tile as
+//! alone in a decode step, which the engine's teacher-forcing and batching tests rely on.
+//! Reductions are written as fixed shuffle trees for the same reason.
+
+use std::arch::x86_64::*;
+
+/// One query row: `out = softmax(q · Kᵀ · scale) · V` over stored keys `0..n_visible`.
+#[derive(Clone, Copy)]
+pub struct Row {
+    pub q: *const f32,
+    pub out: *mut f32,
+    pub n_visible: usize,
+}
+
+/// One KV head of one layer, as the store lays it out.
+pub struct HeadKv<'a> {
+    /// Start of the layer's K and V arrays (`f16` or `f32` elements, per `f16`).
+    pub k: *const u8,
+    pub v: *const u8,
+    pub f16: bool,
+    pub block_table: &'a [u32],
+    pub n_kv_heads: usize,
+    pub kv_head: usize,
+    pub block_size: usize,
+    pub head_dim: usize,
+}
+
+/// Whether [`attend`] handles this head size on this CPU.
+pub fn supported(head_dim: usize) -> bool {
+    matches!(head_dim, 64 | 128)
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("f16c")
+        && is_x86_feature_detected!("fma")
+}
+
+/// Most rows per [`attend`] call: their accumulators must fit in registers.
+pub fn max_rows(head_dim: usize) -> usize {
+    if head_dim <= 64 {
+        4
+    } else {
+        2
+    }
+}
+
+/// Computes every row (`1..=max_rows(head_dim)` of them).
+///
+/// # Safety
+/// `supported(kv.head_dim)` must hold; every row's `q` and `out` must point at `head_dim`
+/// floats; the block table must cover each row's visible keys, and `k`/`v` the blocks in it.
+pub unsafe fn attend(kv: &HeadKv, rows: &[Row], scale: f32) {
+    macro_rules! go {
+        ($hd16:literal, $r:literal) => {{
+            let r: &[Row; $r] = rows.try_into().unwrap();
+            if kv.f16 {
+                kernel::<$hd16, $r, true>(kv, r, scale)
+            } else {
+                kernel::<$hd16, $r, false>(kv, r, scale)
+            }
+        }};
+    }
+    match (kv.head_dim, rows.len()) {
+        (64, 1) => go!(4, 1),
+        (64, 2) => go!(4, 2),
+        (64, 3) => go!(4, 3),
+        (64, 4) => go!(4, 4),
+        (128, 1) => go!(8, 1),
+        (128, 2) => go!(8, 2),
+        (hd, n) => panic!("attend: {n} rows of head_dim {hd} unsupported"),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(kv: &HeadKv, rows: &[Row; R], scale: f32) {
+    let hd = HD16 * 16;
+    let bs = kv.block_size;
+    let esz = if F16 { 2 } else { 4 };
+    // 16 elements at `p + i` (in elements); lanes outside `mask` read as 0 from no memory.
+    // Macros rather than closures, so that they are compiled with this function's features.
+    macro_rules! load {
+        ($p:expr, $i:expr, $mask:expr) => {
+            if F16 {
+                _mm512_cvtph_ps(_mm256_maskz_loadu_epi16($mask, ($p as *const i16).add($i)))
+            } else {
+                _mm512_maskz_loadu_ps($mask, ($p as *const f32).add($i))
+            }
+        };
+        ($p:expr, $i:expr) => {
+            if F16 {
+                _mm512_cvtph_ps(_mm256_loadu_si256(($p as *const i16).add($i) as *const __m256i))
+            } else {
+                _mm512_loadu_ps(($p as *const f32).add($i))
+            }
+        };
+    }
+
+    // Queries copied so that their broadcasts come from one small array; the scale is
+    // applied to the dot products, as llama.cpp's `soft_max_ext` does.
+    let mut qs = [[0f32; 128]; R];
+    for (qr, row) in qs.iter_mut().zip(rows) {
+        std::ptr::copy_nonoverlapping(row.q, qr.as_mut_ptr(), hd);
+    }
+    let scale_v = _mm512_set1_ps(scale);
+    let mut m = [f32::NEG_INFINITY; R];
+    let mut l = [0f32; R];
+    let mut acc = [[_mm512_setzero_ps(); HD16]; R];
+    let mut p = [[0f32; 16]; R];
+    let n_max = rows.iter().map(|r| r.n_visible).max().unwrap_or(0);
+
+    for b in 0..n_max.div_ceil(bs) {
+        let off = (*kv.block_table.get_unchecked(b) as usize * kv.n_kv_heads + kv.kv_head) * bs * hd * esz;
+        let (kb, vb) = (kv.k.add(off), kv.v.add(off));
+        let mut c0 = 0;
+        while c0 < bs && b * bs + c0 < n_max {
+            let base = b * bs + c0;
+            let w = (bs - c0).min(16);
+            let wmask: __mmask16 = if w == 16 { 0xFFFF } else { (1 << w) - 1 };
+            // Scores: two accumulators per row (even and odd d) halve the FMA chain.
+            let mut s0 = [_mm512_setzero_ps(); R];
+            let mut s1 = [_mm512_setzero_ps(); R];
+            for d in (0..hd).step_by(2) {
+                let k0 = load!(kb, d * bs + c0, wmask);
+                let k1 = load!(kb, (d + 1) * bs + c0, wmask);
+                for r in 0..R {
+                    s0[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r][d]), k0, s0[r]);
+                    s1[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r][d + 1]), k1, s1[r]);
+                }
+            }
+            // Online softmax per row over the slots it sees (NOTE 1).
+            let mut j_max = 0;
+            for r in 0..R {
+                let nv = rows[r].n_visible.saturating_sub(base).min(w);
+                if nv == 0 {
+                    p[r] = [0.0; 16];
+                    continue;
+                }
+                j_max = j_max.max(nv);
+                let vmask: __mmask16 = if nv == 16 { 0xFFFF } else { (1 << nv) - 1 };
+                let s = _mm512_mul_ps(_mm512_add_ps(s0[r], s1[r]), scale_v);
+                let m_new = m[r].max(_mm512_mask_reduce_max_ps(vmask, s));
+                let corr = exp512(_mm512_set1_ps(m[r] - m_new));
+                let pv = _mm512_maskz_mov_ps(vmask, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+                l[r] = l[r] * _mm512_cvtss_f32(corr) + hsum(pv);
+                for a in acc[r].iter_mut() {
+                    *a = _mm512_mul_ps(*a, corr);
+                }
+                _mm512_storeu_ps(p[r].as_mut_ptr(), pv);
+                m[r] = m_new;
+            }
+            // acc += p[j] · V[j]; each loaded V vector serves every row.
+            for j in 0..j_max {
+                let vrow = vb.add((c0 + j) * hd * esz);
+                for i in 0..HD16 {
+                    let vv = load!(vrow, 16 * i);
+                    for r in 0..R {
+                        acc[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), vv, acc[r][i]);
+                    }
+                }
+            }
+            c0 += 16;
+        }
+    }
+    for r in 0..R {
+        let inv = _mm512_set1_ps(1.0 / l[r]);
+        for i in 0..HD16 {
+            _mm512_storeu_ps(rows[r].out.add(16 * i), _mm512_mul_ps(acc[r][i], inv));
+        }
+    }
+}
+
+/// Sum of 16 lanes in a fixed order (halves, then quarters, …).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+unsafe fn hsum(v: __m512) -> f32 {
+    let lo = _mm512_castps512_ps256(v);
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+    let x = _mm256_add_ps(lo, hi);
+    let x = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
+    let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)))
+}
+
+/// `e^x` (Cephes' `expf`: range reduction by ln 2, degree-5 polynomial, then `scalef`),
+/// within about 2 ulp; `exp(0)` is exactly 1 and inputs below -87.3 give about 1e-38.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+unsafe fn exp512(x: __m512) -> __m512 {
+    let x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.376_26)), _mm512_set1_ps(-87.336_55));
+    let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(_mm512_fmadd_ps(
+        x,
+        _mm512_set1_ps(std::f32::consts::LOG2_E),
+        _mm512_set1_ps(0.5),
+    ));
+    let x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693_359_4), x);
+    let x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.121_944_4e-4), x);
+    let mut y = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+        y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(c));
+    }
+    let y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0));
+    _mm512_scalef_ps(y, fx)
+}
