@@ -174,7 +174,7 @@ unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: Attn
             LayerKv::F32 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, false),
         };
         let g = &store.geometry;
-        let kv = attn512::HeadKv { k, v, f16, block_table: s.block_table, n_kv_heads: g.n_kv_heads, kv_head: t.kv_head, block_size: g.block_size_tokens, head_dim: hd };
+        let mut kv = attn512::HeadKv { k, v, f16, block_table: s.block_table, n_kv_heads: g.n_kv_heads, kv_head: t.kv_head, block_size: g.block_size_tokens, head_dim: hd, prefetch: true };
         debug_assert_eq!(store.head_offset(1, 0), g.n_kv_heads * g.block_size_tokens * hd);
         let max_rows = attn512::max_rows(hd);
         let mut rows = [attn512::Row { q: std::ptr::null(), out: std::ptr::null_mut(), n_visible: 0 }; 4];
@@ -185,6 +185,7 @@ unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: Attn
                 n += 1;
                 if n == max_rows {
                     attn512::attend(&kv, &rows[..n], 1.0 / (hd as f32).sqrt());
+                    kv.prefetch = false;
                     n = 0;
                 }
             }

@@ -6,6 +6,8 @@
 //! tokens (a prompt chunk in prefill, one token in decode), so prefill and continuous
 //! batching share one code path. All weight matmuls run once over the whole batch.
 
+use std::sync::Mutex;
+
 use pk_gguf::GgufFile;
 
 use crate::attention::{paged_attention, AttnSeq, AttnShape};
@@ -34,6 +36,35 @@ pub struct Llama {
     pub weights: Weights,
     /// `inv_freq[i] = theta^(-2i/head_dim)`, precomputed once.
     inv_freq: Vec<f32>,
+    /// Activation buffers reused across forward calls, so that a decode step allocates
+    /// almost nothing. The engine calls `forward` from one thread, so the lock is never
+    /// contended; it only keeps `Llama` `Sync`.
+    scratch: Mutex<Scratch>,
+}
+
+/// Per-call activations, `n_tokens` rows each; resized (never shrunk) per call.
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    positions: Vec<usize>,
+    /// `cos`/`sin` of every row's RoPE angles (`head_dim / 2` each), shared by all layers.
+    rope_cos: Vec<f32>,
+    rope_sin: Vec<f32>,
+    normed: Vec<f32>,
+}
+
+/// Resizes `buf` to `len` without reallocating when it is already large enough.
+fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buf.resize(len, 0.0);
+    &mut buf[..]
 }
 
 impl Llama {
@@ -46,7 +77,7 @@ impl Llama {
     pub fn new(config: ModelConfig, weights: Weights) -> Llama {
         let hd = config.head_dim;
         let inv_freq = (0..hd / 2).map(|i| config.rope_theta.powf(-2.0 * i as f32 / hd as f32)).collect();
-        Llama { config, weights, inv_freq }
+        Llama { config, weights, inv_freq, scratch: Mutex::new(Scratch::default()) }
     }
 
     /// Runs the new tokens of every sequence through the model, writing their K/V into
@@ -64,8 +95,11 @@ impl Llama {
         let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         let bs = store.geometry.block_size_tokens;
 
-        let mut x = vec![0f32; n * d];
-        let mut positions = Vec::with_capacity(n);
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let sc = &mut *guard;
+        let x = sized(&mut sc.x, n * d);
+        let positions = &mut sc.positions;
+        positions.clear();
         for s in seqs {
             for (i, &t) in s.tokens.iter().enumerate() {
                 let row = positions.len();
@@ -79,28 +113,39 @@ impl Llama {
             attn_seqs.push(AttnSeq { block_table: s.block_table, stored_start: s.stored_start, n_queries: s.tokens.len(), row_offset: row });
             row += s.tokens.len();
         }
+        // RoPE angles once per row, not once per layer and head.
+        let half = c.head_dim / 2;
+        let (rope_cos, rope_sin) = (sized(&mut sc.rope_cos, n * half), sized(&mut sc.rope_sin, n * half));
+        for (r, &pos) in positions.iter().enumerate() {
+            for i in 0..half {
+                let (sin, cos) = (pos as f32 * self.inv_freq[i]).sin_cos();
+                rope_cos[r * half + i] = cos;
+                rope_sin[r * half + i] = sin;
+            }
+        }
 
         let mut captured: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
-        let mut h = vec![0f32; n * d];
-        let mut q = vec![0f32; n * qd];
-        let mut k = vec![0f32; n * kvd];
-        let mut v = vec![0f32; n * kvd];
-        let mut attn = vec![0f32; n * qd];
-        let mut proj = vec![0f32; n * d];
-        let mut gate = vec![0f32; n * c.d_ff];
-        let mut up = vec![0f32; n * c.d_ff];
+        let h = sized(&mut sc.h, n * d);
+        let q = sized(&mut sc.q, n * qd);
+        let k = sized(&mut sc.k, n * kvd);
+        let v = sized(&mut sc.v, n * kvd);
+        let attn = sized(&mut sc.attn, n * qd);
+        let proj = sized(&mut sc.proj, n * d);
+        let gate = sized(&mut sc.gate, n * c.d_ff);
+        let up = sized(&mut sc.up, n * c.d_ff);
         let shape = AttnShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
 
         for (li, lw) in self.weights.layers.iter().enumerate() {
             for r in 0..n {
                 rmsnorm(&x[r * d..(r + 1) * d], &lw.attn_norm, c.rms_eps, &mut h[r * d..(r + 1) * d]);
             }
-            matmul(&lw.wq, &h, n, &mut q);
-            matmul(&lw.wk, &h, n, &mut k);
-            matmul(&lw.wv, &h, n, &mut v);
+            matmul(&lw.wq, h, n, q);
+            matmul(&lw.wk, h, n, k);
+            matmul(&lw.wv, h, n, v);
             for r in 0..n {
-                self.rope(&mut q[r * qd..(r + 1) * qd], positions[r]);
-                self.rope(&mut k[r * kvd..(r + 1) * kvd], positions[r]);
+                let (cos, sin) = (&rope_cos[r * half..(r + 1) * half], &rope_sin[r * half..(r + 1) * half]);
+                self.rope(&mut q[r * qd..(r + 1) * qd], cos, sin);
+                self.rope(&mut k[r * kvd..(r + 1) * kvd], cos, sin);
             }
             for (si, a) in attn_seqs.iter().enumerate() {
                 let want = capture_last.get(si).copied().unwrap_or(0).min(a.n_queries);
@@ -116,45 +161,46 @@ impl Llama {
                     store.write_token(li, s.block_table[idx / bs], idx % bs, &k[r * kvd..(r + 1) * kvd], &v[r * kvd..(r + 1) * kvd]);
                 }
             }
-            paged_attention(store, li, shape, &attn_seqs, &q, &mut attn);
-            matmul(&lw.wo, &attn, n, &mut proj);
-            add_in_place(&mut x, &proj);
+            paged_attention(store, li, shape, &attn_seqs, q, attn);
+            matmul(&lw.wo, attn, n, proj);
+            add_in_place(x, proj);
 
             for r in 0..n {
                 rmsnorm(&x[r * d..(r + 1) * d], &lw.ffn_norm, c.rms_eps, &mut h[r * d..(r + 1) * d]);
             }
-            matmul(&lw.w_gate, &h, n, &mut gate);
-            matmul(&lw.w_up, &h, n, &mut up);
-            silu_mul_in_place(&mut gate, &up);
-            matmul(&lw.w_down, &gate, n, &mut proj);
-            add_in_place(&mut x, &proj);
+            matmul(&lw.w_gate, h, n, gate);
+            matmul(&lw.w_up, h, n, up);
+            silu_mul_in_place(gate, up);
+            matmul(&lw.w_down, gate, n, proj);
+            add_in_place(x, proj);
         }
 
         // Only the requested rows go through the (large) output head.
-        let mut sel = Vec::new();
+        let sel = &mut sc.normed;
+        sel.clear();
         for (s, a) in seqs.iter().zip(&attn_seqs) {
             for i in s.logits_from.min(s.tokens.len())..s.tokens.len() {
                 let r = a.row_offset + i;
-                let mut normed = vec![0f32; d];
-                rmsnorm(&x[r * d..(r + 1) * d], &self.weights.output_norm, c.rms_eps, &mut normed);
-                sel.extend_from_slice(&normed);
+                let at = sel.len();
+                sel.resize(at + d, 0.0);
+                rmsnorm(&x[r * d..(r + 1) * d], &self.weights.output_norm, c.rms_eps, &mut sel[at..]);
             }
         }
         let n_out = sel.len() / d;
         let mut logits = vec![0f32; n_out * c.vocab_size];
         if n_out > 0 {
-            matmul(self.weights.output_head(), &sel, n_out, &mut logits);
+            matmul(self.weights.output_head(), sel, n_out, &mut logits);
         }
         (logits, captured)
     }
 
-    /// Rotates every head of `x` (a row of q or k) by its position.
-    fn rope(&self, x: &mut [f32], pos: usize) {
+    /// Rotates every head of `x` (a row of q or k) by its position's angles.
+    fn rope(&self, x: &mut [f32], cos: &[f32], sin: &[f32]) {
         let hd = self.config.head_dim;
         let half = hd / 2;
         for head in x.chunks_exact_mut(hd) {
             for i in 0..half {
-                let (sin, cos) = (pos as f32 * self.inv_freq[i]).sin_cos();
+                let (sin, cos) = (sin[i], cos[i]);
                 let (a, b) = match self.config.rope_style {
                     RopeStyle::Normal => (2 * i, 2 * i + 1),
                     RopeStyle::Neox => (i, i + half),

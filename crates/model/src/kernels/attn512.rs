@@ -38,6 +38,10 @@ pub struct HeadKv<'a> {
     pub kv_head: usize,
     pub block_size: usize,
     pub head_dim: usize,
+    /// Prefetch blocks ahead of the walk. Worth it on the first pass over a head's blocks
+    /// (a decode step reads each block once, from DRAM, and blocks are scattered, which
+    /// defeats the hardware prefetcher); wasted instructions on later passes, which hit L2.
+    pub prefetch: bool,
 }
 
 /// Whether [`attend`] handles this head size on this CPU.
@@ -123,8 +127,23 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(kv: &HeadKv
     let mut p = [[0f32; 16]; R];
     let n_max = rows.iter().map(|r| r.n_visible).max().unwrap_or(0);
 
-    for b in 0..n_max.div_ceil(bs) {
-        let off = (*kv.block_table.get_unchecked(b) as usize * kv.n_kv_heads + kv.kv_head) * bs * hd * esz;
+    let n_blocks = n_max.div_ceil(bs);
+    let block_bytes = bs * hd * esz;
+    let block_at = |b: usize| (*kv.block_table.get_unchecked(b) as usize * kv.n_kv_heads + kv.kv_head) * block_bytes;
+    for b in 0..n_blocks {
+        if kv.prefetch {
+            // Two blocks ahead: about one DRAM latency of work at decode's 3–4 rows.
+            for ahead in if b == 0 { 1..3 } else { 2..3 } {
+                if b + ahead < n_blocks {
+                    let off = block_at(b + ahead);
+                    for line in (0..block_bytes).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(kv.k.add(off + line) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(kv.v.add(off + line) as *const i8);
+                    }
+                }
+            }
+        }
+        let off = block_at(b);
         let (kb, vb) = (kv.k.add(off), kv.v.add(off));
         let mut c0 = 0;
         while c0 < bs && b * bs + c0 < n_max {

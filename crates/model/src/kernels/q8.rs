@@ -40,8 +40,7 @@ impl Q8Acts {
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
             let mut sum = 0i32;
             for (q, &v) in self.qs[b * QK..(b + 1) * QK].iter_mut().zip(xb) {
-                // Round half away from zero, like C's roundf in ggml's reference code.
-                let r = (v * id).round() as i32;
+                let r = round_half_away(v * id);
                 *q = r as i8;
                 sum += r;
             }
@@ -49,6 +48,22 @@ impl Q8Acts {
             self.s[b] = f16::from_f32(d * sum as f32).to_f32();
             self.sum[b] = sum;
         }
+    }
+}
+
+/// C's `roundf` (half away from zero, as ggml's reference code rounds) for |x| < 2³¹,
+/// without the libm call `f32::round` compiles to on baseline x86-64: truncation is one
+/// instruction and `x - t` is exact, so the result equals `x.round()` for every such x.
+#[inline(always)]
+fn round_half_away(x: f32) -> i32 {
+    let t = x as i32;
+    let frac = x - t as f32;
+    if frac >= 0.5 {
+        t + 1
+    } else if frac <= -0.5 {
+        t - 1
+    } else {
+        t
     }
 }
 
@@ -112,4 +127,22 @@ pub fn dot_q8_0(w: &[u8], a: &Q8Acts, b0: usize) -> f32 {
         sum += f16_at(blk, 0) * a.d[b0 + i] * isum as f32;
     }
     sum
+}
+
+#[cfg(test)]
+mod rounding_tests {
+    use super::round_half_away;
+
+    #[test]
+    fn round_half_away_equals_roundf() {
+        let mut xs = vec![0.5f32, -0.5, 1.5, -1.5, 2.5, 0.49999997, -0.49999997, 126.5, -127.0, 127.49998, 0.0, -0.0];
+        let mut x = -130.0f32;
+        while x < 130.0 {
+            xs.push(x);
+            x += 0.0137;
+        }
+        for x in xs {
+            assert_eq!(round_half_away(x), x.round() as i32, "{x}");
+        }
+    }
 }
