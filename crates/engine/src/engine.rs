@@ -22,6 +22,7 @@ use crate::eviction::{self, EvictionStats, SeqEviction};
 use crate::request::{Request, RequestOutput, SeqEvent};
 use crate::sampler::SamplingParams;
 use crate::sequence::SeqState;
+use crate::tiering::{Tiering, TieringConfig, TieringStats};
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -40,6 +41,14 @@ pub struct EngineConfig {
     pub default_kv_policy: PolicySpec,
     /// Budget applied to requests that give none (`None`: no eviction by default).
     pub default_kv_budget: Option<u32>,
+    /// Tiers below the pool for reusing prompt KV across requests, restarts and servers.
+    pub tiering: Option<TieringConfig>,
+}
+
+impl std::fmt::Debug for TieringConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TieringConfig").field("chunk_size_tokens", &self.chunk_size_tokens).field("max_pending_bytes", &self.max_pending_bytes).finish()
+    }
 }
 
 impl Default for EngineConfig {
@@ -53,6 +62,7 @@ impl Default for EngineConfig {
             max_waiting_requests: 256,
             default_kv_policy: PolicySpec::default(),
             default_kv_budget: None,
+            tiering: None,
         }
     }
 }
@@ -147,6 +157,7 @@ pub struct Engine {
     /// precisions never alias.
     cache_namespace: Vec<u8>,
     next_seq: u64,
+    tiering: Option<Tiering>,
     waiting: VecDeque<SeqState>,
     /// In admission order; preemption takes from the back.
     running: Vec<SeqState>,
@@ -183,6 +194,10 @@ impl Engine {
         );
         let kv = KvCacheManager::new(num_blocks as u32, bs as u32);
         let cache_namespace = format!("{model_name}|{:?}", config.kv_dtype).into_bytes();
+        let tiering = match &config.tiering {
+            Some(t) => Some(Tiering::new(t, model_name, &cache_namespace, bs, geometry.bytes_per_token(config.kv_dtype)).map_err(anyhow::Error::msg)?),
+            None => None,
+        };
         Ok(Engine {
             eviction_stats: Default::default(),
             model,
@@ -195,6 +210,7 @@ impl Engine {
             store,
             cache_namespace,
             next_seq: 0,
+            tiering,
             waiting: VecDeque::new(),
             running: Vec::new(),
         })
@@ -206,6 +222,11 @@ impl Engine {
 
     pub fn kv_store(&self) -> &KvStore {
         &self.store
+    }
+
+    /// What the tiers did for this engine, if configured.
+    pub fn tiering_stats(&self) -> Option<TieringStats> {
+        self.tiering.as_ref().map(|t| t.stats.clone())
     }
 
     pub fn num_running(&self) -> usize {
@@ -294,7 +315,22 @@ impl Engine {
             let Some(front) = self.waiting.front() else { break };
             let prefix = self.kv.get_computed_prefix(&front.all_ids, &front.namespace);
             let cached = prefix.num_cached_tokens() as usize;
-            let needed = self.blocks_for(front.all_ids.len() - cached) + prefix.block_ids().len();
+            // Tiers are consulted for non-evicting sequences; they win when they hold a
+            // longer prefix than the pool.
+            let (tier_keys, tier_found) = match (&self.tiering, &front.eviction) {
+                (Some(t), None) => {
+                    let keys = t.keys(&front.all_ids, front.req.cache_salt.as_deref());
+                    let found = t.lookup(&keys);
+                    (keys, found)
+                }
+                _ => (Vec::new(), 0),
+            };
+            let use_tiers = tier_found * self.tiering.as_ref().map_or(0, |t| t.chunk_size_tokens()) > cached;
+            let needed = if use_tiers {
+                self.blocks_for(front.all_ids.len())
+            } else {
+                self.blocks_for(front.all_ids.len() - cached) + prefix.block_ids().len()
+            };
             let total = self.kv.pool().num_blocks() as usize;
             if needed > total && self.running.is_empty() {
                 let mut s = self.waiting.pop_front().expect("front exists");
@@ -311,7 +347,17 @@ impl Engine {
             }
             let mut s = self.waiting.pop_front().expect("front exists");
             let seq = self.new_seq_id();
-            let adopted = self.kv.add_sequence(seq, &prefix) as usize;
+            let adopted = if use_tiers {
+                let empty = self.kv.get_computed_prefix(&[], &s.namespace);
+                self.kv.add_sequence(seq, &empty);
+                let tiering = self.tiering.as_mut().expect("tiers configured");
+                tiering.load_into(&tier_keys[..tier_found], &mut self.kv, &mut self.store, seq)
+            } else {
+                self.kv.add_sequence(seq, &prefix) as usize
+            };
+            // Chunks already in the tiers are not stored again.
+            s.tier_next_chunk = if use_tiers { adopted / self.tiering.as_ref().map_or(1, |t| t.chunk_size_tokens()) } else { tier_found };
+            s.tier_keys = tier_keys;
             if s.preemptions == 0 {
                 self.stats.prefix_queries_tokens += s.n_prompt as u64;
                 self.stats.prefix_hits_tokens += adopted as u64;
@@ -496,6 +542,11 @@ impl Engine {
                 continue;
             }
             s.kv_stored_tokens = stored_now(&self.kv);
+            if prefill_done && !s.tier_keys.is_empty() && s.tier_next_chunk < s.tier_keys.len() {
+                if let Some(t) = self.tiering.as_mut() {
+                    s.tier_next_chunk = t.store_chunks(&s.tier_keys, s.tier_next_chunk, s.num_computed, &self.kv, &self.store, seq);
+                }
+            }
             let computed = s.num_computed;
             self.kv.cache_full_blocks(seq, &self.running[i].all_ids[..computed]);
         }

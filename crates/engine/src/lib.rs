@@ -11,8 +11,10 @@ pub mod request;
 pub mod sampler;
 mod sequence;
 pub mod stop;
+pub mod tiering;
 
 pub use eviction::EvictionStats;
 pub use engine::{Engine, EngineConfig, EngineStats, FinishReason, GenerateOutput, GenerateParams, SubmitError};
 pub use request::{Request, RequestOutput, SeqEvent};
 pub use sampler::{Sampler, SamplingParams};
+pub use tiering::{TieringConfig, TieringStats};

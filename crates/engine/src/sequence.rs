@@ -28,6 +28,9 @@ pub(crate) struct SeqState {
     pub eviction: Option<SeqEviction>,
     /// Stored tokens after the last step, for the final report.
     pub kv_stored_tokens: usize,
+    /// Chunk keys of the prompt for the tiers, and the next chunk not yet in them.
+    pub tier_keys: Vec<pk_tiers::ChunkKey>,
+    pub tier_next_chunk: usize,
     sampler: Sampler,
     decoder: StreamDecoder,
     stop: StopMatcher,
@@ -56,6 +59,8 @@ impl SeqState {
             aborted: false,
             eviction: None,
             kv_stored_tokens: 0,
+            tier_keys: Vec::new(),
+            tier_next_chunk: 0,
             unreported_ids: Vec::new(),
             arrival: Instant::now(),
             first_token_at: None,

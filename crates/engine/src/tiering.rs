@@ -1,0 +1,161 @@
+//! Reuse of stored KV across requests, restarts and servers through the tiers of `pk-tiers`
+//! (RAM → disk → Redis), in the serialisation of `pk-codec`.
+//!
+//! A prompt's KV is stored in chunks (default 256 tokens, whole blocks), each keyed by a
+//! chained hash of its tokens, the model and KV configuration, and the request's cache
+//! salt, so keys agree across processes and machines. On admission the engine looks up
+//! the longest contiguous run of stored chunks, loads and decodes them into fresh blocks,
+//! and prefills only the rest. After a prompt is prefilled, its new full chunks are
+//! encoded on the engine thread (a memory copy and a conversion) and handed to a writer
+//! thread over a bounded channel; the engine never waits on a tier for stores, and when
+//! the channel is full a chunk is simply not stored (counted).
+
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::Arc;
+
+use pk_codec::{KvContext, Method};
+use pk_kv::{KvCacheManager, KvView, SeqId};
+use pk_model::KvStore;
+use pk_tiers::{ChunkKey, ChunkKeyer, Payload, TieredStore};
+
+use crate::eviction::StoreView;
+
+/// How the engine uses tiers.
+#[derive(Clone)]
+pub struct TieringConfig {
+    pub store: Arc<TieredStore>,
+    /// Tokens per stored chunk; a multiple of the block size.
+    pub chunk_size_tokens: usize,
+    /// Bound on encoded chunks waiting for the writer thread, in bytes.
+    pub max_pending_bytes: usize,
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct TieringStats {
+    pub chunks_loaded: u64,
+    pub chunks_queued: u64,
+    pub chunks_skipped_queue_full: u64,
+    pub load_failures: u64,
+}
+
+pub(crate) struct Tiering {
+    store: Arc<TieredStore>,
+    keyer: ChunkKeyer,
+    fingerprint: [u8; 32],
+    tx: SyncSender<(ChunkKey, Payload)>,
+    pub stats: TieringStats,
+}
+
+impl Tiering {
+    pub fn new(cfg: &TieringConfig, model_name: &str, namespace: &[u8], block_size_tokens: usize, bytes_per_token: usize) -> Result<Tiering, String> {
+        let keyer = ChunkKeyer::new(model_name, namespace, cfg.chunk_size_tokens, block_size_tokens)?;
+        let chunk_bytes = cfg.chunk_size_tokens * bytes_per_token;
+        let capacity = (cfg.max_pending_bytes / chunk_bytes.max(1)).max(1);
+        let (tx, rx) = sync_channel::<(ChunkKey, Payload)>(capacity);
+        let store = cfg.store.clone();
+        std::thread::Builder::new()
+            .name("tier-writer".into())
+            .spawn(move || {
+                while let Ok((key, payload)) = rx.recv() {
+                    let report = store.store(&key, &payload);
+                    if report.errors > 0 {
+                        tracing::debug!("storing chunk {key:?}: {} tier errors", report.errors);
+                    }
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        Ok(Tiering { store: cfg.store.clone(), keyer, fingerprint: *blake3::hash(namespace).as_bytes(), tx, stats: TieringStats::default() })
+    }
+
+    pub fn chunk_size_tokens(&self) -> usize {
+        self.keyer.chunk_size_tokens()
+    }
+
+    /// Keys of the full chunks of `tokens`, leaving at least one token uncovered (its
+    /// logits must be computed).
+    pub fn keys(&self, tokens: &[u32], salt: Option<&str>) -> Vec<ChunkKey> {
+        let usable = tokens.len().saturating_sub(1);
+        self.keyer.keys(&tokens[..usable], salt.map(str::as_bytes))
+    }
+
+    /// Stored chunks at the head of `keys` (contiguous).
+    pub fn lookup(&self, keys: &[ChunkKey]) -> usize {
+        self.store.lookup_prefix(keys).chunks_found
+    }
+
+    /// Loads up to `keys.len()` chunks into `seq` (which must be empty), returning the
+    /// number of tokens now in the cache. Stops at the first chunk that cannot be loaded,
+    /// decoded or placed; a corrupted payload is never used.
+    pub fn load_into(&mut self, keys: &[ChunkKey], kv: &mut KvCacheManager, store: &mut KvStore, seq: SeqId) -> usize {
+        let chunk = self.chunk_size_tokens();
+        let g = store.geometry;
+        let kv_dim = g.n_kv_heads * g.head_dim;
+        let mut loaded_tokens = 0;
+        let mut kbuf = vec![0f32; kv_dim];
+        let mut vbuf = vec![0f32; kv_dim];
+        for loaded in self.store.load_prefix(keys) {
+            let ctx = match pk_codec::decode(&loaded.payload, &self.fingerprint) {
+                Ok(c) if c.positions.len() == chunk && c.n_layers == g.n_layers && c.n_kv_heads == g.n_kv_heads && c.head_dim == g.head_dim => c,
+                _ => {
+                    self.stats.load_failures += 1;
+                    break;
+                }
+            };
+            if kv.allocate_slots(seq, chunk as u32).is_none() {
+                break;
+            }
+            let table: Vec<u32> = kv.block_table(seq).expect("live").block_ids().iter().map(|b| b.0).collect();
+            for t in 0..chunk {
+                let stored = loaded_tokens + t;
+                let (block, slot) = (table[stored / g.block_size_tokens], stored % g.block_size_tokens);
+                for layer in 0..g.n_layers {
+                    for h in 0..g.n_kv_heads {
+                        let at = ((layer * g.n_kv_heads + h) * chunk + t) * g.head_dim;
+                        kbuf[h * g.head_dim..(h + 1) * g.head_dim].copy_from_slice(&ctx.k[at..at + g.head_dim]);
+                        vbuf[h * g.head_dim..(h + 1) * g.head_dim].copy_from_slice(&ctx.v[at..at + g.head_dim]);
+                    }
+                    store.write_token(layer, block, slot, &kbuf, &vbuf);
+                }
+            }
+            loaded_tokens += chunk;
+            self.stats.chunks_loaded += 1;
+        }
+        loaded_tokens
+    }
+
+    /// Encodes chunks `first_chunk..` of `seq` that are fully computed (up to
+    /// `computed_tokens`) and queues them for storing. Returns the next chunk to store.
+    pub fn store_chunks(&mut self, keys: &[ChunkKey], first_chunk: usize, computed_tokens: usize, kv: &KvCacheManager, store: &KvStore, seq: SeqId) -> usize {
+        let chunk = self.chunk_size_tokens();
+        let g = store.geometry;
+        let table: Vec<u32> = kv.block_table(seq).expect("live").block_ids().iter().map(|b| b.0).collect();
+        let view = StoreView::new(store, &table, computed_tokens);
+        let mut next = first_chunk;
+        while next < keys.len() && (next + 1) * chunk <= computed_tokens {
+            let n = g.n_layers * g.n_kv_heads * chunk * g.head_dim;
+            let (mut k, mut v) = (vec![0f32; n], vec![0f32; n]);
+            for layer in 0..g.n_layers {
+                for h in 0..g.n_kv_heads {
+                    for t in 0..chunk {
+                        let at = ((layer * g.n_kv_heads + h) * chunk + t) * g.head_dim;
+                        view.key(layer, h, next * chunk + t, &mut k[at..at + g.head_dim]);
+                        view.value(layer, h, next * chunk + t, &mut v[at..at + g.head_dim]);
+                    }
+                }
+            }
+            let positions = ((next * chunk) as u32..((next + 1) * chunk) as u32).collect();
+            let encoded = KvContext::new(g.n_layers, g.n_kv_heads, g.head_dim, positions, k, v)
+                .and_then(|ctx| pk_codec::encode(&ctx, &Method::None, None, &self.fingerprint));
+            match encoded {
+                Ok(bytes) => match self.tx.try_send((keys[next], Payload::from(bytes))) {
+                    Ok(()) => self.stats.chunks_queued += 1,
+                    Err(TrySendError::Full(_)) => self.stats.chunks_skipped_queue_full += 1,
+                    Err(TrySendError::Disconnected(_)) => return keys.len(),
+                },
+                Err(e) => tracing::warn!("encoding a KV chunk failed: {e}"),
+            }
+            next += 1;
+        }
+        next
+    }
+}
