@@ -25,6 +25,8 @@ pub struct ModelArgs {
     /// Precision of the live KV cache: f16 or f32.
     #[arg(long, default_value = "f16")]
     pub kv_dtype: String,
+    #[command(flatten)]
+    pub tiers: TierArgs,
 }
 
 impl ModelArgs {
@@ -37,8 +39,45 @@ impl ModelArgs {
         }
         let kv_dtype = KvDtype::parse(&self.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected f16 or f32)", self.kv_dtype))?;
         let path = resolve_model(self.model.as_deref(), true)?;
-        let config = EngineConfig { block_size_tokens: self.block_size, kv_dtype, kv_capacity_tokens, ..Default::default() };
+        let config = EngineConfig { block_size_tokens: self.block_size, kv_dtype, kv_capacity_tokens, tiering: self.tiers.build()?, ..Default::default() };
         Engine::load(&path, config)
+    }
+}
+
+/// Tiers below the KV pool for reusing prompt KV across requests, restarts and servers.
+#[derive(Args, Clone, Default)]
+pub struct TierArgs {
+    /// A RAM tier of this many bytes (e.g. 2GiB).
+    #[arg(long, env = "PAGEKEEPER_TIER_RAM")]
+    pub tier_ram: Option<String>,
+    /// A disk tier: DIR:CAPACITY (e.g. /var/cache/pk:20GiB); survives restarts.
+    #[arg(long, env = "PAGEKEEPER_TIER_DISK")]
+    pub tier_disk: Option<String>,
+    /// A Redis tier shared by several servers (redis://host:port[?capacity=8GiB]).
+    #[arg(long, env = "PAGEKEEPER_TIER_REDIS")]
+    pub tier_redis: Option<String>,
+    /// Tokens per stored chunk (a multiple of the block size).
+    #[arg(long, default_value_t = 256)]
+    pub tier_chunk_tokens: usize,
+}
+
+impl TierArgs {
+    /// The tiered store, fastest first, or `None` when no tier is configured. The slowest
+    /// tier is written through, so that a restart (disk) or another server (Redis) sees
+    /// every chunk at once.
+    pub fn build(&self) -> Result<Option<pk_engine::TieringConfig>> {
+        let mut tiers = Vec::new();
+        for (flag, value) in [("--tier-ram", &self.tier_ram), ("--tier-disk", &self.tier_disk), ("--tier-redis", &self.tier_redis)] {
+            if let Some(v) = value {
+                let cfg = pk_tiers::TierConfig::parse(flag, v).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
+                tiers.push(pk_tiers::open_tier(&cfg).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?);
+            }
+        }
+        if tiers.is_empty() {
+            return Ok(None);
+        }
+        let store = std::sync::Arc::new(pk_tiers::TieredStore::new(tiers).with_write_through_last(true));
+        Ok(Some(pk_engine::TieringConfig { store, chunk_size_tokens: self.tier_chunk_tokens, max_pending_bytes: 256 << 20 }))
     }
 }
 

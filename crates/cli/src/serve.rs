@@ -66,6 +66,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         max_waiting_requests: a.max_waiting_requests,
         default_kv_policy: a.kv.spec()?.unwrap_or_default(),
         default_kv_budget: a.kv.kv_budget,
+        tiering: a.model.tiers.build()?,
     };
     let name = model_name.clone();
     let engine = EngineHandle::spawn(move || Engine::load(&path, config).map(|mut e| {

@@ -42,8 +42,21 @@ pub(crate) struct Tiering {
     store: Arc<TieredStore>,
     keyer: ChunkKeyer,
     fingerprint: [u8; 32],
-    tx: SyncSender<(ChunkKey, Payload)>,
+    /// `None` only while dropping (closing the channel ends the writer thread).
+    tx: Option<SyncSender<(ChunkKey, Payload)>>,
+    writer: Option<std::thread::JoinHandle<()>>,
     pub stats: TieringStats,
+}
+
+impl Drop for Tiering {
+    /// Waits for queued chunks to reach the tiers, so that a short-lived process (one
+    /// `generate`) still leaves its KV on disk for the next one.
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
 }
 
 impl Tiering {
@@ -53,7 +66,7 @@ impl Tiering {
         let capacity = (cfg.max_pending_bytes / chunk_bytes.max(1)).max(1);
         let (tx, rx) = sync_channel::<(ChunkKey, Payload)>(capacity);
         let store = cfg.store.clone();
-        std::thread::Builder::new()
+        let writer = std::thread::Builder::new()
             .name("tier-writer".into())
             .spawn(move || {
                 while let Ok((key, payload)) = rx.recv() {
@@ -64,7 +77,14 @@ impl Tiering {
                 }
             })
             .map_err(|e| e.to_string())?;
-        Ok(Tiering { store: cfg.store.clone(), keyer, fingerprint: *blake3::hash(namespace).as_bytes(), tx, stats: TieringStats::default() })
+        Ok(Tiering {
+            store: cfg.store.clone(),
+            keyer,
+            fingerprint: *blake3::hash(namespace).as_bytes(),
+            tx: Some(tx),
+            writer: Some(writer),
+            stats: TieringStats::default(),
+        })
     }
 
     pub fn chunk_size_tokens(&self) -> usize {
@@ -147,7 +167,7 @@ impl Tiering {
             let encoded = KvContext::new(g.n_layers, g.n_kv_heads, g.head_dim, positions, k, v)
                 .and_then(|ctx| pk_codec::encode(&ctx, &Method::None, None, &self.fingerprint));
             match encoded {
-                Ok(bytes) => match self.tx.try_send((keys[next], Payload::from(bytes))) {
+                Ok(bytes) => match self.tx.as_ref().expect("open until drop").try_send((keys[next], Payload::from(bytes))) {
                     Ok(()) => self.stats.chunks_queued += 1,
                     Err(TrySendError::Full(_)) => self.stats.chunks_skipped_queue_full += 1,
                     Err(TrySendError::Disconnected(_)) => return keys.len(),
