@@ -45,43 +45,41 @@ pub struct EvictionStats {
     pub evicted_blocks: u64,
 }
 
-/// `KvView` over one sequence's stored tokens. Reads convert a whole (layer, KV head,
-/// block) at a time and keep it, because policies scan tokens in order.
+/// `KvView` over one sequence's stored tokens. Reads convert a whole block of one (K or V,
+/// layer, KV head) at a time and keep one block per (K or V, layer, KV head), because
+/// policies scan tokens in order, either layer by layer or token by token across layers;
+/// with a single cached block the token-major order would convert a block per token.
 pub(crate) struct StoreView<'a> {
     store: &'a KvStore,
     table: &'a [u32],
     n_tokens: usize,
-    cache: RefCell<BlockCache>,
-}
-
-#[derive(Default)]
-struct BlockCache {
-    key: Option<(bool, usize, usize, u32)>,
-    data: Vec<f32>,
+    cache: RefCell<Vec<(Option<u32>, Vec<f32>)>>,
 }
 
 impl<'a> StoreView<'a> {
     pub fn new(store: &'a KvStore, table: &'a [u32], n_tokens: usize) -> StoreView<'a> {
-        StoreView { store, table, n_tokens, cache: RefCell::new(BlockCache::default()) }
+        let g = &store.geometry;
+        let entries = 2 * g.n_layers * g.n_kv_heads;
+        StoreView { store, table, n_tokens, cache: RefCell::new(vec![(None, Vec::new()); entries]) }
     }
 
     fn read(&self, is_value: bool, layer: usize, kv_head: usize, token: usize, out: &mut [f32]) {
         let g = &self.store.geometry;
         let (bs, hd) = (g.block_size_tokens, g.head_dim);
         let block = self.table[token / bs];
-        let mut c = self.cache.borrow_mut();
-        let key = (is_value, layer, kv_head, block);
-        if c.key != Some(key) {
-            c.data.resize(bs * hd, 0.0);
+        let mut cache = self.cache.borrow_mut();
+        let entry = &mut cache[(is_value as usize * g.n_layers + layer) * g.n_kv_heads + kv_head];
+        if entry.0 != Some(block) {
+            entry.1.resize(bs * hd, 0.0);
             if is_value {
-                self.store.read_v(layer, block, kv_head, &mut c.data);
+                self.store.read_v(layer, block, kv_head, &mut entry.1);
             } else {
-                self.store.read_k(layer, block, kv_head, &mut c.data);
+                self.store.read_k(layer, block, kv_head, &mut entry.1);
             }
-            c.key = Some(key);
+            entry.0 = Some(block);
         }
         let slot = token % bs;
-        out.copy_from_slice(&c.data[slot * hd..(slot + 1) * hd]);
+        out.copy_from_slice(&entry.1[slot * hd..(slot + 1) * hd]);
     }
 }
 
