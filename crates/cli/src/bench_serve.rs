@@ -138,8 +138,9 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
                             if i >= n_requests {
                                 break;
                             }
-                            // Distinct prompts per request, so prefix caching does not flatter TTFT.
-                            let at = (i * 997) % (words.len() - prompt_words);
+                            // Distinct prompts per request and per level, so prefix caching does
+                            // not flatter TTFT.
+                            let at = ((i + 1000 * conc) * 997) % (words.len() - prompt_words);
                             let prompt = words[at..at + prompt_words].join(" ");
                             out.push(one_request(&http, &url, &prompt, a.max_tokens));
                         }
