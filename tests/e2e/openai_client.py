@@ -69,6 +69,12 @@ salted = client.chat.completions.create(
 )
 assert salted.usage.prompt_tokens_details.cached_tokens == 0, salted.usage
 
+# A request with an eviction policy and budget: pruned prompt tokens show up per policy.
+long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 40)
+ev = client.completions.create(model=model, prompt=long_prompt, max_tokens=8, temperature=0,
+                               extra_body={"kv_policy": "paged-eviction", "kv_budget": 128})
+assert ev.usage.completion_tokens == 8 or ev.choices[0].finish_reason == "stop", ev
+
 # Concurrent requests are batched and all complete.
 def one(i):
     r = client.completions.create(model=model, prompt=f"Number {i} is", max_tokens=8, temperature=0)
@@ -113,4 +119,6 @@ for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_
 hits = [l for l in metrics.splitlines() if l.startswith("vllm:prefix_cache_hits{")]
 assert hits and float(hits[0].split()[-1]) >= 32, hits
 assert f'model_name="{model}"' in metrics
+pruned = [l for l in metrics.splitlines() if l.startswith("pagekeeper:kv_pruned_prompt_tokens{") and 'policy="paged-eviction"' in l]
+assert pruned and float(pruned[0].split()[-1]) > 0, pruned
 print("openai client e2e: all checks passed")

@@ -60,11 +60,12 @@ impl EngineHandle {
 fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
     let model = engine.model_name.clone();
     let mut published = EngineStats::default();
+    let mut published_eviction = std::collections::BTreeMap::new();
     let mut last_log = Instant::now();
     let mut logged = EngineStats::default();
     loop {
         if !engine.has_work() {
-            publish(&engine, &model, &mut published);
+            publish(&engine, &model, &mut published, &mut published_eviction);
             match rx.blocking_recv() {
                 Some(cmd) => handle(&mut engine, cmd),
                 None => return,
@@ -74,7 +75,7 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
             handle(&mut engine, cmd);
         }
         engine.step();
-        publish(&engine, &model, &mut published);
+        publish(&engine, &model, &mut published, &mut published_eviction);
         if last_log.elapsed() >= LOG_INTERVAL {
             let secs = last_log.elapsed().as_secs_f64();
             tracing::info!(
@@ -100,7 +101,14 @@ fn handle(engine: &mut Engine, cmd: Command) {
 }
 
 /// Publishes gauges and the counters' increments since the last call.
-fn publish(engine: &Engine, model: &str, last: &mut EngineStats) {
+fn publish(engine: &Engine, model: &str, last: &mut EngineStats, last_eviction: &mut std::collections::BTreeMap<String, pk_engine::EvictionStats>) {
+    for (policy, now) in &engine.eviction_stats {
+        let before = last_eviction.entry(policy.clone()).or_default();
+        let labels = [("model_name", model.to_string()), ("policy", policy.clone())];
+        metrics::counter!("pagekeeper:kv_evicted_blocks", &labels).increment(now.evicted_blocks - before.evicted_blocks);
+        metrics::counter!("pagekeeper:kv_pruned_prompt_tokens", &labels).increment(now.pruned_prompt_tokens - before.pruned_prompt_tokens);
+        *before = now.clone();
+    }
     let labels = [("model_name", model.to_string())];
     metrics::gauge!("vllm:num_requests_running", &labels).set(engine.num_running() as f64);
     metrics::gauge!("vllm:num_requests_waiting", &labels).set(engine.num_waiting() as f64);
