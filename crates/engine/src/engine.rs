@@ -449,7 +449,7 @@ impl Engine {
         let idx_of = |running: &[SeqState], seq: SeqId| running.iter().position(|s| s.seq == Some(seq)).expect("planned sequence is running");
         let tables: Vec<Vec<u32>> = plan
             .iter()
-            .map(|(seq, _, _)| self.kv.block_table(*seq).expect("live").block_ids().iter().map(|b| b.0).collect())
+            .map(|(seq, _, _)| eviction::table_of(&self.kv, *seq))
             .collect();
         let mut fwd = Vec::with_capacity(plan.len());
         for (k, &(seq, from, to)) in plan.iter().enumerate() {
@@ -668,7 +668,7 @@ impl Engine {
                 result = Err(anyhow::anyhow!("KV cache is full: {} tokens do not fit", tokens.len()));
                 break;
             };
-            let table: Vec<u32> = self.kv.block_table(seq).expect("live").block_ids().iter().map(|b| b.0).collect();
+            let table = eviction::table_of(&self.kv, seq);
             let from = logits_from.clamp(done, end) - done;
             let fwd = SeqForward { tokens: &tokens[done..end], start_position: slots.first_position as usize, stored_start: done, block_table: &table, logits_from: from };
             logits.extend(self.model.forward(&mut self.store, &[fwd]));

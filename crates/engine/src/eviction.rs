@@ -130,7 +130,8 @@ impl QueryView for CapturedQueries {
     }
 }
 
-fn table_of(kv: &KvCacheManager, seq: SeqId) -> Vec<u32> {
+/// A live sequence's block table as the plain ids the model and the store take.
+pub(crate) fn table_of(kv: &KvCacheManager, seq: SeqId) -> Vec<u32> {
     kv.block_table(seq).expect("live sequence").block_ids().iter().map(|b| b.0).collect()
 }
 

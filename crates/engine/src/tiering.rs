@@ -18,7 +18,7 @@ use pk_kv::{KvCacheManager, KvView, SeqId};
 use pk_model::KvStore;
 use pk_tiers::{ChunkKey, ChunkKeyer, Payload, TieredStore};
 
-use crate::eviction::StoreView;
+use crate::eviction::{table_of, StoreView};
 
 /// How the engine uses tiers.
 #[derive(Clone)]
@@ -124,7 +124,7 @@ impl Tiering {
             if kv.allocate_slots(seq, chunk as u32).is_none() {
                 break;
             }
-            let table: Vec<u32> = kv.block_table(seq).expect("live").block_ids().iter().map(|b| b.0).collect();
+            let table = table_of(kv, seq);
             for t in 0..chunk {
                 let stored = loaded_tokens + t;
                 let (block, slot) = (table[stored / g.block_size_tokens], stored % g.block_size_tokens);
@@ -148,7 +148,7 @@ impl Tiering {
     pub fn store_chunks(&mut self, keys: &[ChunkKey], first_chunk: usize, computed_tokens: usize, kv: &KvCacheManager, store: &KvStore, seq: SeqId) -> usize {
         let chunk = self.chunk_size_tokens();
         let g = store.geometry;
-        let table: Vec<u32> = kv.block_table(seq).expect("live").block_ids().iter().map(|b| b.0).collect();
+        let table = table_of(kv, seq);
         let view = StoreView::new(store, &table, computed_tokens);
         let mut next = first_chunk;
         while next < keys.len() && (next + 1) * chunk <= computed_tokens {
