@@ -1,0 +1,644 @@
+//! [`ContextStore`]: stored contexts, their copies on the tiers, and the worker thread that
+//! encodes, moves and deletes them.
+//!
+//! Every context has an uncompressed master copy on the last (slowest, unlimited) tier,
+//! written before the context becomes visible (spec: "the remote tier keeps everything").
+//! Its placed copy, (tier, configuration), is what a hit loads; when that copy is the
+//! master itself nothing else is stored. Copies are keyed by `blake3(context key ‖
+//! configuration)`, so every process and server computes the same keys.
+//!
+//! NOTE 1: the engine thread only reads the index and loads; inserting, placing, encoding
+//! and moving run on one worker thread fed by a channel bounded in bytes. A move writes the
+//! new copy, then updates the index, then deletes the old copy: a load that raced with it
+//! finds either copy, or falls back to the master (counted), never a half-written one
+//! (tiers write atomically and checksums catch the rest).
+//! NOTE 2: logical usage per tier is the sum of the index's placed-copy sizes; the tier
+//! objects must be built with some slack above the logical capacities (disk files carry
+//! headers), so that they never evict on their own. If one does, the copy is simply gone
+//! and the next load falls back to the master.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+use pk_codec::KvContext;
+use pk_tiers::{ChunkKey, Payload, Tier};
+use serde::Serialize;
+
+use crate::config::{DropScore, Grid};
+use crate::model::{DecayedCount, DelayModel, QualityCurve, QualityPrior, QualitySource};
+use crate::placement::{Item, Placer, Policy};
+use crate::scores::token_scores;
+
+pub struct StoreConfig {
+    /// Fastest first; the last one keeps the master copies and is treated as unlimited.
+    pub tiers: Vec<Arc<dyn Tier>>,
+    /// Bytes EVICPRESS may place on each tier (the last entry is ignored).
+    pub capacities_bytes: Vec<u64>,
+    pub grid: Grid,
+    pub policy: Policy,
+    /// Identifies the model and KV layout (pk-codec refuses a payload of another model).
+    pub fingerprint: [u8; 32],
+    pub delay: DelayModel,
+    pub frequency_half_life_s: f64,
+    /// Re-profile a context when its served quality falls this far below its profile.
+    pub reprofile_threshold: f32,
+    /// Bound on KV handed to the worker and not yet stored, in bytes (f32 in memory).
+    pub max_pending_bytes: u64,
+    /// Recent queries kept per context for background profiling.
+    pub max_queries_per_context: usize,
+}
+
+/// Where a load came from, for metrics and the benchmark.
+#[derive(Clone, Debug, Serialize)]
+pub struct LoadReport {
+    pub tier: String,
+    pub tier_index: usize,
+    pub config: String,
+    pub bytes: u64,
+    pub fetch_s: f64,
+    pub decode_s: f64,
+    /// The placed copy could not be read or decoded; the master was used.
+    pub fell_back_to_master: bool,
+}
+
+/// One row of [`ContextStore::explain`]: a context, where it lives, and why.
+#[derive(Clone, Debug, Serialize)]
+pub struct ContextReport {
+    pub key: String,
+    pub n_tokens: usize,
+    pub tier: String,
+    pub config: String,
+    pub bytes: u64,
+    pub frequency: f64,
+    pub quality_source: QualitySource,
+    pub served_quality: Option<f64>,
+    pub hits: u64,
+    /// Utility of every (tier, configuration), best first (the placement's inputs).
+    pub options: Vec<OptionReport>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct OptionReport {
+    pub tier: String,
+    pub config: String,
+    pub bytes: u64,
+    pub quality: f32,
+    pub ttft_s: f64,
+    pub utility: f64,
+}
+
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct StoreStats {
+    pub inserted: u64,
+    pub skipped_queue_full: u64,
+    pub moves: u64,
+    pub bytes_moved: u64,
+    pub fallbacks_to_master: u64,
+    pub reprofiles_requested: u64,
+    pub placement_decisions: u64,
+    pub placement_cpu_s_total: f64,
+    pub placement_cpu_s_max: f64,
+}
+
+struct Entry {
+    n_tokens: usize,
+    item: Item,
+    quality: QualityCurve,
+    freq: DecayedCount,
+    served_quality: Option<f64>,
+    hits: u64,
+    /// Token scores per drop score (computed once, from the full KV).
+    scores: HashMap<DropScore, Vec<f32>>,
+    queries: Vec<Vec<u32>>,
+    needs_profile: bool,
+}
+
+pub(crate) struct State {
+    entries: HashMap<ChunkKey, Entry>,
+    prior: QualityPrior,
+    pub(crate) stats: StoreStats,
+    delay: DelayModel,
+}
+
+enum Job {
+    Insert(ChunkKey, Box<KvContext>),
+    Place(ChunkKey),
+}
+
+pub struct ContextStore {
+    tiers: Vec<Arc<dyn Tier>>,
+    capacities_bytes: Vec<u64>,
+    grid: Grid,
+    policy: Policy,
+    fingerprint: [u8; 32],
+    half_life_s: f64,
+    reprofile_threshold: f32,
+    max_queries: usize,
+    max_pending_bytes: u64,
+    pending_bytes: Arc<AtomicU64>,
+    state: Arc<Mutex<State>>,
+    /// Jobs queued or running, with a condvar for `flush`.
+    in_flight: Arc<(Mutex<usize>, Condvar)>,
+    tx: Mutex<Option<SyncSender<Job>>>,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+    epoch: Instant,
+}
+
+/// Bound on queued jobs regardless of size (placement jobs carry no KV).
+const MAX_QUEUED_JOBS: usize = 1024;
+
+pub(crate) fn copy_key(ctx: &ChunkKey, config: usize) -> ChunkKey {
+    let mut h = blake3::Hasher::new();
+    h.update(b"pagekeeper-evicpress-copy-v1");
+    h.update(&ctx.0);
+    h.update(&(config as u32).to_le_bytes());
+    ChunkKey(*h.finalize().as_bytes())
+}
+
+impl ContextStore {
+    pub fn new(cfg: StoreConfig) -> Result<Arc<ContextStore>, String> {
+        if cfg.tiers.is_empty() || cfg.tiers.len() != cfg.capacities_bytes.len() || cfg.tiers.len() != cfg.delay.tiers.len() {
+            return Err("EVICPRESS needs at least one tier, with one capacity and one delay entry per tier".into());
+        }
+        if let Policy::Fixed(c) = cfg.policy {
+            if c >= cfg.grid.len() {
+                return Err(format!("fixed configuration #{c} is not in the grid"));
+            }
+        }
+        let (tx, rx) = sync_channel::<Job>(MAX_QUEUED_JOBS);
+        let store = Arc::new(ContextStore {
+            tiers: cfg.tiers,
+            capacities_bytes: cfg.capacities_bytes,
+            grid: cfg.grid,
+            policy: cfg.policy,
+            fingerprint: cfg.fingerprint,
+            half_life_s: cfg.frequency_half_life_s,
+            reprofile_threshold: cfg.reprofile_threshold,
+            max_queries: cfg.max_queries_per_context,
+            max_pending_bytes: cfg.max_pending_bytes,
+            pending_bytes: Arc::new(AtomicU64::new(0)),
+            state: Arc::new(Mutex::new(State { entries: HashMap::new(), prior: QualityPrior::default(), stats: StoreStats::default(), delay: cfg.delay })),
+            in_flight: Arc::new((Mutex::new(0), Condvar::new())),
+            tx: Mutex::new(Some(tx)),
+            worker: Mutex::new(None),
+            epoch: Instant::now(),
+        });
+        let worker_store = Arc::downgrade(&store);
+        let handle = std::thread::Builder::new()
+            .name("evicpress".into())
+            .spawn(move || worker_loop(rx, worker_store))
+            .map_err(|e| e.to_string())?;
+        *store.worker.lock().unwrap() = Some(handle);
+        Ok(store)
+    }
+
+    pub fn grid(&self) -> &Grid {
+        &self.grid
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    pub fn fingerprint(&self) -> &[u8; 32] {
+        &self.fingerprint
+    }
+
+    pub fn tier_names(&self) -> Vec<String> {
+        self.tiers.iter().map(|t| t.name().to_string()).collect()
+    }
+
+    pub(crate) fn now_s(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64()
+    }
+
+    pub fn contains(&self, key: &ChunkKey) -> bool {
+        self.state.lock().unwrap().entries.contains_key(key)
+    }
+
+    pub fn len(&self) -> usize {
+        self.state.lock().unwrap().entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        self.state.lock().unwrap().stats.clone()
+    }
+
+    pub fn delay_model(&self) -> DelayModel {
+        self.state.lock().unwrap().delay.clone()
+    }
+
+    /// Replaces the delay model (e.g. with freshly measured bandwidths) and re-places.
+    pub fn set_delay_model(&self, delay: DelayModel) {
+        self.state.lock().unwrap().delay = delay;
+    }
+
+    /// Hands a freshly prefilled context's full KV to the worker, which stores the master
+    /// and places it. Never blocks: returns false (counted) when the queue is full.
+    pub fn offer(&self, key: ChunkKey, kv: KvContext) -> bool {
+        if self.contains(&key) {
+            return true;
+        }
+        let bytes = ((kv.k.len() + kv.v.len()) * 4) as u64;
+        if self.pending_bytes.load(Ordering::Relaxed) + bytes > self.max_pending_bytes {
+            self.state.lock().unwrap().stats.skipped_queue_full += 1;
+            return false;
+        }
+        self.pending_bytes.fetch_add(bytes, Ordering::Relaxed);
+        if !self.send(Job::Insert(key, Box::new(kv))) {
+            self.pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
+            self.state.lock().unwrap().stats.skipped_queue_full += 1;
+            return false;
+        }
+        true
+    }
+
+    fn send(&self, job: Job) -> bool {
+        let tx = self.tx.lock().unwrap();
+        let Some(tx) = tx.as_ref() else { return false };
+        *self.in_flight.0.lock().unwrap() += 1;
+        match tx.try_send(job) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                self.job_done();
+                false
+            }
+        }
+    }
+
+    fn job_done(&self) {
+        let (lock, cv) = &*self.in_flight;
+        let mut n = lock.lock().unwrap();
+        *n -= 1;
+        if *n == 0 {
+            cv.notify_all();
+        }
+    }
+
+    /// Waits until every queued insert and placement has been executed.
+    pub fn flush(&self) {
+        let (lock, cv) = &*self.in_flight;
+        let mut n = lock.lock().unwrap();
+        while *n > 0 {
+            n = cv.wait(n).unwrap();
+        }
+    }
+
+    /// Loads a context's placed copy (falling back to the master), decoded. Records the
+    /// access and, if `query` is given, keeps it for background profiling.
+    pub fn load(&self, key: &ChunkKey, query: Option<&[u32]>) -> Result<(KvContext, LoadReport), String> {
+        let (tier, config) = {
+            let mut st = self.state.lock().unwrap();
+            let now = self.now_s();
+            let e = st.entries.get_mut(key).ok_or("context not stored")?;
+            e.freq.bump(now, self.half_life_s);
+            e.item.last_access_s = now;
+            e.hits += 1;
+            if let Some(q) = query {
+                if e.queries.len() >= self.max_queries {
+                    e.queries.remove(0);
+                }
+                e.queries.push(q.to_vec());
+            }
+            (e.item.tier, e.item.config)
+        };
+        let master = (self.tiers.len() - 1, 0);
+        let mut fell_back = false;
+        for (t, c) in [(tier, config), master] {
+            if fell_back && (t, c) == (tier, config) {
+                continue;
+            }
+            let t0 = Instant::now();
+            let payload = self.tiers[t].load(&copy_key(key, c));
+            let fetch_s = t0.elapsed().as_secs_f64();
+            let t1 = Instant::now();
+            let decoded = match payload {
+                Ok(Some(p)) => pk_codec::decode(&p, &self.fingerprint).map(|ctx| (ctx, p.len() as u64)).map_err(|e| e.to_string()),
+                Ok(None) => Err("copy missing".into()),
+                Err(e) => Err(e.to_string()),
+            };
+            match decoded {
+                Ok((ctx, bytes)) => {
+                    let report = LoadReport {
+                        tier: self.tiers[t].name().to_string(),
+                        tier_index: t,
+                        config: self.grid.configs()[c].to_string(),
+                        bytes,
+                        fetch_s,
+                        decode_s: t1.elapsed().as_secs_f64(),
+                        fell_back_to_master: fell_back,
+                    };
+                    metrics::counter!("pagekeeper:evicpress_hits", "tier" => report.tier.clone()).increment(1);
+                    self.send(Job::Place(*key));
+                    return Ok((ctx, report));
+                }
+                Err(e) => {
+                    tracing::warn!("EVICPRESS copy {}/{} of a context unreadable: {e}", self.tiers[t].name(), self.grid.configs()[c]);
+                    if (t, c) == master {
+                        return Err(format!("the master copy is unreadable: {e}"));
+                    }
+                    fell_back = true;
+                    let mut st = self.state.lock().unwrap();
+                    st.stats.fallbacks_to_master += 1;
+                    if let Some(e) = st.entries.get_mut(key) {
+                        if (e.item.tier, e.item.config) == (tier, config) {
+                            e.item.tier = master.0;
+                            e.item.config = 0;
+                        }
+                    }
+                }
+            }
+        }
+        Err("unreachable: the master is always tried".into())
+    }
+
+    /// The full KV of a stored context (its master), for profiling.
+    pub fn load_master(&self, key: &ChunkKey) -> Result<KvContext, String> {
+        let last = self.tiers.len() - 1;
+        let p = self.tiers[last].load(&copy_key(key, 0)).map_err(|e| e.to_string())?.ok_or("master copy missing")?;
+        pk_codec::decode(&p, &self.fingerprint).map_err(|e| e.to_string())
+    }
+
+    /// `full` under grid configuration `config`, through the codec (encode and decode), as a
+    /// hit would see it.
+    pub fn compress(&self, key: &ChunkKey, full: &KvContext, config: usize) -> Result<KvContext, String> {
+        let bytes = self.encode(key, full, config)?;
+        pk_codec::decode(&bytes, &self.fingerprint).map_err(|e| e.to_string())
+    }
+
+    fn encode(&self, key: &ChunkKey, full: &KvContext, config: usize) -> Result<Vec<u8>, String> {
+        let c = self.grid.configs()[config];
+        let scores = c.drop_score().map(|s| {
+            let cached = self.state.lock().unwrap().entries.get(key).and_then(|e| e.scores.get(&s).cloned());
+            cached.unwrap_or_else(|| token_scores(full, s))
+        });
+        pk_codec::encode(full, &c.method(), scores.as_deref(), &self.fingerprint).map_err(|e| e.to_string())
+    }
+
+    /// Contexts that want a (re)profile, with the queries seen for them, at most `max`.
+    pub fn profiling_candidates(&self, max: usize) -> Vec<(ChunkKey, Vec<Vec<u32>>)> {
+        let st = self.state.lock().unwrap();
+        let mut v: Vec<_> = st.entries.iter().filter(|(_, e)| e.needs_profile && !e.queries.is_empty()).map(|(k, e)| (*k, e.queries.clone(), e.freq.value_at(self.now_s(), self.half_life_s))).collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v.into_iter().take(max).map(|(k, q, _)| (k, q)).collect()
+    }
+
+    /// Records a measured quality curve (one value per grid configuration) and re-places.
+    pub fn set_profile(&self, key: &ChunkKey, by_config: Vec<f32>) -> Result<(), String> {
+        if by_config.len() != self.grid.len() {
+            return Err(format!("{} qualities for a grid of {}", by_config.len(), self.grid.len()));
+        }
+        {
+            let mut st = self.state.lock().unwrap();
+            let curve = QualityCurve { by_config, source: QualitySource::Profiled };
+            st.prior.add(&curve);
+            let e = st.entries.get_mut(key).ok_or("context not stored")?;
+            e.item.quality = curve.by_config.clone();
+            e.quality = curve;
+            e.needs_profile = false;
+            e.served_quality = None;
+        }
+        self.send(Job::Place(*key));
+        Ok(())
+    }
+
+    /// Feeds back the quality a served query got (when the caller can measure it against
+    /// the full KV). A drift below the profile by more than the threshold asks for a
+    /// re-profile.
+    pub fn record_served_quality(&self, key: &ChunkKey, quality: f64) {
+        let mut st = self.state.lock().unwrap();
+        let threshold = self.reprofile_threshold as f64;
+        let Some(e) = st.entries.get_mut(key) else { return };
+        let ewma = match e.served_quality {
+            Some(q) => 0.7 * q + 0.3 * quality,
+            None => quality,
+        };
+        e.served_quality = Some(ewma);
+        let expected = e.item.quality[e.item.config] as f64;
+        let drifted = e.quality.source == QualitySource::Profiled && ewma < expected - threshold;
+        if drifted && !e.needs_profile {
+            e.needs_profile = true;
+            st.stats.reprofiles_requested += 1;
+        }
+    }
+
+    /// Every stored context with its placement and utility table, most frequent first.
+    pub fn explain(&self) -> Vec<ContextReport> {
+        let st = self.state.lock().unwrap();
+        let now = self.now_s();
+        let placer = Placer { delay: &st.delay, policy: &self.policy, capacities_bytes: &self.capacities_bytes };
+        let mut rows: Vec<ContextReport> = st
+            .entries
+            .iter()
+            .map(|(k, e)| {
+                let mut item = e.item.clone();
+                item.frequency = e.freq.value_at(now, self.half_life_s).max(1e-9);
+                let mut options = Vec::new();
+                for t in 0..self.tiers.len() {
+                    for c in 0..self.grid.len() {
+                        options.push(OptionReport {
+                            tier: self.tiers[t].name().to_string(),
+                            config: self.grid.configs()[c].to_string(),
+                            bytes: item.bytes[c],
+                            quality: item.quality[c],
+                            ttft_s: st.delay.ttft_s(t, item.bytes[c], item.kept_tokens[c]),
+                            utility: placer.utility(&item, c, t),
+                        });
+                    }
+                }
+                options.sort_by(|a, b| b.utility.total_cmp(&a.utility));
+                ContextReport {
+                    key: k.to_hex(),
+                    n_tokens: e.n_tokens,
+                    tier: self.tiers[e.item.tier].name().to_string(),
+                    config: self.grid.configs()[e.item.config].to_string(),
+                    bytes: e.item.bytes[e.item.config],
+                    frequency: item.frequency,
+                    quality_source: e.quality.source,
+                    served_quality: e.served_quality,
+                    hits: e.hits,
+                    options,
+                }
+            })
+            .collect();
+        rows.sort_by(|a, b| b.frequency.total_cmp(&a.frequency));
+        rows
+    }
+
+    /// Bytes placed on each tier (logical).
+    pub fn usage_bytes(&self) -> Vec<u64> {
+        let st = self.state.lock().unwrap();
+        let mut usage = vec![0u64; self.tiers.len()];
+        for e in st.entries.values() {
+            usage[e.item.tier] += e.item.bytes[e.item.config];
+        }
+        usage
+    }
+
+    /// (tier, configuration) of a stored context.
+    pub fn placement_of(&self, key: &ChunkKey) -> Option<(usize, usize)> {
+        self.state.lock().unwrap().entries.get(key).map(|e| (e.item.tier, e.item.config))
+    }
+}
+
+impl Drop for ContextStore {
+    fn drop(&mut self) {
+        self.tx.lock().unwrap().take();
+        if let Some(w) = self.worker.lock().unwrap().take() {
+            let _ = w.join();
+        }
+    }
+}
+
+fn worker_loop(rx: Receiver<Job>, store: std::sync::Weak<ContextStore>) {
+    while let Ok(job) = rx.recv() {
+        let Some(store) = store.upgrade() else { return };
+        match job {
+            Job::Insert(key, kv) => {
+                let bytes = ((kv.k.len() + kv.v.len()) * 4) as u64;
+                if let Err(e) = store.insert(key, &kv) {
+                    tracing::warn!("EVICPRESS: storing a context failed: {e}");
+                }
+                store.pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
+            }
+            Job::Place(key) => store.place(key, None),
+        }
+        store.job_done();
+    }
+}
+
+impl ContextStore {
+    /// Worker: writes the master, registers the context, places it.
+    fn insert(&self, key: ChunkKey, kv: &KvContext) -> Result<(), String> {
+        if self.contains(&key) {
+            return Ok(());
+        }
+        let last = self.tiers.len() - 1;
+        let master = pk_codec::encode(kv, &pk_codec::Method::None, None, &self.fingerprint).map_err(|e| e.to_string())?;
+        self.tiers[last].store(&copy_key(&key, 0), &Payload::from(master)).map_err(|e| e.to_string())?;
+        let shape = kv.shape();
+        let scores: HashMap<DropScore, Vec<f32>> = self.grid.configs().iter().filter_map(|c| c.drop_score()).map(|s| (s, token_scores(kv, s))).collect();
+        {
+            let mut st = self.state.lock().unwrap();
+            let quality = st.prior.curve(&self.grid);
+            let now = self.now_s();
+            let mut freq = DecayedCount::default();
+            freq.bump(now, self.half_life_s);
+            let item = Item {
+                bytes: self.grid.configs().iter().map(|c| c.bytes(&shape)).collect(),
+                kept_tokens: self.grid.configs().iter().map(|c| match c.method().drop_spec() {
+                    Some(d) => pk_codec::drop::n_kept_tokens(shape.n_tokens, &d),
+                    None => shape.n_tokens,
+                }).collect(),
+                quality: quality.by_config.clone(),
+                frequency: 1.0,
+                last_access_s: now,
+                tier: last,
+                config: 0,
+            };
+            st.entries.insert(key, Entry { n_tokens: kv.n_tokens(), item, quality, freq, served_quality: None, hits: 0, scores, queries: Vec::new(), needs_profile: true });
+            st.stats.inserted += 1;
+        }
+        self.place(key, Some(kv));
+        Ok(())
+    }
+
+    /// Worker: runs the placement after `key` arrived or was hit, then executes the moves.
+    fn place(&self, key: ChunkKey, full: Option<&KvContext>) {
+        let cpu0 = Instant::now();
+        let (keys, before, after) = {
+            let mut st = self.state.lock().unwrap();
+            let now = self.now_s();
+            let keys: Vec<ChunkKey> = st.entries.keys().copied().collect();
+            let Some(arrived) = keys.iter().position(|k| *k == key) else { return };
+            let mut items: Vec<Item> = keys.iter().map(|k| {
+                let e = &st.entries[k];
+                let mut it = e.item.clone();
+                it.frequency = e.freq.value_at(now, self.half_life_s).max(1e-9);
+                it
+            }).collect();
+            let before: Vec<(usize, usize)> = items.iter().map(|i| (i.tier, i.config)).collect();
+            let placer = Placer { delay: &st.delay, policy: &self.policy, capacities_bytes: &self.capacities_bytes };
+            placer.place(&mut items, Some(arrived));
+            let cpu_s = cpu0.elapsed().as_secs_f64();
+            st.stats.placement_decisions += 1;
+            st.stats.placement_cpu_s_total += cpu_s;
+            st.stats.placement_cpu_s_max = st.stats.placement_cpu_s_max.max(cpu_s);
+            (keys, before, items.iter().map(|i| (i.tier, i.config)).collect::<Vec<_>>())
+        };
+        // Demotions and compressions first (they free room), the arrival last.
+        let mut order: Vec<usize> = (0..keys.len()).filter(|&i| before[i] != after[i]).collect();
+        order.sort_by_key(|&i| keys[i] == key);
+        for i in order {
+            if let Err(e) = self.execute_move(&keys[i], before[i], after[i], if keys[i] == key { full } else { None }) {
+                tracing::warn!("EVICPRESS: moving a context failed: {e}");
+            }
+        }
+        self.publish_metrics();
+    }
+
+    /// Worker: makes copy `to` of a context exist, points the index at it, deletes `from`.
+    fn execute_move(&self, key: &ChunkKey, from: (usize, usize), to: (usize, usize), full: Option<&KvContext>) -> Result<(), String> {
+        let last = self.tiers.len() - 1;
+        let is_master = |p: (usize, usize)| p == (last, 0);
+        let mut moved = 0u64;
+        if !is_master(to) {
+            // A copy of the same configuration can be moved as bytes; others are re-encoded
+            // from the full KV (the master, unless the caller still holds it).
+            let existing = if from.1 == to.1 { self.tiers[from.0].load(&copy_key(key, from.1)).ok().flatten() } else { None };
+            let payload = match existing {
+                Some(p) => p,
+                None => {
+                    let loaded;
+                    let full = match full {
+                        Some(f) => f,
+                        None => {
+                            loaded = self.load_master(key)?;
+                            &loaded
+                        }
+                    };
+                    Payload::from(self.encode(key, full, to.1)?)
+                }
+            };
+            moved = payload.len() as u64;
+            let evicted = self.tiers[to.0].store(&copy_key(key, to.1), &payload).map_err(|e| e.to_string())?;
+            if !evicted.is_empty() {
+                tracing::warn!("EVICPRESS: tier {} evicted {} entries on its own; give it more slack", self.tiers[to.0].name(), evicted.len());
+            }
+        }
+        {
+            let mut st = self.state.lock().unwrap();
+            if let Some(e) = st.entries.get_mut(key) {
+                e.item.tier = to.0;
+                e.item.config = to.1;
+            }
+            st.stats.moves += 1;
+            st.stats.bytes_moved += moved;
+        }
+        if !is_master(from) && from != to {
+            let _ = self.tiers[from.0].delete(&copy_key(key, from.1));
+        }
+        Ok(())
+    }
+
+    fn publish_metrics(&self) {
+        let st = self.state.lock().unwrap();
+        let mut counts: HashMap<(usize, usize), u64> = HashMap::new();
+        for e in st.entries.values() {
+            *counts.entry((e.item.tier, e.item.config)).or_default() += 1;
+        }
+        for t in 0..self.tiers.len() {
+            for c in 0..self.grid.len() {
+                let n = counts.get(&(t, c)).copied().unwrap_or(0);
+                metrics::gauge!("pagekeeper:evicpress_contexts", "tier" => self.tiers[t].name().to_string(), "config" => self.grid.configs()[c].to_string()).set(n as f64);
+            }
+        }
+    }
+}
