@@ -12,7 +12,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::{attn, attn512};
+use crate::kernels::{attn, attn512, attn512q};
 use crate::kernels::dot_f32;
 use crate::kv_store::{KvStore, LayerKv};
 
@@ -169,13 +169,19 @@ unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: Attn
     let at = |tok: usize, g: usize| (s.row_offset + tok) * q_dim + (t.kv_head * group + g) * hd;
     #[cfg(target_arch = "x86_64")]
     if kernel == Kernel::Avx512 {
-        let (k, v, f16) = match store.layer(layer) {
-            LayerKv::F16 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, true),
-            LayerKv::F32 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, false),
+        let (k, v, f16, quant) = match store.layer(layer) {
+            LayerKv::F16 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, true, None),
+            LayerKv::F32 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, false, None),
+            LayerKv::Quant { k, v, layout } => (k.as_ptr(), v.as_ptr(), false, Some(layout)),
         };
         let g = &store.geometry;
         let mut kv = attn512::HeadKv { k, v, f16, block_table: s.block_table, n_kv_heads: g.n_kv_heads, kv_head: t.kv_head, block_size: g.block_size_tokens, head_dim: hd, prefetch: true };
-        debug_assert_eq!(store.head_offset(1, 0), g.n_kv_heads * g.block_size_tokens * hd);
+        debug_assert!(quant.is_some() || store.head_offset(1, 0) == g.n_kv_heads * g.block_size_tokens * hd);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let attend = |kv: &attn512::HeadKv, rows: &[attn512::Row]| match &quant {
+            None => attn512::attend(kv, rows, scale),
+            Some(layout) => attn512q::attend(kv, layout, rows, scale),
+        };
         let max_rows = attn512::max_rows(hd);
         let mut rows = [attn512::Row { q: std::ptr::null(), out: std::ptr::null_mut(), n_visible: 0 }; 4];
         let mut n = 0;
@@ -184,14 +190,14 @@ unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: Attn
                 rows[n] = attn512::Row { q: q.as_ptr().add(at(tok, g)), out: out.0.add(at(tok, g)), n_visible: s.stored_start + tok + 1 };
                 n += 1;
                 if n == max_rows {
-                    attn512::attend(&kv, &rows[..n], 1.0 / (hd as f32).sqrt());
+                    attend(&kv, &rows[..n]);
                     kv.prefetch = false;
                     n = 0;
                 }
             }
         }
         if n > 0 {
-            attn512::attend(&kv, &rows[..n], 1.0 / (hd as f32).sqrt());
+            attend(&kv, &rows[..n]);
         }
         return;
     }
@@ -386,7 +392,10 @@ mod tests {
             (8, 2, 128, 16, 150, 150),
             (8, 2, 128, 128, 150, 2),
         ] {
-            for dtype in [KvDtype::F32, KvDtype::F16] {
+            for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8, KvDtype::Q4] {
+                if dtype.quant_bits().is_some() && hd % 32 != 0 {
+                    continue;
+                }
                 check_paged(dtype, n_heads, n_kv, hd, bs, n_tokens, n_q);
             }
         }
@@ -422,6 +431,17 @@ mod tests {
             for h in 0..n_kv {
                 ks[h][t] = k[h * hd..(h + 1) * hd].to_vec();
                 vs[h][t] = v[h * hd..(h + 1) * hd].to_vec();
+            }
+        }
+        // The reference attends over what the store holds: quantised K/V dequantised by
+        // the store's scalar code (exact for f16/f32, whose values were made representable).
+        let mut buf = vec![0f32; bs * hd];
+        for h in 0..n_kv {
+            for t in 0..n_tokens {
+                store.read_k(0, table[t / bs], h, &mut buf[..(t % bs + 1) * hd]);
+                ks[h][t].copy_from_slice(&buf[(t % bs) * hd..(t % bs + 1) * hd]);
+                store.read_v(0, table[t / bs], h, &mut buf[..(t % bs + 1) * hd]);
+                vs[h][t].copy_from_slice(&buf[(t % bs) * hd..(t % bs + 1) * hd]);
             }
         }
         // The last n_q tokens are "new" queries: causal among themselves.
@@ -464,7 +484,7 @@ mod tests {
                     for (a, b) in want.iter().zip(got) {
                         assert!(
                             (a - b).abs() < 1e-4,
-                            "{kernel:?} bs {bs} token {i} head {h}: {a} vs {b}"
+                            "{dtype:?} {kernel:?} bs {bs} token {i} head {h}: {a} vs {b}"
                         );
                     }
                 }
@@ -476,7 +496,7 @@ mod tests {
                 let mut one = vec![0f32; q_dim];
                 paged_attention_with(kernel, &store, 0, shape, &[alone], &q[i * q_dim..(i + 1) * q_dim], &mut one);
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&one), bits(&out[i * q_dim..(i + 1) * q_dim]), "{kernel:?} bs {bs}: token {i} alone differs");
+                assert_eq!(bits(&one), bits(&out[i * q_dim..(i + 1) * q_dim]), "{dtype:?} {kernel:?} bs {bs}: token {i} alone differs");
             }
         }
     }

@@ -10,30 +10,66 @@
 //! consecutive keys in one load and no horizontal sums; V is consumed row by row
 //! (`acc += p[slot] · V[slot]`), so it stays slot-major. Callers see neither: `read_k`
 //! returns slot-major K like `read_v`.
+//!
+//! `Q8` and `Q4` store each token's head vector quantised in groups of 32 dimensions with
+//! an f16 scale per group, in the same `[block][kv_head]` regions and with the same
+//! transposition of K (format and rationale in `kernels::kv_quant`); every method below
+//! quantises on write and dequantises on read, and attention reads the bytes in place.
 //! Storage is allocated once at start-up and never grows (a limit, like everything else).
 
 use half::f16;
+
+use crate::kernels::kv_quant::{QLayout, QuantBits};
 
 /// Element type of the live KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvDtype {
     F16,
     F32,
+    /// 8-bit, groups of 32 with an f16 scale: 8.5 bits per element.
+    Q8,
+    /// 4-bit, groups of 32 with an f16 scale: 4.5 bits per element.
+    Q4,
 }
 
 impl KvDtype {
-    pub fn bytes_per_elem(self) -> usize {
+    /// Bytes of one token's vector of one KV head (K or V alone), scales included.
+    pub fn bytes_per_head_token(self, head_dim: usize) -> usize {
         match self {
-            KvDtype::F16 => 2,
-            KvDtype::F32 => 4,
+            KvDtype::F16 => 2 * head_dim,
+            KvDtype::F32 => 4 * head_dim,
+            KvDtype::Q8 | KvDtype::Q4 => QLayout::new(self.quant_bits().unwrap(), head_dim, 1).bytes_per_token(),
         }
     }
     pub fn parse(s: &str) -> Option<KvDtype> {
         match s {
             "f16" => Some(KvDtype::F16),
             "f32" => Some(KvDtype::F32),
+            "q8" | "q8_0" => Some(KvDtype::Q8),
+            "q4" | "q4_0" => Some(KvDtype::Q4),
             _ => None,
         }
+    }
+    /// The names `parse` accepts, for help and error texts.
+    pub const NAMES: &'static str = "f16, f32, q8 or q4";
+
+    pub(crate) fn quant_bits(self) -> Option<QuantBits> {
+        match self {
+            KvDtype::Q8 => Some(QuantBits::Q8),
+            KvDtype::Q4 => Some(QuantBits::Q4),
+            KvDtype::F16 | KvDtype::F32 => None,
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvDtype::F16 => "f16",
+            KvDtype::F32 => "f32",
+            KvDtype::Q8 => "q8",
+            KvDtype::Q4 => "q4",
+        })
     }
 }
 
@@ -47,6 +83,7 @@ impl Buf {
         match dtype {
             KvDtype::F16 => Buf::F16(vec![f16::ZERO; n]),
             KvDtype::F32 => Buf::F32(vec![0.0; n]),
+            KvDtype::Q8 | KvDtype::Q4 => unreachable!("quantised layers are byte buffers"),
         }
     }
     fn write(&mut self, at: usize, src: &[f32]) {
@@ -112,7 +149,7 @@ impl KvGeometry {
     }
     /// Bytes of K and V of one token over all layers.
     pub fn bytes_per_token(&self, dtype: KvDtype) -> usize {
-        2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype.bytes_per_elem()
+        2 * self.n_layers * self.n_kv_heads * dtype.bytes_per_head_token(self.head_dim)
     }
 }
 
@@ -120,25 +157,49 @@ impl KvGeometry {
 pub(crate) enum LayerKv<'a> {
     F16 { k: &'a [f16], v: &'a [f16] },
     F32 { k: &'a [f32], v: &'a [f32] },
+    /// `head_bytes` per `(block, kv_head)` region, laid out as `layout` says.
+    Quant { k: &'a [u8], v: &'a [u8], layout: QLayout },
+}
+
+/// Storage of one layer: elements for f16/f32, or quantised head regions.
+enum LayerBufs {
+    Elems { k: Buf, v: Buf },
+    Quant { k: Vec<u8>, v: Vec<u8> },
 }
 
 pub struct KvStore {
     pub geometry: KvGeometry,
     pub dtype: KvDtype,
-    k: Vec<Buf>,
-    v: Vec<Buf>,
+    layers: Vec<LayerBufs>,
+    /// The block format when `dtype` is quantised.
+    qlayout: Option<QLayout>,
 }
 
 impl KvStore {
+    /// Panics if `dtype` is quantised and `head_dim` is not a multiple of 32.
     pub fn new(geometry: KvGeometry, dtype: KvDtype) -> KvStore {
         let n = geometry.num_blocks * geometry.block_elems();
-        let k = (0..geometry.n_layers).map(|_| Buf::new(dtype, n)).collect();
-        let v = (0..geometry.n_layers).map(|_| Buf::new(dtype, n)).collect();
-        KvStore { geometry, dtype, k, v }
+        let qlayout = dtype.quant_bits().map(|bits| QLayout::new(bits, geometry.head_dim, geometry.block_size_tokens));
+        let layers = (0..geometry.n_layers)
+            .map(|_| match qlayout {
+                None => LayerBufs::Elems { k: Buf::new(dtype, n), v: Buf::new(dtype, n) },
+                Some(q) => {
+                    let bytes = geometry.num_blocks * geometry.n_kv_heads * q.head_bytes();
+                    LayerBufs::Quant { k: vec![0; bytes], v: vec![0; bytes] }
+                }
+            })
+            .collect();
+        KvStore { geometry, dtype, layers, qlayout }
     }
 
     pub fn capacity_bytes(&self) -> usize {
-        2 * self.geometry.n_layers * self.geometry.num_blocks * self.geometry.block_elems() * self.dtype.bytes_per_elem()
+        self.geometry.num_blocks * self.geometry.block_size_tokens * self.geometry.bytes_per_token(self.dtype)
+    }
+
+    /// Byte offset of `(block, kv_head)`'s region in a quantised layer.
+    #[inline]
+    fn q_offset(&self, q: &QLayout, block: u32, kv_head: usize) -> usize {
+        (block as usize * self.geometry.n_kv_heads + kv_head) * q.head_bytes()
     }
 
     #[inline]
@@ -158,21 +219,42 @@ impl KvStore {
     pub fn write_token(&mut self, layer: usize, block: u32, slot: usize, k: &[f32], v: &[f32]) {
         let hd = self.geometry.head_dim;
         for h in 0..self.geometry.n_kv_heads {
-            for (d, &x) in k[h * hd..(h + 1) * hd].iter().enumerate() {
-                let at = self.k_offset(block, h, slot, d);
-                self.k[layer].set(at, x);
+            let (kh, vh) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
+            if let Some(q) = self.qlayout {
+                let at = self.q_offset(&q, block, h);
+                let LayerBufs::Quant { k: kb, v: vb } = &mut self.layers[layer] else { unreachable!() };
+                q.write_k(&mut kb[at..at + q.head_bytes()], slot, kh);
+                q.write_v(&mut vb[at..at + q.head_bytes()], slot, vh);
+                continue;
             }
-            let at = self.offset(block, h, slot);
-            self.v[layer].write(at, &v[h * hd..(h + 1) * hd]);
+            let (k_at, v_at, bs) = (self.k_offset(block, h, slot, 0), self.offset(block, h, slot), self.geometry.block_size_tokens);
+            let LayerBufs::Elems { k: kb, v: vb } = &mut self.layers[layer] else { unreachable!() };
+            for (d, &x) in kh.iter().enumerate() {
+                kb.set(k_at + d * bs, x);
+            }
+            vb.write(v_at, vh);
         }
     }
 
     /// Reads the first `n_tokens` slots of one KV head of a block as f32 (`n_tokens × head_dim`).
     pub fn read_k(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
         let hd = self.geometry.head_dim;
-        for (j, row) in out.chunks_exact_mut(hd).enumerate() {
-            for (d, o) in row.iter_mut().enumerate() {
-                *o = self.k[layer].get(self.k_offset(block, kv_head, j, d));
+        match &self.layers[layer] {
+            LayerBufs::Elems { k, .. } => {
+                for (j, row) in out.chunks_exact_mut(hd).enumerate() {
+                    for (d, o) in row.iter_mut().enumerate() {
+                        *o = k.get(self.k_offset(block, kv_head, j, d));
+                    }
+                }
+            }
+            LayerBufs::Quant { k, .. } => {
+                let q = self.qlayout.expect("quantised store");
+                let head = &k[self.q_offset(&q, block, kv_head)..][..q.head_bytes()];
+                for (j, row) in out.chunks_exact_mut(hd).enumerate() {
+                    for (d, o) in row.iter_mut().enumerate() {
+                        *o = q.k_elem(head, j, d);
+                    }
+                }
             }
         }
     }
@@ -182,39 +264,76 @@ impl KvStore {
     pub fn read_k_transposed(&self, layer: usize, block: u32, kv_head: usize, stride: usize, out: &mut [f32]) {
         let bs = self.geometry.block_size_tokens;
         debug_assert!(stride >= bs && out.len() >= self.geometry.head_dim * stride);
-        for d in 0..self.geometry.head_dim {
-            self.k[layer].read(self.k_offset(block, kv_head, 0, d), &mut out[d * stride..d * stride + bs]);
+        match &self.layers[layer] {
+            LayerBufs::Elems { k, .. } => {
+                for d in 0..self.geometry.head_dim {
+                    k.read(self.k_offset(block, kv_head, 0, d), &mut out[d * stride..d * stride + bs]);
+                }
+            }
+            LayerBufs::Quant { k, .. } => {
+                let q = self.qlayout.expect("quantised store");
+                let head = &k[self.q_offset(&q, block, kv_head)..][..q.head_bytes()];
+                for d in 0..self.geometry.head_dim {
+                    for slot in 0..bs {
+                        out[d * stride + slot] = q.k_elem(head, slot, d);
+                    }
+                }
+            }
         }
     }
 
     /// The raw storage of one layer, for the attention kernels.
     pub(crate) fn layer(&self, layer: usize) -> LayerKv<'_> {
-        match (&self.k[layer], &self.v[layer]) {
-            (Buf::F16(k), Buf::F16(v)) => LayerKv::F16 { k, v },
-            (Buf::F32(k), Buf::F32(v)) => LayerKv::F32 { k, v },
+        match &self.layers[layer] {
+            LayerBufs::Elems { k: Buf::F16(k), v: Buf::F16(v) } => LayerKv::F16 { k, v },
+            LayerBufs::Elems { k: Buf::F32(k), v: Buf::F32(v) } => LayerKv::F32 { k, v },
+            LayerBufs::Quant { k, v } => LayerKv::Quant { k, v, layout: self.qlayout.expect("quantised store") },
             _ => unreachable!("K and V share a dtype"),
         }
     }
 
-    /// Offset of `(block, kv_head)`'s first element in either of `layer()`'s slices.
+    /// Offset of `(block, kv_head)`'s first element in either of `layer()`'s slices
+    /// (f16/f32 stores; in elements).
     #[inline]
     pub(crate) fn head_offset(&self, block: u32, kv_head: usize) -> usize {
         self.offset(block, kv_head, 0)
     }
 
+    /// Reads the first `n_tokens` slots of one KV head of a block's V (`n_tokens × head_dim`).
     pub fn read_v(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
-        self.v[layer].read(self.offset(block, kv_head, 0), out);
+        match &self.layers[layer] {
+            LayerBufs::Elems { v, .. } => v.read(self.offset(block, kv_head, 0), out),
+            LayerBufs::Quant { v, .. } => {
+                let q = self.qlayout.expect("quantised store");
+                let head = &v[self.q_offset(&q, block, kv_head)..][..q.head_bytes()];
+                for (j, row) in out.chunks_exact_mut(self.geometry.head_dim).enumerate() {
+                    q.read_v(head, j, row);
+                }
+            }
+        }
     }
 
     /// Copies one token slot to another in every layer and KV head (prefill compaction).
+    /// Quantised tokens are copied as bytes: they are never re-quantised.
     pub fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
         let hd = self.geometry.head_dim;
-        for layer in 0..self.geometry.n_layers {
-            for h in 0..self.geometry.n_kv_heads {
-                let (s, d) = (self.offset(src.0, h, src.1), self.offset(dst.0, h, dst.1));
-                self.v[layer].copy_within(s, d, hd);
-                let (s, d) = (self.k_offset(src.0, h, src.1, 0), self.k_offset(dst.0, h, dst.1, 0));
-                self.k[layer].copy_strided(s, d, hd, self.geometry.block_size_tokens);
+        let bs = self.geometry.block_size_tokens;
+        for h in 0..self.geometry.n_kv_heads {
+            let (vs, vd) = (self.offset(src.0, h, src.1), self.offset(dst.0, h, dst.1));
+            let (ks, kd) = (self.k_offset(src.0, h, src.1, 0), self.k_offset(dst.0, h, dst.1, 0));
+            let q_regions = self.qlayout.map(|q| (q, self.q_offset(&q, src.0, h), self.q_offset(&q, dst.0, h)));
+            for layer in self.layers.iter_mut() {
+                match (layer, q_regions) {
+                    (LayerBufs::Elems { k, v }, _) => {
+                        v.copy_within(vs, vd, hd);
+                        k.copy_strided(ks, kd, hd, bs);
+                    }
+                    (LayerBufs::Quant { k, v }, Some((q, s, d))) => {
+                        q.copy_k_slot(k, s, src.1, d, dst.1);
+                        q.copy_v_slot(v, s, src.1, d, dst.1);
+                    }
+                    _ => unreachable!("quantised layers have a layout"),
+                }
             }
         }
     }
@@ -223,9 +342,19 @@ impl KvStore {
     pub fn copy_block(&mut self, src: u32, dst: u32) {
         let n = self.geometry.block_elems();
         let (s, d) = (src as usize * n, dst as usize * n);
-        for layer in 0..self.geometry.n_layers {
-            self.k[layer].copy_within(s, d, n);
-            self.v[layer].copy_within(s, d, n);
+        let qn = self.qlayout.map_or(0, |q| self.geometry.n_kv_heads * q.head_bytes());
+        for layer in self.layers.iter_mut() {
+            match layer {
+                LayerBufs::Elems { k, v } => {
+                    k.copy_within(s, d, n);
+                    v.copy_within(s, d, n);
+                }
+                LayerBufs::Quant { k, v } => {
+                    let (s, d) = (src as usize * qn, dst as usize * qn);
+                    k.copy_within(s..s + qn, d);
+                    v.copy_within(s..s + qn, d);
+                }
+            }
         }
     }
 }
@@ -257,5 +386,44 @@ mod tests {
             s.read_k_transposed(1, 1, 1, 8, &mut kt);
             assert_eq!([kt[3], kt[8 + 3], kt[16 + 3], kt[24 + 3]], [4.0, 5.0, 6.0, 7.0]);
         }
+    }
+
+    /// Quantised stores: reads agree with each other, copies move exact bytes, and the
+    /// reconstruction error is within the format's half step.
+    #[test]
+    fn quantised_write_read_copy() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let g = KvGeometry { n_layers: 2, n_kv_heads: 2, head_dim: 64, block_size_tokens: 8, num_blocks: 4 };
+        // Largest error for |x| < 2: half a step for q8, a whole step for q4 (kv_quant's tests).
+        for (dtype, max_err) in [(KvDtype::Q8, 1.0 / 127.0), (KvDtype::Q4, 2.0 / 8.0)] {
+            let mut s = KvStore::new(g, dtype);
+            assert_eq!(s.capacity_bytes(), 4 * 8 * g.bytes_per_token(dtype));
+            let k: Vec<f32> = (0..128).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let v: Vec<f32> = (0..128).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            s.write_token(1, 2, 5, &k, &v);
+            let (mut ko, mut vo) = (vec![0f32; 8 * 64], vec![0f32; 8 * 64]);
+            s.read_k(1, 2, 1, &mut ko);
+            s.read_v(1, 2, 1, &mut vo);
+            for d in 0..64 {
+                assert!((ko[5 * 64 + d] - k[64 + d]).abs() <= max_err * 1.01, "{dtype} K d {d}");
+                assert!((vo[5 * 64 + d] - v[64 + d]).abs() <= max_err * 1.01, "{dtype} V d {d}");
+            }
+            let mut kt = vec![0f32; 64 * 16];
+            s.read_k_transposed(1, 2, 1, 16, &mut kt);
+            assert!((0..64).all(|d| kt[d * 16 + 5] == ko[5 * 64 + d]));
+            s.copy_slot((2, 5), (0, 1));
+            let (mut k2, mut v2) = (vec![0f32; 8 * 64], vec![0f32; 8 * 64]);
+            s.read_k(1, 0, 1, &mut k2);
+            s.read_v(1, 0, 1, &mut v2);
+            assert_eq!(&k2[64..128], &ko[5 * 64..6 * 64]);
+            assert_eq!(&v2[64..128], &vo[5 * 64..6 * 64]);
+            s.copy_block(2, 3);
+            s.read_k(1, 3, 1, &mut k2);
+            s.read_v(1, 3, 1, &mut v2);
+            assert_eq!((k2, v2), (ko, vo));
+        }
+        assert_eq!(g.bytes_per_token(KvDtype::Q8) * 64, g.bytes_per_token(KvDtype::F16) * 34);
+        assert_eq!(g.bytes_per_token(KvDtype::Q4) * 64, g.bytes_per_token(KvDtype::F16) * 18);
     }
 }

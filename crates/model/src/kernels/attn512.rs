@@ -29,7 +29,8 @@ pub struct Row {
 
 /// One KV head of one layer, as the store lays it out.
 pub struct HeadKv<'a> {
-    /// Start of the layer's K and V arrays (`f16` or `f32` elements, per `f16`).
+    /// Start of the layer's K and V arrays (`f16` or `f32` elements, per `f16`; or the
+    /// quantised regions `attn512q` reads, where `f16` is ignored).
     pub k: *const u8,
     pub v: *const u8,
     pub f16: bool,
@@ -205,7 +206,7 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(kv: &HeadKv
 
 /// Sum of 16 lanes in a fixed order (halves, then quarters, …).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-unsafe fn hsum(v: __m512) -> f32 {
+pub(crate) unsafe fn hsum(v: __m512) -> f32 {
     let lo = _mm512_castps512_ps256(v);
     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
     let x = _mm256_add_ps(lo, hi);
@@ -217,7 +218,7 @@ unsafe fn hsum(v: __m512) -> f32 {
 /// `e^x` (Cephes' `expf`: range reduction by ln 2, degree-5 polynomial, then `scalef`),
 /// within about 2 ulp; `exp(0)` is exactly 1 and inputs below -87.3 give about 1e-38.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-unsafe fn exp512(x: __m512) -> __m512 {
+pub(crate) unsafe fn exp512(x: __m512) -> __m512 {
     let x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.376_26)), _mm512_set1_ps(-87.336_55));
     let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(_mm512_fmadd_ps(
         x,

@@ -5,8 +5,11 @@
 //! so faster kernels can replace slow ones without the model code changing.
 
 pub mod attn;
+pub mod kv_quant;
 #[cfg(target_arch = "x86_64")]
 pub mod attn512;
+#[cfg(target_arch = "x86_64")]
+pub mod attn512q;
 mod matmul;
 mod ops;
 mod pack;
