@@ -27,19 +27,25 @@ pub struct ModelArgs {
     pub kv_dtype: String,
     #[command(flatten)]
     pub tiers: TierArgs,
+    /// A TOML file of settings (model, threads, tiers) below flags and env; see
+    /// examples/pagekeeper.toml.
+    #[arg(long, env = "PAGEKEEPER_CONFIG")]
+    pub config: Option<PathBuf>,
 }
 
 impl ModelArgs {
     pub fn engine(&self, kv_capacity_tokens: Option<usize>) -> Result<Engine> {
-        if let Some(n) = self.threads {
+        // The --config file under flags and env (config.rs).
+        let args = self.resolved()?;
+        if let Some(n) = args.threads {
             if n == 0 {
                 bail!("--threads must be at least 1");
             }
             rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring threads")?;
         }
-        let kv_dtype = KvDtype::parse(&self.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected f16 or f32)", self.kv_dtype))?;
-        let path = resolve_model(self.model.as_deref(), true)?;
-        let config = EngineConfig { block_size_tokens: self.block_size, kv_dtype, kv_capacity_tokens, tiering: self.tiers.build()?, ..Default::default() };
+        let kv_dtype = KvDtype::parse(&args.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected f16 or f32)", args.kv_dtype))?;
+        let path = resolve_model(args.model.as_deref(), true)?;
+        let config = EngineConfig { block_size_tokens: args.block_size, kv_dtype, kv_capacity_tokens, tiering: args.tiers.build()?, ..Default::default() };
         Engine::load(&path, config)
     }
 }
@@ -56,9 +62,12 @@ pub struct TierArgs {
     /// A Redis tier shared by several servers (redis://host:port[?capacity=8GiB]).
     #[arg(long, env = "PAGEKEEPER_TIER_REDIS")]
     pub tier_redis: Option<String>,
-    /// Tokens per stored chunk (a multiple of the block size).
-    #[arg(long, default_value_t = 256)]
-    pub tier_chunk_tokens: usize,
+    /// Tokens per stored chunk (a multiple of the block size; default 256).
+    #[arg(long, env = "PAGEKEEPER_TIER_CHUNK_TOKENS")]
+    pub tier_chunk_tokens: Option<usize>,
+    /// Tiers from the `--config` file, used for those no flag or env sets (config.rs).
+    #[arg(skip)]
+    pub from_file: Option<crate::config::TiersSection>,
 }
 
 impl TierArgs {
@@ -67,17 +76,14 @@ impl TierArgs {
     /// every chunk at once.
     pub fn build(&self) -> Result<Option<pk_engine::TieringConfig>> {
         let mut tiers = Vec::new();
-        for (flag, value) in [("--tier-ram", &self.tier_ram), ("--tier-disk", &self.tier_disk), ("--tier-redis", &self.tier_redis)] {
-            if let Some(v) = value {
-                let cfg = pk_tiers::TierConfig::parse(flag, v).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
-                tiers.push(pk_tiers::open_tier(&cfg).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?);
-            }
+        for (origin, cfg) in self.tier_configs()? {
+            tiers.push(pk_tiers::open_tier(&cfg).map_err(|e| anyhow::anyhow!("{origin}: {e}"))?);
         }
         if tiers.is_empty() {
             return Ok(None);
         }
         let store = std::sync::Arc::new(pk_tiers::TieredStore::new(tiers).with_write_through_last(true));
-        Ok(Some(pk_engine::TieringConfig { store, chunk_size_tokens: self.tier_chunk_tokens, max_pending_bytes: 256 << 20 }))
+        Ok(Some(pk_engine::TieringConfig { store, chunk_size_tokens: self.chunk_tokens(), max_pending_bytes: 256 << 20 }))
     }
 }
 

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_serve;
 mod commands;
+mod config;
 mod eval;
 mod serve;
 

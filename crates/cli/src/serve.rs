@@ -42,7 +42,9 @@ pub struct ServeArgs {
     pub kv: crate::commands::KvPolicyArgs,
 }
 
-pub fn serve(a: ServeArgs) -> Result<()> {
+pub fn serve(mut a: ServeArgs) -> Result<()> {
+    // The --config file under flags and env (config.rs).
+    a.model = a.model.resolved()?;
     let metrics = pk_server::install_metrics().context("installing the metrics recorder")?;
     let path = resolve_model(a.model.model.as_deref(), true)?;
     if let Some(n) = a.model.threads {

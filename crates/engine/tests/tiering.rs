@@ -13,7 +13,7 @@ use pk_tiers::{DiskTier, DiskTierConfig, RamTier, Tier, TieredStore};
 fn tiered(dir: &std::path::Path) -> Arc<TieredStore> {
     let ram: Arc<dyn Tier> = Arc::new(RamTier::new(64 << 20));
     let disk: Arc<dyn Tier> = Arc::new(
-        DiskTier::open(DiskTierConfig { dir: dir.to_path_buf(), capacity_bytes: 256 << 20, name: "disk".into(), sync_writes: true }).unwrap(),
+        DiskTier::open(DiskTierConfig { dir: dir.to_path_buf(), capacity_bytes: 256 << 20, name: "disk".into(), sync_writes: true, drop_page_cache: false }).unwrap(),
     );
     // Write-through to the slowest tier: the disk copy is what survives a restart.
     Arc::new(TieredStore::new(vec![ram, disk]).with_write_through_last(true))

@@ -15,6 +15,8 @@ pub enum TierConfig {
     Disk {
         dir: PathBuf,
         capacity_bytes: u64,
+        /// See [`DiskTierConfig::drop_page_cache`]; config files only (the flag has no room).
+        drop_page_cache: bool,
     },
     /// `url` without pagekeeper's own query parameters.
     Redis {
@@ -112,6 +114,7 @@ impl TierConfig {
         Ok(TierConfig::Disk {
             dir: PathBuf::from(path),
             capacity_bytes: parse_byte_size(size)?,
+            drop_page_cache: false,
         })
     }
 
@@ -163,7 +166,12 @@ pub fn open_tier(config: &TierConfig) -> Result<Arc<dyn Tier>, TierError> {
         TierConfig::Disk {
             dir,
             capacity_bytes,
-        } => Arc::new(DiskTier::open(DiskTierConfig::new(dir, *capacity_bytes))?),
+            drop_page_cache,
+        } => {
+            let mut c = DiskTierConfig::new(dir, *capacity_bytes);
+            c.drop_page_cache = *drop_page_cache;
+            Arc::new(DiskTier::open(c)?)
+        }
         TierConfig::Redis {
             url,
             capacity_bytes,
@@ -214,7 +222,8 @@ mod tests {
             TierConfig::parse("--tier-disk", "/mnt/a:b/cache:20GiB"),
             Ok(TierConfig::Disk {
                 dir: "/mnt/a:b/cache".into(),
-                capacity_bytes: 20 << 30
+                capacity_bytes: 20 << 30,
+                drop_page_cache: false
             })
         );
         assert!(matches!(

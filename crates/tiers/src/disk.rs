@@ -15,6 +15,10 @@
 //! NOTE 5 (locking): the index mutex is never held across payload I/O; only renames and
 //! index updates happen under it, so a victim is renamed away before its file is read, and a
 //! concurrent store of the same key cannot lose its new file.
+//! NOTE 6 (page cache): with `drop_page_cache` the tier asks the kernel to drop an entry's
+//! pages (`posix_fadvise(POSIX_FADV_DONTNEED)`) after writing it (once synced: dirty pages
+//! cannot be dropped) and after reading it, so that reads come from the device. Benchmarks
+//! use it to measure cold reads, and EVICPRESS to model an SSD tier that DRAM cannot cover.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
@@ -42,6 +46,9 @@ pub struct DiskTierConfig {
     /// fsync each entry and the directory (default). Turning it off risks losing recent
     /// entries in a power cut, never serving bad bytes: checksums still catch torn files.
     pub sync_writes: bool,
+    /// Drop each entry from the OS page cache after writing and after reading it (NOTE 6).
+    /// Implies syncing each entry's data, since dirty pages cannot be dropped. Default false.
+    pub drop_page_cache: bool,
 }
 
 impl DiskTierConfig {
@@ -51,6 +58,7 @@ impl DiskTierConfig {
             capacity_bytes,
             name: "disk".to_owned(),
             sync_writes: true,
+            drop_page_cache: false,
         }
     }
 }
@@ -77,6 +85,7 @@ pub struct DiskTier {
     meter: BandwidthMeter,
     scan: DiskScanReport,
     sync_writes: bool,
+    drop_page_cache: bool,
 }
 
 impl DiskTier {
@@ -87,6 +96,7 @@ impl DiskTier {
             capacity_bytes,
             name,
             sync_writes,
+            drop_page_cache,
         } = config;
         let io_err = |path: &Path, source| TierError::Io {
             tier: name.clone(),
@@ -105,6 +115,7 @@ impl DiskTier {
             meter: BandwidthMeter::default(),
             scan: DiskScanReport::default(),
             sync_writes,
+            drop_page_cache,
         };
         tier.scan = tier.rebuild_index().map_err(|e| io_err(&tier.dir, e))?;
         tier.scan.elapsed = started.elapsed();
@@ -167,7 +178,7 @@ impl DiskTier {
                 report.temp_files_removed += 1;
                 continue;
             }
-            match scan_entry(&path, &file_name) {
+            match scan_entry(&path, &file_name, self.drop_page_cache) {
                 Ok((key, file_len, mtime)) => found.push((mtime, key, file_len)),
                 Err(why) => {
                     tracing::warn!(tier = %self.name, path = %path.display(), why, "removing unusable file");
@@ -243,6 +254,9 @@ impl DiskTier {
         // Read straight into the shared buffer: one allocation, no extra copy.
         let mut payload: Payload = Arc::from(vec![0u8; header.payload_len as usize]);
         file.read_exact(Arc::get_mut(&mut payload).unwrap())?;
+        if self.drop_page_cache {
+            drop_cached_pages(&file);
+        }
         if crc32c::crc32c(&payload) != header.payload_crc32c {
             return Ok(Err("payload checksum mismatch".into()));
         }
@@ -269,6 +283,11 @@ impl DiskTier {
         file.set_modified(SystemTime::now())?;
         if self.sync_writes {
             file.sync_all()?;
+        } else if self.drop_page_cache {
+            file.sync_data()?;
+        }
+        if self.drop_page_cache {
+            drop_cached_pages(&file);
         }
         Ok(())
     }
@@ -308,6 +327,11 @@ impl Tier for DiskTier {
             });
         }
         if self.index.lock().unwrap().touch(key).is_some() {
+            // Recency must survive a restart (NOTE 2) as a load's does. Best effort: a failure
+            // costs LRU order only.
+            if let Ok(file) = OpenOptions::new().write(true).open(self.entry_path(key)) {
+                let _ = file.set_modified(SystemTime::now());
+            }
             return Ok(Vec::new());
         }
         let temp = self.temp_path(key);
@@ -410,7 +434,11 @@ impl Tier for DiskTier {
 }
 
 /// Validates a `<hex>.kv` file from its name, header and length only.
-fn scan_entry(path: &Path, file_name: &str) -> Result<(ChunkKey, u64, SystemTime), String> {
+fn scan_entry(
+    path: &Path,
+    file_name: &str,
+    drop_page_cache: bool,
+) -> Result<(ChunkKey, u64, SystemTime), String> {
     let key = file_name
         .strip_suffix(ENTRY_SUFFIX)
         .and_then(ChunkKey::from_hex)
@@ -420,6 +448,10 @@ fn scan_entry(path: &Path, file_name: &str) -> Result<(ChunkKey, u64, SystemTime
     let mut header_bytes = [0u8; HEADER_LEN];
     file.read_exact(&mut header_bytes)
         .map_err(|_| "truncated header".to_owned())?;
+    if drop_page_cache {
+        // Readahead may have pulled in much of the payload along with the header.
+        drop_cached_pages(&file);
+    }
     let header = EntryHeader::decode(&header_bytes)?;
     if header.key != key {
         return Err("header names another key".into());
@@ -471,6 +503,23 @@ fn remove_if_exists(path: &Path) -> io::Result<()> {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
         _ => Ok(()),
     }
+}
+
+/// Asks the kernel to evict `file`'s clean pages from the page cache (NOTE 6). Advice only:
+/// a failure (or a filesystem that ignores it) costs benchmark accuracy, never correctness.
+fn drop_cached_pages(file: &File) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: the descriptor is open for the duration of the call; offset 0 and length 0
+        // mean the whole file.
+        let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        if rc != 0 {
+            tracing::debug!(rc, "posix_fadvise(DONTNEED) failed");
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = file;
 }
 
 /// Makes renames and unlinks in `dir` durable.

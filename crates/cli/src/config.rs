@@ -1,0 +1,266 @@
+//! `--config FILE`: a TOML file with the settings a deployment keeps fixed (model, threads,
+//! tiers), so that a command line need not repeat them. Precedence, per setting:
+//! flag > environment variable > file > built-in default.
+//!
+//! Clap already applies flag > env; a setting the file may supply is therefore an `Option`
+//! in the argument structs (`None` = neither flag nor env given), and [`ModelArgs::resolved`]
+//! fills the `None`s from the file. Defaults are applied last, where the value is used.
+//!
+//! A tier given by flag or env replaces the file's entry for that tier as a whole (the flag
+//! form `DIR:SIZE` cannot say everything a file's `[tiers.disk]` table can).
+//!
+//! ```toml
+//! model = "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+//! threads = 8
+//! [tiers]
+//! chunk_tokens = 256
+//! ram = "2GiB"
+//! [tiers.disk]
+//! path = "/var/cache/pagekeeper/kv"
+//! capacity = "20GiB"
+//! drop_page_cache = false
+//! [tiers.redis]
+//! url = "redis://127.0.0.1:6379"
+//! capacity = "8GiB"
+//! prefix = "pk:tiers:v1:"
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use pk_tiers::{parse_byte_size, TierConfig};
+use serde::Deserialize;
+
+use crate::commands::{ModelArgs, TierArgs};
+
+/// The file's contents. Unknown keys are errors: a misspelt setting must not be ignored.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub model: Option<PathBuf>,
+    pub threads: Option<usize>,
+    #[serde(default)]
+    pub tiers: TiersSection,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TiersSection {
+    /// Tokens per stored chunk.
+    pub chunk_tokens: Option<usize>,
+    /// RAM tier capacity, e.g. "2GiB".
+    pub ram: Option<String>,
+    pub disk: Option<DiskSection>,
+    pub redis: Option<RedisSection>,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DiskSection {
+    pub path: PathBuf,
+    pub capacity: String,
+    /// Drop entries from the OS page cache after writes and reads (cold-read benchmarks).
+    #[serde(default)]
+    pub drop_page_cache: bool,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RedisSection {
+    pub url: String,
+    pub capacity: Option<String>,
+    /// Key namespace; servers that share chunks use the same one.
+    pub prefix: Option<String>,
+}
+
+impl FileConfig {
+    pub fn load(path: &Path) -> Result<FileConfig> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))?;
+        let config: FileConfig = toml::from_str(&text).with_context(|| format!("parsing config file {}", path.display()))?;
+        // Validate sizes and URLs now, so that a bad file fails before the model loads.
+        config.tiers.tier_configs().with_context(|| format!("in config file {}", path.display()))?;
+        Ok(config)
+    }
+}
+
+impl TiersSection {
+    /// The file's tiers as `(flag name, config)`, fastest first.
+    pub fn tier_configs(&self) -> Result<Vec<(&'static str, TierConfig)>> {
+        let mut out = Vec::new();
+        if let Some(ram) = &self.ram {
+            out.push(("ram", TierConfig::parse_ram(ram).context("tiers.ram")?));
+        }
+        if let Some(d) = &self.disk {
+            let capacity_bytes = parse_byte_size(&d.capacity).context("tiers.disk.capacity")?;
+            out.push(("disk", TierConfig::Disk { dir: d.path.clone(), capacity_bytes, drop_page_cache: d.drop_page_cache }));
+        }
+        if let Some(r) = &self.redis {
+            let mut config = TierConfig::parse_redis(&r.url).context("tiers.redis.url")?;
+            if let TierConfig::Redis { capacity_bytes, key_prefix, .. } = &mut config {
+                if let Some(c) = &r.capacity {
+                    *capacity_bytes = Some(parse_byte_size(c).context("tiers.redis.capacity")?);
+                }
+                if let Some(p) = &r.prefix {
+                    *key_prefix = Some(p.clone());
+                }
+            }
+            out.push(("redis", config));
+        }
+        Ok(out)
+    }
+}
+
+impl TierArgs {
+    /// Tokens per stored chunk: flag or env, else the file, else 256.
+    pub fn chunk_tokens(&self) -> usize {
+        self.tier_chunk_tokens.unwrap_or(256)
+    }
+
+    /// The configured tiers, fastest first, each labelled with where it came from (for
+    /// error messages): a flag or env value wins over the file's entry for that tier.
+    pub fn tier_configs(&self) -> Result<Vec<(String, TierConfig)>> {
+        let from_file = self.from_file.as_ref().map(|f| f.tier_configs()).transpose()?.unwrap_or_default();
+        let mut out = Vec::new();
+        for (name, flag, value) in [("ram", "--tier-ram", &self.tier_ram), ("disk", "--tier-disk", &self.tier_disk), ("redis", "--tier-redis", &self.tier_redis)] {
+            if let Some(v) = value {
+                out.push((flag.to_owned(), TierConfig::parse(flag, v).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?));
+            } else if let Some((_, config)) = from_file.iter().find(|(n, _)| *n == name) {
+                out.push((format!("tiers.{name} (config file)"), config.clone()));
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl ModelArgs {
+    /// These arguments with the `--config` file applied under flags and env (see the module
+    /// comment). Commands call this once, before using any field.
+    pub fn resolved(&self) -> Result<ModelArgs> {
+        let Some(path) = &self.config else {
+            return Ok(self.clone());
+        };
+        let file = FileConfig::load(path)?;
+        let mut out = self.clone();
+        out.config = None;
+        out.model = out.model.or(file.model);
+        out.threads = out.threads.or(file.threads);
+        out.tiers.tier_chunk_tokens = out.tiers.tier_chunk_tokens.or(file.tiers.chunk_tokens);
+        out.tiers.from_file = Some(file.tiers);
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        model: ModelArgs,
+    }
+
+    const FILE: &str = r#"
+model = "/from/file.gguf"
+threads = 3
+[tiers]
+chunk_tokens = 128
+ram = "1GiB"
+[tiers.disk]
+path = "/tmp/pk-disk"
+capacity = "2GiB"
+drop_page_cache = true
+[tiers.redis]
+url = "redis://127.0.0.1:6391"
+capacity = "8GiB"
+prefix = "team:"
+"#;
+
+    fn write(text: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pagekeeper.toml");
+        std::fs::write(&path, text).unwrap();
+        (dir, path)
+    }
+
+    fn parse(args: &[&str]) -> ModelArgs {
+        Cli::try_parse_from(std::iter::once("pk").chain(args.iter().copied())).unwrap().model.resolved().unwrap()
+    }
+
+    /// Flag > env > file > default, for every setting the file can hold. The only test in
+    /// this crate that sets `PAGEKEEPER_*` variables, so parallel tests cannot see them.
+    #[test]
+    fn precedence_flags_env_file_defaults() {
+        let (_dir, path) = write(FILE);
+        let path = path.to_str().unwrap();
+        for var in ["PAGEKEEPER_MODEL", "PAGEKEEPER_TIER_RAM", "PAGEKEEPER_TIER_DISK", "PAGEKEEPER_TIER_REDIS", "PAGEKEEPER_TIER_CHUNK_TOKENS", "PAGEKEEPER_CONFIG"] {
+            std::env::remove_var(var);
+        }
+
+        // Defaults: no file, no flags.
+        let a = parse(&[]);
+        assert_eq!((a.model, a.threads, a.tiers.chunk_tokens()), (None, None, 256));
+        assert!(a.tiers.tier_configs().unwrap().is_empty());
+
+        // File only.
+        let a = parse(&["--config", path]);
+        assert_eq!(a.model.as_deref(), Some(Path::new("/from/file.gguf")));
+        assert_eq!((a.threads, a.tiers.chunk_tokens()), (Some(3), 128));
+        let tiers: Vec<_> = a.tiers.tier_configs().unwrap().into_iter().map(|t| t.1).collect();
+        assert_eq!(
+            tiers,
+            vec![
+                TierConfig::Ram { capacity_bytes: 1 << 30 },
+                TierConfig::Disk { dir: "/tmp/pk-disk".into(), capacity_bytes: 2 << 30, drop_page_cache: true },
+                TierConfig::Redis { url: "redis://127.0.0.1:6391".into(), capacity_bytes: Some(8 << 30), key_prefix: Some("team:".into()) },
+            ]
+        );
+
+        // Env over file; the config file itself may come from the environment too.
+        std::env::set_var("PAGEKEEPER_TIER_RAM", "512MiB");
+        std::env::set_var("PAGEKEEPER_MODEL", "/from/env.gguf");
+        std::env::set_var("PAGEKEEPER_CONFIG", path);
+        let a = parse(&[]);
+        assert_eq!(a.model.as_deref(), Some(Path::new("/from/env.gguf")));
+        assert_eq!(a.tiers.tier_configs().unwrap()[0].1, TierConfig::Ram { capacity_bytes: 512 << 20 });
+        assert_eq!(a.threads, Some(3), "settings env leaves alone still come from the file");
+
+        // Flags over env and file; a flag replaces the file's whole tier entry.
+        let a = parse(&["--tier-ram", "64MiB", "--model", "/from/flag.gguf", "--threads", "1", "--tier-chunk-tokens", "64", "--tier-disk", "/flag/dir:1GiB"]);
+        for var in ["PAGEKEEPER_MODEL", "PAGEKEEPER_TIER_RAM", "PAGEKEEPER_CONFIG"] {
+            std::env::remove_var(var);
+        }
+        assert_eq!(a.model.as_deref(), Some(Path::new("/from/flag.gguf")));
+        assert_eq!((a.threads, a.tiers.chunk_tokens()), (Some(1), 64));
+        let tiers = a.tiers.tier_configs().unwrap();
+        assert_eq!(tiers.iter().map(|t| t.0.as_str()).collect::<Vec<_>>(), ["--tier-ram", "--tier-disk", "tiers.redis (config file)"]);
+        assert_eq!(tiers[0].1, TierConfig::Ram { capacity_bytes: 64 << 20 });
+        assert_eq!(tiers[1].1, TierConfig::Disk { dir: "/flag/dir".into(), capacity_bytes: 1 << 30, drop_page_cache: false });
+        assert!(matches!(&tiers[2].1, TierConfig::Redis { key_prefix: Some(p), .. } if p == "team:"));
+    }
+
+    #[test]
+    fn bad_files_fail_clearly() {
+        for (text, expect) in [
+            ("treads = 3\n", "unknown field `treads`"),
+            ("[tiers]\nram = \"2XB\"\n", "tiers.ram"),
+            ("[tiers.disk]\npath = \"/x\"\n", "missing field `capacity`"),
+            ("[tiers.redis]\nurl = \"http://x\"\n", "tiers.redis.url"),
+            ("threads = \n", "parsing config file"),
+        ] {
+            let (_dir, path) = write(text);
+            let err = format!("{:#}", FileConfig::load(&path).unwrap_err());
+            assert!(err.contains(expect), "{text:?}: {err}");
+        }
+        let err = format!("{:#}", FileConfig::load(Path::new("/nonexistent/pk.toml")).unwrap_err());
+        assert!(err.contains("reading config file /nonexistent/pk.toml"), "{err}");
+    }
+
+    #[test]
+    fn the_example_file_parses() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/pagekeeper.toml");
+        let file = FileConfig::load(Path::new(path)).unwrap();
+        assert_eq!(file.tiers.tier_configs().unwrap().len(), 3);
+    }
+}
