@@ -6,9 +6,9 @@
 //! Scores: for each group of 32 dimensions, `Σ_d q[d] · code[d][slot]` is accumulated over
 //! 16 slots at once from K's transposed codes (one 16-byte load per dimension, or per pair
 //! of dimensions for q4), then multiplied by the 16 slots' f16 scales of that group and
-//! added to the row's scores. Values: each slot's group scale is folded into the row's
-//! softmax weight (`p · scale`, a scalar), so `acc += (p · scale) · code` is one FMA per 16
-//! dimensions, as for f16. A row's arithmetic still depends only on its own query, its
+//! added to the row's scores. Values: the 16 slots' scales of each group are folded into
+//! the row's 16 softmax weights with one vector multiply (`pg = p · scale`), so
+//! `acc += pg[j] · code[j]` is one FMA per 16 dimensions, as for f16. A row's arithmetic still depends only on its own query, its
 //! visible keys and the stored bytes, in a fixed order; a slot it cannot see contributes
 //! `0 · scale · code`, i.e. nothing (scales are finite: they are rounded from finite K/V).
 //!
@@ -91,7 +91,8 @@ unsafe fn kernel<const HD16: usize, const R: usize, const Q4: bool>(kv: &HeadKv,
     let mut m = [f32::NEG_INFINITY; R];
     let mut l = [0f32; R];
     let mut acc = [[_mm512_setzero_ps(); HD16]; R];
-    let mut p = [[0f32; 16]; R];
+    // Softmax weights times V's scales, per row and group (at most 4 groups: hd ≤ 128).
+    let mut pg = [[[0f32; 16]; 4]; R];
     let n_max = rows.iter().map(|r| r.n_visible).max().unwrap_or(0);
 
     let n_blocks = n_max.div_ceil(bs);
@@ -142,7 +143,7 @@ unsafe fn kernel<const HD16: usize, const R: usize, const Q4: bool>(kv: &HeadKv,
             for r in 0..R {
                 let nv = rows[r].n_visible.saturating_sub(base).min(w);
                 if nv == 0 {
-                    p[r] = [0.0; 16];
+                    pg[r] = [[0.0; 16]; 4];
                     continue;
                 }
                 j_max = j_max.max(nv);
@@ -155,15 +156,16 @@ unsafe fn kernel<const HD16: usize, const R: usize, const Q4: bool>(kv: &HeadKv,
                 for a in acc[r].iter_mut() {
                     *a = _mm512_mul_ps(*a, corr);
                 }
-                _mm512_storeu_ps(p[r].as_mut_ptr(), pv);
+                for (g, pgg) in pg[r][..n_groups].iter_mut().enumerate() {
+                    let sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(wmask, v_scales.add(g * bs + c0) as *const i16));
+                    _mm512_storeu_ps(pgg.as_mut_ptr(), _mm512_mul_ps(pv, sv));
+                }
                 m[r] = m_new;
             }
-            // acc += (p[j] · scale[j][g]) · code[j]; each widened code vector serves every row.
+            // acc += pg[j] · code[j]; each widened code vector serves every row.
             for j in 0..j_max {
                 let vrow = vb.add((c0 + j) * v_row_bytes);
-                let vsc = v_scales.add((c0 + j) * n_groups);
                 for g in 0..n_groups {
-                    let sv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(*vsc.add(g) as i32)));
                     let (v0, v1) = if Q4 {
                         q4!(_mm_loadu_si128(vrow.add(g * GROUP / 2) as *const __m128i))
                     } else {
@@ -173,7 +175,7 @@ unsafe fn kernel<const HD16: usize, const R: usize, const Q4: bool>(kv: &HeadKv,
                         )
                     };
                     for r in 0..R {
-                        let w = _mm512_set1_ps(p[r][j] * sv);
+                        let w = _mm512_set1_ps(pg[r][g][j]);
                         acc[r][2 * g] = _mm512_fmadd_ps(w, v0, acc[r][2 * g]);
                         acc[r][2 * g + 1] = _mm512_fmadd_ps(w, v1, acc[r][2 * g + 1]);
                     }

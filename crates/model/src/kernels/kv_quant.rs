@@ -20,7 +20,8 @@
 //! - V: quants slot-major, `[slot][d]` (q4: `[slot][d / 2]`, where within each group of 32
 //!   byte `i` holds dimension `i` in its low nibble and `i + 16` in its high nibble, so one
 //!   16-byte load yields two 16-lane vectors of consecutive dimensions), then the scales
-//!   `[slot][group]` as f16.
+//!   `[group][slot]` as f16, like K's: the kernel multiplies a row's 16 softmax weights by
+//!   16 slots' scales in one vector operation before the `p · V` loop.
 
 use half::f16;
 
@@ -101,12 +102,9 @@ impl QLayout {
         self.block_size * self.quant_bytes_per_token()
     }
 
-    fn k_scale_at(&self, g: usize, slot: usize) -> usize {
+    /// Byte offset of group `g`'s scale of `slot` (K and V alike).
+    fn scale_at(&self, g: usize, slot: usize) -> usize {
         self.scales_offset() + 2 * (g * self.block_size + slot)
-    }
-
-    fn v_scale_at(&self, slot: usize, g: usize) -> usize {
-        self.scales_offset() + 2 * (slot * self.groups() + g)
     }
 
     /// Writes one token's key (`head_dim` floats) into `slot` of a head region.
@@ -132,7 +130,7 @@ impl QLayout {
                     s
                 }
             };
-            let at = self.k_scale_at(g, slot);
+            let at = self.scale_at(g, slot);
             head[at..at + 2].copy_from_slice(&scale.to_le_bytes());
         }
     }
@@ -160,7 +158,7 @@ impl QLayout {
                     s
                 }
             };
-            let at = self.v_scale_at(slot, g);
+            let at = self.scale_at(g, slot);
             head[at..at + 2].copy_from_slice(&scale.to_le_bytes());
         }
     }
@@ -173,7 +171,7 @@ impl QLayout {
     #[inline]
     pub fn k_elem(&self, head: &[u8], slot: usize, d: usize) -> f32 {
         let bs = self.block_size;
-        let scale = Self::scale(head, self.k_scale_at(d / GROUP, slot));
+        let scale = Self::scale(head, self.scale_at(d / GROUP, slot));
         match self.bits {
             QuantBits::Q8 => scale * (head[d * bs + slot] as i8) as f32,
             QuantBits::Q4 => {
@@ -188,7 +186,7 @@ impl QLayout {
     pub fn read_v(&self, head: &[u8], slot: usize, out: &mut [f32]) {
         let row = slot * self.quant_bytes_per_token();
         for g in 0..self.groups() {
-            let scale = Self::scale(head, self.v_scale_at(slot, g));
+            let scale = Self::scale(head, self.scale_at(g, slot));
             let o = &mut out[g * GROUP..(g + 1) * GROUP];
             match self.bits {
                 QuantBits::Q8 => {
@@ -219,19 +217,21 @@ impl QLayout {
         for r in 0..rows {
             buf[dst + r * bs + dst_slot] = buf[src + r * bs + src_slot];
         }
+        self.copy_scales(buf, src, src_slot, dst, dst_slot);
+    }
+
+    fn copy_scales(&self, buf: &mut [u8], src: usize, src_slot: usize, dst: usize, dst_slot: usize) {
         for g in 0..self.groups() {
-            let (s, d) = (src + self.k_scale_at(g, src_slot), dst + self.k_scale_at(g, dst_slot));
+            let (s, d) = (src + self.scale_at(g, src_slot), dst + self.scale_at(g, dst_slot));
             buf.copy_within(s..s + 2, d);
         }
     }
 
-    /// [`Self::copy_k_slot`] for V, whose token rows are contiguous.
+    /// [`Self::copy_k_slot`] for V, whose token rows of quants are contiguous.
     pub fn copy_v_slot(&self, buf: &mut [u8], src: usize, src_slot: usize, dst: usize, dst_slot: usize) {
         let qb = self.quant_bytes_per_token();
         buf.copy_within(src + src_slot * qb..src + (src_slot + 1) * qb, dst + dst_slot * qb);
-        let n = 2 * self.groups();
-        let (s, d) = (src + self.v_scale_at(src_slot, 0), dst + self.v_scale_at(dst_slot, 0));
-        buf.copy_within(s..s + n, d);
+        self.copy_scales(buf, src, src_slot, dst, dst_slot);
     }
 }
 
