@@ -11,6 +11,7 @@
 
 use std::collections::VecDeque;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -22,6 +23,7 @@ use crate::eviction::{self, EvictionStats, SeqEviction};
 use crate::request::{Request, RequestOutput, SeqEvent};
 use crate::sampler::SamplingParams;
 use crate::sequence::SeqState;
+use crate::contexts::{self, ContextReuse, ContextReuseConfig, ContextReuseStats, PrefixKv, SeqContext};
 use crate::tiering::{Tiering, TieringConfig, TieringStats};
 
 #[derive(Debug, Clone)]
@@ -43,6 +45,13 @@ pub struct EngineConfig {
     pub default_kv_budget: Option<u32>,
     /// Tiers below the pool for reusing prompt KV across requests, restarts and servers.
     pub tiering: Option<TieringConfig>,
+    /// Whole-context reuse through an EVICPRESS store (`--tier-policy evicpress`); exclusive
+    /// with `tiering`.
+    pub contexts: Option<ContextReuseConfig>,
+    /// Reuse computed blocks across requests through the pool's prefix cache (vLLM's
+    /// automatic prefix caching; on by default). Benchmarks of the tiers turn it off so
+    /// that every reuse is a load.
+    pub enable_prefix_caching: bool,
 }
 
 impl std::fmt::Debug for TieringConfig {
@@ -63,6 +72,8 @@ impl Default for EngineConfig {
             default_kv_policy: PolicySpec::default(),
             default_kv_budget: None,
             tiering: None,
+            contexts: None,
+            enable_prefix_caching: true,
         }
     }
 }
@@ -84,6 +95,10 @@ pub struct GenerateParams {
     pub forced_tokens: Vec<u32>,
     /// Send each step's full logits as `SeqEvent::Logits` before its token (evaluation).
     pub return_logits: bool,
+    /// The KV of the prompt's first `n_tokens()` tokens, given instead of computed (possibly
+    /// compressed: fewer tokens, original positions). Profiling and evaluation of stored
+    /// contexts use it; such a sequence never feeds the prefix cache.
+    pub prefix_kv: Option<Arc<PrefixKv>>,
 }
 
 impl Default for GenerateParams {
@@ -97,6 +112,7 @@ impl Default for GenerateParams {
             kv_budget: None,
             forced_tokens: Vec::new(),
             return_logits: false,
+            prefix_kv: None,
         }
     }
 }
@@ -121,6 +137,8 @@ pub struct GenerateOutput {
     pub prefill_seconds: f64,
     pub decode_seconds: f64,
     pub kv_stored_tokens: usize,
+    /// Where a stored context came from (EVICPRESS store), if one was loaded.
+    pub context_load: Option<pk_evicpress::LoadReport>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -158,6 +176,7 @@ pub struct Engine {
     cache_namespace: Vec<u8>,
     next_seq: u64,
     tiering: Option<Tiering>,
+    contexts: Option<ContextReuse>,
     waiting: VecDeque<SeqState>,
     /// In admission order; preemption takes from the back.
     running: Vec<SeqState>,
@@ -198,6 +217,11 @@ impl Engine {
             Some(t) => Some(Tiering::new(t, model_name, &cache_namespace, bs, geometry.bytes_per_token(config.kv_dtype)).map_err(anyhow::Error::msg)?),
             None => None,
         };
+        let contexts = match &config.contexts {
+            Some(_) if tiering.is_some() => bail!("chunk tiers and an EVICPRESS context store are exclusive (pick one --tier-policy)"),
+            Some(c) => Some(ContextReuse::new(c, model_name, &cache_namespace, bs).map_err(anyhow::Error::msg)?),
+            None => None,
+        };
         Ok(Engine {
             eviction_stats: Default::default(),
             model,
@@ -211,6 +235,7 @@ impl Engine {
             cache_namespace,
             next_seq: 0,
             tiering,
+            contexts,
             waiting: VecDeque::new(),
             running: Vec::new(),
         })
@@ -227,6 +252,20 @@ impl Engine {
     /// What the tiers did for this engine, if configured.
     pub fn tiering_stats(&self) -> Option<TieringStats> {
         self.tiering.as_ref().map(|t| t.stats.clone())
+    }
+
+    /// The EVICPRESS store, if configured.
+    pub fn context_store(&self) -> Option<Arc<pk_evicpress::ContextStore>> {
+        self.contexts.as_ref().map(|c| c.store.clone())
+    }
+
+    pub fn context_stats(&self) -> Option<ContextReuseStats> {
+        self.contexts.as_ref().map(|c| c.stats.clone())
+    }
+
+    /// The codec fingerprint of this engine's KV (model and KV precision).
+    pub fn kv_fingerprint(&self) -> [u8; 32] {
+        contexts::kv_fingerprint(&self.cache_namespace)
     }
 
     pub fn num_running(&self) -> usize {
@@ -263,6 +302,18 @@ impl Engine {
             return Err(SubmitError::Invalid(format!("token id {bad} is outside the vocabulary")));
         }
         let eviction = self.eviction_for(&req.params).map_err(SubmitError::Invalid)?;
+        if let Some(p) = &req.params.prefix_kv {
+            let g = self.store.geometry;
+            if p.n_tokens() >= req.prompt_ids.len() || p.kv.positions.last().is_some_and(|&x| x as usize >= p.n_tokens()) {
+                return Err(SubmitError::Invalid(format!("prefix_kv covers {} tokens of a {}-token prompt", p.n_tokens(), req.prompt_ids.len())));
+            }
+            if (p.kv.n_layers, p.kv.n_kv_heads, p.kv.head_dim) != (g.n_layers, g.n_kv_heads, g.head_dim) {
+                return Err(SubmitError::Invalid("prefix_kv has another model's shape".into()));
+            }
+            if eviction.is_some() {
+                return Err(SubmitError::Invalid("prefix_kv and an evicting kv_policy are exclusive".into()));
+            }
+        }
         let mut namespace = self.cache_namespace.clone();
         if let Some(salt) = &req.cache_salt {
             namespace.extend_from_slice(b"|salt|");
@@ -313,7 +364,10 @@ impl Engine {
     fn admit(&mut self) {
         while self.running.len() < self.config.max_running_seqs {
             let Some(front) = self.waiting.front() else { break };
-            let prefix = self.kv.get_computed_prefix(&front.all_ids, &front.namespace);
+            let prefix = match self.config.enable_prefix_caching {
+                true => self.kv.get_computed_prefix(&front.all_ids, &front.namespace),
+                false => self.kv.get_computed_prefix(&[], &front.namespace),
+            };
             let cached = prefix.num_cached_tokens() as usize;
             // Tiers are consulted for non-evicting sequences; they win when they hold a
             // longer prefix than the pool.
@@ -325,8 +379,22 @@ impl Engine {
                 }
                 _ => (Vec::new(), 0),
             };
-            let use_tiers = tier_found * self.tiering.as_ref().map_or(0, |t| t.chunk_size_tokens()) > cached;
-            let needed = if use_tiers {
+            // A given prefix KV, or the longest stored context, wins over a shorter pool hit.
+            let mut context_hit = None;
+            let mut context_offer = None;
+            if front.eviction.is_none() && front.req.params.prefix_kv.is_none() {
+                if let Some(c) = self.contexts.as_mut() {
+                    let keys = c.keys(&front.all_ids, front.req.cache_salt.as_deref());
+                    match c.lookup(&keys) {
+                        Some((key, tokens)) if tokens > cached => context_hit = Some((key, tokens)),
+                        Some(_) => {}
+                        None => context_offer = keys.last().map(|k| (*k, keys.len() * c.chunk_size_tokens())),
+                    }
+                }
+            }
+            let preloading = context_hit.is_some() || (front.req.params.prefix_kv.is_some() && front.eviction.is_none());
+            let use_tiers = !preloading && tier_found * self.tiering.as_ref().map_or(0, |t| t.chunk_size_tokens()) > cached;
+            let needed = if use_tiers || preloading {
                 self.blocks_for(front.all_ids.len())
             } else {
                 self.blocks_for(front.all_ids.len() - cached) + prefix.block_ids().len()
@@ -347,6 +415,21 @@ impl Engine {
             }
             let mut s = self.waiting.pop_front().expect("front exists");
             let seq = self.new_seq_id();
+            if preloading {
+                if let Some(adopted) = self.admit_preloaded(&mut s, seq, context_hit) {
+                    if s.preemptions == 0 {
+                        self.stats.prefix_queries_tokens += s.n_prompt as u64;
+                        self.stats.prefix_hits_tokens += adopted as u64;
+                        s.cached_prompt_tokens = adopted;
+                    }
+                    s.seq = Some(seq);
+                    s.num_computed = adopted;
+                    self.running.push(s);
+                    continue;
+                }
+                // Not loadable: compute the prompt as usual (from the pool's prefix).
+            }
+            s.context = SeqContext { offer: context_offer, ..Default::default() };
             let adopted = if use_tiers {
                 let empty = self.kv.get_computed_prefix(&[], &s.namespace);
                 self.kv.add_sequence(seq, &empty);
@@ -369,6 +452,32 @@ impl Engine {
         }
     }
 
+    /// Starts `seq` from a given prefix KV or a stored context. Returns the prompt tokens
+    /// covered, or `None` (sequence not created) if the KV could not be loaded or placed.
+    fn admit_preloaded(&mut self, s: &mut SeqState, seq: pk_kv::SeqId, hit: Option<(pk_tiers::ChunkKey, usize)>) -> Option<usize> {
+        let (ctx, load, exact) = match (&s.req.params.prefix_kv, hit) {
+            (Some(p), _) => (std::borrow::Cow::Borrowed(&p.kv), None, false),
+            (None, Some((key, tokens))) => {
+                let c = self.contexts.as_mut()?;
+                let (kv, report) = c.load(&key, &s.all_ids[tokens..s.n_prompt])?;
+                if kv.n_original_tokens != tokens {
+                    return None;
+                }
+                let exact = kv.n_tokens() == tokens && report.config.starts_with("none-");
+                (std::borrow::Cow::Owned(kv), Some(report), exact)
+            }
+            (None, None) => return None,
+        };
+        let empty = self.kv.get_computed_prefix(&[], &s.namespace);
+        self.kv.add_sequence(seq, &empty);
+        if !contexts::write_prefix(&ctx, &mut self.kv, &mut self.store, seq) {
+            self.kv.free(seq);
+            return None;
+        }
+        s.context = SeqContext { inexact: !exact, offer: None, load };
+        Some(ctx.n_original_tokens)
+    }
+
     /// Frees the most recently admitted running sequence other than `keep` and puts it
     /// back at the head of the queue. Returns its (former) sequence id.
     fn preempt_one(&mut self, keep: SeqId) -> Option<SeqId> {
@@ -377,6 +486,7 @@ impl Engine {
         let seq = s.seq.take().expect("running sequences hold a block table");
         self.kv.free(seq);
         s.num_computed = 0;
+        s.context = SeqContext::default();
         if let Some(ev) = s.eviction.as_mut() {
             ev.reset();
         }
@@ -542,13 +652,25 @@ impl Engine {
                 continue;
             }
             s.kv_stored_tokens = stored_now(&self.kv);
+            if s.context.inexact {
+                continue;
+            }
+            if prefill_done {
+                if let (Some((key, tokens)), Some(c)) = (s.context.offer.take(), self.contexts.as_mut()) {
+                    if let Some(kv) = contexts::read_prefix(&self.kv, &self.store, seq, tokens) {
+                        c.offer(key, kv);
+                    }
+                }
+            }
             if prefill_done && !s.tier_keys.is_empty() && s.tier_next_chunk < s.tier_keys.len() {
                 if let Some(t) = self.tiering.as_mut() {
                     s.tier_next_chunk = t.store_chunks(&s.tier_keys, s.tier_next_chunk, s.num_computed, &self.kv, &self.store, seq);
                 }
             }
             let computed = s.num_computed;
-            self.kv.cache_full_blocks(seq, &self.running[i].all_ids[..computed]);
+            if self.config.enable_prefix_caching {
+                self.kv.cache_full_blocks(seq, &self.running[i].all_ids[..computed]);
+            }
         }
         for seq in finished {
             if let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) {
@@ -616,6 +738,7 @@ impl Engine {
             prefill_seconds: first.duration_since(t0).as_secs_f64(),
             decode_seconds: o.finished_at.duration_since(first).as_secs_f64(),
             kv_stored_tokens: o.kv_stored_tokens,
+            context_load: o.context_load,
         }
     }
 

@@ -3,6 +3,7 @@
 //! of many sequences in one forward pass), samples, and measures perplexity. Also fetches
 //! the default model.
 
+pub mod contexts;
 pub mod engine;
 pub mod eviction;
 pub mod model_store;
@@ -18,3 +19,4 @@ pub use engine::{Engine, EngineConfig, EngineStats, FinishReason, GenerateOutput
 pub use request::{Request, RequestOutput, SeqEvent};
 pub use sampler::{Sampler, SamplingParams};
 pub use tiering::{TieringConfig, TieringStats};
+pub use contexts::{kv_fingerprint, ContextReuseConfig, ContextReuseStats, PrefixKv};

@@ -43,4 +43,6 @@ pub struct RequestOutput {
     /// Tokens the sequence held in the KV cache when it finished (≤ budget + one block
     /// under an evicting policy).
     pub kv_stored_tokens: usize,
+    /// Where the prompt's stored context came from (EVICPRESS store), if it was loaded.
+    pub context_load: Option<pk_evicpress::LoadReport>,
 }

@@ -5,6 +5,7 @@ use std::time::Instant;
 use pk_kv::SeqId;
 use pk_tokenizer::{StreamDecoder, Tokenizer};
 
+use crate::contexts::SeqContext;
 use crate::engine::FinishReason;
 use crate::eviction::SeqEviction;
 use crate::request::{Request, RequestOutput, SeqEvent};
@@ -31,6 +32,8 @@ pub(crate) struct SeqState {
     /// Chunk keys of the prompt for the tiers, and the next chunk not yet in them.
     pub tier_keys: Vec<pk_tiers::ChunkKey>,
     pub tier_next_chunk: usize,
+    /// What the sequence got from (or will give to) the context store.
+    pub context: SeqContext,
     sampler: Sampler,
     decoder: StreamDecoder,
     stop: StopMatcher,
@@ -61,6 +64,7 @@ impl SeqState {
             kv_stored_tokens: 0,
             tier_keys: Vec::new(),
             tier_next_chunk: 0,
+            context: SeqContext::default(),
             unreported_ids: Vec::new(),
             arrival: Instant::now(),
             first_token_at: None,
@@ -139,6 +143,7 @@ impl SeqState {
             finished_at: Instant::now(),
             num_preemptions: self.preemptions,
             kv_stored_tokens: self.kv_stored_tokens,
+            context_load: self.context.load.clone(),
         }
     }
 }

@@ -32,6 +32,7 @@ use crate::model::{DecayedCount, DelayModel, QualityCurve, QualityPrior, Quality
 use crate::placement::{Item, Placer, Policy};
 use crate::scores::token_scores;
 
+#[derive(Clone)]
 pub struct StoreConfig {
     /// Fastest first; the last one keeps the master copies and is treated as unlimited.
     pub tiers: Vec<Arc<dyn Tier>>,

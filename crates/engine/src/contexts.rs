@@ -1,0 +1,187 @@
+//! Whole-context KV reuse through an EVICPRESS `ContextStore` (spec `evicpress.md`), and
+//! the primitive underneath it: a sequence whose first prompt tokens are not computed but
+//! written from a given, possibly compressed, KV ([`PrefixKv`]).
+//!
+//! A context is a chunk-aligned prompt prefix (LMCache's granularity: chunks of
+//! `chunk_size_tokens`, keyed by the same chained hash as the chunk tiers), stored as one
+//! entry with one configuration. On admission the engine asks for the longest stored
+//! context at the head of the prompt; a hit is loaded (on the engine thread, like the chunk
+//! tiers' loads: the request cannot start without it) and written into fresh blocks, with
+//! its tokens' original positions, so a dropped context leaves the block table dense while
+//! the query is placed after the context's full length. After a miss is prefilled, the
+//! context's KV is copied out of the pool and offered to the store, whose worker thread
+//! stores and places it; the engine never waits for that.
+//!
+//! NOTE: KV loaded from a compressed copy is not what prefill would compute, so such a
+//! sequence never feeds the pool's prefix cache or the chunk tiers.
+
+use std::sync::Arc;
+
+use pk_codec::KvContext;
+use pk_evicpress::{ContextStore, LoadReport, StoreConfig};
+use pk_kv::{KvCacheManager, KvView, SeqId};
+use pk_model::KvStore;
+use pk_tiers::{ChunkKey, ChunkKeyer};
+
+use crate::eviction::{table_of, StoreView};
+
+/// A given KV for the first `kv.n_original_tokens` prompt tokens (stored tokens carry their
+/// positions). Used by profiling, evaluation and the context store.
+#[derive(Debug, Clone)]
+pub struct PrefixKv {
+    pub kv: KvContext,
+}
+
+impl PrefixKv {
+    /// Prompt tokens this KV stands for.
+    pub fn n_tokens(&self) -> usize {
+        self.kv.n_original_tokens
+    }
+}
+
+/// How the engine uses an EVICPRESS store.
+#[derive(Clone)]
+pub struct ContextReuseConfig {
+    /// The store's settings; its fingerprint is replaced by the engine's own (model and KV
+    /// precision), so that a store never serves another model's KV.
+    pub store: StoreConfig,
+    /// Context boundaries fall on multiples of this many tokens (a multiple of the block size).
+    pub chunk_size_tokens: usize,
+}
+
+impl std::fmt::Debug for ContextReuseConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContextReuseConfig").field("policy", &self.store.policy).field("chunk_size_tokens", &self.chunk_size_tokens).finish()
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct ContextReuseStats {
+    pub lookups: u64,
+    pub hits: u64,
+    pub load_failures: u64,
+    pub offered: u64,
+    pub hit_tokens: u64,
+}
+
+pub(crate) struct ContextReuse {
+    pub store: Arc<ContextStore>,
+    keyer: ChunkKeyer,
+    pub stats: ContextReuseStats,
+}
+
+/// The codec fingerprint of a model's KV: a digest of the engine's cache namespace.
+pub fn kv_fingerprint(namespace: &[u8]) -> [u8; 32] {
+    *blake3::hash(namespace).as_bytes()
+}
+
+impl ContextReuse {
+    pub fn new(cfg: &ContextReuseConfig, model_name: &str, namespace: &[u8], block_size_tokens: usize) -> Result<ContextReuse, String> {
+        let keyer = ChunkKeyer::new(model_name, namespace, cfg.chunk_size_tokens, block_size_tokens)?;
+        let mut store_cfg = cfg.store.clone();
+        store_cfg.fingerprint = kv_fingerprint(namespace);
+        Ok(ContextReuse { store: ContextStore::new(store_cfg)?, keyer, stats: ContextReuseStats::default() })
+    }
+
+    pub fn chunk_size_tokens(&self) -> usize {
+        self.keyer.chunk_size_tokens()
+    }
+
+    /// Chained keys of the prompt's full chunks, leaving at least one token to compute.
+    pub fn keys(&self, tokens: &[u32], salt: Option<&str>) -> Vec<ChunkKey> {
+        let usable = tokens.len().saturating_sub(1);
+        self.keyer.keys(&tokens[..usable], salt.map(str::as_bytes))
+    }
+
+    /// The longest stored context among the prompt's chunk boundaries: (key, tokens).
+    pub fn lookup(&mut self, keys: &[ChunkKey]) -> Option<(ChunkKey, usize)> {
+        self.stats.lookups += 1;
+        let chunk = self.chunk_size_tokens();
+        keys.iter().enumerate().rev().find(|(_, k)| self.store.contains(k)).map(|(i, k)| (*k, (i + 1) * chunk))
+    }
+
+    pub fn load(&mut self, key: &ChunkKey, query: &[u32]) -> Option<(KvContext, LoadReport)> {
+        match self.store.load(key, Some(query)) {
+            Ok(r) => {
+                self.stats.hits += 1;
+                self.stats.hit_tokens += r.0.n_original_tokens as u64;
+                Some(r)
+            }
+            Err(e) => {
+                tracing::warn!("loading a stored context failed, recomputing: {e}");
+                self.stats.load_failures += 1;
+                None
+            }
+        }
+    }
+
+    pub fn offer(&mut self, key: ChunkKey, kv: KvContext) {
+        if self.store.offer(key, kv) {
+            self.stats.offered += 1;
+        }
+    }
+}
+
+/// Writes `ctx`'s stored tokens into `seq` (which must be empty), in order. Returns false
+/// if the pool has no room (nothing is half-written that the caller would use: it frees
+/// the sequence).
+pub(crate) fn write_prefix(ctx: &KvContext, kv: &mut KvCacheManager, store: &mut KvStore, seq: SeqId) -> bool {
+    let g = store.geometry;
+    let n = ctx.n_tokens();
+    if ctx.n_layers != g.n_layers || ctx.n_kv_heads != g.n_kv_heads || ctx.head_dim != g.head_dim {
+        return false;
+    }
+    if n > 0 && kv.allocate_slots(seq, n as u32).is_none() {
+        return false;
+    }
+    let table = table_of(kv, seq);
+    let d = g.head_dim;
+    let kv_dim = g.n_kv_heads * d;
+    let (mut kbuf, mut vbuf) = (vec![0f32; kv_dim], vec![0f32; kv_dim]);
+    for layer in 0..g.n_layers {
+        for t in 0..n {
+            for h in 0..g.n_kv_heads {
+                let at = t * d;
+                kbuf[h * d..(h + 1) * d].copy_from_slice(&ctx.k_head(layer, h)[at..at + d]);
+                vbuf[h * d..(h + 1) * d].copy_from_slice(&ctx.v_head(layer, h)[at..at + d]);
+            }
+            store.write_token(layer, table[t / g.block_size_tokens], t % g.block_size_tokens, &kbuf, &vbuf);
+        }
+    }
+    true
+}
+
+/// Copies the first `n_tokens` stored tokens of `seq` (not evicted, so stored index =
+/// position) out of the pool.
+pub(crate) fn read_prefix(kv: &KvCacheManager, store: &KvStore, seq: SeqId, n_tokens: usize) -> Option<KvContext> {
+    let g = store.geometry;
+    let table = table_of(kv, seq);
+    let view = StoreView::new(store, &table, n_tokens);
+    if view.n_tokens() < n_tokens {
+        return None;
+    }
+    let d = g.head_dim;
+    let len = g.n_layers * g.n_kv_heads * n_tokens * d;
+    let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
+    for layer in 0..g.n_layers {
+        for h in 0..g.n_kv_heads {
+            for t in 0..n_tokens {
+                let at = ((layer * g.n_kv_heads + h) * n_tokens + t) * d;
+                view.key(layer, h, t, &mut k[at..at + d]);
+                view.value(layer, h, t, &mut v[at..at + d]);
+            }
+        }
+    }
+    KvContext::new(g.n_layers, g.n_kv_heads, d, (0..n_tokens as u32).collect(), k, v).ok()
+}
+
+/// What an admitted sequence got from a stored or given context.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SeqContext {
+    /// The KV is not what prefill computes: keep it out of the prefix cache and tiers.
+    pub inexact: bool,
+    /// A context to offer to the store once the prompt is prefilled: (key, tokens).
+    pub offer: Option<(ChunkKey, usize)>,
+    pub load: Option<LoadReport>,
+}
+

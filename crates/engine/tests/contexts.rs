@@ -1,0 +1,132 @@
+//! Whole-context reuse through an EVICPRESS `ContextStore` on real tiers (RAM, then a disk
+//! directory), and the `prefix_kv` primitive under it, on the default model.
+
+mod common;
+
+use std::sync::Arc;
+
+use pk_engine::{ContextReuseConfig, EngineConfig, GenerateParams, PrefixKv};
+use pk_evicpress::{Compression, DelayModel, Grid, Policy, Ranking, StoreConfig, TierSpec};
+use pk_tiers::{DiskTier, DiskTierConfig, RamTier, Tier};
+
+fn store_config(dir: &std::path::Path, policy: Policy, ram_bytes: u64) -> StoreConfig {
+    let ram: Arc<dyn Tier> = Arc::new(RamTier::new(ram_bytes * 2 + (8 << 20)));
+    let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(DiskTierConfig::new(dir, 1 << 30)).unwrap());
+    let spec = |name: &str, bw: f64| TierSpec { name: name.into(), capacity_bytes: 0, read_bytes_per_s: bw, access_latency_s: 0.0 };
+    StoreConfig {
+        tiers: vec![ram, disk],
+        capacities_bytes: vec![ram_bytes, u64::MAX],
+        grid: Grid::parse("q8,q4,knorm-0.5,paged-eviction-0.5").unwrap(),
+        policy,
+        fingerprint: [0; 32],
+        delay: DelayModel { tiers: vec![spec("ram", 5e9), spec("disk", 2e8)], decode_s_per_byte: 1e-9, restore_s_per_token: 1e-6, prefill_tokens_per_s: 300.0, query_tokens: 32 },
+        frequency_half_life_s: 600.0,
+        reprofile_threshold: 0.05,
+        max_pending_bytes: 512 << 20,
+        max_queries_per_context: 4,
+    }
+}
+
+fn engine_with(store: StoreConfig) -> pk_engine::Engine {
+    // The pool's own prefix cache would serve repeats before the store is asked.
+    common::engine(EngineConfig { contexts: Some(ContextReuseConfig { store, chunk_size_tokens: 256 }), enable_prefix_caching: false, ..Default::default() })
+}
+
+#[test]
+fn a_stored_context_is_reused_and_gives_the_same_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let book = common::book_ids();
+    let context = &book[2000..2512];
+    let prompt = |q: &[u32]| [context, q].concat();
+    let params = GenerateParams { max_tokens: 12, ignore_eos: true, ..Default::default() };
+    let mut e = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
+
+    let a = e.generate(&prompt(&book[100..120]), &params, &mut |_| {}).unwrap();
+    assert!(a.context_load.is_none());
+    e.context_store().unwrap().flush();
+    assert_eq!(e.context_store().unwrap().len(), 1, "the 512-token context was offered and stored");
+
+    // Another question on the same context: a hit from RAM, uncompressed (LRU).
+    let b = e.generate(&prompt(&book[200..215]), &params, &mut |_| {}).unwrap();
+    let load = b.context_load.expect("the context is loaded from the store");
+    assert_eq!((load.tier.as_str(), load.config.as_str()), ("ram", "none-0"));
+    assert_eq!(b.cached_prompt_tokens, 512);
+
+    // The same answer as a cold engine computing everything.
+    let mut cold = common::engine(EngineConfig::default());
+    let c = cold.generate(&prompt(&book[200..215]), &params, &mut |_| {}).unwrap();
+    assert_eq!(b.token_ids, c.token_ids);
+    e.check_invariants();
+}
+
+#[test]
+fn a_fixed_compression_is_served_compressed_with_positions_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let book = common::book_ids();
+    let context = &book[3000..3768];
+    let query = &book[400..420];
+    let prompt = [context, query].concat();
+    let params = GenerateParams { max_tokens: 8, ignore_eos: true, ..Default::default() };
+    let grid = Grid::parse("q8,q4,knorm-0.5,paged-eviction-0.5").unwrap();
+    let fixed = grid.index_of(&Compression::parse("paged-eviction-0.5").unwrap()).unwrap();
+    let mut e = engine_with(store_config(dir.path(), Policy::Fixed(fixed), 256 << 20));
+    e.generate(&prompt, &params, &mut |_| {}).unwrap();
+    e.context_store().unwrap().flush();
+    let b = e.generate(&prompt, &params, &mut |_| {}).unwrap();
+    let load = b.context_load.expect("hit");
+    assert_eq!(load.config, "paged-eviction-0.5");
+    // Half the context's tokens are stored; the query still sits after all 768 positions.
+    assert_eq!(b.cached_prompt_tokens, 768);
+    assert!(b.kv_stored_tokens < 768 / 2 + query.len() + 8 + 16, "{}", b.kv_stored_tokens);
+    e.check_invariants();
+}
+
+#[test]
+fn evicpress_keeps_ram_within_capacity() {
+    let dir = tempfile::tempdir().unwrap();
+    let book = common::book_ids();
+    // RAM holds about one and a half uncompressed 256-token contexts (23 KB per token).
+    let ram_bytes = 256 * 23040 * 3 / 2;
+    let mut e = engine_with(store_config(dir.path(), Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop }, ram_bytes));
+    let params = GenerateParams { max_tokens: 1, ..Default::default() };
+    for i in 0..4 {
+        let prompt = [&book[i * 300..i * 300 + 256], &book[50..60]].concat();
+        e.generate(&prompt, &params, &mut |_| {}).unwrap();
+    }
+    let store = e.context_store().unwrap();
+    store.flush();
+    assert_eq!(store.len(), 4);
+    let usage = store.usage_bytes();
+    assert!(usage[0] <= ram_bytes as u64, "{usage:?}");
+    assert!(usage[0] > 0, "something is placed in RAM");
+    let rows = store.explain();
+    assert_eq!(rows.len(), 4);
+    assert!(rows.iter().all(|r| r.options.len() == 2 * 5 && r.options.windows(2).all(|w| w[0].utility >= w[1].utility)));
+}
+
+#[test]
+fn prefix_kv_stands_in_for_the_computed_prefix() {
+    let book = common::book_ids();
+    let context = &book[6000..6400];
+    let cont = &book[6400..6432];
+    let mut e = common::engine(EngineConfig::default());
+    let full = e.teacher_force(context, cont, &GenerateParams::default()).unwrap();
+
+    // The engine's own KV of the context, handed back as a prefix: the same logits.
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
+    s.generate(&[context, &cont[..1]].concat(), &GenerateParams { max_tokens: 1, ..Default::default() }, &mut |_| {}).unwrap();
+    let store = s.context_store().unwrap();
+    store.flush();
+    let key = store.explain()[0].key.clone();
+    let kv = store.load_master(&pk_tiers::ChunkKey::from_hex(&key).unwrap()).unwrap();
+    assert_eq!(kv.n_original_tokens, 256);
+    let params = GenerateParams { prefix_kv: Some(Arc::new(PrefixKv { kv })), ..Default::default() };
+    let given = e.teacher_force(context, cont, &params).unwrap();
+    let argmax = |r: &Vec<f32>| r.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+    for (a, b) in full.iter().zip(&given) {
+        assert_eq!(argmax(a), argmax(b));
+        let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(diff < 1e-3, "logits differ by {diff}");
+    }
+}
