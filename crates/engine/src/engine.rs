@@ -259,6 +259,18 @@ impl Engine {
         self.contexts.as_ref().map(|c| c.store.clone())
     }
 
+    /// The store key of the context made of exactly `tokens` (a multiple of the chunk
+    /// size), as a request with `salt` would compute it at admission.
+    pub fn context_key(&self, tokens: &[u32], salt: Option<&str>) -> Option<pk_tiers::ChunkKey> {
+        let c = self.contexts.as_ref()?;
+        if tokens.is_empty() || tokens.len() % c.chunk_size_tokens() != 0 {
+            return None;
+        }
+        let mut with_query = tokens.to_vec();
+        with_query.push(0);
+        c.keys(&with_query, salt).last().copied()
+    }
+
     pub fn context_stats(&self) -> Option<ContextReuseStats> {
         self.contexts.as_ref().map(|c| c.stats.clone())
     }

@@ -8,6 +8,7 @@ pub mod engine;
 pub mod eviction;
 pub mod model_store;
 pub mod perplexity;
+pub mod profiler;
 pub mod request;
 pub mod sampler;
 mod sequence;

@@ -130,3 +130,27 @@ fn prefix_kv_stands_in_for_the_computed_prefix() {
         assert!(diff < 1e-3, "logits differ by {diff}");
     }
 }
+
+#[test]
+fn profiling_measures_quality_per_configuration() {
+    let dir = tempfile::tempdir().unwrap();
+    let book = common::book_ids();
+    let context = &book[8000..8512];
+    let mut e = engine_with(store_config(dir.path(), Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop }, 256 << 20));
+    let key = e.context_key(context, None).unwrap();
+    e.generate(&[context, &book[10..20]].concat(), &GenerateParams { max_tokens: 1, ..Default::default() }, &mut |_| {}).unwrap();
+    let store = e.context_store().unwrap();
+    store.flush();
+    assert!(store.contains(&key), "the key the engine computes is the one it stored under");
+    let queries: Vec<Vec<u32>> = (0..3).map(|i| book[8600 + i * 40..8620 + i * 40].to_vec()).collect();
+    let q = e.profile_blocking(key, &queries, 12).unwrap();
+    assert_eq!(q.len(), store.grid().len());
+    assert_eq!(q[0], 1.0, "the full KV agrees with itself");
+    assert!(q.iter().all(|x| (0.0..=1.0).contains(x)));
+    // Free-running book text is chaotic (one near-tie flips the rest of a greedy answer),
+    // so only a loose floor: 8-bit KV agrees with the full KV on most answer tokens.
+    assert!(q[1] >= 0.5, "q8 quality {q:?}");
+    let row = &store.explain()[0];
+    assert_eq!(row.quality_source, pk_evicpress::QualitySource::Profiled);
+    e.check_invariants();
+}
