@@ -119,6 +119,8 @@ impl DiskTier {
         };
         tier.scan = tier.rebuild_index().map_err(|e| io_err(&tier.dir, e))?;
         tier.scan.elapsed = started.elapsed();
+        metrics::gauge!("pagekeeper_tier_entries_found_on_open", "tier" => tier.name.clone())
+            .set(tier.scan.entries as f64);
         tracing::info!(tier = %tier.name, entries = tier.scan.entries, bytes = tier.scan.entry_bytes,
             corrupt = tier.scan.corrupt_files_removed, temp = tier.scan.temp_files_removed,
             elapsed_ms = tier.scan.elapsed.as_secs_f64() * 1e3, "disk tier index rebuilt");
@@ -187,8 +189,9 @@ impl DiskTier {
                 }
             }
         }
-        self.corrupt_entries
-            .fetch_add(report.corrupt_files_removed as u64, Ordering::Relaxed);
+        self.note_corrupt(report.corrupt_files_removed as u64);
+        metrics::counter!("pagekeeper_tier_temp_files_removed_total", "tier" => self.name.clone())
+            .increment(report.temp_files_removed as u64);
         // Oldest access first, so the rebuilt LRU order matches the one before the restart.
         found.sort();
         let mut index = self.index.lock().unwrap();
@@ -267,11 +270,19 @@ impl DiskTier {
         Ok(Ok(payload))
     }
 
+    /// Counts entries found corrupted, here and as a metric (label `tier`), so that a
+    /// restarted server reports what its scan dropped.
+    fn note_corrupt(&self, n: u64) {
+        self.corrupt_entries.fetch_add(n, Ordering::Relaxed);
+        metrics::counter!("pagekeeper_tier_corrupt_entries_total", "tier" => self.name.clone())
+            .increment(n);
+    }
+
     fn drop_corrupt(&self, key: &ChunkKey, path: &Path, why: &str) {
         tracing::warn!(tier = %self.name, %key, why, "corrupt entry deleted");
         self.index.lock().unwrap().remove(key);
         let _ = remove_if_exists(path);
-        self.corrupt_entries.fetch_add(1, Ordering::Relaxed);
+        self.note_corrupt(1);
     }
 
     fn write_temp(&self, path: &Path, key: &ChunkKey, payload: &[u8]) -> io::Result<()> {
@@ -301,7 +312,7 @@ impl DiskTier {
                 Ok(Ok(payload)) => evicted.push(Evicted { key, payload }),
                 Ok(Err(why)) => {
                     tracing::warn!(tier = %self.name, %key, why, "corrupt victim dropped");
-                    self.corrupt_entries.fetch_add(1, Ordering::Relaxed);
+                    self.note_corrupt(1);
                 }
                 Err(e) => tracing::warn!(tier = %self.name, %key, error = %e, "victim unreadable"),
             }
@@ -397,7 +408,7 @@ impl Tier for DiskTier {
                 // Evicted between the index check and the open: an ordinary miss. If the
                 // index still lists it, someone deleted the file behind our back.
                 if self.index.lock().unwrap().remove(key).is_some() {
-                    self.corrupt_entries.fetch_add(1, Ordering::Relaxed);
+                    self.note_corrupt(1);
                 }
                 Ok(None)
             }

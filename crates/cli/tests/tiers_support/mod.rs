@@ -1,0 +1,272 @@
+//! Helpers for the tier end-to-end tests: a `pagekeeper serve` child process, HTTP calls,
+//! Prometheus counters, prompts, and a real `redis-server`.
+//!
+//! Which Redis a test gets follows `crates/tiers/tests/common` (no silent skips):
+//! `PAGEKEEPER_TEST_REDIS` set (CI): that server, and the test FAILS if it is unreachable;
+//! unset: a private `redis-server` from PATH on a free loopback port, and the test FAILS if
+//! the binary is missing. Tests that stop Redis always use a private one.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const REDIS_ENV: &str = "PAGEKEEPER_TEST_REDIS";
+/// Tokens per stored chunk in these tests: small, so a prompt of a few hundred tokens makes
+/// several chunks (and several files to crash in the middle of).
+pub const CHUNK_TOKENS: usize = 64;
+/// KV pool of each test server: room for two of `prompt`'s prompts, so that cycling through
+/// four of them evicts each from the pool before it comes back (its next hit must come from
+/// a tier, not the pool's prefix cache).
+pub const POOL_TOKENS: usize = 640;
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+pub fn model_path() -> PathBuf {
+    let home = std::env::var_os("PAGEKEEPER_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/pagekeeper"));
+    let p = home.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(p.exists(), "{} is missing: run `pagekeeper fetch-model` first", p.display());
+    p
+}
+
+/// Talks to a server; cheap to clone into client threads.
+#[derive(Clone)]
+pub struct Api {
+    pub port: u16,
+    client: reqwest::blocking::Client,
+}
+
+impl Api {
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// A completion of one token; returns (prompt_tokens, cached_tokens), or the failure.
+    pub fn complete(&self, prompt: &str) -> Result<(usize, usize), String> {
+        let body = serde_json::json!({"prompt": prompt, "max_tokens": 1, "temperature": 0.0});
+        let response = self.client.post(self.url("/v1/completions")).json(&body).send().map_err(|e| e.to_string())?;
+        let status = response.status();
+        let text = response.text().map_err(|e| e.to_string())?;
+        if !status.is_success() {
+            return Err(format!("HTTP {status}: {text}"));
+        }
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{e}: {text}"))?;
+        let usage = &v["usage"];
+        let prompt_tokens = usage["prompt_tokens"].as_u64().ok_or_else(|| format!("no usage: {text}"))? as usize;
+        let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) as usize;
+        Ok((prompt_tokens, cached))
+    }
+
+    pub fn metrics(&self) -> String {
+        self.client.get(self.url("/metrics")).send().unwrap().text().unwrap()
+    }
+
+    /// A tier metric (e.g. `pagekeeper_tier_hits_total`) for `tier`; 0 until first counted.
+    pub fn tier_metric(&self, name: &str, tier: &str) -> f64 {
+        tier_counter(&self.metrics(), name, tier)
+    }
+}
+
+/// `pagekeeper serve` on a free port, killed (SIGKILL) when dropped.
+pub struct Server {
+    pub api: Api,
+    child: Option<Child>,
+}
+
+impl std::ops::Deref for Server {
+    type Target = Api;
+    fn deref(&self) -> &Api {
+        &self.api
+    }
+}
+
+impl Server {
+    /// Starts the server with the test model, 2 threads, a KV pool of `POOL_TOKENS`,
+    /// `CHUNK_TOKENS`-token chunks and `extra` flags (the tiers); waits for `/health` 200.
+    pub fn start(extra: &[&str]) -> Server {
+        let port = free_port();
+        let pool = POOL_TOKENS.to_string();
+        let child = Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
+            .args(["serve", "--port", &port.to_string(), "--threads", "2", "--kv-capacity-tokens", &pool, "--max-model-len", &pool])
+            .args(["--tier-chunk-tokens", &CHUNK_TOKENS.to_string()])
+            .args(extra)
+            .arg("--model")
+            .arg(model_path())
+            // The outage test makes the tiers warn on every request; keep the test log short
+            // unless the caller asks for more.
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting pagekeeper serve");
+        let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+        let mut server = Server { api: Api { port, client }, child: Some(child) };
+        let started = Instant::now();
+        loop {
+            if let Ok(r) = server.api.client.get(server.url("/health")).send() {
+                if r.status().as_u16() == 200 {
+                    break;
+                }
+            }
+            if let Some(status) = server.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("pagekeeper serve exited during start-up: {status}");
+            }
+            assert!(started.elapsed() < Duration::from_secs(120), "server did not become healthy");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        server
+    }
+
+    /// SIGKILL: no drain, no clean shutdown.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+pub fn tier_counter(metrics: &str, name: &str, tier: &str) -> f64 {
+    let label = format!("tier=\"{tier}\"");
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{') && l.contains(&label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Distinct prompts of about 280 tokens: words from a fixed list in an order set by `seed`,
+/// so no two prompts share a first chunk.
+pub fn prompt(seed: u64) -> String {
+    const WORDS: &[&str] = &[
+        "river", "lantern", "copper", "meadow", "signal", "harbor", "violet", "engine", "saddle", "quartz", "marble", "falcon", "timber",
+        "canyon", "velvet", "orchard", "pepper", "glacier", "tunnel", "ember", "compass", "willow", "anchor", "cobalt", "thistle", "beacon",
+    ];
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = format!("Record {seed}:");
+    for _ in 0..250 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.push(' ');
+        out.push_str(WORDS[(x % WORDS.len() as u64) as usize]);
+    }
+    out
+}
+
+/// Full chunks the engine stores for a prompt of `prompt_tokens` (its last token is always
+/// recomputed, so it never counts).
+pub fn stored_chunks(prompt_tokens: usize) -> usize {
+    (prompt_tokens - 1) / CHUNK_TOKENS
+}
+
+pub fn wait_until(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !done() {
+        assert!(started.elapsed() < within, "timed out after {within:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A unique Redis key prefix per test run, so runs against a shared server never meet.
+pub fn unique_prefix(test: &str) -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    format!("pke2e:{test}:{}:{nanos}:", std::process::id())
+}
+
+pub struct Redis {
+    pub url: String,
+    port: u16,
+    child: Option<Child>,
+    dir: Option<tempfile::TempDir>,
+}
+
+impl Redis {
+    pub fn shared_or_private() -> Redis {
+        match std::env::var(REDIS_ENV) {
+            Ok(url) => {
+                if let Err(e) = ping(&url, Duration::from_secs(3)) {
+                    panic!("{REDIS_ENV}={url} is set but Redis is unreachable there: {e}. Start redis-server (see .ci/run) or unset {REDIS_ENV}.");
+                }
+                Redis { url, port: 0, child: None, dir: None }
+            }
+            Err(_) => Redis::private(),
+        }
+    }
+
+    pub fn private() -> Redis {
+        let port = free_port();
+        let mut redis = Redis { url: format!("redis://127.0.0.1:{port}"), port, child: None, dir: Some(tempfile::tempdir().unwrap()) };
+        redis.start();
+        redis
+    }
+
+    pub fn start(&mut self) {
+        assert!(self.child.is_none(), "already running");
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        let binary = std::env::split_paths(&path)
+            .chain(["/usr/bin", "/usr/sbin", "/usr/local/bin"].map(PathBuf::from))
+            .map(|d| d.join("redis-server"))
+            .find(|p| p.is_file())
+            .unwrap_or_else(|| panic!("redis-server not found on PATH: install it (apt-get install -y redis-server); the Redis tier tests need a real server"));
+        let child = Command::new(binary)
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.as_ref().expect("only private servers are started").path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        self.child = Some(child);
+        if let Err(e) = ping(&self.url, Duration::from_secs(5)) {
+            panic!("redis-server started on port {} but does not answer: {e}", self.port);
+        }
+    }
+
+    /// SIGKILL: an outage, not a clean shutdown.
+    pub fn stop(&mut self) {
+        let mut child = self.child.take().expect("only a running private server can be stopped");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    /// Committed (visible) entries under `prefix`.
+    pub fn entries(&self, prefix: &str) -> usize {
+        let mut conn = redis::Client::open(self.url.as_str()).unwrap().get_connection_with_timeout(Duration::from_secs(2)).unwrap();
+        let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{prefix}m:*")).query(&mut conn).unwrap();
+        keys.len()
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn ping(url: &str, within: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + within;
+    let client = redis::Client::open(url).map_err(|e| e.to_string())?;
+    loop {
+        let attempt = client.get_connection_with_timeout(Duration::from_millis(500)).and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
+        match attempt {
+            Ok(_) => return Ok(()),
+            Err(e) if Instant::now() >= deadline => return Err(e.to_string()),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
