@@ -85,7 +85,7 @@ fn build_engine(a: &PerfArgs, capacity_tokens: usize) -> Result<Engine> {
     let gguf = pk_gguf::GgufFile::open(pk_engine::model_store::resolve_model(None, true)?)?;
     let tokenizer = pk_tokenizer::Tokenizer::from_gguf(&gguf)?;
     let template = pk_tokenizer::ChatTemplate::from_gguf(&gguf)?;
-    let kv_dtype = KvDtype::parse(&a.model.kv_dtype).context("bad --kv-dtype")?;
+    let kv_dtype = KvDtype::parse(&a.model.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected {})", a.model.kv_dtype, KvDtype::NAMES))?;
     let config = EngineConfig { block_size_tokens: a.model.block_size, kv_dtype, kv_capacity_tokens: Some(max_ctx), ..Default::default() };
     Engine::new(Llama::new(cfg, weights), tokenizer, template, config, &format!("dummy-{name}"))
 }

@@ -50,7 +50,7 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     if let Some(n) = a.model.threads {
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring threads")?;
     }
-    let kv_dtype = KvDtype::parse(&a.model.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?}", a.model.kv_dtype))?;
+    let kv_dtype = KvDtype::parse(&a.model.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected {})", a.model.kv_dtype, KvDtype::NAMES))?;
     // Tokenizer and template load in milliseconds on this side; the weights load on the
     // engine thread so that /health can say 503 meanwhile.
     let gguf = pk_gguf::GgufFile::open(&path).with_context(|| format!("loading {}", path.display()))?;
