@@ -15,6 +15,8 @@ pub enum BenchCommand {
     Perf(PerfArgs),
     /// Server throughput and TTFT/ITL percentiles at several client concurrencies.
     Serve(crate::bench_serve::ServeBenchArgs),
+    /// TTFT of a long context served from each KV tier vs recomputed, and tier bandwidths.
+    Tiers(crate::bench_tiers::TiersBenchArgs),
 }
 
 #[derive(Args)]
@@ -43,6 +45,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Perf(a) => perf(a),
         BenchCommand::Serve(a) => crate::bench_serve::run(a),
+        BenchCommand::Tiers(a) => crate::bench_tiers::run(a),
     }
 }
 

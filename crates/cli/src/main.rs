@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_serve;
+mod bench_tiers;
 mod commands;
 mod config;
 mod eval;

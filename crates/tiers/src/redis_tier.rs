@@ -2,7 +2,8 @@
 //! payload-before-metadata protocol and the LRU capacity policy are in `redis_scripts.rs`.
 //!
 //! NOTE 1 (bounded): every socket read and write has a timeout, connects have a timeout, and
-//! a pipeline never carries more than `max_in_flight_bytes` of payload (a batch is split).
+//! a pipeline never carries more than `max_in_flight_bytes` of payload (a batch is split),
+//! except that an entry larger than that travels alone in its own pipeline.
 //! NOTE 2 (outages): any error drops the connection; the next call reconnects. After a failed
 //! connect, calls fail at once with `Unavailable` until `reconnect_backoff` has passed, so a
 //! dead Redis costs callers microseconds, not a connect timeout each. Callers treat errors as
@@ -231,11 +232,11 @@ impl RedisTier {
             .fetch_max(payload_bytes, Ordering::Relaxed);
     }
 
+    /// Only the capacity limits an entry's size. An entry above `max_in_flight_bytes` travels
+    /// in a pipeline of its own (NOTE 1): refusing it would make the default 256-token chunk
+    /// of even a small model (5.9 MB for SmolLM2-135M at f16) impossible to store.
     fn too_large(&self, size_bytes: u64) -> Option<TierError> {
-        let limit_bytes = self
-            .config
-            .capacity_bytes
-            .min(self.config.max_in_flight_bytes);
+        let limit_bytes = self.config.capacity_bytes;
         (size_bytes > limit_bytes).then(|| TierError::TooLarge {
             tier: self.config.name.clone(),
             size_bytes,

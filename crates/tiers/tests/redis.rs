@@ -127,9 +127,15 @@ fn bytes_in_flight_are_bounded() {
     assert_eq!(redis.stats().pipelines_sent, 10);
     assert!(redis.stats().max_pipeline_payload_bytes <= limit_bytes);
 
-    let err = redis
-        .store(&key(99), &payload(99, (limit_bytes + 1) as usize))
-        .unwrap_err();
+    // An entry larger than the bound travels alone (refusing it would make large chunks
+    // unstorable); only the capacity refuses entries.
+    let big = payload(99, (limit_bytes + 1) as usize);
+    redis.store(&key(99), &big).unwrap();
+    assert_eq!(redis.stats().pipelines_sent, 11);
+    assert_eq!(redis.stats().max_pipeline_payload_bytes, limit_bytes + 1);
+    assert_eq!(redis.load(&key(99)).unwrap().as_deref(), Some(&big[..]));
+    let small = tier(&server, "in_flight_capacity", |c| c.capacity_bytes = 1000);
+    let err = small.store(&key(100), &payload(100, 1001)).unwrap_err();
     assert!(matches!(err, TierError::TooLarge { .. }), "{err}");
 }
 
