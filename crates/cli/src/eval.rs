@@ -52,6 +52,10 @@ pub struct EvalArgs {
     /// Hide the progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Live KV precision of the runs (f16, f32, q8, q4); `text-kl` rows then compare
+    /// against the f16 full cache, so its `full` row measures the precision itself.
+    #[arg(long, default_value = "f16")]
+    pub kv_dtype: String,
 }
 
 fn config(a: &EvalArgs) -> Result<SweepConfig> {
@@ -80,6 +84,7 @@ fn config(a: &EvalArgs) -> Result<SweepConfig> {
         c.seed = s;
     }
     c.progress = !a.no_progress;
+    c.kv_dtype = pk_model::KvDtype::parse(&a.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected {})", a.kv_dtype, pk_model::KvDtype::NAMES))?;
     if c.samples == 0 || c.lengths.is_empty() || c.tasks.is_empty() || c.block_sizes.is_empty() {
         bail!("nothing to run: samples, lengths, tasks and block sizes must not be empty");
     }
@@ -96,7 +101,10 @@ pub fn run(a: EvalArgs) -> Result<()> {
         let p = cfg.out_dir.join(name);
         std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
     };
-    let json = serde_json::to_string(&report)?;
+    // The report plus the sweep's KV precision (a field added to the --json contract).
+    let mut json = serde_json::to_value(&report)?;
+    json["kv_dtype"] = cfg.kv_dtype.to_string().into();
+    let json = serde_json::to_string(&json)?;
     write("summary.json", json.clone() + "\n")?;
     write("summary.csv", report::csv(&report))?;
     write("summary.md", report::markdown(&report, &command))?;

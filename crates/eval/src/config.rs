@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use pk_kv::PolicySpec;
+use pk_model::KvDtype;
 
 use crate::tasks::{Task, ALL_TASKS};
 
@@ -63,6 +64,9 @@ pub struct SweepConfig {
     pub continuation_tokens: usize,
     pub out_dir: PathBuf,
     pub progress: bool,
+    /// Live KV precision of every run except `text-kl`'s reference, which is always the
+    /// f16 full cache (so a q8 sweep's `full` text-kl row measures q8 itself).
+    pub kv_dtype: KvDtype,
 }
 
 /// The seeds' comparison: PagedEviction against StreamingLLM, KeyDiff and inverse key L2.
@@ -85,6 +89,7 @@ impl SweepConfig {
             continuation_tokens: 64,
             out_dir,
             progress: true,
+            kv_dtype: KvDtype::F16,
         }
     }
 

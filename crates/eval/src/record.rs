@@ -34,6 +34,13 @@ pub struct RawResult {
     pub ppl_policy: Option<f64>,
     pub kv_stored_tokens: usize,
     pub seconds: f64,
+    /// Live KV precision of this run (`f16` in records written before the field existed).
+    #[serde(default = "default_kv_dtype")]
+    pub kv_dtype: String,
+}
+
+fn default_kv_dtype() -> String {
+    "f16".to_string()
 }
 
 /// Identifies one measurement; a sweep skips keys already in the file.
@@ -47,6 +54,7 @@ pub struct CellKey {
     pub policy: String,
     pub kv_budget: Option<u32>,
     pub block_size: u32,
+    pub kv_dtype: String,
 }
 
 impl RawResult {
@@ -60,6 +68,7 @@ impl RawResult {
             policy: self.policy.clone(),
             kv_budget: self.kv_budget,
             block_size: self.block_size,
+            kv_dtype: self.kv_dtype.clone(),
         }
     }
 }

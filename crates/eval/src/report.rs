@@ -198,6 +198,7 @@ mod tests {
             ppl_policy: None,
             kv_stored_tokens: 0,
             seconds: 0.0,
+            kv_dtype: "f16".into(),
         }
     }
 

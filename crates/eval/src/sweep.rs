@@ -14,6 +14,7 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use pk_engine::{Engine, EngineConfig};
 use pk_kv::PolicySpec;
+use pk_model::KvDtype;
 use pk_tokenizer::ChatMessage;
 
 use crate::config::SweepConfig;
@@ -75,6 +76,7 @@ fn key(cfg: &SweepConfig, model: &str, u: &Unit, policy: Option<PolicySpec>, bud
         policy: policy.map_or_else(|| "full".to_string(), |p| p.to_string()),
         kv_budget: budget,
         block_size: u.block_size,
+        kv_dtype: cfg.kv_dtype.to_string(),
     }
 }
 
@@ -91,22 +93,25 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
     let bar = progress_bar(pending as u64, cfg.progress);
     let mut out = Appender::open(&path)?;
     let mut engine: Option<Engine> = None;
+    let mut reference: Option<Engine> = None;
     let max_len = cfg.lengths.iter().copied().max().unwrap_or(0);
     for u in &units {
         if u.cells.iter().all(|&(p, b)| done.contains_key(&key(cfg, &model, u, p, b))) {
             continue;
         }
         if engine.as_ref().is_none_or(|e| e.config.block_size_tokens != u.block_size) {
-            drop(engine.take()); // free the previous engine's KV pool first
+            drop((engine.take(), reference.take())); // free the previous engines' KV pools first
             // Room for the full run's cached prompt plus a policy's own run beside it.
             let capacity = 2 * (max_len + cfg.continuation_tokens + 64) + 4 * u.block_size as usize;
-            let config = EngineConfig { block_size_tokens: u.block_size, kv_capacity_tokens: Some(capacity), ..Default::default() };
+            let config = EngineConfig { block_size_tokens: u.block_size, kv_capacity_tokens: Some(capacity), kv_dtype: cfg.kv_dtype, ..Default::default() };
+            // text-kl's reference is the f16 full cache whatever the sweep's dtype.
+            reference = (cfg.kv_dtype != KvDtype::F16).then(|| Engine::load(&cfg.model_path, EngineConfig { kv_dtype: KvDtype::F16, ..config.clone() })).transpose()?;
             engine = Some(Engine::load(&cfg.model_path, config)?);
         }
         let e = engine.as_mut().expect("loaded above");
         bar.set_message(format!("{} {} B={} #{}", u.task.name(), u.context_tokens, u.block_size, u.sample));
         let ctx = UnitRun { cfg, model: &model, unit: u };
-        let new = if u.task.is_generative() { ctx.run_generative(e, &done, &bar)? } else { ctx.run_text_kl(e, &done, &bar)? };
+        let new = if u.task.is_generative() { ctx.run_generative(e, &done, &bar)? } else { ctx.run_text_kl(e, reference.as_mut(), &done, &bar)? };
         for r in new {
             out.append(&r)?;
             done.insert(r.key(), r);
@@ -155,6 +160,7 @@ impl UnitRun<'_> {
             ppl_policy: None,
             kv_stored_tokens: 0,
             seconds: 0.0,
+            kv_dtype: self.cfg.kv_dtype.to_string(),
         }
     }
 
@@ -207,7 +213,8 @@ impl UnitRun<'_> {
         r.rouge_l = Some(metrics::rouge_l(answer, full_answer));
     }
 
-    fn run_text_kl(&self, e: &mut Engine, done: &HashMap<CellKey, RawResult>, bar: &ProgressBar) -> Result<Vec<RawResult>> {
+    /// `reference`: an f16 engine for the full-cache reference when `e` is not f16.
+    fn run_text_kl(&self, e: &mut Engine, reference: Option<&mut Engine>, done: &HashMap<CellKey, RawResult>, bar: &ProgressBar) -> Result<Vec<RawResult>> {
         let u = self.unit;
         let n_cont = self.cfg.continuation_tokens;
         if u.context_tokens <= n_cont + 16 {
@@ -219,6 +226,10 @@ impl UnitRun<'_> {
         let t0 = Instant::now();
         let full = runner::teacher_force(e, prefix, cont, KvSetting::FULL, None)?;
         let full_seconds = t0.elapsed().as_secs_f64();
+        let reference = match reference {
+            Some(f16) => runner::teacher_force(f16, prefix, cont, KvSetting::FULL, None)?.logits,
+            None => full.logits.clone(),
+        };
         let mut new = Vec::new();
         for (policy, budget) in self.pending(done).collect::<Vec<_>>() {
             let t0 = Instant::now();
@@ -229,7 +240,7 @@ impl UnitRun<'_> {
                 }
                 None => (full.logits.clone(), full.kv_stored_tokens),
             };
-            let d = metrics::divergence(&full.logits, &logits, cont, 1);
+            let d = metrics::divergence(&reference, &logits, cont, 1);
             let mut r = self.base(policy, budget, prefix.len());
             r.seconds = if policy.is_none() { full_seconds } else { t0.elapsed().as_secs_f64() };
             r.kv_stored_tokens = kv_stored_tokens;
