@@ -209,3 +209,34 @@ fn redis_killed_mid_run_fails_no_request_and_hits_resume() {
         started.elapsed().as_secs_f64()
     );
 }
+
+/// `bench tiers --json` on a short context: the output's shape (a contract), and every tier
+/// measured; the command itself fails if a timed run did not load the whole context.
+#[test]
+fn bench_tiers_json_reports_every_tier() {
+    let redis = Redis::shared_or_private();
+    let tmp = tempfile::tempdir().unwrap();
+    let disk = format!("{}:1GiB", tmp.path().join("kv").display());
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
+        .args(["bench", "tiers", "--context-tokens", "256", "--runs", "1", "--threads", "2", "--json"])
+        .args(["--tier-disk", &disk, "--tier-redis", &redis.url, "--model"])
+        .arg(tiers_support::model_path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "bench tiers failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!((v["context_tokens"].as_u64(), v["chunk_tokens"].as_u64(), v["chunks"].as_u64()), (Some(256), Some(256), Some(1)));
+    assert!(v["chunk_bytes"].as_u64().unwrap() > 256 * 1000);
+    assert!(v["recompute"]["ttft_s"].as_f64().unwrap() > 0.0);
+    let tiers: Vec<&str> = v["tiers"].as_array().unwrap().iter().map(|t| t["tier"].as_str().unwrap()).collect();
+    assert_eq!(tiers, ["ram", "disk (warm page cache)", "disk (cold, drop_page_cache)", "redis"]);
+    for t in v["tiers"].as_array().unwrap() {
+        assert!(t["ttft_s"].as_f64().unwrap() > 0.0 && t["speedup_vs_recompute"].as_f64().unwrap() > 0.0, "{t}");
+        assert!(t["read_bytes_per_s"].as_f64().unwrap() > 0.0, "{t}");
+        assert_eq!(t["ttft_runs_s"].as_array().unwrap().len(), 1);
+    }
+    // The bench cleans up after itself: no entries left in the disk tier.
+    let entries = std::fs::read_dir(tmp.path().join("kv")).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".kv")).count();
+    assert_eq!(entries, 0);
+}
