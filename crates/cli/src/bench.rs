@@ -17,6 +17,10 @@ pub enum BenchCommand {
     Serve(crate::bench_serve::ServeBenchArgs),
     /// TTFT of a long context served from each KV tier vs recomputed, and tier bandwidths.
     Tiers(crate::bench_tiers::TiersBenchArgs),
+    /// Quality vs bytes of every KV codec and ratio (teacher-forced KL and top-1 vs full).
+    Codecs(crate::bench_codecs::CodecsArgs),
+    /// EVICPRESS vs full prefill, LRU and fixed compression on real tiers, plus sweeps.
+    Evicpress(crate::bench_evicpress::EvicpressArgs),
 }
 
 #[derive(Args)]
@@ -46,6 +50,8 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Perf(a) => perf(a),
         BenchCommand::Serve(a) => crate::bench_serve::run(a),
         BenchCommand::Tiers(a) => crate::bench_tiers::run(a),
+        BenchCommand::Codecs(a) => crate::bench_codecs::run(a),
+        BenchCommand::Evicpress(a) => crate::bench_evicpress::run(a),
     }
 }
 

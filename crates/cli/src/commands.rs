@@ -46,7 +46,7 @@ impl ModelArgs {
         }
         let kv_dtype = KvDtype::parse(&args.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected {})", args.kv_dtype, KvDtype::NAMES))?;
         let path = resolve_model(args.model.as_deref(), true)?;
-        let config = EngineConfig { block_size_tokens: args.block_size, kv_dtype, kv_capacity_tokens, tiering: args.tiers.build()?, ..Default::default() };
+        let config = EngineConfig { block_size_tokens: args.block_size, kv_dtype, kv_capacity_tokens, tiering: args.tiers.build()?, contexts: args.tiers.build_contexts()?, ..Default::default() };
         Engine::load(&path, config)
     }
 }
@@ -66,6 +66,19 @@ pub struct TierArgs {
     /// Tokens per stored chunk (a multiple of the block size; default 256).
     #[arg(long, env = "PAGEKEEPER_TIER_CHUNK_TOKENS")]
     pub tier_chunk_tokens: Option<usize>,
+    /// How stored KV uses the tiers: lru (256-token chunks, uncompressed, LMCache-like) or
+    /// evicpress (whole contexts, compression and tier chosen per context by utility).
+    #[arg(long, env = "PAGEKEEPER_TIER_POLICY", default_value = "lru", value_parser = ["lru", "evicpress"])]
+    pub tier_policy: String,
+    /// EVICPRESS α: seconds of TTFT one unit of quality is worth.
+    #[arg(long, env = "PAGEKEEPER_EVICPRESS_ALPHA", default_value_t = 1.0)]
+    pub evicpress_alpha: f64,
+    /// EVICPRESS configurations, comma-separated (e.g. q8,q4,knorm-0.5,paged-eviction-0.8).
+    #[arg(long, env = "PAGEKEEPER_EVICPRESS_GRID")]
+    pub evicpress_grid: Option<String>,
+    /// Rank EVICPRESS's greedy by utility drop per byte freed (AdaptCache) instead of absolute drop.
+    #[arg(long)]
+    pub evicpress_per_byte: bool,
     /// Tiers from the `--config` file, used for those no flag or env sets (config.rs).
     #[arg(skip)]
     pub from_file: Option<crate::config::TiersSection>,
@@ -76,6 +89,9 @@ impl TierArgs {
     /// tier is written through, so that a restart (disk) or another server (Redis) sees
     /// every chunk at once.
     pub fn build(&self) -> Result<Option<pk_engine::TieringConfig>> {
+        if self.tier_policy == "evicpress" {
+            return Ok(None);
+        }
         let mut tiers = Vec::new();
         for (origin, cfg) in self.tier_configs()? {
             tiers.push(pk_tiers::open_tier(&cfg).map_err(|e| anyhow::anyhow!("{origin}: {e}"))?);
@@ -85,6 +101,17 @@ impl TierArgs {
         }
         let store = std::sync::Arc::new(pk_tiers::TieredStore::new(tiers).with_write_through_last(true));
         Ok(Some(pk_engine::TieringConfig { store, chunk_size_tokens: self.chunk_tokens(), max_pending_bytes: 256 << 20 }))
+    }
+}
+
+impl TierArgs {
+    /// The EVICPRESS context store over the configured tiers, with `--tier-policy evicpress`.
+    pub fn build_contexts(&self) -> Result<Option<pk_engine::ContextReuseConfig>> {
+        if self.tier_policy != "evicpress" {
+            return Ok(None);
+        }
+        let store = crate::tier_policy::evicpress_config(&self.tier_configs()?, self.evicpress_alpha, self.evicpress_grid.as_deref(), self.evicpress_per_byte)?;
+        Ok(Some(pk_engine::ContextReuseConfig { store, chunk_size_tokens: self.chunk_tokens() }))
     }
 }
 

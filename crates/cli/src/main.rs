@@ -1,12 +1,15 @@
 //! The `pagekeeper` command line: a thin layer over `pk-engine`.
 
 mod bench;
+mod bench_codecs;
+mod bench_evicpress;
 mod bench_serve;
 mod bench_tiers;
 mod commands;
 mod config;
 mod eval;
 mod serve;
+mod tier_policy;
 
 use clap::{Parser, Subcommand};
 

@@ -69,6 +69,7 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         default_kv_policy: a.kv.spec()?.unwrap_or_default(),
         default_kv_budget: a.kv.kv_budget,
         tiering: a.model.tiers.build()?,
+        contexts: a.model.tiers.build_contexts()?,
         ..Default::default()
     };
     let name = model_name.clone();

@@ -21,7 +21,12 @@ pub enum Command {
 pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
     pub ready: Arc<AtomicBool>,
+    /// The engine's EVICPRESS store once loaded (thread-safe; `/v1/kv/contexts` reads it).
+    pub contexts: Arc<std::sync::OnceLock<Arc<pk_evicpress::ContextStore>>>,
 }
+
+/// Longest answer generated per profiling query in the background.
+const PROFILE_ANSWER_TOKENS: usize = 16;
 
 /// Bound on commands in flight between the HTTP side and the engine thread.
 const COMMAND_QUEUE_LEN: usize = 1024;
@@ -34,10 +39,15 @@ impl EngineHandle {
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE_LEN);
         let ready = Arc::new(AtomicBool::new(false));
         let r = ready.clone();
+        let contexts = Arc::new(std::sync::OnceLock::new());
+        let c = contexts.clone();
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || match load() {
                 Ok(engine) => {
+                    if let Some(store) = engine.context_store() {
+                        let _ = c.set(store);
+                    }
                     r.store(true, Ordering::Release);
                     run(engine, rx);
                 }
@@ -47,7 +57,7 @@ impl EngineHandle {
                 }
             })
             .expect("spawning the engine thread");
-        EngineHandle { tx, ready }
+        EngineHandle { tx, ready, contexts }
     }
 
     pub async fn submit(&self, req: Request) -> Result<(), SubmitError> {
@@ -63,7 +73,17 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
     let mut published_eviction = std::collections::BTreeMap::new();
     let mut last_log = Instant::now();
     let mut logged = EngineStats::default();
+    // EVICPRESS profiling runs in idle capacity, batched with whatever arrives meanwhile.
+    let mut profiling: Option<pk_engine::profiler::Profiling> = None;
     loop {
+        if let Some(p) = profiling.take_if(|p| p.is_done()) {
+            if let Some(store) = engine.context_store() {
+                let _ = store.set_profile(&p.key, p.qualities());
+            }
+        }
+        if profiling.is_none() {
+            profiling = engine.maybe_start_background_profile(PROFILE_ANSWER_TOKENS);
+        }
         if !engine.has_work() {
             publish(&engine, &model, &mut published, &mut published_eviction);
             match rx.blocking_recv() {

@@ -395,3 +395,20 @@ pub async fn health(State(state): State<Arc<AppState>>) -> Response {
 pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     ([("content-type", "text/plain; version=0.0.4")], state.metrics.render()).into_response()
 }
+
+/// `GET /v1/kv/contexts`: every context in the EVICPRESS store, where it lives and why
+/// (its utility table). 404 when the server runs without `--tier-policy evicpress`.
+pub async fn kv_contexts(State(state): State<Arc<AppState>>) -> Response {
+    let Some(store) = state.engine.contexts.get() else {
+        return (StatusCode::NOT_FOUND, Json(serde_json::json!({"error": {"message": "no EVICPRESS context store: start the server with --tier-policy evicpress", "type": "not_found"}}))).into_response();
+    };
+    let names = store.tier_names();
+    let usage = store.usage_bytes();
+    Json(serde_json::json!({
+        "policy": store.policy().name(),
+        "tiers": names.iter().zip(&usage).map(|(n, u)| serde_json::json!({"name": n, "placed_bytes": u})).collect::<Vec<_>>(),
+        "stats": store.stats(),
+        "contexts": store.explain(),
+    }))
+    .into_response()
+}

@@ -53,6 +53,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(handlers::models))
         .route("/health", get(handlers::health))
         .route("/metrics", get(handlers::metrics))
+        .route("/v1/kv/contexts", get(handlers::kv_contexts))
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
 }

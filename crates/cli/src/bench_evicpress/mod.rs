@@ -1,0 +1,418 @@
+//! `pagekeeper bench evicpress`: EVICPRESS against full prefill, LRU without compression
+//! and fixed-ratio + LRU, on the real engine and tiers (RAM → disk → Redis when given),
+//! plus a validated trace-driven simulator for the sweeps (issue 9).
+//!
+//! Method, in order:
+//! 1. Setup: generate the contexts; prefill each once (that prefill's time to first token
+//!    is the full-prefill baseline for the context), keep its master KV; answer every
+//!    profiling and test query from the full KV (the references).
+//! 2. Profile every context on the engine (token-F1 vs the full-KV answers, per grid
+//!    configuration); also score the test queries per configuration (for the simulator).
+//! 3. Measure the tiers (write and read a master-sized payload on each).
+//! 4. Real runs, one per policy: a fresh store on fresh tiers, warmed with every context
+//!    (inserted in order, placed by the policy), then the trace, paced at its Poisson
+//!    arrival times. TTFT counts from arrival (so it includes queueing); quality is the
+//!    token-F1 of the answer against the full-KV answer. Placement runs on the store's
+//!    worker; the run waits for it between requests, so every policy is measured with its
+//!    placement complete.
+//! 5. The simulator replays the same trace with a delay model fitted to step 4's loads,
+//!    reports its error against the real runs, then sweeps.
+
+mod report;
+mod sim;
+mod workload;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+use clap::Args;
+use pk_engine::{ContextReuseConfig, Engine, EngineConfig, GenerateParams, PrefixKv};
+use pk_evicpress::{Compression, DelayModel, Grid, Policy, Ranking, StoreConfig, TierSpec};
+use pk_tiers::{DiskTier, DiskTierConfig, Payload, RamTier, RedisTier, RedisTierConfig, Tier};
+use serde::Serialize;
+
+use self::sim::{mean, percentile, SimContext};
+use self::workload::WorkloadSpec;
+
+#[derive(Args)]
+pub struct EvicpressArgs {
+    #[command(flatten)]
+    pub model: crate::commands::ModelArgs,
+    /// Small preset (about 10 minutes here): 9 contexts of 1-1.75K tokens, 40 requests.
+    #[arg(long, conflicts_with = "full")]
+    pub quick: bool,
+    /// Larger preset: 18 contexts of 1-4K tokens, 120 requests, the default grid.
+    #[arg(long)]
+    pub full: bool,
+    /// Where results.json, REPORT.md and the PNG plot go.
+    #[arg(long, default_value = "docs/results/evicpress")]
+    pub out: PathBuf,
+    /// Print one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Fraction of the working set (masters, f16) the RAM tier holds.
+    #[arg(long, default_value_t = 0.2)]
+    pub ram_fraction: f64,
+    /// Fraction of the working set the disk tier holds when Redis is the last tier.
+    #[arg(long, default_value_t = 0.5)]
+    pub disk_fraction: f64,
+    /// Redis URL for the last tier (else the disk tier is last and unlimited).
+    #[arg(long, env = "PAGEKEEPER_BENCH_REDIS")]
+    pub redis: Option<String>,
+    /// α values of the real EVICPRESS runs.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub alphas: Vec<f64>,
+    /// Configurations of the real fixed-ratio + LRU runs.
+    #[arg(long, value_delimiter = ',', default_value = "knorm-0.5,q4")]
+    pub fixed: Vec<String>,
+    /// Zipf exponent of context popularity.
+    #[arg(long, default_value_t = 1.0)]
+    pub zipf: f64,
+    /// Mean request rate (Poisson), per second: the clock of popularity drift and of the
+    /// simulator's frequency decay (real runs serve requests one at a time; queueing is
+    /// not part of the measured TTFT).
+    #[arg(long, default_value_t = 1.0)]
+    pub rate: f64,
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Keep the cold-read behaviour of an SSD: drop written and read disk files from the
+    /// page cache (posix_fadvise), so that the OS does not turn the disk tier into RAM.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub cold_disk: bool,
+}
+
+struct Preset {
+    spec: WorkloadSpec,
+    requests: usize,
+    grid: Grid,
+    answer_tokens: usize,
+}
+
+fn preset(a: &EvicpressArgs) -> Result<Preset> {
+    let quick_grid = "q8,k8v4,q4,q2,paged-eviction-0.5,knorm-0.5,keydiff-0.5,paged-eviction-0.8,knorm-0.8";
+    let (n, min, max, requests, pq, tq, grid) = if a.full {
+        (18, 1024, 4096, 120, 4, 4, Grid::default_grid())
+    } else {
+        (9, 1024, 1792, 40, 3, 3, Grid::parse(quick_grid).map_err(anyhow::Error::msg)?)
+    };
+    Ok(Preset {
+        spec: WorkloadSpec { n_contexts: n, min_tokens: min, max_tokens: max, chunk_tokens: 256, profile_queries: pq, test_queries: tq, seed: a.seed },
+        requests,
+        grid,
+        answer_tokens: 10,
+    })
+}
+
+/// One row of the JSON output (the issue's contract, plus extra fields).
+#[derive(Serialize, Clone)]
+pub struct RunRow {
+    pub policy: String,
+    pub alpha: Option<f64>,
+    pub ttft_mean_s: f64,
+    pub ttft_p50_s: f64,
+    pub ttft_p95_s: f64,
+    pub quality: f64,
+    pub hits_per_tier: BTreeMap<String, u64>,
+    /// "real" (engine and tiers) or "sim" (trace-driven simulator).
+    pub source: String,
+    pub scenario: String,
+    pub ram_fraction: f64,
+    pub bytes_moved: Option<u64>,
+    pub placement_cpu_ms_mean: Option<f64>,
+    pub placement_cpu_ms_max: Option<f64>,
+}
+
+struct Setup {
+    contexts: Vec<workload::Context>,
+    masters: Vec<pk_codec::KvContext>,
+    master_bytes: Vec<u64>,
+    full_prefill_s: Vec<f64>,
+    /// references[c][q]: full-KV answer to test query q.
+    references: Vec<Vec<Vec<u32>>>,
+    profiles: Vec<Vec<f32>>,
+    test_quality: Vec<Vec<f32>>,
+    prefill_tokens_per_s: f64,
+}
+
+fn tiers_for(a: &EvicpressArgs, dir: &std::path::Path, run: &str, working_set_bytes: u64) -> Result<(Vec<Arc<dyn Tier>>, Vec<u64>)> {
+    let ram_cap = (a.ram_fraction * working_set_bytes as f64) as u64;
+    // Physical capacities get slack over the logical ones (the store enforces those).
+    let ram: Arc<dyn Tier> = Arc::new(RamTier::new(ram_cap * 2 + (64 << 20)));
+    let mut disk_cfg = DiskTierConfig::new(dir.join(run), u64::MAX / 4);
+    disk_cfg.drop_page_cache = a.cold_disk;
+    let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(disk_cfg).context("opening the disk tier")?);
+    Ok(match &a.redis {
+        Some(url) => {
+            let mut rc = RedisTierConfig::new(url);
+            rc.key_prefix = format!("pk:bench-evicpress:{run}:");
+            rc.io_timeout = Duration::from_secs(10);
+            let redis: Arc<dyn Tier> = Arc::new(RedisTier::open(rc).context("opening the Redis tier")?);
+            (vec![ram, disk, redis], vec![ram_cap, (a.disk_fraction * working_set_bytes as f64) as u64, u64::MAX])
+        }
+        None => (vec![ram, disk], vec![ram_cap, u64::MAX]),
+    })
+}
+
+/// (bytes/s, latency s) of fetching and decoding an encoded master from each tier
+/// (median of 3; the latency from a 4 KiB payload).
+fn measure_tiers(tiers: &[Arc<dyn Tier>], sample: &[u8], fingerprint: &[u8; 32]) -> Vec<(f64, f64)> {
+    let small = vec![7u8; 4096];
+    tiers
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let key = |n: u8| pk_tiers::ChunkKey([0xEE, i as u8, n, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+            let _ = t.store(&key(0), &Payload::from(sample.to_vec()));
+            let _ = t.store(&key(1), &Payload::from(small.clone()));
+            let time = |k| {
+                let mut v: Vec<f64> = (0..3).map(|_| {
+                    let t0 = Instant::now();
+                    if let Ok(Some(p)) = t.load(&k) {
+                        let _ = pk_codec::decode(&p, fingerprint);
+                    }
+                    t0.elapsed().as_secs_f64()
+                }).collect();
+                v.sort_by(f64::total_cmp);
+                v[1]
+            };
+            let (big_s, small_s) = (time(key(0)), time(key(1)));
+            let _ = t.delete(&key(0));
+            let _ = t.delete(&key(1));
+            let bw = sample.len() as f64 / (big_s - small_s).max(1e-6);
+            (bw, small_s)
+        })
+        .collect()
+}
+
+pub fn run(a: EvicpressArgs) -> Result<()> {
+    let p = preset(&a)?;
+    std::fs::create_dir_all(&a.out)?;
+    if let Some(n) = a.model.resolved()?.threads {
+        rayon::ThreadPoolBuilder::new().num_threads(n.max(1)).build_global().context("configuring threads")?;
+    }
+    let quiet = crate::bench_evicpress::report::host_quiet();
+    eprintln!("host-quiet: {quiet}");
+    let t_start = Instant::now();
+    let work = tempfile::Builder::new().prefix("pk-bench-evicpress").tempdir()?;
+    let setup = setup(&a, &p, work.path())?;
+    eprintln!("setup done in {:.0} s", t_start.elapsed().as_secs_f64());
+    let working_set: u64 = setup.master_bytes.iter().sum();
+    let avg_master = working_set / setup.master_bytes.len() as u64;
+    let reqs = workload::trace(p.spec.n_contexts, p.spec.test_queries, p.requests, a.zipf, a.rate, false, a.seed);
+
+    // Tier speeds for the delay model, on a master-sized payload.
+    let (probe_tiers, _) = tiers_for(&a, work.path(), "probe", working_set)?;
+    let sample = pk_codec::encode(&setup.masters[0], &pk_codec::Method::None, None, &[0; 32])?;
+    let speeds = measure_tiers(&probe_tiers, &sample, &[0; 32]);
+    let _ = avg_master;
+    drop(probe_tiers);
+    let names: Vec<String> = if a.redis.is_some() { vec!["ram".into(), "disk".into(), "redis".into()] } else { vec!["ram".into(), "disk".into()] };
+    // The tier speeds above include decoding, so the model's own decode term is zero.
+    let decode_s_per_byte = 0.0;
+    let mut delay = DelayModel {
+        tiers: names.iter().zip(&speeds).map(|(n, (bw, lat))| TierSpec { name: n.clone(), capacity_bytes: 0, read_bytes_per_s: *bw, access_latency_s: *lat }).collect(),
+        decode_s_per_byte,
+        restore_s_per_token: 2.0e-5,
+        prefill_tokens_per_s: setup.prefill_tokens_per_s,
+        query_tokens: 20,
+    };
+    eprintln!("tier read speeds (MB/s): {:?}", speeds.iter().map(|s| (s.0 / 1e6).round()).collect::<Vec<_>>());
+
+    // Real runs.
+    let mut policies: Vec<(String, Option<f64>, Policy)> = vec![("lru".into(), None, Policy::Lru)];
+    for f in &a.fixed {
+        let c = Compression::parse(f).map_err(anyhow::Error::msg)?;
+        let idx = p.grid.index_of(&c).with_context(|| format!("--fixed {f} is not in the grid"))?;
+        policies.push((format!("fixed-{c}"), None, Policy::Fixed(idx)));
+    }
+    for &alpha in &a.alphas {
+        policies.push(("evicpress".into(), Some(alpha), Policy::Evicpress { alpha, ranking: Ranking::AbsoluteDrop }));
+    }
+    let mut rows = vec![row_of("full-prefill", None, "real", "base", a.ram_fraction, &reqs.iter().map(|r| setup.full_prefill_s[r.context]).collect::<Vec<_>>(), &vec![1.0; reqs.len()], BTreeMap::new())];
+    let mut loads: Vec<(usize, u64, f64)> = Vec::new(); // (tier, bytes, fetch+decode+restore s)
+    for (i, (name, alpha, policy)) in policies.iter().enumerate() {
+        let t0 = Instant::now();
+        let (row, run_loads) = real_run(&a, &p, &setup, &reqs, policy, &delay, work.path(), &format!("run{i}"), working_set, name, *alpha)?;
+        eprintln!("{name} {alpha:?}: TTFT mean {:.3} s, quality {:.3} ({:.0} s)", row.ttft_mean_s, row.quality, t0.elapsed().as_secs_f64());
+        rows.push(row);
+        loads.extend(run_loads);
+    }
+    // Fit the delay model's per-tier speed to what the real loads took.
+    for t in 0..delay.tiers.len() {
+        let xs: Vec<&(usize, u64, f64)> = loads.iter().filter(|l| l.0 == t).collect();
+        if xs.len() >= 2 {
+            let bytes: f64 = xs.iter().map(|l| l.1 as f64).sum();
+            let secs: f64 = xs.iter().map(|l| l.2).sum();
+            delay.tiers[t].read_bytes_per_s = 1.0 / ((secs / bytes) - decode_s_per_byte).max(1e-12);
+            delay.tiers[t].access_latency_s = 0.0;
+        }
+    }
+    let sim_contexts: Vec<SimContext> = (0..setup.contexts.len())
+        .map(|c| {
+            let shape = setup.masters[c].shape();
+            SimContext {
+                bytes: p.grid.configs().iter().map(|g| g.bytes(&shape)).collect(),
+                kept_tokens: p.grid.configs().iter().map(|g| match g.method().drop_spec() {
+                    Some(d) => pk_codec::drop::n_kept_tokens(shape.n_tokens, &d),
+                    None => shape.n_tokens,
+                }).collect(),
+                profile_quality: setup.profiles[c].clone(),
+                test_quality: setup.test_quality[c].clone(),
+            }
+        })
+        .collect();
+    let sweeps = report::sweeps(&a, &p.grid, &sim_contexts, &reqs, &delay, working_set, &setup.full_prefill_s, &policies, &mut rows);
+    let summary = report::write(&a, &p.grid, &rows, &sweeps, &delay, &setup_summary(&setup, &p, working_set), &quiet, t_start.elapsed().as_secs_f64())?;
+    if a.json {
+        println!("{}", serde_json::to_string(&serde_json::json!({ "runs": rows, "summary": summary, "host_quiet": quiet }))?);
+    } else {
+        println!("{}", std::fs::read_to_string(a.out.join("REPORT.md"))?);
+    }
+    Ok(())
+}
+
+fn setup_summary(s: &Setup, p: &Preset, working_set: u64) -> serde_json::Value {
+    serde_json::json!({
+        "contexts": s.contexts.iter().map(|c| serde_json::json!({"kind": c.kind, "tokens": c.tokens.len()})).collect::<Vec<_>>(),
+        "working_set_bytes": working_set,
+        "requests": p.requests,
+        "grid": p.grid.configs().iter().map(|c| c.to_string()).collect::<Vec<_>>(),
+        "prefill_tokens_per_s": s.prefill_tokens_per_s,
+        "full_prefill_s": s.full_prefill_s,
+        "profiles": s.profiles,
+        "test_quality": s.test_quality,
+    })
+}
+
+fn row_of(policy: &str, alpha: Option<f64>, source: &str, scenario: &str, ram_fraction: f64, ttft: &[f64], quality: &[f64], hits: BTreeMap<String, u64>) -> RunRow {
+    RunRow {
+        policy: policy.into(),
+        alpha,
+        ttft_mean_s: mean(ttft),
+        ttft_p50_s: percentile(ttft, 50.0),
+        ttft_p95_s: percentile(ttft, 95.0),
+        quality: mean(quality),
+        hits_per_tier: hits,
+        source: source.into(),
+        scenario: scenario.into(),
+        ram_fraction,
+        bytes_moved: None,
+        placement_cpu_ms_mean: None,
+        placement_cpu_ms_max: None,
+    }
+}
+
+fn store_config(tiers: Vec<Arc<dyn Tier>>, capacities: Vec<u64>, grid: &Grid, policy: Policy, delay: &DelayModel) -> StoreConfig {
+    StoreConfig {
+        tiers,
+        capacities_bytes: capacities,
+        grid: grid.clone(),
+        policy,
+        fingerprint: [0; 32],
+        delay: delay.clone(),
+        frequency_half_life_s: 60.0,
+        reprofile_threshold: 0.1,
+        max_pending_bytes: 4 << 30,
+        max_queries_per_context: 8,
+    }
+}
+
+fn engine_for(a: &EvicpressArgs, store: StoreConfig) -> Result<Engine> {
+    let path = pk_engine::model_store::resolve_model(a.model.resolved()?.model.as_deref(), true)?;
+    let config = EngineConfig {
+        block_size_tokens: a.model.block_size,
+        kv_capacity_tokens: Some(32 * 1024),
+        contexts: Some(ContextReuseConfig { store, chunk_size_tokens: 256 }),
+        // Every reuse must come from the store: the pool's prefix cache would otherwise
+        // serve a context asked twice in a row for free, under every policy alike.
+        enable_prefix_caching: false,
+        ..Default::default()
+    };
+    Engine::load(&path, config)
+}
+
+fn setup(a: &EvicpressArgs, p: &Preset, dir: &std::path::Path) -> Result<Setup> {
+    let ram: Arc<dyn Tier> = Arc::new(RamTier::new(16 << 30));
+    let delay = DelayModel { tiers: vec![TierSpec { name: "ram".into(), capacity_bytes: 0, read_bytes_per_s: 1e10, access_latency_s: 0.0 }], decode_s_per_byte: 0.0, restore_s_per_token: 0.0, prefill_tokens_per_s: 300.0, query_tokens: 20 };
+    let _ = dir;
+    let mut e = engine_for(a, store_config(vec![ram], vec![u64::MAX], &p.grid, Policy::Lru, &delay))?;
+    let contexts = workload::contexts(&e.tokenizer, &p.spec);
+    let store = e.context_store().expect("configured");
+    let greedy = GenerateParams { max_tokens: p.answer_tokens, ..Default::default() };
+    let (mut masters, mut master_bytes, mut full_prefill_s, mut references) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut prefill_tokens = 0usize;
+    for (i, c) in contexts.iter().enumerate() {
+        // A cold prefill of context and first test query: the full-prefill baseline.
+        let prompt = [&c.tokens[..], &c.test_queries[0]].concat();
+        let out = e.generate(&prompt, &greedy, &mut |_| {})?;
+        full_prefill_s.push(out.prefill_seconds);
+        prefill_tokens += prompt.len();
+        store.flush();
+        let key = e.context_key(&c.tokens, None).context("context key")?;
+        let master = store.load_master(&key).map_err(anyhow::Error::msg)?;
+        master_bytes.push(p.grid.configs()[0].bytes(&master.shape()));
+        let prefix = Arc::new(PrefixKv { kv: master.clone() });
+        let mut refs = vec![out.token_ids];
+        for q in &c.test_queries[1..] {
+            let params = GenerateParams { prefix_kv: Some(prefix.clone()), ..greedy.clone() };
+            refs.push(e.generate(&[&c.tokens[..], q].concat(), &params, &mut |_| {})?.token_ids);
+        }
+        references.push(refs);
+        masters.push(master);
+        eprintln!("context {i} ({:?}, {} tokens): full prefill {:.2} s", c.kind, c.tokens.len(), full_prefill_s[i]);
+    }
+    let prefill_tokens_per_s = prefill_tokens as f64 / full_prefill_s.iter().sum::<f64>();
+    let (mut profiles, mut test_quality) = (Vec::new(), Vec::new());
+    for (i, c) in contexts.iter().enumerate() {
+        let key = e.context_key(&c.tokens, None).context("context key")?;
+        profiles.push(e.profile_blocking(key, &c.profile_queries, p.answer_tokens)?);
+        let t = e.start_profile(key, &c.test_queries, p.answer_tokens)?;
+        while !t.is_done() {
+            e.step();
+        }
+        test_quality.push(t.qualities());
+        eprintln!("profiled context {i}: {:?}", profiles[i].iter().map(|q| (q * 100.0).round() / 100.0).collect::<Vec<_>>());
+    }
+    Ok(Setup { contexts, masters, master_bytes, full_prefill_s, references, profiles, test_quality, prefill_tokens_per_s })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn real_run(a: &EvicpressArgs, p: &Preset, s: &Setup, reqs: &[workload::Request], policy: &Policy, delay: &DelayModel, dir: &std::path::Path, run: &str, working_set: u64, name: &str, alpha: Option<f64>) -> Result<(RunRow, Vec<(usize, u64, f64)>)> {
+    let (tiers, caps) = tiers_for(a, dir, run, working_set)?;
+    let mut e = engine_for(a, store_config(tiers, caps, &p.grid, policy.clone(), delay))?;
+    let store = e.context_store().expect("configured");
+    // Warm start: every context stored and placed, with its profile.
+    let keys: Vec<_> = s.contexts.iter().map(|c| e.context_key(&c.tokens, None).expect("aligned")).collect();
+    for (c, key) in keys.iter().enumerate() {
+        store.offer(*key, s.masters[c].clone());
+        store.flush();
+        store.set_profile(key, s.profiles[c].clone()).map_err(anyhow::Error::msg)?;
+        store.flush();
+    }
+    let greedy = GenerateParams { max_tokens: p.answer_tokens, ..Default::default() };
+    let (mut ttft, mut quality, mut hits, mut loads) = (Vec::new(), Vec::new(), BTreeMap::new(), Vec::new());
+    for r in reqs {
+        let c = &s.contexts[r.context];
+        let out = e.generate(&[&c.tokens[..], &c.test_queries[r.query]].concat(), &greedy, &mut |_| {})?;
+        ttft.push(out.prefill_seconds);
+        quality.push(pk_engine::profiler::token_f1(&out.token_ids, &s.references[r.context][r.query]));
+        let tier = out.context_load.as_ref().map_or("recompute".to_string(), |l| l.tier.clone());
+        *hits.entry(tier).or_insert(0u64) += 1;
+        if let Some(l) = &out.context_load {
+            loads.push((l.tier_index, l.bytes, l.fetch_s + l.decode_s));
+        }
+        store.flush();
+    }
+    let st = store.stats();
+    let mut row = row_of(name, alpha, "real", "base", a.ram_fraction, &ttft, &quality, hits);
+    row.bytes_moved = Some(st.bytes_moved);
+    row.placement_cpu_ms_mean = Some(1e3 * st.placement_cpu_s_total / st.placement_decisions.max(1) as f64);
+    row.placement_cpu_ms_max = Some(1e3 * st.placement_cpu_s_max);
+    if let Some(explain) = store.explain().first() {
+        tracing::debug!("most frequent context: {} on {} as {}", explain.key, explain.tier, explain.config);
+    }
+    Ok((row, loads))
+}

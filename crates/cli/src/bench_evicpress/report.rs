@@ -1,0 +1,240 @@
+//! The benchmark's sweeps (simulator), its headline comparisons, and its outputs:
+//! `results.json`, `REPORT.md`, `quality_vs_ttft.png` in `--out`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{anyhow, Result};
+use pk_evicpress::{DelayModel, Grid, Policy, Ranking};
+use plotters::prelude::*;
+use serde::Serialize;
+
+use super::sim::{simulate, SimContext};
+use super::workload::{self, Request};
+use super::{row_of, EvicpressArgs, RunRow};
+
+/// `../shared/tools/host-quiet`'s figure when the tool exists (this machine), else a note.
+pub fn host_quiet() -> String {
+    for p in ["../shared/tools/host-quiet", "/work/shared/tools/host-quiet"] {
+        if let Ok(o) = std::process::Command::new(p).output() {
+            return String::from_utf8_lossy(&o.stdout).trim().to_string();
+        }
+    }
+    "host-quiet unavailable".into()
+}
+
+pub const ALPHAS: [f64; 9] = [0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0];
+
+#[derive(Serialize)]
+pub struct Validation {
+    pub policy: String,
+    pub alpha: Option<f64>,
+    pub real_ttft_mean_s: f64,
+    pub sim_ttft_mean_s: f64,
+    pub ttft_error_pct: f64,
+    pub real_quality: f64,
+    pub sim_quality: f64,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn sim_row(label: &str, alpha: Option<f64>, scenario: &str, ram_fraction: f64, contexts: &[SimContext], trace: &[Request], delay: &DelayModel, caps: &[u64], policy: Option<&Policy>, full: &[f64]) -> RunRow {
+    let r = simulate(contexts, trace, delay, caps, policy, 60.0, full);
+    row_of(label, alpha, "sim", scenario, ram_fraction, &r.ttft_s, &r.quality, r.hits_per_tier)
+}
+
+/// Adds the simulator's rows to `rows` and returns its validation against the real rows.
+#[allow(clippy::too_many_arguments)]
+pub fn sweeps(a: &EvicpressArgs, grid: &Grid, contexts: &[SimContext], trace: &[Request], delay: &DelayModel, working_set: u64, full: &[f64], real: &[(String, Option<f64>, Policy)], rows: &mut Vec<RunRow>) -> Vec<Validation> {
+    let caps = |ram_fraction: f64| -> Vec<u64> {
+        let mut c = vec![(ram_fraction * working_set as f64) as u64];
+        if delay.tiers.len() == 3 {
+            c.push((a.disk_fraction * working_set as f64) as u64);
+        }
+        c.push(u64::MAX);
+        c
+    };
+    let base_caps = caps(a.ram_fraction);
+    // Validation: the real runs' policies, simulated.
+    let mut validation = Vec::new();
+    for (name, alpha, policy) in real {
+        let s = sim_row(name, *alpha, "base", a.ram_fraction, contexts, trace, delay, &base_caps, Some(policy), full);
+        if let Some(r) = rows.iter().find(|r| r.source == "real" && &r.policy == name && r.alpha == *alpha) {
+            validation.push(Validation {
+                policy: name.clone(),
+                alpha: *alpha,
+                real_ttft_mean_s: r.ttft_mean_s,
+                sim_ttft_mean_s: s.ttft_mean_s,
+                ttft_error_pct: 100.0 * (s.ttft_mean_s - r.ttft_mean_s) / r.ttft_mean_s.max(1e-9),
+                real_quality: r.quality,
+                sim_quality: s.quality,
+            });
+        }
+    }
+    let add = |rows: &mut Vec<RunRow>, scenario: &str, ram_fraction: f64, trace: &[Request], delay: &DelayModel, every_fixed: bool| {
+        let caps = caps(ram_fraction);
+        rows.push(sim_row("full-prefill", None, scenario, ram_fraction, contexts, trace, delay, &caps, None, full));
+        rows.push(sim_row("lru", None, scenario, ram_fraction, contexts, trace, delay, &caps, Some(&Policy::Lru), full));
+        if every_fixed {
+            for (i, c) in grid.configs().iter().enumerate().skip(1) {
+                rows.push(sim_row(&format!("fixed-{c}"), None, scenario, ram_fraction, contexts, trace, delay, &caps, Some(&Policy::Fixed(i)), full));
+            }
+        }
+        for alpha in ALPHAS {
+            rows.push(sim_row("evicpress", Some(alpha), scenario, ram_fraction, contexts, trace, delay, &caps, Some(&Policy::Evicpress { alpha, ranking: Ranking::AbsoluteDrop }), full));
+            let mut per_byte = sim_row("evicpress", Some(alpha), &format!("{scenario}/per-byte"), ram_fraction, contexts, trace, delay, &caps, Some(&Policy::Evicpress { alpha, ranking: Ranking::DropPerByte }), full);
+            per_byte.scenario = format!("{scenario}/per-byte");
+            rows.push(per_byte);
+        }
+    };
+    add(rows, "base", a.ram_fraction, trace, delay, true);
+    for f in [0.1, 0.4] {
+        if (f - a.ram_fraction).abs() > 1e-9 {
+            add(rows, &format!("ram-{f}"), f, trace, delay, false);
+        }
+    }
+    // Where the paper says the gain vanishes: RAM holds everything; equal bandwidths.
+    add(rows, "ram-holds-all", 1.05, trace, delay, false);
+    let mut flat = delay.clone();
+    let fastest = flat.tiers[0].clone();
+    for t in flat.tiers.iter_mut() {
+        t.read_bytes_per_s = fastest.read_bytes_per_s;
+        t.access_latency_s = fastest.access_latency_s;
+    }
+    add(rows, "equal-bandwidth", a.ram_fraction, trace, &flat, false);
+    let drift = workload::trace(contexts.len(), trace.iter().map(|r| r.query).max().unwrap_or(0) + 1, trace.len(), a.zipf, a.rate, true, a.seed);
+    add(rows, "drift", a.ram_fraction, &drift, delay, false);
+    validation
+}
+
+/// The headline numbers for one (source, scenario).
+#[derive(Serialize, Clone)]
+pub struct Headline {
+    pub source: String,
+    pub scenario: String,
+    pub lru_ttft_mean_s: f64,
+    pub lru_quality: f64,
+    /// Best EVICPRESS α whose quality is within 3% of LRU's (relative).
+    pub evicpress_alpha: Option<f64>,
+    pub evicpress_ttft_mean_s: Option<f64>,
+    pub evicpress_quality: Option<f64>,
+    pub speedup_vs_lru: Option<f64>,
+    pub speedup_vs_full_prefill: Option<f64>,
+    /// The fastest fixed configuration with at least EVICPRESS's quality, and the ratio.
+    pub fixed_at_equal_quality: Option<String>,
+    pub speedup_vs_fixed_at_equal_quality: Option<f64>,
+}
+
+pub fn headline(rows: &[RunRow], source: &str, scenario: &str) -> Option<Headline> {
+    fn of<'a>(rows: &'a [RunRow], source: &'a str, scenario: &'a str, p: &'a str) -> impl Iterator<Item = &'a RunRow> + 'a {
+        rows.iter().filter(move |r| r.source == source && r.scenario == scenario && r.policy.starts_with(p))
+    }
+    let of = |p: &'static str| of(rows, source, scenario, p);
+    let lru = of("lru").next()?;
+    let full = of("full-prefill").next().or_else(|| rows.iter().find(|r| r.policy == "full-prefill"));
+    let best = of("evicpress").filter(|r| r.quality >= 0.97 * lru.quality).min_by(|a, b| a.ttft_mean_s.total_cmp(&b.ttft_mean_s));
+    let fixed = best.and_then(|b| of("fixed-").filter(|r| r.quality >= b.quality - 1e-9).min_by(|a, c| a.ttft_mean_s.total_cmp(&c.ttft_mean_s)));
+    Some(Headline {
+        source: source.into(),
+        scenario: scenario.into(),
+        lru_ttft_mean_s: lru.ttft_mean_s,
+        lru_quality: lru.quality,
+        evicpress_alpha: best.and_then(|b| b.alpha),
+        evicpress_ttft_mean_s: best.map(|b| b.ttft_mean_s),
+        evicpress_quality: best.map(|b| b.quality),
+        speedup_vs_lru: best.map(|b| lru.ttft_mean_s / b.ttft_mean_s),
+        speedup_vs_full_prefill: best.zip(full).map(|(b, f)| f.ttft_mean_s / b.ttft_mean_s),
+        fixed_at_equal_quality: fixed.map(|f| f.policy.clone()),
+        speedup_vs_fixed_at_equal_quality: best.zip(fixed).map(|(b, f)| f.ttft_mean_s / b.ttft_mean_s),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn write(a: &EvicpressArgs, grid: &Grid, rows: &[RunRow], validation: &[Validation], delay: &DelayModel, setup: &serde_json::Value, quiet: &str, wall_s: f64) -> Result<serde_json::Value> {
+    let scenarios: Vec<String> = rows.iter().map(|r| r.scenario.clone()).fold(Vec::new(), |mut v, s| {
+        if !v.contains(&s) {
+            v.push(s)
+        }
+        v
+    });
+    let mut headlines: Vec<Headline> = headline(rows, "real", "base").into_iter().collect();
+    headlines.extend(scenarios.iter().filter_map(|s| headline(rows, "sim", s)));
+    let summary = serde_json::json!({ "headlines": headlines, "validation": validation, "delay_model": delay, "setup": setup, "wall_s": wall_s });
+    std::fs::write(a.out.join("results.json"), serde_json::to_string_pretty(&serde_json::json!({ "runs": rows, "summary": summary, "host_quiet": quiet }))?)?;
+
+    let mut md = String::new();
+    let preset = if a.full { "--full" } else { "--quick" };
+    md.push_str(&format!("# EVICPRESS benchmark ({preset})\n\nCommand: `pagekeeper bench evicpress {preset} --out {}{}`; host-quiet: `{quiet}`; wall time {:.0} s.\n\n", a.out.display(), if a.redis.is_some() { " --redis URL" } else { "" }, wall_s));
+    md.push_str(&format!("Tiers: {} with RAM holding {:.0}% of the working set ({:.1} MB of f16 masters); delay model fitted to the real loads: {}.\n\n", delay.tiers.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(" → "), 100.0 * a.ram_fraction, setup["working_set_bytes"].as_f64().unwrap_or(0.0) / 1e6,
+        delay.tiers.iter().map(|t| format!("{} {:.0} MB/s", t.name, t.read_bytes_per_s / 1e6)).collect::<Vec<_>>().join(", ")));
+    md.push_str(&format!("Grid: {}.\n\n", grid.configs().iter().map(|c| c.to_string()).collect::<Vec<_>>().join(", ")));
+    md.push_str("## Headlines\n\n| source | scenario | LRU TTFT s | LRU quality | EVICPRESS α | EVICPRESS TTFT s | quality | vs LRU | vs full prefill | fixed at ≥ equal quality | vs fixed |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+    let f = |x: Option<f64>, d: usize| x.map_or("–".to_string(), |v| format!("{v:.d$}"));
+    for h in &headlines {
+        md.push_str(&format!("| {} | {} | {:.3} | {:.3} | {} | {} | {} | {}× | {}× | {} | {}× |\n", h.source, h.scenario, h.lru_ttft_mean_s, h.lru_quality, f(h.evicpress_alpha, 2), f(h.evicpress_ttft_mean_s, 3), f(h.evicpress_quality, 3), f(h.speedup_vs_lru, 2), f(h.speedup_vs_full_prefill, 1), h.fixed_at_equal_quality.clone().unwrap_or("–".into()), f(h.speedup_vs_fixed_at_equal_quality, 2)));
+    }
+    md.push_str("\n## Simulator validation (same trace, same policies)\n\n| policy | α | real TTFT s | sim TTFT s | error | real quality | sim quality |\n|---|---|---|---|---|---|---|\n");
+    for v in validation {
+        md.push_str(&format!("| {} | {} | {:.3} | {:.3} | {:+.1}% | {:.3} | {:.3} |\n", v.policy, f(v.alpha, 2), v.real_ttft_mean_s, v.sim_ttft_mean_s, v.ttft_error_pct, v.real_quality, v.sim_quality));
+    }
+    md.push_str("\n## All runs\n\n| source | scenario | policy | α | TTFT mean | p50 | p95 | quality | hits per tier | bytes moved | placement ms (mean/max) |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for r in rows {
+        let hits: BTreeMap<_, _> = r.hits_per_tier.clone();
+        md.push_str(&format!("| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {} | {} |\n", r.source, r.scenario, r.policy, f(r.alpha, 2), r.ttft_mean_s, r.ttft_p50_s, r.ttft_p95_s, r.quality,
+            hits.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(" "), r.bytes_moved.map_or("–".into(), |b| format!("{:.0} MB", b as f64 / 1e6)),
+            match (r.placement_cpu_ms_mean, r.placement_cpu_ms_max) { (Some(m), Some(x)) => format!("{m:.2}/{x:.2}"), _ => "–".into() }));
+    }
+    std::fs::write(a.out.join("REPORT.md"), md)?;
+    plot(rows, &a.out.join("quality_vs_ttft.png"))?;
+    Ok(summary)
+}
+
+fn plot(rows: &[RunRow], path: &Path) -> Result<()> {
+    static FONT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *FONT.get_or_init(|| plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, include_bytes!("../../../eval/assets/DejaVuSans.ttf")).is_ok());
+    if !ok {
+        return Err(anyhow!("the embedded font does not parse"));
+    }
+    let base: Vec<&RunRow> = rows.iter().filter(|r| r.scenario == "base" && r.source == "sim").collect();
+    let max_ttft = base.iter().map(|r| r.ttft_mean_s).filter(|t| t.is_finite()).fold(0.0f64, f64::max).max(1e-3);
+    let (w, h) = (900u32, 600u32);
+    let mut pixels = vec![0u8; (w * h * 3) as usize];
+    {
+    let root = BitMapBackend::with_buffer(&mut pixels, (w, h)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("Quality vs TTFT (simulated, base scenario; crosses: real runs)", ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(55)
+        .build_cartesian_2d((0.0..max_ttft * 1.1).log_scale(), 0.0..1.05)
+        .map_err(|e| anyhow!("{e}"))?;
+    chart.configure_mesh().x_desc("mean TTFT (s, log)").y_desc("quality (token-F1 vs full KV)").label_style(("sans-serif", 14)).draw().map_err(|e| anyhow!("{e}"))?;
+    let curve = |pred: &dyn Fn(&RunRow) -> bool| {
+        let mut pts: Vec<(f64, f64)> = base.iter().filter(|r| pred(r)).map(|r| (r.ttft_mean_s, r.quality)).collect();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        pts
+    };
+    let series: [(&str, RGBColor, Vec<(f64, f64)>); 3] = [
+        ("EVICPRESS (α sweep)", RGBColor(214, 39, 40), curve(&|r| r.policy == "evicpress")),
+        ("fixed config + LRU", RGBColor(31, 119, 180), curve(&|r| r.policy.starts_with("fixed-"))),
+        ("LRU / full prefill", RGBColor(44, 160, 44), curve(&|r| r.policy == "lru" || r.policy == "full-prefill")),
+    ];
+    for (label, colour, pts) in series {
+        let c = colour;
+        chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2))).map_err(|e| anyhow!("{e}"))?
+            .label(label).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled()))).map_err(|e| anyhow!("{e}"))?;
+    }
+    let real: Vec<(f64, f64)> = rows.iter().filter(|r| r.source == "real").map(|r| (r.ttft_mean_s, r.quality)).collect();
+    chart.draw_series(real.iter().map(|&p| Cross::new(p, 7, BLACK.stroke_width(2)))).map_err(|e| anyhow!("{e}"))?;
+    chart.configure_series_labels().position(SeriesLabelPosition::LowerRight).background_style(WHITE.mix(0.8)).border_style(BLACK).label_font(("sans-serif", 14)).draw().map_err(|e| anyhow!("{e}"))?;
+    root.present().map_err(|e| anyhow!("{e}"))?;
+    }
+    // plotters' bitmap backend without its image feature: encode the RGB buffer ourselves.
+    let file = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let mut enc = png::Encoder::new(file, w, h);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    enc.write_header()?.write_image_data(&pixels)?;
+    Ok(())
+}
