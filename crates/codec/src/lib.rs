@@ -25,7 +25,8 @@
 //!
 //! Architecture Invariant: the crate is pure. No I/O, no async, no threads, no knowledge
 //! of tiers, the paged pool or the model; it sees `Vec<f32>`s and bytes. Live quantized
-//! KV inside the paged pool (attention reading q8/q4 blocks) is not here.
+//! KV inside the paged pool (attention reading q8/q4 blocks) is not here but in
+//! `pk-model` (`KvDtype::Q8`/`Q4`, per-token groups so that decode can append).
 //!
 //! Architecture Invariant: `decode` and `inspect` never panic and never read out of
 //! bounds, whatever the bytes; every failure is a `CodecError` (fuzzed in
