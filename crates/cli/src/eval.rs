@@ -1,7 +1,9 @@
 //! `pagekeeper eval`: quality of KV eviction policies against the full cache (pk-eval).
 //!
 //! Writes into `--out`: `results.jsonl` (raw, one line per cell and sample; a rerun skips
-//! what is there), `summary.json` (the `--json` object), `summary.csv` and `summary.md`.
+//! what is there), `summary.json` (the `--json` object), `summary.csv`, `summary.md`, and
+//! PNG plots: `scores_B{B}.png` (score vs budget per policy, a panel per task and length)
+//! and `kl_B{B}.png` (text-kl's KL and top-1 agreement vs budget).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -15,7 +17,8 @@ pub struct EvalArgs {
     /// A few minutes on two cores (the default preset): 1K and 2K tokens, budgets 25% and 50%, B = 16.
     #[arg(long, conflicts_with = "full")]
     pub quick: bool,
-    /// The report: every task, 1K–8K tokens, all budgets, B = 8/16/32, 10 samples (hours; resumable).
+    /// The report: every task at 1K and 2K tokens, budgets 12.5–75%, B = 16, 4 samples, 7 policies
+    /// (about an hour with one thread on a shared 2-core machine; resumable).
     #[arg(long)]
     pub full: bool,
     /// Evicting policies to compare with the full cache, comma-separated
@@ -56,6 +59,9 @@ pub struct EvalArgs {
     /// against the f16 full cache, so its `full` row measures the precision itself.
     #[arg(long, default_value = "f16")]
     pub kv_dtype: String,
+    /// Worker threads for the kernels (default: all cores). Scores do not depend on it.
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 fn config(a: &EvalArgs) -> Result<SweepConfig> {
@@ -93,6 +99,12 @@ fn config(a: &EvalArgs) -> Result<SweepConfig> {
 
 pub fn run(a: EvalArgs) -> Result<()> {
     let cfg = config(&a)?;
+    if let Some(n) = a.threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring threads")?;
+    }
     let t0 = Instant::now();
     let outcome = pk_eval::run_sweep(&cfg)?;
     let report = report::summarise(&outcome.model, &outcome.records);
@@ -108,12 +120,14 @@ pub fn run(a: EvalArgs) -> Result<()> {
     write("summary.json", json.clone() + "\n")?;
     write("summary.csv", report::csv(&report))?;
     write("summary.md", report::markdown(&report, &command))?;
+    let plots = pk_eval::plot::write_plots(&report, &cfg.out_dir)?;
     eprintln!(
-        "eval: ran {} new of {} cells in {:.1} s; results in {}",
+        "eval: ran {} new of {} cells in {:.1} s; results in {} ({} plots)",
         outcome.cells_run,
         outcome.cells_total,
         t0.elapsed().as_secs_f64(),
-        cfg.out_dir.display()
+        cfg.out_dir.display(),
+        plots.len()
     );
     if a.json {
         println!("{json}");

@@ -1,6 +1,6 @@
 //! `pagekeeper eval` end to end on the real default model: the `--json` shape (a contract,
-//! issue 5), resumability (a second run over the same `--out` does no new work) and
-//! determinism (a fresh run with the same seed gives the same scores).
+//! issue 5), resumability (a second run over the same `--out` does no new work),
+//! determinism (a fresh run with the same seed gives the same scores), and the PNG plots.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -60,6 +60,13 @@ fn check_shape(v: &Value) {
     }
 }
 
+/// The plot decodes, has the expected size and is not blank: it has lines, text and colour.
+fn check_png(path: &Path, size_px: (u32, u32)) {
+    let s = pk_eval::plot::inspect_png(path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+    assert_eq!((s.width_px, s.height_px), size_px, "{}", path.display());
+    assert!(s.non_white_fraction > 0.02 && s.distinct_colours > 20, "{} looks blank: {s:?}", path.display());
+}
+
 fn scores(v: &Value) -> Vec<(String, f64)> {
     v["results"].as_array().unwrap().iter().map(|r| (r["policy"].as_str().unwrap().to_string(), r["score"].as_f64().unwrap())).collect()
 }
@@ -75,6 +82,9 @@ fn json_shape_resume_and_determinism() {
     for f in ["summary.json", "summary.csv", "summary.md"] {
         assert!(out.join(f).exists(), "{f} missing");
     }
+    // One generative task at one length: a one-panel score plot, and no KL plot.
+    check_png(&out.join("scores_B16.png"), pk_eval::plot::figure_size(1, 1));
+    assert!(!out.join("kl_B16.png").exists(), "a KL plot without text-kl rows");
 
     // Resume: everything is in results.jsonl, so nothing runs and nothing is appended.
     let (second, err2) = eval(&out, &TINY);
@@ -109,5 +119,8 @@ fn quick_preset() {
             }
         }
     }
+    // Three generative tasks × two lengths; text-kl: KL and top-1 rows × two lengths.
+    check_png(&out.join("scores_B16.png"), pk_eval::plot::figure_size(3, 2));
+    check_png(&out.join("kl_B16.png"), pk_eval::plot::figure_size(2, 2));
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -7,7 +7,7 @@
 //! The design follows ../shared/spec/baselines.md, "Quality metrics", and issue 5.
 //!
 //! Code map: `config` (what a sweep covers, presets), `sweep` (runs it, resumably),
-//! `record` (raw JSON lines), `report` (summaries, the `--json` contract, tables),
+//! `record` (raw JSON lines), `report` (summaries, the `--json` contract, tables), `plot` (PNG figures),
 //! `runner` (one request through the engine), `filler` and `rng` (deterministic inputs).
 //!
 //! **Architecture Invariant:** everything generated from a seed uses our own SplitMix64 and
@@ -16,6 +16,7 @@
 pub mod config;
 pub mod filler;
 pub mod metrics;
+pub mod plot;
 pub mod record;
 pub mod report;
 pub mod rng;

@@ -49,9 +49,11 @@ pub fn model_name(path: &Path) -> String {
 
 fn units(cfg: &SweepConfig) -> Vec<Unit> {
     let mut out = Vec::new();
+    // Block size outermost (one engine per block size), then length, so that a sweep
+    // stopped part-way has every task at the shorter lengths rather than some tasks at all.
     for &block_size in &cfg.block_sizes {
-        for &task in &cfg.tasks {
-            for &context_tokens in &cfg.lengths {
+        for &context_tokens in &cfg.lengths {
+            for &task in &cfg.tasks {
                 let budgets = cfg.budget_tokens(context_tokens, block_size);
                 for sample in 0..cfg.samples {
                     let mut cells = vec![(None, None)];

@@ -106,7 +106,13 @@ pub fn generate(task: Task, context_tokens: usize, seed: u64, index: usize, coun
             (
                 "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about it.".into(),
                 "What is the pass key?".into(),
-                "The pass key is".into(),
+                // RULER's prefix is "The pass key is"; after it SmolLM2-135M often goes on
+                // with a definition ("a magical number that ...") or with the noise ("the
+                // grass is green"), even when the needle sits right before the question:
+                // with it the full cache failed 5 of 9 samples at 512–2048 tokens, with
+                // "the number" appended it answered all 9 (examples/task_probe.rs). The
+                // prefix fixes the form of the answer, not its content.
+                "The pass key is the number".into(),
                 vec![format!("The pass key is {pass}. Remember it. {pass} is the pass key.")],
                 vec![pass],
                 12,
