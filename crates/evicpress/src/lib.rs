@@ -23,4 +23,4 @@ pub mod store;
 pub use config::{Compression, DropScore, Grid};
 pub use model::{DecayedCount, DelayModel, QualityCurve, QualityPrior, QualitySource, TierSpec};
 pub use placement::{Item, Placer, Policy, Ranking};
-pub use store::{ContextReport, ContextStore, LoadReport, OptionReport, StoreConfig, StoreStats};
+pub use store::{copy_key, ContextReport, ContextStore, LoadReport, OptionReport, StoreConfig, StoreStats};

@@ -151,7 +151,7 @@ pub struct ContextStore {
 /// Bound on queued jobs regardless of size (placement jobs carry no KV).
 const MAX_QUEUED_JOBS: usize = 1024;
 
-pub(crate) fn copy_key(ctx: &ChunkKey, config: usize) -> ChunkKey {
+pub fn copy_key(ctx: &ChunkKey, config: usize) -> ChunkKey {
     let mut h = blake3::Hasher::new();
     h.update(b"pagekeeper-evicpress-copy-v1");
     h.update(&ctx.0);

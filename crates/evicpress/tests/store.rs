@@ -1,0 +1,99 @@
+//! `ContextStore` on real tiers (RAM, disk directory) with synthetic KV: placement keeps
+//! the RAM capacity, loads return what was stored (through the codec), and a corrupted
+//! placed copy is detected and served from the master instead.
+
+use std::sync::Arc;
+
+use pk_codec::KvContext;
+use pk_evicpress::{copy_key, ContextStore, DelayModel, Grid, Policy, Ranking, StoreConfig, TierSpec};
+use pk_tiers::{ChunkKey, DiskTier, DiskTierConfig, Payload, RamTier, Tier};
+
+fn kv(seed: u32, n_tokens: usize) -> KvContext {
+    let (layers, heads, dim) = (2, 2, 16);
+    let len = layers * heads * n_tokens * dim;
+    let f = |i: usize, s: u32| (((i as u32).wrapping_mul(2654435761) ^ s) % 1000) as f32 / 500.0 - 1.0;
+    KvContext::new(layers, heads, dim, (0..n_tokens as u32).collect(), (0..len).map(|i| f(i, seed)).collect(), (0..len).map(|i| f(i, seed + 7)).collect()).unwrap()
+}
+
+fn store(ram: Arc<dyn Tier>, dir: &std::path::Path, ram_bytes: u64, policy: Policy) -> Arc<ContextStore> {
+    let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(DiskTierConfig::new(dir, 1 << 30)).unwrap());
+    let spec = |n: &str, bw: f64| TierSpec { name: n.into(), capacity_bytes: 0, read_bytes_per_s: bw, access_latency_s: 1e-4 };
+    ContextStore::new(StoreConfig {
+        tiers: vec![ram, disk],
+        capacities_bytes: vec![ram_bytes, u64::MAX],
+        grid: Grid::parse("q8,q4,knorm-0.5").unwrap(),
+        policy,
+        fingerprint: [3; 32],
+        delay: DelayModel { tiers: vec![spec("ram", 1e10), spec("disk", 1e6)], decode_s_per_byte: 0.0, restore_s_per_token: 0.0, prefill_tokens_per_s: 100.0, query_tokens: 8 },
+        frequency_half_life_s: 60.0,
+        reprofile_threshold: 0.1,
+        max_pending_bytes: 64 << 20,
+        max_queries_per_context: 2,
+    })
+    .unwrap()
+}
+
+#[test]
+fn placement_respects_ram_and_loads_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let full_bytes = pk_codec::compressed_bytes_estimate(&pk_codec::Method::None, &kv(0, 256).shape()) as u64;
+    let ram_bytes = full_bytes * 2;
+    let s = store(Arc::new(RamTier::new(ram_bytes * 4)), dir.path(), ram_bytes, Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop });
+    for i in 0..6u8 {
+        assert!(s.offer(ChunkKey([i; 32]), kv(i as u32, 256)));
+    }
+    s.flush();
+    assert_eq!(s.len(), 6);
+    assert!(s.usage_bytes()[0] <= ram_bytes, "{:?}", s.usage_bytes());
+    // With a disk a thousand times slower, RAM is used, compressed to fit more contexts.
+    let in_ram = s.explain().iter().filter(|r| r.tier == "ram").count();
+    assert!(in_ram > 2, "{in_ram} contexts in RAM");
+    for i in 0..6u8 {
+        let (got, report) = s.load(&ChunkKey([i; 32]), Some(&[1, 2, 3])).unwrap();
+        assert_eq!(got.n_original_tokens, 256);
+        if report.config == "none-0" {
+            let want = kv(i as u32, 256);
+            let max_err = got.k.iter().zip(&want.k).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(max_err < 1e-3, "f16 round trip error {max_err}");
+        }
+    }
+    s.flush();
+    assert!(s.stats().placement_decisions >= 12);
+}
+
+#[test]
+fn a_corrupted_copy_falls_back_to_the_master() {
+    let dir = tempfile::tempdir().unwrap();
+    let ram = Arc::new(RamTier::new(1 << 30));
+    let s = store(ram.clone(), dir.path(), 1 << 29, Policy::Lru);
+    let key = ChunkKey([9; 32]);
+    s.offer(key, kv(9, 128));
+    s.flush();
+    assert_eq!(s.placement_of(&key), Some((0, 0)));
+    // Flip the placed copy's bytes in RAM: its checksum no longer matches.
+    let copy = copy_key(&key, 0);
+    let mut bytes = ram.load(&copy).unwrap().unwrap().to_vec();
+    bytes[100] ^= 0xFF;
+    ram.delete(&copy).unwrap();
+    ram.store(&copy, &Payload::from(bytes)).unwrap();
+    let (got, report) = s.load(&key, None).unwrap();
+    assert!(report.fell_back_to_master && report.tier == "disk");
+    assert_eq!(got.n_tokens(), 128);
+    assert_eq!(s.stats().fallbacks_to_master, 1);
+}
+
+#[test]
+fn served_quality_drift_asks_for_a_reprofile() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(Arc::new(RamTier::new(1 << 30)), dir.path(), 1 << 29, Policy::Lru);
+    let key = ChunkKey([5; 32]);
+    s.offer(key, kv(5, 64));
+    s.flush();
+    s.load(&key, Some(&[7, 8])).unwrap();
+    assert_eq!(s.profiling_candidates(4).len(), 1, "never profiled, with a query seen");
+    s.set_profile(&key, vec![1.0, 0.9, 0.8, 0.5]).unwrap();
+    assert!(s.profiling_candidates(4).is_empty());
+    s.record_served_quality(&key, 0.5);
+    assert_eq!(s.stats().reprofiles_requested, 1);
+    assert_eq!(s.profiling_candidates(4).len(), 1);
+}
