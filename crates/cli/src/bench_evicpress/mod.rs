@@ -63,7 +63,7 @@ pub struct EvicpressArgs {
     #[arg(long, env = "PAGEKEEPER_BENCH_REDIS")]
     pub redis: Option<String>,
     /// α values of the real EVICPRESS runs.
-    #[arg(long, value_delimiter = ',', default_value = "1")]
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
     pub alphas: Vec<f64>,
     /// Configurations of the real fixed-ratio + LRU runs.
     #[arg(long, value_delimiter = ',', default_value = "knorm-0.5,q4")]
@@ -232,7 +232,7 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
         policies.push(("evicpress".into(), Some(alpha), Policy::Evicpress { alpha, ranking: Ranking::AbsoluteDrop }));
     }
     let mut rows = vec![row_of("full-prefill", None, "real", "base", a.ram_fraction, &reqs.iter().map(|r| setup.full_prefill_s[r.context]).collect::<Vec<_>>(), &vec![1.0; reqs.len()], BTreeMap::new())];
-    let mut loads: Vec<(usize, u64, f64)> = Vec::new(); // (tier, bytes, fetch+decode+restore s)
+    let mut loads: Vec<Load> = Vec::new();
     for (i, (name, alpha, policy)) in policies.iter().enumerate() {
         let t0 = Instant::now();
         let (row, run_loads) = real_run(&a, &p, &setup, &reqs, policy, &delay, work.path(), &format!("run{i}"), working_set, name, *alpha)?;
@@ -242,13 +242,27 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     }
     // Fit the delay model's per-tier speed to what the real loads took.
     for t in 0..delay.tiers.len() {
-        let xs: Vec<&(usize, u64, f64)> = loads.iter().filter(|l| l.0 == t).collect();
+        let xs: Vec<&Load> = loads.iter().filter(|l| l.tier == t).collect();
         if xs.len() >= 2 {
-            let bytes: f64 = xs.iter().map(|l| l.1 as f64).sum();
-            let secs: f64 = xs.iter().map(|l| l.2).sum();
+            let bytes: f64 = xs.iter().map(|l| l.bytes as f64).sum();
+            let secs: f64 = xs.iter().map(|l| l.fetch_decode_s).sum();
             delay.tiers[t].read_bytes_per_s = 1.0 / ((secs / bytes) - decode_s_per_byte).max(1e-12);
             delay.tiers[t].access_latency_s = 0.0;
         }
+    }
+    // The rest of a hit's TTFT (writing the kept tokens into the pool, prefilling the
+    // query over them, sampling): least squares on `ttft - fetch - decode = r0 + r1 · kept`.
+    if loads.len() >= 4 {
+        let n = loads.len() as f64;
+        let (mx, my) = (loads.iter().map(|l| l.kept_tokens as f64).sum::<f64>() / n, loads.iter().map(|l| l.ttft_s - l.fetch_decode_s).sum::<f64>() / n);
+        let sxx: f64 = loads.iter().map(|l| (l.kept_tokens as f64 - mx).powi(2)).sum();
+        let sxy: f64 = loads.iter().map(|l| (l.kept_tokens as f64 - mx) * (l.ttft_s - l.fetch_decode_s - my)).sum();
+        let r1 = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+        let r0 = (my - r1 * mx).max(0.0);
+        delay.restore_s_per_token = r1;
+        // The constant is expressed as the query tokens it is worth at the measured speed.
+        delay.query_tokens = (r0 * delay.prefill_tokens_per_s).round() as usize;
+        eprintln!("fitted: {:.1} µs per kept token, {:.1} ms per request", r1 * 1e6, r0 * 1e3);
     }
     let sim_contexts: Vec<SimContext> = (0..setup.contexts.len())
         .map(|c| {
@@ -285,6 +299,15 @@ fn setup_summary(s: &Setup, p: &Preset, working_set: u64) -> serde_json::Value {
         "profiles": s.profiles,
         "test_quality": s.test_quality,
     })
+}
+
+/// One real load, for fitting the simulator's delay model.
+struct Load {
+    tier: usize,
+    bytes: u64,
+    fetch_decode_s: f64,
+    kept_tokens: usize,
+    ttft_s: f64,
 }
 
 fn row_of(policy: &str, alpha: Option<f64>, source: &str, scenario: &str, ram_fraction: f64, ttft: &[f64], quality: &[f64], hits: BTreeMap<String, u64>) -> RunRow {
@@ -380,7 +403,7 @@ fn setup(a: &EvicpressArgs, p: &Preset, dir: &std::path::Path) -> Result<Setup> 
 }
 
 #[allow(clippy::too_many_arguments)]
-fn real_run(a: &EvicpressArgs, p: &Preset, s: &Setup, reqs: &[workload::Request], policy: &Policy, delay: &DelayModel, dir: &std::path::Path, run: &str, working_set: u64, name: &str, alpha: Option<f64>) -> Result<(RunRow, Vec<(usize, u64, f64)>)> {
+fn real_run(a: &EvicpressArgs, p: &Preset, s: &Setup, reqs: &[workload::Request], policy: &Policy, delay: &DelayModel, dir: &std::path::Path, run: &str, working_set: u64, name: &str, alpha: Option<f64>) -> Result<(RunRow, Vec<Load>)> {
     let (tiers, caps) = tiers_for(a, dir, run, working_set)?;
     let mut e = engine_for(a, store_config(tiers, caps, &p.grid, policy.clone(), delay))?;
     let store = e.context_store().expect("configured");
@@ -402,7 +425,8 @@ fn real_run(a: &EvicpressArgs, p: &Preset, s: &Setup, reqs: &[workload::Request]
         let tier = out.context_load.as_ref().map_or("recompute".to_string(), |l| l.tier.clone());
         *hits.entry(tier).or_insert(0u64) += 1;
         if let Some(l) = &out.context_load {
-            loads.push((l.tier_index, l.bytes, l.fetch_s + l.decode_s));
+            let answered = c.test_queries[r.query].len() + out.token_ids.len();
+            loads.push(Load { tier: l.tier_index, bytes: l.bytes, fetch_decode_s: l.fetch_s + l.decode_s, kept_tokens: out.kv_stored_tokens.saturating_sub(answered), ttft_s: out.prefill_seconds });
         }
         store.flush();
     }
