@@ -7,12 +7,13 @@
 //! The design follows ../shared/spec/baselines.md, "Quality metrics", and issue 5.
 //!
 //! Code map: `config` (what a sweep covers, presets), `sweep` (runs it, resumably),
-//! `record` (raw JSON lines), `report` (summaries, the `--json` contract, tables), `plot` (PNG figures),
+//! `record` (raw JSON lines), `report` (summaries, the `--json` contract, tables), `plot` (PNG figures), `compare` (PagedEviction against each policy),
 //! `runner` (one request through the engine), `filler` and `rng` (deterministic inputs).
 //!
 //! **Architecture Invariant:** everything generated from a seed uses our own SplitMix64 and
 //! the tokenizer, never the global RNG, so a seed means the same prompts everywhere.
 
+pub mod compare;
 pub mod config;
 pub mod filler;
 pub mod metrics;

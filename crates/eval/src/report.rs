@@ -138,6 +138,9 @@ pub fn markdown(report: &Report, command: &str) -> String {
           F1 / ROUGE-L: the greedy answer against the full cache's. KL: mean per-token KL(p_full || p_policy), nats. \
           \"uncalibrated\": the full cache scores below 80% there.\n\n";
     s += &format!("```\n{}```\n\n", calibration_text(report));
+    // The seed's question first, then every cell.
+    s += &crate::compare::markdown(report, "paged-eviction");
+    s += "## Every cell\n\n";
     s += &format!("| {} |\n|{}\n", HEADER.join(" | "), "---|".repeat(12));
     for r in &report.results {
         s += &format!("| {} |\n", cells(r).join(" | "));
