@@ -97,7 +97,7 @@ impl ContextReuse {
     pub fn lookup(&mut self, keys: &[ChunkKey]) -> Option<(ChunkKey, usize)> {
         self.stats.lookups += 1;
         let chunk = self.chunk_size_tokens();
-        keys.iter().enumerate().rev().find(|(_, k)| self.store.contains(k)).map(|(i, k)| (*k, (i + 1) * chunk))
+        self.store.longest_stored(keys).map(|i| (keys[i], (i + 1) * chunk))
     }
 
     pub fn load(&mut self, key: &ChunkKey, query: &[u32]) -> Option<(KvContext, LoadReport)> {

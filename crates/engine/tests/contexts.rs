@@ -154,3 +154,29 @@ fn profiling_measures_quality_per_configuration() {
     assert_eq!(row.quality_source, pk_evicpress::QualitySource::Profiled);
     e.check_invariants();
 }
+
+#[test]
+fn a_restarted_engine_adopts_masters_left_on_the_last_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let book = common::book_ids();
+    let context = &book[9000..9512];
+    let params = GenerateParams { max_tokens: 8, ignore_eos: true, ..Default::default() };
+    let prompt = [context, &book[300..320]].concat();
+    let first = {
+        let mut e = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
+        let out = e.generate(&prompt, &params, &mut |_| {}).unwrap();
+        e.context_store().unwrap().flush();
+        out
+    };
+    // A new process: empty RAM, empty index, the same disk directory.
+    let mut e = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
+    let again = e.generate(&prompt, &params, &mut |_| {}).unwrap();
+    let load = again.context_load.expect("the master on disk is found and adopted");
+    assert_eq!(load.tier, "disk");
+    assert_eq!(again.cached_prompt_tokens, 512);
+    assert_eq!(again.token_ids, first.token_ids);
+    let store = e.context_store().unwrap();
+    store.flush();
+    assert_eq!(store.stats().adopted, 1);
+    assert_eq!(store.placement_of(&e.context_key(context, None).unwrap()), Some((0, 0)), "a hit is copied up to RAM");
+}

@@ -94,6 +94,8 @@ pub struct OptionReport {
 #[derive(Debug, Default, Clone, Serialize)]
 pub struct StoreStats {
     pub inserted: u64,
+    /// Contexts found on the last tier (an earlier process, another server) and adopted.
+    pub adopted: u64,
     pub skipped_queue_full: u64,
     pub moves: u64,
     pub bytes_moved: u64,
@@ -218,6 +220,45 @@ impl ContextStore {
 
     pub fn contains(&self, key: &ChunkKey) -> bool {
         self.state.lock().unwrap().entries.contains_key(key)
+    }
+
+    /// The index of the longest of `keys` (the prompt's chunk-boundary keys, shortest first)
+    /// that is stored: known to this process, or with a master on the last tier written by
+    /// an earlier process or another server. Such a master is adopted: registered with the
+    /// prior quality, its placement decided by the worker. This is what makes a restart (a
+    /// disk last tier) or a second server (a shared Redis) reuse contexts; it costs one
+    /// batched `contains` on the last tier for the keys beyond the longest known one.
+    pub fn longest_stored(&self, keys: &[ChunkKey]) -> Option<usize> {
+        let known = {
+            let st = self.state.lock().unwrap();
+            keys.iter().rposition(|k| st.entries.contains_key(k))
+        };
+        let start = known.map_or(0, |i| i + 1);
+        if start < keys.len() {
+            let last = self.tiers.len() - 1;
+            let masters: Vec<ChunkKey> = keys[start..].iter().map(|k| copy_key(k, 0)).collect();
+            if let Ok(present) = self.tiers[last].contains_many(&masters) {
+                for j in (0..present.len()).rev().filter(|&j| present[j]) {
+                    match self.adopt(&keys[start + j]) {
+                        Ok(()) => return Some(start + j),
+                        Err(e) => tracing::warn!("EVICPRESS: a stored master is unusable: {e}"),
+                    }
+                }
+            }
+        }
+        known
+    }
+
+    /// Registers a context whose master is already on the last tier (read once, to learn
+    /// its shape and check it decodes), and asks the worker to place it.
+    fn adopt(&self, key: &ChunkKey) -> Result<(), String> {
+        let kv = self.load_master(key)?;
+        if !self.contains(key) {
+            self.register(*key, &kv);
+            self.state.lock().unwrap().stats.adopted += 1;
+        }
+        self.send(Job::Place(*key));
+        Ok(())
     }
 
     pub fn len(&self) -> usize {
@@ -524,6 +565,15 @@ impl ContextStore {
         let last = self.tiers.len() - 1;
         let master = pk_codec::encode(kv, &pk_codec::Method::None, None, &self.fingerprint).map_err(|e| e.to_string())?;
         self.tiers[last].store(&copy_key(&key, 0), &Payload::from(master)).map_err(|e| e.to_string())?;
+        self.register(key, kv);
+        self.state.lock().unwrap().stats.inserted += 1;
+        self.place(key, Some(kv));
+        Ok(())
+    }
+
+    /// Adds an index entry for a context whose master is on the last tier.
+    fn register(&self, key: ChunkKey, kv: &KvContext) {
+        let last = self.tiers.len() - 1;
         let shape = kv.shape();
         let scores: HashMap<DropScore, Vec<f32>> = self.grid.configs().iter().filter_map(|c| c.drop_score()).map(|s| (s, token_scores(kv, s))).collect();
         {
@@ -545,10 +595,7 @@ impl ContextStore {
                 config: 0,
             };
             st.entries.insert(key, Entry { n_tokens: kv.n_tokens(), item, quality, freq, served_quality: None, hits: 0, scores, queries: Vec::new(), needs_profile: true });
-            st.stats.inserted += 1;
         }
-        self.place(key, Some(kv));
-        Ok(())
     }
 
     /// Worker: runs the placement after `key` arrived or was hit, then executes the moves.
