@@ -196,6 +196,7 @@ fn plot(rows: &[RunRow], path: &Path) -> Result<()> {
     }
     let base: Vec<&RunRow> = rows.iter().filter(|r| r.scenario == "base" && r.source == "sim").collect();
     let max_ttft = base.iter().map(|r| r.ttft_mean_s).filter(|t| t.is_finite()).fold(0.0f64, f64::max).max(1e-3);
+    let min_ttft = base.iter().map(|r| r.ttft_mean_s).filter(|t| t.is_finite() && *t > 0.0).fold(f64::MAX, f64::min).min(max_ttft);
     let (w, h) = (900u32, 600u32);
     let mut pixels = vec![0u8; (w * h * 3) as usize];
     {
@@ -206,7 +207,7 @@ fn plot(rows: &[RunRow], path: &Path) -> Result<()> {
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(55)
-        .build_cartesian_2d((0.0..max_ttft * 1.1).log_scale(), 0.0..1.05)
+        .build_cartesian_2d((min_ttft * 0.7..max_ttft * 1.4).log_scale(), 0.0..1.05)
         .map_err(|e| anyhow!("{e}"))?;
     chart.configure_mesh().x_desc("mean TTFT (s, log)").y_desc("quality (token-F1 vs full KV)").label_style(("sans-serif", 14)).draw().map_err(|e| anyhow!("{e}"))?;
     let curve = |pred: &dyn Fn(&RunRow) -> bool| {
@@ -221,7 +222,10 @@ fn plot(rows: &[RunRow], path: &Path) -> Result<()> {
     ];
     for (label, colour, pts) in series {
         let c = colour;
-        chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2))).map_err(|e| anyhow!("{e}"))?
+        // Fixed configurations are separate points, not a curve: only EVICPRESS's α sweep
+        // and the LRU / full-prefill pair are joined.
+        let line = if label.starts_with("fixed") { Vec::new() } else { pts.clone() };
+        chart.draw_series(LineSeries::new(line, c.stroke_width(2))).map_err(|e| anyhow!("{e}"))?
             .label(label).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
         chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled()))).map_err(|e| anyhow!("{e}"))?;
     }
