@@ -41,10 +41,12 @@ use self::workload::WorkloadSpec;
 pub struct EvicpressArgs {
     #[command(flatten)]
     pub model: crate::commands::ModelArgs,
-    /// Small preset (about 10 minutes here): 9 contexts of 1-1.75K tokens, 40 requests.
+    /// Small preset (4-7 minutes here): 9 contexts of 1-1.75K tokens, 5 profiling and 3 test
+    /// questions each, 40 requests, a 10-configuration grid.
     #[arg(long, conflicts_with = "full")]
     pub quick: bool,
-    /// Larger preset: 18 contexts of 1-4K tokens, 120 requests, the default grid.
+    /// Larger preset: 18 contexts of 1-4K tokens, 6 profiling and 4 test questions each, 120
+    /// requests, the default 24-configuration grid.
     #[arg(long)]
     pub full: bool,
     /// Where results.json, REPORT.md and the PNG plot go.
@@ -94,9 +96,9 @@ struct Preset {
 fn preset(a: &EvicpressArgs) -> Result<Preset> {
     let quick_grid = "q8,k8v4,q4,q2,paged-eviction-0.5,knorm-0.5,keydiff-0.5,paged-eviction-0.8,knorm-0.8";
     let (n, min, max, requests, pq, tq, grid) = if a.full {
-        (18, 1024, 4096, 120, 4, 4, Grid::default_grid())
+        (18, 1024, 4096, 120, 6, 4, Grid::default_grid())
     } else {
-        (9, 1024, 1792, 40, 3, 3, Grid::parse(quick_grid).map_err(anyhow::Error::msg)?)
+        (9, 1024, 1792, 40, 5, 3, Grid::parse(quick_grid).map_err(anyhow::Error::msg)?)
     };
     Ok(Preset {
         spec: WorkloadSpec { n_contexts: n, min_tokens: min, max_tokens: max, chunk_tokens: 256, profile_queries: pq, test_queries: tq, seed: a.seed },

@@ -64,7 +64,7 @@ pub fn contexts(tok: &Tokenizer, spec: &WorkloadSpec) -> Vec<Context> {
         // Facts: enough names for both query sets, planted through the text.
         let n_facts = match kind {
             Kind::Dense => n_tokens / 12,
-            Kind::Narrative => spec.profile_queries + spec.test_queries,
+            Kind::Narrative => spec.profile_queries + spec.test_queries + 2,
             Kind::Mixed => n_tokens / 24,
         }
         .max(spec.profile_queries + spec.test_queries);
@@ -75,7 +75,9 @@ pub fn contexts(tok: &Tokenizer, spec: &WorkloadSpec) -> Vec<Context> {
         match kind {
             Kind::Dense => facts.iter().for_each(|f| text.push_str(&fact(f))),
             Kind::Narrative | Kind::Mixed => {
-                let prose_per_fact = if kind == Kind::Narrative { 8 } else { 2 };
+                // Spread the facts over the first 80 % of the context (a Verne sentence is
+                // about 30 tokens), so that every planted fact survives the cut.
+                let prose_per_fact = if kind == Kind::Narrative { (n_tokens * 4 / 5 / (n_facts * 30)).max(1) } else { 2 };
                 for f in &facts {
                     for _ in 0..prose_per_fact {
                         text.push_str(&sentences[start % sentences.len()]);
@@ -100,6 +102,9 @@ pub fn contexts(tok: &Tokenizer, spec: &WorkloadSpec) -> Vec<Context> {
         let mut order: Vec<usize> = (0..askable.len()).collect();
         for j in (1..order.len()).rev() {
             order.swap(j, rng.below(j + 1));
+        }
+        if askable.len() < spec.profile_queries + spec.test_queries {
+            tracing::warn!("context {i}: only {} facts survived the cut; profiling and test questions overlap", askable.len());
         }
         let q = |j: usize| tok.encode(&question(&askable[order[j % order.len().max(1)]].0), false);
         let n_p = spec.profile_queries;
