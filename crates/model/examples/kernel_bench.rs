@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use pk_gguf::GgmlType;
 use pk_model::attention::{paged_attention, AttnSeq, AttnShape};
-use pk_model::kernels::{matmul, QMatrix};
+use pk_model::kernels::{matmul, place_in_arena, QMatrix};
 use pk_model::{KvDtype, KvGeometry, KvStore};
 use rand::{Rng, SeedableRng};
 
@@ -59,6 +59,37 @@ fn main() {
             println!("matmul {name:<18} {ty:?} n={n:<4} {:>9.1} us {gflops:>7.1} GFLOP/s", t.as_secs_f64() * 1e6);
         }
     }
+    // One decode token's matmuls over the whole model: 30 layers of 7 Q4_1 matrices plus the
+    // Q8_0 head (96.6 MB), far more than the 32 MB L3, so this streams weights from DRAM as
+    // real decode does (the per-shape numbers above run from cache).
+    let layer_shapes = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)];
+    let mut mats: Vec<QMatrix> = Vec::new();
+    for _ in 0..30 {
+        for (rows, cols) in layer_shapes {
+            mats.push(random_matrix(&mut rng, GgmlType::Q4_1, rows, cols));
+        }
+    }
+    mats.push(random_matrix(&mut rng, GgmlType::Q8_0, 49152, 576));
+    if !args.iter().any(|a| a == "--small-pages") {
+        place_in_arena(&mut mats.iter_mut().collect::<Vec<_>>());
+    }
+    let bytes: usize = mats.iter().map(|m| m.rows * m.row_bytes()).sum();
+    let xs: Vec<Vec<f32>> = mats.iter().map(|m| (0..m.cols).map(|_| rng.gen_range(-1.0..1.0)).collect()).collect();
+    let mut outs: Vec<Vec<f32>> = mats.iter().map(|m| vec![0f32; m.rows]).collect();
+    let t = best_of(Duration::from_millis(1500), || {
+        for ((m, x), o) in mats.iter().zip(&xs).zip(outs.iter_mut()) {
+            matmul(m, x, 1, o);
+        }
+    });
+    println!("decode stream: all matmuls of one token ({:.1} MB) {:>8.0} us {:>6.1} GB/s", bytes as f64 / 1e6, t.as_secs_f64() * 1e6, bytes as f64 / t.as_secs_f64() / 1e9);
+    let head = mats.last().unwrap();
+    let (hx, ho) = (&xs[xs.len() - 1], outs.last_mut().unwrap());
+    let t = best_of(Duration::from_millis(300), || matmul(head, hx, 1, ho));
+    println!("decode stream: head alone (from L3) {:>8.0} us", t.as_secs_f64() * 1e6);
+    if args.iter().any(|a| a == "--stream-only") {
+        return;
+    }
+
     // SmolLM2-135M attention: 9 query heads, 3 KV heads, head_dim 64, 16-token blocks, f16.
     let shape = AttnShape { n_heads: 9, n_kv_heads: 3, head_dim: 64 };
     for ctx in [512usize, 2048] {

@@ -7,7 +7,7 @@ use pk_gguf::{dequantize, GgmlType, GgufFile};
 use rand::{Rng, SeedableRng};
 
 use crate::config::ModelConfig;
-use crate::kernels::QMatrix;
+use crate::kernels::{place_in_arena, QMatrix};
 use crate::ModelError;
 
 pub struct LayerWeights {
@@ -57,12 +57,27 @@ impl Weights {
             Ok(_) => Some(matrix(f, "output.weight", cfg.vocab_size, cfg.d_model)?),
             Err(_) => None,
         };
-        Ok(Weights {
+        let mut w = Weights {
             token_embd: matrix(f, "token_embd.weight", cfg.vocab_size, cfg.d_model)?,
             layers,
             output_norm: vector(f, "output_norm.weight", cfg.d_model)?,
             output,
-        })
+        };
+        w.place_in_arena();
+        Ok(w)
+    }
+
+    /// Moves every matrix into one huge-page buffer in the order a forward pass reads them
+    /// (layer by layer: q, k, v, o, gate, up, down; then the head), so that decode reads
+    /// its weights as one sequential stream without TLB misses (see `kernels::hugebuf`).
+    fn place_in_arena(&mut self) {
+        let mut mats: Vec<&mut QMatrix> = Vec::new();
+        for l in &mut self.layers {
+            mats.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down]);
+        }
+        mats.extend(self.output.as_mut());
+        mats.push(&mut self.token_embd);
+        place_in_arena(&mut mats);
     }
 
     /// Random weights of `cfg`'s shape in format `ty`, for speed benchmarks only: the values
@@ -83,7 +98,9 @@ impl Weights {
                 w_down: m(cfg.d_model, cfg.d_ff),
             })
             .collect();
-        Weights { token_embd: m(cfg.vocab_size, cfg.d_model), layers, output_norm: vec![1.0; cfg.d_model], output: None }
+        let mut w = Weights { token_embd: m(cfg.vocab_size, cfg.d_model), layers, output_norm: vec![1.0; cfg.d_model], output: None };
+        w.place_in_arena();
+        w
     }
 }
 

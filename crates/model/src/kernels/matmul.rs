@@ -11,7 +11,7 @@ use pk_gguf::{dequantize, GgmlType};
 use rayon::prelude::*;
 
 use super::ops::dot_f32;
-use super::pack::{Packed, GROUP_ROWS};
+use super::pack::{self, Packed, GROUP_ROWS};
 use super::q8::{self, Q8Acts};
 #[cfg(target_arch = "x86_64")]
 use super::x86;
@@ -71,6 +71,20 @@ impl QMatrix {
             }
         }
     }
+}
+
+/// Moves the packed matrices among `mats` into one huge-page arena, in the given order (see
+/// `hugebuf`: decode streams weights about 1.5× faster from huge pages), and returns its
+/// size in bytes. Matrices without a packed layout keep their own buffers.
+pub fn place_in_arena(mats: &mut [&mut QMatrix]) -> usize {
+    let mut packed: Vec<&mut Packed> = mats
+        .iter_mut()
+        .filter_map(|m| match &mut m.storage {
+            Storage::Packed(p) => Some(p),
+            Storage::Gguf(_) => None,
+        })
+        .collect();
+    pack::place_in_arena(&mut packed)
 }
 
 /// Rows per parallel work item of the reference paths.

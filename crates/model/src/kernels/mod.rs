@@ -10,6 +10,7 @@ pub mod kv_quant;
 pub mod attn512;
 #[cfg(target_arch = "x86_64")]
 pub mod attn512q;
+mod hugebuf;
 mod matmul;
 mod ops;
 mod pack;
@@ -17,6 +18,6 @@ mod q8;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use matmul::{matmul, matmul_q8_scalar, matmul_reference, QMatrix};
+pub use matmul::{matmul, matmul_q8_scalar, matmul_reference, place_in_arena, QMatrix};
 pub use ops::{add_in_place, dot_f32, rmsnorm, silu_mul_in_place, softmax_in_place};
 pub use q8::Q8Acts;

@@ -20,7 +20,12 @@
 //! and [`Packed::row_gguf`] restores a row's original bytes exactly, so the GGUF copy need
 //! not be kept. The last group is padded with zero rows (scale 0).
 
+use std::ops::Range;
+use std::sync::Arc;
+
 use pk_gguf::GgmlType;
+
+use super::hugebuf::HugeBuf;
 
 pub const GROUP_ROWS: usize = 8;
 const QK: usize = 32;
@@ -30,7 +35,51 @@ pub struct Packed {
     pub ty: GgmlType,
     pub rows: usize,
     pub blocks_per_row: usize,
-    pub data: Vec<u8>,
+    data: Bytes,
+}
+
+/// Where a packed matrix's bytes live: its own `Vec` after packing, or a range of a
+/// huge-page arena shared by all of a model's matrices ([`place_in_arena`]).
+#[derive(Clone)]
+enum Bytes {
+    Own(Vec<u8>),
+    Arena(Arc<HugeBuf>, Range<usize>),
+}
+
+impl Bytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Bytes::Own(v) => v,
+            Bytes::Arena(buf, r) => &buf[r.clone()],
+        }
+    }
+}
+
+/// Alignment of each matrix in an arena: a cache line, so no line holds two matrices.
+const ARENA_ALIGN: usize = 64;
+
+/// Moves the bytes of `mats` into one huge-page buffer, one after another in the given
+/// order (callers pass the order the forward pass reads them in, so that a decode step is
+/// one long sequential stream), and returns the buffer's size.
+pub fn place_in_arena(mats: &mut [&mut Packed]) -> usize {
+    let mut starts = Vec::with_capacity(mats.len());
+    let mut end = 0usize;
+    for m in mats.iter() {
+        let start = end.next_multiple_of(ARENA_ALIGN);
+        starts.push(start);
+        end = start + m.data().len();
+    }
+    let mut buf = HugeBuf::zeroed(end);
+    for (m, &start) in mats.iter().zip(&starts) {
+        let d = m.data();
+        buf[start..start + d.len()].copy_from_slice(d);
+    }
+    let buf = Arc::new(buf);
+    for (m, &start) in mats.iter_mut().zip(&starts) {
+        let len = m.data().len();
+        m.data = Bytes::Arena(buf.clone(), start..start + len);
+    }
+    end
 }
 
 /// Bytes of one group block of `ty`, or `None` when `ty` has no packed layout.
@@ -58,7 +107,12 @@ impl Packed {
                 pack_block(ty, src, dst, lane);
             }
         }
-        Some(Packed { ty, rows, blocks_per_row: bpr, data })
+        Some(Packed { ty, rows, blocks_per_row: bpr, data: Bytes::Own(data) })
+    }
+
+    /// All group blocks, group after group.
+    pub fn data(&self) -> &[u8] {
+        self.data.as_slice()
     }
 
     pub fn group_block_bytes(&self) -> usize {
@@ -68,14 +122,14 @@ impl Packed {
     /// The packed bytes of row group `g` (all its blocks, in order).
     pub fn group(&self, g: usize) -> &[u8] {
         let n = self.blocks_per_row * self.group_block_bytes();
-        &self.data[g * n..(g + 1) * n]
+        &self.data()[g * n..(g + 1) * n]
     }
 
     /// Writes row `r`'s original GGUF bytes into `out` (`blocks_per_row × block_bytes`).
     pub fn row_gguf(&self, r: usize, out: &mut [u8]) {
         let (g, lane, gbb, sbb) = (r / GROUP_ROWS, r % GROUP_ROWS, self.group_block_bytes(), self.ty.block_bytes());
         for b in 0..self.blocks_per_row {
-            let src = &self.data[(g * self.blocks_per_row + b) * gbb..][..gbb];
+            let src = &self.data()[(g * self.blocks_per_row + b) * gbb..][..gbb];
             unpack_block(self.ty, src, &mut out[b * sbb..(b + 1) * sbb], lane);
         }
     }
@@ -169,6 +223,27 @@ mod tests {
                 p.row_gguf(r, &mut row);
                 assert_eq!(row, gguf[r * rb..(r + 1) * rb], "{ty:?} row {r}");
             }
+        }
+    }
+
+    #[test]
+    fn arena_keeps_every_matrix_exact() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+        let shapes = [(GgmlType::Q4_1, 19, 96), (GgmlType::Q8_0, 8, 64), (GgmlType::Q4_0, 3, 32)];
+        let mut mats: Vec<Packed> = shapes
+            .iter()
+            .map(|&(ty, rows, cols)| {
+                let mut gguf = vec![0u8; rows * ty.row_bytes(cols).unwrap()];
+                rng.fill(&mut gguf[..]);
+                Packed::new(ty, rows, cols, &gguf).unwrap()
+            })
+            .collect();
+        let before: Vec<Vec<u8>> = mats.iter().map(|m| m.data().to_vec()).collect();
+        let total = place_in_arena(&mut mats.iter_mut().collect::<Vec<_>>());
+        assert!(total >= before.iter().map(|b| b.len()).sum::<usize>());
+        for (m, b) in mats.iter().zip(&before) {
+            assert_eq!(m.data(), &b[..]);
+            assert_eq!(m.data().as_ptr() as usize % ARENA_ALIGN, 0);
         }
     }
 }

@@ -1,0 +1,88 @@
+//! Decode speed of the real model through `Llama::forward` alone (no engine, sampler or
+//! tokenizer): a 512-token prefill, then 128 one-token steps, repeated; prints the best,
+//! median and mean per-token time of the decode steps, and the process's CPU time per token.
+//! On this shared host (other jobs take the cores for seconds at a time) wall-clock means
+//! measure the host; the best step and the CPU time per token (at 1 thread: time actually
+//! spent computing, though memory bandwidth is still shared) compare kernel changes.
+//!
+//! Run: `cargo run --release -p pk-model --example decode_bench [-- --threads N --reps R
+//! --context C --model PATH]` (default model: SmolLM2-135M-Instruct Q4_1 in
+//! `~/.cache/pagekeeper`).
+
+use std::time::Instant;
+
+use pk_gguf::GgufFile;
+use pk_model::{KvDtype, KvGeometry, KvStore, Llama, SeqForward};
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |name: &str| args.iter().position(|a| a == name).map(|i| args[i + 1].clone());
+    let threads: usize = arg("--threads").map(|v| v.parse().unwrap()).unwrap_or(1);
+    let reps: usize = arg("--reps").map(|v| v.parse().unwrap()).unwrap_or(3);
+    let context: usize = arg("--context").map(|v| v.parse().unwrap()).unwrap_or(512);
+    let decode = 128;
+    // The engine sizes its store to the model's context length; so does this by default.
+    let capacity: usize = arg("--capacity").map(|v| v.parse().unwrap()).unwrap_or(8192);
+    let path = arg("--model").unwrap_or_else(|| format!("{}/.cache/pagekeeper/SmolLM2-135M-Instruct.Q4_1.gguf", std::env::var("HOME").unwrap()));
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().unwrap();
+    let model = Llama::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let c = &model.config;
+    let bs = 16;
+    let total = context + decode;
+    let g = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: bs, num_blocks: total.max(capacity).div_ceil(bs) };
+    let mut store = KvStore::new(g, KvDtype::F16);
+    let table: Vec<u32> = (0..g.num_blocks as u32).collect();
+    let prompt: Vec<u32> = (0..context as u32).map(|i| 1 + (i * 7919) % 40000).collect();
+    let t = Instant::now();
+    let logits = model.forward(&mut store, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: context - 1 }]);
+    let prefill = t.elapsed().as_secs_f64();
+    let mut times = Vec::new();
+    let cpu0 = cpu_seconds();
+    for _ in 0..reps {
+        let mut tok = argmax(&logits);
+        for i in 0..decode {
+            let pos = context + i;
+            let t = Instant::now();
+            let l = model.forward(&mut store, &[SeqForward { tokens: &[tok], start_position: pos, stored_start: pos, block_table: &table, logits_from: 0 }]);
+            times.push(t.elapsed().as_secs_f64());
+            tok = argmax(&l);
+        }
+    }
+    let cpu = (cpu_seconds() - cpu0) / times.len() as f64;
+    let mean = times.iter().sum::<f64>() / times.len() as f64;
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let med = times[times.len() / 2];
+    println!(
+        "threads {threads} context {context}: prefill {:.1} tok/s | decode best {:.1} median {:.1} mean {:.1} tok/s ({:.0} / {:.0} / {:.0} us per token) | CPU {:.0} us per token ({:.1} tok/s per CPU-second)",
+        context as f64 / prefill,
+        1.0 / times[0],
+        1.0 / med,
+        1.0 / mean,
+        times[0] * 1e6,
+        med * 1e6,
+        mean * 1e6,
+        cpu * 1e6,
+        1.0 / cpu
+    );
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    x.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) }).0 as u32
+}
+
+/// CPU time of the whole process (every thread), from `clock_gettime(CLOCK_PROCESS_CPUTIME_ID)`.
+fn cpu_seconds() -> f64 {
+    #[repr(C)]
+    struct Timespec {
+        sec: i64,
+        nsec: i64,
+    }
+    extern "C" {
+        fn clock_gettime(clock: i32, tp: *mut Timespec) -> i32;
+    }
+    const CLOCK_PROCESS_CPUTIME_ID: i32 = 2;
+    let mut t = Timespec { sec: 0, nsec: 0 };
+    // SAFETY: `t` is a valid timespec; the call only writes it.
+    unsafe { clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+    t.sec as f64 + t.nsec as f64 * 1e-9
+}
