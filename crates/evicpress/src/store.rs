@@ -117,7 +117,15 @@ struct Entry {
     scores: HashMap<DropScore, Vec<f32>>,
     queries: Vec<Vec<u32>>,
     needs_profile: bool,
+    /// Hits since the last profile: a profile made from a few early queries is refreshed
+    /// with the queries actually served (`REFRESH_PROFILE_AFTER_HITS`).
+    hits_since_profile: u64,
 }
+
+/// A profiled context is profiled again, with its recent queries, after this many hits:
+/// the server cannot measure served quality itself (it has no full-KV answer to compare
+/// with), so besides drift reports from callers that can, profiles age out.
+pub const REFRESH_PROFILE_AFTER_HITS: u64 = 64;
 
 pub(crate) struct State {
     entries: HashMap<ChunkKey, Entry>,
@@ -343,6 +351,7 @@ impl ContextStore {
             e.freq.bump(now, self.half_life_s);
             e.item.last_access_s = now;
             e.hits += 1;
+            e.hits_since_profile += 1;
             if let Some(q) = query {
                 if e.queries.len() >= self.max_queries {
                     e.queries.remove(0);
@@ -427,7 +436,7 @@ impl ContextStore {
     /// Contexts that want a (re)profile, with the queries seen for them, at most `max`.
     pub fn profiling_candidates(&self, max: usize) -> Vec<(ChunkKey, Vec<Vec<u32>>)> {
         let st = self.state.lock().unwrap();
-        let mut v: Vec<_> = st.entries.iter().filter(|(_, e)| e.needs_profile && !e.queries.is_empty()).map(|(k, e)| (*k, e.queries.clone(), e.freq.value_at(self.now_s(), self.half_life_s))).collect();
+        let mut v: Vec<_> = st.entries.iter().filter(|(_, e)| (e.needs_profile || e.hits_since_profile >= REFRESH_PROFILE_AFTER_HITS) && !e.queries.is_empty()).map(|(k, e)| (*k, e.queries.clone(), e.freq.value_at(self.now_s(), self.half_life_s))).collect();
         v.sort_by(|a, b| b.2.total_cmp(&a.2));
         v.into_iter().take(max).map(|(k, q, _)| (k, q)).collect()
     }
@@ -445,6 +454,7 @@ impl ContextStore {
             e.item.quality = curve.by_config.clone();
             e.quality = curve;
             e.needs_profile = false;
+            e.hits_since_profile = 0;
             e.served_quality = None;
         }
         self.send(Job::Place(*key));
@@ -594,7 +604,7 @@ impl ContextStore {
                 tier: last,
                 config: 0,
             };
-            st.entries.insert(key, Entry { n_tokens: kv.n_tokens(), item, quality, freq, served_quality: None, hits: 0, scores, queries: Vec::new(), needs_profile: true });
+            st.entries.insert(key, Entry { n_tokens: kv.n_tokens(), item, quality, freq, served_quality: None, hits: 0, scores, queries: Vec::new(), needs_profile: true, hits_since_profile: 0 });
         }
     }
 

@@ -96,4 +96,11 @@ fn served_quality_drift_asks_for_a_reprofile() {
     s.record_served_quality(&key, 0.5);
     assert_eq!(s.stats().reprofiles_requested, 1);
     assert_eq!(s.profiling_candidates(4).len(), 1);
+    s.set_profile(&key, vec![1.0, 0.9, 0.8, 0.5]).unwrap();
+    // A profile ages out after enough hits, to be redone with the queries served since.
+    for _ in 0..pk_evicpress::store::REFRESH_PROFILE_AFTER_HITS {
+        assert!(s.profiling_candidates(4).is_empty());
+        s.load(&key, Some(&[9])).unwrap();
+    }
+    assert_eq!(s.profiling_candidates(4).len(), 1);
 }
