@@ -12,7 +12,7 @@ use pk_gguf::GgufFile;
 
 use crate::attention::{paged_attention, AttnSeq, AttnShape};
 use crate::config::{ModelConfig, RopeStyle};
-use crate::kernels::{add_in_place, matmul, rmsnorm, silu_mul_in_place};
+use crate::kernels::{add_in_place, matmul, matmul_multi, rmsnorm, silu_mul_in_place};
 use crate::kv_store::KvStore;
 use crate::weights::Weights;
 use crate::ModelError;
@@ -139,9 +139,8 @@ impl Llama {
             for r in 0..n {
                 rmsnorm(&x[r * d..(r + 1) * d], &lw.attn_norm, c.rms_eps, &mut h[r * d..(r + 1) * d]);
             }
-            matmul(&lw.wq, h, n, q);
-            matmul(&lw.wk, h, n, k);
-            matmul(&lw.wv, h, n, v);
+            // One pass: the normed input is quantised once for Q, K and V.
+            matmul_multi(&[&lw.wq, &lw.wk, &lw.wv], h, n, &mut [&mut *q, &mut *k, &mut *v]);
             for r in 0..n {
                 let (cos, sin) = (&rope_cos[r * half..(r + 1) * half], &rope_sin[r * half..(r + 1) * half]);
                 self.rope(&mut q[r * qd..(r + 1) * qd], cos, sin);
@@ -168,8 +167,7 @@ impl Llama {
             for r in 0..n {
                 rmsnorm(&x[r * d..(r + 1) * d], &lw.ffn_norm, c.rms_eps, &mut h[r * d..(r + 1) * d]);
             }
-            matmul(&lw.w_gate, h, n, gate);
-            matmul(&lw.w_up, h, n, up);
+            matmul_multi(&[&lw.w_gate, &lw.w_up], h, n, &mut [&mut *gate, &mut *up]);
             silu_mul_in_place(gate, up);
             matmul(&lw.w_down, gate, n, proj);
             add_in_place(x, proj);

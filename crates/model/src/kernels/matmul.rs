@@ -129,22 +129,62 @@ pub fn matmul(w: &QMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) {
     ACTS.set(acts);
 }
 
+/// Several matrices of the same input width applied to the same activations, e.g. a
+/// layer's Q, K and V, or its gate and up projections: `outs[i] = matmul(ws[i], x)`, with
+/// the same bits as separate calls. The activations are quantised once instead of once per
+/// matrix, and all matrices' row groups form one parallel region instead of one each.
+pub fn matmul_multi(ws: &[&QMatrix], x: &[f32], n_tokens: usize, outs: &mut [&mut [f32]]) {
+    assert_eq!(ws.len(), outs.len());
+    let packed: Option<Vec<&Packed>> = ws.iter().map(|w| if let Storage::Packed(p) = &w.storage { Some(p) } else { None }).collect();
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(isa), Some(packed)) = (x86::detect(), packed) {
+        for ((w, o), p) in ws.iter().zip(outs.iter()).zip(&packed) {
+            assert_eq!(x.len(), n_tokens * w.cols);
+            assert_eq!(o.len(), n_tokens * p.rows);
+        }
+        let mut acts = ACTS.take();
+        acts.quantize(x);
+        let jobs: Vec<(&Packed, OutPtr)> = packed.iter().zip(outs.iter_mut()).map(|(p, o)| (*p, OutPtr(o.as_mut_ptr()))).collect();
+        gemm_jobs(isa, &jobs, &acts, n_tokens);
+        ACTS.set(acts);
+        return;
+    }
+    let _ = packed;
+    for (w, o) in ws.iter().zip(outs.iter_mut()) {
+        matmul(w, x, n_tokens, o);
+    }
+}
+
 /// Splits the row groups into tasks and runs the SIMD kernel on each, writing straight
 /// into `out` (each task owns whole rows of every token, so writes never overlap).
 #[cfg(target_arch = "x86_64")]
 fn gemm_packed(isa: x86::Isa, p: &Packed, acts: &Q8Acts, n_tokens: usize, out: &mut [f32]) {
-    let n_groups = p.rows.div_ceil(GROUP_ROWS);
-    let units_per_group = p.blocks_per_row * n_tokens;
+    gemm_jobs(isa, &[(p, OutPtr(out.as_mut_ptr()))], acts, n_tokens);
+}
+
+/// Runs every row group of every job (a matrix and its `n_tokens × rows` output), split
+/// into contiguous ranges of the concatenated groups, so tasks balance across matrices.
+#[cfg(target_arch = "x86_64")]
+fn gemm_jobs(isa: x86::Isa, jobs: &[(&Packed, OutPtr)], acts: &Q8Acts, n_tokens: usize) {
+    let groups: Vec<usize> = jobs.iter().map(|(p, _)| p.rows.div_ceil(GROUP_ROWS)).collect();
+    let n_groups: usize = groups.iter().sum();
+    let units: usize = jobs.iter().zip(&groups).map(|((p, _), g)| g * p.blocks_per_row * n_tokens).sum();
     let threads = rayon::current_num_threads();
-    let n_tasks = if threads == 1 { 1 } else { (n_groups * units_per_group / MIN_TASK_UNITS).clamp(1, n_groups) };
+    let n_tasks = if threads == 1 { 1 } else { (units / MIN_TASK_UNITS).clamp(1, n_groups) };
     let groups_per_task = n_groups.div_ceil(n_tasks);
-    let ptr = OutPtr(out.as_mut_ptr());
     let run = |task: usize| {
-        let ptr = ptr;
-        for g in task * groups_per_task..((task + 1) * groups_per_task).min(n_groups) {
-            // SAFETY: `detect` checked the ISA; `acts` holds n_tokens tokens; group g writes
-            // only rows 8g..8g+8 of each token, which no other task owns.
-            unsafe { x86::gemm_group(isa, p, g, acts, 0, n_tokens, ptr.0, p.rows) };
+        // Walk global group indices task*gpt.. and map each to (job, group within it).
+        let (g0, g1) = (task * groups_per_task, ((task + 1) * groups_per_task).min(n_groups));
+        let mut base = 0;
+        for ((p, ptr), &ng) in jobs.iter().zip(&groups) {
+            let (lo, hi) = (g0.max(base), g1.min(base + ng));
+            for g in lo..hi {
+                // SAFETY: `detect` checked the ISA; `acts` holds n_tokens tokens; group g of
+                // this job writes only rows 8g..8g+8 of each token of its own output, which
+                // no other task owns, and the output holds n_tokens × rows floats.
+                unsafe { x86::gemm_group(isa, p, g - base, acts, 0, n_tokens, ptr.0, p.rows) };
+            }
+            base += ng;
         }
     };
     if n_tasks == 1 {
@@ -267,6 +307,13 @@ mod tests {
                     gemm_packed(isa, p, &acts, n, &mut got);
                     assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{ty:?} {isa:?} n={n}");
                 }
+                // Together with another matrix through `matmul_multi`: the same bits.
+                let w2 = random_weights(&mut rng, GgmlType::Q4_1, 24, cols);
+                let (mut got, mut got2, mut want2) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * 24], vec![0f32; n * 24]);
+                matmul_multi(&[&w2, &w], &x, n, &mut [&mut got2, &mut got]);
+                matmul_q8_scalar(&w2, &acts, n, &mut want2);
+                assert_eq!(got, want, "{ty:?} multi n={n}");
+                assert_eq!(got2, want2, "{ty:?} multi n={n}");
                 // Token by token through the public entry point: the same bits.
                 for t in 0..n {
                     let mut one = vec![0f32; rows];

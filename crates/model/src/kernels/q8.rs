@@ -25,14 +25,32 @@ pub struct Q8Acts {
 }
 
 impl Q8Acts {
-    /// Quantises `x` (any multiple of 32 long) block by block.
+    /// Quantises `x` (any multiple of 32 long) block by block: with AVX-512 where the CPU
+    /// has it (bit-exact with [`Q8Acts::quantize_scalar`], tested), else the scalar code.
     pub fn quantize(&mut self, x: &[f32]) {
-        debug_assert_eq!(x.len() % QK, 0);
-        let n_blocks = x.len() / QK;
+        #[cfg(target_arch = "x86_64")]
+        if super::x86::has_avx512() {
+            self.resize(x.len());
+            // SAFETY: AVX-512 F/BW/VL checked; every buffer was sized for `x`.
+            unsafe { super::x86::quantize_avx512(x, &mut self.d, &mut self.s, &mut self.sum, &mut self.qs) };
+            return;
+        }
+        self.quantize_scalar(x);
+    }
+
+    fn resize(&mut self, len: usize) {
+        debug_assert_eq!(len % QK, 0);
+        let n_blocks = len / QK;
         self.d.resize(n_blocks, 0.0);
         self.s.resize(n_blocks, 0.0);
         self.sum.resize(n_blocks, 0);
-        self.qs.resize(x.len(), 0);
+        self.qs.resize(len, 0);
+    }
+
+    /// The portable reference of [`Q8Acts::quantize`].
+    pub fn quantize_scalar(&mut self, x: &[f32]) {
+        self.resize(x.len());
+        let n_blocks = x.len() / QK;
         for b in 0..n_blocks {
             let xb = &x[b * QK..(b + 1) * QK];
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -131,7 +149,31 @@ pub fn dot_q8_0(w: &[u8], a: &Q8Acts, b0: usize) -> f32 {
 
 #[cfg(test)]
 mod rounding_tests {
-    use super::round_half_away;
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The SIMD quantiser gives the scalar one's bits: random blocks, blocks of exact
+    /// halves after scaling (the rounding ties), an all-zero block and an outlier block.
+    #[test]
+    fn quantize_simd_matches_scalar_exactly() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let mut x: Vec<f32> = (0..32 * 40).map(|_| rng.gen_range(-3.0..3.0)).collect();
+        for (i, v) in x[32..64].iter_mut().enumerate() {
+            *v = (i as f32 - 16.0) + 0.5; // amax 15.5: many products land on .5 exactly
+        }
+        x[64..96].fill(0.0);
+        x[100] = -300.0;
+        for (i, v) in x[128..160].iter_mut().enumerate() {
+            *v = (i as f32 - 15.5) * 127.0 / 31.0;
+        }
+        let (mut a, mut b) = (Q8Acts::default(), Q8Acts::default());
+        a.quantize(&x);
+        b.quantize_scalar(&x);
+        assert_eq!(a.qs, b.qs);
+        assert_eq!(a.sum, b.sum);
+        assert_eq!(a.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        assert_eq!(a.s.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.s.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    }
 
     #[test]
     fn round_half_away_equals_roundf() {

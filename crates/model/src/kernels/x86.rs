@@ -43,6 +43,53 @@ pub fn detect() -> Option<Isa> {
     })
 }
 
+/// Whether the AVX-512 activation quantiser runs on this CPU.
+pub fn has_avx512() -> bool {
+    static YES: OnceLock<bool> = OnceLock::new();
+    *YES.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl"))
+}
+
+/// [`Q8Acts::quantize_scalar`] with 16 lanes at a time, bit-exact: the block maximum of
+/// `|x|` does not depend on order; `x * id` is the same single rounding; half-away-from-zero
+/// rounding is done as the scalar code does it (truncate, then step by the exact remainder);
+/// integer sums are exact; the f16 roundings of `d` and `s` use the same scalar conversion.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL ([`has_avx512`]); `x.len()` is a multiple of 32 and
+/// `d`, `s`, `sum` hold `x.len() / 32` entries, `qs` `x.len()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub unsafe fn quantize_avx512(x: &[f32], d: &mut [f32], s: &mut [f32], sum: &mut [i32], qs: &mut [i8]) {
+    let n_blocks = x.len() / QK;
+    assert!(d.len() >= n_blocks && s.len() >= n_blocks && sum.len() >= n_blocks && qs.len() >= x.len());
+    let (half, mhalf, one) = (_mm512_set1_ps(0.5), _mm512_set1_ps(-0.5), _mm512_set1_epi32(1));
+    for b in 0..n_blocks {
+        let p = x.as_ptr().add(b * QK);
+        let (v0, v1) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        let db = amax / 127.0;
+        let id = _mm512_set1_ps(if db != 0.0 { 1.0 / db } else { 0.0 });
+        // A macro, not a closure, so that it is compiled with this function's features.
+        macro_rules! round {
+            ($v:expr) => {{
+                let y = _mm512_mul_ps($v, id);
+                let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+                let frac = _mm512_sub_ps(y, t);
+                let r = _mm512_cvttps_epi32(t);
+                let r = _mm512_mask_add_epi32(r, _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half), r, one);
+                _mm512_mask_sub_epi32(r, _mm512_cmp_ps_mask::<_CMP_LE_OQ>(frac, mhalf), r, one)
+            }};
+        }
+        let (r0, r1) = (round!(v0), round!(v1));
+        let q = qs.as_mut_ptr().add(b * QK);
+        _mm_storeu_si128(q as *mut __m128i, _mm512_cvtepi32_epi8(r0));
+        _mm_storeu_si128(q.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(r1));
+        let sb = _mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
+        d[b] = half::f16::from_f32(db).to_f32();
+        s[b] = half::f16::from_f32(db * sb as f32).to_f32();
+        sum[b] = sb;
+    }
+}
+
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
