@@ -429,14 +429,7 @@ impl Engine {
             let seq = self.new_seq_id();
             if preloading {
                 if let Some(adopted) = self.admit_preloaded(&mut s, seq, context_hit) {
-                    if s.preemptions == 0 {
-                        self.stats.prefix_queries_tokens += s.n_prompt as u64;
-                        self.stats.prefix_hits_tokens += adopted as u64;
-                        s.cached_prompt_tokens = adopted;
-                    }
-                    s.seq = Some(seq);
-                    s.num_computed = adopted;
-                    self.running.push(s);
+                    self.start_running(s, seq, adopted);
                     continue;
                 }
                 // Not loadable: compute the prompt as usual (from the pool's prefix).
@@ -453,15 +446,20 @@ impl Engine {
             // Chunks already in the tiers are not stored again.
             s.tier_next_chunk = if use_tiers { adopted / self.tiering.as_ref().map_or(1, |t| t.chunk_size_tokens()) } else { tier_found };
             s.tier_keys = tier_keys;
-            if s.preemptions == 0 {
-                self.stats.prefix_queries_tokens += s.n_prompt as u64;
-                self.stats.prefix_hits_tokens += adopted as u64;
-                s.cached_prompt_tokens = adopted;
-            }
-            s.seq = Some(seq);
-            s.num_computed = adopted;
-            self.running.push(s);
+            self.start_running(s, seq, adopted);
         }
+    }
+
+    /// An admitted sequence whose first `adopted` tokens are already in its cache.
+    fn start_running(&mut self, mut s: SeqState, seq: pk_kv::SeqId, adopted: usize) {
+        if s.preemptions == 0 {
+            self.stats.prefix_queries_tokens += s.n_prompt as u64;
+            self.stats.prefix_hits_tokens += adopted as u64;
+            s.cached_prompt_tokens = adopted;
+        }
+        s.seq = Some(seq);
+        s.num_computed = adopted;
+        self.running.push(s);
     }
 
     /// Starts `seq` from a given prefix KV or a stored context. Returns the prompt tokens

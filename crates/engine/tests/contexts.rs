@@ -172,7 +172,9 @@ fn a_restarted_engine_adopts_masters_left_on_the_last_tier() {
     let mut e = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
     let again = e.generate(&prompt, &params, &mut |_| {}).unwrap();
     let load = again.context_load.expect("the master on disk is found and adopted");
-    assert_eq!(load.tier, "disk");
+    // Adoption asks the worker to place the context, which may copy it up to RAM before
+    // this load reads it: either tier is a hit on what the first engine stored.
+    assert!(load.tier == "disk" || load.tier == "ram", "{}", load.tier);
     assert_eq!(again.cached_prompt_tokens, 512);
     assert_eq!(again.token_ids, first.token_ids);
     let store = e.context_store().unwrap();
