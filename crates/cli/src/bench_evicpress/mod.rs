@@ -10,11 +10,11 @@
 //!    configuration); also score the test queries per configuration (for the simulator).
 //! 3. Measure the tiers (write and read a master-sized payload on each).
 //! 4. Real runs, one per policy: a fresh store on fresh tiers, warmed with every context
-//!    (inserted in order, placed by the policy), then the trace, paced at its Poisson
-//!    arrival times. TTFT counts from arrival (so it includes queueing); quality is the
-//!    token-F1 of the answer against the full-KV answer. Placement runs on the store's
-//!    worker; the run waits for it between requests, so every policy is measured with its
-//!    placement complete.
+//!    (inserted in order, placed by the policy), then the trace, each request served by every policy in turn (so that the shared host's drifting
+//!    load weighs on all alike). TTFT is submission to first token, one request at a time
+//!    (no queueing); quality is the token-F1 of the answer against the full-KV answer.
+//!    Placement runs on the store's worker; the run waits for it between requests, so every
+//!    policy is measured with its placement complete.
 //! 5. The simulator replays the same trace with a delay model fitted to step 4's loads,
 //!    reports its error against the real runs, then sweeps.
 
@@ -235,10 +235,22 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     }
     let mut rows = vec![row_of("full-prefill", None, "real", "base", a.ram_fraction, &reqs.iter().map(|r| setup.full_prefill_s[r.context]).collect::<Vec<_>>(), &vec![1.0; reqs.len()], BTreeMap::new())];
     let mut loads: Vec<Load> = Vec::new();
+    // One engine and store per policy, all warm; every request is served by each policy in
+    // turn, so that the host's load (shared, drifting) weighs on all policies alike.
+    let mut runners = Vec::new();
     for (i, (name, alpha, policy)) in policies.iter().enumerate() {
-        let t0 = Instant::now();
-        let (row, run_loads) = real_run(&a, &p, &setup, &reqs, policy, &delay, work.path(), &format!("run{i}"), working_set, name, *alpha)?;
-        eprintln!("{name} {alpha:?}: TTFT mean {:.3} s, quality {:.3} ({:.0} s)", row.ttft_mean_s, row.quality, t0.elapsed().as_secs_f64());
+        runners.push(Runner::new(&a, &p, &setup, policy, &delay, work.path(), &format!("run{i}"), working_set, name, *alpha)?);
+    }
+    let t0 = Instant::now();
+    for r in &reqs {
+        for runner in runners.iter_mut() {
+            runner.serve(&p, &setup, r)?;
+        }
+    }
+    eprintln!("real runs: {} requests × {} policies in {:.0} s", reqs.len(), runners.len(), t0.elapsed().as_secs_f64());
+    for runner in runners {
+        let (row, run_loads) = runner.finish(a.ram_fraction);
+        eprintln!("{} {:?}: TTFT mean {:.3} s, quality {:.3}", row.policy, row.alpha, row.ttft_mean_s, row.quality);
         rows.push(row);
         loads.extend(run_loads);
     }
@@ -345,11 +357,11 @@ fn store_config(tiers: Vec<Arc<dyn Tier>>, capacities: Vec<u64>, grid: &Grid, po
     }
 }
 
-fn engine_for(a: &EvicpressArgs, store: StoreConfig) -> Result<Engine> {
+fn engine_for(a: &EvicpressArgs, store: StoreConfig, kv_capacity_tokens: usize) -> Result<Engine> {
     let path = pk_engine::model_store::resolve_model(a.model.resolved()?.model.as_deref(), true)?;
     let config = EngineConfig {
         block_size_tokens: a.model.block_size,
-        kv_capacity_tokens: Some(32 * 1024),
+        kv_capacity_tokens: Some(kv_capacity_tokens),
         contexts: Some(ContextReuseConfig { store, chunk_size_tokens: 256 }),
         // Every reuse must come from the store: the pool's prefix cache would otherwise
         // serve a context asked twice in a row for free, under every policy alike.
@@ -363,7 +375,8 @@ fn setup(a: &EvicpressArgs, p: &Preset, dir: &std::path::Path) -> Result<Setup> 
     let ram: Arc<dyn Tier> = Arc::new(RamTier::new(16 << 30));
     let delay = DelayModel { tiers: vec![TierSpec { name: "ram".into(), capacity_bytes: 0, read_bytes_per_s: 1e10, access_latency_s: 0.0 }], decode_s_per_byte: 0.0, restore_s_per_token: 0.0, prefill_tokens_per_s: 300.0, query_tokens: 20 };
     let _ = dir;
-    let mut e = engine_for(a, store_config(vec![ram], vec![u64::MAX], &p.grid, Policy::Lru, &delay))?;
+    // Room for a batch of profiling requests, each holding a context.
+    let mut e = engine_for(a, store_config(vec![ram], vec![u64::MAX], &p.grid, Policy::Lru, &delay), 32 * 1024)?;
     let contexts = workload::contexts(&e.tokenizer, &p.spec);
     let store = e.context_store().expect("configured");
     let greedy = GenerateParams { max_tokens: p.answer_tokens, ..Default::default() };
@@ -404,41 +417,59 @@ fn setup(a: &EvicpressArgs, p: &Preset, dir: &std::path::Path) -> Result<Setup> 
     Ok(Setup { contexts, masters, master_bytes, full_prefill_s, references, profiles, test_quality, prefill_tokens_per_s })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn real_run(a: &EvicpressArgs, p: &Preset, s: &Setup, reqs: &[workload::Request], policy: &Policy, delay: &DelayModel, dir: &std::path::Path, run: &str, working_set: u64, name: &str, alpha: Option<f64>) -> Result<(RunRow, Vec<Load>)> {
-    let (tiers, caps) = tiers_for(a, dir, run, working_set)?;
-    let mut e = engine_for(a, store_config(tiers, caps, &p.grid, policy.clone(), delay))?;
-    let store = e.context_store().expect("configured");
-    // Warm start: every context stored and placed, with its profile.
-    let keys: Vec<_> = s.contexts.iter().map(|c| e.context_key(&c.tokens, None).expect("aligned")).collect();
-    for (c, key) in keys.iter().enumerate() {
-        store.offer(*key, s.masters[c].clone());
-        store.flush();
-        store.set_profile(key, s.profiles[c].clone()).map_err(anyhow::Error::msg)?;
-        store.flush();
+/// One policy's engine and store during the real runs.
+struct Runner {
+    e: Engine,
+    store: Arc<pk_evicpress::ContextStore>,
+    name: String,
+    alpha: Option<f64>,
+    ttft: Vec<f64>,
+    quality: Vec<f64>,
+    hits: BTreeMap<String, u64>,
+    loads: Vec<Load>,
+}
+
+impl Runner {
+    /// A fresh store on fresh tiers, warmed with every context (inserted in order and
+    /// placed by the policy, with its profile).
+    #[allow(clippy::too_many_arguments)]
+    fn new(a: &EvicpressArgs, p: &Preset, s: &Setup, policy: &Policy, delay: &DelayModel, dir: &std::path::Path, run: &str, working_set: u64, name: &str, alpha: Option<f64>) -> Result<Runner> {
+        let (tiers, caps) = tiers_for(a, dir, run, working_set)?;
+        let e = engine_for(a, store_config(tiers, caps, &p.grid, policy.clone(), delay), p.spec.max_tokens + 256)?;
+        let store = e.context_store().expect("configured");
+        for (c, ctx) in s.contexts.iter().enumerate() {
+            let key = e.context_key(&ctx.tokens, None).expect("aligned");
+            store.offer(key, s.masters[c].clone());
+            store.flush();
+            store.set_profile(&key, s.profiles[c].clone()).map_err(anyhow::Error::msg)?;
+            store.flush();
+        }
+        Ok(Runner { e, store, name: name.into(), alpha, ttft: Vec::new(), quality: Vec::new(), hits: BTreeMap::new(), loads: Vec::new() })
     }
-    let greedy = GenerateParams { max_tokens: p.answer_tokens, ..Default::default() };
-    let (mut ttft, mut quality, mut hits, mut loads) = (Vec::new(), Vec::new(), BTreeMap::new(), Vec::new());
-    for r in reqs {
+
+    fn serve(&mut self, p: &Preset, s: &Setup, r: &workload::Request) -> Result<()> {
+        let greedy = GenerateParams { max_tokens: p.answer_tokens, ..Default::default() };
         let c = &s.contexts[r.context];
-        let out = e.generate(&[&c.tokens[..], &c.test_queries[r.query]].concat(), &greedy, &mut |_| {})?;
-        ttft.push(out.prefill_seconds);
-        quality.push(pk_engine::profiler::token_f1(&out.token_ids, &s.references[r.context][r.query]));
+        let out = self.e.generate(&[&c.tokens[..], &c.test_queries[r.query]].concat(), &greedy, &mut |_| {})?;
+        self.ttft.push(out.prefill_seconds);
+        self.quality.push(pk_engine::profiler::token_f1(&out.token_ids, &s.references[r.context][r.query]));
         let tier = out.context_load.as_ref().map_or("recompute".to_string(), |l| l.tier.clone());
-        *hits.entry(tier).or_insert(0u64) += 1;
+        *self.hits.entry(tier).or_insert(0u64) += 1;
         if let Some(l) = &out.context_load {
             let answered = c.test_queries[r.query].len() + out.token_ids.len();
-            loads.push(Load { tier: l.tier_index, bytes: l.bytes, fetch_decode_s: l.fetch_s + l.decode_s, kept_tokens: out.kv_stored_tokens.saturating_sub(answered), ttft_s: out.prefill_seconds });
+            self.loads.push(Load { tier: l.tier_index, bytes: l.bytes, fetch_decode_s: l.fetch_s + l.decode_s, kept_tokens: out.kv_stored_tokens.saturating_sub(answered), ttft_s: out.prefill_seconds });
         }
-        store.flush();
+        // Placement runs on the store's worker; it is complete before the next request.
+        self.store.flush();
+        Ok(())
     }
-    let st = store.stats();
-    let mut row = row_of(name, alpha, "real", "base", a.ram_fraction, &ttft, &quality, hits);
-    row.bytes_moved = Some(st.bytes_moved);
-    row.placement_cpu_ms_mean = Some(1e3 * st.placement_cpu_s_total / st.placement_decisions.max(1) as f64);
-    row.placement_cpu_ms_max = Some(1e3 * st.placement_cpu_s_max);
-    if let Some(explain) = store.explain().first() {
-        tracing::debug!("most frequent context: {} on {} as {}", explain.key, explain.tier, explain.config);
+
+    fn finish(self, ram_fraction: f64) -> (RunRow, Vec<Load>) {
+        let st = self.store.stats();
+        let mut row = row_of(&self.name, self.alpha, "real", "base", ram_fraction, &self.ttft, &self.quality, self.hits);
+        row.bytes_moved = Some(st.bytes_moved);
+        row.placement_cpu_ms_mean = Some(1e3 * st.placement_cpu_s_total / st.placement_decisions.max(1) as f64);
+        row.placement_cpu_ms_max = Some(1e3 * st.placement_cpu_s_max);
+        (row, self.loads)
     }
-    Ok((row, loads))
 }
