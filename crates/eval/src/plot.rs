@@ -27,7 +27,7 @@ const PANEL_HEIGHT_PX: u32 = 260;
 /// The strip above the panels: figure title and the legend.
 const HEADER_HEIGHT_PX: u32 = 70;
 
-/// Distinguishable line colours (Tableau 10), assigned to policies in name order.
+/// Distinguishable line colours (Tableau 10), one per policy (see `colour`).
 const PALETTE: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
@@ -99,8 +99,28 @@ fn series(rows: &[&SummaryRow], policies: &[String], policy: &str, value: impl F
     pts
 }
 
+/// Policies with a fixed colour, so that a policy looks the same in every figure and every
+/// sweep (PagedEviction first: it is the subject).
+const KNOWN_POLICIES: [&str; 10] = [
+    "paged-eviction",
+    "streaming-llm",
+    "keydiff",
+    "knorm",
+    "snapkv",
+    "paged-eviction:inv-k-norm",
+    "paged-eviction:v-norm",
+    "tova",
+    "h2o",
+    "expected-attention",
+];
+
+/// A known policy's fixed colour; others take the colours after the known ones in use.
 fn colour(policies: &[String], policy: &str) -> RGBColor {
-    PALETTE[policies.iter().position(|p| p == policy).unwrap_or(0) % PALETTE.len()]
+    if let Some(i) = KNOWN_POLICIES.iter().position(|p| *p == policy) {
+        return PALETTE[i];
+    }
+    let unknown = policies.iter().filter(|p| !KNOWN_POLICIES.contains(&p.as_str())).position(|p| p == policy).unwrap_or(0);
+    PALETTE[(KNOWN_POLICIES.len() - 1 - unknown) % PALETTE.len()]
 }
 
 fn scores_figure(model: &str, block_size: u32, rows: &[&SummaryRow], policies: &[String], path: &Path) -> Result<()> {
