@@ -99,6 +99,9 @@ pub struct GenerateParams {
     /// compressed: fewer tokens, original positions). Profiling and evaluation of stored
     /// contexts use it; such a sequence never feeds the prefix cache.
     pub prefix_kv: Option<Arc<PrefixKv>>,
+    /// Background work (EVICPRESS profiling): admitted after every waiting request that is
+    /// not background, so that idle-time work never delays a user's request in the queue.
+    pub background: bool,
 }
 
 impl Default for GenerateParams {
@@ -113,6 +116,7 @@ impl Default for GenerateParams {
             forced_tokens: Vec::new(),
             return_logits: false,
             prefix_kv: None,
+            background: false,
         }
     }
 }
@@ -331,9 +335,11 @@ impl Engine {
             namespace.extend_from_slice(b"|salt|");
             namespace.extend_from_slice(salt.as_bytes());
         }
+        let background = req.params.background;
         let mut state = SeqState::new(req, namespace);
         state.eviction = eviction;
-        self.waiting.push_back(state);
+        let at = if background { self.waiting.len() } else { self.waiting.iter().position(|s| s.req.params.background).unwrap_or(self.waiting.len()) };
+        self.waiting.insert(at, state);
         Ok(())
     }
 

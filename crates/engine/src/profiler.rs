@@ -102,7 +102,7 @@ impl Engine {
                 // The context's own token ids are not needed: its KV is given.
                 let mut prompt = vec![0u32; prefix.n_tokens()];
                 prompt.extend_from_slice(query);
-                let params = GenerateParams { max_tokens: max_answer_tokens, prefix_kv: Some(prefix.clone()), ..Default::default() };
+                let params = GenerateParams { max_tokens: max_answer_tokens, prefix_kv: Some(prefix.clone()), background: true, ..Default::default() };
                 let (answers, remaining) = (answers.clone(), remaining.clone());
                 let mut done = false;
                 let sink = Box::new(move |e: SeqEvent| {

@@ -182,3 +182,26 @@ fn a_restarted_engine_adopts_masters_left_on_the_last_tier() {
     assert_eq!(store.stats().adopted, 1);
     assert_eq!(store.placement_of(&e.context_key(context, None).unwrap()), Some((0, 0)), "a hit is copied up to RAM");
 }
+
+#[test]
+fn background_requests_yield_to_waiting_user_requests() {
+    let book = common::book_ids();
+    let mut e = common::engine(EngineConfig { max_running_seqs: 1, ..Default::default() });
+    let (tx, rx) = std::sync::mpsc::channel();
+    for (name, background) in [("profile-1", true), ("profile-2", true), ("user", false)] {
+        let tx = tx.clone();
+        let params = GenerateParams { max_tokens: 2, ignore_eos: true, background, ..Default::default() };
+        let sink = Box::new(move |ev: pk_engine::SeqEvent| {
+            if matches!(ev, pk_engine::SeqEvent::Finished(_)) {
+                let _ = tx.send(name);
+            }
+            true
+        });
+        e.submit(pk_engine::Request { prompt_ids: book[..32].to_vec(), params, cache_salt: None, sink }).unwrap();
+    }
+    while e.has_work() {
+        e.step();
+    }
+    let order: Vec<&str> = rx.try_iter().collect();
+    assert_eq!(order, vec!["user", "profile-1", "profile-2"], "the user's request, submitted last, is admitted first");
+}
