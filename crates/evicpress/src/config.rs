@@ -179,7 +179,7 @@ impl Grid {
             Compression::Quant { key: Precision::Q2, value: Precision::Q2 },
         ];
         for score in [DropScore::PagedEviction, DropScore::KNorm, DropScore::KeyDiff] {
-            for ratio in [0.2, 0.4, 0.6, 0.8, 0.9] {
+            for ratio in [0.2, 0.4, 0.5, 0.6, 0.8, 0.9] {
                 others.push(Compression::Drop { score, ratio });
             }
         }

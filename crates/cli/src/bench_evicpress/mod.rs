@@ -46,7 +46,7 @@ pub struct EvicpressArgs {
     #[arg(long, conflicts_with = "full")]
     pub quick: bool,
     /// Larger preset: 18 contexts of 1-4K tokens, 6 profiling and 4 test questions each, 120
-    /// requests, the default 24-configuration grid.
+    /// requests, the default 23-configuration grid.
     #[arg(long)]
     pub full: bool,
     /// Where results.json, REPORT.md and the PNG plot go.
@@ -197,6 +197,11 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     }
     let quiet = crate::bench_evicpress::report::host_quiet();
     eprintln!("host-quiet: {quiet}");
+    // Check every --fixed configuration against the grid before the long setup.
+    for f in &a.fixed {
+        let c = Compression::parse(f).map_err(anyhow::Error::msg)?;
+        p.grid.index_of(&c).with_context(|| format!("--fixed {f} is not in the grid ({})", p.grid.configs().iter().map(|c| c.to_string()).collect::<Vec<_>>().join(", ")))?;
+    }
     let t_start = Instant::now();
     let work = tempfile::Builder::new().prefix("pk-bench-evicpress").tempdir()?;
     let setup = setup(&a, &p, work.path())?;
