@@ -43,6 +43,62 @@ pub struct PerfArgs {
     pub json: bool,
     #[command(flatten)]
     pub kv: crate::commands::KvPolicyArgs,
+    /// Also run every context through llama.cpp (the PyPI package llama-cpp-python, via
+    /// scripts/llamacpp_bench.py) on the same model file, threads and prompt tokens, right
+    /// after our own run of that context, and print the ratios ours / llama.cpp.
+    #[arg(long)]
+    pub compare_llamacpp: bool,
+    /// The Python interpreter that has llama-cpp-python installed (e.g. a venv's bin/python).
+    #[arg(long, env = "PAGEKEEPER_LLAMACPP_PYTHON", default_value = "python3")]
+    pub llamacpp_python: String,
+}
+
+/// llama.cpp's side of `--compare-llamacpp`, embedded so the binary needs no source tree.
+const LLAMACPP_SCRIPT: &str = include_str!("../../../scripts/llamacpp_bench.py");
+
+/// Checks that `python` can import llama_cpp, with an error that says what to do if not.
+fn check_llamacpp(python: &str) -> Result<()> {
+    let out = std::process::Command::new(python)
+        .args(["-c", "import llama_cpp"])
+        .output()
+        .with_context(|| format!("--compare-llamacpp: cannot run {python:?} (set --llamacpp-python or PAGEKEEPER_LLAMACPP_PYTHON to a Python that has llama-cpp-python)"))?;
+    if !out.status.success() {
+        bail!(
+            "--compare-llamacpp needs the Python package llama-cpp-python, which {python:?} cannot import \
+             (`pip install llama-cpp-python`, or point --llamacpp-python / PAGEKEEPER_LLAMACPP_PYTHON at a \
+             Python that has it): {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// Runs scripts/llamacpp_bench.py on one prompt and returns its run object.
+fn llamacpp_run(python: &str, model: &std::path::Path, threads: usize, prompt: &[u32], decode_tokens: usize) -> Result<serde_json::Value> {
+    let dir = tempfile::tempdir()?;
+    let req = dir.path().join("request.json");
+    let request = serde_json::json!({
+        "model": model,
+        "threads": threads,
+        "decode_tokens": decode_tokens,
+        "n_ctx": prompt.len() + decode_tokens + 16,
+        "runs": [{"context_tokens": prompt.len(), "prompt": prompt}],
+    });
+    std::fs::write(&req, request.to_string())?;
+    let out = std::process::Command::new(python)
+        .arg("-c")
+        .arg(LLAMACPP_SCRIPT)
+        .arg(&req)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .with_context(|| format!("running {python:?} for llama.cpp"))?;
+    if !out.status.success() {
+        bail!("llama.cpp side failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).with_context(|| format!("llama.cpp side printed no JSON: {}", String::from_utf8_lossy(&out.stdout)))?;
+    let mut run = v["runs"][0].clone();
+    run["llama_cpp_python"] = v["llama_cpp_python"].clone();
+    Ok(run)
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -104,6 +160,16 @@ pub fn perf(a: PerfArgs) -> Result<()> {
         bail!("--contexts needs positive lengths");
     }
     let max_ctx = *a.contexts.iter().max().expect("non-empty");
+    // The file llama.cpp loads: the one our engine loads (never a --dummy model).
+    let llamacpp_model = if a.compare_llamacpp {
+        if a.dummy.is_some() {
+            bail!("--compare-llamacpp needs a model file, not --dummy");
+        }
+        check_llamacpp(&a.llamacpp_python)?;
+        Some(pk_engine::model_store::resolve_model(a.model.resolved()?.model.as_deref(), true)?)
+    } else {
+        None
+    };
     let mut engine = build_engine(&a, max_ctx + a.decode_tokens + 64)?;
     let model_ctx = engine.model.config.context_length;
     if max_ctx + a.decode_tokens > model_ctx {
@@ -116,7 +182,14 @@ pub fn perf(a: PerfArgs) -> Result<()> {
     let mut runs = Vec::new();
     if !a.json {
         eprintln!("model {} | threads {threads} | block {} | kv {:?}", engine.model_name, a.model.block_size, engine.kv_store().dtype);
-        println!("{:>8} {:>12} {:>8} {:>12} {:>12} {:>12}", "context", "prefill t/s", "decode", "decode t/s", "KV MiB", "peak RSS MiB");
+        if llamacpp_model.is_some() {
+            println!(
+                "{:>8} {:>12} {:>8} {:>12} {:>12} {:>12} | {:>14} {:>14} | {:>8} {:>8}",
+                "context", "prefill t/s", "decode", "decode t/s", "KV MiB", "peak RSS MiB", "llama.cpp pp", "llama.cpp tg", "pp ratio", "tg ratio"
+            );
+        } else {
+            println!("{:>8} {:>12} {:>8} {:>12} {:>12} {:>12}", "context", "prefill t/s", "decode", "decode t/s", "KV MiB", "peak RSS MiB");
+        }
     }
     for &ctx in &a.contexts {
         // Random ids avoid prefix-cache hits between runs; ids 1000.. skip special tokens.
@@ -124,7 +197,7 @@ pub fn perf(a: PerfArgs) -> Result<()> {
         let params = GenerateParams { max_tokens: a.decode_tokens, ignore_eos: true, kv_policy: a.kv.spec()?, kv_budget: a.kv.kv_budget, ..Default::default() };
         let out = engine.generate(&prompt, &params, &mut |_| {})?;
         let decoded = out.token_ids.len().saturating_sub(1);
-        let run = serde_json::json!({
+        let mut run = serde_json::json!({
             "context_tokens": ctx,
             "prefill_tok_s": ctx as f64 / out.prefill_seconds,
             "decode_tokens": out.token_ids.len(),
@@ -132,8 +205,20 @@ pub fn perf(a: PerfArgs) -> Result<()> {
             "kv_bytes": out.kv_stored_tokens * kv_bytes_per_token,
             "peak_rss_bytes": peak_rss_bytes(),
         });
+        // llama.cpp right after ours on the same prompt, so both see the same host load.
+        let lc = match &llamacpp_model {
+            Some(path) => {
+                let lc = llamacpp_run(&a.llamacpp_python, path, threads, &prompt, a.decode_tokens)?;
+                let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+                run["ratio_prefill"] = serde_json::json!(f(&run, "prefill_tok_s") / f(&lc, "prefill_tok_s"));
+                run["ratio_decode"] = serde_json::json!(f(&run, "decode_tok_s") / f(&lc, "decode_tok_s"));
+                run["llamacpp"] = lc.clone();
+                Some(lc)
+            }
+            None => None,
+        };
         if !a.json {
-            println!(
+            print!(
                 "{:>8} {:>12.1} {:>8} {:>12.1} {:>12.1} {:>12.1}",
                 ctx,
                 run["prefill_tok_s"].as_f64().unwrap(),
@@ -142,6 +227,16 @@ pub fn perf(a: PerfArgs) -> Result<()> {
                 run["kv_bytes"].as_f64().unwrap() / (1 << 20) as f64,
                 run["peak_rss_bytes"].as_f64().unwrap() / (1 << 20) as f64
             );
+            if let Some(lc) = &lc {
+                print!(
+                    " | {:>14.1} {:>14.1} | {:>7.2}x {:>7.2}x",
+                    lc["prefill_tok_s"].as_f64().unwrap_or(f64::NAN),
+                    lc["decode_tok_s"].as_f64().unwrap_or(f64::NAN),
+                    run["ratio_prefill"].as_f64().unwrap_or(f64::NAN),
+                    run["ratio_decode"].as_f64().unwrap_or(f64::NAN)
+                );
+            }
+            println!();
             let _ = std::io::stdout().flush();
         }
         runs.push(run);

@@ -5,8 +5,12 @@
 //! measure the host; the best step and the CPU time per token (at 1 thread: time actually
 //! spent computing, though memory bandwidth is still shared) compare kernel changes.
 //!
+//! With `--compare 1,2` the decode pool (`kernels::pool`) switches between the listed thread
+//! counts step by step in the same process (rayon and the pool are built with the largest),
+//! so every count sees the same host load; each gets its own line.
+//!
 //! Run: `cargo run --release -p pk-model --example decode_bench [-- --threads N --reps R
-//! --context C --model PATH]` (default model: SmolLM2-135M-Instruct Q4_1 in
+//! --context C --model PATH --compare 1,2]` (default model: SmolLM2-135M-Instruct Q4_1 in
 //! `~/.cache/pagekeeper`).
 
 use std::time::Instant;
@@ -17,7 +21,9 @@ use pk_model::{KvDtype, KvGeometry, KvStore, Llama, SeqForward};
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let arg = |name: &str| args.iter().position(|a| a == name).map(|i| args[i + 1].clone());
-    let threads: usize = arg("--threads").map(|v| v.parse().unwrap()).unwrap_or(1);
+    let compare: Vec<usize> = arg("--compare").map(|v| v.split(',').map(|x| x.parse().unwrap()).collect()).unwrap_or_default();
+    let threads: usize = arg("--threads").map(|v| v.parse().unwrap()).unwrap_or(1).max(compare.iter().copied().max().unwrap_or(1));
+    let modes: Vec<usize> = if compare.is_empty() { vec![threads] } else { compare.clone() };
     let reps: usize = arg("--reps").map(|v| v.parse().unwrap()).unwrap_or(3);
     let context: usize = arg("--context").map(|v| v.parse().unwrap()).unwrap_or(512);
     let decode = 128;
@@ -36,34 +42,42 @@ fn main() {
     let t = Instant::now();
     let logits = model.forward(&mut store, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: context - 1 }]);
     let prefill = t.elapsed().as_secs_f64();
-    let mut times = Vec::new();
-    let cpu0 = cpu_seconds();
+    let pool = pk_model::kernels::pool::global();
+    let mut times = vec![Vec::new(); modes.len()];
+    let mut cpus = vec![0f64; modes.len()];
     for _ in 0..reps {
         let mut tok = argmax(&logits);
         for i in 0..decode {
             let pos = context + i;
-            let t = Instant::now();
+            let m = i % modes.len();
+            pool.set_active_threads(modes[m]);
+            let (t, c) = (Instant::now(), cpu_seconds());
             let l = model.forward(&mut store, &[SeqForward { tokens: &[tok], start_position: pos, stored_start: pos, block_table: &table, logits_from: 0 }]);
-            times.push(t.elapsed().as_secs_f64());
+            times[m].push(t.elapsed().as_secs_f64());
+            cpus[m] += cpu_seconds() - c;
             tok = argmax(&l);
         }
     }
-    let cpu = (cpu_seconds() - cpu0) / times.len() as f64;
-    let mean = times.iter().sum::<f64>() / times.len() as f64;
-    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let med = times[times.len() / 2];
-    println!(
-        "threads {threads} context {context}: prefill {:.1} tok/s | decode best {:.1} median {:.1} mean {:.1} tok/s ({:.0} / {:.0} / {:.0} us per token) | CPU {:.0} us per token ({:.1} tok/s per CPU-second)",
-        context as f64 / prefill,
-        1.0 / times[0],
-        1.0 / med,
-        1.0 / mean,
-        times[0] * 1e6,
-        med * 1e6,
-        mean * 1e6,
-        cpu * 1e6,
-        1.0 / cpu
-    );
+    for (m, &n) in modes.iter().enumerate() {
+        let times = &mut times[m];
+        let cpu = cpus[m] / times.len() as f64;
+        let mean = times.iter().sum::<f64>() / times.len() as f64;
+        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let med = times[times.len() / 2];
+        println!(
+            "threads {n} context {context}: prefill {:.1} tok/s | decode best {:.1} median {:.1} mean {:.1} tok/s ({:.0} / {:.0} / {:.0} us per token) | CPU {:.0} us per token ({:.1} tok/s per CPU-second)",
+            context as f64 / prefill,
+            1.0 / times[0],
+            1.0 / med,
+            1.0 / mean,
+            times[0] * 1e6,
+            med * 1e6,
+            mean * 1e6,
+            cpu * 1e6,
+            1.0 / cpu
+        );
+    }
+    println!("pool helper chunks: {}", pool.helper_chunks());
 }
 
 fn argmax(x: &[f32]) -> u32 {

@@ -12,7 +12,7 @@ use pk_gguf::GgufFile;
 
 use crate::attention::{paged_attention, AttnSeq, AttnShape};
 use crate::config::{ModelConfig, RopeStyle};
-use crate::kernels::{add_in_place, matmul, matmul_multi, rmsnorm, silu_mul_in_place};
+use crate::kernels::{add_in_place, matmul, matmul_multi, rmsnorm, silu_mul_in_place, split_attention};
 use crate::kv_store::KvStore;
 use crate::weights::Weights;
 use crate::ModelError;
@@ -160,7 +160,11 @@ impl Llama {
                     store.write_token(li, s.block_table[idx / bs], idx % bs, &k[r * kvd..(r + 1) * kvd], &v[r * kvd..(r + 1) * kvd]);
                 }
             }
-            paged_attention(store, li, shape, &attn_seqs, q, attn);
+            // Decode steps spread attention over the decode pool (same bits, see
+            // `kernels::split_attn`); everything else takes the general path.
+            if !split_attention(store, li, shape, &attn_seqs, q, attn) {
+                paged_attention(store, li, shape, &attn_seqs, q, attn);
+            }
             matmul(&lw.wo, attn, n, proj);
             add_in_place(x, proj);
 

@@ -95,6 +95,15 @@ const ROWS_PER_TASK: usize = 64;
 /// a worker must be woken) is amortised, small enough to balance two threads.
 const MIN_TASK_UNITS: usize = 2048;
 
+/// Up to this many tokens a matmul runs on the decode pool (`pool`), whose regions cost
+/// far less to start and finish than rayon's; larger batches and prefill keep rayon.
+const POOL_MAX_TOKENS: usize = 8;
+
+/// Work per chunk of a pool region, in the units of `MIN_TASK_UNITS`: ≈ 2 µs when the
+/// weights stream from DRAM as in decode, so that a region has enough chunks for a late
+/// helper to share and the last chunk leaves little imbalance.
+const POOL_CHUNK_UNITS: usize = 256;
+
 thread_local! {
     /// Quantised activations, reused across calls so that decode does not allocate.
     static ACTS: Cell<Q8Acts> = Cell::new(Q8Acts::default());
@@ -169,28 +178,40 @@ fn gemm_jobs(isa: x86::Isa, jobs: &[(&Packed, OutPtr)], acts: &Q8Acts, n_tokens:
     let groups: Vec<usize> = jobs.iter().map(|(p, _)| p.rows.div_ceil(GROUP_ROWS)).collect();
     let n_groups: usize = groups.iter().sum();
     let units: usize = jobs.iter().zip(&groups).map(|((p, _), g)| g * p.blocks_per_row * n_tokens).sum();
+    let pool = super::pool::global();
+    if n_tokens <= POOL_MAX_TOKENS && pool.active_threads() > 1 {
+        let n_chunks = (units / POOL_CHUNK_UNITS).clamp(1, n_groups.min(super::pool::MAX_CHUNKS));
+        let groups_per_chunk = n_groups.div_ceil(n_chunks);
+        let run = |chunk: usize| run_groups(isa, jobs, &groups, acts, n_tokens, chunk * groups_per_chunk, ((chunk + 1) * groups_per_chunk).min(n_groups));
+        pool.run(n_groups.div_ceil(groups_per_chunk), &run);
+        return;
+    }
     let threads = rayon::current_num_threads();
     let n_tasks = if threads == 1 { 1 } else { (units / MIN_TASK_UNITS).clamp(1, n_groups) };
     let groups_per_task = n_groups.div_ceil(n_tasks);
-    let run = |task: usize| {
-        // Walk global group indices task*gpt.. and map each to (job, group within it).
-        let (g0, g1) = (task * groups_per_task, ((task + 1) * groups_per_task).min(n_groups));
-        let mut base = 0;
-        for ((p, ptr), &ng) in jobs.iter().zip(&groups) {
-            let (lo, hi) = (g0.max(base), g1.min(base + ng));
-            for g in lo..hi {
-                // SAFETY: `detect` checked the ISA; `acts` holds n_tokens tokens; group g of
-                // this job writes only rows 8g..8g+8 of each token of its own output, which
-                // no other task owns, and the output holds n_tokens × rows floats.
-                unsafe { x86::gemm_group(isa, p, g - base, acts, 0, n_tokens, ptr.0, p.rows) };
-            }
-            base += ng;
-        }
-    };
+    let run = |task: usize| run_groups(isa, jobs, &groups, acts, n_tokens, task * groups_per_task, ((task + 1) * groups_per_task).min(n_groups));
     if n_tasks == 1 {
         run(0);
     } else {
         (0..n_groups.div_ceil(groups_per_task)).into_par_iter().for_each(run);
+    }
+}
+
+/// Computes global row groups `g0..g1` of the concatenated jobs, mapping each to (job, group
+/// within it).
+#[cfg(target_arch = "x86_64")]
+fn run_groups(isa: x86::Isa, jobs: &[(&Packed, OutPtr)], groups: &[usize], acts: &Q8Acts, n_tokens: usize, g0: usize, g1: usize) {
+    let mut base = 0;
+    for ((p, ptr), &ng) in jobs.iter().zip(groups) {
+        let (lo, hi) = (g0.max(base), g1.min(base + ng));
+        for g in lo..hi {
+            // SAFETY: `detect` checked the ISA; `acts` holds n_tokens tokens; group g of this
+            // job writes only rows 8g..8g+8 of each token of its own output, which no other
+            // task owns (callers hand out disjoint ranges), and the output holds n_tokens × rows
+            // floats.
+            unsafe { x86::gemm_group(isa, p, g - base, acts, 0, n_tokens, ptr.0, p.rows) };
+        }
+        base += ng;
     }
 }
 

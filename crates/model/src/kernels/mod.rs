@@ -14,6 +14,8 @@ mod hugebuf;
 mod matmul;
 mod ops;
 mod pack;
+pub mod pool;
+mod split_attn;
 mod q8;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -21,3 +23,4 @@ mod x86;
 pub use matmul::{matmul, matmul_multi, matmul_q8_scalar, matmul_reference, place_in_arena, QMatrix};
 pub use ops::{add_in_place, dot_f32, rmsnorm, silu_mul_in_place, softmax_in_place};
 pub use q8::Q8Acts;
+pub use split_attn::split_attention;
