@@ -77,7 +77,7 @@ fn main() {
             1.0 / cpu
         );
     }
-    println!("pool helper chunks: {}", pool.helper_chunks());
+    println!("pool helper chunks: {} solo windows: {}", pool.helper_chunks(), pool.solo_windows());
 }
 
 fn argmax(x: &[f32]) -> u32 {

@@ -214,3 +214,45 @@ impl Llama {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_store::{KvDtype, KvGeometry};
+    use pk_gguf::GgmlType;
+
+    /// Decode steps give the same logits, bit for bit, whether the decode pool runs them on
+    /// one thread or on several (matmul chunks and attention heads on any thread), and the
+    /// same as the step's token computed inside a prefill: per-token arithmetic does not
+    /// depend on the thread count.
+    #[test]
+    fn decode_bits_do_not_depend_on_pool_threads() {
+        let mut cfg = ModelConfig::dummy("smollm2-135m").unwrap();
+        cfg.n_layers = 2;
+        cfg.vocab_size = 4096;
+        let model = Llama::new(cfg.clone(), Weights::random(&cfg, GgmlType::Q4_1, 7));
+        let pool = crate::kernels::pool::global();
+        let g = KvGeometry { n_layers: cfg.n_layers, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim, block_size_tokens: 16, num_blocks: 8 };
+        let table: Vec<u32> = (0..8).collect();
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 4096).collect();
+        let run = |threads: usize| {
+            pool.set_active_threads(threads);
+            let mut store = KvStore::new(g, KvDtype::F16);
+            model.forward(&mut store, &[SeqForward { tokens: &prompt[..30], start_position: 0, stored_start: 0, block_table: &table, logits_from: 30 }]);
+            let mut out = Vec::new();
+            for (i, &t) in prompt[30..].iter().enumerate() {
+                let pos = 30 + i;
+                let l = model.forward(&mut store, &[SeqForward { tokens: &[t], start_position: pos, stored_start: pos, block_table: &table, logits_from: 0 }]);
+                out.extend(l.iter().map(|v| v.to_bits()));
+            }
+            out
+        };
+        let one = run(1);
+        let all = run(pool.threads());
+        pool.set_active_threads(pool.threads());
+        assert_eq!(one, all);
+        let mut store = KvStore::new(g, KvDtype::F16);
+        let whole = model.forward(&mut store, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: 30 }]);
+        assert_eq!(one, whole.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    }
+}

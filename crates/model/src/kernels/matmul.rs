@@ -178,9 +178,11 @@ fn gemm_jobs(isa: x86::Isa, jobs: &[(&Packed, OutPtr)], acts: &Q8Acts, n_tokens:
     let groups: Vec<usize> = jobs.iter().map(|(p, _)| p.rows.div_ceil(GROUP_ROWS)).collect();
     let n_groups: usize = groups.iter().sum();
     let units: usize = jobs.iter().zip(&groups).map(|((p, _), g)| g * p.blocks_per_row * n_tokens).sum();
+    // Decode-sized calls belong to the pool whatever its thread count (at 1 it runs the
+    // chunks inline), so that its thread count alone decides how decode is spread.
     let pool = super::pool::global();
-    if n_tokens <= POOL_MAX_TOKENS && pool.active_threads() > 1 {
-        let n_chunks = (units / POOL_CHUNK_UNITS).clamp(1, n_groups.min(super::pool::MAX_CHUNKS));
+    if n_tokens <= POOL_MAX_TOKENS {
+        let n_chunks = if pool.active_threads() > 1 { (units / POOL_CHUNK_UNITS).clamp(1, n_groups.min(super::pool::MAX_CHUNKS)) } else { 1 };
         let groups_per_chunk = n_groups.div_ceil(n_chunks);
         let run = |chunk: usize| run_groups(isa, jobs, &groups, acts, n_tokens, chunk * groups_per_chunk, ((chunk + 1) * groups_per_chunk).min(n_groups));
         pool.run(n_groups.div_ceil(groups_per_chunk), &run);

@@ -86,8 +86,37 @@ pub struct Pool {
     /// Threads a region may use now (1 ..= `threads`); `set_active_threads` changes it.
     active: AtomicUsize,
     threads: usize,
-    busy: Mutex<()>,
+    /// Windows after which regions went solo (for benchmarks).
+    solo_windows: AtomicU64,
+    /// Held by the thread running a region; guards the adaptive state.
+    busy: Mutex<Adaptive>,
 }
+
+/// Whether splitting pays now, judged by how much of the work the helpers actually did.
+#[derive(Default)]
+struct Adaptive {
+    /// Regions and chunks in the current measuring window, and the helpers' chunk count
+    /// when it began.
+    regions: usize,
+    chunks: u64,
+    helper_start: u64,
+    /// Regions left to run inline on the caller before measuring again.
+    solo_left: usize,
+}
+
+/// Regions per measuring window (≈ one SmolLM2 decode step has 150).
+const WINDOW_REGIONS: usize = 128;
+
+/// Below this share of a window's chunks done by helpers (percent), the helpers are not
+/// getting a core (a busy host, or both threads pinned to one CPU), and every region pays
+/// the wake-ups and the waits on preempted chunks for almost no work shared, so the next
+/// `SOLO_REGIONS` regions run inline on the caller: exactly the 1-thread path. A quiet host
+/// gives helpers 30–50 %.
+const MIN_HELPER_PERCENT: u64 = 10;
+
+/// Regions run inline after a poor window (≈ 7 decode steps) before the helpers are tried
+/// again.
+const SOLO_REGIONS: usize = 1024;
 
 const fn epoch(w: u64) -> u32 {
     (w >> 32) as u32
@@ -122,7 +151,7 @@ impl Pool {
                 thread::Builder::new().name(format!("pk-decode-{i}")).spawn(move || helper_loop(&sh, i - 1)).expect("spawning a decode helper").thread().clone()
             })
             .collect();
-        Pool { shared, helpers, active: AtomicUsize::new(threads), threads, busy: Mutex::new(()) }
+        Pool { shared, helpers, active: AtomicUsize::new(threads), threads, solo_windows: AtomicU64::new(0), busy: Mutex::new(Adaptive::default()) }
     }
 
     /// Threads this pool was built with.
@@ -141,6 +170,12 @@ impl Pool {
         self.active.load(Relaxed)
     }
 
+    /// How often a measuring window found the helpers doing under `MIN_HELPER_PERCENT` of
+    /// the work, so that the pool ran the next `SOLO_REGIONS` regions on the caller alone.
+    pub fn solo_windows(&self) -> u64 {
+        self.solo_windows.load(Relaxed)
+    }
+
     /// Chunks the helpers have computed since start-up.
     pub fn helper_chunks(&self) -> u64 {
         self.shared.helper_done.load(Relaxed)
@@ -153,10 +188,30 @@ impl Pool {
         if n <= 1 || self.active_threads() == 1 {
             return (0..n).for_each(f);
         }
-        let Ok(_busy) = self.busy.try_lock() else {
+        let Ok(mut adaptive) = self.busy.try_lock() else {
             return (0..n).for_each(f);
         };
+        if adaptive.solo_left > 0 {
+            adaptive.solo_left -= 1;
+            return (0..n).for_each(f);
+        }
         let sh = &*self.shared;
+        if adaptive.regions == 0 {
+            adaptive.helper_start = sh.helper_done.load(Relaxed);
+        }
+        adaptive.regions += 1;
+        adaptive.chunks += n as u64;
+        if adaptive.regions == WINDOW_REGIONS {
+            // Judged before this region runs, on the window's earlier regions (the helpers
+            // count their chunks when they leave a region, so the last one may lag).
+            let helped = sh.helper_done.load(Relaxed) - adaptive.helper_start;
+            if helped * 100 < adaptive.chunks * MIN_HELPER_PERCENT {
+                adaptive.solo_left = SOLO_REGIONS;
+                self.solo_windows.fetch_add(1, Relaxed);
+            }
+            adaptive.regions = 0;
+            adaptive.chunks = 0;
+        }
         {
             let mut caller = sh.caller.lock().unwrap_or_else(|e| e.into_inner());
             if caller.as_ref().map(|t| t.id()) != Some(thread::current().id()) {

@@ -23,16 +23,17 @@ pub const MAX_SPLIT_ROWS: usize = 8;
 
 /// Computes what `paged_attention(store, layer, shape, seqs, q, out)` computes, with the
 /// (sequence, KV head) pairs spread over the decode pool, and returns `true`; or returns
-/// `false` without touching `out` when this path does not apply (one thread, no AVX-512
-/// kernel for this head size, too many rows, or a single pair) and the caller should use
-/// `paged_attention`.
+/// `false` without touching `out` when this path does not apply (no AVX-512 kernel for this
+/// head size, too many rows, or a single pair) and the caller should use `paged_attention`.
 pub fn split_attention(store: &KvStore, layer: usize, shape: AttnShape, seqs: &[AttnSeq], q: &[f32], out: &mut [f32]) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         let pool = pool::global();
         let rows: usize = seqs.iter().map(|s| s.n_queries).sum();
         let pairs = seqs.len() * shape.n_kv_heads;
-        if pool.active_threads() < 2 || rows > MAX_SPLIT_ROWS || pairs < 2 || Kernel::best(shape.head_dim) != Kernel::Avx512 {
+        // At one active thread the chunks run inline here too (the same work as
+        // `paged_attention`'s serial path), so the pool's thread count alone decides.
+        if rows > MAX_SPLIT_ROWS || pairs < 2 || Kernel::best(shape.head_dim) != Kernel::Avx512 {
             return false;
         }
         split_with(pool, store, layer, shape, seqs, q, out);
