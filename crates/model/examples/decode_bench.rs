@@ -77,7 +77,8 @@ fn main() {
             1.0 / cpu
         );
     }
-    println!("pool helper chunks: {} solo windows: {}", pool.helper_chunks(), pool.solo_windows());
+    let (split, solo) = pool.step_counts();
+    println!("pool helper chunks: {} steps split: {split} solo: {solo}", pool.helper_chunks());
 }
 
 fn argmax(x: &[f32]) -> u32 {

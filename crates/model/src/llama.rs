@@ -95,6 +95,8 @@ impl Llama {
         let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         let bs = store.geometry.block_size_tokens;
 
+        // A decode step: the pool times it and chooses whether to split it (see `Pool::step`).
+        let _step = (n <= crate::kernels::pool::DECODE_MAX_TOKENS).then(|| crate::kernels::pool::global().step(n));
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let sc = &mut *guard;
         let x = sized(&mut sc.x, n * d);

@@ -97,7 +97,7 @@ const MIN_TASK_UNITS: usize = 2048;
 
 /// Up to this many tokens a matmul runs on the decode pool (`pool`), whose regions cost
 /// far less to start and finish than rayon's; larger batches and prefill keep rayon.
-const POOL_MAX_TOKENS: usize = 8;
+const POOL_MAX_TOKENS: usize = super::pool::DECODE_MAX_TOKENS;
 
 /// Work per chunk of a pool region, in the units of `MIN_TASK_UNITS`: ≈ 2 µs when the
 /// weights stream from DRAM as in decode, so that a region has enough chunks for a late

@@ -2,8 +2,8 @@
 //! `threads - 1` dedicated helpers share the chunks of one region through an atomic
 //! counter, so whoever is running takes the next chunk.
 //!
-//! Why not rayon: a decode step of SmolLM2-135M is ≈ 120 parallel regions of 2–20 µs each
-//! (Q/K/V, O, gate/up and down of 30 layers, then the head). Calling rayon from the engine
+//! Why not rayon: a decode step of SmolLM2-135M is 151 parallel regions of a few to a few
+//! tens of microseconds (Q/K/V, attention, O, gate/up and down of 30 layers, then the head). Calling rayon from the engine
 //! thread (not a rayon worker) injects the job, wakes workers and then blocks the caller on
 //! a latch, so every region costs two cross-thread hand-offs and the caller's core sits idle;
 //! and an idle rayon worker spins before it sleeps, which on this host (whose 2 vCPUs often
@@ -17,12 +17,17 @@
 //! futex (`std::thread::park`). Which thread computes which chunk never changes a result:
 //! chunks are disjoint output rows computed by the same code.
 //!
+//! Whether a decode step is split at all is decided per step by measurement (`Pool::step`,
+//! `Tuner`): on a quiet host the split wins, while on a busy one (another job on the second
+//! core) a region waits whenever the helper is preempted holding a chunk, and running the
+//! step on the caller alone, exactly the 1-thread path, is as fast or faster.
+//!
 //! Only one region runs at a time: a second caller (another engine in the same process,
 //! parallel tests) or a region started from inside a chunk runs its chunks inline on its own
 //! thread.
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{self, Thread};
 use std::time::{Duration, Instant};
@@ -34,9 +39,9 @@ use std::time::{Duration, Instant};
 const SPIN_US: u64 = 20;
 
 /// How long a waiting thread then calls `sched_yield` between checks before parking: this
-/// covers decode attention between the O projection of one layer and Q/K/V of the next
-/// (tens of microseconds at a few hundred tokens of context), and gives the core away at
-/// once when another runnable thread shares it.
+/// covers the gap between two decode steps (sampling, the engine's bookkeeping), so a helper
+/// stays awake through a generation, and gives the core away at once when another runnable
+/// thread shares it (`taskset -c 0`, or a busy host).
 const YIELD_US: u64 = 200;
 
 /// The spin and yield phases, overridable by `PK_POOL_SPIN_US` / `PK_POOL_YIELD_US` (read
@@ -71,6 +76,8 @@ struct Shared {
     /// The caller is parked waiting for the last chunk.
     caller_waiting: AtomicBool,
     caller: Mutex<Option<Thread>>,
+    /// The CPU the caller last published a region from (-1: unknown).
+    caller_cpu: AtomicI32,
     shutdown: AtomicBool,
 }
 
@@ -86,37 +93,86 @@ pub struct Pool {
     /// Threads a region may use now (1 ..= `threads`); `set_active_threads` changes it.
     active: AtomicUsize,
     threads: usize,
-    /// Windows after which regions went solo (for benchmarks).
-    solo_windows: AtomicU64,
-    /// Held by the thread running a region; guards the adaptive state.
-    busy: Mutex<Adaptive>,
+    /// Steps run split and steps run solo (for benchmarks).
+    split_steps: AtomicU64,
+    solo_steps: AtomicU64,
+    /// Set while the current step runs inline on the caller (see `step`).
+    solo_now: AtomicBool,
+    tuner: Mutex<Tuner>,
+    /// Held by the thread running a region.
+    busy: Mutex<()>,
 }
 
-/// Whether splitting pays now, judged by how much of the work the helpers actually did.
-#[derive(Default)]
-struct Adaptive {
-    /// Regions and chunks in the current measuring window, and the helpers' chunk count
-    /// when it began.
-    regions: usize,
-    chunks: u64,
-    helper_start: u64,
-    /// Regions left to run inline on the caller before measuring again.
-    solo_left: usize,
+/// The step-level choice between splitting decode over the pool and running it inline: an
+/// A/B test that never stops. Each mode's time per token is an exponential average of its
+/// steps; the faster mode runs, and every `gap` steps one step runs the other way so that
+/// its average follows the host. `gap` doubles (up to `MAX_GAP`) while the choice holds
+/// and drops back to `MIN_GAP` when it flips, so a steady host pays for few probes.
+struct Tuner {
+    /// Seconds per token: [solo, split]; `None` until measured.
+    avg: [Option<f64>; 2],
+    steps: u64,
+    next_probe: u64,
+    gap: u64,
+    last_best: usize,
 }
 
-/// Regions per measuring window (≈ one SmolLM2 decode step has 150).
-const WINDOW_REGIONS: usize = 128;
+const MIN_GAP: u64 = 8;
+const MAX_GAP: u64 = 64;
+/// Weight of a new step in its mode's average: a probe moves it enough to notice a change
+/// of host load within a few probes, and one noisy step cannot move it far.
+const ALPHA: f64 = 0.25;
 
-/// Below this share of a window's chunks done by helpers (percent), the helpers are not
-/// getting a core (a busy host, or both threads pinned to one CPU), and every region pays
-/// the wake-ups and the waits on preempted chunks for almost no work shared, so the next
-/// `SOLO_REGIONS` regions run inline on the caller: exactly the 1-thread path. A quiet host
-/// gives helpers 30–50 %.
-const MIN_HELPER_PERCENT: u64 = 10;
+impl Tuner {
+    fn choose(&mut self) -> usize {
+        self.steps += 1;
+        // `PK_POOL_TUNE=0` always splits (benchmarks compare the split itself with the tuned choice).
+        static TUNE: OnceLock<bool> = OnceLock::new();
+        if !*TUNE.get_or_init(|| std::env::var("PK_POOL_TUNE").map_or(true, |v| v != "0")) {
+            return 1;
+        }
+        let best = match self.avg {
+            [None, _] => return 0,
+            [_, None] => return 1,
+            [Some(solo), Some(split)] => usize::from(split < solo),
+        };
+        if best != self.last_best {
+            self.last_best = best;
+            self.gap = MIN_GAP;
+            self.next_probe = self.steps + self.gap;
+        }
+        if self.steps >= self.next_probe {
+            self.gap = (self.gap * 2).min(MAX_GAP);
+            self.next_probe = self.steps + self.gap;
+            return 1 - best;
+        }
+        best
+    }
 
-/// Regions run inline after a poor window (≈ 7 decode steps) before the helpers are tried
-/// again.
-const SOLO_REGIONS: usize = 1024;
+    fn record(&mut self, mode: usize, secs_per_token: f64) {
+        let a = &mut self.avg[mode];
+        *a = Some(a.map_or(secs_per_token, |v| v + ALPHA * (secs_per_token - v)));
+    }
+}
+
+/// A decode step in progress (see [`Pool::step`]); records its time when dropped.
+pub struct Step<'a> {
+    pool: &'a Pool,
+    mode: usize,
+    tokens: usize,
+    t0: Instant,
+}
+
+impl Drop for Step<'_> {
+    fn drop(&mut self) {
+        if self.mode == usize::MAX {
+            return;
+        }
+        let dt = self.t0.elapsed().as_secs_f64() / self.tokens.max(1) as f64;
+        self.pool.solo_now.store(false, Relaxed);
+        self.pool.tuner.lock().unwrap_or_else(|e| e.into_inner()).record(self.mode, dt);
+    }
+}
 
 const fn epoch(w: u64) -> u32 {
     (w >> 32) as u32
@@ -127,6 +183,10 @@ const fn n_chunks(w: u64) -> usize {
 const fn next_chunk(w: u64) -> usize {
     (w & 0xffff) as usize
 }
+
+/// Forward calls of up to this many tokens are decode steps: their matmuls and attention
+/// run on this pool (larger ones, prefill, keep rayon), and `step` times them.
+pub const DECODE_MAX_TOKENS: usize = 8;
 
 /// Most chunks one region can have.
 pub const MAX_CHUNKS: usize = 0xffff;
@@ -143,6 +203,7 @@ impl Pool {
             sleeping: (1..threads).map(|_| Padded(AtomicBool::new(false))).collect(),
             caller_waiting: AtomicBool::new(false),
             caller: Mutex::new(None),
+            caller_cpu: AtomicI32::new(-1),
             shutdown: AtomicBool::new(false),
         });
         let helpers = (1..threads)
@@ -151,7 +212,17 @@ impl Pool {
                 thread::Builder::new().name(format!("pk-decode-{i}")).spawn(move || helper_loop(&sh, i - 1)).expect("spawning a decode helper").thread().clone()
             })
             .collect();
-        Pool { shared, helpers, active: AtomicUsize::new(threads), threads, solo_windows: AtomicU64::new(0), busy: Mutex::new(Adaptive::default()) }
+        Pool {
+            shared,
+            helpers,
+            active: AtomicUsize::new(threads),
+            threads,
+            split_steps: AtomicU64::new(0),
+            solo_steps: AtomicU64::new(0),
+            solo_now: AtomicBool::new(false),
+            tuner: Mutex::new(Tuner { avg: [None, None], steps: 0, next_probe: MIN_GAP, gap: MIN_GAP, last_best: 1 }),
+            busy: Mutex::new(()),
+        }
     }
 
     /// Threads this pool was built with.
@@ -170,10 +241,26 @@ impl Pool {
         self.active.load(Relaxed)
     }
 
-    /// How often a measuring window found the helpers doing under `MIN_HELPER_PERCENT` of
-    /// the work, so that the pool ran the next `SOLO_REGIONS` regions on the caller alone.
-    pub fn solo_windows(&self) -> u64 {
-        self.solo_windows.load(Relaxed)
+    /// Decode steps run split over the pool and run inline, since start-up.
+    pub fn step_counts(&self) -> (u64, u64) {
+        (self.split_steps.load(Relaxed), self.solo_steps.load(Relaxed))
+    }
+
+    /// Starts a decode step of `tokens` tokens (the forward pass calls this when its matmuls
+    /// and attention will run on this pool). It chooses whether the step's regions are
+    /// split over the threads or run inline on the caller, by which has been faster per
+    /// token lately (see `Tuner`): on a busy host, where the helper's core is shared with
+    /// other jobs and a region waits whenever the helper is preempted holding a chunk, the
+    /// split can cost more than it gains, and then decode runs as at one thread. Which
+    /// way a step runs never changes its results.
+    pub fn step(&self, tokens: usize) -> Step<'_> {
+        if self.active_threads() == 1 {
+            return Step { pool: self, mode: usize::MAX, tokens, t0: Instant::now() };
+        }
+        let mode = self.tuner.lock().unwrap_or_else(|e| e.into_inner()).choose();
+        self.solo_now.store(mode == 0, Relaxed);
+        [&self.solo_steps, &self.split_steps][mode].fetch_add(1, Relaxed);
+        Step { pool: self, mode, tokens, t0: Instant::now() }
     }
 
     /// Chunks the helpers have computed since start-up.
@@ -188,30 +275,13 @@ impl Pool {
         if n <= 1 || self.active_threads() == 1 {
             return (0..n).for_each(f);
         }
-        let Ok(mut adaptive) = self.busy.try_lock() else {
+        if self.solo_now.load(Relaxed) {
+            return (0..n).for_each(f);
+        }
+        let Ok(_busy) = self.busy.try_lock() else {
             return (0..n).for_each(f);
         };
-        if adaptive.solo_left > 0 {
-            adaptive.solo_left -= 1;
-            return (0..n).for_each(f);
-        }
         let sh = &*self.shared;
-        if adaptive.regions == 0 {
-            adaptive.helper_start = sh.helper_done.load(Relaxed);
-        }
-        adaptive.regions += 1;
-        adaptive.chunks += n as u64;
-        if adaptive.regions == WINDOW_REGIONS {
-            // Judged before this region runs, on the window's earlier regions (the helpers
-            // count their chunks when they leave a region, so the last one may lag).
-            let helped = sh.helper_done.load(Relaxed) - adaptive.helper_start;
-            if helped * 100 < adaptive.chunks * MIN_HELPER_PERCENT {
-                adaptive.solo_left = SOLO_REGIONS;
-                self.solo_windows.fetch_add(1, Relaxed);
-            }
-            adaptive.regions = 0;
-            adaptive.chunks = 0;
-        }
         {
             let mut caller = sh.caller.lock().unwrap_or_else(|e| e.into_inner());
             if caller.as_ref().map(|t| t.id()) != Some(thread::current().id()) {
@@ -223,6 +293,7 @@ impl Pool {
         // sound because `run` does not return before every claimed chunk is done.
         unsafe { *sh.job.get() = std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), Job>(f as *const _) };
         sh.done.0.store(0, Relaxed);
+        sh.caller_cpu.store(affinity::current_cpu(), Relaxed);
         let e = epoch(sh.word.0.load(Relaxed)).wrapping_add(1);
         let w0 = (e as u64) << 32 | (n as u64) << 16;
         sh.word.0.store(w0, SeqCst);
@@ -283,6 +354,7 @@ fn claim(sh: &Shared, e: u32) -> Option<(usize, usize)> {
 }
 
 fn helper_loop(sh: &Shared, me: usize) {
+    let mut affinity = affinity::Spread::new();
     let mut seen = 0u32;
     loop {
         // Wait for a region newer than the last one seen.
@@ -317,6 +389,7 @@ fn helper_loop(sh: &Shared, me: usize) {
             sh.sleeping[me].0.store(false, SeqCst);
         };
         seen = e;
+        affinity.away_from(sh.caller_cpu.load(Relaxed));
         let mut mine = 0;
         while let Some((i, n)) = claim(sh, e) {
             // SAFETY: holding a claimed chunk of region `e` keeps its caller inside `run`,
@@ -350,6 +423,84 @@ impl Drop for Pool {
 pub fn global() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
     POOL.get_or_init(|| Pool::new(rayon::current_num_threads()))
+}
+
+/// Keeps a helper off the caller's CPU.
+///
+/// On a host where another job keeps one of two CPUs busy, the scheduler tends to wake a
+/// parked helper on the caller's CPU (the other one is not idle), and a helper that mostly
+/// spins and yields adds too little load for the balancer to move it: both threads then
+/// share one core and the helper computes a few percent of the chunks (measured with
+/// `pool_bench`: 1–6 %). So when a helper sees that it runs on the caller's CPU it narrows
+/// its own affinity to the CPUs it may use minus that one (never the caller's affinity, and
+/// nothing when no other CPU is allowed, as under `taskset -c 0`).
+mod affinity {
+    #[cfg(target_os = "linux")]
+    mod sys {
+        pub const WORDS: usize = 16;
+        extern "C" {
+            pub fn sched_getcpu() -> i32;
+            pub fn sched_getaffinity(pid: i32, size: usize, mask: *mut u64) -> i32;
+            pub fn sched_setaffinity(pid: i32, size: usize, mask: *const u64) -> i32;
+        }
+    }
+
+    /// The CPU this thread runs on, or -1.
+    pub fn current_cpu() -> i32 {
+        #[cfg(target_os = "linux")]
+        // SAFETY: no arguments; glibc answers from the vDSO or rseq area.
+        return unsafe { sys::sched_getcpu() };
+        #[cfg(not(target_os = "linux"))]
+        return -1;
+    }
+
+    pub struct Spread {
+        /// The CPUs this thread was allowed at start (the process's affinity).
+        #[cfg(target_os = "linux")]
+        allowed: Option<[u64; sys::WORDS]>,
+        /// The CPU the affinity now excludes (-1: none).
+        excluded: i32,
+    }
+
+    impl Spread {
+        pub fn new() -> Spread {
+            #[cfg(target_os = "linux")]
+            {
+                let mut mask = [0u64; sys::WORDS];
+                // SAFETY: `mask` is `WORDS` words long, as the size says.
+                let ok = unsafe { sys::sched_getaffinity(0, sys::WORDS * 8, mask.as_mut_ptr()) } == 0;
+                Spread { allowed: ok.then_some(mask), excluded: -1 }
+            }
+            #[cfg(not(target_os = "linux"))]
+            Spread { excluded: -1 }
+        }
+
+        /// If this thread runs on `caller_cpu`, moves it to the other allowed CPUs.
+        pub fn away_from(&mut self, caller_cpu: i32) {
+            #[cfg(target_os = "linux")]
+            {
+                let Some(allowed) = self.allowed else { return };
+                if caller_cpu < 0 || caller_cpu == self.excluded || current_cpu() != caller_cpu || caller_cpu as usize >= sys::WORDS * 64 {
+                    return;
+                }
+                let mut mask = allowed;
+                mask[caller_cpu as usize / 64] &= !(1u64 << (caller_cpu % 64));
+                if mask.iter().all(|&w| w == 0) {
+                    // Only the caller's CPU is allowed: nothing to do, and nothing to retry.
+                    self.allowed = None;
+                    return;
+                }
+                // SAFETY: `mask` is `WORDS` words long, as the size says.
+                if unsafe { sys::sched_setaffinity(0, sys::WORDS * 8, mask.as_ptr()) } == 0 {
+                    self.excluded = caller_cpu;
+                } else {
+                    self.allowed = None;
+                }
+            }
+            #[cfg(not(target_os = "linux"))]
+            let _ = caller_cpu;
+        }
+    }
 }
 
 #[cfg(test)]

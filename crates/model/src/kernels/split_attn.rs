@@ -19,7 +19,7 @@ use super::{attn512, attn512q};
 
 /// Up to this many query rows in a call, attention is split here (decode steps); larger
 /// calls (prefill, big batches) keep `paged_attention`'s own tiling and rayon.
-pub const MAX_SPLIT_ROWS: usize = 8;
+pub const MAX_SPLIT_ROWS: usize = pool::DECODE_MAX_TOKENS;
 
 /// Computes what `paged_attention(store, layer, shape, seqs, q, out)` computes, with the
 /// (sequence, KV head) pairs spread over the decode pool, and returns `true`; or returns
