@@ -250,7 +250,10 @@ mod tests {
             out
         };
         let one = run(1);
+        // Every step split (the tuner could otherwise run them inline).
+        pool.set_tuning(false);
         let all = run(pool.threads());
+        pool.set_tuning(true);
         pool.set_active_threads(pool.threads());
         assert_eq!(one, all);
         let mut store = KvStore::new(g, KvDtype::F16);

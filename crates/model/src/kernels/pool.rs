@@ -115,6 +115,8 @@ struct Tuner {
     next_probe: u64,
     gap: u64,
     last_best: usize,
+    /// Off: every step splits (`Pool::set_tuning`).
+    enabled: bool,
 }
 
 const MIN_GAP: u64 = 8;
@@ -126,9 +128,7 @@ const ALPHA: f64 = 0.25;
 impl Tuner {
     fn choose(&mut self) -> usize {
         self.steps += 1;
-        // `PK_POOL_TUNE=0` always splits (benchmarks compare the split itself with the tuned choice).
-        static TUNE: OnceLock<bool> = OnceLock::new();
-        if !*TUNE.get_or_init(|| std::env::var("PK_POOL_TUNE").map_or(true, |v| v != "0")) {
+        if !self.enabled {
             return 1;
         }
         let best = match self.avg {
@@ -220,7 +220,8 @@ impl Pool {
             split_steps: AtomicU64::new(0),
             solo_steps: AtomicU64::new(0),
             solo_now: AtomicBool::new(false),
-            tuner: Mutex::new(Tuner { avg: [None, None], steps: 0, next_probe: MIN_GAP, gap: MIN_GAP, last_best: 1 }),
+            // `PK_POOL_TUNE=0` starts with tuning off, so benchmarks can time the split itself.
+            tuner: Mutex::new(Tuner { avg: [None, None], steps: 0, next_probe: MIN_GAP, gap: MIN_GAP, last_best: 1, enabled: std::env::var("PK_POOL_TUNE").map_or(true, |v| v != "0") }),
             busy: Mutex::new(()),
         }
     }
@@ -239,6 +240,12 @@ impl Pool {
 
     pub fn active_threads(&self) -> usize {
         self.active.load(Relaxed)
+    }
+
+    /// With `false`, every decode step splits (tests of the split path, benchmarks of the
+    /// split itself); with `true` (the default) `step` chooses.
+    pub fn set_tuning(&self, on: bool) {
+        self.tuner.lock().unwrap_or_else(|e| e.into_inner()).enabled = on;
     }
 
     /// Decode steps run split over the pool and run inline, since start-up.
