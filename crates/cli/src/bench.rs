@@ -241,6 +241,12 @@ pub fn perf(a: PerfArgs) -> Result<()> {
         }
         runs.push(run);
     }
+    if !a.json {
+        let (split, inline) = pk_model::kernels::pool::global().step_counts();
+        if split + inline > 0 {
+            eprintln!("decode pool: {split} steps split over {threads} threads, {inline} run on one (chosen by measured speed)");
+        }
+    }
     if a.json {
         let v = serde_json::json!({
             "model": engine.model_name,

@@ -104,13 +104,17 @@ pub struct Pool {
 }
 
 /// The step-level choice between splitting decode over the pool and running it inline: an
-/// A/B test that never stops. Each mode's time per token is an exponential average of its
-/// steps; the faster mode runs, and every `gap` steps one step runs the other way so that
-/// its average follows the host. `gap` doubles (up to `MAX_GAP`) while the choice holds
-/// and drops back to `MIN_GAP` when it flips, so a steady host pays for few probes.
+/// A/B test that never stops. Each mode keeps its last `SAMPLES` times per token, and the
+/// mode with the lower median runs; every `gap` steps one step runs the other way so that its
+/// samples follow the host. `gap` doubles (up to `MAX_GAP`) while the choice holds and drops
+/// back to `MIN_GAP` when it flips, so a steady host pays for few probes. The first
+/// `2 * WARM_UP` steps alternate. Medians, not averages: with exponential averages seeded by
+/// each mode's first step, `bench perf --contexts 16 --threads 2` ran at 0.84× of 1 thread in
+/// two series of six runs on a busy host (one slow sample, such as the first decode step
+/// after a prefill, holds an average up for many steps; a median of seven drops it).
 struct Tuner {
-    /// Seconds per token: [solo, split]; `None` until measured.
-    avg: [Option<f64>; 2],
+    /// Seconds per token, newest last: [solo, split].
+    samples: [Vec<f64>; 2],
     steps: u64,
     next_probe: u64,
     gap: u64,
@@ -119,24 +123,37 @@ struct Tuner {
     enabled: bool,
 }
 
+const SAMPLES: usize = 7;
+/// The split must beat inline by this factor to be chosen: inline is the safe mode (no waits
+/// on a preempted helper), and when the two are this close (both threads on one core under
+/// `taskset -c 0`, where a 1-in-5 split measured 0.96× of 1 thread) the choice would flip
+/// often and every flip brings probes back to every `MIN_GAP` steps.
+const SPLIT_MARGIN: f64 = 0.97;
+const WARM_UP: u64 = 3;
 const MIN_GAP: u64 = 8;
 const MAX_GAP: u64 = 64;
-/// Weight of a new step in its mode's average: a probe moves it enough to notice a change
-/// of host load within a few probes, and one noisy step cannot move it far.
-const ALPHA: f64 = 0.25;
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
 
 impl Tuner {
+    fn new(enabled: bool) -> Tuner {
+        Tuner { samples: [Vec::new(), Vec::new()], steps: 0, next_probe: 0, gap: MIN_GAP, last_best: 1, enabled }
+    }
+
     fn choose(&mut self) -> usize {
         self.steps += 1;
         if !self.enabled {
             return 1;
         }
-        let best = match self.avg {
-            [None, _] => return 0,
-            [_, None] => return 1,
-            [Some(solo), Some(split)] => usize::from(split < solo),
-        };
-        if best != self.last_best {
+        if self.steps <= 2 * WARM_UP || self.samples.iter().any(Vec::is_empty) {
+            return (self.steps % 2) as usize;
+        }
+        let best = usize::from(median(&self.samples[1]) < SPLIT_MARGIN * median(&self.samples[0]));
+        if best != self.last_best || self.next_probe == 0 {
             self.last_best = best;
             self.gap = MIN_GAP;
             self.next_probe = self.steps + self.gap;
@@ -150,8 +167,11 @@ impl Tuner {
     }
 
     fn record(&mut self, mode: usize, secs_per_token: f64) {
-        let a = &mut self.avg[mode];
-        *a = Some(a.map_or(secs_per_token, |v| v + ALPHA * (secs_per_token - v)));
+        let v = &mut self.samples[mode];
+        if v.len() == SAMPLES {
+            v.remove(0);
+        }
+        v.push(secs_per_token);
     }
 }
 
@@ -221,7 +241,7 @@ impl Pool {
             solo_steps: AtomicU64::new(0),
             solo_now: AtomicBool::new(false),
             // `PK_POOL_TUNE=0` starts with tuning off, so benchmarks can time the split itself.
-            tuner: Mutex::new(Tuner { avg: [None, None], steps: 0, next_probe: MIN_GAP, gap: MIN_GAP, last_best: 1, enabled: std::env::var("PK_POOL_TUNE").map_or(true, |v| v != "0") }),
+            tuner: Mutex::new(Tuner::new(std::env::var("PK_POOL_TUNE").map_or(true, |v| v != "0"))),
             busy: Mutex::new(()),
         }
     }
@@ -323,7 +343,7 @@ impl Pool {
         let mut k = 0u32;
         while (sh.done.0.load(Acquire) as usize) < n {
             k = k.wrapping_add(1);
-            if k % 64 != 0 {
+            if !k.is_multiple_of(64) {
                 std::hint::spin_loop();
                 continue;
             }
@@ -376,7 +396,7 @@ fn helper_loop(sh: &Shared, me: usize) {
                 return;
             }
             k = k.wrapping_add(1);
-            if k % 64 != 0 {
+            if !k.is_multiple_of(64) {
                 std::hint::spin_loop();
                 continue;
             }
