@@ -76,6 +76,9 @@ struct Shared {
     /// The caller is parked waiting for the last chunk.
     caller_waiting: AtomicBool,
     caller: Mutex<Option<Thread>>,
+    /// Set while decode runs inline: helpers park at once instead of spinning and yielding
+    /// beside the caller (which would slow the inline steps, and bias the tuner's view of them).
+    hold: AtomicBool,
     /// The CPU the caller last published a region from (-1: unknown).
     caller_cpu: AtomicI32,
     shutdown: AtomicBool,
@@ -121,6 +124,9 @@ struct Tuner {
     last_best: usize,
     /// Off: every step splits (`Pool::set_tuning`).
     enabled: bool,
+    /// The last step: its mode, start, tokens and forward-pass seconds; recorded when the
+    /// next step starts.
+    pending: Option<(usize, Instant, usize, f64)>,
 }
 
 const SAMPLES: usize = 7;
@@ -141,7 +147,7 @@ fn median(v: &[f64]) -> f64 {
 
 impl Tuner {
     fn new(enabled: bool) -> Tuner {
-        Tuner { samples: [Vec::new(), Vec::new()], steps: 0, next_probe: 0, gap: MIN_GAP, last_best: 1, enabled }
+        Tuner { samples: [Vec::new(), Vec::new()], steps: 0, next_probe: 0, gap: MIN_GAP, last_best: 1, enabled, pending: None }
     }
 
     fn choose(&mut self) -> usize {
@@ -175,7 +181,7 @@ impl Tuner {
     }
 }
 
-/// A decode step in progress (see [`Pool::step`]); records its time when dropped.
+/// A decode step in progress (see [`Pool::step`]); notes its forward-pass time when dropped.
 pub struct Step<'a> {
     pool: &'a Pool,
     mode: usize,
@@ -188,9 +194,9 @@ impl Drop for Step<'_> {
         if self.mode == usize::MAX {
             return;
         }
-        let dt = self.t0.elapsed().as_secs_f64() / self.tokens.max(1) as f64;
+        let forward = self.t0.elapsed().as_secs_f64();
         self.pool.solo_now.store(false, Relaxed);
-        self.pool.tuner.lock().unwrap_or_else(|e| e.into_inner()).record(self.mode, dt);
+        self.pool.tuner.lock().unwrap_or_else(|e| e.into_inner()).pending = Some((self.mode, self.t0, self.tokens, forward));
     }
 }
 
@@ -224,6 +230,7 @@ impl Pool {
             caller_waiting: AtomicBool::new(false),
             caller: Mutex::new(None),
             caller_cpu: AtomicI32::new(-1),
+            hold: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
         });
         let helpers = (1..threads)
@@ -284,8 +291,21 @@ impl Pool {
         if self.active_threads() == 1 {
             return Step { pool: self, mode: usize::MAX, tokens, t0: Instant::now() };
         }
-        let mode = self.tuner.lock().unwrap_or_else(|e| e.into_inner()).choose();
+        let mode = {
+            let mut tuner = self.tuner.lock().unwrap_or_else(|e| e.into_inner());
+            // The previous step's cost runs from its start to this one's: whatever a mode
+            // leaves behind (a helper spinning and yielding beside the caller's sampling)
+            // is charged to it. A gap over twice the forward pass was the caller doing
+            // something else (a new request, idle), so then the forward pass alone counts.
+            if let Some((m, t0, tokens, forward)) = tuner.pending.take() {
+                let cycle = t0.elapsed().as_secs_f64();
+                let cost = if cycle <= 2.0 * forward { cycle } else { forward };
+                tuner.record(m, cost / tokens.max(1) as f64);
+            }
+            tuner.choose()
+        };
         self.solo_now.store(mode == 0, Relaxed);
+        self.shared.hold.store(mode == 0, Relaxed);
         [&self.solo_steps, &self.split_steps][mode].fetch_add(1, Relaxed);
         Step { pool: self, mode, tokens, t0: Instant::now() }
     }
@@ -396,18 +416,20 @@ fn helper_loop(sh: &Shared, me: usize) {
                 return;
             }
             k = k.wrapping_add(1);
-            if !k.is_multiple_of(64) {
-                std::hint::spin_loop();
-                continue;
-            }
-            let waited = t0.elapsed();
-            let (spin, yld) = tune();
-            if waited < spin {
-                continue;
-            }
-            if waited < spin + yld {
-                thread::yield_now();
-                continue;
+            if !sh.hold.load(Relaxed) {
+                if !k.is_multiple_of(64) {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                let waited = t0.elapsed();
+                let (spin, yld) = tune();
+                if waited < spin {
+                    continue;
+                }
+                if waited < spin + yld {
+                    thread::yield_now();
+                    continue;
+                }
             }
             sh.sleeping[me].0.store(true, SeqCst);
             if epoch(sh.word.0.load(SeqCst)) == seen && !sh.shutdown.load(SeqCst) {
@@ -446,10 +468,11 @@ impl Drop for Pool {
 }
 
 /// The process-wide decode pool, sized on first use to rayon's thread count (which
-/// `--threads` sets), so one flag configures both.
+/// `--threads` sets), so one flag configures both; `PK_DECODE_THREADS=N` sizes it apart
+/// (benchmarks: prefill on rayon's threads, decode on N).
 pub fn global() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
-    POOL.get_or_init(|| Pool::new(rayon::current_num_threads()))
+    POOL.get_or_init(|| Pool::new(std::env::var("PK_DECODE_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or_else(rayon::current_num_threads)))
 }
 
 /// Keeps a helper off the caller's CPU.
