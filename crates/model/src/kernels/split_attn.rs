@@ -74,6 +74,8 @@ fn split_with(pool: &pool::Pool, store: &KvStore, layer: usize, shape: AttnShape
     let scale = 1.0 / (hd as f32).sqrt();
     let max_rows = attn512::max_rows(hd);
     let chunk = |i: usize| {
+        // Captures the whole `Ptrs` (which is `Sync`), not its raw-pointer fields one by one.
+        #[allow(clippy::redundant_locals)]
         let ptrs = ptrs;
         let (s, kv_head) = (&seqs[i / nkv], i % nkv);
         let mut kv = attn512::HeadKv { k: ptrs.0, v: ptrs.1, f16, block_table: s.block_table, n_kv_heads: g.n_kv_heads, kv_head, block_size: g.block_size_tokens, head_dim: hd, prefetch: true };
