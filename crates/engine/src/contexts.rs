@@ -155,11 +155,12 @@ pub(crate) fn write_prefix(ctx: &KvContext, kv: &mut KvCacheManager, store: &mut
 /// position) out of the pool.
 pub(crate) fn read_prefix(kv: &KvCacheManager, store: &KvStore, seq: SeqId, n_tokens: usize) -> Option<KvContext> {
     let g = store.geometry;
-    let table = table_of(kv, seq);
-    let view = StoreView::new(store, &table, n_tokens);
-    if view.n_tokens() < n_tokens {
+    // The view trusts the count it is given; the sequence must really store that many.
+    if kv.block_table(seq).map_or(0, |t| t.num_stored_tokens() as usize) < n_tokens {
         return None;
     }
+    let table = table_of(kv, seq);
+    let view = StoreView::new(store, &table, n_tokens);
     let d = g.head_dim;
     let len = g.n_layers * g.n_kv_heads * n_tokens * d;
     let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
