@@ -225,6 +225,18 @@ pub(crate) fn encode_f16(x: &[f32], out: &mut Vec<u8>, s: &mut Scratch) {
 /// Reads `x.len()` f16 values into `x`.
 pub(crate) fn decode_f16(r: &mut Reader, x: &mut [f32], s: &mut Scratch) -> Result<(), CodecError> {
     let bytes = r.take(x.len() * 2)?;
+    // Little-endian f16 bytes at an even address are already a `[f16]`: convert in place
+    // rather than copying them into scratch first (a restored context is tens of MB).
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: u16 has no invalid bit patterns; `align_to` only yields the aligned middle.
+        let (head, mid, tail) = unsafe { bytes.align_to::<u16>() };
+        if head.is_empty() && tail.is_empty() {
+            use half::slice::HalfBitsSliceExt;
+            mid.reinterpret_cast::<f16>().convert_to_f32_slice(x);
+            return Ok(());
+        }
+    }
     s.halves.clear();
     s.halves.resize(x.len(), f16::ZERO);
     for (h, b) in s.halves.iter_mut().zip(bytes.chunks_exact(2)) {

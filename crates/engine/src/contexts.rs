@@ -115,6 +115,11 @@ impl ContextReuse {
         }
     }
 
+    /// Hands a loaded context's buffers back to the store for the next load.
+    pub fn recycle(&self, kv: KvContext) {
+        self.store.recycle(kv);
+    }
+
     pub fn offer(&mut self, key: ChunkKey, kv: KvContext) {
         if self.store.offer(key, kv) {
             self.stats.offered += 1;
@@ -135,17 +140,15 @@ pub(crate) fn write_prefix(ctx: &KvContext, kv: &mut KvCacheManager, store: &mut
         return false;
     }
     let table = table_of(kv, seq);
-    let d = g.head_dim;
-    let kv_dim = g.n_kv_heads * d;
-    let (mut kbuf, mut vbuf) = (vec![0f32; kv_dim], vec![0f32; kv_dim]);
+    let (d, bs) = (g.head_dim, g.block_size_tokens);
+    let mut scratch = Vec::new();
     for layer in 0..g.n_layers {
-        for t in 0..n {
-            for h in 0..g.n_kv_heads {
-                let at = t * d;
-                kbuf[h * d..(h + 1) * d].copy_from_slice(&ctx.k_head(layer, h)[at..at + d]);
-                vbuf[h * d..(h + 1) * d].copy_from_slice(&ctx.v_head(layer, h)[at..at + d]);
+        for h in 0..g.n_kv_heads {
+            let (k, v) = (ctx.k_head(layer, h), ctx.v_head(layer, h));
+            for (b, &block) in table.iter().enumerate().take(n.div_ceil(bs)) {
+                let (t0, t1) = (b * bs, ((b + 1) * bs).min(n));
+                store.write_head_rows(layer, block, h, 0, &k[t0 * d..t1 * d], &v[t0 * d..t1 * d], &mut scratch);
             }
-            store.write_token(layer, table[t / g.block_size_tokens], t % g.block_size_tokens, &kbuf, &vbuf);
         }
     }
     true

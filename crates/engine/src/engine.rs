@@ -471,7 +471,7 @@ impl Engine {
     /// Starts `seq` from a given prefix KV or a stored context. Returns the prompt tokens
     /// covered, or `None` (sequence not created) if the KV could not be loaded or placed.
     fn admit_preloaded(&mut self, s: &mut SeqState, seq: pk_kv::SeqId, hit: Option<(pk_tiers::ChunkKey, usize)>) -> Option<usize> {
-        let (ctx, load, exact) = match (&s.req.params.prefix_kv, hit) {
+        let (ctx, mut load, exact) = match (&s.req.params.prefix_kv, hit) {
             (Some(p), _) => (std::borrow::Cow::Borrowed(&p.kv), None, false),
             (None, Some((key, tokens))) => {
                 let c = self.contexts.as_mut()?;
@@ -486,12 +486,20 @@ impl Engine {
         };
         let empty = self.kv.get_computed_prefix(&[], &s.namespace);
         self.kv.add_sequence(seq, &empty);
+        let t0 = std::time::Instant::now();
         if !contexts::write_prefix(&ctx, &mut self.kv, &mut self.store, seq) {
             self.kv.free(seq);
             return None;
         }
+        if let Some(l) = load.as_mut() {
+            l.restore_s = t0.elapsed().as_secs_f64();
+        }
+        let n_original_tokens = ctx.n_original_tokens;
+        if let (std::borrow::Cow::Owned(kv), Some(c)) = (ctx, self.contexts.as_ref()) {
+            c.recycle(kv);
+        }
         s.context = SeqContext { inexact: !exact, offer: None, load };
-        Some(ctx.n_original_tokens)
+        Some(n_original_tokens)
     }
 
     /// Frees the most recently admitted running sequence other than `keep` and puts it

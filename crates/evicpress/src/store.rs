@@ -63,6 +63,8 @@ pub struct LoadReport {
     pub decode_s: f64,
     /// The placed copy could not be read or decoded; the master was used.
     pub fell_back_to_master: bool,
+    /// Seconds the engine spent writing the loaded KV into its pool (0 until it has).
+    pub restore_s: f64,
 }
 
 /// One row of [`ContextStore::explain`]: a context, where it lives, and why.
@@ -156,6 +158,9 @@ pub struct ContextStore {
     tx: Mutex<Option<SyncSender<Job>>>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
     epoch: Instant,
+    /// A decoded context handed back by the engine after it copied it into its pool: the
+    /// next load decodes into its buffers instead of faulting in tens of fresh megabytes.
+    spare: Mutex<Option<KvContext>>,
 }
 
 /// Bound on queued jobs regardless of size (placement jobs carry no KV).
@@ -196,6 +201,7 @@ impl ContextStore {
             tx: Mutex::new(Some(tx)),
             worker: Mutex::new(None),
             epoch: Instant::now(),
+            spare: Mutex::new(None),
         });
         let worker_store = Arc::downgrade(&store);
         let handle = std::thread::Builder::new()
@@ -332,6 +338,12 @@ impl ContextStore {
         }
     }
 
+    /// Takes back a context returned by [`ContextStore::load`] once the caller is done with
+    /// it; one is kept for the next load to decode into.
+    pub fn recycle(&self, ctx: KvContext) {
+        *self.spare.lock().unwrap() = Some(ctx);
+    }
+
     /// Waits until every queued insert and placement has been executed.
     pub fn flush(&self) {
         let (lock, cv) = &*self.in_flight;
@@ -371,7 +383,14 @@ impl ContextStore {
             let fetch_s = t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
             let decoded = match payload {
-                Ok(Some(p)) => pk_codec::decode(&p, &self.fingerprint).map(|ctx| (ctx, p.len() as u64)).map_err(|e| e.to_string()),
+                Ok(Some(p)) => {
+                    let spare = self.spare.lock().unwrap().take();
+                    match spare {
+                        Some(mut ctx) => pk_codec::decode_into(&p, &self.fingerprint, &mut ctx).map(|_| (ctx, p.len() as u64)),
+                        None => pk_codec::decode(&p, &self.fingerprint).map(|ctx| (ctx, p.len() as u64)),
+                    }
+                    .map_err(|e| e.to_string())
+                }
                 Ok(None) => Err("copy missing".into()),
                 Err(e) => Err(e.to_string()),
             };
@@ -385,6 +404,7 @@ impl ContextStore {
                         fetch_s,
                         decode_s: t1.elapsed().as_secs_f64(),
                         fell_back_to_master: fell_back,
+                        restore_s: 0.0,
                     };
                     metrics::counter!("pagekeeper:evicpress_hits", "tier" => report.tier.clone()).increment(1);
                     self.send(Job::Place(*key));

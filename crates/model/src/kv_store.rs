@@ -89,9 +89,9 @@ impl Buf {
     fn write(&mut self, at: usize, src: &[f32]) {
         match self {
             Buf::F16(b) => {
-                for (d, &s) in b[at..at + src.len()].iter_mut().zip(src) {
-                    *d = f16::from_f32(s);
-                }
+                // The slice conversion uses F16C where the CPU has it; both round to nearest even.
+                use half::slice::HalfFloatSliceExt;
+                b[at..at + src.len()].convert_from_f32_slice(src);
             }
             Buf::F32(b) => b[at..at + src.len()].copy_from_slice(src),
         }
@@ -233,6 +233,50 @@ impl KvStore {
                 kb.set(k_at + d * bs, x);
             }
             vb.write(v_at, vh);
+        }
+    }
+
+    /// Writes consecutive tokens of one KV head into one block, starting at `slot0`:
+    /// `k_rows` and `v_rows` are `[token][head_dim]`. The bulk form of `write_token` for
+    /// restoring a stored context, where per-token calls cost more than the copy itself.
+    pub fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>) {
+        let (hd, bs) = (self.geometry.head_dim, self.geometry.block_size_tokens);
+        let n = k_rows.len() / hd;
+        assert!(k_rows.len() == n * hd && v_rows.len() == n * hd && slot0 + n <= bs, "rows must fill whole tokens of one block");
+        if let Some(q) = self.qlayout {
+            let at = self.q_offset(&q, block, kv_head);
+            let LayerBufs::Quant { k: kb, v: vb } = &mut self.layers[layer] else { unreachable!() };
+            for t in 0..n {
+                q.write_k(&mut kb[at..at + q.head_bytes()], slot0 + t, &k_rows[t * hd..(t + 1) * hd]);
+                q.write_v(&mut vb[at..at + q.head_bytes()], slot0 + t, &v_rows[t * hd..(t + 1) * hd]);
+            }
+            return;
+        }
+        let (k_base, v_at) = (self.k_offset(block, kv_head, 0, 0), self.offset(block, kv_head, slot0));
+        let LayerBufs::Elems { k: kb, v: vb } = &mut self.layers[layer] else { unreachable!() };
+        vb.write(v_at, v_rows);
+        match kb {
+            Buf::F16(b) => {
+                // Convert the rows in one vectorised pass, then scatter them into the block's
+                // transposed `[head_dim][slot]` layout.
+                use half::slice::HalfFloatSliceExt;
+                scratch.clear();
+                scratch.resize(k_rows.len(), f16::ZERO);
+                scratch.convert_from_f32_slice(k_rows);
+                for d in 0..hd {
+                    let dst = &mut b[k_base + d * bs + slot0..k_base + d * bs + slot0 + n];
+                    for (t, o) in dst.iter_mut().enumerate() {
+                        *o = scratch[t * hd + d];
+                    }
+                }
+            }
+            Buf::F32(b) => {
+                for d in 0..hd {
+                    for t in 0..n {
+                        b[k_base + d * bs + slot0 + t] = k_rows[t * hd + d];
+                    }
+                }
+            }
         }
     }
 
@@ -385,6 +429,38 @@ mod tests {
             let mut kt = vec![0f32; 4 * 8];
             s.read_k_transposed(1, 1, 1, 8, &mut kt);
             assert_eq!([kt[3], kt[8 + 3], kt[16 + 3], kt[24 + 3]], [4.0, 5.0, 6.0, 7.0]);
+        }
+    }
+
+    /// The bulk restore path stores exactly what per-token writes store, in every dtype.
+    #[test]
+    fn head_rows_match_token_writes() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let g = KvGeometry { n_layers: 2, n_kv_heads: 3, head_dim: 64, block_size_tokens: 16, num_blocks: 4 };
+        for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Q8, KvDtype::Q4] {
+            let (mut a, mut b) = (KvStore::new(g, dtype), KvStore::new(g, dtype));
+            let n = 11;
+            let kvd = g.n_kv_heads * g.head_dim;
+            let k: Vec<f32> = (0..n * kvd).map(|_| rng.gen_range(-3.0..3.0)).collect();
+            let v: Vec<f32> = (0..n * kvd).map(|_| rng.gen_range(-3.0..3.0)).collect();
+            for t in 0..n {
+                a.write_token(1, 2, 3 + t, &k[t * kvd..(t + 1) * kvd], &v[t * kvd..(t + 1) * kvd]);
+            }
+            let mut scratch = Vec::new();
+            for h in 0..g.n_kv_heads {
+                let rows = |x: &[f32]| (0..n).flat_map(|t| x[t * kvd + h * 64..t * kvd + (h + 1) * 64].to_vec()).collect::<Vec<f32>>();
+                b.write_head_rows(1, 2, h, 3, &rows(&k), &rows(&v), &mut scratch);
+            }
+            let (mut x, mut y) = (vec![0f32; 16 * 64], vec![0f32; 16 * 64]);
+            for h in 0..g.n_kv_heads {
+                a.read_k(1, 2, h, &mut x);
+                b.read_k(1, 2, h, &mut y);
+                assert_eq!(x, y, "{dtype} K head {h}");
+                a.read_v(1, 2, h, &mut x);
+                b.read_v(1, 2, h, &mut y);
+                assert_eq!(x, y, "{dtype} V head {h}");
+            }
         }
     }
 
