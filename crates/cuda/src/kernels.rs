@@ -1,0 +1,95 @@
+//! The CUDA C sources of every kernel, and their compilation with NVRTC at run time.
+//!
+//! Sources live in `kernels/*.cu` and are embedded in the binary; at start-up they are
+//! concatenated after `prelude.cu` and compiled once for the device's architecture, with
+//! the GEMM operand type (`act_t`) fixed by a define. NVRTC needs no GPU, which is what lets
+//! `tests/nvrtc_compile.rs` check every source on a machine without one.
+
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+
+use crate::{ActDtype, CudaError};
+
+const PRELUDE: &str = include_str!("kernels/prelude.cu");
+
+/// Every source file after the prelude, by name (for error messages).
+pub const SOURCES: &[(&str, &str)] = &[
+    ("elementwise.cu", include_str!("kernels/elementwise.cu")),
+    ("dequant.cu", include_str!("kernels/dequant.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+];
+
+/// Every `extern "C"` kernel the forward pass loads; a missing one fails at load time.
+pub const KERNEL_NAMES: &[&str] = &[
+    "rmsnorm",
+    "rope",
+    "swiglu",
+    "embed",
+    "argmax_rows",
+    "kv_write",
+    "random_fill",
+    "dequant_q4_0",
+    "dequant_q4_1",
+    "dequant_q8_0",
+    "dequant_f16",
+    "dequant_bf16",
+    "dequant_f32",
+    "paged_attention",
+    "attn_combine",
+];
+
+/// The whole program text: the prelude, then each source.
+pub fn program_source() -> String {
+    let mut src = String::from(PRELUDE);
+    for (name, text) in SOURCES {
+        src.push_str(&format!("\n// ---- {name} ----\n"));
+        src.push_str(text);
+    }
+    src
+}
+
+/// NVRTC's virtual architecture for a compute capability. PTX (not machine code) is what we
+/// load: the driver compiles it for the exact chip, and NVRTC then need not be newer than
+/// the driver's own compiler for the chip's machine code.
+pub fn virtual_arch(major: i32, minor: i32) -> Result<&'static str, CudaError> {
+    Ok(match (major, minor) {
+        (7, 0) => "compute_70",
+        (7, 5) => "compute_75",
+        (8, 0) => "compute_80",
+        (8, 6) => "compute_86",
+        (8, 9) => "compute_89",
+        (9, 0) => "compute_90",
+        (10, 0) => "compute_100",
+        (12, 0) => "compute_120",
+        _ => return Err(CudaError::Unsupported(format!("compute capability {major}.{minor}"))),
+    })
+}
+
+/// Compiles the program for `arch` (e.g. "compute_90") with `act` as the GEMM operand type.
+pub fn compile(arch: &'static str, act: ActDtype) -> Result<Ptx, CudaError> {
+    let mut options = vec!["--std=c++17".to_string()];
+    if act == ActDtype::Bf16 {
+        options.push("-DPK_ACT_BF16".into());
+    }
+    // Precise division, square roots and denormals: the kernels are compared with the CPU's
+    // f32 arithmetic, and none is bound by those instructions.
+    let opts = CompileOptions {
+        arch: Some(arch),
+        ftz: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        fmad: Some(true),
+        options,
+        name: Some("pagekeeper.cu".into()),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(program_source(), opts).map_err(|e| match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => CudaError::Compile(log.to_string_lossy().into_owned()),
+        other => CudaError::Compile(other.to_string()),
+    })
+}
+
+/// Whether libnvrtc can be opened (it is loaded on first use; a missing library would
+/// otherwise panic inside cudarc).
+pub fn nvrtc_available() -> bool {
+    std::panic::catch_unwind(|| unsafe { cudarc::nvrtc::sys::is_culib_present() }).unwrap_or(false)
+}
