@@ -11,7 +11,17 @@
 //! K/V addressed by `(block id, slot)` through each sequence's block table, logits rows for
 //! the requested tokens. Block ids and tables come from the caller, as on the CPU.
 
+pub mod attention;
+pub mod device;
+pub mod forward;
 pub mod kernels;
+pub mod kv_pool;
+pub mod weights;
+
+pub use device::{cuda_or_skip, driver_available, Gpu};
+pub use forward::GpuLlama;
+pub use kv_pool::GpuKvPool;
+pub use weights::GpuWeights;
 
 /// Element type of weights and of the activations fed to cuBLAS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

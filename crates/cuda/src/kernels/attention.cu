@@ -15,12 +15,13 @@
 // n_splits, keys_per_split (a multiple of block_size).
 // Work item (4 ints): seq, kv_head, first query token of the tile, split.
 // Threads: one warp per (token, head) row of the tile: 32 * tile_tokens * group.
+// Queries: row r's heads start at q + r * q_row_stride (the fused QKV GEMM's output).
 // Partials: [split][row][head][head_dim + 2] floats (acc, then m, then l).
 
 #define PK_MAX_PER_LANE 8  // head_dim up to 256
 
 extern "C" __global__ void paged_attention(
-    const float* __restrict__ q, const u16* __restrict__ k_pool, const u16* __restrict__ v_pool,
+    const float* __restrict__ q, int q_row_stride, const u16* __restrict__ k_pool, const u16* __restrict__ v_pool,
     const int* __restrict__ block_tables, const int* __restrict__ seqs, const int* __restrict__ items,
     float* __restrict__ partial, int n_heads, int n_kv_heads, int head_dim, int block_size,
     int tile_tokens, int n_rows_total, float scale) {
@@ -47,12 +48,11 @@ extern "C" __global__ void paged_attention(
     const int k_begin = split * keys_per_split;
     const int k_end = min(k_begin + keys_per_split, stored_start + t_end);
     const int per_lane = head_dim >> 5;
-    const int q_dim = n_heads * head_dim;
 
     float qv[PK_MAX_PER_LANE], acc[PK_MAX_PER_LANE];
 #pragma unroll
     for (int i = 0; i < PK_MAX_PER_LANE; i++) {
-        qv[i] = (active && i < per_lane) ? q[(size_t)row * q_dim + head * head_dim + lane + 32 * i] * scale : 0.0f;
+        qv[i] = (active && i < per_lane) ? q[(size_t)row * q_row_stride + head * head_dim + lane + 32 * i] * scale : 0.0f;
         acc[i] = 0.0f;
     }
     float m = PK_NEG_INF, l = 0.0f;

@@ -22,16 +22,16 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __r
     }
 }
 
-// Rotates every head of row r of `x` (f32, `n_heads * head_dim` per row) by the angles of
-// positions[r], as `Llama::rope`: pairs (2i, 2i+1) when neox == 0, (i, i + head_dim/2)
-// otherwise; angle = position * inv_freq[i], computed in f32 like the CPU.
-extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ positions,
+// Rotates every head of row r of `x` (f32, `n_heads * head_dim` values starting at
+// x + r * row_stride) by the angles of positions[r], as `Llama::rope`: pairs (2i, 2i+1)
+// when neox == 0, (i, i + head_dim/2) otherwise; angle = position * inv_freq[i] in f32.
+extern "C" __global__ void rope(float* __restrict__ x, int row_stride, const int* __restrict__ positions,
                                 const float* __restrict__ inv_freq, int n_heads, int head_dim,
                                 int neox) {
     const int r = blockIdx.x;
     const int half_dim = head_dim / 2;
     const float pos = (float)positions[r];
-    float* xr = x + (size_t)r * n_heads * head_dim;
+    float* xr = x + (size_t)r * row_stride;
     for (int idx = threadIdx.x; idx < n_heads * half_dim; idx += blockDim.x) {
         const int head = idx / half_dim, i = idx % half_dim;
         float s, c;
@@ -45,13 +45,17 @@ extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ p
     }
 }
 
-// out = silu(gate) * up = gate / (1 + exp(-gate)) * up, as `silu_mul_in_place`.
-extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* __restrict__ up,
-                                  act_t* __restrict__ out, long long n) {
+// out[r][i] = silu(gate) * up = gate / (1 + exp(-gate)) * up, as `silu_mul_in_place`, where
+// row r of `gate_up` holds d_ff gate values then d_ff up values (one fused GEMM makes both).
+extern "C" __global__ void swiglu(const float* __restrict__ gate_up, act_t* __restrict__ out,
+                                  int n_rows, int d_ff) {
+    const long long n = (long long)n_rows * d_ff;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        const float g = gate[i];
-        out[i] = f32_to_act(g / (1.0f + expf(-g)) * up[i]);
+        const long long r = i / d_ff, c = i % d_ff;
+        const float g = gate_up[r * 2 * d_ff + c];
+        const float u = gate_up[r * 2 * d_ff + d_ff + c];
+        out[i] = f32_to_act(g / (1.0f + expf(-g)) * u);
     }
 }
 
@@ -106,10 +110,11 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int voc
     }
 }
 
-// Writes each new token's K and V (f32, `n_kv_heads * head_dim` per row) into the paged
-// pool as f16 at physical slot slots[r] = block * block_size + slot. Pool layout per layer:
-// [block][kv_head][slot][head_dim], for K and V alike.
-extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ v,
+// Writes each new token's K and V (f32, `n_kv_heads * head_dim` values at k + r * row_stride
+// and v + r * row_stride) into the paged pool as f16 at physical slot
+// slots[r] = block * block_size + slot. Pool layout per layer: [block][kv_head][slot][head_dim]
+// for K and V alike.
+extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ v, int row_stride,
                                    u16* __restrict__ k_pool, u16* __restrict__ v_pool,
                                    const int* __restrict__ slots, int n_kv_heads, int head_dim,
                                    int block_size) {
@@ -120,8 +125,8 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
     for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
         const int h = i / head_dim, d = i % head_dim;
         const size_t dst = (((size_t)block * n_kv_heads + h) * block_size + in_block) * head_dim + d;
-        k_pool[dst] = f32_to_f16(k[(size_t)r * kv_dim + i]);
-        v_pool[dst] = f32_to_f16(v[(size_t)r * kv_dim + i]);
+        k_pool[dst] = f32_to_f16(k[(size_t)r * row_stride + i]);
+        v_pool[dst] = f32_to_f16(v[(size_t)r * row_stride + i]);
     }
 }
 

@@ -1,0 +1,185 @@
+//! One GPU: its context and stream, the compiled kernel module, cuBLAS, and thin helpers
+//! for launching kernels on raw device pointers.
+//!
+//! Everything runs on one stream, in order, like the CPU engine's single thread, so cudarc's
+//! per-buffer event tracking (made for several streams) is switched off: it would record
+//! events on every launch, and a decode step launches hundreds of kernels.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::cublas::{sys as blas_sys, CudaBlas};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+
+use crate::{kernels, ActDtype, CudaError};
+
+/// Kernel parameters: a pointer to each argument's value, in order. The values may be
+/// temporaries: they live until the end of the statement that launches.
+#[macro_export]
+macro_rules! kargs {
+    ($($x:expr),* $(,)?) => { &mut [$(&$x as *const _ as *mut std::ffi::c_void),*] };
+}
+
+/// A device pointer as a kernel argument (kernels take plain pointers; offsets are ours).
+pub type DevPtr = u64;
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    functions: HashMap<&'static str, CudaFunction>,
+    pub act: ActDtype,
+    pub sm_count: usize,
+    pub name: String,
+}
+
+/// Opens device 0 with `act` as the GEMM operand type, or returns `None` after printing
+/// "skipped: no CUDA device" (for tests and examples that must pass on GPU-less machines).
+pub fn cuda_or_skip(act: ActDtype) -> Option<Gpu> {
+    match Gpu::new(0, act) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            eprintln!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+/// Whether libcuda can be opened (cudarc panics on first use when it cannot).
+pub fn driver_available() -> bool {
+    std::panic::catch_unwind(|| unsafe { cudarc::driver::sys::is_culib_present() }).unwrap_or(false)
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, compiles the kernels for it with NVRTC and creates a cuBLAS
+    /// handle on its stream.
+    pub fn new(ordinal: usize, act: ActDtype) -> Result<Gpu, CudaError> {
+        if !driver_available() {
+            return Err(CudaError::NoDevice("libcuda.so not found".into()));
+        }
+        if !kernels::nvrtc_available() {
+            return Err(CudaError::NoDevice("libnvrtc.so not found (LD_LIBRARY_PATH)".into()));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::NoDevice(e.to_string()))?;
+        // SAFETY: this crate uses a single stream, so no cross-stream ordering is needed.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let (major, minor) = ctx.compute_capability()?;
+        let ptx = kernels::compile(kernels::virtual_arch(major, minor)?, act)?;
+        let module = ctx.load_module(ptx)?;
+        let mut functions = HashMap::new();
+        for &name in kernels::KERNEL_NAMES {
+            functions.insert(name, module.load_function(name)?);
+        }
+        let sm_count = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
+        let blas = CudaBlas::new(stream.clone())?;
+        let name = ctx.name()?;
+        Ok(Gpu { ctx, stream, blas, functions, act, sm_count, name })
+    }
+
+    pub fn function(&self, name: &str) -> &CudaFunction {
+        self.functions.get(name).unwrap_or_else(|| panic!("kernel {name} is not in KERNEL_NAMES"))
+    }
+
+    pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.alloc_zeros::<T>(len.max(1))?)
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        if host.is_empty() {
+            // cudarc refuses empty copies; a one-element buffer stands in.
+            return Ok(unsafe { self.stream.alloc::<T>(1)? });
+        }
+        Ok(self.stream.clone_htod(host)?)
+    }
+
+    /// Copies `host` into the start of `dst` (which must be at least as long).
+    pub fn upload_into<T: DeviceRepr>(&self, host: &[T], dst: &mut CudaSlice<T>) -> Result<(), CudaError> {
+        if !host.is_empty() {
+            let mut view = dst.slice_mut(..host.len());
+            self.stream.memcpy_htod(host, &mut view)?;
+        }
+        Ok(())
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(&self, src: &CudaSlice<T>, len: usize) -> Result<Vec<T>, CudaError> {
+        let mut out = vec![T::default(); len];
+        if len > 0 {
+            self.stream.memcpy_dtoh(&src.slice(..len), &mut out[..])?;
+        }
+        Ok(out)
+    }
+
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// The buffer's device address, for kernel arguments and cuBLAS.
+    pub fn ptr<T>(&self, s: &CudaSlice<T>) -> DevPtr {
+        let (p, _sync) = s.device_ptr(&self.stream);
+        p
+    }
+
+    /// Launches `name` with `grid × block` threads and `shared_bytes` of dynamic shared
+    /// memory; `params` points at each argument's value (build it with [`kargs!`]).
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's parameters in number, order and type (device
+    /// pointers as u64, `int` as i32, `long long` as i64, `float` as f32), and every pointer
+    /// must cover what the kernel reads and writes.
+    pub unsafe fn launch(&self, name: &str, grid: u32, block: u32, shared_bytes: u32, params: &mut [*mut std::ffi::c_void]) -> Result<(), CudaError> {
+        let f = self.function(name);
+        cudarc::driver::result::launch_kernel(f.cu_function(), (grid.max(1), 1, 1), (block, 1, 1), shared_bytes, self.stream.cu_stream(), params)?;
+        Ok(())
+    }
+
+    /// Grid size for a grid-stride loop over `n` elements with 256-thread blocks.
+    pub fn grid_for(&self, n: usize) -> u32 {
+        (n.div_ceil(256)).min(self.sm_count * 32).max(1) as u32
+    }
+
+    fn act_type(&self) -> blas_sys::cudaDataType {
+        match self.act {
+            ActDtype::F16 => blas_sys::cudaDataType::CUDA_R_16F,
+            ActDtype::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
+        }
+    }
+
+    /// `y[n_tokens × rows] = x[n_tokens × cols] · wᵀ + beta · y`, with `w` row-major
+    /// `[rows × cols]` and `x` in act_t, `y` in f32 (beta 1 adds into the residual stream).
+    ///
+    /// cuBLAS is column-major: row-major `w` is a column-major `cols × rows` matrix, so
+    /// `yᵀ (rows × n) = op_T(w) · xᵀ (cols × n)`, which is `gemm(T, N)` with leading
+    /// dimensions cols, cols and rows. For one token cuBLAS picks its GEMV kernels; we use
+    /// it for every batch size (see scripts/gpu/README.md for how to check that choice).
+    pub fn gemm(&self, w: DevPtr, rows: usize, cols: usize, x: DevPtr, n_tokens: usize, y: DevPtr, beta: f32) -> Result<(), CudaError> {
+        let alpha = 1.0f32;
+        let t = self.act_type();
+        // SAFETY: the caller's buffers hold rows × cols, n_tokens × cols and n_tokens × rows
+        // elements (checked by the forward pass's sizes); alpha and beta live across the call.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                rows as i32,
+                n_tokens as i32,
+                cols as i32,
+                &alpha as *const f32 as *const _,
+                w as *const _,
+                t,
+                cols as i32,
+                x as *const _,
+                t,
+                cols as i32,
+                &beta as *const f32 as *const _,
+                y as *mut _,
+                blas_sys::cudaDataType::CUDA_R_32F,
+                rows as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )?;
+        }
+        Ok(())
+    }
+}
