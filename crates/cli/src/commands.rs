@@ -79,9 +79,17 @@ pub struct TierArgs {
     /// Rank EVICPRESS's greedy by utility drop per byte freed (AdaptCache) instead of absolute drop.
     #[arg(long)]
     pub evicpress_per_byte: bool,
+    /// How profiling scores a configuration: f1 (token-F1 of its greedy answers against the
+    /// full KV's) or teacher-forced (how often it predicts the full KV's answer tokens).
+    #[arg(long, env = "PAGEKEEPER_EVICPRESS_PROFILE_METRIC", default_value = "f1", value_parser = parse_profile_metric)]
+    pub evicpress_profile_metric: pk_engine::profiler::QualityMetric,
     /// Tiers from the `--config` file, used for those no flag or env sets (config.rs).
     #[arg(skip)]
     pub from_file: Option<crate::config::TiersSection>,
+}
+
+pub fn parse_profile_metric(s: &str) -> Result<pk_engine::profiler::QualityMetric, String> {
+    s.parse()
 }
 
 impl TierArgs {
@@ -111,7 +119,7 @@ impl TierArgs {
             return Ok(None);
         }
         let store = crate::tier_policy::evicpress_config(&self.tier_configs()?, self.evicpress_alpha, self.evicpress_grid.as_deref(), self.evicpress_per_byte)?;
-        Ok(Some(pk_engine::ContextReuseConfig { store, chunk_size_tokens: self.chunk_tokens() }))
+        Ok(Some(pk_engine::ContextReuseConfig { store, chunk_size_tokens: self.chunk_tokens(), profile_metric: self.evicpress_profile_metric }))
     }
 }
 

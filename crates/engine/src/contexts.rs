@@ -47,6 +47,8 @@ pub struct ContextReuseConfig {
     pub store: StoreConfig,
     /// Context boundaries fall on multiples of this many tokens (a multiple of the block size).
     pub chunk_size_tokens: usize,
+    /// How profiling scores a configuration's answers against the full KV's.
+    pub profile_metric: crate::profiler::QualityMetric,
 }
 
 impl std::fmt::Debug for ContextReuseConfig {
@@ -68,6 +70,7 @@ pub(crate) struct ContextReuse {
     pub store: Arc<ContextStore>,
     keyer: ChunkKeyer,
     pub stats: ContextReuseStats,
+    pub profile_metric: crate::profiler::QualityMetric,
 }
 
 /// The codec fingerprint of a model's KV: a digest of the engine's cache namespace.
@@ -80,7 +83,7 @@ impl ContextReuse {
         let keyer = ChunkKeyer::new(model_name, namespace, cfg.chunk_size_tokens, block_size_tokens)?;
         let mut store_cfg = cfg.store.clone();
         store_cfg.fingerprint = kv_fingerprint(namespace);
-        Ok(ContextReuse { store: ContextStore::new(store_cfg)?, keyer, stats: ContextReuseStats::default() })
+        Ok(ContextReuse { store: ContextStore::new(store_cfg)?, keyer, stats: ContextReuseStats::default(), profile_metric: cfg.profile_metric })
     }
 
     pub fn chunk_size_tokens(&self) -> usize {

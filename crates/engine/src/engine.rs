@@ -259,6 +259,11 @@ impl Engine {
     }
 
     /// The EVICPRESS store, if configured.
+    /// How profiling scores configurations (the default when no store is configured).
+    pub fn profile_metric(&self) -> crate::profiler::QualityMetric {
+        self.contexts.as_ref().map_or_else(Default::default, |c| c.profile_metric)
+    }
+
     pub fn context_store(&self) -> Option<Arc<pk_evicpress::ContextStore>> {
         self.contexts.as_ref().map(|c| c.store.clone())
     }

@@ -1,9 +1,16 @@
 //! EVICPRESS profiling (spec "Profiling"): how well each configuration of the grid
 //! answers a stored context's queries, measured on the engine itself.
 //!
-//! Quality metric (the spec's **decision**): token-level F1 between the greedy answer
-//! generated from the compressed KV and the greedy answer generated from the full KV, the
-//! same measure `pk-eval` uses for answer agreement, averaged over the profiling queries.
+//! Quality metric (the spec's **decision**, configurable by [`QualityMetric`]):
+//! - `f1` (default): token-level F1 between the greedy answer generated from the compressed
+//!   KV and the greedy answer generated from the full KV, the same measure `pk-eval` uses
+//!   for answer agreement, averaged over the profiling queries. One early near-tie flip
+//!   changes the whole rest of a greedy answer, so this is strict and noisy.
+//! - `teacher-forced`: the full KV's greedy answer is forced after the query on the
+//!   compressed KV, and the score is the fraction of its tokens the compressed KV also
+//!   ranks first. Every position is judged on the same prefix, so a flip costs one token,
+//!   not the rest of the answer. It needs the full-KV answers first: a second phase,
+//!   submitted by [`Profiling::poll`] once the first is done.
 //!
 //! All answers of one context (every configuration × every query, the full-KV ones
 //! included) are submitted at once and run by the ordinary scheduler, so profiling is
@@ -47,22 +54,137 @@ pub fn token_f1(answer: &[u32], reference: &[u32]) -> f64 {
     2.0 * p * r / (p + r)
 }
 
+/// How profiling scores a configuration's answers (see the module's documentation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QualityMetric {
+    #[default]
+    AnswerF1,
+    TeacherForced,
+}
+
+impl std::str::FromStr for QualityMetric {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f1" => Ok(QualityMetric::AnswerF1),
+            "teacher-forced" => Ok(QualityMetric::TeacherForced),
+            _ => Err(format!("unknown profile metric {s:?} (f1 or teacher-forced)")),
+        }
+    }
+}
+
+impl std::fmt::Display for QualityMetric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            QualityMetric::AnswerF1 => "f1",
+            QualityMetric::TeacherForced => "teacher-forced",
+        })
+    }
+}
+
 /// A profile in flight: answers arrive through the requests' sinks.
 pub struct Profiling {
     pub key: ChunkKey,
     n_configs: usize,
     n_queries: usize,
     answers: Arc<Mutex<HashMap<(usize, usize), Vec<u32>>>>,
+    /// Teacher-forced agreement per (configuration, query), filled by the second phase.
+    agreement: Arc<Mutex<HashMap<(usize, usize), f64>>>,
     remaining: Arc<AtomicUsize>,
+    /// With the teacher-forced metric, the second phase waiting for the full-KV answers:
+    /// each compressed configuration's KV and the queries.
+    second_phase: Option<(Vec<Arc<PrefixKv>>, Vec<Vec<u32>>)>,
+    metric: QualityMetric,
 }
 
 impl Profiling {
-    pub fn is_done(&self) -> bool {
+    /// Every submitted request has finished (the second phase may not be submitted yet:
+    /// use [`Profiling::poll`] to drive a profile to its end).
+    fn phase_done(&self) -> bool {
         self.remaining.load(Ordering::Acquire) == 0
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.phase_done() && self.second_phase.is_none()
+    }
+
+    /// Advances the profile: submits the teacher-forced phase once the full-KV answers are
+    /// in. Returns whether the profile is complete.
+    pub fn poll(&mut self, e: &mut Engine) -> Result<bool> {
+        if !self.phase_done() {
+            return Ok(false);
+        }
+        let Some((prefixes, queries)) = self.second_phase.take() else { return Ok(true) };
+        let refs: Vec<Vec<u32>> = (0..queries.len()).map(|q| self.answer(0, q).unwrap_or_default()).collect();
+        for (c, prefix) in prefixes.into_iter().enumerate().map(|(i, p)| (i + 1, p)) {
+            for (q, query) in queries.iter().enumerate() {
+                if refs[q].is_empty() {
+                    self.agreement.lock().unwrap().insert((c, q), 1.0);
+                    continue;
+                }
+                let mut prompt = vec![0u32; prefix.n_tokens()];
+                prompt.extend_from_slice(query);
+                let params = GenerateParams {
+                    max_tokens: refs[q].len(),
+                    forced_tokens: refs[q].clone(),
+                    ignore_eos: true,
+                    return_logits: true,
+                    prefix_kv: Some(prefix.clone()),
+                    background: true,
+                    ..Default::default()
+                };
+                let (agreement, remaining, reference) = (self.agreement.clone(), self.remaining.clone(), refs[q].clone());
+                let (mut matched, mut seen, mut done) = (0usize, 0usize, false);
+                self.remaining.fetch_add(1, Ordering::AcqRel);
+                let sink = Box::new(move |ev: SeqEvent| {
+                    let finished = match ev {
+                        SeqEvent::Logits(l) => {
+                            let top = l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32);
+                            matched += usize::from(top == reference.get(seen).copied());
+                            seen += 1;
+                            false
+                        }
+                        SeqEvent::Finished(_) => {
+                            agreement.lock().unwrap().insert((c, q), matched as f64 / reference.len() as f64);
+                            true
+                        }
+                        SeqEvent::Error(_) => true,
+                        SeqEvent::Text { .. } => false,
+                    };
+                    if finished && !done {
+                        done = true;
+                        remaining.fetch_sub(1, Ordering::AcqRel);
+                    }
+                    true
+                });
+                if let Err(err) = e.submit(Request { prompt_ids: prompt, params, cache_salt: None, sink }) {
+                    self.remaining.fetch_sub(1, Ordering::AcqRel);
+                    bail!("submitting a teacher-forced profiling request: {err}");
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    /// The answer configuration `config` gave to query `query`, once finished.
+    pub fn answer(&self, config: usize, query: usize) -> Option<Vec<u32>> {
+        self.answers.lock().unwrap().get(&(config, query)).cloned()
     }
 
     /// Quality per configuration (index 0, the full KV, is 1 by definition).
     pub fn qualities(&self) -> Vec<f32> {
+        if self.metric == QualityMetric::TeacherForced {
+            let agreement = self.agreement.lock().unwrap();
+            return (0..self.n_configs)
+                .map(|c| {
+                    if c == 0 {
+                        return 1.0;
+                    }
+                    let sum: f64 = (0..self.n_queries).map(|q| agreement.get(&(c, q)).copied().unwrap_or(0.0)).sum();
+                    (sum / self.n_queries.max(1) as f64) as f32
+                })
+                .collect();
+        }
         let answers = self.answers.lock().unwrap();
         (0..self.n_configs)
             .map(|c| {
@@ -83,6 +205,12 @@ impl Engine {
     /// the store's grid and every query (tokens that follow the context), a greedy answer
     /// of at most `max_answer_tokens` from the configuration's KV.
     pub fn start_profile(&mut self, key: ChunkKey, queries: &[Vec<u32>], max_answer_tokens: usize) -> Result<Profiling> {
+        let metric = self.profile_metric();
+        self.start_profile_with(key, queries, max_answer_tokens, metric)
+    }
+
+    /// As [`Engine::start_profile`], scored by `metric` instead of the configured one.
+    pub fn start_profile_with(&mut self, key: ChunkKey, queries: &[Vec<u32>], max_answer_tokens: usize, metric: QualityMetric) -> Result<Profiling> {
         let Some(store) = self.context_store() else { bail!("no context store configured") };
         if queries.is_empty() {
             bail!("profiling needs at least one query");
@@ -94,10 +222,17 @@ impl Engine {
             bail!("profiling needs {} requests; the queue has room for {room}", n_configs * queries.len());
         }
         let answers = Arc::new(Mutex::new(HashMap::new()));
-        let remaining = Arc::new(AtomicUsize::new(n_configs * queries.len()));
+        // With teacher forcing, the first phase answers from the full KV only.
+        let first_phase_configs = if metric == QualityMetric::TeacherForced { 1 } else { n_configs };
+        let remaining = Arc::new(AtomicUsize::new(first_phase_configs * queries.len()));
+        let mut later = Vec::new();
         for c in 0..n_configs {
             let kv = if c == 0 { full.clone() } else { store.compress(&key, &full, c).map_err(anyhow::Error::msg)? };
             let prefix = Arc::new(PrefixKv { kv });
+            if c >= first_phase_configs {
+                later.push(prefix);
+                continue;
+            }
             for (q, query) in queries.iter().enumerate() {
                 // The context's own token ids are not needed: its KV is given.
                 let mut prompt = vec![0u32; prefix.n_tokens()];
@@ -123,13 +258,14 @@ impl Engine {
                 self.submit(Request { prompt_ids: prompt, params, cache_salt: None, sink }).map_err(|e| anyhow::anyhow!("{e}"))?;
             }
         }
-        Ok(Profiling { key, n_configs, n_queries: queries.len(), answers, remaining })
+        let second_phase = (metric == QualityMetric::TeacherForced).then(|| (later, queries.to_vec()));
+        Ok(Profiling { key, n_configs, n_queries: queries.len(), answers, agreement: Arc::new(Mutex::new(HashMap::new())), remaining, second_phase, metric })
     }
 
     /// Profiles one context to completion and records the curve in the store. Returns it.
     pub fn profile_blocking(&mut self, key: ChunkKey, queries: &[Vec<u32>], max_answer_tokens: usize) -> Result<Vec<f32>> {
-        let p = self.start_profile(key, queries, max_answer_tokens)?;
-        while !p.is_done() {
+        let mut p = self.start_profile(key, queries, max_answer_tokens)?;
+        while !p.poll(self)? {
             if !self.has_work() {
                 bail!("profiling requests ended without results");
             }

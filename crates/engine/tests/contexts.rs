@@ -29,7 +29,7 @@ fn store_config(dir: &std::path::Path, policy: Policy, ram_bytes: u64) -> StoreC
 
 fn engine_with(store: StoreConfig) -> pk_engine::Engine {
     // The pool's own prefix cache would serve repeats before the store is asked.
-    common::engine(EngineConfig { contexts: Some(ContextReuseConfig { store, chunk_size_tokens: 256 }), enable_prefix_caching: false, ..Default::default() })
+    common::engine(EngineConfig { contexts: Some(ContextReuseConfig { store, chunk_size_tokens: 256, profile_metric: Default::default() }), enable_prefix_caching: false, ..Default::default() })
 }
 
 #[test]
@@ -152,6 +152,45 @@ fn profiling_measures_quality_per_configuration() {
     assert!(q[1] >= 0.5, "q8 quality {q:?}");
     let row = &store.explain()[0];
     assert_eq!(row.quality_source, pk_evicpress::QualitySource::Profiled);
+    e.check_invariants();
+}
+
+#[test]
+fn teacher_forced_profiling_is_the_agreement_on_the_full_kv_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let book = common::book_ids();
+    let context = &book[8000..8512];
+    let mut e = engine_with(store_config(dir.path(), Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop }, 256 << 20));
+    let key = e.context_key(context, None).unwrap();
+    e.generate(&[context, &book[10..20]].concat(), &GenerateParams { max_tokens: 1, ..Default::default() }, &mut |_| {}).unwrap();
+    let store = e.context_store().unwrap();
+    store.flush();
+    let queries: Vec<Vec<u32>> = (0..2).map(|i| book[8600 + i * 40..8620 + i * 40].to_vec()).collect();
+    let mut p = e.start_profile_with(key, &queries, 10, pk_engine::profiler::QualityMetric::TeacherForced).unwrap();
+    while !p.poll(&mut e).unwrap() {
+        assert!(e.has_work(), "profiling requests ended without results");
+        e.step();
+    }
+    let q = p.qualities();
+    assert_eq!(q[0], 1.0);
+    // The same numbers computed by hand for each configuration: greedy answers from the
+    // full KV, forced on the configuration's KV, argmax agreement averaged over queries.
+    let full = store.load_master(&key).unwrap();
+    let full_prefix = Arc::new(PrefixKv { kv: full.clone() });
+    for (c, &got) in q.iter().enumerate().skip(1) {
+        let prefix = Arc::new(PrefixKv { kv: store.compress(&key, &full, c).unwrap() });
+        let mut sum = 0.0;
+        for query in &queries {
+            let prompt = [context, &query[..]].concat();
+            let reference = e.generate(&prompt, &GenerateParams { max_tokens: 10, prefix_kv: Some(full_prefix.clone()), ..Default::default() }, &mut |_| {}).unwrap().token_ids;
+            let rows = e.teacher_force(&prompt, &reference, &GenerateParams { prefix_kv: Some(prefix.clone()), ..Default::default() }).unwrap();
+            let agree = rows.iter().zip(&reference).filter(|(row, &t)| row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32 == t).count();
+            sum += agree as f64 / reference.len() as f64;
+        }
+        let want = (sum / queries.len() as f64) as f32;
+        assert!((got - want).abs() < 1e-6, "configuration {c}: profiled {got}, by hand {want}");
+    }
+    assert!(q[1] >= 0.8, "8-bit KV predicts most of the full KV's answer tokens: {q:?}");
     e.check_invariants();
 }
 

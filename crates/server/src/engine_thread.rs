@@ -76,7 +76,9 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
     // EVICPRESS profiling runs in idle capacity, batched with whatever arrives meanwhile.
     let mut profiling: Option<pk_engine::profiler::Profiling> = None;
     loop {
-        if let Some(p) = profiling.take_if(|p| p.is_done()) {
+        // A profile that cannot submit its second phase (a full queue) is dropped; the
+        // context stays eligible and is tried again when the engine is idle.
+        if let Some(p) = profiling.take_if(|p| p.poll(&mut engine).unwrap_or(true)) {
             if let Some(store) = engine.context_store() {
                 let _ = store.set_profile(&p.key, p.qualities());
             }

@@ -80,6 +80,9 @@ pub struct EvicpressArgs {
     pub rate: f64,
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
+    /// How profiling scores a configuration (f1 or teacher-forced; see `serve --help`).
+    #[arg(long, default_value = "f1", value_parser = crate::commands::parse_profile_metric)]
+    pub profile_metric: pk_engine::profiler::QualityMetric,
     /// Keep the cold-read behaviour of an SSD: drop written and read disk files from the
     /// page cache (posix_fadvise), so that the OS does not turn the disk tier into RAM.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -117,6 +120,10 @@ pub struct RunRow {
     pub ttft_p50_s: f64,
     pub ttft_p95_s: f64,
     pub quality: f64,
+    /// Ground-truth task score on the test queries (the asked code is the answer's first
+    /// number), the measure the paper's "quality drop" uses; `quality` compares with the
+    /// full-KV answer instead.
+    pub task_score: Option<f64>,
     pub hits_per_tier: BTreeMap<String, u64>,
     /// "real" (engine and tiers) or "sim" (trace-driven simulator).
     pub source: String,
@@ -136,6 +143,10 @@ struct Setup {
     references: Vec<Vec<Vec<u32>>>,
     profiles: Vec<Vec<f32>>,
     test_quality: Vec<Vec<f32>>,
+    /// test_task[c][config]: mean task score of the configuration's test answers.
+    test_task: Vec<Vec<f32>>,
+    /// reference_task[c][q]: task score of the full-KV answer.
+    reference_task: Vec<Vec<f64>>,
     prefill_tokens_per_s: f64,
 }
 
@@ -238,7 +249,8 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     for &alpha in &a.alphas {
         policies.push(("evicpress".into(), Some(alpha), Policy::Evicpress { alpha, ranking: Ranking::AbsoluteDrop }));
     }
-    let mut rows = vec![row_of("full-prefill", None, "real", "base", a.ram_fraction, &reqs.iter().map(|r| setup.full_prefill_s[r.context]).collect::<Vec<_>>(), &vec![1.0; reqs.len()], BTreeMap::new())];
+    let full_task: Vec<f64> = reqs.iter().map(|r| setup.reference_task[r.context][r.query]).collect();
+    let mut rows = vec![row_of("full-prefill", None, "real", "base", a.ram_fraction, &reqs.iter().map(|r| setup.full_prefill_s[r.context]).collect::<Vec<_>>(), &vec![1.0; reqs.len()], &full_task, BTreeMap::new())];
     let mut loads: Vec<Load> = Vec::new();
     // One engine and store per policy, all warm; every request is served by each policy in
     // turn, so that the host's load (shared, drifting) weighs on all policies alike.
@@ -255,7 +267,7 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     eprintln!("real runs: {} requests × {} policies in {:.0} s", reqs.len(), runners.len(), t0.elapsed().as_secs_f64());
     for runner in runners {
         let (row, run_loads) = runner.finish(a.ram_fraction);
-        eprintln!("{} {:?}: TTFT mean {:.3} s, quality {:.3}", row.policy, row.alpha, row.ttft_mean_s, row.quality);
+        eprintln!("{} {:?}: TTFT mean {:.3} s, quality {:.3}, task {:.3}", row.policy, row.alpha, row.ttft_mean_s, row.quality, row.task_score.unwrap_or(f64::NAN));
         rows.push(row);
         loads.extend(run_loads);
     }
@@ -294,6 +306,7 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
                 }).collect(),
                 profile_quality: setup.profiles[c].clone(),
                 test_quality: setup.test_quality[c].clone(),
+                test_task: setup.test_task[c].clone(),
             }
         })
         .collect();
@@ -317,6 +330,7 @@ fn setup_summary(s: &Setup, p: &Preset, working_set: u64) -> serde_json::Value {
         "full_prefill_s": s.full_prefill_s,
         "profiles": s.profiles,
         "test_quality": s.test_quality,
+        "test_task": s.test_task,
     })
 }
 
@@ -329,7 +343,8 @@ struct Load {
     ttft_s: f64,
 }
 
-fn row_of(policy: &str, alpha: Option<f64>, source: &str, scenario: &str, ram_fraction: f64, ttft: &[f64], quality: &[f64], hits: BTreeMap<String, u64>) -> RunRow {
+#[allow(clippy::too_many_arguments)]
+fn row_of(policy: &str, alpha: Option<f64>, source: &str, scenario: &str, ram_fraction: f64, ttft: &[f64], quality: &[f64], task: &[f64], hits: BTreeMap<String, u64>) -> RunRow {
     RunRow {
         policy: policy.into(),
         alpha,
@@ -337,6 +352,7 @@ fn row_of(policy: &str, alpha: Option<f64>, source: &str, scenario: &str, ram_fr
         ttft_p50_s: percentile(ttft, 50.0),
         ttft_p95_s: percentile(ttft, 95.0),
         quality: mean(quality),
+        task_score: (!task.is_empty()).then(|| mean(task)),
         hits_per_tier: hits,
         source: source.into(),
         scenario: scenario.into(),
@@ -367,7 +383,7 @@ fn engine_for(a: &EvicpressArgs, store: StoreConfig, kv_capacity_tokens: usize) 
     let config = EngineConfig {
         block_size_tokens: a.model.block_size,
         kv_capacity_tokens: Some(kv_capacity_tokens),
-        contexts: Some(ContextReuseConfig { store, chunk_size_tokens: 256 }),
+        contexts: Some(ContextReuseConfig { store, chunk_size_tokens: 256, profile_metric: a.profile_metric }),
         // Every reuse must come from the store: the pool's prefix cache would otherwise
         // serve a context asked twice in a row for free, under every policy alike.
         enable_prefix_caching: false,
@@ -408,18 +424,25 @@ fn setup(a: &EvicpressArgs, p: &Preset, dir: &std::path::Path) -> Result<Setup> 
         eprintln!("context {i} ({:?}, {} tokens): full prefill {:.2} s", c.kind, c.tokens.len(), full_prefill_s[i]);
     }
     let prefill_tokens_per_s = prefill_tokens as f64 / full_prefill_s.iter().sum::<f64>();
-    let (mut profiles, mut test_quality) = (Vec::new(), Vec::new());
+    let reference_task: Vec<Vec<f64>> = contexts.iter().zip(&references).map(|(c, refs)| refs.iter().zip(&c.test_answers).map(|(r, gold)| workload::task_score(&e.tokenizer.decode(r), gold)).collect()).collect();
+    let (mut profiles, mut test_quality, mut test_task) = (Vec::new(), Vec::new(), Vec::new());
     for (i, c) in contexts.iter().enumerate() {
         let key = e.context_key(&c.tokens, None).context("context key")?;
         profiles.push(e.profile_blocking(key, &c.profile_queries, p.answer_tokens)?);
-        let t = e.start_profile(key, &c.test_queries, p.answer_tokens)?;
-        while !t.is_done() {
+        // Test queries are always scored as the real runs score them (token-F1 against the
+        // full-KV answer), whatever profiling uses.
+        let mut t = e.start_profile_with(key, &c.test_queries, p.answer_tokens, pk_engine::profiler::QualityMetric::AnswerF1)?;
+        while !t.poll(&mut e)? {
             e.step();
         }
         test_quality.push(t.qualities());
+        test_task.push((0..p.grid.len()).map(|g| {
+            let scores: Vec<f64> = c.test_answers.iter().enumerate().map(|(q, gold)| workload::task_score(&e.tokenizer.decode(&t.answer(g, q).unwrap_or_default()), gold)).collect();
+            mean(&scores) as f32
+        }).collect());
         eprintln!("profiled context {i}: {:?}", profiles[i].iter().map(|q| (q * 100.0).round() / 100.0).collect::<Vec<_>>());
     }
-    Ok(Setup { contexts, masters, master_bytes, full_prefill_s, references, profiles, test_quality, prefill_tokens_per_s })
+    Ok(Setup { contexts, masters, master_bytes, full_prefill_s, references, profiles, test_quality, test_task, reference_task, prefill_tokens_per_s })
 }
 
 /// One policy's engine and store during the real runs.
@@ -430,6 +453,7 @@ struct Runner {
     alpha: Option<f64>,
     ttft: Vec<f64>,
     quality: Vec<f64>,
+    task: Vec<f64>,
     hits: BTreeMap<String, u64>,
     loads: Vec<Load>,
 }
@@ -449,7 +473,7 @@ impl Runner {
             store.set_profile(&key, s.profiles[c].clone()).map_err(anyhow::Error::msg)?;
             store.flush();
         }
-        Ok(Runner { e, store, name: name.into(), alpha, ttft: Vec::new(), quality: Vec::new(), hits: BTreeMap::new(), loads: Vec::new() })
+        Ok(Runner { e, store, name: name.into(), alpha, ttft: Vec::new(), quality: Vec::new(), task: Vec::new(), hits: BTreeMap::new(), loads: Vec::new() })
     }
 
     fn serve(&mut self, p: &Preset, s: &Setup, r: &workload::Request) -> Result<()> {
@@ -458,6 +482,7 @@ impl Runner {
         let out = self.e.generate(&[&c.tokens[..], &c.test_queries[r.query]].concat(), &greedy, &mut |_| {})?;
         self.ttft.push(out.prefill_seconds);
         self.quality.push(pk_engine::profiler::token_f1(&out.token_ids, &s.references[r.context][r.query]));
+        self.task.push(workload::task_score(&self.e.tokenizer.decode(&out.token_ids), &c.test_answers[r.query]));
         let tier = out.context_load.as_ref().map_or("recompute".to_string(), |l| l.tier.clone());
         *self.hits.entry(tier).or_insert(0u64) += 1;
         if let Some(l) = &out.context_load {
@@ -471,7 +496,7 @@ impl Runner {
 
     fn finish(self, ram_fraction: f64) -> (RunRow, Vec<Load>) {
         let st = self.store.stats();
-        let mut row = row_of(&self.name, self.alpha, "real", "base", ram_fraction, &self.ttft, &self.quality, self.hits);
+        let mut row = row_of(&self.name, self.alpha, "real", "base", ram_fraction, &self.ttft, &self.quality, &self.task, self.hits);
         row.bytes_moved = Some(st.bytes_moved);
         row.placement_cpu_ms_mean = Some(1e3 * st.placement_cpu_s_total / st.placement_decisions.max(1) as f64);
         row.placement_cpu_ms_max = Some(1e3 * st.placement_cpu_s_max);

@@ -26,6 +26,14 @@ pub struct Context {
     pub tokens: Vec<u32>,
     pub profile_queries: Vec<Vec<u32>>,
     pub test_queries: Vec<Vec<u32>>,
+    /// The code each test question asks for: the task's ground truth.
+    pub test_answers: Vec<String>,
+}
+
+/// The task's score of one answer: 1 when the first number in it is the asked code.
+pub fn task_score(answer: &str, gold: &str) -> f64 {
+    let digits: String = answer.chars().skip_while(|c| !c.is_ascii_digit()).take_while(|c| c.is_ascii_digit()).collect();
+    f64::from(u8::from(digits == gold))
 }
 
 pub struct WorkloadSpec {
@@ -106,16 +114,30 @@ pub fn contexts(tok: &Tokenizer, spec: &WorkloadSpec) -> Vec<Context> {
         if askable.len() < spec.profile_queries + spec.test_queries {
             tracing::warn!("context {i}: only {} facts survived the cut; profiling and test questions overlap", askable.len());
         }
-        let q = |j: usize| tok.encode(&question(&askable[order[j % order.len().max(1)]].0), false);
+        let fact_of = |j: usize| askable[order[j % order.len().max(1)]];
+        let q = |j: usize| tok.encode(&question(&fact_of(j).0), false);
         let n_p = spec.profile_queries;
         out.push(Context {
             kind,
             tokens,
             profile_queries: (0..n_p).map(q).collect(),
             test_queries: (n_p..n_p + spec.test_queries).map(q).collect(),
+            test_answers: (n_p..n_p + spec.test_queries).map(|j| fact_of(j).1.clone()).collect(),
         });
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn task_score_reads_the_first_number() {
+        assert_eq!(super::task_score(" 48213. The code", "48213"), 1.0);
+        assert_eq!(super::task_score(" 4821", "48213"), 0.0);
+        assert_eq!(super::task_score(" 482135", "48213"), 0.0);
+        assert_eq!(super::task_score(" unknown, 48213", "48213"), 1.0);
+        assert_eq!(super::task_score(" none", "48213"), 0.0);
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
