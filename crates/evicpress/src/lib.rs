@@ -9,12 +9,15 @@
 //! - [`placement`]: the greedy (both rankings) and the LRU / fixed-ratio baselines.
 //! - [`store`]: `ContextStore`, the contexts on real `pk-tiers` tiers, with a worker
 //!   thread so that storing and moving never block the engine.
+//! - `meta`: each context's profile and frequency, persisted beside its master so that a
+//!   restart or another server adopts what was learnt.
 //!
 //! Profiling needs the model, so it lives with the engine (`pk-engine`'s `evicpress`
 //! module); this crate keeps its results and asks for re-profiles when served quality
 //! drifts.
 
 pub mod config;
+mod meta;
 pub mod model;
 pub mod placement;
 pub mod scores;

@@ -133,6 +133,11 @@ pub struct DecayedCount {
 }
 
 impl DecayedCount {
+    /// A count of `value` at time `at_s` (restoring a persisted one).
+    pub fn new(value: f64, at_s: f64) -> DecayedCount {
+        DecayedCount { value, at_s }
+    }
+
     pub fn value_at(&self, now_s: f64, half_life_s: f64) -> f64 {
         let dt = (now_s - self.at_s).max(0.0);
         self.value * 0.5f64.powf(dt / half_life_s.max(1e-9))

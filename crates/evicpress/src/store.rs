@@ -28,6 +28,7 @@ use pk_tiers::{ChunkKey, Payload, Tier};
 use serde::Serialize;
 
 use crate::config::{DropScore, Grid};
+use crate::meta::{meta_key, unix_now_s, ContextMeta, META_VERSION};
 use crate::model::{DecayedCount, DelayModel, QualityCurve, QualityPrior, QualitySource};
 use crate::placement::{Item, Placer, Policy};
 use crate::scores::token_scores;
@@ -98,6 +99,10 @@ pub struct StoreStats {
     pub inserted: u64,
     /// Contexts found on the last tier (an earlier process, another server) and adopted.
     pub adopted: u64,
+    /// Adopted contexts whose persisted profile and frequency were restored.
+    pub meta_restored: u64,
+    /// Meta entries written beside masters.
+    pub meta_saved: u64,
     pub skipped_queue_full: u64,
     pub moves: u64,
     pub bytes_moved: u64,
@@ -139,7 +144,13 @@ pub(crate) struct State {
 enum Job {
     Insert(ChunkKey, Box<KvContext>),
     Place(ChunkKey),
+    /// Write the context's meta entry (profile, frequency) beside its master.
+    SaveMeta(ChunkKey),
 }
+
+/// A context's meta entry is rewritten every this many hits (and on every profile), so a
+/// restart loses at most this many accesses of its frequency.
+const SAVE_META_EVERY_HITS: u64 = 16;
 
 pub struct ContextStore {
     tiers: Vec<Arc<dyn Tier>>,
@@ -270,6 +281,7 @@ impl ContextStore {
         if !self.contains(key) {
             self.register(*key, &kv);
             self.state.lock().unwrap().stats.adopted += 1;
+            self.restore_meta(key);
         }
         self.send(Job::Place(*key));
         Ok(())
@@ -356,7 +368,7 @@ impl ContextStore {
     /// Loads a context's placed copy (falling back to the master), decoded. Records the
     /// access and, if `query` is given, keeps it for background profiling.
     pub fn load(&self, key: &ChunkKey, query: Option<&[u32]>) -> Result<(KvContext, LoadReport), String> {
-        let (tier, config) = {
+        let (tier, config, save_meta) = {
             let mut st = self.state.lock().unwrap();
             let now = self.now_s();
             let e = st.entries.get_mut(key).ok_or("context not stored")?;
@@ -370,8 +382,11 @@ impl ContextStore {
                 }
                 e.queries.push(q.to_vec());
             }
-            (e.item.tier, e.item.config)
+            (e.item.tier, e.item.config, e.hits % SAVE_META_EVERY_HITS == 0)
         };
+        if save_meta {
+            self.send(Job::SaveMeta(*key));
+        }
         let master = (self.tiers.len() - 1, 0);
         let mut fell_back = false;
         for (t, c) in [(tier, config), master] {
@@ -478,7 +493,79 @@ impl ContextStore {
             e.served_quality = None;
         }
         self.send(Job::Place(*key));
+        self.send(Job::SaveMeta(*key));
         Ok(())
+    }
+
+    fn grid_names(&self) -> Vec<String> {
+        self.grid.configs().iter().map(|c| c.to_string()).collect()
+    }
+
+    /// Worker: writes the context's meta entry beside its master. Best effort: a failure
+    /// costs only what a restart would have to learn again.
+    fn save_meta(&self, key: &ChunkKey) {
+        let meta = {
+            let st = self.state.lock().unwrap();
+            let Some(e) = st.entries.get(key) else { return };
+            ContextMeta {
+                version: META_VERSION,
+                grid: self.grid_names(),
+                profile: (e.quality.source == QualitySource::Profiled).then(|| e.quality.by_config.clone()),
+                hits: e.hits,
+                frequency: e.freq.value_at(self.now_s(), self.half_life_s),
+                saved_unix_s: unix_now_s(),
+                queries: e.queries.clone(),
+            }
+        };
+        let last = self.tiers.len() - 1;
+        // Tiers are content-addressed (storing a present key only refreshes it), and this
+        // entry changes: replace it. A crash in between loses the entry, which only costs
+        // a re-profile.
+        let mk = meta_key(key);
+        let _ = self.tiers[last].delete(&mk);
+        match self.tiers[last].store(&mk, &Payload::from(meta.encode())) {
+            Ok(_) => self.state.lock().unwrap().stats.meta_saved += 1,
+            Err(e) => tracing::warn!("EVICPRESS: saving a context's profile failed: {e}"),
+        }
+    }
+
+    /// Restores an adopted context's persisted profile, hits, frequency (decayed by the
+    /// wall-clock time since it was saved) and queries, when a valid entry exists.
+    fn restore_meta(&self, key: &ChunkKey) {
+        let last = self.tiers.len() - 1;
+        let bytes = match self.tiers[last].load(&meta_key(key)) {
+            Ok(Some(p)) => p,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!("EVICPRESS: reading a context's profile failed: {e}");
+                return;
+            }
+        };
+        let meta = match ContextMeta::decode(&bytes, &self.grid_names()) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!("EVICPRESS: ignoring a stored profile: {e}");
+                return;
+            }
+        };
+        let mut st = self.state.lock().unwrap();
+        let now = self.now_s();
+        let curve = meta.profile.map(|by_config| QualityCurve { by_config, source: QualitySource::Profiled });
+        if let Some(c) = &curve {
+            st.prior.add(c);
+        }
+        let Some(e) = st.entries.get_mut(key) else { return };
+        if let Some(c) = curve {
+            e.item.quality = c.by_config.clone();
+            e.quality = c;
+            e.needs_profile = false;
+        }
+        let elapsed_s = (unix_now_s() - meta.saved_unix_s).max(0.0);
+        let restored = meta.frequency * 0.5f64.powf(elapsed_s / self.half_life_s.max(1e-9));
+        e.freq = DecayedCount::new(e.freq.value_at(now, self.half_life_s) + restored, now);
+        e.hits += meta.hits;
+        e.queries = meta.queries.into_iter().take(self.max_queries).collect();
+        st.stats.meta_restored += 1;
     }
 
     /// Feeds back the quality a served query got (when the caller can measure it against
@@ -581,6 +668,7 @@ fn worker_loop(rx: Receiver<Job>, store: std::sync::Weak<ContextStore>) {
                 store.pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
             }
             Job::Place(key) => store.place(key, None),
+            Job::SaveMeta(key) => store.save_meta(&key),
         }
         store.job_done();
     }

@@ -104,3 +104,60 @@ fn served_quality_drift_asks_for_a_reprofile() {
     }
     assert_eq!(s.profiling_candidates(4).len(), 1);
 }
+
+#[test]
+fn a_restart_adopts_the_profile_and_frequency_saved_beside_the_master() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = ChunkKey([21; 32]);
+    let profile = vec![1.0, 0.93, 0.71, 0.42];
+    {
+        let s = store(Arc::new(RamTier::new(1 << 30)), dir.path(), 1 << 29, Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop });
+        s.offer(key, kv(21, 128));
+        s.flush();
+        s.set_profile(&key, profile.clone()).unwrap();
+        for q in 0..3u32 {
+            s.load(&key, Some(&[q, q + 1])).unwrap();
+        }
+        s.flush();
+        // Hits are saved with the next profile (or every 16 hits): a second profile.
+        s.set_profile(&key, profile.clone()).unwrap();
+        s.flush();
+        assert!(s.stats().meta_saved >= 2);
+    }
+    // A new process on the same disk: the master is adopted with what was learnt.
+    let s = store(Arc::new(RamTier::new(1 << 30)), dir.path(), 1 << 29, Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop });
+    assert_eq!(s.longest_stored(&[key]), Some(0));
+    s.flush();
+    assert_eq!(s.stats().meta_restored, 1);
+    let row = s.explain().into_iter().find(|r| r.n_tokens == 128).unwrap();
+    assert_eq!(row.quality_source, pk_evicpress::QualitySource::Profiled);
+    assert_eq!(row.hits, 3);
+    // Three accesses and the insert, barely decayed, plus the adoption itself.
+    assert!(row.frequency > 4.0 && row.frequency <= 5.0, "{}", row.frequency);
+    let q8 = row.options.iter().find(|o| o.config.starts_with("q8")).unwrap();
+    assert_eq!(q8.quality, 0.93);
+    assert_eq!(s.profiling_candidates(1).len(), 0, "a restored profile needs no new one");
+
+    // A store with another grid does not trust the entry: the context starts over.
+    let other = {
+        let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(DiskTierConfig::new(dir.path(), 1 << 30)).unwrap());
+        let spec = |n: &str, bw: f64| TierSpec { name: n.into(), capacity_bytes: 0, read_bytes_per_s: bw, access_latency_s: 1e-4 };
+        ContextStore::new(StoreConfig {
+            tiers: vec![Arc::new(RamTier::new(1 << 30)), disk],
+            capacities_bytes: vec![1 << 29, u64::MAX],
+            grid: Grid::parse("q8,q2").unwrap(),
+            policy: Policy::Lru,
+            fingerprint: [3; 32],
+            delay: DelayModel { tiers: vec![spec("ram", 1e10), spec("disk", 1e6)], decode_s_per_byte: 0.0, restore_s_per_token: 0.0, prefill_tokens_per_s: 100.0, query_tokens: 8 },
+            frequency_half_life_s: 60.0,
+            reprofile_threshold: 0.1,
+            max_pending_bytes: 64 << 20,
+            max_queries_per_context: 2,
+        })
+        .unwrap()
+    };
+    assert_eq!(other.longest_stored(&[key]), Some(0));
+    other.flush();
+    assert_eq!(other.stats().meta_restored, 0);
+    assert_eq!(other.explain()[0].quality_source, pk_evicpress::QualitySource::Prior);
+}
