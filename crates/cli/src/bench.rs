@@ -51,6 +51,12 @@ pub struct PerfArgs {
     /// The Python interpreter that has llama-cpp-python installed (e.g. a venv's bin/python).
     #[arg(long, env = "PAGEKEEPER_LLAMACPP_PYTHON", default_value = "python3")]
     pub llamacpp_python: String,
+    /// Where the model runs: cpu, or cuda (a binary built with --features cuda; see gpu.rs).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
+    /// Sequences decoding together, comma-separated (a sweep); --device cuda only.
+    #[arg(long, default_value = "1", value_delimiter = ',')]
+    pub batch: Vec<usize>,
 }
 
 /// llama.cpp's side of `--compare-llamacpp`, embedded so the binary needs no source tree.
@@ -158,6 +164,15 @@ fn build_engine(a: &PerfArgs, capacity_tokens: usize) -> Result<Engine> {
 pub fn perf(a: PerfArgs) -> Result<()> {
     if a.contexts.is_empty() || a.contexts.contains(&0) {
         bail!("--contexts needs positive lengths");
+    }
+    if a.batch.is_empty() || a.batch.contains(&0) {
+        bail!("--batch needs positive sizes");
+    }
+    if a.device == "cuda" {
+        return crate::gpu::perf(&a);
+    }
+    if a.batch != [1] {
+        bail!("--batch is for --device cuda (the CPU bench decodes one sequence)");
     }
     let max_ctx = *a.contexts.iter().max().expect("non-empty");
     // The file llama.cpp loads: the one our engine loads (never a --dummy model).

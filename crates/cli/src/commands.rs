@@ -310,9 +310,15 @@ pub struct PerplexityArgs {
     /// Print one JSON object at the end instead of the llama.cpp-style line.
     #[arg(long)]
     pub json: bool,
+    /// Where the model runs: cpu, or cuda (a binary built with --features cuda; see gpu.rs).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
 }
 
 pub fn perplexity(a: PerplexityArgs) -> Result<()> {
+    if a.device == "cuda" {
+        return crate::gpu::perplexity(&a);
+    }
     let bytes = std::fs::read(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
     let text = String::from_utf8_lossy(&bytes);
     let mut engine = a.model.engine(Some(a.ctx))?;

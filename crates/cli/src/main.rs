@@ -8,6 +8,7 @@ mod bench_tiers;
 mod commands;
 mod config;
 mod eval;
+mod gpu;
 mod serve;
 mod tier_policy;
 

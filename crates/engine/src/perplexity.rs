@@ -23,6 +23,21 @@ pub struct PerplexityResult {
 }
 
 pub fn perplexity(engine: &mut Engine, ids: &[u32], n_ctx: usize, max_chunks: Option<usize>, on_chunk: &mut dyn FnMut(usize, f64)) -> Result<PerplexityResult> {
+    let vocab = engine.model.config.vocab_size;
+    perplexity_with(&mut |chunk, first| engine.score(chunk, first), vocab, ids, n_ctx, max_chunks, on_chunk)
+}
+
+/// [`perplexity`] over any scorer: `score(chunk, first)` returns the logits rows of
+/// `chunk[first..]` computed in a fresh sequence (`vocab` floats each). The CUDA backend
+/// scores through this, so both backends are measured by the same code.
+pub fn perplexity_with(
+    score: &mut dyn FnMut(&[u32], usize) -> Result<Vec<f32>>,
+    vocab: usize,
+    ids: &[u32],
+    n_ctx: usize,
+    max_chunks: Option<usize>,
+    on_chunk: &mut dyn FnMut(usize, f64),
+) -> Result<PerplexityResult> {
     if n_ctx < 4 {
         bail!("--ctx must be at least 4, got {n_ctx}");
     }
@@ -32,12 +47,11 @@ pub fn perplexity(engine: &mut Engine, ids: &[u32], n_ctx: usize, max_chunks: Op
     }
     let n_chunks = max_chunks.map_or(available, |m| m.min(available));
     let first = n_ctx / 2;
-    let vocab = engine.model.config.vocab_size;
     let (mut nll_sum, mut nll2_sum, mut count) = (0f64, 0f64, 0usize);
     let mut running = Vec::with_capacity(n_chunks);
     for c in 0..n_chunks {
         let chunk = &ids[c * n_ctx..(c + 1) * n_ctx];
-        let logits = engine.score(chunk, first)?;
+        let logits = score(chunk, first)?;
         for i in 0..n_ctx - 1 - first {
             let row = &logits[i * vocab..(i + 1) * vocab];
             let nll = -log_prob(row, chunk[first + 1 + i]);

@@ -1,0 +1,221 @@
+//! `--device cuda` for `bench perf` and `perplexity`: the model on an NVIDIA GPU through
+//! pk-cuda (cargo feature `cuda`). A standalone path: it gives each sequence its own
+//! contiguous run of blocks of a device KV pool and drives `GpuLlama` directly, without the
+//! engine's scheduler, prefix cache, eviction or tiers (see ARCHITECTURE.md). Without the
+//! feature, both commands say how to build it.
+
+use crate::bench::PerfArgs;
+use crate::commands::PerplexityArgs;
+
+#[cfg(not(feature = "cuda"))]
+pub fn perf(_a: &PerfArgs) -> anyhow::Result<()> {
+    anyhow::bail!("--device cuda needs a binary built with the cuda feature: cargo build --release -p pagekeeper --features cuda")
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn perplexity(_a: &PerplexityArgs) -> anyhow::Result<()> {
+    anyhow::bail!("--device cuda needs a binary built with the cuda feature: cargo build --release -p pagekeeper --features cuda")
+}
+
+#[cfg(feature = "cuda")]
+pub use imp::{perf, perplexity};
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use std::time::Instant;
+
+    use anyhow::{bail, Context, Result};
+    use pk_cuda::{ActDtype, Gpu, GpuKvPool, GpuLlama, GpuWeights};
+    use pk_model::{KvGeometry, ModelConfig, SeqForward};
+    use rand::{Rng, SeedableRng};
+
+    use super::{PerfArgs, PerplexityArgs};
+
+    fn gpu(act: ActDtype) -> Result<Gpu> {
+        let g = Gpu::new(0, act).context("opening CUDA device 0")?;
+        eprintln!("device: {} ({} multiprocessors), GEMM operands {act:?}", g.name, g.sm_count);
+        Ok(g)
+    }
+
+    /// A model file's weights on the GPU (f16 operands: closer to the CPU's f32).
+    fn load_file(path: &std::path::Path) -> Result<(Gpu, GpuLlama, pk_gguf::GgufFile)> {
+        let f = pk_gguf::GgufFile::open(path).with_context(|| format!("loading {}", path.display()))?;
+        let cfg = ModelConfig::from_gguf(&f)?;
+        let gpu = gpu(ActDtype::F16)?;
+        let weights = GpuWeights::from_gguf(&gpu, &f, &cfg)?;
+        let model = GpuLlama::new(&gpu, cfg, weights)?;
+        Ok((gpu, model, f))
+    }
+
+    /// Sequences' block tables: sequence s owns blocks `s * per_seq .. (s + 1) * per_seq`.
+    fn tables(n_seqs: usize, per_seq: usize) -> Vec<Vec<u32>> {
+        (0..n_seqs).map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect()).collect()
+    }
+
+    pub fn perplexity(a: &PerplexityArgs) -> Result<()> {
+        let bytes = std::fs::read(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+        let text = String::from_utf8_lossy(&bytes);
+        let path = pk_engine::model_store::resolve_model(a.model.resolved()?.model.as_deref(), true)?;
+        let (gpu, mut model, f) = load_file(&path)?;
+        let ids = pk_tokenizer::Tokenizer::from_gguf(&f)?.encode(&text, false);
+        let bs = a.model.block_size as usize;
+        let c = model.config.clone();
+        let geometry = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: bs, num_blocks: a.ctx.div_ceil(bs) };
+        let mut pool = GpuKvPool::new(&gpu, geometry)?;
+        let table = &tables(1, geometry.num_blocks)[0];
+        let n_chunks = a.chunks.map_or(ids.len() / a.ctx, |c| c.min(ids.len() / a.ctx));
+        eprintln!("perplexity (cuda): {} tokens, calculating over {n_chunks} chunks, n_ctx={}", ids.len(), a.ctx);
+        let t0 = Instant::now();
+        // Each chunk is a fresh sequence over the same blocks, in one forward call.
+        let mut score = |chunk: &[u32], first: usize| -> Result<Vec<f32>> {
+            let seq = SeqForward { tokens: chunk, start_position: 0, stored_start: 0, block_table: table, logits_from: first };
+            Ok(model.forward(&gpu, &mut pool, &[seq])?)
+        };
+        let r = pk_engine::perplexity::perplexity_with(&mut score, c.vocab_size, &ids, a.ctx, a.chunks, &mut |i, ppl| {
+            eprint!("[{i}]{ppl:.4},");
+            if i == 1 {
+                eprint!(" ({:.3} s for the first chunk) ", t0.elapsed().as_secs_f64());
+            }
+        })?;
+        eprintln!();
+        if a.json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            println!("Final estimate: PPL = {:.4} +/- {:.5}", r.ppl, r.ppl_stderr);
+        }
+        Ok(())
+    }
+
+    /// Device-to-device copy bandwidth (bytes read + written per second, best of 5), the
+    /// roof that decode's weight streaming is measured against in the same run.
+    fn copy_bandwidth_bytes_s(gpu: &Gpu) -> Result<f64> {
+        let n = 1usize << 30; // 2 GiB of u16 each way
+        let src = gpu.alloc::<u16>(n)?;
+        let mut dst = gpu.alloc::<u16>(n)?;
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            gpu.synchronize()?;
+            let t = Instant::now();
+            gpu.stream.memcpy_dtod(&src, &mut dst)?;
+            gpu.synchronize()?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(2.0 * 2.0 * n as f64 / best)
+    }
+
+    pub fn perf(a: &PerfArgs) -> Result<()> {
+        let (gpu, mut model, name) = match &a.dummy {
+            Some(name) => {
+                let cfg = ModelConfig::dummy(name).with_context(|| format!("unknown --dummy {name:?} (smollm2-135m, llama-3.2-1b, llama-3.1-8b)"))?;
+                // Random weights are made on the device in bf16 (the setting), or in
+                // f16 with --dummy-type F16; quantised dummy types do not apply here.
+                let act = if a.dummy_type.eq_ignore_ascii_case("F16") { ActDtype::F16 } else { ActDtype::Bf16 };
+                let gpu = gpu(act)?;
+                let t = Instant::now();
+                let weights = GpuWeights::random(&gpu, &cfg, 1)?;
+                eprintln!("random weights made on the device in {:.2} s", t.elapsed().as_secs_f64());
+                let model = GpuLlama::new(&gpu, cfg, weights)?;
+                (gpu, model, format!("dummy-{name}"))
+            }
+            None => {
+                let path = pk_engine::model_store::resolve_model(a.model.resolved()?.model.as_deref(), true)?;
+                let (gpu, model, _) = load_file(&path)?;
+                (gpu, model, path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default())
+            }
+        };
+        let c = model.config.clone();
+        let max_ctx = *a.contexts.iter().max().expect("checked non-empty");
+        let max_batch = *a.batch.iter().max().expect("checked non-empty");
+        if max_ctx + a.decode_tokens > c.context_length {
+            bail!("context {max_ctx} + {} decode tokens exceeds the model's context {}", a.decode_tokens, c.context_length);
+        }
+        let bs = a.model.block_size as usize;
+        let per_seq = (max_ctx + a.decode_tokens + 1).div_ceil(bs);
+        let geometry = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: bs, num_blocks: per_seq * max_batch };
+        let mut pool = GpuKvPool::new(&gpu, geometry)?;
+        let tables = tables(max_batch, per_seq);
+        let weight_bytes = model.weights.bytes_per_token();
+        let kv_bytes_per_token = 2 * 2 * c.n_layers * c.kv_dim();
+        let copy_bw = copy_bandwidth_bytes_s(&gpu)?;
+        eprintln!(
+            "model {name} | block {bs} | KV pool {:.1} GiB | weights read per step {:.2} GB | device copy bandwidth {:.0} GB/s (read + write)",
+            pool.capacity_bytes() as f64 / (1u64 << 30) as f64,
+            weight_bytes as f64 / 1e9,
+            copy_bw / 1e9
+        );
+        if !a.json {
+            println!("{:>8} {:>6} {:>12} {:>8} {:>12} {:>10} {:>10} {:>8}", "context", "batch", "prefill t/s", "steps", "decode t/s", "ms/step", "GB/s", "of copy");
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        let mut runs = Vec::new();
+        for &ctx in &a.contexts {
+            for &batch in &a.batch {
+                let prompts: Vec<Vec<u32>> = (0..batch).map(|_| (0..ctx).map(|_| rng.gen_range(1000..c.vocab_size as u32)).collect()).collect();
+                // Prefill: one sequence per call, as the CPU bench does; the greedy token of
+                // each prompt's last row starts its decode.
+                gpu.synchronize()?;
+                let t = Instant::now();
+                let mut next = Vec::with_capacity(batch);
+                for (s, p) in prompts.iter().enumerate() {
+                    let seq = SeqForward { tokens: p, start_position: 0, stored_start: 0, block_table: &tables[s], logits_from: ctx - 1 };
+                    next.push(model.forward_argmax(&gpu, &mut pool, &[seq])?[0]);
+                }
+                let prefill_s = t.elapsed().as_secs_f64();
+                // Decode: every sequence one token per step; the first step is a warm-up
+                // (cuBLAS picks its kernels for the new shapes) and is not timed.
+                let mut kv_bytes_read = 0usize;
+                let mut timed_s = 0.0;
+                let steps = a.decode_tokens.max(2);
+                for step in 0..steps {
+                    let pos = ctx + step;
+                    let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+                    let seqs: Vec<SeqForward> = (0..batch).map(|s| SeqForward { tokens: &toks[s], start_position: pos, stored_start: pos, block_table: &tables[s], logits_from: 0 }).collect();
+                    let t = Instant::now();
+                    next = model.forward_argmax(&gpu, &mut pool, &seqs)?;
+                    if step > 0 {
+                        timed_s += t.elapsed().as_secs_f64();
+                        kv_bytes_read += batch * (pos + 1) * kv_bytes_per_token;
+                    }
+                }
+                let timed_steps = steps - 1;
+                let bytes_s = (weight_bytes * timed_steps + kv_bytes_read) as f64 / timed_s;
+                let run = serde_json::json!({
+                    "context_tokens": ctx,
+                    "batch": batch,
+                    "prefill_tok_s": (batch * ctx) as f64 / prefill_s,
+                    "decode_steps_timed": timed_steps,
+                    "decode_tok_s": (batch * timed_steps) as f64 / timed_s,
+                    "ms_per_step": 1e3 * timed_s / timed_steps as f64,
+                    "bytes_per_s": bytes_s,
+                    "fraction_of_copy_bandwidth": bytes_s / copy_bw,
+                });
+                if !a.json {
+                    println!(
+                        "{:>8} {:>6} {:>12.1} {:>8} {:>12.1} {:>10.3} {:>10.0} {:>7.1}%",
+                        ctx,
+                        batch,
+                        run["prefill_tok_s"].as_f64().unwrap(),
+                        timed_steps,
+                        run["decode_tok_s"].as_f64().unwrap(),
+                        run["ms_per_step"].as_f64().unwrap(),
+                        bytes_s / 1e9,
+                        100.0 * bytes_s / copy_bw
+                    );
+                }
+                runs.push(run);
+            }
+        }
+        if a.json {
+            let v = serde_json::json!({
+                "model": name,
+                "device": gpu.name,
+                "act_dtype": format!("{:?}", gpu.act),
+                "weight_bytes_per_step": weight_bytes,
+                "copy_bandwidth_bytes_s": copy_bw,
+                "runs": runs,
+            });
+            println!("{v}");
+        }
+        Ok(())
+    }
+}
