@@ -171,6 +171,21 @@ impl Profiling {
         self.answers.lock().unwrap().get(&(config, query)).cloned()
     }
 
+    /// The score of one configuration on one query, by the profile's metric.
+    pub fn quality_of(&self, config: usize, query: usize) -> f64 {
+        if config == 0 {
+            return 1.0;
+        }
+        match self.metric {
+            QualityMetric::TeacherForced => self.agreement.lock().unwrap().get(&(config, query)).copied().unwrap_or(0.0),
+            QualityMetric::AnswerF1 => {
+                let answers = self.answers.lock().unwrap();
+                let reference = answers.get(&(0, query)).map(Vec::as_slice).unwrap_or(&[]);
+                token_f1(answers.get(&(config, query)).map(Vec::as_slice).unwrap_or(&[]), reference)
+            }
+        }
+    }
+
     /// Quality per configuration (index 0, the full KV, is 1 by definition).
     pub fn qualities(&self) -> Vec<f32> {
         if self.metric == QualityMetric::TeacherForced {

@@ -12,7 +12,10 @@
 //! 4. Real runs, one per policy: a fresh store on fresh tiers, warmed with every context
 //!    (inserted in order, placed by the policy), then the trace, each request served by every policy in turn (so that the shared host's drifting
 //!    load weighs on all alike). TTFT is submission to first token, one request at a time
-//!    (no queueing); quality is the token-F1 of the answer against the full-KV answer.
+//!    (no queueing); quality is the token-F1 of the answer against the full-KV answer, or
+//!    with `--quality-metric teacher-forced` the agreement of the served configuration on
+//!    the full-KV answer (looked up from setup's per-query table: answers are deterministic,
+//!    and the run checks that its measured token-F1 matches the table's).
 //!    Placement runs on the store's worker; the run waits for it between requests, so every
 //!    policy is measured with its placement complete.
 //! 5. The simulator replays the same trace with a delay model fitted to step 4's loads,
@@ -83,6 +86,10 @@ pub struct EvicpressArgs {
     /// How profiling scores a configuration (f1 or teacher-forced; see `serve --help`).
     #[arg(long, default_value = "f1", value_parser = crate::commands::parse_profile_metric)]
     pub profile_metric: pk_engine::profiler::QualityMetric,
+    /// How test answers are scored for the reported quality (f1 or teacher-forced); token-F1
+    /// and the ground-truth task score are reported beside it either way.
+    #[arg(long, default_value = "f1", value_parser = crate::commands::parse_profile_metric)]
+    pub quality_metric: pk_engine::profiler::QualityMetric,
     /// Keep the cold-read behaviour of an SSD: drop written and read disk files from the
     /// page cache (posix_fadvise), so that the OS does not turn the disk tier into RAM.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -120,6 +127,8 @@ pub struct RunRow {
     pub ttft_p50_s: f64,
     pub ttft_p95_s: f64,
     pub quality: f64,
+    /// Token-F1 against the full-KV answer (= `quality` under the default metric).
+    pub quality_f1: Option<f64>,
     /// Ground-truth task score on the test queries (the asked code is the answer's first
     /// number), the measure the paper's "quality drop" uses; `quality` compares with the
     /// full-KV answer instead.
@@ -143,6 +152,10 @@ struct Setup {
     references: Vec<Vec<Vec<u32>>>,
     profiles: Vec<Vec<f32>>,
     test_quality: Vec<Vec<f32>>,
+    /// test_f1[c][config][q] and test_scores[c][config][q]: token-F1 and the quality metric's
+    /// score of each test query under each configuration.
+    test_f1: Vec<Vec<Vec<f64>>>,
+    test_scores: Vec<Vec<Vec<f64>>>,
     /// test_task[c][config]: mean task score of the configuration's test answers.
     test_task: Vec<Vec<f32>>,
     /// reference_task[c][q]: task score of the full-KV answer.
@@ -251,6 +264,7 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     }
     let full_task: Vec<f64> = reqs.iter().map(|r| setup.reference_task[r.context][r.query]).collect();
     let mut rows = vec![row_of("full-prefill", None, "real", "base", a.ram_fraction, &reqs.iter().map(|r| setup.full_prefill_s[r.context]).collect::<Vec<_>>(), &vec![1.0; reqs.len()], &full_task, BTreeMap::new())];
+    rows[0].quality_f1 = Some(1.0);
     let mut loads: Vec<Load> = Vec::new();
     // One engine and store per policy, all warm; every request is served by each policy in
     // turn, so that the host's load (shared, drifting) weighs on all policies alike.
@@ -306,6 +320,7 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
                 }).collect(),
                 profile_quality: setup.profiles[c].clone(),
                 test_quality: setup.test_quality[c].clone(),
+                test_f1: setup.test_f1[c].iter().map(|qs| mean(qs) as f32).collect(),
                 test_task: setup.test_task[c].clone(),
             }
         })
@@ -330,6 +345,8 @@ fn setup_summary(s: &Setup, p: &Preset, working_set: u64) -> serde_json::Value {
         "full_prefill_s": s.full_prefill_s,
         "profiles": s.profiles,
         "test_quality": s.test_quality,
+        "test_f1": s.test_f1,
+        "test_scores": s.test_scores,
         "test_task": s.test_task,
     })
 }
@@ -352,6 +369,7 @@ fn row_of(policy: &str, alpha: Option<f64>, source: &str, scenario: &str, ram_fr
         ttft_p50_s: percentile(ttft, 50.0),
         ttft_p95_s: percentile(ttft, 95.0),
         quality: mean(quality),
+        quality_f1: None,
         task_score: (!task.is_empty()).then(|| mean(task)),
         hits_per_tier: hits,
         source: source.into(),
@@ -425,24 +443,40 @@ fn setup(a: &EvicpressArgs, p: &Preset, dir: &std::path::Path) -> Result<Setup> 
     }
     let prefill_tokens_per_s = prefill_tokens as f64 / full_prefill_s.iter().sum::<f64>();
     let reference_task: Vec<Vec<f64>> = contexts.iter().zip(&references).map(|(c, refs)| refs.iter().zip(&c.test_answers).map(|(r, gold)| workload::task_score(&e.tokenizer.decode(r), gold)).collect()).collect();
-    let (mut profiles, mut test_quality, mut test_task) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut profiles, mut test_quality, mut test_task, mut test_f1, mut test_scores) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let n_configs = p.grid.len();
     for (i, c) in contexts.iter().enumerate() {
         let key = e.context_key(&c.tokens, None).context("context key")?;
         profiles.push(e.profile_blocking(key, &c.profile_queries, p.answer_tokens)?);
-        // Test queries are always scored as the real runs score them (token-F1 against the
-        // full-KV answer), whatever profiling uses.
-        let mut t = e.start_profile_with(key, &c.test_queries, p.answer_tokens, pk_engine::profiler::QualityMetric::AnswerF1)?;
-        while !t.poll(&mut e)? {
-            e.step();
-        }
-        test_quality.push(t.qualities());
+        // Test queries: token-F1 always (what the real runs measure), and the quality
+        // metric's per-query scores when it differs.
+        let t = run_profile(&mut e, key, &c.test_queries, p.answer_tokens, pk_engine::profiler::QualityMetric::AnswerF1)?;
+        let n_q = c.test_queries.len();
+        let f1: Vec<Vec<f64>> = (0..n_configs).map(|g| (0..n_q).map(|q| t.quality_of(g, q)).collect()).collect();
+        let scores = if a.quality_metric == pk_engine::profiler::QualityMetric::AnswerF1 {
+            f1.clone()
+        } else {
+            let m = run_profile(&mut e, key, &c.test_queries, p.answer_tokens, a.quality_metric)?;
+            (0..n_configs).map(|g| (0..n_q).map(|q| m.quality_of(g, q)).collect()).collect()
+        };
+        test_quality.push(scores.iter().map(|qs| mean(qs) as f32).collect());
+        test_f1.push(f1);
+        test_scores.push(scores);
         test_task.push((0..p.grid.len()).map(|g| {
             let scores: Vec<f64> = c.test_answers.iter().enumerate().map(|(q, gold)| workload::task_score(&e.tokenizer.decode(&t.answer(g, q).unwrap_or_default()), gold)).collect();
             mean(&scores) as f32
         }).collect());
         eprintln!("profiled context {i}: {:?}", profiles[i].iter().map(|q| (q * 100.0).round() / 100.0).collect::<Vec<_>>());
     }
-    Ok(Setup { contexts, masters, master_bytes, full_prefill_s, references, profiles, test_quality, test_task, reference_task, prefill_tokens_per_s })
+    Ok(Setup { contexts, masters, master_bytes, full_prefill_s, references, profiles, test_quality, test_f1, test_scores, test_task, reference_task, prefill_tokens_per_s })
+}
+
+fn run_profile(e: &mut Engine, key: pk_tiers::ChunkKey, queries: &[Vec<u32>], answer_tokens: usize, metric: pk_engine::profiler::QualityMetric) -> Result<pk_engine::profiler::Profiling> {
+    let mut t = e.start_profile_with(key, queries, answer_tokens, metric)?;
+    while !t.poll(e)? {
+        e.step();
+    }
+    Ok(t)
 }
 
 /// One policy's engine and store during the real runs.
@@ -453,6 +487,9 @@ struct Runner {
     alpha: Option<f64>,
     ttft: Vec<f64>,
     quality: Vec<f64>,
+    f1: Vec<f64>,
+    /// Requests whose measured token-F1 differed from setup's table (should be none).
+    f1_mismatches: usize,
     task: Vec<f64>,
     hits: BTreeMap<String, u64>,
     loads: Vec<Load>,
@@ -473,7 +510,7 @@ impl Runner {
             store.set_profile(&key, s.profiles[c].clone()).map_err(anyhow::Error::msg)?;
             store.flush();
         }
-        Ok(Runner { e, store, name: name.into(), alpha, ttft: Vec::new(), quality: Vec::new(), task: Vec::new(), hits: BTreeMap::new(), loads: Vec::new() })
+        Ok(Runner { e, store, name: name.into(), alpha, ttft: Vec::new(), quality: Vec::new(), f1: Vec::new(), f1_mismatches: 0, task: Vec::new(), hits: BTreeMap::new(), loads: Vec::new() })
     }
 
     fn serve(&mut self, p: &Preset, s: &Setup, r: &workload::Request) -> Result<()> {
@@ -481,7 +518,13 @@ impl Runner {
         let c = &s.contexts[r.context];
         let out = self.e.generate(&[&c.tokens[..], &c.test_queries[r.query]].concat(), &greedy, &mut |_| {})?;
         self.ttft.push(out.prefill_seconds);
-        self.quality.push(pk_engine::profiler::token_f1(&out.token_ids, &s.references[r.context][r.query]));
+        let f1 = pk_engine::profiler::token_f1(&out.token_ids, &s.references[r.context][r.query]);
+        let config = out.context_load.as_ref().map_or(0, |l| p.grid.configs().iter().position(|g| g.to_string() == l.config).unwrap_or(0));
+        if (f1 - s.test_f1[r.context][config][r.query]).abs() > 1e-9 {
+            self.f1_mismatches += 1;
+        }
+        self.f1.push(f1);
+        self.quality.push(s.test_scores[r.context][config][r.query]);
         self.task.push(workload::task_score(&self.e.tokenizer.decode(&out.token_ids), &c.test_answers[r.query]));
         let tier = out.context_load.as_ref().map_or("recompute".to_string(), |l| l.tier.clone());
         *self.hits.entry(tier).or_insert(0u64) += 1;
@@ -496,7 +539,11 @@ impl Runner {
 
     fn finish(self, ram_fraction: f64) -> (RunRow, Vec<Load>) {
         let st = self.store.stats();
+        if self.f1_mismatches > 0 {
+            eprintln!("warning: {}: {} requests answered differently from setup's table", self.name, self.f1_mismatches);
+        }
         let mut row = row_of(&self.name, self.alpha, "real", "base", ram_fraction, &self.ttft, &self.quality, &self.task, self.hits);
+        row.quality_f1 = Some(mean(&self.f1));
         row.bytes_moved = Some(st.bytes_moved);
         row.placement_cpu_ms_mean = Some(1e3 * st.placement_cpu_s_total / st.placement_decisions.max(1) as f64);
         row.placement_cpu_ms_max = Some(1e3 * st.placement_cpu_s_max);

@@ -18,6 +18,8 @@ pub struct SimContext {
     pub profile_quality: Vec<f32>,
     /// Quality on the test queries (what is reported).
     pub test_quality: Vec<f32>,
+    /// Token-F1 on the test queries, per configuration.
+    pub test_f1: Vec<f32>,
     /// Task score on the test queries (ground truth), per configuration.
     pub test_task: Vec<f32>,
 }
@@ -26,17 +28,19 @@ pub struct SimResult {
     pub ttft_s: Vec<f64>,
     pub quality: Vec<f64>,
     pub task: Vec<f64>,
+    pub f1: Vec<f64>,
     pub hits_per_tier: BTreeMap<String, u64>,
 }
 
 /// Replays `trace` with contexts inserted in order at the start (warm store), as the
 /// real runs do. `full_prefill_s[c]` is used by the `None` policy (no reuse).
 pub fn simulate(contexts: &[SimContext], trace: &[Request], delay: &DelayModel, capacities_bytes: &[u64], policy: Option<&Policy>, half_life_s: f64, full_prefill_s: &[f64]) -> SimResult {
-    let mut out = SimResult { ttft_s: Vec::new(), quality: Vec::new(), task: Vec::new(), hits_per_tier: BTreeMap::new() };
+    let mut out = SimResult { ttft_s: Vec::new(), quality: Vec::new(), task: Vec::new(), f1: Vec::new(), hits_per_tier: BTreeMap::new() };
     let Some(policy) = policy else {
         for r in trace {
             out.ttft_s.push(full_prefill_s[r.context]);
             out.quality.push(1.0);
+            out.f1.push(1.0);
             out.task.push(contexts[r.context].test_task[0] as f64);
         }
         return out;
@@ -59,6 +63,7 @@ pub fn simulate(contexts: &[SimContext], trace: &[Request], delay: &DelayModel, 
         out.ttft_s.push(delay.ttft_s(it.tier, it.bytes[it.config], it.kept_tokens[it.config]));
         out.quality.push(contexts[r.context].test_quality[it.config] as f64);
         out.task.push(contexts[r.context].test_task[it.config] as f64);
+        out.f1.push(contexts[r.context].test_f1[it.config] as f64);
         *out.hits_per_tier.entry(delay.tiers[it.tier].name.clone()).or_default() += 1;
         freq[r.context].bump(now, half_life_s);
         for (k, item) in items.iter_mut().enumerate() {
