@@ -21,6 +21,7 @@
 //! 5. The simulator replays the same trace with a delay model fitted to step 4's loads,
 //!    reports its error against the real runs, then sweeps.
 
+mod load;
 mod report;
 mod sim;
 mod workload;
@@ -141,6 +142,11 @@ pub struct RunRow {
     pub bytes_moved: Option<u64>,
     pub placement_cpu_ms_mean: Option<f64>,
     pub placement_cpu_ms_max: Option<f64>,
+    /// Per-request TTFT and service time (TTFT + the answer's decode), in trace order.
+    #[serde(skip)]
+    pub ttft_s: Vec<f64>,
+    #[serde(skip)]
+    pub service_s: Vec<f64>,
 }
 
 struct Setup {
@@ -148,6 +154,8 @@ struct Setup {
     masters: Vec<pk_codec::KvContext>,
     master_bytes: Vec<u64>,
     full_prefill_s: Vec<f64>,
+    /// Full prefill and the answer's decode, per context.
+    full_service_s: Vec<f64>,
     /// references[c][q]: full-KV answer to test query q.
     references: Vec<Vec<Vec<u32>>>,
     profiles: Vec<Vec<f32>>,
@@ -265,6 +273,7 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     let full_task: Vec<f64> = reqs.iter().map(|r| setup.reference_task[r.context][r.query]).collect();
     let mut rows = vec![row_of("full-prefill", None, "real", "base", a.ram_fraction, &reqs.iter().map(|r| setup.full_prefill_s[r.context]).collect::<Vec<_>>(), &vec![1.0; reqs.len()], &full_task, BTreeMap::new())];
     rows[0].quality_f1 = Some(1.0);
+    rows[0].service_s = reqs.iter().map(|r| setup.full_service_s[r.context]).collect();
     let mut loads: Vec<Load> = Vec::new();
     // One engine and store per policy, all warm; every request is served by each policy in
     // turn, so that the host's load (shared, drifting) weighs on all policies alike.
@@ -326,7 +335,8 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
         })
         .collect();
     let sweeps = report::sweeps(&a, &p.grid, &sim_contexts, &reqs, &delay, working_set, &setup.full_prefill_s, &policies, &mut rows);
-    let summary = report::write(&a, &p.grid, &rows, &sweeps, &delay, &setup_summary(&setup, &p, working_set), &quiet, t_start.elapsed().as_secs_f64())?;
+    let under_load = load::under_load(&rows, &reqs, a.rate);
+    let summary = report::write(&a, &p.grid, &rows, &sweeps, under_load.as_ref(), &delay, &setup_summary(&setup, &p, working_set), &quiet, t_start.elapsed().as_secs_f64())?;
     if a.json {
         println!("{}", serde_json::to_string(&serde_json::json!({ "runs": rows, "summary": summary, "host_quiet": quiet }))?);
     } else {
@@ -378,6 +388,8 @@ fn row_of(policy: &str, alpha: Option<f64>, source: &str, scenario: &str, ram_fr
         bytes_moved: None,
         placement_cpu_ms_mean: None,
         placement_cpu_ms_max: None,
+        ttft_s: ttft.to_vec(),
+        service_s: Vec::new(),
     }
 }
 
@@ -420,12 +432,14 @@ fn setup(a: &EvicpressArgs, p: &Preset, dir: &std::path::Path) -> Result<Setup> 
     let store = e.context_store().expect("configured");
     let greedy = GenerateParams { max_tokens: p.answer_tokens, ..Default::default() };
     let (mut masters, mut master_bytes, mut full_prefill_s, mut references) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut full_service_s = Vec::new();
     let mut prefill_tokens = 0usize;
     for (i, c) in contexts.iter().enumerate() {
         // A cold prefill of context and first test query: the full-prefill baseline.
         let prompt = [&c.tokens[..], &c.test_queries[0]].concat();
         let out = e.generate(&prompt, &greedy, &mut |_| {})?;
         full_prefill_s.push(out.prefill_seconds);
+        full_service_s.push(out.prefill_seconds + out.decode_seconds);
         prefill_tokens += prompt.len();
         store.flush();
         let key = e.context_key(&c.tokens, None).context("context key")?;
@@ -468,7 +482,7 @@ fn setup(a: &EvicpressArgs, p: &Preset, dir: &std::path::Path) -> Result<Setup> 
         }).collect());
         eprintln!("profiled context {i}: {:?}", profiles[i].iter().map(|q| (q * 100.0).round() / 100.0).collect::<Vec<_>>());
     }
-    Ok(Setup { contexts, masters, master_bytes, full_prefill_s, references, profiles, test_quality, test_f1, test_scores, test_task, reference_task, prefill_tokens_per_s })
+    Ok(Setup { contexts, masters, master_bytes, full_prefill_s, full_service_s, references, profiles, test_quality, test_f1, test_scores, test_task, reference_task, prefill_tokens_per_s })
 }
 
 fn run_profile(e: &mut Engine, key: pk_tiers::ChunkKey, queries: &[Vec<u32>], answer_tokens: usize, metric: pk_engine::profiler::QualityMetric) -> Result<pk_engine::profiler::Profiling> {
@@ -487,6 +501,7 @@ struct Runner {
     alpha: Option<f64>,
     ttft: Vec<f64>,
     quality: Vec<f64>,
+    service: Vec<f64>,
     f1: Vec<f64>,
     /// Requests whose measured token-F1 differed from setup's table (should be none).
     f1_mismatches: usize,
@@ -510,7 +525,7 @@ impl Runner {
             store.set_profile(&key, s.profiles[c].clone()).map_err(anyhow::Error::msg)?;
             store.flush();
         }
-        Ok(Runner { e, store, name: name.into(), alpha, ttft: Vec::new(), quality: Vec::new(), f1: Vec::new(), f1_mismatches: 0, task: Vec::new(), hits: BTreeMap::new(), loads: Vec::new() })
+        Ok(Runner { e, store, name: name.into(), alpha, ttft: Vec::new(), quality: Vec::new(), service: Vec::new(), f1: Vec::new(), f1_mismatches: 0, task: Vec::new(), hits: BTreeMap::new(), loads: Vec::new() })
     }
 
     fn serve(&mut self, p: &Preset, s: &Setup, r: &workload::Request) -> Result<()> {
@@ -518,6 +533,7 @@ impl Runner {
         let c = &s.contexts[r.context];
         let out = self.e.generate(&[&c.tokens[..], &c.test_queries[r.query]].concat(), &greedy, &mut |_| {})?;
         self.ttft.push(out.prefill_seconds);
+        self.service.push(out.prefill_seconds + out.decode_seconds);
         let f1 = pk_engine::profiler::token_f1(&out.token_ids, &s.references[r.context][r.query]);
         let config = out.context_load.as_ref().map_or(0, |l| p.grid.configs().iter().position(|g| g.to_string() == l.config).unwrap_or(0));
         if (f1 - s.test_f1[r.context][config][r.query]).abs() > 1e-9 {
@@ -544,6 +560,7 @@ impl Runner {
         }
         let mut row = row_of(&self.name, self.alpha, "real", "base", ram_fraction, &self.ttft, &self.quality, &self.task, self.hits);
         row.quality_f1 = Some(mean(&self.f1));
+        row.service_s = self.service;
         row.bytes_moved = Some(st.bytes_moved);
         row.placement_cpu_ms_mean = Some(1e3 * st.placement_cpu_s_total / st.placement_decisions.max(1) as f64);
         row.placement_cpu_ms_max = Some(1e3 * st.placement_cpu_s_max);

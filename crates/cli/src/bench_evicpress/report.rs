@@ -183,7 +183,7 @@ pub fn headline(rows: &[RunRow], source: &str, scenario: &str, tolerance: f64, m
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn write(a: &EvicpressArgs, grid: &Grid, rows: &[RunRow], validation: &[Validation], delay: &DelayModel, setup: &serde_json::Value, quiet: &str, wall_s: f64) -> Result<serde_json::Value> {
+pub fn write(a: &EvicpressArgs, grid: &Grid, rows: &[RunRow], validation: &[Validation], under_load: Option<&super::load::UnderLoad>, delay: &DelayModel, setup: &serde_json::Value, quiet: &str, wall_s: f64) -> Result<serde_json::Value> {
     let scenarios: Vec<String> = rows.iter().map(|r| r.scenario.clone()).fold(Vec::new(), |mut v, s| {
         if !v.contains(&s) {
             v.push(s)
@@ -199,7 +199,7 @@ pub fn write(a: &EvicpressArgs, grid: &Grid, rows: &[RunRow], validation: &[Vali
             headlines.extend(scenarios.iter().filter_map(|s| headline(rows, "sim", s, tolerance, metric)));
         }
     }
-    let summary = serde_json::json!({ "headlines": headlines, "validation": validation, "delay_model": delay, "setup": setup, "wall_s": wall_s });
+    let summary = serde_json::json!({ "headlines": headlines, "validation": validation, "under_load": under_load, "delay_model": delay, "setup": setup, "wall_s": wall_s });
     std::fs::write(a.out.join("results.json"), serde_json::to_string_pretty(&serde_json::json!({ "runs": rows, "summary": summary, "host_quiet": quiet }))?)?;
 
     let mut md = String::new();
@@ -213,6 +213,15 @@ pub fn write(a: &EvicpressArgs, grid: &Grid, rows: &[RunRow], validation: &[Vali
     let f = |x: Option<f64>, d: usize| x.map_or("–".to_string(), |v| format!("{v:.d$}"));
     for h in &headlines {
         md.push_str(&format!("| {} | {} | {} | {:.0}% | {:.3} | {:.3} | {} | {} | {} | {}× | {}× | {} | {}× |\n", h.source, h.scenario, h.metric, 100.0 * h.quality_tolerance, h.lru_ttft_mean_s, h.lru_quality, f(h.evicpress_alpha, 2), f(h.evicpress_ttft_mean_s, 3), f(h.evicpress_quality, 3), f(h.speedup_vs_lru, 2), f(h.speedup_vs_full_prefill, 1), h.fixed_at_equal_quality.clone().unwrap_or("–".into()), f(h.speedup_vs_fixed_at_equal_quality, 2)));
+    }
+    if let Some(u) = under_load {
+        md.push_str(&format!("\n## Under load (real runs' service times replayed through one FIFO server; see load.rs)\n\nLoads are fractions of LRU's capacity ({}); the last column is the highest request rate whose mean TTFT stays within {:.3} s (twice LRU's unloaded mean).\n\n| policy | α | quality | service s | {} | max rate /s | vs LRU |\n|---|---|---|---|{}---|---|\n",
+            u.rates_per_s.iter().map(|r| format!("{r:.2}/s")).collect::<Vec<_>>().join(", "), u.target_s,
+            u.loads.iter().map(|l| format!("TTFT s at {:.0}%", 100.0 * l)).collect::<Vec<_>>().join(" | "), "---|".repeat(u.loads.len())));
+        let lru_rate = u.rows.iter().find(|r| r.policy == "lru").map_or(f64::NAN, |r| r.max_rate_per_s);
+        for r in &u.rows {
+            md.push_str(&format!("| {} | {} | {:.3} | {:.3} | {} | {:.2} | {:.2}× |\n", r.policy, f(r.alpha, 2), r.quality, r.service_mean_s, r.ttft_mean_s.iter().map(|t| format!("{t:.3}")).collect::<Vec<_>>().join(" | "), r.max_rate_per_s, r.max_rate_per_s / lru_rate));
+        }
     }
     md.push_str("\n## Simulator validation (same trace, same policies)\n\n| policy | α | real TTFT s | sim TTFT s | error | real quality | sim quality |\n|---|---|---|---|---|---|---|\n");
     for v in validation {
