@@ -130,7 +130,9 @@ mod imp {
             bail!("context {max_ctx} + {} decode tokens exceeds the model's context {}", a.decode_tokens, c.context_length);
         }
         let bs = a.model.block_size as usize;
-        let per_seq = (max_ctx + a.decode_tokens + 1).div_ceil(bs);
+        // Decode steps per run: the first is an untimed warm-up, so at least two.
+        let steps = a.decode_tokens.max(2);
+        let per_seq = (max_ctx + steps + 1).div_ceil(bs);
         let geometry = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: bs, num_blocks: per_seq * max_batch };
         let mut pool = GpuKvPool::new(&gpu, geometry)?;
         let tables = tables(max_batch, per_seq);
@@ -165,7 +167,6 @@ mod imp {
                 // (cuBLAS picks its kernels for the new shapes) and is not timed.
                 let mut kv_bytes_read = 0usize;
                 let mut timed_s = 0.0;
-                let steps = a.decode_tokens.max(2);
                 for step in 0..steps {
                     let pos = ctx + step;
                     let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();

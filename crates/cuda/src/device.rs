@@ -111,6 +111,9 @@ impl Gpu {
         let mut out = vec![T::default(); len];
         if len > 0 {
             self.stream.memcpy_dtoh(&src.slice(..len), &mut out[..])?;
+            // A copy into pageable memory returns once done, by the driver's documentation;
+            // the explicit wait makes that independent of the host buffer's kind.
+            self.stream.synchronize()?;
         }
         Ok(out)
     }
