@@ -67,10 +67,15 @@ if [ "$PART" = 1 ]; then
   for t in "$BIN"/test-*; do
     step "$(basename "$t")" 120 "$t" --test-threads 4 --nocapture
   done
-  step "bench perf batch 1" 150 "$BIN/pagekeeper" bench perf --device cuda --dummy llama-3.1-8b \
-    --contexts 512,2048 --decode-tokens 128
-  step "bench perf batch sweep" 200 "$BIN/pagekeeper" bench perf --device cuda --dummy llama-3.1-8b \
-    --contexts 512 --batch 1,2,4,8,16,32,64 --decode-tokens 64
+  # Each bench twice: eager launches, then decode steps replayed from CUDA graphs.
+  for graphs in 0 1; do
+    step "bench perf batch 1, graphs $graphs" 90 env PK_CUDA_GRAPHS=$graphs "$BIN/pagekeeper" bench perf --device cuda \
+      --dummy llama-3.1-8b --contexts 512,2048 --decode-tokens 128
+  done
+  for graphs in 0 1; do
+    step "bench perf batch sweep, graphs $graphs" 120 env PK_CUDA_GRAPHS=$graphs "$BIN/pagekeeper" bench perf --device cuda \
+      --dummy llama-3.1-8b --contexts 512 --batch 1,2,4,8,16,32,64 --decode-tokens 32
+  done
 elif [ "$PART" = 2 ]; then
   [ -x "$BIN/pagekeeper" ] && [ -f "$STASH/model.part-a" ] || {
     echo "call 1's files are gone (the machine was given back between the calls): run call 1 again, then call 2 at once" >&2

@@ -140,7 +140,8 @@ mod imp {
         let kv_bytes_per_token = 2 * 2 * c.n_layers * c.kv_dim();
         let copy_bw = copy_bandwidth_bytes_s(&gpu)?;
         eprintln!(
-            "model {name} | block {bs} | KV pool {:.1} GiB | weights read per step {:.2} GB | device copy bandwidth {:.0} GB/s (read + write)",
+            "model {name} | block {bs} | CUDA graphs {} (PK_CUDA_GRAPHS=1) | KV pool {:.1} GiB | weights read per step {:.2} GB | device copy bandwidth {:.0} GB/s (read + write)",
+            if model.graphs_enabled() { "on" } else { "off" },
             pool.capacity_bytes() as f64 / (1u64 << 30) as f64,
             weight_bytes as f64 / 1e9,
             copy_bw / 1e9
@@ -211,6 +212,7 @@ mod imp {
                 "model": name,
                 "device": gpu.name,
                 "act_dtype": format!("{:?}", gpu.act),
+                "cuda_graphs": model.graphs_enabled(),
                 "weight_bytes_per_step": weight_bytes,
                 "copy_bandwidth_bytes_s": copy_bw,
                 "runs": runs,

@@ -27,6 +27,9 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// cuBLAS's workspace, ours so that cuBLAS never allocates while a CUDA graph is being
+    /// captured (allocation is not allowed then).
+    _blas_workspace: CudaSlice<u8>,
     functions: HashMap<&'static str, CudaFunction>,
     pub act: ActDtype,
     pub sm_count: usize,
@@ -68,7 +71,9 @@ impl Gpu {
         let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::NoDevice(e.to_string()))?;
         // SAFETY: this crate uses a single stream, so no cross-stream ordering is needed.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A created stream, not the legacy default one: CUDA graphs can only be captured
+        // from a created stream.
+        let stream = ctx.new_stream()?;
         let (major, minor) = ctx.compute_capability()?;
         let ptx = kernels::compile(kernels::virtual_arch(major, minor)?, act)?;
         let module = ctx.load_module(ptx)?;
@@ -78,8 +83,20 @@ impl Gpu {
         }
         let sm_count = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         let blas = CudaBlas::new(stream.clone())?;
+        // 32 MiB: NVIDIA's recommendation for Hopper.
+        let workspace_bytes = 32usize << 20;
+        let workspace = stream.alloc_zeros::<u8>(workspace_bytes)?;
+        {
+            let (p, _sync) = workspace.device_ptr(&stream);
+            // SAFETY: the buffer outlives the handle: both live in `Gpu`, where `blas` is
+            // declared before `_blas_workspace` and so is dropped first.
+            let status = unsafe { blas_sys::cublasSetWorkspace_v2(*blas.handle(), p as *mut _, workspace_bytes) };
+            if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(CudaError::Blas(cudarc::cublas::result::CublasError(status)));
+            }
+        }
         let name = ctx.name()?;
-        Ok(Gpu { ctx, stream, blas, functions, act, sm_count, name })
+        Ok(Gpu { ctx, stream, blas, _blas_workspace: workspace, functions, act, sm_count, name })
     }
 
     pub fn function(&self, name: &str) -> &CudaFunction {
@@ -160,6 +177,7 @@ impl Gpu {
     /// `yᵀ (rows × n) = op_T(w) · xᵀ (cols × n)`, which is `gemm(T, N)` with leading
     /// dimensions cols, cols and rows. For one token cuBLAS picks its GEMV kernels; we use
     /// it for every batch size (see scripts/gpu/README.md for how to check that choice).
+    #[allow(clippy::too_many_arguments)]
     pub fn gemm(&self, w: DevPtr, rows: usize, cols: usize, x: DevPtr, n_tokens: usize, y: DevPtr, beta: f32) -> Result<(), CudaError> {
         let alpha = 1.0f32;
         let t = self.act_type();

@@ -22,11 +22,19 @@ pub struct GpuLlama {
     pub weights: GpuWeights,
     inv_freq: CudaSlice<f32>,
     scratch: Scratch,
+    /// Replay decode steps from CUDA graphs (`PK_CUDA_GRAPHS=1`): one launch per step instead
+    /// of about ten per layer. Off by default until measured on a GPU; a capture that fails
+    /// turns it off with a warning and the step runs eagerly.
+    use_graphs: bool,
+    /// Captured graphs by (shape, pool address, scratch generation).
+    graphs: std::collections::HashMap<(Shape, DevPtr, u64), cudarc::driver::CudaGraph>,
 }
 
 /// Activation buffers, grown (never shrunk) to the largest call so far.
 #[derive(Default)]
 struct Scratch {
+    /// Bumped on every reallocation: graphs captured on older buffers are stale.
+    generation: u64,
     rows: usize,
     partial_floats: usize,
     meta_ints: usize,
@@ -47,10 +55,23 @@ struct Bufs {
     argmax: CudaSlice<i32>,
 }
 
-/// Offsets (in i32s) of each section of the per-call metadata, uploaded as one buffer.
-struct Meta {
-    ints: Vec<i32>,
+/// What fixes a call's sequence of launches (grid sizes, scalar arguments, metadata
+/// offsets): two calls of the same shape on the same buffers launch identical work, which
+/// is what lets a decode step be replayed from a CUDA graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Shape {
+    n: usize,
     n_out: usize,
+    n_seqs: usize,
+    n_items: usize,
+    max_splits: usize,
+    argmax: bool,
+}
+
+/// Offsets (in i32s) of each section of the per-call metadata, uploaded as one buffer; a
+/// function of the shape alone. The block tables come last, so their lengths (which grow
+/// with the context) move no other section.
+struct Offsets {
     tokens: usize,
     positions: usize,
     slots: usize,
@@ -61,20 +82,37 @@ struct Meta {
     tables: usize,
 }
 
+impl Shape {
+    fn offsets(&self) -> Offsets {
+        let n = self.n;
+        let out_rows = 3 * n;
+        let seqs = out_rows + self.n_out;
+        let items = seqs + 6 * self.n_seqs;
+        let row_splits = items + 4 * self.n_items;
+        Offsets { tokens: 0, positions: n, slots: 2 * n, out_rows, seqs, items, row_splits, tables: row_splits + n }
+    }
+}
+
+/// Decode steps of at most this many rows are replayed from CUDA graphs when enabled.
+const GRAPH_MAX_ROWS: usize = 256;
+/// Graphs kept at most (one per decode shape seen); the cache is cleared when full.
+const GRAPH_CACHE_MAX: usize = 64;
+
 impl GpuLlama {
     pub fn new(gpu: &Gpu, config: ModelConfig, weights: GpuWeights) -> Result<GpuLlama, CudaError> {
         let hd = config.head_dim;
-        if hd % 32 != 0 || hd > 256 {
+        if !hd.is_multiple_of(32) || hd > 256 {
             return Err(CudaError::Unsupported(format!("head_dim {hd} (the attention kernel needs a multiple of 32, at most 256)")));
         }
         // The same f32 computation as `Llama::new`, so both rotate by the same angles.
         let inv_freq: Vec<f32> = (0..hd / 2).map(|i| config.rope_theta.powf(-2.0 * i as f32 / hd as f32)).collect();
-        Ok(GpuLlama { inv_freq: gpu.upload(&inv_freq)?, config, weights, scratch: Scratch::default() })
+        let use_graphs = std::env::var("PK_CUDA_GRAPHS").as_deref() == Ok("1");
+        Ok(GpuLlama { inv_freq: gpu.upload(&inv_freq)?, config, weights, scratch: Scratch::default(), use_graphs, graphs: Default::default() })
     }
 
     /// Runs the batch and returns the requested logits rows (`vocab_size` floats each).
     pub fn forward(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward]) -> Result<Vec<f32>, CudaError> {
-        let n_out = self.forward_on_device(gpu, pool, seqs)?;
+        let n_out = self.forward_on_device(gpu, pool, seqs, false)?;
         let bufs = self.scratch.bufs.as_ref().expect("allocated by the forward pass");
         gpu.download(&bufs.logits, n_out * self.config.vocab_size)
     }
@@ -82,22 +120,28 @@ impl GpuLlama {
     /// Runs the batch and returns the greedy token of each requested logits row, computed
     /// on the device so that a decode step copies 4 bytes per sequence back, not the logits.
     pub fn forward_argmax(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward]) -> Result<Vec<u32>, CudaError> {
-        let n_out = self.forward_on_device(gpu, pool, seqs)?;
+        let n_out = self.forward_on_device(gpu, pool, seqs, true)?;
         let bufs = self.scratch.bufs.as_ref().expect("allocated by the forward pass");
-        if n_out == 0 {
-            return Ok(Vec::new());
-        }
-        // SAFETY: argmax_rows(const float*, int, int*) reads n_out rows of logits, writes n_out ints.
-        unsafe { gpu.launch("argmax_rows", n_out as u32, 1024, 0, kargs![gpu.ptr(&bufs.logits), self.config.vocab_size as i32, gpu.ptr(&bufs.argmax)])? };
         Ok(gpu.download(&bufs.argmax, n_out)?.into_iter().map(|t| t as u32).collect())
     }
 
-    /// Plans the call's metadata on the host: token ids, positions, physical slots, the
-    /// rows that get logits, and the attention plan.
-    fn meta(&self, gpu: &Gpu, pool: &GpuKvPool, seqs: &[SeqForward]) -> Result<(Meta, AttnPlan), CudaError> {
+    /// Whether decode steps are replayed from CUDA graphs.
+    pub fn graphs_enabled(&self) -> bool {
+        self.use_graphs
+    }
+
+    /// Turns graph replay of decode steps on or off (the default comes from `PK_CUDA_GRAPHS`).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.use_graphs = on;
+        self.graphs.clear();
+    }
+
+    /// Plans the call on the host: token ids, positions, physical slots, the rows that get
+    /// logits and the attention plan, laid out as `Shape::offsets` says.
+    fn meta(&self, gpu: &Gpu, pool: &GpuKvPool, seqs: &[SeqForward], argmax: bool) -> Result<(Shape, Vec<i32>), CudaError> {
         let c = &self.config;
         let bs = pool.geometry.block_size_tokens;
-        let ap = plan(seqs, c.n_heads, c.n_kv_heads, bs, 2 * gpu.sm_count)?;
+        let ap: AttnPlan = plan(seqs, c.n_heads, c.n_kv_heads, bs, 2 * gpu.sm_count)?;
         let (mut tokens, mut positions, mut slots, mut out_rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for s in seqs {
             for (i, &t) in s.tokens.iter().enumerate() {
@@ -117,22 +161,19 @@ impl GpuLlama {
                 slots.push((block * bs + idx % bs) as i32);
             }
         }
-        let mut ints = Vec::new();
-        let mut section = |v: &[i32]| {
-            let at = ints.len();
-            ints.extend_from_slice(v);
-            at
-        };
-        let tokens_at = section(&tokens);
-        let positions_at = section(&positions);
-        let slots_at = section(&slots);
-        let out_rows_at = section(&out_rows);
-        let seqs_at = section(&ap.seqs);
-        let items_at = section(&ap.items);
-        let row_splits_at = section(&ap.row_splits);
-        let tables_at = section(&ap.tables);
-        let m = Meta { ints, n_out: out_rows.len(), tokens: tokens_at, positions: positions_at, slots: slots_at, out_rows: out_rows_at, seqs: seqs_at, items: items_at, row_splits: row_splits_at, tables: tables_at };
-        Ok((m, ap))
+        let shape = Shape { n: tokens.len(), n_out: out_rows.len(), n_seqs: seqs.len(), n_items: ap.n_items(), max_splits: ap.max_splits, argmax };
+        let mut ints = Vec::with_capacity(shape.offsets().tables + ap.tables.len());
+        for section in [&tokens, &positions, &slots, &out_rows, &ap.seqs, &ap.items, &ap.row_splits, &ap.tables] {
+            ints.extend_from_slice(section);
+        }
+        debug_assert_eq!(ints.len(), shape.offsets().tables + ap.tables.len());
+        debug_assert_eq!(ap.threads_per_block as usize, 32 * self.tile_tokens() * c.group_size());
+        Ok((shape, ints))
+    }
+
+    /// Query tokens per attention thread block (as `attention::plan` chooses).
+    fn tile_tokens(&self) -> usize {
+        (16 / self.config.group_size()).max(1)
     }
 
     /// Grows the scratch buffers to hold `n` rows, `n_out` logits rows and the plan.
@@ -147,6 +188,8 @@ impl GpuLlama {
         s.partial_floats = s.partial_floats.max(partial_floats);
         s.meta_ints = s.meta_ints.max(meta_ints);
         let r = s.rows;
+        s.generation += 1;
+        self.graphs.clear();
         s.bufs = None; // free the old buffers before taking new ones
         s.bufs = Some(Bufs {
             x: gpu.alloc(r * c.d_model)?,
@@ -163,63 +206,99 @@ impl GpuLlama {
         Ok(())
     }
 
-    /// Runs every layer; leaves the requested rows' logits in the scratch buffer and
-    /// returns how many there are.
-    fn forward_on_device(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward]) -> Result<usize, CudaError> {
+    /// Runs every layer; leaves the requested rows' logits (and their argmax when asked) in
+    /// the scratch buffers and returns how many rows there are.
+    fn forward_on_device(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward], argmax: bool) -> Result<usize, CudaError> {
         let g = pool.geometry;
-        {
-            let c = &self.config;
-            if g.n_layers != c.n_layers || g.n_kv_heads != c.n_kv_heads || g.head_dim != c.head_dim {
-                return Err(CudaError::Unsupported(format!("pool geometry {g:?} does not match the model")));
-            }
+        let c = self.config.clone();
+        if g.n_layers != c.n_layers || g.n_kv_heads != c.n_kv_heads || g.head_dim != c.head_dim {
+            return Err(CudaError::Unsupported(format!("pool geometry {g:?} does not match the model")));
         }
-        let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
-        if n == 0 {
+        if 2 * g.block_size_tokens * c.head_dim * 4 > 48 * 1024 {
+            return Err(CudaError::Unsupported(format!("block size {} × head_dim {} needs more than 48 KiB of shared memory", g.block_size_tokens, c.head_dim)));
+        }
+        if seqs.iter().all(|s| s.tokens.is_empty()) {
             return Ok(0);
         }
-        let (meta, ap) = self.meta(gpu, pool, seqs)?;
-        let n_out = meta.n_out;
-        let c = self.config.clone();
-        let partial_floats = ap.max_splits * n * c.n_heads * (c.head_dim + 2);
-        self.ensure_scratch(gpu, n, n_out, partial_floats, meta.ints.len())?;
+        let (shape, ints) = self.meta(gpu, pool, seqs, argmax)?;
+        let partial_floats = shape.max_splits * shape.n * c.n_heads * (c.head_dim + 2);
+        self.ensure_scratch(gpu, shape.n, shape.n_out, partial_floats, ints.len())?;
         let b = self.scratch.bufs.as_mut().expect("just allocated");
-        gpu.upload_into(&meta.ints, &mut b.meta)?;
+        // Ordered on the stream after the previous call's kernels, which read this buffer.
+        gpu.upload_into(&ints, &mut b.meta)?;
 
+        if !(self.use_graphs && shape.n <= GRAPH_MAX_ROWS) {
+            self.launch_all(gpu, pool, shape)?;
+            return Ok(shape.n_out);
+        }
+        let key = (shape, pool.layer_ptrs(gpu, 0).0, self.scratch.generation);
+        if !self.graphs.contains_key(&key) {
+            if self.graphs.len() >= GRAPH_CACHE_MAX {
+                self.graphs.clear();
+            }
+            gpu.stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let launched = self.launch_all(gpu, pool, shape);
+            let captured = gpu.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            match (launched, captured) {
+                (Ok(()), Ok(Some(graph))) => {
+                    self.graphs.insert(key, graph);
+                }
+                (launched, captured) => {
+                    eprintln!("warning: CUDA graph capture failed ({:?}, {:?}); running steps eagerly from now on", launched.err(), captured.err());
+                    self.use_graphs = false;
+                    self.launch_all(gpu, pool, shape)?;
+                    return Ok(shape.n_out);
+                }
+            }
+        }
+        self.graphs[&key].launch()?;
+        Ok(shape.n_out)
+    }
+
+    /// Enqueues every kernel of a call whose metadata is in the scratch buffer.
+    fn launch_all(&self, gpu: &Gpu, pool: &GpuKvPool, shape: Shape) -> Result<(), CudaError> {
+        let c = &self.config;
+        let g = pool.geometry;
+        let b = self.scratch.bufs.as_ref().expect("allocated before launching");
+        let o = shape.offsets();
+        let (n, n_out) = (shape.n, shape.n_out);
         let (d, qd, kvd, ff) = (c.d_model, c.q_dim(), c.kv_dim(), c.d_ff);
         let qkv_stride = (qd + 2 * kvd) as i32;
         let ip = |at: usize| -> DevPtr { gpu.ptr(&b.meta) + 4 * at as u64 };
         let (x, h, qkv, attn, gate_up, act_ff, partial) = (gpu.ptr(&b.x), gpu.ptr(&b.h), gpu.ptr(&b.qkv), gpu.ptr(&b.attn), gpu.ptr(&b.gate_up), gpu.ptr(&b.act_ff), gpu.ptr(&b.partial));
-        let (k_new, v_new) = (qkv + 4 * qd as u64, qkv + 4 * (qd + kvd) as u64);
         let neox = (c.rope_style == RopeStyle::Neox) as i32;
         let null: DevPtr = 0;
         let attn_smem = (2 * g.block_size_tokens * c.head_dim * 4) as u32;
-        if attn_smem > 48 * 1024 {
-            return Err(CudaError::Unsupported(format!("block size {} × head_dim {} needs {attn_smem} bytes of shared memory (at most 48 KiB)", g.block_size_tokens, c.head_dim)));
-        }
+        let threads = (32 * self.tile_tokens() * c.group_size()) as u32;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let w = &self.weights;
         let n_i = n as i32;
 
         // SAFETY (every launch below): argument lists follow the kernels' signatures in
-        // kernels/*.cu; buffers were sized for n rows above; slots and block ids were checked
-        // against the pool in `meta`, and the plan checked every block table's length.
+        // kernels/*.cu; buffers were sized for the shape by `ensure_scratch`; slots and block
+        // ids were checked against the pool in `meta`, and the plan checked every block
+        // table's length.
         unsafe {
-            gpu.launch("embed", n as u32, 256, 0, kargs![gpu.ptr(&w.token_embd), ip(meta.tokens), x, d as i32])?;
+            gpu.launch("embed", n as u32, 256, 0, kargs![gpu.ptr(&w.token_embd), ip(o.tokens), x, d as i32])?;
             for (li, lw) in w.layers.iter().enumerate() {
                 let (k_pool, v_pool) = pool.layer_ptrs(gpu, li);
                 gpu.launch("rmsnorm", n as u32, 256, 0, kargs![x, gpu.ptr(&lw.attn_norm), h, null, d as i32, c.rms_eps])?;
                 gpu.gemm(gpu.ptr(&lw.wqkv), qd + 2 * kvd, d, h, n, qkv, 0.0)?;
-                gpu.launch("rope", n as u32, 128, 0, kargs![qkv, qkv_stride, ip(meta.positions), gpu.ptr(&self.inv_freq), c.n_heads as i32, c.head_dim as i32, neox])?;
-                gpu.launch("rope", n as u32, 128, 0, kargs![k_new, qkv_stride, ip(meta.positions), gpu.ptr(&self.inv_freq), c.n_kv_heads as i32, c.head_dim as i32, neox])?;
-                gpu.launch("kv_write", n as u32, 256, 0, kargs![k_new, v_new, qkv_stride, k_pool, v_pool, ip(meta.slots), c.n_kv_heads as i32, c.head_dim as i32, g.block_size_tokens as i32])?;
+                gpu.launch(
+                    "rope_kv_write",
+                    n as u32,
+                    256,
+                    0,
+                    kargs![qkv, qkv_stride, ip(o.positions), gpu.ptr(&self.inv_freq), c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32, neox, k_pool, v_pool, ip(o.slots), g.block_size_tokens as i32],
+                )?;
                 gpu.launch(
                     "paged_attention",
-                    ap.n_items() as u32,
-                    ap.threads_per_block,
+                    shape.n_items as u32,
+                    threads,
                     attn_smem,
-                    kargs![qkv, qkv_stride, k_pool, v_pool, ip(meta.tables), ip(meta.seqs), ip(meta.items), partial, c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32, g.block_size_tokens as i32, ap.tile_tokens as i32, n_i, scale],
+                    kargs![qkv, qkv_stride, k_pool, v_pool, ip(o.tables), ip(o.seqs), ip(o.items), partial, c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32, g.block_size_tokens as i32, self.tile_tokens() as i32, n_i, scale],
                 )?;
-                gpu.launch("attn_combine", (n * c.n_heads) as u32, c.head_dim as u32, 0, kargs![partial, ip(meta.row_splits), attn, c.n_heads as i32, c.head_dim as i32, n_i])?;
+                gpu.launch("attn_combine", (n * c.n_heads) as u32, c.head_dim as u32, 0, kargs![partial, ip(o.row_splits), attn, c.n_heads as i32, c.head_dim as i32, n_i])?;
                 gpu.gemm(gpu.ptr(&lw.wo), d, qd, attn, n, x, 1.0)?;
                 gpu.launch("rmsnorm", n as u32, 256, 0, kargs![x, gpu.ptr(&lw.ffn_norm), h, null, d as i32, c.rms_eps])?;
                 gpu.gemm(gpu.ptr(&lw.w_gate_up), 2 * ff, d, h, n, gate_up, 0.0)?;
@@ -227,10 +306,13 @@ impl GpuLlama {
                 gpu.gemm(gpu.ptr(&lw.w_down), d, ff, act_ff, n, x, 1.0)?;
             }
             if n_out > 0 {
-                gpu.launch("rmsnorm", n_out as u32, 256, 0, kargs![x, gpu.ptr(&w.output_norm), h, ip(meta.out_rows), d as i32, c.rms_eps])?;
+                gpu.launch("rmsnorm", n_out as u32, 256, 0, kargs![x, gpu.ptr(&w.output_norm), h, ip(o.out_rows), d as i32, c.rms_eps])?;
                 gpu.gemm(gpu.ptr(w.output_head()), c.vocab_size, d, h, n_out, gpu.ptr(&b.logits), 0.0)?;
+                if shape.argmax {
+                    gpu.launch("argmax_rows", n_out as u32, 1024, 0, kargs![gpu.ptr(&b.logits), c.vocab_size as i32, gpu.ptr(&b.argmax)])?;
+                }
             }
         }
-        Ok(n_out)
+        Ok(())
     }
 }

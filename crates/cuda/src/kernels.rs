@@ -26,6 +26,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "embed",
     "argmax_rows",
     "kv_write",
+    "rope_kv_write",
     "random_fill",
     "dequant_q4_0",
     "dequant_q4_1",

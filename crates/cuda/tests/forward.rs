@@ -31,12 +31,13 @@ fn small_config() -> ModelConfig {
     cfg
 }
 
-fn run(act: ActDtype, abs: f32) {
+fn run(act: ActDtype, abs: f32, graphs: bool) {
     let Some(gpu) = gpu(act) else { return };
     let cfg = small_config();
     let cpu = Llama::new(cfg.clone(), Weights::random(&cfg, GgmlType::F16, 7));
     let weights = GpuWeights::from_cpu(&gpu, &cpu.weights, &cfg).unwrap();
     let mut model = GpuLlama::new(&gpu, cfg.clone(), weights).unwrap();
+    model.set_graphs(graphs);
     let g = KvGeometry { n_layers: cfg.n_layers, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim, block_size_tokens: 16, num_blocks: 16 };
     let mut store = KvStore::new(g, KvDtype::F16);
     let mut pool = GpuKvPool::new(&gpu, g).unwrap();
@@ -48,7 +49,7 @@ fn run(act: ActDtype, abs: f32) {
     let mut both = |seqs: &[SeqForward], what: &str| {
         let want = cpu.forward(&mut store, seqs);
         let got = model.forward(&gpu, &mut pool, seqs).unwrap();
-        assert_logits(&format!("{what} ({act:?})"), &got, &want, v, abs);
+        assert_logits(&format!("{what} ({act:?}, graphs {graphs})"), &got, &want, v, abs);
         let greedy = model.forward_argmax(&gpu, &mut pool, seqs);
         greedy.unwrap()
     };
@@ -67,7 +68,8 @@ fn run(act: ActDtype, abs: f32) {
     // stored, positions go on from 49.
     let compacted = [0u32, 2, 3, 4];
     both(&[SeqForward { tokens: &[12], start_position: 49, stored_start: 33, block_table: &compacted, logits_from: 0 }], "decode after eviction");
-    for step in 0..3u32 {
+    // Enough same-shaped steps that a captured graph is replayed several times.
+    for step in 0..5u32 {
         let pos = 50 + step as usize;
         both(&[SeqForward { tokens: &[100 + step], start_position: pos, stored_start: pos - 16, block_table: &compacted, logits_from: 0 }], "decode");
     }
@@ -76,13 +78,19 @@ fn run(act: ActDtype, abs: f32) {
 #[test]
 fn forward_matches_cpu_f16() {
     // Weights are exact in f16; activations are rounded to f16 before each GEMM.
-    run(ActDtype::F16, 0.02);
+    run(ActDtype::F16, 0.02, false);
+}
+
+#[test]
+fn forward_matches_cpu_f16_with_cuda_graphs() {
+    // Decode steps captured once per shape and replayed: the same results as eager launches.
+    run(ActDtype::F16, 0.02, true);
 }
 
 #[test]
 fn forward_matches_cpu_bf16() {
     // bf16 activations carry 8 significant bits: a looser bound.
-    run(ActDtype::Bf16, 0.15);
+    run(ActDtype::Bf16, 0.15, false);
 }
 
 #[test]

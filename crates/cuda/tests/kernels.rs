@@ -38,8 +38,8 @@ fn rmsnorm_matches_cpu() {
 fn rope_ref(x: &mut [f32], head_dim: usize, pos: usize, inv_freq: &[f32], neox: bool) {
     let half = head_dim / 2;
     for head in x.chunks_exact_mut(head_dim) {
-        for i in 0..half {
-            let (sin, cos) = (pos as f32 * inv_freq[i]).sin_cos();
+        for (i, &f) in inv_freq.iter().enumerate().take(half) {
+            let (sin, cos) = (pos as f32 * f).sin_cos();
             let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
             let (x0, x1) = (head[a], head[b]);
             head[a] = x0 * cos - x1 * sin;
@@ -67,6 +67,45 @@ fn rope_matches_cpu_both_styles_and_large_positions() {
         }
         // Both compute sin/cos of the same f32 angle; they differ in the last bits only.
         assert_close(&format!("rope neox={neox}"), &got, &want, 2e-6, 2e-6);
+    }
+}
+
+/// The fused decode kernel equals `rope` on Q and K followed by `kv_write`, bit for bit.
+#[test]
+fn rope_kv_write_equals_rope_then_kv_write() {
+    let Some(gpu) = gpu(ActDtype::F16) else { return };
+    let (n_heads, n_kv, hd, bs) = (32usize, 8usize, 128usize, 16usize);
+    let (qd, kvd) = (n_heads * hd, n_kv * hd);
+    let stride = qd + 2 * kvd;
+    let positions: Vec<i32> = vec![3, 900, 131_000];
+    let slots: Vec<i32> = vec![5 * 16 + 3, 0, 2 * 16 + 15];
+    let inv_freq: Vec<f32> = (0..hd / 2).map(|i| 500000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
+    let qkv = uniform(&mut rng(8), positions.len() * stride, 1.0);
+    let g = KvGeometry { n_layers: 1, n_kv_heads: n_kv, head_dim: hd, block_size_tokens: bs, num_blocks: 8 };
+    let (dp, df, ds) = (gpu.upload(&positions).unwrap(), gpu.upload(&inv_freq).unwrap(), gpu.upload(&slots).unwrap());
+    let n = positions.len() as u32;
+    // Separate kernels.
+    let (sep, sep_pool) = (gpu.upload(&qkv).unwrap(), GpuKvPool::new(&gpu, g).unwrap());
+    let (kp, vp) = sep_pool.layer_ptrs(&gpu, 0);
+    let base = gpu.ptr(&sep);
+    unsafe {
+        gpu.launch("rope", n, 128, 0, kargs![base, stride as i32, gpu.ptr(&dp), gpu.ptr(&df), n_heads as i32, hd as i32, 0i32]).unwrap();
+        gpu.launch("rope", n, 128, 0, kargs![base + 4 * qd as u64, stride as i32, gpu.ptr(&dp), gpu.ptr(&df), n_kv as i32, hd as i32, 0i32]).unwrap();
+        gpu.launch("kv_write", n, 256, 0, kargs![base + 4 * qd as u64, base + 4 * (qd + kvd) as u64, stride as i32, kp, vp, gpu.ptr(&ds), n_kv as i32, hd as i32, bs as i32]).unwrap();
+    }
+    // Fused.
+    let (fused, fused_pool) = (gpu.upload(&qkv).unwrap(), GpuKvPool::new(&gpu, g).unwrap());
+    let (kf, vf) = fused_pool.layer_ptrs(&gpu, 0);
+    unsafe {
+        gpu.launch("rope_kv_write", n, 256, 0, kargs![gpu.ptr(&fused), stride as i32, gpu.ptr(&dp), gpu.ptr(&df), n_heads as i32, n_kv as i32, hd as i32, 0i32, kf, vf, gpu.ptr(&ds), bs as i32]).unwrap();
+    }
+    let (a, b) = (gpu.download(&sep, qkv.len()).unwrap(), gpu.download(&fused, qkv.len()).unwrap());
+    for r in 0..positions.len() {
+        assert_eq!(&a[r * stride..r * stride + qd], &b[r * stride..r * stride + qd], "row {r}: rotated Q");
+    }
+    for &slot in &slots {
+        let (blk, s) = (slot as usize / bs, slot as usize % bs);
+        assert_eq!(sep_pool.read_token(&gpu, 0, blk, s).unwrap(), fused_pool.read_token(&gpu, 0, blk, s).unwrap(), "slot {slot}");
     }
 }
 

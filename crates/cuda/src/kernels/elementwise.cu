@@ -130,6 +130,46 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
     }
 }
 
+// The decode-step fusion of `rope` on Q, `rope` on K and `kv_write`: row r of `qkv` holds
+// n_heads Q heads, then n_kv_heads K heads, then n_kv_heads V heads (the fused QKV GEMM's
+// output). Q is rotated in place; K is rotated and, with V, written to the pool at slots[r]
+// as f16. One launch instead of three per layer (a decode step is launch-bound at small
+// batches); tested against the three kernels it replaces.
+extern "C" __global__ void rope_kv_write(float* __restrict__ qkv, int row_stride, const int* __restrict__ positions,
+                                        const float* __restrict__ inv_freq, int n_heads, int n_kv_heads,
+                                        int head_dim, int neox, u16* __restrict__ k_pool,
+                                        u16* __restrict__ v_pool, const int* __restrict__ slots,
+                                        int block_size) {
+    const int r = blockIdx.x;
+    const int half_dim = head_dim / 2;
+    const float pos = (float)positions[r];
+    float* row = qkv + (size_t)r * row_stride;
+    const int slot = slots[r];
+    const int block = slot / block_size, in_block = slot % block_size;
+    for (int idx = threadIdx.x; idx < (n_heads + n_kv_heads) * half_dim; idx += blockDim.x) {
+        const int head = idx / half_dim, i = idx % half_dim;
+        float s, c;
+        sincosf(pos * inv_freq[i], &s, &c);
+        const int a = neox ? i : 2 * i;
+        const int b = neox ? i + half_dim : 2 * i + 1;
+        float* h = row + head * head_dim;  // K heads follow the Q heads
+        const float x0 = h[a], x1 = h[b];
+        const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+        h[a] = y0;
+        h[b] = y1;
+        if (head >= n_heads) {
+            const size_t base = (((size_t)block * n_kv_heads + (head - n_heads)) * block_size + in_block) * head_dim;
+            k_pool[base + a] = f32_to_f16(y0);
+            k_pool[base + b] = f32_to_f16(y1);
+        }
+    }
+    const float* v = row + (n_heads + n_kv_heads) * head_dim;
+    for (int i = threadIdx.x; i < n_kv_heads * head_dim; i += blockDim.x) {
+        const int h = i / head_dim, d = i % head_dim;
+        v_pool[(((size_t)block * n_kv_heads + h) * block_size + in_block) * head_dim + d] = f32_to_f16(v[i]);
+    }
+}
+
 // Uniform values in [-scale, scale) from a hash of (seed, index): random weights made on
 // the device, so that a model of Llama-3.1-8B's shape never exists on the host.
 extern "C" __global__ void random_fill(act_t* __restrict__ dst, long long n, u64 seed, float scale) {
