@@ -33,6 +33,9 @@ use crate::model::{DecayedCount, DelayModel, QualityCurve, QualityPrior, Quality
 use crate::placement::{Item, Placer, Policy};
 use crate::scores::token_scores;
 
+mod persist;
+mod worker;
+
 #[derive(Clone)]
 pub struct StoreConfig {
     /// Fastest first; the last one keeps the master copies and is treated as unlimited.
@@ -217,7 +220,7 @@ impl ContextStore {
         let worker_store = Arc::downgrade(&store);
         let handle = std::thread::Builder::new()
             .name("evicpress".into())
-            .spawn(move || worker_loop(rx, worker_store))
+            .spawn(move || worker::worker_loop(rx, worker_store))
             .map_err(|e| e.to_string())?;
         *store.worker.lock().unwrap() = Some(handle);
         Ok(store)
@@ -497,77 +500,6 @@ impl ContextStore {
         Ok(())
     }
 
-    fn grid_names(&self) -> Vec<String> {
-        self.grid.configs().iter().map(|c| c.to_string()).collect()
-    }
-
-    /// Worker: writes the context's meta entry beside its master. Best effort: a failure
-    /// costs only what a restart would have to learn again.
-    fn save_meta(&self, key: &ChunkKey) {
-        let meta = {
-            let st = self.state.lock().unwrap();
-            let Some(e) = st.entries.get(key) else { return };
-            ContextMeta {
-                version: META_VERSION,
-                grid: self.grid_names(),
-                profile: (e.quality.source == QualitySource::Profiled).then(|| e.quality.by_config.clone()),
-                hits: e.hits,
-                frequency: e.freq.value_at(self.now_s(), self.half_life_s),
-                saved_unix_s: unix_now_s(),
-                queries: e.queries.clone(),
-            }
-        };
-        let last = self.tiers.len() - 1;
-        // Tiers are content-addressed (storing a present key only refreshes it), and this
-        // entry changes: replace it. A crash in between loses the entry, which only costs
-        // a re-profile.
-        let mk = meta_key(key);
-        let _ = self.tiers[last].delete(&mk);
-        match self.tiers[last].store(&mk, &Payload::from(meta.encode())) {
-            Ok(_) => self.state.lock().unwrap().stats.meta_saved += 1,
-            Err(e) => tracing::warn!("EVICPRESS: saving a context's profile failed: {e}"),
-        }
-    }
-
-    /// Restores an adopted context's persisted profile, hits, frequency (decayed by the
-    /// wall-clock time since it was saved) and queries, when a valid entry exists.
-    fn restore_meta(&self, key: &ChunkKey) {
-        let last = self.tiers.len() - 1;
-        let bytes = match self.tiers[last].load(&meta_key(key)) {
-            Ok(Some(p)) => p,
-            Ok(None) => return,
-            Err(e) => {
-                tracing::warn!("EVICPRESS: reading a context's profile failed: {e}");
-                return;
-            }
-        };
-        let meta = match ContextMeta::decode(&bytes, &self.grid_names()) {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::warn!("EVICPRESS: ignoring a stored profile: {e}");
-                return;
-            }
-        };
-        let mut st = self.state.lock().unwrap();
-        let now = self.now_s();
-        let curve = meta.profile.map(|by_config| QualityCurve { by_config, source: QualitySource::Profiled });
-        if let Some(c) = &curve {
-            st.prior.add(c);
-        }
-        let Some(e) = st.entries.get_mut(key) else { return };
-        if let Some(c) = curve {
-            e.item.quality = c.by_config.clone();
-            e.quality = c;
-            e.needs_profile = false;
-        }
-        let elapsed_s = (unix_now_s() - meta.saved_unix_s).max(0.0);
-        let restored = meta.frequency * 0.5f64.powf(elapsed_s / self.half_life_s.max(1e-9));
-        e.freq = DecayedCount::new(e.freq.value_at(now, self.half_life_s) + restored, now);
-        e.hits += meta.hits;
-        e.queries = meta.queries.into_iter().take(self.max_queries).collect();
-        st.stats.meta_restored += 1;
-    }
-
     /// Feeds back the quality a served query got (when the caller can measure it against
     /// the full KV). A drift below the profile by more than the threshold asks for a
     /// re-profile.
@@ -644,167 +576,5 @@ impl ContextStore {
     /// (tier, configuration) of a stored context.
     pub fn placement_of(&self, key: &ChunkKey) -> Option<(usize, usize)> {
         self.state.lock().unwrap().entries.get(key).map(|e| (e.item.tier, e.item.config))
-    }
-}
-
-impl Drop for ContextStore {
-    fn drop(&mut self) {
-        self.tx.lock().unwrap().take();
-        if let Some(w) = self.worker.lock().unwrap().take() {
-            let _ = w.join();
-        }
-    }
-}
-
-fn worker_loop(rx: Receiver<Job>, store: std::sync::Weak<ContextStore>) {
-    while let Ok(job) = rx.recv() {
-        let Some(store) = store.upgrade() else { return };
-        match job {
-            Job::Insert(key, kv) => {
-                let bytes = ((kv.k.len() + kv.v.len()) * 4) as u64;
-                if let Err(e) = store.insert(key, &kv) {
-                    tracing::warn!("EVICPRESS: storing a context failed: {e}");
-                }
-                store.pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
-            }
-            Job::Place(key) => store.place(key, None),
-            Job::SaveMeta(key) => store.save_meta(&key),
-        }
-        store.job_done();
-    }
-}
-
-impl ContextStore {
-    /// Worker: writes the master, registers the context, places it.
-    fn insert(&self, key: ChunkKey, kv: &KvContext) -> Result<(), String> {
-        if self.contains(&key) {
-            return Ok(());
-        }
-        let last = self.tiers.len() - 1;
-        let master = pk_codec::encode(kv, &pk_codec::Method::None, None, &self.fingerprint).map_err(|e| e.to_string())?;
-        self.tiers[last].store(&copy_key(&key, 0), &Payload::from(master)).map_err(|e| e.to_string())?;
-        self.register(key, kv);
-        self.state.lock().unwrap().stats.inserted += 1;
-        self.place(key, Some(kv));
-        Ok(())
-    }
-
-    /// Adds an index entry for a context whose master is on the last tier.
-    fn register(&self, key: ChunkKey, kv: &KvContext) {
-        let last = self.tiers.len() - 1;
-        let shape = kv.shape();
-        let scores: HashMap<DropScore, Vec<f32>> = self.grid.configs().iter().filter_map(|c| c.drop_score()).map(|s| (s, token_scores(kv, s))).collect();
-        {
-            let mut st = self.state.lock().unwrap();
-            let quality = st.prior.curve(&self.grid);
-            let now = self.now_s();
-            let mut freq = DecayedCount::default();
-            freq.bump(now, self.half_life_s);
-            let item = Item {
-                bytes: self.grid.configs().iter().map(|c| c.bytes(&shape)).collect(),
-                kept_tokens: self.grid.configs().iter().map(|c| match c.method().drop_spec() {
-                    Some(d) => pk_codec::drop::n_kept_tokens(shape.n_tokens, &d),
-                    None => shape.n_tokens,
-                }).collect(),
-                quality: quality.by_config.clone(),
-                frequency: 1.0,
-                last_access_s: now,
-                tier: last,
-                config: 0,
-            };
-            st.entries.insert(key, Entry { n_tokens: kv.n_tokens(), item, quality, freq, served_quality: None, hits: 0, scores, queries: Vec::new(), needs_profile: true, hits_since_profile: 0 });
-        }
-    }
-
-    /// Worker: runs the placement after `key` arrived or was hit, then executes the moves.
-    fn place(&self, key: ChunkKey, full: Option<&KvContext>) {
-        let cpu0 = Instant::now();
-        let (keys, before, after) = {
-            let mut st = self.state.lock().unwrap();
-            let now = self.now_s();
-            let keys: Vec<ChunkKey> = st.entries.keys().copied().collect();
-            let Some(arrived) = keys.iter().position(|k| *k == key) else { return };
-            let mut items: Vec<Item> = keys.iter().map(|k| {
-                let e = &st.entries[k];
-                let mut it = e.item.clone();
-                it.frequency = e.freq.value_at(now, self.half_life_s).max(1e-9);
-                it
-            }).collect();
-            let before: Vec<(usize, usize)> = items.iter().map(|i| (i.tier, i.config)).collect();
-            let placer = Placer { delay: &st.delay, policy: &self.policy, capacities_bytes: &self.capacities_bytes };
-            placer.place(&mut items, Some(arrived));
-            let cpu_s = cpu0.elapsed().as_secs_f64();
-            st.stats.placement_decisions += 1;
-            st.stats.placement_cpu_s_total += cpu_s;
-            st.stats.placement_cpu_s_max = st.stats.placement_cpu_s_max.max(cpu_s);
-            (keys, before, items.iter().map(|i| (i.tier, i.config)).collect::<Vec<_>>())
-        };
-        // Demotions and compressions first (they free room), the arrival last.
-        let mut order: Vec<usize> = (0..keys.len()).filter(|&i| before[i] != after[i]).collect();
-        order.sort_by_key(|&i| keys[i] == key);
-        for i in order {
-            if let Err(e) = self.execute_move(&keys[i], before[i], after[i], if keys[i] == key { full } else { None }) {
-                tracing::warn!("EVICPRESS: moving a context failed: {e}");
-            }
-        }
-        self.publish_metrics();
-    }
-
-    /// Worker: makes copy `to` of a context exist, points the index at it, deletes `from`.
-    fn execute_move(&self, key: &ChunkKey, from: (usize, usize), to: (usize, usize), full: Option<&KvContext>) -> Result<(), String> {
-        let last = self.tiers.len() - 1;
-        let is_master = |p: (usize, usize)| p == (last, 0);
-        let mut moved = 0u64;
-        if !is_master(to) {
-            // A copy of the same configuration can be moved as bytes; others are re-encoded
-            // from the full KV (the master, unless the caller still holds it).
-            let existing = if from.1 == to.1 { self.tiers[from.0].load(&copy_key(key, from.1)).ok().flatten() } else { None };
-            let payload = match existing {
-                Some(p) => p,
-                None => {
-                    let loaded;
-                    let full = match full {
-                        Some(f) => f,
-                        None => {
-                            loaded = self.load_master(key)?;
-                            &loaded
-                        }
-                    };
-                    Payload::from(self.encode(key, full, to.1)?)
-                }
-            };
-            moved = payload.len() as u64;
-            let evicted = self.tiers[to.0].store(&copy_key(key, to.1), &payload).map_err(|e| e.to_string())?;
-            if !evicted.is_empty() {
-                tracing::warn!("EVICPRESS: tier {} evicted {} entries on its own; give it more slack", self.tiers[to.0].name(), evicted.len());
-            }
-        }
-        {
-            let mut st = self.state.lock().unwrap();
-            if let Some(e) = st.entries.get_mut(key) {
-                e.item.tier = to.0;
-                e.item.config = to.1;
-            }
-            st.stats.moves += 1;
-            st.stats.bytes_moved += moved;
-        }
-        if !is_master(from) && from != to {
-            let _ = self.tiers[from.0].delete(&copy_key(key, from.1));
-        }
-        Ok(())
-    }
-
-    fn publish_metrics(&self) {
-        let st = self.state.lock().unwrap();
-        let mut counts: HashMap<(usize, usize), u64> = HashMap::new();
-        for e in st.entries.values() {
-            *counts.entry((e.item.tier, e.item.config)).or_default() += 1;
-        }
-        for t in 0..self.tiers.len() {
-            for c in 0..self.grid.len() {
-                let n = counts.get(&(t, c)).copied().unwrap_or(0);
-                metrics::gauge!("pagekeeper:evicpress_contexts", "tier" => self.tiers[t].name().to_string(), "config" => self.grid.configs()[c].to_string()).set(n as f64);
-            }
-        }
     }
 }

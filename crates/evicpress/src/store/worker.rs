@@ -1,0 +1,167 @@
+//! The store's worker thread: inserts, placement decisions and the moves they imply
+//! (write the new copy, update the index, delete the old), so that none of it runs on the
+//! engine's thread.
+
+use super::*;
+
+impl Drop for ContextStore {
+    fn drop(&mut self) {
+        self.tx.lock().unwrap().take();
+        if let Some(w) = self.worker.lock().unwrap().take() {
+            let _ = w.join();
+        }
+    }
+}
+
+pub(super) fn worker_loop(rx: Receiver<Job>, store: std::sync::Weak<ContextStore>) {
+    while let Ok(job) = rx.recv() {
+        let Some(store) = store.upgrade() else { return };
+        match job {
+            Job::Insert(key, kv) => {
+                let bytes = ((kv.k.len() + kv.v.len()) * 4) as u64;
+                if let Err(e) = store.insert(key, &kv) {
+                    tracing::warn!("EVICPRESS: storing a context failed: {e}");
+                }
+                store.pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
+            }
+            Job::Place(key) => store.place(key, None),
+            Job::SaveMeta(key) => store.save_meta(&key),
+        }
+        store.job_done();
+    }
+}
+
+impl ContextStore {
+    /// Worker: writes the master, registers the context, places it.
+    pub(super) fn insert(&self, key: ChunkKey, kv: &KvContext) -> Result<(), String> {
+        if self.contains(&key) {
+            return Ok(());
+        }
+        let last = self.tiers.len() - 1;
+        let master = pk_codec::encode(kv, &pk_codec::Method::None, None, &self.fingerprint).map_err(|e| e.to_string())?;
+        self.tiers[last].store(&copy_key(&key, 0), &Payload::from(master)).map_err(|e| e.to_string())?;
+        self.register(key, kv);
+        self.state.lock().unwrap().stats.inserted += 1;
+        self.place(key, Some(kv));
+        Ok(())
+    }
+
+    /// Adds an index entry for a context whose master is on the last tier.
+    pub(super) fn register(&self, key: ChunkKey, kv: &KvContext) {
+        let last = self.tiers.len() - 1;
+        let shape = kv.shape();
+        let scores: HashMap<DropScore, Vec<f32>> = self.grid.configs().iter().filter_map(|c| c.drop_score()).map(|s| (s, token_scores(kv, s))).collect();
+        {
+            let mut st = self.state.lock().unwrap();
+            let quality = st.prior.curve(&self.grid);
+            let now = self.now_s();
+            let mut freq = DecayedCount::default();
+            freq.bump(now, self.half_life_s);
+            let item = Item {
+                bytes: self.grid.configs().iter().map(|c| c.bytes(&shape)).collect(),
+                kept_tokens: self.grid.configs().iter().map(|c| match c.method().drop_spec() {
+                    Some(d) => pk_codec::drop::n_kept_tokens(shape.n_tokens, &d),
+                    None => shape.n_tokens,
+                }).collect(),
+                quality: quality.by_config.clone(),
+                frequency: 1.0,
+                last_access_s: now,
+                tier: last,
+                config: 0,
+            };
+            st.entries.insert(key, Entry { n_tokens: kv.n_tokens(), item, quality, freq, served_quality: None, hits: 0, scores, queries: Vec::new(), needs_profile: true, hits_since_profile: 0 });
+        }
+    }
+
+    /// Worker: runs the placement after `key` arrived or was hit, then executes the moves.
+    pub(super) fn place(&self, key: ChunkKey, full: Option<&KvContext>) {
+        let cpu0 = Instant::now();
+        let (keys, before, after) = {
+            let mut st = self.state.lock().unwrap();
+            let now = self.now_s();
+            let keys: Vec<ChunkKey> = st.entries.keys().copied().collect();
+            let Some(arrived) = keys.iter().position(|k| *k == key) else { return };
+            let mut items: Vec<Item> = keys.iter().map(|k| {
+                let e = &st.entries[k];
+                let mut it = e.item.clone();
+                it.frequency = e.freq.value_at(now, self.half_life_s).max(1e-9);
+                it
+            }).collect();
+            let before: Vec<(usize, usize)> = items.iter().map(|i| (i.tier, i.config)).collect();
+            let placer = Placer { delay: &st.delay, policy: &self.policy, capacities_bytes: &self.capacities_bytes };
+            placer.place(&mut items, Some(arrived));
+            let cpu_s = cpu0.elapsed().as_secs_f64();
+            st.stats.placement_decisions += 1;
+            st.stats.placement_cpu_s_total += cpu_s;
+            st.stats.placement_cpu_s_max = st.stats.placement_cpu_s_max.max(cpu_s);
+            (keys, before, items.iter().map(|i| (i.tier, i.config)).collect::<Vec<_>>())
+        };
+        // Demotions and compressions first (they free room), the arrival last.
+        let mut order: Vec<usize> = (0..keys.len()).filter(|&i| before[i] != after[i]).collect();
+        order.sort_by_key(|&i| keys[i] == key);
+        for i in order {
+            if let Err(e) = self.execute_move(&keys[i], before[i], after[i], if keys[i] == key { full } else { None }) {
+                tracing::warn!("EVICPRESS: moving a context failed: {e}");
+            }
+        }
+        self.publish_metrics();
+    }
+
+    /// Worker: makes copy `to` of a context exist, points the index at it, deletes `from`.
+    pub(super) fn execute_move(&self, key: &ChunkKey, from: (usize, usize), to: (usize, usize), full: Option<&KvContext>) -> Result<(), String> {
+        let last = self.tiers.len() - 1;
+        let is_master = |p: (usize, usize)| p == (last, 0);
+        let mut moved = 0u64;
+        if !is_master(to) {
+            // A copy of the same configuration can be moved as bytes; others are re-encoded
+            // from the full KV (the master, unless the caller still holds it).
+            let existing = if from.1 == to.1 { self.tiers[from.0].load(&copy_key(key, from.1)).ok().flatten() } else { None };
+            let payload = match existing {
+                Some(p) => p,
+                None => {
+                    let loaded;
+                    let full = match full {
+                        Some(f) => f,
+                        None => {
+                            loaded = self.load_master(key)?;
+                            &loaded
+                        }
+                    };
+                    Payload::from(self.encode(key, full, to.1)?)
+                }
+            };
+            moved = payload.len() as u64;
+            let evicted = self.tiers[to.0].store(&copy_key(key, to.1), &payload).map_err(|e| e.to_string())?;
+            if !evicted.is_empty() {
+                tracing::warn!("EVICPRESS: tier {} evicted {} entries on its own; give it more slack", self.tiers[to.0].name(), evicted.len());
+            }
+        }
+        {
+            let mut st = self.state.lock().unwrap();
+            if let Some(e) = st.entries.get_mut(key) {
+                e.item.tier = to.0;
+                e.item.config = to.1;
+            }
+            st.stats.moves += 1;
+            st.stats.bytes_moved += moved;
+        }
+        if !is_master(from) && from != to {
+            let _ = self.tiers[from.0].delete(&copy_key(key, from.1));
+        }
+        Ok(())
+    }
+
+    pub(super) fn publish_metrics(&self) {
+        let st = self.state.lock().unwrap();
+        let mut counts: HashMap<(usize, usize), u64> = HashMap::new();
+        for e in st.entries.values() {
+            *counts.entry((e.item.tier, e.item.config)).or_default() += 1;
+        }
+        for t in 0..self.tiers.len() {
+            for c in 0..self.grid.len() {
+                let n = counts.get(&(t, c)).copied().unwrap_or(0);
+                metrics::gauge!("pagekeeper:evicpress_contexts", "tier" => self.tiers[t].name().to_string(), "config" => self.grid.configs()[c].to_string()).set(n as f64);
+            }
+        }
+    }
+}
