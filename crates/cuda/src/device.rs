@@ -154,6 +154,8 @@ impl Gpu {
     /// must cover what the kernel reads and writes.
     pub unsafe fn launch(&self, name: &str, grid: u32, block: u32, shared_bytes: u32, params: &mut [*mut std::ffi::c_void]) -> Result<(), CudaError> {
         let f = self.function(name);
+        // Kernels and cuBLAS run in the context current on the calling thread.
+        self.ctx.bind_to_thread()?;
         cudarc::driver::result::launch_kernel(f.cu_function(), (grid.max(1), 1, 1), (block, 1, 1), shared_bytes, self.stream.cu_stream(), params)?;
         Ok(())
     }
@@ -181,6 +183,7 @@ impl Gpu {
     pub fn gemm(&self, w: DevPtr, rows: usize, cols: usize, x: DevPtr, n_tokens: usize, y: DevPtr, beta: f32) -> Result<(), CudaError> {
         let alpha = 1.0f32;
         let t = self.act_type();
+        self.ctx.bind_to_thread()?;
         // SAFETY: the caller's buffers hold rows × cols, n_tokens × cols and n_tokens × rows
         // elements (checked by the forward pass's sizes); alpha and beta live across the call.
         unsafe {

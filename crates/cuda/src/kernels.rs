@@ -67,6 +67,11 @@ pub fn virtual_arch(major: i32, minor: i32) -> Result<&'static str, CudaError> {
 
 /// Compiles the program for `arch` (e.g. "compute_90") with `act` as the GEMM operand type.
 pub fn compile(arch: &'static str, act: ActDtype) -> Result<Ptx, CudaError> {
+    compile_source(&program_source(), arch, act)
+}
+
+/// Compiles `src` as [`compile`] compiles the program (tests give it broken sources).
+pub fn compile_source(src: &str, arch: &'static str, act: ActDtype) -> Result<Ptx, CudaError> {
     let mut options = vec!["--std=c++17".to_string()];
     if act == ActDtype::Bf16 {
         options.push("-DPK_ACT_BF16".into());
@@ -83,7 +88,7 @@ pub fn compile(arch: &'static str, act: ActDtype) -> Result<Ptx, CudaError> {
         name: Some("pagekeeper.cu".into()),
         ..Default::default()
     };
-    compile_ptx_with_opts(program_source(), opts).map_err(|e| match e {
+    compile_ptx_with_opts(src, opts).map_err(|e| match e {
         cudarc::nvrtc::CompileError::CompileError { log, .. } => CudaError::Compile(log.to_string_lossy().into_owned()),
         other => CudaError::Compile(other.to_string()),
     })

@@ -3,7 +3,7 @@
 //! on machines without one; it skips (passes, saying so) when libnvrtc cannot be opened.
 //! Point it at a library with `LD_LIBRARY_PATH` (scripts/gpu/README.md says how).
 
-use pk_cuda::kernels::{compile, nvrtc_available, program_source, KERNEL_NAMES};
+use pk_cuda::kernels::{compile, compile_source, nvrtc_available, program_source, KERNEL_NAMES};
 use pk_cuda::ActDtype;
 
 #[test]
@@ -24,10 +24,31 @@ fn every_kernel_compiles_for_sm90() {
 
 #[test]
 fn every_named_kernel_is_defined_once() {
+    // The name before the parameter list of each `extern "C" __global__` line (past a
+    // `__launch_bounds__(…)` where there is one).
     let src = program_source();
-    for name in KERNEL_NAMES {
-        let n = src.matches(&format!("__global__ void {name}(")).count();
-        assert_eq!(n, 1, "kernel {name} defined {n} times");
+    let mut defined: Vec<&str> = src
+        .lines()
+        .filter(|l| l.starts_with("extern \"C\" __global__"))
+        .map(|l| {
+            let l = l.split_once("__launch_bounds__(").map_or(l, |(_, rest)| rest.split_once(')').unwrap().1);
+            l[..l.find('(').expect("a parameter list")].rsplit(' ').next().unwrap()
+        })
+        .collect();
+    defined.sort_unstable();
+    let mut listed = KERNEL_NAMES.to_vec();
+    listed.sort_unstable();
+    assert_eq!(defined, listed, "kernels defined in the sources vs KERNEL_NAMES");
+}
+
+/// The check would catch a broken kernel: a type error fails with NVRTC's log.
+#[test]
+fn a_type_error_fails_with_the_compiler_log() {
+    if !nvrtc_available() {
+        eprintln!("skipped: libnvrtc not found");
+        return;
     }
-    assert_eq!(src.matches("extern \"C\" __global__").count(), KERNEL_NAMES.len(), "a kernel is not listed in KERNEL_NAMES");
+    let broken = program_source() + "\nextern \"C\" __global__ void broken(float* x) { x[0] = undefined_name; }\n";
+    let err = compile_source(&broken, "compute_90", ActDtype::F16).expect_err("a type error must not compile");
+    assert!(err.to_string().contains("undefined_name"), "log without the error: {err}");
 }

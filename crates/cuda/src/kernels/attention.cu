@@ -20,7 +20,9 @@
 
 #define PK_MAX_PER_LANE 8  // head_dim up to 256
 
-extern "C" __global__ void paged_attention(
+// At most 16 row warps (attention.rs, MAX_ROWS_PER_BLOCK): the bound keeps registers within
+// what a 512-thread block may use.
+extern "C" __global__ void __launch_bounds__(512) paged_attention(
     const float* __restrict__ q, int q_row_stride, const u16* __restrict__ k_pool, const u16* __restrict__ v_pool,
     const int* __restrict__ block_tables, const int* __restrict__ seqs, const int* __restrict__ items,
     float* __restrict__ partial, int n_heads, int n_kv_heads, int head_dim, int block_size,
