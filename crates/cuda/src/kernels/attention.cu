@@ -27,7 +27,7 @@ extern "C" __global__ void __launch_bounds__(512) paged_attention(
     const int* __restrict__ block_tables, const int* __restrict__ seqs, const int* __restrict__ items,
     float* __restrict__ partial, int n_heads, int n_kv_heads, int head_dim, int block_size,
     int tile_tokens, int n_rows_total, float scale) {
-    extern __shared__ float smem[];
+    PK_DYNAMIC_SHARED(float, smem);
     float* ks = smem;                            // [block_size][head_dim] of one KV head
     float* vs = smem + block_size * head_dim;    // the same for V
 

@@ -17,6 +17,7 @@ typedef unsigned long long u64;
 
 #define PK_NEG_INF (__int_as_float(0xff800000))
 
+#ifndef PK_HOST_EMU
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -28,6 +29,13 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+
+// Dynamically sized shared memory of a kernel (the launch's shared_bytes).
+#define PK_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#else
+// The host emulator (crates/cuda/emu) supplies f16_to_f32, f32_to_f16 and shared memory.
+#define PK_DYNAMIC_SHARED(type, name) type* name = (type*)pk_emu_dynamic_shared()
+#endif
 
 __device__ __forceinline__ float bf16_to_f32(u16 b) {
     return __uint_as_float(((u32)b) << 16);
