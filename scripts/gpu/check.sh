@@ -87,6 +87,8 @@ elif [ "$PART" = 2 ]; then
   echo "$MODEL_SHA256  $MODEL" | sha256sum -c || exit 101
   TEXT=tests/fixtures/around-the-world-in-80-days.txt
   step "perplexity cuda" 120 sh -c "'$BIN/pagekeeper' perplexity --device cuda --file $TEXT --ctx 512 --chunks 20 --json > '$OUT/ppl_cuda.json'"
+  # The same with bf16 GEMM operands, for the record (8 significant bits instead of 11).
+  step "perplexity cuda bf16" 120 sh -c "PK_CUDA_ACT=bf16 '$BIN/pagekeeper' perplexity --device cuda --file $TEXT --ctx 512 --chunks 20 --json > '$OUT/ppl_cuda_bf16.json'"
   step "perplexity cpu" 180 sh -c "'$BIN/pagekeeper' perplexity --file $TEXT --ctx 512 --chunks 20 --json > '$OUT/ppl_cpu.json'"
   step "perplexity within 1 %" 10 python3 - "$OUT/ppl_cuda.json" "$OUT/ppl_cpu.json" "$CPU_GOLDEN_PPL_512_20" <<'EOF'
 import json, sys
@@ -97,6 +99,7 @@ def ppl(path):
         print(f"no perplexity in {path}: {e}")
         return None
 gpu, cpu, golden = ppl(sys.argv[1]), ppl(sys.argv[2]), float(sys.argv[3])
+print(f"cuda with bf16 operands: {ppl(sys.argv[1].replace('.json', '_bf16.json'))}")
 # The reference: the CPU's value on this machine when it ran, else the golden test's.
 ref = cpu if cpu is not None else golden
 print(f"PPL n_ctx 512 x 20: cuda {gpu} | cpu here {cpu} | cpu golden {golden}")

@@ -31,13 +31,21 @@ mod imp {
 
     use super::{PerfArgs, PerplexityArgs};
 
-    fn gpu(act: ActDtype) -> Result<Gpu> {
+    /// Opens device 0 with `default` as the GEMM operand type unless `PK_CUDA_ACT` (f16 or
+    /// bf16) says otherwise.
+    fn gpu(default: ActDtype) -> Result<Gpu> {
+        let act = match std::env::var("PK_CUDA_ACT").as_deref() {
+            Ok("f16") => ActDtype::F16,
+            Ok("bf16") => ActDtype::Bf16,
+            Ok(other) => bail!("PK_CUDA_ACT={other:?}: expected f16 or bf16"),
+            Err(_) => default,
+        };
         let g = Gpu::new(0, act).context("opening CUDA device 0")?;
         eprintln!("device: {} ({} multiprocessors), GEMM operands {act:?}", g.name, g.sm_count);
         Ok(g)
     }
 
-    /// A model file's weights on the GPU (f16 operands: closer to the CPU's f32).
+    /// A model file's weights on the GPU (f16 operands by default: closer to the CPU's f32).
     fn load_file(path: &std::path::Path) -> Result<(Gpu, GpuLlama, pk_gguf::GgufFile)> {
         let f = pk_gguf::GgufFile::open(path).with_context(|| format!("loading {}", path.display()))?;
         let cfg = ModelConfig::from_gguf(&f)?;
@@ -108,7 +116,7 @@ mod imp {
             Some(name) => {
                 let cfg = ModelConfig::dummy(name).with_context(|| format!("unknown --dummy {name:?} (smollm2-135m, llama-3.2-1b, llama-3.1-8b)"))?;
                 // Random weights are made on the device in bf16 (the setting), or in
-                // f16 with --dummy-type F16; quantised dummy types do not apply here.
+                // f16 with --dummy-type F16 (or PK_CUDA_ACT); quantised types do not apply.
                 let act = if a.dummy_type.eq_ignore_ascii_case("F16") { ActDtype::F16 } else { ActDtype::Bf16 };
                 let gpu = gpu(act)?;
                 let t = Instant::now();
