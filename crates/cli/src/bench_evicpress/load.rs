@@ -1,11 +1,19 @@
-//! TTFT under load: the real runs serve one request at a time, so their TTFT has no
-//! queueing in it. Here the measured per-request service times (time to first token plus
-//! the answer's decode) are replayed through one FIFO server with the trace's Poisson
-//! arrivals rescaled to a request rate (Lindley's recursion): what a prefill-bound server
-//! that takes requests in order would show. It ignores batching (a real server overlaps
-//! decodes with the next prefill), so it overstates queueing at high load for every policy
-//! alike. The paper reports the same shape as "higher request rate at the same TTFT".
+//! TTFT under load, two ways.
+//! - Measured ([`serve_loaded`]): the trace replayed in real time at a request rate, each
+//!   request submitted when its (rescaled) Poisson arrival time comes, the engine stepping
+//!   continuously (continuous batching, up to four contexts at once), TTFT from arrival to
+//!   first token. Placement runs on the store's worker meanwhile, as in a server.
+//! - Replayed ([`under_load`]): the unloaded runs' per-request service times (time to first
+//!   token plus the answer's decode) through one FIFO server (Lindley's recursion): cheap,
+//!   and a check on the measured runs. It ignores batching, so it overstates queueing.
+//! The paper reports the same shape as "higher request rate at the same TTFT".
 
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use pk_engine::request::{Request as EngineRequest, SeqEvent};
+use pk_engine::{Engine, GenerateParams};
 use serde::Serialize;
 
 use super::sim::mean;
@@ -86,9 +94,76 @@ pub fn under_load(rows: &[RunRow], trace: &[Request], trace_rate_per_s: f64) -> 
     Some(UnderLoad { loads, rates_per_s, target_s, rows: out })
 }
 
+/// One request's outcome in a loaded run.
+pub struct LoadedResult {
+    pub ttft_s: f64,
+    /// The stored configuration it was served from (grid name) and the tier, if any.
+    pub config: Option<String>,
+    pub tier: Option<String>,
+    pub token_ids: Vec<u32>,
+}
+
+/// Serves `prompts` (one per trace entry) arriving at `arrivals_s` in real time; returns
+/// each request's TTFT (arrival to first token) and answer, in trace order.
+pub fn serve_loaded(e: &mut Engine, prompts: &[Vec<u32>], arrivals_s: &[f64], answer_tokens: usize) -> Result<Vec<LoadedResult>> {
+    type Slot = Arc<Mutex<Option<(Instant, Option<pk_evicpress::LoadReport>, Vec<u32>)>>>;
+    let slots: Vec<Slot> = (0..prompts.len()).map(|_| Arc::new(Mutex::new(None))).collect();
+    let t0 = Instant::now();
+    let (mut next, mut finished) = (0, 0);
+    while finished < prompts.len() {
+        let now = t0.elapsed().as_secs_f64();
+        while next < prompts.len() && arrivals_s[next] <= now {
+            let slot = slots[next].clone();
+            let sink = Box::new(move |ev: SeqEvent| {
+                if let SeqEvent::Finished(o) = ev {
+                    let first = o.first_token_at.unwrap_or(o.finished_at);
+                    *slot.lock().unwrap() = Some((first, o.context_load, o.token_ids));
+                }
+                true
+            });
+            let params = GenerateParams { max_tokens: answer_tokens, ..Default::default() };
+            e.submit(EngineRequest { prompt_ids: prompts[next].clone(), params, cache_salt: None, sink }).map_err(|err| anyhow::anyhow!("{err}"))?;
+            next += 1;
+        }
+        if e.has_work() {
+            e.step();
+        } else if next < prompts.len() {
+            std::thread::sleep(Duration::from_secs_f64((arrivals_s[next] - t0.elapsed().as_secs_f64()).clamp(0.0, 0.05)));
+        }
+        finished = slots.iter().filter(|s| s.lock().unwrap().is_some()).count();
+        if next == prompts.len() && !e.has_work() && finished < prompts.len() {
+            anyhow::bail!("{} requests ended without a result", prompts.len() - finished);
+        }
+    }
+    Ok(slots
+        .iter()
+        .zip(arrivals_s)
+        .map(|(s, &a)| {
+            let (first, load, token_ids) = s.lock().unwrap().take().expect("finished");
+            LoadedResult { ttft_s: first.duration_since(t0).as_secs_f64() - a, config: load.as_ref().map(|l| l.config.clone()), tier: load.map(|l| l.tier), token_ids }
+        })
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Requests arriving while others run are batched, and still get the answers they get
+    /// alone (the engine's batch invariance), which the bench's quality lookup relies on.
+    #[test]
+    fn loaded_serving_gives_the_answers_of_unloaded_serving() {
+        let path = pk_engine::model_store::resolve_model(None, false).unwrap();
+        let mut e = Engine::load(&path, pk_engine::EngineConfig::default()).unwrap();
+        let prompts: Vec<Vec<u32>> = ["The capital of France is", "One, two, three,", "Water boils at a temperature of"].iter().map(|t| e.tokenizer.encode(t, true)).collect();
+        let alone: Vec<Vec<u32>> = prompts.iter().map(|p| e.generate(p, &GenerateParams { max_tokens: 6, ..Default::default() }, &mut |_| {}).unwrap().token_ids).collect();
+        let loaded = serve_loaded(&mut e, &prompts, &[0.0, 0.0, 0.02], 6).unwrap();
+        for (got, want) in loaded.iter().zip(&alone) {
+            assert_eq!(&got.token_ids, want);
+            assert!(got.ttft_s > 0.0 && got.ttft_s < 60.0, "{}", got.ttft_s);
+            assert!(got.config.is_none() && got.tier.is_none());
+        }
+    }
 
     #[test]
     fn a_busy_server_queues_and_an_idle_one_does_not() {

@@ -87,6 +87,10 @@ pub struct EvicpressArgs {
     /// How profiling scores a configuration (f1 or teacher-forced; see `serve --help`).
     #[arg(long, default_value = "f1", value_parser = crate::commands::parse_profile_metric)]
     pub profile_metric: pk_engine::profiler::QualityMetric,
+    /// Also measure every policy under load: the trace in real time at 50/70/90 % of LRU's
+    /// capacity, with continuous batching (about a minute per load).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub loaded: bool,
     /// How test answers are scored for the reported quality (f1 or teacher-forced); token-F1
     /// and the ground-truth task score are reported beside it either way.
     #[arg(long, default_value = "f1", value_parser = crate::commands::parse_profile_metric)]
@@ -96,6 +100,10 @@ pub struct EvicpressArgs {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub cold_disk: bool,
 }
+
+/// Loads of the measured loaded runs, as fractions of LRU's capacity (1 / its mean service
+/// time unloaded).
+const LOADS: [f64; 3] = [0.5, 0.7, 0.9];
 
 struct Preset {
     spec: WorkloadSpec,
@@ -288,12 +296,28 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
         }
     }
     eprintln!("real runs: {} requests × {} policies in {:.0} s", reqs.len(), runners.len(), t0.elapsed().as_secs_f64());
+    // Loaded real runs: the same trace in real time at fractions of LRU's capacity, every
+    // policy at one load before the next load (so that drifting host load is shared).
+    let lru_service_s = mean(&runners[0].service);
+    let mut loaded_rows = Vec::new();
+    if a.loaded {
+        for &load in &LOADS {
+            let rate = load / lru_service_s.max(1e-9);
+            let arrivals: Vec<f64> = reqs.iter().map(|r| r.arrival_s * a.rate / rate).collect();
+            for runner in runners.iter_mut() {
+                let row = runner.serve_loaded(&p, &setup, &reqs, &arrivals, load, a.ram_fraction)?;
+                eprintln!("{} {:?} at {:.0}% load ({rate:.2}/s): TTFT mean {:.3} s, quality {:.3}", row.policy, row.alpha, 100.0 * load, row.ttft_mean_s, row.quality);
+                loaded_rows.push(row);
+            }
+        }
+    }
     for runner in runners {
         let (row, run_loads) = runner.finish(a.ram_fraction);
         eprintln!("{} {:?}: TTFT mean {:.3} s, quality {:.3}, task {:.3}", row.policy, row.alpha, row.ttft_mean_s, row.quality, row.task_score.unwrap_or(f64::NAN));
         rows.push(row);
         loads.extend(run_loads);
     }
+    rows.extend(loaded_rows);
     // Fit the delay model's per-tier speed to what the real loads took.
     for t in 0..delay.tiers.len() {
         let xs: Vec<&Load> = loads.iter().filter(|l| l.tier == t).collect();
@@ -516,7 +540,8 @@ impl Runner {
     #[allow(clippy::too_many_arguments)]
     fn new(a: &EvicpressArgs, p: &Preset, s: &Setup, policy: &Policy, delay: &DelayModel, dir: &std::path::Path, run: &str, working_set: u64, name: &str, alpha: Option<f64>) -> Result<Runner> {
         let (tiers, caps) = tiers_for(a, dir, run, working_set)?;
-        let e = engine_for(a, store_config(tiers, caps, &p.grid, policy.clone(), delay), p.spec.max_tokens + 256)?;
+        // Room for four contexts at once, so that loaded runs batch.
+        let e = engine_for(a, store_config(tiers, caps, &p.grid, policy.clone(), delay), 4 * (p.spec.max_tokens + 256))?;
         let store = e.context_store().expect("configured");
         for (c, ctx) in s.contexts.iter().enumerate() {
             let key = e.context_key(&ctx.tokens, None).expect("aligned");
@@ -551,6 +576,35 @@ impl Runner {
         // Placement runs on the store's worker; it is complete before the next request.
         self.store.flush();
         Ok(())
+    }
+
+    /// Serves the whole trace in real time with arrivals at `arrivals_s` (see load.rs).
+    #[allow(clippy::too_many_arguments)]
+    fn serve_loaded(&mut self, p: &Preset, s: &Setup, reqs: &[workload::Request], arrivals_s: &[f64], load: f64, ram_fraction: f64) -> Result<RunRow> {
+        let prompts: Vec<Vec<u32>> = reqs.iter().map(|r| [&s.contexts[r.context].tokens[..], &s.contexts[r.context].test_queries[r.query]].concat()).collect();
+        let results = load::serve_loaded(&mut self.e, &prompts, arrivals_s, p.answer_tokens)?;
+        let (mut ttft, mut quality, mut f1, mut task, mut hits, mut mismatches) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), BTreeMap::new(), 0);
+        for (r, out) in reqs.iter().zip(&results) {
+            let c = &s.contexts[r.context];
+            let config = out.config.as_ref().map_or(0, |name| p.grid.configs().iter().position(|g| &g.to_string() == name).unwrap_or(0));
+            let measured_f1 = pk_engine::profiler::token_f1(&out.token_ids, &s.references[r.context][r.query]);
+            if (measured_f1 - s.test_f1[r.context][config][r.query]).abs() > 1e-9 {
+                mismatches += 1;
+            }
+            ttft.push(out.ttft_s);
+            f1.push(measured_f1);
+            quality.push(s.test_scores[r.context][config][r.query]);
+            task.push(workload::task_score(&self.e.tokenizer.decode(&out.token_ids), &c.test_answers[r.query]));
+            let tier = out.tier.clone().unwrap_or_else(|| "recompute".to_string());
+            *hits.entry(tier).or_insert(0u64) += 1;
+        }
+        if mismatches > 0 {
+            eprintln!("warning: {} under load: {mismatches} requests answered differently from setup's table", self.name);
+        }
+        self.store.flush();
+        let mut row = row_of(&self.name, self.alpha, "real", &format!("load-{:.0}%", 100.0 * load), ram_fraction, &ttft, &quality, &task, hits);
+        row.quality_f1 = Some(mean(&f1));
+        Ok(row)
     }
 
     fn finish(self, ram_fraction: f64) -> (RunRow, Vec<Load>) {

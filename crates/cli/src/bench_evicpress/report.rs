@@ -161,7 +161,7 @@ pub fn headline(rows: &[RunRow], source: &str, scenario: &str, tolerance: f64, m
     }
     let of = |p: &'static str| of(rows, source, scenario, p);
     let lru = of("lru").next()?;
-    let full = of("full-prefill").next().or_else(|| rows.iter().find(|r| r.policy == "full-prefill"));
+    let full = of("full-prefill").next();
     let m = |r: &RunRow| metric.of(r);
     let best = of("evicpress").filter(|r| m(r) >= (1.0 - tolerance) * m(lru)).min_by(|a, b| a.ttft_mean_s.total_cmp(&b.ttft_mean_s));
     let fixed = best.and_then(|b| of("fixed-").filter(|r| m(r) >= m(b) - 1e-9).min_by(|a, c| a.ttft_mean_s.total_cmp(&c.ttft_mean_s)));
@@ -195,7 +195,9 @@ pub fn write(a: &EvicpressArgs, grid: &Grid, rows: &[RunRow], validation: &[Vali
     let metrics: &[Metric] = if a.quality_metric == pk_engine::profiler::QualityMetric::AnswerF1 { &[Metric::Quality, Metric::Task] } else { &[Metric::Quality, Metric::F1, Metric::Task] };
     for &metric in metrics {
         for tolerance in [0.03, 0.05] {
-            headlines.extend(headline(rows, "real", "base", tolerance, metric));
+            for scenario in scenarios.iter().filter(|sc| rows.iter().any(|r| r.source == "real" && &r.scenario == *sc)) {
+                headlines.extend(headline(rows, "real", scenario, tolerance, metric));
+            }
             headlines.extend(scenarios.iter().filter_map(|s| headline(rows, "sim", s, tolerance, metric)));
         }
     }
