@@ -54,6 +54,11 @@ pub struct PerfArgs {
     /// Where the model runs: cpu, or cuda (a binary built with --features cuda; see gpu.rs).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,
+    /// Also decode with each of these thread counts (e.g. 1,2), alternating step by step
+    /// in one generation after each context's run, so that every count sees the same host
+    /// load; adds `compare_threads` to each run. Needs --threads ≥ the largest.
+    #[arg(long, value_delimiter = ',')]
+    pub compare_threads: Vec<usize>,
     /// Sequences decoding together, comma-separated (a sweep); --device cuda only.
     #[arg(long, default_value = "1", value_delimiter = ',')]
     pub batch: Vec<usize>,
@@ -118,6 +123,59 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
 }
 
 /// Peak resident set size of this process (Linux `VmHWM`), in bytes.
+/// Decodes `decode_tokens` steps per thread count after `prompt`, the decode pool switched
+/// to the next count before every step, and returns each count's decode speed: mean and
+/// median over its steps. The prompt is usually in the prefix cache by now; its prefill
+/// steps are not counted either way.
+fn compare_threads(engine: &mut Engine, prompt: &[u32], modes: &[usize], decode_tokens: usize) -> Result<Vec<serde_json::Value>> {
+    let pool = pk_model::kernels::pool::global();
+    let before = pool.active_threads();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let params = GenerateParams { max_tokens: decode_tokens * modes.len() + 1, ignore_eos: true, ..Default::default() };
+    let req = pk_engine::Request { prompt_ids: prompt.to_vec(), params, cache_salt: None, sink: Box::new(move |e| tx.send(e).is_ok()) };
+    engine.submit(req).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut times = vec![Vec::new(); modes.len()];
+    let (mut first_token_seen, mut step) = (false, 0usize);
+    let mut done = false;
+    while !done {
+        let m = step % modes.len();
+        pool.set_active_threads(modes[m]);
+        let t = std::time::Instant::now();
+        engine.step();
+        let dt = t.elapsed().as_secs_f64();
+        if first_token_seen {
+            times[m].push(dt);
+            step += 1;
+        }
+        while let Ok(ev) = rx.try_recv() {
+            match ev {
+                pk_engine::SeqEvent::Text { .. } => first_token_seen = true,
+                pk_engine::SeqEvent::Finished(_) => done = true,
+                pk_engine::SeqEvent::Error(e) => {
+                    pool.set_active_threads(before);
+                    bail!("{e}")
+                }
+                pk_engine::SeqEvent::Logits(_) => {}
+            }
+        }
+        if !done && !engine.has_work() {
+            pool.set_active_threads(before);
+            bail!("the comparison request ended without a result");
+        }
+    }
+    pool.set_active_threads(before);
+    Ok(modes
+        .iter()
+        .zip(times.iter_mut())
+        .map(|(&n, t)| {
+            let mean = t.iter().sum::<f64>() / t.len().max(1) as f64;
+            t.sort_by(f64::total_cmp);
+            let median = t.get(t.len() / 2).copied().unwrap_or(f64::NAN);
+            serde_json::json!({ "threads": n, "steps": t.len(), "decode_tok_s": 1.0 / mean, "decode_tok_s_median": 1.0 / median })
+        })
+        .collect())
+}
+
 fn peak_rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     status
@@ -173,6 +231,12 @@ pub fn perf(a: PerfArgs) -> Result<()> {
     }
     if a.batch != [1] {
         bail!("--batch is for --device cuda (the CPU bench decodes one sequence)");
+    }
+    if let Some(&most) = a.compare_threads.iter().max() {
+        let have = a.model.threads.unwrap_or_else(rayon::current_num_threads);
+        if a.compare_threads.contains(&0) || most > have {
+            bail!("--compare-threads needs counts in 1..={have} (raise --threads)");
+        }
     }
     let max_ctx = *a.contexts.iter().max().expect("non-empty");
     // The file llama.cpp loads: the one our engine loads (never a --dummy model).
@@ -232,6 +296,10 @@ pub fn perf(a: PerfArgs) -> Result<()> {
             }
             None => None,
         };
+        if !a.compare_threads.is_empty() {
+            let per_mode = compare_threads(&mut engine, &prompt, &a.compare_threads, a.decode_tokens)?;
+            run["compare_threads"] = serde_json::json!(per_mode);
+        }
         if !a.json {
             print!(
                 "{:>8} {:>12.1} {:>8} {:>12.1} {:>12.1} {:>12.1}",
@@ -252,6 +320,11 @@ pub fn perf(a: PerfArgs) -> Result<()> {
                 );
             }
             println!();
+            if let Some(modes) = run["compare_threads"].as_array() {
+                for m in modes {
+                    println!("{:>8} decode alternating step by step: {} threads {:.1} tok/s (median step {:.1} tok/s)", "", m["threads"], m["decode_tok_s"].as_f64().unwrap_or(f64::NAN), m["decode_tok_s_median"].as_f64().unwrap_or(f64::NAN));
+                }
+            }
             let _ = std::io::stdout().flush();
         }
         runs.push(run);
