@@ -249,10 +249,12 @@ pub fn perf(a: PerfArgs) -> Result<()> {
     } else {
         None
     };
-    let mut engine = build_engine(&a, max_ctx + a.decode_tokens + 64)?;
+    // --compare-threads decodes decode_tokens per listed count in one more generation.
+    let decode_max = a.decode_tokens * a.compare_threads.len().max(1) + 1;
+    let mut engine = build_engine(&a, max_ctx + decode_max + 64)?;
     let model_ctx = engine.model.config.context_length;
-    if max_ctx + a.decode_tokens > model_ctx {
-        bail!("context {max_ctx} + {} decode tokens exceeds the model's context {model_ctx}", a.decode_tokens);
+    if max_ctx + decode_max > model_ctx {
+        bail!("context {max_ctx} + {decode_max} decode tokens exceeds the model's context {model_ctx}");
     }
     let vocab = engine.model.config.vocab_size as u32;
     let kv_bytes_per_token = engine.kv_store().geometry.bytes_per_token(engine.kv_store().dtype);
@@ -322,7 +324,7 @@ pub fn perf(a: PerfArgs) -> Result<()> {
             println!();
             if let Some(modes) = run["compare_threads"].as_array() {
                 for m in modes {
-                    println!("{:>8} decode alternating step by step: {} threads {:.1} tok/s (median step {:.1} tok/s)", "", m["threads"], m["decode_tok_s"].as_f64().unwrap_or(f64::NAN), m["decode_tok_s_median"].as_f64().unwrap_or(f64::NAN));
+                    println!("{:>8} decode alternating step by step, threads {}: {:.1} tok/s (median step {:.1} tok/s)", "", m["threads"], m["decode_tok_s"].as_f64().unwrap_or(f64::NAN), m["decode_tok_s_median"].as_f64().unwrap_or(f64::NAN));
                 }
             }
             let _ = std::io::stdout().flush();
