@@ -131,16 +131,22 @@ fn prefix_kv_stands_in_for_the_computed_prefix() {
     }
 }
 
+/// An engine whose store holds book[8000..8512] (stored by a first request), and its key.
+fn engine_with_stored_context(dir: &std::path::Path, book: &[u32]) -> (pk_engine::Engine, pk_tiers::ChunkKey) {
+    let context = &book[8000..8512];
+    let mut e = engine_with(store_config(dir, Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop }, 256 << 20));
+    let key = e.context_key(context, None).unwrap();
+    e.generate(&[context, &book[10..20]].concat(), &GenerateParams { max_tokens: 1, ..Default::default() }, &mut |_| {}).unwrap();
+    e.context_store().unwrap().flush();
+    (e, key)
+}
+
 #[test]
 fn profiling_measures_quality_per_configuration() {
     let dir = tempfile::tempdir().unwrap();
     let book = common::book_ids();
-    let context = &book[8000..8512];
-    let mut e = engine_with(store_config(dir.path(), Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop }, 256 << 20));
-    let key = e.context_key(context, None).unwrap();
-    e.generate(&[context, &book[10..20]].concat(), &GenerateParams { max_tokens: 1, ..Default::default() }, &mut |_| {}).unwrap();
+    let (mut e, key) = engine_with_stored_context(dir.path(), &book);
     let store = e.context_store().unwrap();
-    store.flush();
     assert!(store.contains(&key), "the key the engine computes is the one it stored under");
     let queries: Vec<Vec<u32>> = (0..3).map(|i| book[8600 + i * 40..8620 + i * 40].to_vec()).collect();
     let q = e.profile_blocking(key, &queries, 12).unwrap();
@@ -160,11 +166,8 @@ fn teacher_forced_profiling_is_the_agreement_on_the_full_kv_answer() {
     let dir = tempfile::tempdir().unwrap();
     let book = common::book_ids();
     let context = &book[8000..8512];
-    let mut e = engine_with(store_config(dir.path(), Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop }, 256 << 20));
-    let key = e.context_key(context, None).unwrap();
-    e.generate(&[context, &book[10..20]].concat(), &GenerateParams { max_tokens: 1, ..Default::default() }, &mut |_| {}).unwrap();
+    let (mut e, key) = engine_with_stored_context(dir.path(), &book);
     let store = e.context_store().unwrap();
-    store.flush();
     let queries: Vec<Vec<u32>> = (0..2).map(|i| book[8600 + i * 40..8620 + i * 40].to_vec()).collect();
     let mut p = e.start_profile_with(key, &queries, 10, pk_engine::profiler::QualityMetric::TeacherForced).unwrap();
     while !p.poll(&mut e).unwrap() {

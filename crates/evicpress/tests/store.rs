@@ -16,12 +16,16 @@ fn kv(seed: u32, n_tokens: usize) -> KvContext {
 }
 
 fn store(ram: Arc<dyn Tier>, dir: &std::path::Path, ram_bytes: u64, policy: Policy) -> Arc<ContextStore> {
+    store_with_grid(ram, dir, ram_bytes, policy, "q8,q4,knorm-0.5")
+}
+
+fn store_with_grid(ram: Arc<dyn Tier>, dir: &std::path::Path, ram_bytes: u64, policy: Policy, grid: &str) -> Arc<ContextStore> {
     let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(DiskTierConfig::new(dir, 1 << 30)).unwrap());
     let spec = |n: &str, bw: f64| TierSpec { name: n.into(), capacity_bytes: 0, read_bytes_per_s: bw, access_latency_s: 1e-4 };
     ContextStore::new(StoreConfig {
         tiers: vec![ram, disk],
         capacities_bytes: vec![ram_bytes, u64::MAX],
-        grid: Grid::parse("q8,q4,knorm-0.5").unwrap(),
+        grid: Grid::parse(grid).unwrap(),
         policy,
         fingerprint: [3; 32],
         delay: DelayModel { tiers: vec![spec("ram", 1e10), spec("disk", 1e6)], decode_s_per_byte: 0.0, restore_s_per_token: 0.0, prefill_tokens_per_s: 100.0, query_tokens: 8 },
@@ -139,23 +143,7 @@ fn a_restart_adopts_the_profile_and_frequency_saved_beside_the_master() {
     assert_eq!(s.profiling_candidates(1).len(), 0, "a restored profile needs no new one");
 
     // A store with another grid does not trust the entry: the context starts over.
-    let other = {
-        let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(DiskTierConfig::new(dir.path(), 1 << 30)).unwrap());
-        let spec = |n: &str, bw: f64| TierSpec { name: n.into(), capacity_bytes: 0, read_bytes_per_s: bw, access_latency_s: 1e-4 };
-        ContextStore::new(StoreConfig {
-            tiers: vec![Arc::new(RamTier::new(1 << 30)), disk],
-            capacities_bytes: vec![1 << 29, u64::MAX],
-            grid: Grid::parse("q8,q2").unwrap(),
-            policy: Policy::Lru,
-            fingerprint: [3; 32],
-            delay: DelayModel { tiers: vec![spec("ram", 1e10), spec("disk", 1e6)], decode_s_per_byte: 0.0, restore_s_per_token: 0.0, prefill_tokens_per_s: 100.0, query_tokens: 8 },
-            frequency_half_life_s: 60.0,
-            reprofile_threshold: 0.1,
-            max_pending_bytes: 64 << 20,
-            max_queries_per_context: 2,
-        })
-        .unwrap()
-    };
+    let other = store_with_grid(Arc::new(RamTier::new(1 << 30)), dir.path(), 1 << 29, Policy::Lru, "q8,q2");
     assert_eq!(other.longest_stored(&[key]), Some(0));
     other.flush();
     assert_eq!(other.stats().meta_restored, 0);
