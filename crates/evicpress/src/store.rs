@@ -177,6 +177,10 @@ pub struct ContextStore {
     spare: Mutex<Option<KvContext>>,
 }
 
+/// The largest decoded context kept for the next load to decode into (f32 K and V): a
+/// 4K-token context of SmolLM2 is about 190 MB.
+const MAX_SPARE_BYTES: usize = 256 << 20;
+
 /// Bound on queued jobs regardless of size (placement jobs carry no KV).
 const MAX_QUEUED_JOBS: usize = 1024;
 
@@ -356,7 +360,10 @@ impl ContextStore {
     /// Takes back a context returned by [`ContextStore::load`] once the caller is done with
     /// it; one is kept for the next load to decode into.
     pub fn recycle(&self, ctx: KvContext) {
-        *self.spare.lock().unwrap() = Some(ctx);
+        // The spare stays allocated between loads: bound what it may pin.
+        if (ctx.k.capacity() + ctx.v.capacity()) * std::mem::size_of::<f32>() <= MAX_SPARE_BYTES {
+            *self.spare.lock().unwrap() = Some(ctx);
+        }
     }
 
     /// Waits until every queued insert and placement has been executed.
