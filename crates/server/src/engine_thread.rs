@@ -76,9 +76,18 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
     // EVICPRESS profiling runs in idle capacity, batched with whatever arrives meanwhile.
     let mut profiling: Option<pk_engine::profiler::Profiling> = None;
     loop {
-        // A profile that cannot submit its second phase (a full queue) is dropped; the
-        // context stays eligible and is tried again when the engine is idle.
-        if let Some(p) = profiling.take_if(|p| p.poll(&mut engine).unwrap_or(true)) {
+        // A profile that cannot submit its second phase (a full queue) is dropped without
+        // recording anything; the context stays eligible and is tried again when idle.
+        let finished = match profiling.as_mut().map(|p| p.poll(&mut engine)) {
+            Some(Ok(true)) => profiling.take(),
+            Some(Err(e)) => {
+                tracing::debug!("background profiling abandoned: {e}");
+                profiling = None;
+                None
+            }
+            _ => None,
+        };
+        if let Some(p) = finished {
             if let Some(store) = engine.context_store() {
                 let _ = store.set_profile(&p.key, p.qualities());
             }
