@@ -334,8 +334,13 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
         }
     })?;
     eprintln!();
-    if a.json {
-        println!("{}", serde_json::to_string(&r)?);
+    print_perplexity(&r, a.json)
+}
+
+/// The result as llama.cpp's `perplexity` prints it, or one JSON object (every backend).
+pub fn print_perplexity(r: &pk_engine::perplexity::PerplexityResult, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(r)?);
     } else {
         println!("Final estimate: PPL = {:.4} +/- {:.5}", r.ppl, r.ppl_stderr);
     }

@@ -86,12 +86,7 @@ mod imp {
             }
         })?;
         eprintln!();
-        if a.json {
-            println!("{}", serde_json::to_string(&r)?);
-        } else {
-            println!("Final estimate: PPL = {:.4} +/- {:.5}", r.ppl, r.ppl_stderr);
-        }
-        Ok(())
+        crate::commands::print_perplexity(&r, a.json)
     }
 
     /// Device-to-device copy bandwidth (bytes read + written per second, best of 5), the
