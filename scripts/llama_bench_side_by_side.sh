@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# llama.cpp's own llama-bench and `pagekeeper bench perf`, alternating on the same GGUF with
+# the same thread count, so that both see the same host load (issue 3's reference numbers
+# were llama-bench's pp512 and tg128).
+#
+# llama-bench is built from the llama.cpp that the PyPI package llama-cpp-python 0.3.8
+# vendors (its sdist carries the source; `-march=native`, Release, OpenMP), since nothing
+# but PyPI and crates.io can be reached here. Optional: no test needs it.
+#
+# Usage: scripts/llama_bench_side_by_side.sh [ROUNDS] [THREADS...]   (default: 2 rounds, 1 2)
+# Env:   PK_BIN (default target/release/pagekeeper), PK_MODEL (default: the fetched
+#        SmolLM2-135M-Instruct Q4_1), LLAMA_WORK (build folder, default /tmp/llama-bench).
+set -euo pipefail
+
+rounds=${1:-2}
+shift || true
+threads=("${@:-1 2}")
+[ ${#threads[@]} -eq 1 ] && read -r -a threads <<< "${threads[0]}"
+work=${LLAMA_WORK:-/tmp/llama-bench}
+pk=${PK_BIN:-target/release/pagekeeper}
+model=${PK_MODEL:-$HOME/.cache/pagekeeper/SmolLM2-135M-Instruct.Q4_1.gguf}
+quiet=../shared/tools/host-quiet
+[ -x "$quiet" ] || quiet=/work/shared/tools/host-quiet
+lb=$work/src/vendor/llama.cpp/build/bin/llama-bench
+
+if [ ! -x "$lb" ]; then
+    mkdir -p "$work"
+    python3 -m venv "$work/venv"
+    "$work/venv/bin/pip" install -q cmake ninja scikit-build-core
+    # --no-build-isolation: only the sdist is wanted, not a wheel built in an isolated env.
+    "$work/venv/bin/pip" download -q --no-deps --no-binary llama-cpp-python --no-build-isolation llama-cpp-python==0.3.8 -d "$work"
+    rm -rf "$work/src" && mkdir -p "$work/src"
+    tar xzf "$work"/llama_cpp_python-0.3.8.tar.gz -C "$work/src" --strip-components=1
+    (cd "$work/src/vendor/llama.cpp" && PATH=$work/venv/bin:$PATH cmake -B build -G Ninja -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null \
+        && PATH=$work/venv/bin:$PATH ninja -C build llama-bench >/dev/null)
+fi
+
+echo "llama.cpp $(cd "$work/src/vendor/llama.cpp" && git log -1 --format=%h 2>/dev/null || echo '(vendored by llama-cpp-python 0.3.8)')"
+for round in $(seq "$rounds"); do
+    for t in "${threads[@]}"; do
+        # host-quiet exits non-zero when the host is busy; its figure is what matters.
+        q=$("$quiet" 2>/dev/null) || true
+        echo "== round $round, threads $t, ${q:-host-quiet unavailable}"
+        "$lb" -m "$model" -t "$t" -p 512 -n 128 -r 3 -o csv 2>/dev/null | python3 -c '
+import csv, sys
+for r in csv.DictReader(sys.stdin):
+    test = "pp%s" % r["n_prompt"] if r["n_prompt"] != "0" else "tg%s" % r["n_gen"]
+    print("llama.cpp   %-6s %8.1f tok/s" % (test, float(r["avg_ts"])))'
+        # Context 512: pp512 and decode after it; context 16: decode at tg128's depth.
+        "$pk" bench perf --model "$model" --contexts 512,16 --decode-tokens 128 --threads "$t" --json 2>/dev/null | python3 -c '
+import json, sys
+for r in json.load(sys.stdin)["runs"]:
+    c = r["context_tokens"]
+    if c == 512:
+        print("pagekeeper  pp512  %8.1f tok/s   (decode after 512: %.1f tok/s)" % (r["prefill_tok_s"], r["decode_tok_s"]))
+    else:
+        print("pagekeeper  tg128  %8.1f tok/s   (after a %d-token prompt)" % (r["decode_tok_s"], c))'
+    done
+done
