@@ -23,6 +23,9 @@ pub fn host_quiet() -> String {
     "host-quiet unavailable".into()
 }
 
+/// The simulated scenario in which loads are free (see `sweeps`).
+pub const FREE_LOAD: &str = "free-load";
+
 pub const ALPHAS: [f64; 9] = [0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0];
 
 #[derive(Serialize)]
@@ -103,6 +106,18 @@ pub fn sweeps(a: &EvicpressArgs, grid: &Grid, contexts: &[SimContext], trace: &[
         t.access_latency_s = fastest.access_latency_s;
     }
     add(rows, "equal-bandwidth", a.ram_fraction, trace, &flat, false);
+    // The ceiling of any placement or quantisation: moving bytes costs nothing (every tier
+    // infinitely fast, no decode), so a hit pays only what compression cannot shrink
+    // without dropping tokens: writing the kept tokens into the pool and attending over
+    // them, and the query's own prefill. LRU here is the fastest TTFT any policy that
+    // keeps every token can reach.
+    let mut free = delay.clone();
+    for t in free.tiers.iter_mut() {
+        t.read_bytes_per_s = 1e18;
+        t.access_latency_s = 0.0;
+    }
+    free.decode_s_per_byte = 0.0;
+    add(rows, FREE_LOAD, a.ram_fraction, trace, &free, false);
     let drift = workload::trace(contexts.len(), trace.iter().map(|r| r.query).max().unwrap_or(0) + 1, trace.len(), a.zipf, a.rate, true, a.seed);
     add(rows, "drift", a.ram_fraction, &drift, delay, false);
     validation
@@ -201,7 +216,10 @@ pub fn write(a: &EvicpressArgs, grid: &Grid, rows: &[RunRow], validation: &[Vali
             headlines.extend(scenarios.iter().filter_map(|s| headline(rows, "sim", s, tolerance, metric)));
         }
     }
-    let summary = serde_json::json!({ "headlines": headlines, "validation": validation, "under_load": under_load, "delay_model": delay, "setup": setup, "wall_s": wall_s });
+    let lru_of = |scenario: &str| rows.iter().find(|r| r.source == "sim" && r.scenario == scenario && r.policy == "lru").map(|r| r.ttft_mean_s);
+    let ceiling = lru_of("base").zip(lru_of(FREE_LOAD));
+    let ceiling_json = ceiling.map(|(base, free)| serde_json::json!({ "lru_ttft_mean_s": base, "lru_free_load_ttft_mean_s": free, "max_speedup_keeping_every_token": base / free.max(1e-9) }));
+    let summary = serde_json::json!({ "ceiling": ceiling_json, "headlines": headlines, "validation": validation, "under_load": under_load, "delay_model": delay, "setup": setup, "wall_s": wall_s });
     std::fs::write(a.out.join("results.json"), serde_json::to_string_pretty(&serde_json::json!({ "runs": rows, "summary": summary, "host_quiet": quiet }))?)?;
 
     let mut md = String::new();
@@ -224,6 +242,13 @@ pub fn write(a: &EvicpressArgs, grid: &Grid, rows: &[RunRow], validation: &[Vali
     let f = |x: Option<f64>, d: usize| x.map_or("–".to_string(), |v| format!("{v:.d$}"));
     for h in &headlines {
         md.push_str(&format!("| {} | {} | {} | {:.0}% | {:.3} | {:.3} | {} | {} | {} | {}× | {}× | {} | {}× |\n", h.source, h.scenario, h.metric, 100.0 * h.quality_tolerance, h.lru_ttft_mean_s, h.lru_quality, f(h.evicpress_alpha, 2), f(h.evicpress_ttft_mean_s, 3), f(h.evicpress_quality, 3), f(h.speedup_vs_lru, 2), f(h.speedup_vs_full_prefill, 1), h.fixed_at_equal_quality.clone().unwrap_or("–".into()), f(h.speedup_vs_fixed_at_equal_quality, 2)));
+    }
+    if let Some((base, free)) = ceiling {
+        md.push_str(&format!(
+            "\nCeiling (simulated, `{FREE_LOAD}`): with every load free, LRU's mean TTFT would be {free:.3} s against {base:.3} s, so no policy that keeps every token (placement and quantisation alone) can be more than {:.2}× faster than LRU on this trace; only dropping tokens goes below it. The rest of a hit is the query's prefill and the per-kept-token restore and attention ({:.1} µs per token in the fitted delay model).\n",
+            base / free.max(1e-9),
+            1e6 * delay.restore_s_per_token
+        ));
     }
     if let Some(u) = under_load {
         md.push_str(&format!("\n## Under load (real runs' service times replayed through one FIFO server; see load.rs)\n\nLoads are fractions of LRU's capacity ({}); the last column is the highest request rate whose mean TTFT stays within {:.3} s (twice LRU's unloaded mean).\n\n| policy | α | quality | service s | {} | max rate /s | vs LRU |\n|---|---|---|---|{}---|---|\n",
