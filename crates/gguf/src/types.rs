@@ -95,7 +95,7 @@ impl GgmlType {
 
     /// Bytes of a row of `n_elems` elements, or None when the row is not a whole number of blocks.
     pub fn row_bytes(self, n_elems: usize) -> Option<usize> {
-        if n_elems % self.block_elems() != 0 {
+        if !n_elems.is_multiple_of(self.block_elems()) {
             return None;
         }
         Some(n_elems / self.block_elems() * self.block_bytes())

@@ -75,10 +75,10 @@ impl ModelConfig {
         if self.n_layers == 0 || self.n_heads == 0 || self.n_kv_heads == 0 || self.head_dim == 0 {
             return bad(format!("zero-sized dimension in {self:?}"));
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!("{} heads not divisible by {} KV heads", self.n_heads, self.n_kv_heads));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} is odd; RoPE needs pairs", self.head_dim));
         }
         Ok(())

@@ -71,7 +71,7 @@ pub struct QLayout {
 impl QLayout {
     /// `head_dim` must be a multiple of [`GROUP`].
     pub fn new(bits: QuantBits, head_dim: usize, block_size: usize) -> QLayout {
-        assert!(head_dim % GROUP == 0 && head_dim > 0, "quantised KV needs head_dim a multiple of {GROUP}, got {head_dim}");
+        assert!(head_dim.is_multiple_of(GROUP) && head_dim > 0, "quantised KV needs head_dim a multiple of {GROUP}, got {head_dim}");
         QLayout { bits, head_dim, block_size }
     }
 
@@ -176,7 +176,7 @@ impl QLayout {
             QuantBits::Q8 => scale * (head[d * bs + slot] as i8) as f32,
             QuantBits::Q4 => {
                 let byte = head[(d / 2) * bs + slot];
-                let code = if d % 2 == 0 { byte & 15 } else { byte >> 4 };
+                let code = if d.is_multiple_of(2) { byte & 15 } else { byte >> 4 };
                 scale * (code as i32 - 8) as f32
             }
         }
