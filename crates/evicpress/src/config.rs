@@ -11,9 +11,11 @@ use std::fmt;
 
 use pk_codec::{DropSpec, KvShape, Method, Precision, QuantSpec};
 
-/// How tokens are ranked for dropping. Every score is computed from the stored keys and
-/// values alone (a stored context has no queries left; SnapKV needs them and is therefore
-/// not offered: see ARCHITECTURE.md).
+/// How tokens are ranked for dropping. Every score but SnapKV's is computed from the stored
+/// keys and values alone. SnapKV needs the queries of the context's last tokens, which a
+/// stored context no longer has: the engine computes its scores when it offers the context
+/// (`ContextStore::offer_with_snapkv`) and the store keeps them with the index entry and in
+/// the persisted meta; a context stored without them cannot use SnapKV configurations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DropScore {
     /// PagedEviction's ‖v‖/‖k‖ (spec `paged-eviction.md`).
@@ -24,6 +26,9 @@ pub enum DropScore {
     KeyDiff,
     /// StreamingLLM: the sink and the most recent tokens.
     StreamingLlm,
+    /// SnapKV: attention from the context's last 64 tokens (its observation window),
+    /// pooled over 5 neighbours (spec `baselines.md`); scores supplied by the engine.
+    SnapKv,
 }
 
 impl DropScore {
@@ -33,10 +38,16 @@ impl DropScore {
             DropScore::KNorm => "knorm",
             DropScore::KeyDiff => "keydiff",
             DropScore::StreamingLlm => "streaming-llm",
+            DropScore::SnapKv => "snapkv",
         }
     }
 
-    pub const ALL: [DropScore; 4] = [DropScore::PagedEviction, DropScore::KNorm, DropScore::KeyDiff, DropScore::StreamingLlm];
+    /// Whether the score needs the context's queries (and so must be supplied with it).
+    pub fn needs_queries(self) -> bool {
+        self == DropScore::SnapKv
+    }
+
+    pub const ALL: [DropScore; 5] = [DropScore::PagedEviction, DropScore::KNorm, DropScore::KeyDiff, DropScore::StreamingLlm, DropScore::SnapKv];
 }
 
 /// One compression choice for a whole context.
@@ -127,7 +138,7 @@ impl Compression {
             }
         }
         Err(format!(
-            "unknown compression {s:?} (expected none, q8, q4, q2, k8v4, or <paged-eviction|knorm|keydiff|streaming-llm>-<ratio>)"
+            "unknown compression {s:?} (expected none, q8, q4, q2, k8v4, or <paged-eviction|knorm|keydiff|streaming-llm|snapkv>-<ratio>)"
         ))
     }
 }

@@ -28,6 +28,10 @@ pub(crate) struct ContextMeta {
     pub frequency: f64,
     pub saved_unix_s: f64,
     pub queries: Vec<Vec<u32>>,
+    /// SnapKV token scores (computed by the engine when it offered the context; they cannot
+    /// be recomputed from the KV). Absent in entries written before they existed.
+    #[serde(default)]
+    pub snapkv_scores: Option<Vec<f32>>,
 }
 
 /// Where a context's meta entry lives on the last tier.
@@ -83,7 +87,7 @@ mod tests {
     use super::*;
 
     fn meta() -> ContextMeta {
-        ContextMeta { version: META_VERSION, grid: vec!["none-0".into(), "q8".into()], profile: Some(vec![1.0, 0.9]), hits: 7, frequency: 3.5, saved_unix_s: 1.0e9, queries: vec![vec![1, 2, 3]] }
+        ContextMeta { version: META_VERSION, grid: vec!["none-0".into(), "q8".into()], profile: Some(vec![1.0, 0.9]), hits: 7, frequency: 3.5, saved_unix_s: 1.0e9, queries: vec![vec![1, 2, 3]], snapkv_scores: Some(vec![0.5, 0.25]) }
     }
 
     #[test]

@@ -14,8 +14,16 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// Scores of every stored token of `ctx` under `score` (higher = keep).
-pub fn token_scores(ctx: &KvContext, score: DropScore) -> Vec<f32> {
+/// Scores of every stored token of `ctx` under `score` (higher = keep); `None` for a score
+/// that needs queries (SnapKV), which the KV alone cannot give.
+pub fn token_scores(ctx: &KvContext, score: DropScore) -> Option<Vec<f32>> {
+    if score.needs_queries() {
+        return None;
+    }
+    Some(kv_scores(ctx, score))
+}
+
+fn kv_scores(ctx: &KvContext, score: DropScore) -> Vec<f32> {
     let n = ctx.n_tokens();
     let d = ctx.head_dim;
     let mut out = vec![0f32; n];
@@ -48,7 +56,7 @@ pub fn token_scores(ctx: &KvContext, score: DropScore) -> Vec<f32> {
                     }
                     DropScore::KNorm => -k_norm,
                     DropScore::KeyDiff => -dot(kt, &mean) / ((k_norm + NORM_EPS) * mean_norm),
-                    DropScore::StreamingLlm => unreachable!("handled above"),
+                    DropScore::StreamingLlm | DropScore::SnapKv => unreachable!("handled above"),
                 };
                 out[t] += s / heads;
             }
@@ -76,14 +84,15 @@ mod tests {
     #[test]
     fn scores_rank_as_the_policies_say() {
         let c = ctx(5);
-        let pe = token_scores(&c, DropScore::PagedEviction);
+        let pe = token_scores(&c, DropScore::PagedEviction).unwrap();
         assert!(pe.windows(2).all(|w| w[0] > w[1]), "‖v‖/‖k‖ falls as ‖k‖ grows: {pe:?}");
-        let kn = token_scores(&c, DropScore::KNorm);
+        let kn = token_scores(&c, DropScore::KNorm).unwrap();
         assert!(kn.windows(2).all(|w| w[0] > w[1]));
-        let sl = token_scores(&c, DropScore::StreamingLlm);
+        let sl = token_scores(&c, DropScore::StreamingLlm).unwrap();
         assert!(sl.windows(2).all(|w| w[0] < w[1]));
         // Every key points the same way: KeyDiff sees no diversity.
-        let kd = token_scores(&c, DropScore::KeyDiff);
+        let kd = token_scores(&c, DropScore::KeyDiff).unwrap();
         assert!(kd.iter().all(|s| (s + 1.0).abs() < 1e-4), "{kd:?}");
+        assert!(token_scores(&c, DropScore::SnapKv).is_none(), "SnapKV needs queries");
     }
 }

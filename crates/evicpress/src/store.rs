@@ -145,7 +145,8 @@ pub(crate) struct State {
 }
 
 enum Job {
-    Insert(ChunkKey, Box<KvContext>),
+    /// A new context, with its SnapKV scores when the caller could compute them.
+    Insert(ChunkKey, Box<KvContext>, Option<Vec<f32>>),
     Place(ChunkKey),
     /// Write the context's meta entry (profile, frequency) beside its master.
     SaveMeta(ChunkKey),
@@ -286,7 +287,7 @@ impl ContextStore {
     fn adopt(&self, key: &ChunkKey) -> Result<(), String> {
         let kv = self.load_master(key)?;
         if !self.contains(key) {
-            self.register(*key, &kv);
+            self.register(*key, &kv, None);
             self.state.lock().unwrap().stats.adopted += 1;
             self.restore_meta(key);
         }
@@ -318,6 +319,14 @@ impl ContextStore {
     /// Hands a freshly prefilled context's full KV to the worker, which stores the master
     /// and places it. Never blocks: returns false (counted) when the queue is full.
     pub fn offer(&self, key: ChunkKey, kv: KvContext) -> bool {
+        self.offer_with_snapkv(key, kv, None)
+    }
+
+    /// [`ContextStore::offer`] with the context's SnapKV token scores (one per stored
+    /// token, computed by the engine from the queries of the context's last tokens), which
+    /// the SnapKV configurations of the grid drop by. Without them (or with a wrong count)
+    /// those configurations are unavailable for this context.
+    pub fn offer_with_snapkv(&self, key: ChunkKey, kv: KvContext, snapkv_scores: Option<Vec<f32>>) -> bool {
         if self.contains(&key) {
             return true;
         }
@@ -327,7 +336,8 @@ impl ContextStore {
             return false;
         }
         self.pending_bytes.fetch_add(bytes, Ordering::Relaxed);
-        if !self.send(Job::Insert(key, Box::new(kv))) {
+        let snapkv_scores = snapkv_scores.filter(|s| s.len() == kv.n_tokens());
+        if !self.send(Job::Insert(key, Box::new(kv), snapkv_scores)) {
             self.pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
             self.state.lock().unwrap().stats.skipped_queue_full += 1;
             return false;
@@ -471,11 +481,36 @@ impl ContextStore {
 
     fn encode(&self, key: &ChunkKey, full: &KvContext, config: usize) -> Result<Vec<u8>, String> {
         let c = self.grid.configs()[config];
-        let scores = c.drop_score().map(|s| {
-            let cached = self.state.lock().unwrap().entries.get(key).and_then(|e| e.scores.get(&s).cloned());
-            cached.unwrap_or_else(|| token_scores(full, s))
-        });
+        let scores = match c.drop_score() {
+            None => None,
+            Some(s) => {
+                let cached = self.state.lock().unwrap().entries.get(key).and_then(|e| e.scores.get(&s).cloned());
+                Some(cached.or_else(|| token_scores(full, s)).ok_or_else(|| format!("{c}: this context was stored without SnapKV scores"))?)
+            }
+        };
         pk_codec::encode(full, &c.method(), scores.as_deref(), &self.fingerprint).map_err(|e| e.to_string())
+    }
+
+    /// Whether configuration `config` can be built for a stored context: every one can,
+    /// but a SnapKV configuration only for a context stored with its SnapKV scores.
+    pub fn is_available(&self, key: &ChunkKey, config: usize) -> bool {
+        match self.grid.configs().get(config).and_then(|c| c.drop_score()) {
+            Some(s) if s.needs_queries() => self.state.lock().unwrap().entries.get(key).is_some_and(|e| e.scores.contains_key(&s)),
+            _ => config < self.grid.len(),
+        }
+    }
+
+    /// A context's placement item, with the configurations it cannot use at quality −∞ so
+    /// that no utility-driven choice (EVICPRESS, the explain table) picks them.
+    fn placement_item(&self, e: &Entry, frequency: f64) -> Item {
+        let mut it = e.item.clone();
+        it.frequency = frequency;
+        for (c, q) in self.grid.configs().iter().zip(it.quality.iter_mut()) {
+            if c.drop_score().is_some_and(|s| s.needs_queries() && !e.scores.contains_key(&s)) {
+                *q = f32::NEG_INFINITY;
+            }
+        }
+        it
     }
 
     /// Contexts that want a (re)profile, with the queries seen for them, at most `max`.
@@ -536,8 +571,7 @@ impl ContextStore {
             .entries
             .iter()
             .map(|(k, e)| {
-                let mut item = e.item.clone();
-                item.frequency = e.freq.value_at(now, self.half_life_s).max(1e-9);
+                let item = self.placement_item(e, e.freq.value_at(now, self.half_life_s).max(1e-9));
                 let mut options = Vec::new();
                 for t in 0..self.tiers.len() {
                     for c in 0..self.grid.len() {

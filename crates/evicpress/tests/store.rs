@@ -149,3 +149,50 @@ fn a_restart_adopts_the_profile_and_frequency_saved_beside_the_master() {
     assert_eq!(other.stats().meta_restored, 0);
     assert_eq!(other.explain()[0].quality_source, pk_evicpress::QualitySource::Prior);
 }
+
+#[test]
+fn snapkv_configurations_need_the_scores_offered_with_the_context() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 128;
+    // A ranking no KV-only score would give: keep the even tokens.
+    let scores: Vec<f32> = (0..n).map(|t| if t % 2 == 0 { 1.0 } else { 0.0 }).collect();
+    let (with, without) = (ChunkKey([31; 32]), ChunkKey([32; 32]));
+    {
+        let s = store_with_grid(Arc::new(RamTier::new(1 << 30)), dir.path(), 1 << 29, Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop }, "q8,snapkv-0.4");
+        assert!(s.offer_with_snapkv(with, kv(31, n), Some(scores.clone())));
+        // Scores of the wrong length are as good as none.
+        assert!(s.offer_with_snapkv(without, kv(32, n), Some(vec![1.0; n - 1])));
+        s.flush();
+        assert!(s.is_available(&with, 2) && !s.is_available(&without, 2));
+        assert!(s.is_available(&without, 1), "other configurations stay available");
+
+        // Dropping 40 % by these scores keeps the protected ends and the best-scored middle.
+        let full = s.load_master(&with).unwrap();
+        let dropped = s.compress(&with, &full, 2).unwrap();
+        let kept = &dropped.positions;
+        assert_eq!(kept.len(), pk_codec::drop::n_kept_tokens(n, &pk_codec::DropSpec::new(0.4)));
+        let middle: Vec<u32> = kept.iter().copied().filter(|&p| (16..n as u32 - 16).contains(&p)).collect();
+        assert!(middle.iter().all(|p| p % 2 == 0), "kept an odd (low-scored) token: {middle:?}");
+        assert!(s.compress(&without, &full, 2).is_err(), "no scores, no SnapKV copy");
+
+        // Placement never picks an unavailable configuration, even when told it is lossless.
+        s.set_profile(&without, vec![1.0, 0.5, 1.0]).unwrap();
+        s.set_profile(&with, vec![1.0, 0.5, 1.0]).unwrap();
+        s.flush();
+        let row = |k: &ChunkKey| s.explain().into_iter().find(|r| r.key == k.to_hex()).unwrap();
+        let snap = |r: &pk_evicpress::ContextReport| r.options.iter().find(|o| o.config.starts_with("snapkv")).unwrap().quality;
+        assert_eq!(snap(&row(&without)), f32::NEG_INFINITY);
+        assert_eq!(snap(&row(&with)), 1.0);
+        assert!(!row(&without).config.starts_with("snapkv"));
+    }
+    // After a restart the scores come back with the meta entry saved beside the master.
+    let s = store_with_grid(Arc::new(RamTier::new(1 << 30)), dir.path(), 1 << 29, Policy::Lru, "q8,snapkv-0.4");
+    assert_eq!(s.longest_stored(&[with]), Some(0));
+    assert_eq!(s.longest_stored(&[without]), Some(0));
+    s.flush();
+    assert!(s.is_available(&with, 2));
+    assert!(!s.is_available(&without, 2));
+    let full = s.load_master(&with).unwrap();
+    let middle: Vec<u32> = s.compress(&with, &full, 2).unwrap().positions.into_iter().filter(|&p| (16..n as u32 - 16).contains(&p)).collect();
+    assert!(middle.iter().all(|p| p % 2 == 0));
+}

@@ -89,8 +89,8 @@ pub use block::{BlockHash, BlockId};
 pub use hash::{hash_block, hash_prefix_blocks};
 pub use manager::{CachedPrefix, KvCacheManager, NewSlots, SeqId};
 pub use policy::{
-    validate_budget, DenseKv, DenseQueries, EvictionPolicy, KvView, PagedScore, PolicyError,
-    PolicySpec, QueryNeed, QueryView,
+    snapkv_token_scores, validate_budget, DenseKv, DenseQueries, EvictionPolicy, KvView,
+    PagedScore, PolicyError, PolicySpec, QueryNeed, QueryView,
 };
 pub use pool::BlockPool;
 pub use table::{AppendedTokens, BlockCopy, BlockTable, Slot, TokenMove};

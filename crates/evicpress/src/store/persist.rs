@@ -21,6 +21,7 @@ impl ContextStore {
                 frequency: e.freq.value_at(self.now_s(), self.half_life_s),
                 saved_unix_s: unix_now_s(),
                 queries: e.queries.clone(),
+                snapkv_scores: e.scores.get(&DropScore::SnapKv).cloned(),
             }
         };
         let last = self.tiers.len() - 1;
@@ -71,6 +72,11 @@ impl ContextStore {
         e.freq = DecayedCount::new(e.freq.value_at(now, self.half_life_s) + restored, now);
         e.hits += meta.hits;
         e.queries = meta.queries.into_iter().take(self.max_queries).collect();
+        if let Some(s) = meta.snapkv_scores.filter(|s| s.len() == e.n_tokens) {
+            if self.grid.configs().iter().any(|c| c.drop_score() == Some(DropScore::SnapKv)) {
+                e.scores.insert(DropScore::SnapKv, s);
+            }
+        }
         st.stats.meta_restored += 1;
     }
 }

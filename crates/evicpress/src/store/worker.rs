@@ -17,9 +17,9 @@ pub(super) fn worker_loop(rx: Receiver<Job>, store: std::sync::Weak<ContextStore
     while let Ok(job) = rx.recv() {
         let Some(store) = store.upgrade() else { return };
         match job {
-            Job::Insert(key, kv) => {
+            Job::Insert(key, kv, snapkv) => {
                 let bytes = ((kv.k.len() + kv.v.len()) * 4) as u64;
-                if let Err(e) = store.insert(key, &kv) {
+                if let Err(e) = store.insert(key, &kv, snapkv) {
                     tracing::warn!("EVICPRESS: storing a context failed: {e}");
                 }
                 store.pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
@@ -33,24 +33,30 @@ pub(super) fn worker_loop(rx: Receiver<Job>, store: std::sync::Weak<ContextStore
 
 impl ContextStore {
     /// Worker: writes the master, registers the context, places it.
-    pub(super) fn insert(&self, key: ChunkKey, kv: &KvContext) -> Result<(), String> {
+    pub(super) fn insert(&self, key: ChunkKey, kv: &KvContext, snapkv: Option<Vec<f32>>) -> Result<(), String> {
         if self.contains(&key) {
             return Ok(());
         }
         let last = self.tiers.len() - 1;
         let master = pk_codec::encode(kv, &pk_codec::Method::None, None, &self.fingerprint).map_err(|e| e.to_string())?;
         self.tiers[last].store(&copy_key(&key, 0), &Payload::from(master)).map_err(|e| e.to_string())?;
-        self.register(key, kv);
+        self.register(key, kv, snapkv);
         self.state.lock().unwrap().stats.inserted += 1;
         self.place(key, Some(kv));
         Ok(())
     }
 
-    /// Adds an index entry for a context whose master is on the last tier.
-    pub(super) fn register(&self, key: ChunkKey, kv: &KvContext) {
+    /// Adds an index entry for a context whose master is on the last tier; `snapkv`: its
+    /// SnapKV scores, if known (else its SnapKV configurations are unavailable).
+    pub(super) fn register(&self, key: ChunkKey, kv: &KvContext, snapkv: Option<Vec<f32>>) {
         let last = self.tiers.len() - 1;
         let shape = kv.shape();
-        let scores: HashMap<DropScore, Vec<f32>> = self.grid.configs().iter().filter_map(|c| c.drop_score()).map(|s| (s, token_scores(kv, s))).collect();
+        let mut scores: HashMap<DropScore, Vec<f32>> = self.grid.configs().iter().filter_map(|c| c.drop_score()).filter_map(|s| Some((s, token_scores(kv, s)?))).collect();
+        if let Some(s) = snapkv.filter(|s| s.len() == kv.n_tokens()) {
+            if self.grid.configs().iter().any(|c| c.drop_score() == Some(DropScore::SnapKv)) {
+                scores.insert(DropScore::SnapKv, s);
+            }
+        }
         {
             let mut st = self.state.lock().unwrap();
             let quality = st.prior.curve(&self.grid);
@@ -83,9 +89,7 @@ impl ContextStore {
             let Some(arrived) = keys.iter().position(|k| *k == key) else { return };
             let mut items: Vec<Item> = keys.iter().map(|k| {
                 let e = &st.entries[k];
-                let mut it = e.item.clone();
-                it.frequency = e.freq.value_at(now, self.half_life_s).max(1e-9);
-                it
+                self.placement_item(e, e.freq.value_at(now, self.half_life_s).max(1e-9))
             }).collect();
             let before: Vec<(usize, usize)> = items.iter().map(|i| (i.tier, i.config)).collect();
             let placer = Placer { delay: &st.delay, policy: &self.policy, capacities_bytes: &self.capacities_bytes };

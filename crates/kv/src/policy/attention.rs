@@ -186,6 +186,17 @@ impl TokenScorer for SnapKvScorer {
     }
 }
 
+/// SnapKV's score of every stored token of `kv` (higher = keep), with the observation
+/// window made of the latest `window` of `queries`, pooled over `kernel` neighbours: what a
+/// SnapKV policy ranks prompt tokens by, for callers that keep the ranking rather than one
+/// selection (a stored context compressed at several ratios later, when its queries are
+/// gone). Panics if `queries` is empty.
+pub fn snapkv_token_scores(kv: &dyn KvView, queries: &dyn QueryView, window: usize, kernel: usize) -> Vec<f32> {
+    let mut out = Vec::new();
+    SnapKvScorer { window, kernel }.score(kv, Some(queries), 0..kv.n_tokens(), &mut out);
+    out
+}
+
 /// `out[i] = max(x[i - radius ..= i + radius])`, clipped at the ends.
 fn max_pool(x: &[f32], radius: usize, out: &mut [f32]) {
     for (i, o) in out.iter_mut().enumerate() {

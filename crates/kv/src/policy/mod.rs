@@ -65,7 +65,8 @@ mod simple;
 mod spec;
 mod view;
 
-pub use spec::{PagedScore, PolicySpec};
+pub use attention::snapkv_token_scores;
+pub use spec::{PagedScore, PolicySpec, SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT};
 pub use view::{DenseKv, DenseQueries, KvView, QueryView};
 
 /// How many of the most recent queries a policy reads. The engine passes the queries of

@@ -20,8 +20,9 @@ pub(crate) const VALID_POLICIES: &str = "full, streaming-llm[:n-sink=N], knorm, 
      snapkv[:window=N][:kernel=N], h2o, tova, expected-attention[:window=N][:n-sink=N], \
      paged-eviction[:v-norm|:inv-k-norm][:local[=N]] (default: paged-eviction)";
 
-const SNAPKV_WINDOW_DEFAULT: u32 = 64;
-const SNAPKV_KERNEL_DEFAULT: u32 = 5;
+/// SnapKV's observation window and pooling kernel (spec `baselines.md`: w = 64, kernel = 5).
+pub const SNAPKV_WINDOW_DEFAULT: u32 = 64;
+pub const SNAPKV_KERNEL_DEFAULT: u32 = 5;
 const EXPECTED_WINDOW_DEFAULT: u32 = 64;
 const EXPECTED_N_SINK_DEFAULT: u32 = 4;
 /// The authors' scripts use topk = 3 for the local variant.
