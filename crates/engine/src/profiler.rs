@@ -93,7 +93,8 @@ pub struct Profiling {
     remaining: Arc<AtomicUsize>,
     /// With the teacher-forced metric, the second phase waiting for the full-KV answers:
     /// each compressed configuration's KV and the queries.
-    second_phase: Option<(Vec<Arc<PrefixKv>>, Vec<Vec<u32>>)>,
+    /// (`None`: a configuration the context cannot build, scored 0.)
+    second_phase: Option<(Vec<Option<Arc<PrefixKv>>>, Vec<Vec<u32>>)>,
     metric: QualityMetric,
 }
 
@@ -116,7 +117,7 @@ impl Profiling {
         }
         let Some((prefixes, queries)) = self.second_phase.take() else { return Ok(true) };
         let refs: Vec<Vec<u32>> = (0..queries.len()).map(|q| self.answer(0, q).unwrap_or_default()).collect();
-        for (c, prefix) in prefixes.into_iter().enumerate().map(|(i, p)| (i + 1, p)) {
+        for (c, prefix) in prefixes.into_iter().enumerate().filter_map(|(i, p)| Some((i + 1, p?))) {
             for (q, query) in queries.iter().enumerate() {
                 if refs[q].is_empty() {
                     self.agreement.lock().unwrap().insert((c, q), 1.0);
@@ -237,15 +238,25 @@ impl Engine {
             bail!("profiling needs {} requests; the queue has room for {room}", n_configs * queries.len());
         }
         let answers = Arc::new(Mutex::new(HashMap::new()));
-        // With teacher forcing, the first phase answers from the full KV only.
+        // With teacher forcing, the first phase answers from the full KV only. A
+        // configuration this context cannot build (SnapKV without its scores) is not run:
+        // it scores 0, and the store never places it anyway.
         let first_phase_configs = if metric == QualityMetric::TeacherForced { 1 } else { n_configs };
-        let remaining = Arc::new(AtomicUsize::new(first_phase_configs * queries.len()));
+        let available: Vec<bool> = (0..n_configs).map(|c| c == 0 || store.is_available(&key, c)).collect();
+        let first_phase_requests = (0..first_phase_configs).filter(|&c| available[c]).count() * queries.len();
+        let remaining = Arc::new(AtomicUsize::new(first_phase_requests));
         let mut later = Vec::new();
         for c in 0..n_configs {
+            if !available[c] {
+                if c >= first_phase_configs {
+                    later.push(None);
+                }
+                continue;
+            }
             let kv = if c == 0 { full.clone() } else { store.compress(&key, &full, c).map_err(anyhow::Error::msg)? };
             let prefix = Arc::new(PrefixKv { kv });
             if c >= first_phase_configs {
-                later.push(prefix);
+                later.push(Some(prefix));
                 continue;
             }
             for (q, query) in queries.iter().enumerate() {
