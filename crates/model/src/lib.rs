@@ -5,12 +5,14 @@
 //! (that is `pk-kv`'s job) and nothing of requests or scheduling (`pk-engine`).
 
 pub mod attention;
+pub mod backend;
 pub mod config;
 pub mod kernels;
 pub mod kv_store;
 pub mod llama;
 pub mod weights;
 
+pub use backend::{Backend, BackendError, CpuBackend, KvBlocks};
 pub use config::{ModelConfig, RopeStyle};
 pub use kv_store::{KvDtype, KvGeometry, KvStore};
 pub use llama::{Llama, SeqForward};

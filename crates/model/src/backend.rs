@@ -1,0 +1,206 @@
+//! The backend seam: a forward pass plus the paged KV pool it writes, behind two
+//! object-safe traits, so that the engine (scheduler, block manager, eviction policies,
+//! tiers, context store) drives a CPU model or a GPU model through the same code.
+//!
+//! What crosses the seam is small on purpose. The engine hands a backend a batch of
+//! [`SeqForward`]s (token ids, positions, block tables it owns) and gets logits rows back,
+//! plus the post-RoPE queries that attention-based eviction policies score with. Between
+//! forward calls it reads and writes the pool's bytes a block at a time through
+//! [`KvBlocks`]: policies read K/V, compaction copies slots, the tiers and the context store
+//! restore tokens. Block ids, reference counts, block tables and every decision about them
+//! stay on the host in `pk-kv` and `pk-engine`; a backend never allocates or frees a block.
+//!
+//! Calls through the traits are dynamic (`Box<dyn Backend>` in the engine, so no generic
+//! parameter spreads through the engine, server and CLI): one virtual call per forward pass
+//! and one per block operation, never one per element.
+//!
+//! [`CpuBackend`] is `Llama` over a host [`KvStore`]; `pk-cuda` provides the GPU one.
+
+use half::f16;
+
+use crate::config::ModelConfig;
+use crate::kv_store::{KvDtype, KvGeometry, KvStore};
+use crate::llama::{Llama, SeqForward};
+
+/// A failed forward pass or device operation. The CPU backend never fails; a GPU backend
+/// reports driver errors, out-of-memory and unsupported shapes this way, and the engine
+/// fails the batch's requests instead of panicking.
+#[derive(Debug, thiserror::Error)]
+#[error("{backend} backend: {message}")]
+pub struct BackendError {
+    pub backend: String,
+    pub message: String,
+}
+
+impl BackendError {
+    pub fn new(backend: &str, message: impl std::fmt::Display) -> BackendError {
+        BackendError { backend: backend.to_string(), message: message.to_string() }
+    }
+}
+
+/// The KV data operations the engine performs on a pool, in the CPU store's terms: blocks
+/// of `block_size_tokens` slots per layer, addressed by block id, and per-token rows of
+/// `head_dim` f32 values whatever the pool stores (f16, f32, quantised) or how it lays
+/// them out (the CPU store transposes K within a block; the GPU pool does not).
+///
+/// Block operations are infallible here: on the CPU they cannot fail, and a GPU backend
+/// that fails one records the error and returns it from its next forward call (a device
+/// error leaves the pool in an unknown state, so the batch that follows must not run).
+pub trait KvBlocks {
+    fn geometry(&self) -> KvGeometry;
+    fn dtype(&self) -> KvDtype;
+    /// Bytes of K and V of the whole pool.
+    fn capacity_bytes(&self) -> usize;
+    /// Reads the first `out.len() / head_dim` slots of one KV head of a block's K as rows
+    /// (`[slot][head_dim]`).
+    fn read_k(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]);
+    /// As `read_k`, for V.
+    fn read_v(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]);
+    /// Writes one token's K and V (all KV heads, `n_kv_heads * head_dim` floats each) into
+    /// `(block, slot)` of one layer.
+    fn write_token(&mut self, layer: usize, block: u32, slot: usize, k: &[f32], v: &[f32]);
+    /// Writes consecutive tokens of one KV head into one block from `slot0` on (`k_rows` and
+    /// `v_rows` are `[token][head_dim]`); `scratch` is reused across calls by the caller.
+    #[allow(clippy::too_many_arguments)]
+    fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>);
+    /// Copies one token slot to another in every layer and KV head (prefill compaction).
+    fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize));
+    /// The host store itself, for callers that need the CPU's concrete type (none in the
+    /// engine; benchmarks and tests of the CPU kernels).
+    fn as_kv_store(&self) -> Option<&KvStore> {
+        None
+    }
+}
+
+/// A model's forward pass and the KV pool it reads and writes.
+pub trait Backend: Send {
+    /// A short name for logs, metrics and cache namespaces: "cpu", "cuda".
+    fn name(&self) -> &str;
+    fn config(&self) -> &ModelConfig;
+    fn kv(&self) -> &dyn KvBlocks;
+    fn kv_mut(&mut self) -> &mut dyn KvBlocks;
+    /// Runs the new tokens of every sequence, writing their K/V into the pool, and returns
+    /// the requested logits rows (`vocab_size` floats each, in order) and, per sequence, the
+    /// post-RoPE queries of its last `capture_last[i]` new tokens (`[layer][token][n_heads *
+    /// head_dim]`; a missing entry means none), with `Llama::forward_with_queries`'s contract.
+    fn forward_with_queries(&mut self, seqs: &[SeqForward], capture_last: &[usize]) -> Result<(Vec<f32>, Vec<Vec<f32>>), BackendError>;
+    /// `forward_with_queries` without queries.
+    fn forward(&mut self, seqs: &[SeqForward]) -> Result<Vec<f32>, BackendError> {
+        self.forward_with_queries(seqs, &[]).map(|(logits, _)| logits)
+    }
+    /// The CPU model, for callers that run it outside the pool (benchmarks of the codecs).
+    fn cpu_model(&self) -> Option<&Llama> {
+        None
+    }
+}
+
+impl KvBlocks for KvStore {
+    fn geometry(&self) -> KvGeometry {
+        self.geometry
+    }
+    fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
+    fn capacity_bytes(&self) -> usize {
+        KvStore::capacity_bytes(self)
+    }
+    fn read_k(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
+        KvStore::read_k(self, layer, block, kv_head, out)
+    }
+    fn read_v(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
+        KvStore::read_v(self, layer, block, kv_head, out)
+    }
+    fn write_token(&mut self, layer: usize, block: u32, slot: usize, k: &[f32], v: &[f32]) {
+        KvStore::write_token(self, layer, block, slot, k, v)
+    }
+    fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>) {
+        KvStore::write_head_rows(self, layer, block, kv_head, slot0, k_rows, v_rows, scratch)
+    }
+    fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
+        KvStore::copy_slot(self, src, dst)
+    }
+    fn as_kv_store(&self) -> Option<&KvStore> {
+        Some(self)
+    }
+}
+
+/// The CPU backend: `Llama` (SIMD kernels, rayon and the decode pool) over a host
+/// `KvStore`. Calls go straight to `Llama::forward_with_queries`: nothing is added to the
+/// hot path but the one virtual call per forward pass.
+pub struct CpuBackend {
+    pub model: Llama,
+    pub store: KvStore,
+}
+
+impl CpuBackend {
+    /// A backend with a fresh store of `geometry` (which must match the model) in `dtype`.
+    pub fn new(model: Llama, geometry: KvGeometry, dtype: KvDtype) -> CpuBackend {
+        let c = &model.config;
+        assert!(
+            (geometry.n_layers, geometry.n_kv_heads, geometry.head_dim) == (c.n_layers, c.n_kv_heads, c.head_dim),
+            "KV geometry {geometry:?} does not match the model"
+        );
+        CpuBackend { store: KvStore::new(geometry, dtype), model }
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &str {
+        "cpu"
+    }
+    fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+    fn kv(&self) -> &dyn KvBlocks {
+        &self.store
+    }
+    fn kv_mut(&mut self) -> &mut dyn KvBlocks {
+        &mut self.store
+    }
+    fn forward_with_queries(&mut self, seqs: &[SeqForward], capture_last: &[usize]) -> Result<(Vec<f32>, Vec<Vec<f32>>), BackendError> {
+        Ok(self.model.forward_with_queries(&mut self.store, seqs, capture_last))
+    }
+    fn cpu_model(&self) -> Option<&Llama> {
+        Some(&self.model)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::Weights;
+    use pk_gguf::GgmlType;
+
+    /// The backend is the model over its store: the same logits and captured queries as
+    /// calling `Llama` directly, and the same K/V read back through either interface.
+    #[test]
+    fn cpu_backend_is_llama_over_its_store() {
+        let mut cfg = ModelConfig::dummy("smollm2-135m").unwrap();
+        cfg.n_layers = 2;
+        cfg.vocab_size = 512;
+        let g = KvGeometry { n_layers: 2, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim, block_size_tokens: 16, num_blocks: 4 };
+        let weights = || Weights::random(&cfg, GgmlType::Q4_1, 3);
+        let direct = Llama::new(cfg.clone(), weights());
+        let mut store = KvStore::new(g, KvDtype::F16);
+        let mut backend: Box<dyn Backend> = Box::new(CpuBackend::new(Llama::new(cfg.clone(), weights()), g, KvDtype::F16));
+        let table = [2u32, 0, 3];
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 13 + 1) % 512).collect();
+        let seq = [SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: 38 }];
+        let want = direct.forward_with_queries(&mut store, &seq, &[3]);
+        let got = backend.forward_with_queries(&seq, &[3]).unwrap();
+        assert_eq!(want, got);
+        assert_eq!(got.1[0].len(), 2 * 3 * cfg.q_dim());
+        let (mut a, mut b) = (vec![0f32; 16 * g.head_dim], vec![0f32; 16 * g.head_dim]);
+        for (layer, block, head) in [(0, 2, 0), (1, 3, 1), (1, 0, 2)] {
+            store.read_k(layer, block, head, &mut a);
+            backend.kv().read_k(layer, block, head, &mut b);
+            assert_eq!(a, b);
+            store.read_v(layer, block, head, &mut a);
+            backend.kv().read_v(layer, block, head, &mut b);
+            assert_eq!(a, b);
+        }
+        assert_eq!(backend.kv().capacity_bytes(), store.capacity_bytes());
+        assert!(backend.kv().as_kv_store().is_some() && backend.cpu_model().is_some());
+        assert_eq!(backend.name(), "cpu");
+    }
+}
