@@ -252,17 +252,17 @@ pub fn perf(a: PerfArgs) -> Result<()> {
     // --compare-threads decodes decode_tokens per listed count in one more generation.
     let decode_max = a.decode_tokens * a.compare_threads.len().max(1) + 1;
     let mut engine = build_engine(&a, max_ctx + decode_max + 64)?;
-    let model_ctx = engine.model.config.context_length;
+    let model_ctx = engine.model_config().context_length;
     if max_ctx + decode_max > model_ctx {
         bail!("context {max_ctx} + {decode_max} decode tokens exceeds the model's context {model_ctx}");
     }
-    let vocab = engine.model.config.vocab_size as u32;
-    let kv_bytes_per_token = engine.kv_store().geometry.bytes_per_token(engine.kv_store().dtype);
+    let vocab = engine.model_config().vocab_size as u32;
+    let kv_bytes_per_token = engine.kv_store().geometry().bytes_per_token(engine.kv_store().dtype());
     let threads = rayon::current_num_threads();
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
     let mut runs = Vec::new();
     if !a.json {
-        eprintln!("model {} | threads {threads} | block {} | kv {:?}", engine.model_name, a.model.block_size, engine.kv_store().dtype);
+        eprintln!("model {} | threads {threads} | block {} | kv {:?}", engine.model_name, a.model.block_size, engine.kv_store().dtype());
         if llamacpp_model.is_some() {
             println!(
                 "{:>8} {:>12} {:>8} {:>12} {:>12} {:>12} | {:>14} {:>14} | {:>8} {:>8}",

@@ -80,12 +80,13 @@ fn configs(ratios: &[f32]) -> Result<Vec<Config>> {
 /// Runs `tokens` through the model into a fresh f16 store and returns their KV as the
 /// engine would have cached it (same kernels, same f16 rounding).
 fn prefix_kv(engine: &Engine, tokens: &[u32]) -> Result<KvContext> {
-    let c = &engine.model.config;
+    let c = engine.model_config();
     let bs = 16;
     let g = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: bs, num_blocks: tokens.len().div_ceil(bs) };
     let mut store = KvStore::new(g, KvDtype::F16);
     let table: Vec<u32> = (0..g.num_blocks as u32).collect();
-    engine.model.forward(&mut store, &[SeqForward { tokens, start_position: 0, stored_start: 0, block_table: &table, logits_from: tokens.len() }]);
+    let model = engine.cpu_model().context("bench codecs runs the CPU model")?;
+    model.forward(&mut store, &[SeqForward { tokens, start_position: 0, stored_start: 0, block_table: &table, logits_from: tokens.len() }]);
     let (n, hd) = (tokens.len(), g.head_dim);
     let mut k = vec![0f32; g.n_layers * g.n_kv_heads * n * hd];
     let mut v = k.clone();

@@ -150,10 +150,10 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
 
     let mut bench = Bench { path, base, chunk_tokens, prompt: Vec::new(), chunks: a.context_tokens / chunk_tokens };
     let mut engine = bench.engine(None)?;
-    let vocab = engine.model.config.vocab_size as u32;
+    let vocab = engine.model_config().vocab_size as u32;
     let model_name = engine.model_name.clone();
-    if a.context_tokens + 1 > engine.model.config.context_length {
-        bail!("--context-tokens {} exceeds the model's context {}", a.context_tokens, engine.model.config.context_length);
+    if a.context_tokens + 1 > engine.model_config().context_length {
+        bail!("--context-tokens {} exceeds the model's context {}", a.context_tokens, engine.model_config().context_length);
     }
     // Random ids (1000.. skips special tokens), one more than the context.
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);

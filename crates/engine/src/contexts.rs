@@ -20,7 +20,7 @@ use std::sync::Arc;
 use pk_codec::KvContext;
 use pk_evicpress::{ContextStore, LoadReport, StoreConfig};
 use pk_kv::{KvCacheManager, KvView, SeqId};
-use pk_model::KvStore;
+use pk_model::KvBlocks;
 use pk_tiers::{ChunkKey, ChunkKeyer};
 
 use crate::eviction::{table_of, StoreView};
@@ -133,8 +133,8 @@ impl ContextReuse {
 /// Writes `ctx`'s stored tokens into `seq` (which must be empty), in order. Returns false
 /// if the pool has no room (nothing is half-written that the caller would use: it frees
 /// the sequence).
-pub(crate) fn write_prefix(ctx: &KvContext, kv: &mut KvCacheManager, store: &mut KvStore, seq: SeqId) -> bool {
-    let g = store.geometry;
+pub(crate) fn write_prefix(ctx: &KvContext, kv: &mut KvCacheManager, store: &mut dyn KvBlocks, seq: SeqId) -> bool {
+    let g = store.geometry();
     let n = ctx.n_tokens();
     if ctx.n_layers != g.n_layers || ctx.n_kv_heads != g.n_kv_heads || ctx.head_dim != g.head_dim {
         return false;
@@ -159,8 +159,8 @@ pub(crate) fn write_prefix(ctx: &KvContext, kv: &mut KvCacheManager, store: &mut
 
 /// Copies the first `n_tokens` stored tokens of `seq` (not evicted, so stored index =
 /// position) out of the pool.
-pub(crate) fn read_prefix(kv: &KvCacheManager, store: &KvStore, seq: SeqId, n_tokens: usize) -> Option<KvContext> {
-    let g = store.geometry;
+pub(crate) fn read_prefix(kv: &KvCacheManager, store: &dyn KvBlocks, seq: SeqId, n_tokens: usize) -> Option<KvContext> {
+    let g = store.geometry();
     // The view trusts the count it is given; the sequence must really store that many.
     if kv.block_table(seq).map_or(0, |t| t.num_stored_tokens() as usize) < n_tokens {
         return None;

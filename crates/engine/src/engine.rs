@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use pk_kv::{KvCacheManager, PolicySpec, SeqId};
-use pk_model::{KvDtype, KvGeometry, KvStore, Llama, SeqForward};
+use pk_model::{Backend, CpuBackend, KvBlocks, KvDtype, KvGeometry, Llama, ModelConfig, SeqForward};
 use pk_tokenizer::{ChatTemplate, Tokenizer};
 
 use crate::eviction::{self, EvictionStats, SeqEviction};
@@ -58,6 +58,20 @@ pub struct EngineConfig {
 impl std::fmt::Debug for TieringConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TieringConfig").field("chunk_size_tokens", &self.chunk_size_tokens).field("max_pending_bytes", &self.max_pending_bytes).finish()
+    }
+}
+
+impl EngineConfig {
+    /// The KV pool's shape for `model` under these settings: what a backend's pool must
+    /// have for [`Engine::with_backend`] to accept it.
+    pub fn kv_geometry(&self, model: &ModelConfig) -> Result<KvGeometry> {
+        let bs = self.block_size_tokens as usize;
+        if !(1..=256).contains(&bs) {
+            bail!("block size must be between 1 and 256 tokens, got {bs}");
+        }
+        let capacity_tokens = self.kv_capacity_tokens.unwrap_or(model.context_length);
+        let num_blocks = capacity_tokens.div_ceil(bs).max(1);
+        Ok(KvGeometry { n_layers: model.n_layers, n_kv_heads: model.n_kv_heads, head_dim: model.head_dim, block_size_tokens: bs, num_blocks })
     }
 }
 
@@ -168,14 +182,16 @@ pub struct EngineStats {
 pub struct Engine {
     /// What eviction did, per policy name.
     pub eviction_stats: std::collections::BTreeMap<String, EvictionStats>,
-    pub model: Llama,
     pub tokenizer: Tokenizer,
     pub chat_template: ChatTemplate,
     pub config: EngineConfig,
     pub model_name: String,
     pub stats: EngineStats,
     kv: KvCacheManager,
-    store: KvStore,
+    /// The forward pass and the pool of K/V bytes it writes (CPU or GPU). Everything that
+    /// decides which block holds what stays here on the host: `kv`, the sequences, the
+    /// eviction policies, the tiers.
+    backend: Box<dyn Backend>,
     /// Bytes mixed into every block hash so that caches of different models or KV
     /// precisions never alias.
     cache_namespace: Vec<u8>,
@@ -188,36 +204,69 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// Loads a model file onto the CPU backend.
     pub fn load(model_path: &Path, config: EngineConfig) -> Result<Engine> {
+        Engine::load_with(model_path, config, |gguf, geometry, dtype| {
+            let model = Llama::from_gguf(gguf).context("building the model")?;
+            Ok(Box::new(CpuBackend::new(model, geometry, dtype)))
+        })
+    }
+
+    /// Loads a model file's tokenizer and chat template, and its weights through `build`,
+    /// which makes a backend whose pool has the given geometry and dtype (the engine's
+    /// settings applied to the file's model).
+    pub fn load_with(
+        model_path: &Path,
+        config: EngineConfig,
+        build: impl FnOnce(&pk_gguf::GgufFile, KvGeometry, KvDtype) -> Result<Box<dyn Backend>>,
+    ) -> Result<Engine> {
         let gguf = pk_gguf::GgufFile::open(model_path).with_context(|| format!("loading {}", model_path.display()))?;
-        let model = Llama::from_gguf(&gguf).context("building the model")?;
+        let geometry = config.kv_geometry(&ModelConfig::from_gguf(&gguf).context("reading the model's configuration")?)?;
+        let backend = build(&gguf, geometry, config.kv_dtype)?;
         let tokenizer = Tokenizer::from_gguf(&gguf).context("building the tokenizer")?;
         let chat_template = ChatTemplate::from_gguf(&gguf).context("reading the chat template")?;
         let name = model_path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        Engine::new(model, tokenizer, chat_template, config, &name)
+        Engine::with_backend(backend, tokenizer, chat_template, config, &name)
     }
 
+    /// An engine running `model` on the CPU.
     pub fn new(model: Llama, tokenizer: Tokenizer, chat_template: ChatTemplate, config: EngineConfig, model_name: &str) -> Result<Engine> {
-        let c = &model.config;
-        let bs = config.block_size_tokens as usize;
-        if !(1..=256).contains(&bs) {
-            bail!("block size must be between 1 and 256 tokens, got {bs}");
-        }
+        let geometry = config.kv_geometry(&model.config)?;
+        let backend = Box::new(CpuBackend::new(model, geometry, config.kv_dtype));
+        Engine::with_backend(backend, tokenizer, chat_template, config, model_name)
+    }
+
+    /// An engine over any backend, whose pool must have `config.kv_geometry(backend.config())`
+    /// and `config.kv_dtype`.
+    pub fn with_backend(backend: Box<dyn Backend>, tokenizer: Tokenizer, chat_template: ChatTemplate, config: EngineConfig, model_name: &str) -> Result<Engine> {
+        let geometry = config.kv_geometry(backend.config())?;
         if config.max_batch_tokens == 0 || config.max_running_seqs == 0 {
             bail!("max_batch_tokens and max_running_seqs must be at least 1");
         }
-        let capacity_tokens = config.kv_capacity_tokens.unwrap_or(c.context_length);
-        let num_blocks = capacity_tokens.div_ceil(bs).max(1);
-        let geometry = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: bs, num_blocks };
-        let store = KvStore::new(geometry, config.kv_dtype);
+        let pool = backend.kv().geometry();
+        let shape = |g: &KvGeometry| (g.n_layers, g.n_kv_heads, g.head_dim, g.block_size_tokens, g.num_blocks);
+        if shape(&pool) != shape(&geometry) || backend.kv().dtype() != config.kv_dtype {
+            bail!("the {} backend's KV pool ({pool:?}, {}) is not the configured one ({geometry:?}, {})", backend.name(), backend.kv().dtype(), config.kv_dtype);
+        }
+        let (num_blocks, bs) = (geometry.num_blocks, geometry.block_size_tokens);
         tracing::info!(
-            "KV cache: {num_blocks} blocks x {bs} tokens = {} tokens, {:.1} MiB ({:?})",
+            "KV cache ({}): {num_blocks} blocks x {bs} tokens = {} tokens, {:.1} MiB ({:?})",
+            backend.name(),
             num_blocks * bs,
-            store.capacity_bytes() as f64 / (1 << 20) as f64,
+            backend.kv().capacity_bytes() as f64 / (1 << 20) as f64,
             config.kv_dtype
         );
         let kv = KvCacheManager::new(num_blocks as u32, bs as u32);
-        let cache_namespace = format!("{model_name}|{:?}", config.kv_dtype).into_bytes();
+        // Backends compute K/V with different arithmetic (the GPU's f16 GEMMs against the
+        // CPU's 8-bit activations), so blocks and stored chunks are never shared between
+        // them: a sequence's bits must not depend on where its prefix was computed. The CPU
+        // keeps the namespace it always had, so that existing tiers stay valid.
+        let mut namespace = format!("{model_name}|{:?}", config.kv_dtype);
+        if backend.name() != "cpu" {
+            namespace.push('|');
+            namespace.push_str(backend.name());
+        }
+        let cache_namespace = namespace.into_bytes();
         let tiering = match &config.tiering {
             Some(t) => Some(Tiering::new(t, model_name, &cache_namespace, bs, geometry.bytes_per_token(config.kv_dtype)).map_err(anyhow::Error::msg)?),
             None => None,
@@ -229,14 +278,13 @@ impl Engine {
         };
         Ok(Engine {
             eviction_stats: Default::default(),
-            model,
             tokenizer,
             chat_template,
             config,
             model_name: model_name.to_string(),
             stats: EngineStats::default(),
             kv,
-            store,
+            backend,
             cache_namespace,
             next_seq: 0,
             tiering,
@@ -250,8 +298,24 @@ impl Engine {
         &self.kv
     }
 
-    pub fn kv_store(&self) -> &KvStore {
-        &self.store
+    /// The KV pool's data, whichever backend holds it.
+    pub fn kv_store(&self) -> &dyn KvBlocks {
+        self.backend.kv()
+    }
+
+    /// The model's shape (layers, heads, vocabulary, context length).
+    pub fn model_config(&self) -> &ModelConfig {
+        self.backend.config()
+    }
+
+    /// The backend running the model ("cpu", "cuda").
+    pub fn backend(&self) -> &dyn Backend {
+        &*self.backend
+    }
+
+    /// The CPU model, when the engine runs on the CPU (benchmarks that call it directly).
+    pub fn cpu_model(&self) -> Option<&Llama> {
+        self.backend.cpu_model()
     }
 
     /// What the tiers did for this engine, if configured.
@@ -316,16 +380,16 @@ impl Engine {
             return Err(SubmitError::Invalid("the prompt is empty".into()));
         }
         req.params.sampling.validate().map_err(SubmitError::Invalid)?;
-        let ctx = self.model.config.context_length;
+        let ctx = self.backend.config().context_length;
         if req.prompt_ids.len() >= ctx {
             return Err(SubmitError::Invalid(format!("the prompt has {} tokens; the model's context is {ctx}", req.prompt_ids.len())));
         }
-        if let Some(&bad) = req.prompt_ids.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
+        if let Some(&bad) = req.prompt_ids.iter().find(|&&t| t as usize >= self.backend.config().vocab_size) {
             return Err(SubmitError::Invalid(format!("token id {bad} is outside the vocabulary")));
         }
         let eviction = self.eviction_for(&req.params).map_err(SubmitError::Invalid)?;
         if let Some(p) = &req.params.prefix_kv {
-            let g = self.store.geometry;
+            let g = self.backend.kv().geometry();
             if p.n_tokens() >= req.prompt_ids.len() || p.kv.positions.last().is_some_and(|&x| x as usize >= p.n_tokens()) {
                 return Err(SubmitError::Invalid(format!("prefix_kv covers {} tokens of a {}-token prompt", p.n_tokens(), req.prompt_ids.len())));
             }
@@ -451,7 +515,7 @@ impl Engine {
                 let empty = self.kv.get_computed_prefix(&[], &s.namespace);
                 self.kv.add_sequence(seq, &empty);
                 let tiering = self.tiering.as_mut().expect("tiers configured");
-                tiering.load_into(&tier_keys[..tier_found], &mut self.kv, &mut self.store, seq)
+                tiering.load_into(&tier_keys[..tier_found], &mut self.kv, self.backend.kv_mut(), seq)
             } else {
                 self.kv.add_sequence(seq, &prefix) as usize
             };
@@ -493,7 +557,7 @@ impl Engine {
         let empty = self.kv.get_computed_prefix(&[], &s.namespace);
         self.kv.add_sequence(seq, &empty);
         let t0 = std::time::Instant::now();
-        if !contexts::write_prefix(&ctx, &mut self.kv, &mut self.store, seq) {
+        if !contexts::write_prefix(&ctx, &mut self.kv, self.backend.kv_mut(), seq) {
             self.kv.free(seq);
             return None;
         }
@@ -618,13 +682,27 @@ impl Engine {
                 }
             })
             .collect();
-        let (logits, captured) = self.model.forward_with_queries(&mut self.store, &fwd, &capture);
+        let forward = self.backend.forward_with_queries(&fwd, &capture);
         drop(fwd);
-        let (n_heads, head_dim) = (self.model.config.n_heads, self.model.config.head_dim);
-        let vocab = self.model.config.vocab_size;
+        let (logits, captured) = match forward {
+            Ok(out) => out,
+            Err(e) => {
+                // Nothing of the batch can be trusted (a device error may have left its K/V
+                // half-written): its requests fail, and the others go on.
+                tracing::error!("forward pass failed: {e}");
+                for &(seq, _, _) in plan {
+                    if let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) {
+                        let s = self.running.remove(i);
+                        self.fail(s, format!("the forward pass failed: {e}"));
+                    }
+                }
+                return 0;
+            }
+        };
+        let c = self.backend.config();
+        let (n_heads, head_dim, vocab, ctx) = (c.n_heads, c.head_dim, c.vocab_size, c.context_length);
         let mut row = 0;
         let mut n_tokens = 0;
-        let ctx = self.model.config.context_length;
         let mut finished = Vec::new();
         for (k, &(seq, from, to)) in plan.iter().enumerate() {
             n_tokens += to - from;
@@ -662,7 +740,7 @@ impl Engine {
                     // The whole prompt (or, after preemption, everything) is in the cache and
                     // its exact attention is done: select, compact, and from now on evict.
                     if prefill_done && !finished.contains(&seq) {
-                        if !eviction::after_prefill(ev, &mut self.kv, &mut self.store, seq, queries.as_ref(), stats) {
+                        if !eviction::after_prefill(ev, &mut self.kv, self.backend.kv_mut(), seq, queries.as_ref(), stats) {
                             // No block for a copy-on-write during compaction: give up on
                             // this request rather than corrupt a shared block.
                             s.aborted = true;
@@ -674,7 +752,7 @@ impl Engine {
                     if let Some(q) = queries {
                         ev.recent_queries.push((q.positions[0], q.data));
                     }
-                    eviction::after_decode(ev, &mut self.kv, &self.store, seq, n_heads, stats);
+                    eviction::after_decode(ev, &mut self.kv, self.backend.kv(), seq, n_heads, stats);
                 }
                 s.kv_stored_tokens = stored_now(&self.kv);
                 // Evicting sequences never feed the prefix cache: their blocks are about to
@@ -687,14 +765,14 @@ impl Engine {
             }
             if prefill_done {
                 if let (Some((key, tokens)), Some(c)) = (s.context.offer.take(), self.contexts.as_mut()) {
-                    if let Some(kv) = contexts::read_prefix(&self.kv, &self.store, seq, tokens) {
+                    if let Some(kv) = contexts::read_prefix(&self.kv, self.backend.kv(), seq, tokens) {
                         c.offer(key, kv);
                     }
                 }
             }
             if prefill_done && !s.tier_keys.is_empty() && s.tier_next_chunk < s.tier_keys.len() {
                 if let Some(t) = self.tiering.as_mut() {
-                    s.tier_next_chunk = t.store_chunks(&s.tier_keys, s.tier_next_chunk, s.num_computed, &self.kv, &self.store, seq);
+                    s.tier_next_chunk = t.store_chunks(&s.tier_keys, s.tier_next_chunk, s.num_computed, &self.kv, self.backend.kv(), seq);
                 }
             }
             let computed = s.num_computed;

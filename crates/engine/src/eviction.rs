@@ -1,7 +1,7 @@
 //! Glue between the pure eviction policies of `pk-kv` and the engine's physical KV store.
 //!
 //! The policies read K/V through `KvView` and queries through `QueryView`; here those are
-//! implemented over `KvStore` (through the sequence's block table) and over the queries the
+//! implemented over the backend's KV pool (`KvBlocks`, through the sequence's block table) and over the queries the
 //! forward pass captured. The engine calls `after_prefill` once a sequence's prompt is in
 //! the cache (exact attention over the full prompt has happened) and `after_decode` after
 //! every decode token; both edit the block table through the manager and move K/V in the
@@ -10,7 +10,7 @@
 use std::cell::RefCell;
 
 use pk_kv::{EvictionPolicy, KvCacheManager, KvView, PolicySpec, QueryView, SeqId};
-use pk_model::KvStore;
+use pk_model::{KvBlocks, KvGeometry};
 
 /// A sequence's eviction state: its policy instance and budget.
 pub(crate) struct SeqEviction {
@@ -50,21 +50,23 @@ pub struct EvictionStats {
 /// policies scan tokens in order, either layer by layer or token by token across layers;
 /// with a single cached block the token-major order would convert a block per token.
 pub(crate) struct StoreView<'a> {
-    store: &'a KvStore,
+    store: &'a dyn KvBlocks,
+    /// The pool's geometry, read once: `read` runs per token.
+    geometry: KvGeometry,
     table: &'a [u32],
     n_tokens: usize,
     cache: RefCell<Vec<(Option<u32>, Vec<f32>)>>,
 }
 
 impl<'a> StoreView<'a> {
-    pub fn new(store: &'a KvStore, table: &'a [u32], n_tokens: usize) -> StoreView<'a> {
-        let g = &store.geometry;
+    pub fn new(store: &'a dyn KvBlocks, table: &'a [u32], n_tokens: usize) -> StoreView<'a> {
+        let g = store.geometry();
         let entries = 2 * g.n_layers * g.n_kv_heads;
-        StoreView { store, table, n_tokens, cache: RefCell::new(vec![(None, Vec::new()); entries]) }
+        StoreView { store, geometry: g, table, n_tokens, cache: RefCell::new(vec![(None, Vec::new()); entries]) }
     }
 
     fn read(&self, is_value: bool, layer: usize, kv_head: usize, token: usize, out: &mut [f32]) {
-        let g = &self.store.geometry;
+        let g = &self.geometry;
         let (bs, hd) = (g.block_size_tokens, g.head_dim);
         let block = self.table[token / bs];
         let mut cache = self.cache.borrow_mut();
@@ -85,13 +87,13 @@ impl<'a> StoreView<'a> {
 
 impl KvView for StoreView<'_> {
     fn n_layers(&self) -> usize {
-        self.store.geometry.n_layers
+        self.geometry.n_layers
     }
     fn n_kv_heads(&self) -> usize {
-        self.store.geometry.n_kv_heads
+        self.geometry.n_kv_heads
     }
     fn head_dim(&self) -> usize {
-        self.store.geometry.head_dim
+        self.geometry.head_dim
     }
     fn n_tokens(&self) -> usize {
         self.n_tokens
@@ -141,7 +143,7 @@ pub(crate) fn table_of(kv: &KvCacheManager, seq: SeqId) -> Vec<u32> {
 pub(crate) fn after_prefill(
     ev: &mut SeqEviction,
     kv: &mut KvCacheManager,
-    store: &mut KvStore,
+    store: &mut dyn KvBlocks,
     seq: SeqId,
     queries: Option<&CapturedQueries>,
     stats: &mut EvictionStats,
@@ -150,7 +152,7 @@ pub(crate) fn after_prefill(
     let n_stored = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
     let bs = kv.block_size_tokens();
     let keep = {
-        let view = StoreView::new(store, &table, n_stored);
+        let view = StoreView::new(&*store, &table, n_stored);
         ev.policy.select_prefill(&view, queries.map(|q| q as &dyn QueryView), ev.budget_tokens, bs)
     };
     ev.initialised = true;
@@ -166,7 +168,7 @@ pub(crate) fn after_prefill(
 }
 
 /// After a decode token: score a block that just filled, then evict while over budget.
-pub(crate) fn after_decode(ev: &mut SeqEviction, kv: &mut KvCacheManager, store: &KvStore, seq: SeqId, n_heads: usize, stats: &mut EvictionStats) {
+pub(crate) fn after_decode(ev: &mut SeqEviction, kv: &mut KvCacheManager, store: &dyn KvBlocks, seq: SeqId, n_heads: usize, stats: &mut EvictionStats) {
     let bs = kv.block_size_tokens() as usize;
     let n_stored = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
     if n_stored % bs != 0 {
@@ -189,12 +191,12 @@ pub(crate) fn after_decode(ev: &mut SeqEviction, kv: &mut KvCacheManager, store:
 }
 
 /// The newest queries the policy asks for, transposed to `CapturedQueries`' layout.
-fn recent_as_view(ev: &SeqEviction, store: &KvStore, n_heads: usize) -> Option<CapturedQueries> {
+fn recent_as_view(ev: &SeqEviction, store: &dyn KvBlocks, n_heads: usize) -> Option<CapturedQueries> {
     let want = ev.policy.decode_queries().count(ev.recent_queries.len());
     if want == 0 {
         return None;
     }
-    let g = &store.geometry;
+    let g = store.geometry();
     let q_dim = n_heads * g.head_dim;
     let recent = &ev.recent_queries[ev.recent_queries.len() - want..];
     let mut data = vec![0f32; g.n_layers * want * q_dim];

@@ -23,7 +23,7 @@ pub struct PerplexityResult {
 }
 
 pub fn perplexity(engine: &mut Engine, ids: &[u32], n_ctx: usize, max_chunks: Option<usize>, on_chunk: &mut dyn FnMut(usize, f64)) -> Result<PerplexityResult> {
-    let vocab = engine.model.config.vocab_size;
+    let vocab = engine.model_config().vocab_size;
     perplexity_with(&mut |chunk, first| engine.score(chunk, first), vocab, ids, n_ctx, max_chunks, on_chunk)
 }
 

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use pk_codec::{KvContext, Method};
 use pk_kv::{KvCacheManager, KvView, SeqId};
-use pk_model::KvStore;
+use pk_model::KvBlocks;
 use pk_tiers::{ChunkKey, ChunkKeyer, Payload, TieredStore};
 
 use crate::eviction::{table_of, StoreView};
@@ -106,9 +106,9 @@ impl Tiering {
     /// Loads up to `keys.len()` chunks into `seq` (which must be empty), returning the
     /// number of tokens now in the cache. Stops at the first chunk that cannot be loaded,
     /// decoded or placed; a corrupted payload is never used.
-    pub fn load_into(&mut self, keys: &[ChunkKey], kv: &mut KvCacheManager, store: &mut KvStore, seq: SeqId) -> usize {
+    pub fn load_into(&mut self, keys: &[ChunkKey], kv: &mut KvCacheManager, store: &mut dyn KvBlocks, seq: SeqId) -> usize {
         let chunk = self.chunk_size_tokens();
-        let g = store.geometry;
+        let g = store.geometry();
         let kv_dim = g.n_kv_heads * g.head_dim;
         let mut loaded_tokens = 0;
         let mut kbuf = vec![0f32; kv_dim];
@@ -145,9 +145,9 @@ impl Tiering {
 
     /// Encodes chunks `first_chunk..` of `seq` that are fully computed (up to
     /// `computed_tokens`) and queues them for storing. Returns the next chunk to store.
-    pub fn store_chunks(&mut self, keys: &[ChunkKey], first_chunk: usize, computed_tokens: usize, kv: &KvCacheManager, store: &KvStore, seq: SeqId) -> usize {
+    pub fn store_chunks(&mut self, keys: &[ChunkKey], first_chunk: usize, computed_tokens: usize, kv: &KvCacheManager, store: &dyn KvBlocks, seq: SeqId) -> usize {
         let chunk = self.chunk_size_tokens();
-        let g = store.geometry;
+        let g = store.geometry();
         let table = table_of(kv, seq);
         let view = StoreView::new(store, &table, computed_tokens);
         let mut next = first_chunk;

@@ -61,7 +61,7 @@ fn teacher_forcing_full_cache_matches_scoring() {
     let forced = engine.teacher_force(prompt, cont, &GenerateParams::default()).unwrap();
     assert_eq!(forced.len(), cont.len());
     let all: Vec<u32> = book[0..216].to_vec();
-    let vocab = engine.model.config.vocab_size;
+    let vocab = engine.model_config().vocab_size;
     let scored = engine.score(&all, 199).unwrap();
     for (i, row) in forced.iter().enumerate() {
         assert!(row[..] == scored[i * vocab..(i + 1) * vocab], "step {i}: teacher-forced logits differ from scoring");

@@ -37,7 +37,7 @@ fn ppl_512_chunk0_matches_independent_reference() {
     let mut engine = common::engine(EngineConfig { kv_capacity_tokens: Some(512), ..Default::default() });
     let ids = common::book_ids();
     let chunk = &ids[..512];
-    let vocab = engine.model.config.vocab_size;
+    let vocab = engine.model_config().vocab_size;
     let logits = engine.score(chunk, 255).unwrap();
     let nll: f64 = (256..512).map(|t| -pk_engine::sampler::log_prob(&logits[(t - 256) * vocab..(t - 255) * vocab], chunk[t])).sum();
     assert_within((nll / 256.0).exp(), 22.71, 0.01, "n_ctx 512, chunk 0 vs numpy f32 reference");

@@ -50,7 +50,7 @@ fn q8_kv_matches_f16_on_verne_and_halves_bytes() {
     let ids = common::book_ids();
     assert!(ids.len() >= CHUNKS * CHUNK_TOKENS, "the fixture has {} tokens", ids.len());
     let mut reference = common::engine(config(KvDtype::F16));
-    let vocab = reference.model.config.vocab_size;
+    let vocab = reference.model_config().vocab_size;
     // f32 is the noise floor: a cache more precise than f16 (see the module's NOTE).
     let dtypes = [KvDtype::Q8, KvDtype::Q4, KvDtype::F32];
     let mut engines: Vec<_> = dtypes.iter().map(|&d| common::engine(config(d))).collect();
@@ -77,11 +77,11 @@ fn q8_kv_matches_f16_on_verne_and_halves_bytes() {
     }
     let n = versus[0].n;
     let ppl_f16 = (f16_nll / n as f64).exp();
-    let bytes_f16 = reference.kv_store().geometry.bytes_per_token(KvDtype::F16);
+    let bytes_f16 = reference.kv_store().geometry().bytes_per_token(KvDtype::F16);
     println!("f16: ppl {ppl_f16:.4}, {bytes_f16} KV bytes/token, {n} predictions");
     for ((dtype, vs), engine) in dtypes.iter().zip(&versus).zip(&engines) {
         let ppl = (vs.nll_sum / vs.n as f64).exp();
-        let bytes = engine.kv_store().geometry.bytes_per_token(*dtype);
+        let bytes = engine.kv_store().geometry().bytes_per_token(*dtype);
         println!(
             "{dtype}: top-1 agreement {:.4}, ppl {ppl:.4} (Δ {:+.3} %), mean KL(f16 ‖ {dtype}) {:.5} nats, {bytes} KV bytes/token ({:.3} of f16)",
             vs.top1_agree as f64 / vs.n as f64,
@@ -100,7 +100,7 @@ fn q8_kv_matches_f16_on_verne_and_halves_bytes() {
     assert!((ppl_q8 / ppl_f16 - 1.0).abs() < 0.01, "q8 ppl {ppl_q8} vs f16 {ppl_f16}");
     assert!(q8.top1_agree as f64 >= floor.top1_agree as f64 - 0.01 * q8.n as f64, "q8 top-1 agreement {}/{} vs f32's {}", q8.top1_agree, q8.n, floor.top1_agree);
     assert!(q8.kl_sum <= 1.5 * floor.kl_sum, "q8 KL {} vs f32's {}", q8.kl_sum, floor.kl_sum);
-    let bytes_q8 = engines[0].kv_store().geometry.bytes_per_token(KvDtype::Q8);
+    let bytes_q8 = engines[0].kv_store().geometry().bytes_per_token(KvDtype::Q8);
     assert_eq!(bytes_q8 * 32, bytes_f16 * 17, "q8 stores 8.5 bits per element");
     // q4 has no bar; it must still be a working cache (its numbers are printed above).
     let q4 = &versus[1];

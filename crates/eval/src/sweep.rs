@@ -176,7 +176,7 @@ impl UnitRun<'_> {
         let sample = tasks::generate(u.task, u.context_tokens, self.cfg.seed, u.sample, self.cfg.samples, &count);
         let text = e.chat_template.render(&[ChatMessage::new("user", sample.user_message.as_str())], true)? + &sample.answer_prefix;
         let prompt = e.tokenizer.encode(&text, true);
-        let ctx = e.model.config.context_length;
+        let ctx = e.model_config().context_length;
         if prompt.len() + sample.max_answer_tokens >= ctx {
             bail!("{} at {} tokens: the prompt has {} tokens, too many for the model's context of {ctx}", u.task.name(), u.context_tokens, prompt.len());
         }

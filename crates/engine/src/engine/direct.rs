@@ -107,7 +107,13 @@ impl Engine {
             let table = eviction::table_of(&self.kv, seq);
             let from = logits_from.clamp(done, end) - done;
             let fwd = SeqForward { tokens: &tokens[done..end], start_position: slots.first_position as usize, stored_start: done, block_table: &table, logits_from: from };
-            logits.extend(self.model.forward(&mut self.store, &[fwd]));
+            match self.backend.forward(&[fwd]) {
+                Ok(rows) => logits.extend(rows),
+                Err(e) => {
+                    result = Err(e.into());
+                    break;
+                }
+            }
             done = end;
         }
         self.kv.free(seq);
