@@ -135,6 +135,17 @@ impl Gpu {
         Ok(out)
     }
 
+    /// Enqueues a copy of `bytes` from device address `src` to `dst` on the stream (within
+    /// one buffer, where cudarc's typed copies would need two borrows of it).
+    ///
+    /// # Safety
+    /// Both ranges must lie inside live allocations of this context and must not overlap.
+    pub unsafe fn copy_raw(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread()?;
+        cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream())?;
+        Ok(())
+    }
+
     pub fn synchronize(&self) -> Result<(), CudaError> {
         Ok(self.stream.synchronize()?)
     }

@@ -93,6 +93,43 @@ impl Shape {
     }
 }
 
+/// Where a forward call copies queries to: a device buffer of `[layer][i][q_dim]` f32 and
+/// the batch rows `i` stands for.
+type Capture<'a> = (DevPtr, &'a [usize]);
+
+/// The batch rows whose queries a call captures (each sequence's last `capture_last[i]`
+/// rows, clamped to its tokens; a missing entry means none), in order, and how many each
+/// sequence gets.
+fn capture_rows(seqs: &[SeqForward], capture_last: &[usize]) -> (Vec<usize>, Vec<usize>) {
+    let (mut rows, mut counts, mut row0) = (Vec::new(), Vec::with_capacity(seqs.len()), 0);
+    for (i, s) in seqs.iter().enumerate() {
+        let n = s.tokens.len();
+        let want = capture_last.get(i).copied().unwrap_or(0).min(n);
+        rows.extend(row0 + n - want..row0 + n);
+        counts.push(want);
+        row0 += n;
+    }
+    (rows, counts)
+}
+
+/// The capture buffer (`[layer][captured row][q_dim]`) as each sequence's
+/// `[layer][its rows][q_dim]`, the CPU's layout.
+fn split_captured(all: &[f32], counts: &[usize], n_layers: usize, qd: usize) -> Vec<Vec<f32>> {
+    let total: usize = counts.iter().sum();
+    let mut out = Vec::with_capacity(counts.len());
+    let mut first = 0;
+    for &want in counts {
+        let mut q = Vec::with_capacity(n_layers * want * qd);
+        for layer in 0..n_layers {
+            let at = (layer * total + first) * qd;
+            q.extend_from_slice(&all[at..at + want * qd]);
+        }
+        out.push(q);
+        first += want;
+    }
+    out
+}
+
 /// Decode steps of at most this many rows are replayed from CUDA graphs when enabled.
 const GRAPH_MAX_ROWS: usize = 256;
 /// Graphs kept at most (one per decode shape seen); the cache is cleared when full.
@@ -112,7 +149,7 @@ impl GpuLlama {
 
     /// Runs the batch and returns the requested logits rows (`vocab_size` floats each).
     pub fn forward(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward]) -> Result<Vec<f32>, CudaError> {
-        let n_out = self.forward_on_device(gpu, pool, seqs, false)?;
+        let n_out = self.forward_on_device(gpu, pool, seqs, false, None)?;
         let bufs = self.scratch.bufs.as_ref().expect("allocated by the forward pass");
         gpu.download(&bufs.logits, n_out * self.config.vocab_size)
     }
@@ -120,9 +157,31 @@ impl GpuLlama {
     /// Runs the batch and returns the greedy token of each requested logits row, computed
     /// on the device so that a decode step copies 4 bytes per sequence back, not the logits.
     pub fn forward_argmax(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward]) -> Result<Vec<u32>, CudaError> {
-        let n_out = self.forward_on_device(gpu, pool, seqs, true)?;
+        let n_out = self.forward_on_device(gpu, pool, seqs, true, None)?;
         let bufs = self.scratch.bufs.as_ref().expect("allocated by the forward pass");
         Ok(gpu.download(&bufs.argmax, n_out)?.into_iter().map(|t| t as u32).collect())
+    }
+
+    /// Like `forward`, and also returns, per sequence, the post-RoPE queries of its last
+    /// `capture_last[i]` new tokens (`[layer][token][n_heads * head_dim]`, f32), with
+    /// `pk_model::Llama::forward_with_queries`'s contract: attention-based eviction policies
+    /// score with them. Each layer copies the wanted rows of Q (rotated in place by
+    /// `rope_kv_write`) into one capture buffer, downloaded once at the end; such a call runs
+    /// eagerly, never from a graph (it happens once per prompt, and per decode step only
+    /// for policies that ask for decode queries).
+    pub fn forward_with_queries(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward], capture_last: &[usize]) -> Result<(Vec<f32>, Vec<Vec<f32>>), CudaError> {
+        let qd = self.config.q_dim();
+        let (rows, counts) = capture_rows(seqs, capture_last);
+        if rows.is_empty() {
+            return Ok((self.forward(gpu, pool, seqs)?, vec![Vec::new(); seqs.len()]));
+        }
+        let n_layers = self.config.n_layers;
+        let captured = gpu.alloc::<f32>(n_layers * rows.len() * qd)?;
+        let n_out = self.forward_on_device(gpu, pool, seqs, false, Some((gpu.ptr(&captured), &rows)))?;
+        let bufs = self.scratch.bufs.as_ref().expect("allocated by the forward pass");
+        let logits = gpu.download(&bufs.logits, n_out * self.config.vocab_size)?;
+        let all = gpu.download(&captured, n_layers * rows.len() * qd)?;
+        Ok((logits, split_captured(&all, &counts, n_layers, qd)))
     }
 
     /// Whether decode steps are replayed from CUDA graphs.
@@ -207,8 +266,9 @@ impl GpuLlama {
     }
 
     /// Runs every layer; leaves the requested rows' logits (and their argmax when asked) in
-    /// the scratch buffers and returns how many rows there are.
-    fn forward_on_device(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward], argmax: bool) -> Result<usize, CudaError> {
+    /// the scratch buffers and returns how many rows there are. With `capture`, each
+    /// layer's post-RoPE Q of the given rows goes to `[layer][i][q_dim]` of the buffer.
+    fn forward_on_device(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward], argmax: bool, capture: Option<Capture>) -> Result<usize, CudaError> {
         let g = pool.geometry;
         let c = self.config.clone();
         if g.n_layers != c.n_layers || g.n_kv_heads != c.n_kv_heads || g.head_dim != c.head_dim {
@@ -227,8 +287,8 @@ impl GpuLlama {
         // Ordered on the stream after the previous call's kernels, which read this buffer.
         gpu.upload_into(&ints, &mut b.meta)?;
 
-        if !(self.use_graphs && shape.n <= GRAPH_MAX_ROWS) {
-            self.launch_all(gpu, pool, shape)?;
+        if !(self.use_graphs && shape.n <= GRAPH_MAX_ROWS) || capture.is_some() {
+            self.launch_all(gpu, pool, shape, capture)?;
             return Ok(shape.n_out);
         }
         let key = (shape, pool.layer_ptrs(gpu, 0).0, self.scratch.generation);
@@ -237,7 +297,7 @@ impl GpuLlama {
                 self.graphs.clear();
             }
             gpu.stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let launched = self.launch_all(gpu, pool, shape);
+            let launched = self.launch_all(gpu, pool, shape, None);
             let captured = gpu.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
             match (launched, captured) {
                 (Ok(()), Ok(Some(graph))) => {
@@ -246,7 +306,7 @@ impl GpuLlama {
                 (launched, captured) => {
                     eprintln!("warning: CUDA graph capture failed ({:?}, {:?}); running steps eagerly from now on", launched.err(), captured.err());
                     self.use_graphs = false;
-                    self.launch_all(gpu, pool, shape)?;
+                    self.launch_all(gpu, pool, shape, None)?;
                     return Ok(shape.n_out);
                 }
             }
@@ -256,7 +316,7 @@ impl GpuLlama {
     }
 
     /// Enqueues every kernel of a call whose metadata is in the scratch buffer.
-    fn launch_all(&self, gpu: &Gpu, pool: &GpuKvPool, shape: Shape) -> Result<(), CudaError> {
+    fn launch_all(&self, gpu: &Gpu, pool: &GpuKvPool, shape: Shape, capture: Option<Capture>) -> Result<(), CudaError> {
         let c = &self.config;
         let g = pool.geometry;
         let b = self.scratch.bufs.as_ref().expect("allocated before launching");
@@ -277,7 +337,8 @@ impl GpuLlama {
         // SAFETY (every launch below): argument lists follow the kernels' signatures in
         // kernels/*.cu; buffers were sized for the shape by `ensure_scratch`; slots and block
         // ids were checked against the pool in `meta`, and the plan checked every block
-        // table's length.
+        // table's length; a capture buffer holds `n_layers × rows × q_dim` floats for rows
+        // below `n` (`forward_with_queries`).
         unsafe {
             gpu.launch("embed", n as u32, 256, 0, kargs![gpu.ptr(&w.token_embd), ip(o.tokens), x, d as i32])?;
             for (li, lw) in w.layers.iter().enumerate() {
@@ -291,6 +352,13 @@ impl GpuLlama {
                     0,
                     kargs![qkv, qkv_stride, ip(o.positions), gpu.ptr(&self.inv_freq), c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32, neox, k_pool, v_pool, ip(o.slots), g.block_size_tokens as i32],
                 )?;
+                if let Some((buf, rows)) = capture {
+                    // Q is each row's first q_dim floats, rotated in place just above.
+                    for (i, &r) in rows.iter().enumerate() {
+                        let dst = buf + (4 * (li * rows.len() + i) * qd) as u64;
+                        gpu.copy_raw(dst, qkv + 4 * (r * qkv_stride as usize) as u64, 4 * qd)?;
+                    }
+                }
                 gpu.launch(
                     "paged_attention",
                     shape.n_items as u32,
@@ -314,5 +382,28 @@ impl GpuLlama {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Row selection and layout of captured queries, as `Llama::forward_with_queries` lays
+    /// them out: per sequence its last rows, clamped, `[layer][token][q_dim]`.
+    #[test]
+    fn captured_queries_are_split_per_sequence_like_the_cpu() {
+        let (a, b, c) = ([1u32; 5], [2u32; 1], [3u32; 3]);
+        let seqs = [&a[..], &b[..], &c[..]].map(|tokens| SeqForward { tokens, start_position: 0, stored_start: 0, block_table: &[], logits_from: 0 });
+        // Sequence 1 asks for more than it has; sequence 2 has no entry.
+        let (rows, counts) = capture_rows(&seqs, &[2, 4]);
+        assert_eq!((rows, counts.clone()), (vec![3, 4, 5], vec![2, 1, 0]));
+        // Two layers, q_dim 2: the buffer holds value 100·layer + 10·captured row + d.
+        let (n_layers, qd) = (2, 2);
+        let all: Vec<f32> = (0..n_layers).flat_map(|l| (0..3).flat_map(move |i| (0..qd).map(move |d| (100 * l + 10 * i + d) as f32))).collect();
+        let out = split_captured(&all, &counts, n_layers, qd);
+        assert_eq!(out[0], vec![0.0, 1.0, 10.0, 11.0, 100.0, 101.0, 110.0, 111.0]);
+        assert_eq!(out[1], vec![20.0, 21.0, 120.0, 121.0]);
+        assert!(out[2].is_empty());
     }
 }

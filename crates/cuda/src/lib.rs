@@ -10,14 +10,17 @@
 //! The contract mirrors `pk_model::Llama::forward`: a batch of [`pk_model::SeqForward`]s,
 //! K/V addressed by `(block id, slot)` through each sequence's block table, logits rows for
 //! the requested tokens. Block ids and tables come from the caller, as on the CPU.
+//! [`CudaBackend`] puts it behind `pk_model::Backend`, the seam the engine drives.
 
 pub mod attention;
+pub mod backend;
 pub mod device;
 pub mod forward;
 pub mod kernels;
 pub mod kv_pool;
 pub mod weights;
 
+pub use backend::CudaBackend;
 pub use device::{cuda_or_skip, driver_available, Gpu};
 pub use forward::GpuLlama;
 pub use kv_pool::GpuKvPool;
