@@ -36,6 +36,12 @@ pub struct ModelArgs {
 
 impl ModelArgs {
     pub fn engine(&self, kv_capacity_tokens: Option<usize>) -> Result<Engine> {
+        self.engine_on("cpu", kv_capacity_tokens)
+    }
+
+    /// The engine on `device` ("cpu", or "cuda" in a binary built with the feature).
+    pub fn engine_on(&self, device: &str, kv_capacity_tokens: Option<usize>) -> Result<Engine> {
+        crate::gpu::check_device(device)?;
         // The --config file under flags and env (config.rs).
         let args = self.resolved()?;
         if let Some(n) = args.threads {
@@ -47,7 +53,7 @@ impl ModelArgs {
         let kv_dtype = KvDtype::parse(&args.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected {})", args.kv_dtype, KvDtype::NAMES))?;
         let path = resolve_model(args.model.as_deref(), true)?;
         let config = EngineConfig { block_size_tokens: args.block_size, kv_dtype, kv_capacity_tokens, tiering: args.tiers.build()?, contexts: args.tiers.build_contexts()?, ..Default::default() };
-        Engine::load(&path, config)
+        crate::gpu::engine(device, &path, config)
     }
 }
 
@@ -245,10 +251,14 @@ pub struct GenerateArgs {
     pub stop: Vec<String>,
     #[command(flatten)]
     pub kv: KvPolicyArgs,
+    /// Where the model runs: cpu, or cuda (a binary built with --features cuda; the engine,
+    /// its cache and policies as on the CPU, the forward pass and KV pool on the GPU).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
-    let mut engine = a.model.engine(None)?;
+    let mut engine = a.model.engine_on(&a.device, None)?;
     let prompt_text = if a.chat {
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {

@@ -1,35 +1,75 @@
-//! `--device cuda` for `bench perf` and `perplexity`: the model on an NVIDIA GPU through
-//! pk-cuda (cargo feature `cuda`). A standalone path: it gives each sequence its own
-//! contiguous run of blocks of a device KV pool and drives `GpuLlama` directly, without the
-//! engine's scheduler, prefix cache, eviction or tiers (see ARCHITECTURE.md). Without the
-//! feature, both commands say how to build it.
+//! `--device cuda`: the model on an NVIDIA GPU through pk-cuda (cargo feature `cuda`).
+//!
+//! `serve` and `generate` run the engine over a `CudaBackend` ([`engine`]): the scheduler,
+//! prefix cache, eviction policies and tiers are the CPU's, only the forward pass and the
+//! KV pool live on the device. `bench perf` and `perplexity` take a standalone path: each
+//! sequence gets its own contiguous run of blocks of a device pool and `GpuLlama` runs
+//! directly, without the engine (see ARCHITECTURE.md). Without the feature, every
+//! `--device cuda` says how to build it.
+
+use std::path::Path;
+
+use pk_engine::{Engine, EngineConfig};
 
 use crate::bench::PerfArgs;
 use crate::commands::PerplexityArgs;
 
+const NO_FEATURE: &str = "--device cuda needs a binary built with the cuda feature: cargo build --release -p pagekeeper --features cuda";
+
+/// Fails unless `device` can run in this binary (before a server binds its port).
+pub fn check_device(device: &str) -> anyhow::Result<()> {
+    if device == "cuda" && !cfg!(feature = "cuda") {
+        anyhow::bail!(NO_FEATURE);
+    }
+    Ok(())
+}
+
+/// The engine on `device` ("cpu" or "cuda") for a model file.
+pub fn engine(device: &str, path: &Path, config: EngineConfig) -> anyhow::Result<Engine> {
+    match device {
+        "cuda" => cuda_engine(path, config),
+        _ => Engine::load(path, config),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_engine(_path: &Path, _config: EngineConfig) -> anyhow::Result<Engine> {
+    anyhow::bail!(NO_FEATURE)
+}
+
 #[cfg(not(feature = "cuda"))]
 pub fn perf(_a: &PerfArgs) -> anyhow::Result<()> {
-    anyhow::bail!("--device cuda needs a binary built with the cuda feature: cargo build --release -p pagekeeper --features cuda")
+    anyhow::bail!(NO_FEATURE)
 }
 
 #[cfg(not(feature = "cuda"))]
 pub fn perplexity(_a: &PerplexityArgs) -> anyhow::Result<()> {
-    anyhow::bail!("--device cuda needs a binary built with the cuda feature: cargo build --release -p pagekeeper --features cuda")
+    anyhow::bail!(NO_FEATURE)
 }
 
 #[cfg(feature = "cuda")]
 pub use imp::{perf, perplexity};
+#[cfg(feature = "cuda")]
+use imp::cuda_engine;
 
 #[cfg(feature = "cuda")]
 mod imp {
     use std::time::Instant;
 
     use anyhow::{bail, Context, Result};
-    use pk_cuda::{ActDtype, Gpu, GpuKvPool, GpuLlama, GpuWeights};
+    use pk_cuda::{ActDtype, CudaBackend, Gpu, GpuKvPool, GpuLlama, GpuWeights};
+    use pk_engine::{Engine, EngineConfig};
     use pk_model::{KvGeometry, ModelConfig, SeqForward};
     use rand::{Rng, SeedableRng};
 
     use super::{PerfArgs, PerplexityArgs};
+
+    /// The engine over a `CudaBackend` on device 0: weights dequantised to f16 GEMM operands
+    /// (or `PK_CUDA_ACT`), an f16 KV pool of the engine's geometry.
+    pub fn cuda_engine(path: &std::path::Path, config: EngineConfig) -> Result<Engine> {
+        let gpu = gpu(ActDtype::F16)?;
+        Engine::load_with(path, config, |f, geometry, dtype| Ok(Box::new(CudaBackend::from_gguf(gpu, f, geometry, dtype)?)))
+    }
 
     /// Opens device 0 with `default` as the GEMM operand type unless `PK_CUDA_ACT` (f16 or
     /// bf16) says otherwise.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Args;
 use pk_engine::model_store::resolve_model;
-use pk_engine::{Engine, EngineConfig};
+use pk_engine::EngineConfig;
 use pk_model::KvDtype;
 use pk_server::{AppState, EngineHandle, ServerLimits};
 
@@ -40,11 +40,16 @@ pub struct ServeArgs {
     /// request body override them).
     #[command(flatten)]
     pub kv: crate::commands::KvPolicyArgs,
+    /// Where the model runs: cpu, or cuda (a binary built with --features cuda; the engine,
+    /// its cache, policies and tiers as on the CPU, the forward pass and KV pool on the GPU).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
 }
 
 pub fn serve(mut a: ServeArgs) -> Result<()> {
     // The --config file under flags and env (config.rs).
     a.model = a.model.resolved()?;
+    crate::gpu::check_device(&a.device)?;
     let metrics = pk_server::install_metrics().context("installing the metrics recorder")?;
     let path = resolve_model(a.model.model.as_deref(), true)?;
     if let Some(n) = a.model.threads {
@@ -73,7 +78,8 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         ..Default::default()
     };
     let name = model_name.clone();
-    let engine = EngineHandle::spawn(move || Engine::load(&path, config).map(|mut e| {
+    let device = a.device.clone();
+    let engine = EngineHandle::spawn(move || crate::gpu::engine(&device, &path, config).map(|mut e| {
         e.model_name = name;
         e
     }));
