@@ -4,12 +4,14 @@
 # does not fit in one call's 64 MiB (scripts/gpu/README.md has the exact calls):
 #
 #   check.sh 1   unpack .gpu1 (binaries, model half A) into $STASH; pk-cuda's tests with
-#                PK_CUDA_REQUIRE=1 (a missing GPU fails instead of skipping); bench perf on
+#                PK_CUDA_REQUIRE=1 (a missing GPU fails instead of skipping), but those of
+#                the real model (test-backend's real_model_*, run by call 2); bench perf on
 #                random Llama-3.1-8B weights (batch-1 decode at 512 and 2048 tokens, then a
 #                batched-decode sweep 1..64)
 #   check.sh 2   join half A (left in $STASH by call 1 on the still-warm machine) with .gpu2's
 #                half B, check the SHA-256, and compare perplexity on the GPU with the CPU's
-#                golden value (within 1 %), plus the CPU's own value on this machine
+#                golden value (within 1 %), plus the CPU's own value on this machine; then
+#                the engine on a CudaBackend against the CPU engine (test-backend real_model)
 #
 # Each step has its own timeout, so one hang cannot eat the device time; a failed step is
 # reported and the others still run. The exit status is the number of failed steps.
@@ -26,7 +28,7 @@ exec > >(tee -a "$OUT/check$PART.log") 2>&1
 FAILED=0
 # The device tool stops a command after 600 s, and a session has 15 minutes of device time
 # in all (the machine's start included): steps are cut to end before this deadline.
-if [ "$PART" = 1 ]; then DEADLINE_S=${CHECK_DEADLINE_S:-420}; else DEADLINE_S=${CHECK_DEADLINE_S:-200}; fi
+if [ "$PART" = 1 ]; then DEADLINE_S=${CHECK_DEADLINE_S:-420}; else DEADLINE_S=${CHECK_DEADLINE_S:-220}; fi
 step() { # step NAME TIMEOUT_S COMMAND...: runs it, logs its status and time
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS left=$((DEADLINE_S - SECONDS))
@@ -65,7 +67,8 @@ if [ "$PART" = 1 ]; then
   rm -rf "$BIN" && xz -dc .gpu1/bins.tar.xz | tar -C "$STASH" -xf - || { echo "cannot unpack .gpu1/bins.tar.xz" >&2; exit 100; }
   cp .gpu1/model.part-a "$STASH/model.part-a"
   for t in "$BIN"/test-*; do
-    step "$(basename "$t")" 120 "$t" --test-threads 4 --nocapture
+    # The real model is whole only in call 2.
+    step "$(basename "$t")" 120 "$t" --test-threads 4 --nocapture --skip real_model
   done
   # Each bench twice: eager launches, then decode steps replayed from CUDA graphs.
   for graphs in 0 1; do
@@ -108,6 +111,10 @@ if gpu is None:
 print(f"cuda vs cpu reference {ref:.4f}: {100 * (gpu - ref) / ref:+.3f} %")
 sys.exit(0 if abs(gpu - ref) / ref < 0.01 else 1)
 EOF
+  # The engine (scheduler, prefix cache, SnapKV eviction) over a CudaBackend against the
+  # CPU engine: greedy tokens, and eviction with queries captured on the device. Last, so
+  # that it can never crowd out the perplexity bar.
+  step "engine on CudaBackend vs CPU" 60 "$BIN/test-backend" real_model --test-threads 2 --nocapture
 else
   echo "usage: check.sh 1|2" >&2
   exit 2
