@@ -5,8 +5,92 @@
 //! which keeps a dropped context loadable into ordinary block tables.
 
 use pk_codec::KvContext;
+use pk_kv::{KvView, QueryView};
 
 use crate::config::DropScore;
+
+/// The queries of a context's last tokens (its SnapKV observation window) as the engine's
+/// forward pass captured them: post-RoPE, laid out `[layer][query][n_heads * head_dim]`.
+#[derive(Clone, Debug)]
+pub struct WindowQueries {
+    pub n_heads: usize,
+    /// Stored index of each query's own token (the context's last tokens, ascending).
+    pub positions: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+impl WindowQueries {
+    pub fn bytes(&self) -> usize {
+        self.data.len() * 4 + self.positions.len() * 8
+    }
+}
+
+struct ContextView<'a>(&'a KvContext);
+
+impl KvView for ContextView<'_> {
+    fn n_layers(&self) -> usize {
+        self.0.n_layers
+    }
+    fn n_kv_heads(&self) -> usize {
+        self.0.n_kv_heads
+    }
+    fn head_dim(&self) -> usize {
+        self.0.head_dim
+    }
+    fn n_tokens(&self) -> usize {
+        self.0.n_tokens()
+    }
+    fn key(&self, layer: usize, kv_head: usize, token: usize, out: &mut [f32]) {
+        let d = self.0.head_dim;
+        out.copy_from_slice(&self.0.k_head(layer, kv_head)[token * d..(token + 1) * d]);
+    }
+    fn value(&self, layer: usize, kv_head: usize, token: usize, out: &mut [f32]) {
+        let d = self.0.head_dim;
+        out.copy_from_slice(&self.0.v_head(layer, kv_head)[token * d..(token + 1) * d]);
+    }
+}
+
+struct WindowView<'a> {
+    q: &'a WindowQueries,
+    head_dim: usize,
+}
+
+impl QueryView for WindowView<'_> {
+    fn n_queries(&self) -> usize {
+        self.q.positions.len()
+    }
+    fn n_heads(&self) -> usize {
+        self.q.n_heads
+    }
+    fn query(&self, layer: usize, head: usize, q: usize, out: &mut [f32]) {
+        let q_dim = self.q.n_heads * self.head_dim;
+        let at = (layer * self.q.positions.len() + q) * q_dim + head * self.head_dim;
+        out.copy_from_slice(&self.q.data[at..at + self.head_dim]);
+    }
+    fn query_position(&self, q: usize) -> usize {
+        self.q.positions[q]
+    }
+}
+
+/// SnapKV scores of `ctx`'s tokens (spec `baselines.md`: w = 64, kernel 5) from the
+/// queries of its last tokens; `None` if the queries do not fit the context (shape, count,
+/// positions past its end, or a context that was already dropped, whose stored indices
+/// are not the positions the queries were captured at).
+pub fn snapkv_scores(ctx: &KvContext, queries: &WindowQueries) -> Option<Vec<f32>> {
+    let n_q = queries.positions.len();
+    let fits = n_q > 0
+        && ctx.n_original_tokens == ctx.n_tokens()
+        && queries.n_heads > 0
+        && queries.n_heads.is_multiple_of(ctx.n_kv_heads)
+        && queries.data.len() == ctx.n_layers * n_q * queries.n_heads * ctx.head_dim
+        && queries.positions.iter().all(|&p| p < ctx.n_tokens());
+    if !fits {
+        return None;
+    }
+    let window = pk_kv::SNAPKV_WINDOW_DEFAULT as usize;
+    let kernel = pk_kv::SNAPKV_KERNEL_DEFAULT as usize;
+    Some(pk_kv::snapkv_token_scores(&ContextView(ctx), &WindowView { q: queries, head_dim: ctx.head_dim }, window, kernel))
+}
 
 const NORM_EPS: f32 = 1e-6;
 
@@ -94,5 +178,32 @@ mod tests {
         let kd = token_scores(&c, DropScore::KeyDiff).unwrap();
         assert!(kd.iter().all(|s| (s + 1.0).abs() < 1e-4), "{kd:?}");
         assert!(token_scores(&c, DropScore::SnapKv).is_none(), "SnapKV needs queries");
+    }
+
+    #[test]
+    fn snapkv_ranks_the_tokens_the_window_attends_to() {
+        let (layers, heads, d, n) = (2, 1, 4, 40);
+        let f = |i: usize| ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5;
+        // Small keys everywhere but token 10's, which the window's queries point at.
+        let k: Vec<f32> = (0..layers * heads * n * d).map(|i| if (i / d) % n == 10 { 1.0 } else { 0.1 * f(i) }).collect();
+        let c = KvContext::new(layers, heads, d, (0..n as u32).collect(), k, vec![0.5; layers * heads * n * d]).unwrap();
+        // Two query heads (GQA group of 2), two window queries, all pointing at token 10's key.
+        let (n_heads, positions) = (2, vec![n - 2, n - 1]);
+        let mut data = Vec::new();
+        for layer in 0..layers {
+            for _ in &positions {
+                for _ in 0..n_heads {
+                    data.extend(c.k_head(layer, 0)[10 * d..11 * d].iter().map(|x| 10.0 * x));
+                }
+            }
+        }
+        let s = snapkv_scores(&c, &WindowQueries { n_heads, positions: positions.clone(), data: data.clone() }).unwrap();
+        assert_eq!(s.len(), n);
+        let best = (0..n - 2).max_by(|&a, &b| s[a].total_cmp(&s[b])).unwrap();
+        assert!((8..=12).contains(&best), "pooled around token 10, got {best}: {s:?}");
+        assert!(s[10] > 2.0 * s[25], "{s:?}");
+        // Queries that do not fit the context are refused, not misread.
+        assert!(snapkv_scores(&c, &WindowQueries { n_heads, positions: vec![n], data: data[..data.len() / 2].to_vec() }).is_none());
+        assert!(snapkv_scores(&c, &WindowQueries { n_heads: 3, positions, data }).is_none());
     }
 }

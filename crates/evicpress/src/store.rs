@@ -31,7 +31,7 @@ use crate::config::{DropScore, Grid};
 use crate::meta::{meta_key, unix_now_s, ContextMeta, META_VERSION};
 use crate::model::{DecayedCount, DelayModel, QualityCurve, QualityPrior, QualitySource};
 use crate::placement::{Item, Placer, Policy};
-use crate::scores::token_scores;
+use crate::scores::{snapkv_scores, token_scores, WindowQueries};
 
 mod persist;
 mod worker;
@@ -144,9 +144,17 @@ pub(crate) struct State {
     delay: DelayModel,
 }
 
+/// What a context's SnapKV scores come from: given, or computed on the worker thread from
+/// the queries of its last tokens (an attention pass over the context: seconds for a few
+/// thousand tokens, kept off the engine's thread).
+pub(crate) enum SnapKvSource {
+    Scores(Vec<f32>),
+    Window(WindowQueries),
+}
+
 enum Job {
-    /// A new context, with its SnapKV scores when the caller could compute them.
-    Insert(ChunkKey, Box<KvContext>, Option<Vec<f32>>),
+    /// A new context, with what its SnapKV scores come from when the caller has it.
+    Insert(ChunkKey, Box<KvContext>, Option<SnapKvSource>),
     Place(ChunkKey),
     /// Write the context's meta entry (profile, frequency) beside its master.
     SaveMeta(ChunkKey),
@@ -327,17 +335,38 @@ impl ContextStore {
     /// the SnapKV configurations of the grid drop by. Without them (or with a wrong count)
     /// those configurations are unavailable for this context.
     pub fn offer_with_snapkv(&self, key: ChunkKey, kv: KvContext, snapkv_scores: Option<Vec<f32>>) -> bool {
+        let snapkv = snapkv_scores.filter(|s| s.len() == kv.n_tokens()).map(SnapKvSource::Scores);
+        self.offer_job(key, kv, snapkv)
+    }
+
+    /// [`ContextStore::offer`] with the queries of the context's last tokens, from which
+    /// the worker computes its SnapKV scores (when the grid has a SnapKV configuration).
+    pub fn offer_with_window(&self, key: ChunkKey, kv: KvContext, window: WindowQueries) -> bool {
+        let wanted = self.wants_snapkv();
+        self.offer_job(key, kv, wanted.then_some(SnapKvSource::Window(window)))
+    }
+
+    /// Whether the grid drops by SnapKV scores (and offers should carry them).
+    pub fn wants_snapkv(&self) -> bool {
+        self.grid.configs().iter().any(|c| c.drop_score().is_some_and(DropScore::needs_queries))
+    }
+
+    fn offer_job(&self, key: ChunkKey, kv: KvContext, snapkv: Option<SnapKvSource>) -> bool {
         if self.contains(&key) {
             return true;
         }
-        let bytes = ((kv.k.len() + kv.v.len()) * 4) as u64;
+        let window_bytes = match &snapkv {
+            Some(SnapKvSource::Window(w)) => w.bytes(),
+            Some(SnapKvSource::Scores(s)) => s.len() * 4,
+            None => 0,
+        };
+        let bytes = ((kv.k.len() + kv.v.len()) * 4 + window_bytes) as u64;
         if self.pending_bytes.load(Ordering::Relaxed) + bytes > self.max_pending_bytes {
             self.state.lock().unwrap().stats.skipped_queue_full += 1;
             return false;
         }
         self.pending_bytes.fetch_add(bytes, Ordering::Relaxed);
-        let snapkv_scores = snapkv_scores.filter(|s| s.len() == kv.n_tokens());
-        if !self.send(Job::Insert(key, Box::new(kv), snapkv_scores)) {
+        if !self.send(Job::Insert(key, Box::new(kv), snapkv)) {
             self.pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
             self.state.lock().unwrap().stats.skipped_queue_full += 1;
             return false;

@@ -196,3 +196,27 @@ fn snapkv_configurations_need_the_scores_offered_with_the_context() {
     let middle: Vec<u32> = s.compress(&with, &full, 2).unwrap().positions.into_iter().filter(|&p| (16..n as u32 - 16).contains(&p)).collect();
     assert!(middle.iter().all(|p| p % 2 == 0));
 }
+
+#[test]
+fn the_worker_computes_snapkv_scores_from_the_window_queries() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = store_with_grid(Arc::new(RamTier::new(1 << 30)), dir.path(), 1 << 29, Policy::Lru, "q8,snapkv-0.5");
+    assert!(s.wants_snapkv());
+    let (n, c) = (96, kv(41, 96));
+    // Queries of the last 8 tokens, 4 query heads (a GQA group of 2 per KV head).
+    let n_heads = 4;
+    let data: Vec<f32> = (0..2 * 8 * n_heads * 16).map(|i| ((i * 7919) % 200) as f32 / 100.0 - 1.0).collect();
+    let window = pk_evicpress::WindowQueries { n_heads, positions: (n - 8..n).collect(), data };
+    let want = pk_evicpress::snapkv_scores(&c, &window).unwrap();
+    let key = ChunkKey([41; 32]);
+    assert!(s.offer_with_window(key, c.clone(), window));
+    s.flush();
+    assert!(s.is_available(&key, 2));
+    // The copy drops exactly what dropping by those scores drops.
+    let got = s.compress(&key, &c, 2).unwrap();
+    let want_kept = pk_codec::drop::select_kept_tokens(&want, &pk_codec::DropSpec::new(0.5));
+    assert_eq!(got.positions, want_kept.iter().map(|&t| t as u32).collect::<Vec<_>>());
+    // A grid without SnapKV ignores the queries.
+    let plain = store_with_grid(Arc::new(RamTier::new(1 << 30)), tempfile::tempdir().unwrap().path(), 1 << 29, Policy::Lru, "q8");
+    assert!(!plain.wants_snapkv());
+}

@@ -89,7 +89,7 @@ pub use block::{BlockHash, BlockId};
 pub use hash::{hash_block, hash_prefix_blocks};
 pub use manager::{CachedPrefix, KvCacheManager, NewSlots, SeqId};
 pub use policy::{
-    snapkv_token_scores, validate_budget, DenseKv, DenseQueries, EvictionPolicy, KvView,
+    snapkv_token_scores, validate_budget, SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT, DenseKv, DenseQueries, EvictionPolicy, KvView,
     PagedScore, PolicyError, PolicySpec, QueryNeed, QueryView,
 };
 pub use pool::BlockPool;
