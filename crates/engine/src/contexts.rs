@@ -14,13 +14,19 @@
 //!
 //! NOTE: KV loaded from a compressed copy is not what prefill would compute, so such a
 //! sequence never feeds the pool's prefix cache or the chunk tiers.
+//!
+//! SnapKV scores a stored context by the attention of its last 64 tokens' queries, which
+//! the pool does not keep. When the store's grid has a SnapKV configuration, the offer runs
+//! those tokens through the forward pass once more to capture their queries
+//! ([`window_queries`]); it rewrites their K/V with the same bits (the forward pass is
+//! batch-invariant), and the store's worker turns the queries into scores.
 
 use std::sync::Arc;
 
 use pk_codec::KvContext;
-use pk_evicpress::{ContextStore, LoadReport, StoreConfig};
+use pk_evicpress::{ContextStore, LoadReport, StoreConfig, WindowQueries};
 use pk_kv::{KvCacheManager, KvView, SeqId};
-use pk_model::KvBlocks;
+use pk_model::{Backend, KvBlocks, SeqForward};
 use pk_tiers::{ChunkKey, ChunkKeyer};
 
 use crate::eviction::{table_of, StoreView};
@@ -123,9 +129,42 @@ impl ContextReuse {
         self.store.recycle(kv);
     }
 
-    pub fn offer(&mut self, key: ChunkKey, kv: KvContext) {
-        if self.store.offer(key, kv) {
+    /// Offers a prefilled context to the store, with the queries of its last tokens when
+    /// the store scores by SnapKV.
+    pub fn offer(&mut self, key: ChunkKey, kv: KvContext, window: Option<WindowQueries>) {
+        let offered = match window {
+            Some(w) => self.store.offer_with_window(key, kv, w),
+            None => self.store.offer(key, kv),
+        };
+        if offered {
             self.stats.offered += 1;
+        }
+    }
+
+    /// Whether offers should carry the context's window queries.
+    pub fn wants_window(&self) -> bool {
+        self.store.wants_snapkv()
+    }
+}
+
+/// The queries of the last (up to 64) of `ids` — the first `ids.len()` stored tokens of
+/// `seq`, at positions equal to their stored indices — computed again by `backend`, for the
+/// store's SnapKV scores. `None` if the forward pass fails (the context is then offered
+/// without them, and its SnapKV configurations are unavailable).
+pub(crate) fn window_queries(backend: &mut dyn Backend, kv: &KvCacheManager, seq: SeqId, ids: &[u32]) -> Option<WindowQueries> {
+    let n = ids.len();
+    let w = (pk_kv::SNAPKV_WINDOW_DEFAULT as usize).min(n);
+    if w == 0 {
+        return None;
+    }
+    let table = table_of(kv, seq);
+    let fwd = SeqForward { tokens: &ids[n - w..], start_position: n - w, stored_start: n - w, block_table: &table, logits_from: w };
+    match backend.forward_with_queries(&[fwd], &[w]) {
+        Ok((_, mut captured)) if !captured.is_empty() => Some(WindowQueries { n_heads: backend.config().n_heads, positions: (n - w..n).collect(), data: captured.swap_remove(0) }),
+        Ok(_) => None,
+        Err(e) => {
+            tracing::warn!("capturing a context's SnapKV window failed: {e}");
+            None
         }
     }
 }

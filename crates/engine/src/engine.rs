@@ -766,7 +766,8 @@ impl Engine {
             if prefill_done {
                 if let (Some((key, tokens)), Some(c)) = (s.context.offer.take(), self.contexts.as_mut()) {
                     if let Some(kv) = contexts::read_prefix(&self.kv, self.backend.kv(), seq, tokens) {
-                        c.offer(key, kv);
+                        let window = if c.wants_window() { contexts::window_queries(&mut *self.backend, &self.kv, seq, &s.all_ids[..tokens]) } else { None };
+                        c.offer(key, kv, window);
                     }
                 }
             }

@@ -247,3 +247,42 @@ fn background_requests_yield_to_waiting_user_requests() {
     let order: Vec<&str> = rx.try_iter().collect();
     assert_eq!(order, vec!["user", "profile-1", "profile-2"], "the user's request, submitted last, is admitted first");
 }
+
+#[test]
+fn a_snapkv_grid_scores_a_context_by_its_last_queries_and_serves_it_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let book = common::book_ids();
+    let context = &book[5000..5512];
+    let query = &book[10..30];
+    let mut cfg = store_config(dir.path(), Policy::Fixed(2), 256 << 20);
+    cfg.grid = Grid::parse("q8,snapkv-0.5").unwrap();
+    let mut e = engine_with(cfg);
+    let key = e.context_key(context, None).unwrap();
+    let params = GenerateParams { max_tokens: 4, ignore_eos: true, ..Default::default() };
+    e.generate(&[context, query].concat(), &params, &mut |_| {}).unwrap();
+    let store = e.context_store().unwrap();
+    store.flush();
+    assert!(store.is_available(&key, 2), "the offer carried the window's queries");
+
+    // The same scores from the queries a cold prefill of the context alone computes: the
+    // offer's second pass over the last 64 tokens reproduces them.
+    let model = e.cpu_model().unwrap();
+    let c = &model.config;
+    let g = pk_model::KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: 16, num_blocks: 32 };
+    let mut kv = pk_model::KvStore::new(g, pk_model::KvDtype::F16);
+    let table: Vec<u32> = (0..32).collect();
+    let fwd = pk_model::SeqForward { tokens: context, start_position: 0, stored_start: 0, block_table: &table, logits_from: context.len() };
+    let (_, mut captured) = model.forward_with_queries(&mut kv, &[fwd], &[64]);
+    let window = pk_evicpress::WindowQueries { n_heads: c.n_heads, positions: (448..512).collect(), data: captured.swap_remove(0) };
+    let master = store.load_master(&key).unwrap();
+    let want = pk_evicpress::snapkv_scores(&master, &window).unwrap();
+    assert_eq!(store.snapkv_scores_of(&key).unwrap(), want);
+
+    // Placed with half its tokens dropped by those scores, and served from that copy.
+    let b = e.generate(&[context, &book[40..60]].concat(), &params, &mut |_| {}).unwrap();
+    let load = b.context_load.expect("hit");
+    assert_eq!(load.config, "snapkv-0.5");
+    assert_eq!(b.cached_prompt_tokens, 512);
+    assert!(b.kv_stored_tokens <= 256 + 20 + 4 + 16, "{}", b.kv_stored_tokens);
+    e.check_invariants();
+}

@@ -181,7 +181,9 @@ impl Grid {
     }
 
     /// The default grid: quantization 8/4/2-bit and K8V4, and dropping by PagedEviction,
-    /// KNorm and KeyDiff scores at the paper's ratios.
+    /// KNorm and KeyDiff scores at the paper's ratios. SnapKV (`snapkv-<ratio>`) is opt-in:
+    /// its scores cost an attention pass of the context's last 64 queries over the whole
+    /// context on the store's worker thread for every new context.
     pub fn default_grid() -> Grid {
         let mut others = vec![
             Compression::Quant { key: Precision::Q8, value: Precision::Q8 },

@@ -346,6 +346,11 @@ impl ContextStore {
         self.offer_job(key, kv, wanted.then_some(SnapKvSource::Window(window)))
     }
 
+    /// A stored context's SnapKV scores, if it has them (to offer it to another store).
+    pub fn snapkv_scores_of(&self, key: &ChunkKey) -> Option<Vec<f32>> {
+        self.state.lock().unwrap().entries.get(key).and_then(|e| e.scores.get(&DropScore::SnapKv).cloned())
+    }
+
     /// Whether the grid drops by SnapKV scores (and offers should carry them).
     pub fn wants_snapkv(&self) -> bool {
         self.grid.configs().iter().any(|c| c.drop_score().is_some_and(DropScore::needs_queries))

@@ -46,7 +46,7 @@ pub struct EvicpressArgs {
     #[command(flatten)]
     pub model: crate::commands::ModelArgs,
     /// Small preset (4-7 minutes here): 9 contexts of 1-1.75K tokens, 5 profiling and 3 test
-    /// questions each, 40 requests, a 10-configuration grid.
+    /// questions each, 40 requests, an 11-configuration grid.
     #[arg(long, conflicts_with = "full")]
     pub quick: bool,
     /// Larger preset: 18 contexts of 1-4K tokens, 6 profiling and 4 test questions each, 120
@@ -113,7 +113,7 @@ struct Preset {
 }
 
 fn preset(a: &EvicpressArgs) -> Result<Preset> {
-    let quick_grid = "q8,k8v4,q4,q2,paged-eviction-0.5,knorm-0.5,keydiff-0.5,paged-eviction-0.8,knorm-0.8";
+    let quick_grid = "q8,k8v4,q4,q2,paged-eviction-0.5,knorm-0.5,keydiff-0.5,snapkv-0.5,paged-eviction-0.8,knorm-0.8";
     let (n, min, max, requests, pq, tq, grid) = if a.full {
         (18, 1024, 4096, 120, 6, 4, Grid::default_grid())
     } else {
@@ -160,6 +160,8 @@ pub struct RunRow {
 struct Setup {
     contexts: Vec<workload::Context>,
     masters: Vec<pk_codec::KvContext>,
+    /// Each context's SnapKV scores, computed when the setup's engine offered it.
+    snapkv_scores: Vec<Option<Vec<f32>>>,
     master_bytes: Vec<u64>,
     full_prefill_s: Vec<f64>,
     /// Full prefill and the answer's decode, per context.
@@ -456,6 +458,7 @@ fn setup(a: &EvicpressArgs, p: &Preset, dir: &std::path::Path) -> Result<Setup> 
     let store = e.context_store().expect("configured");
     let greedy = GenerateParams { max_tokens: p.answer_tokens, ..Default::default() };
     let (mut masters, mut master_bytes, mut full_prefill_s, mut references) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut snapkv_scores = Vec::new();
     let mut full_service_s = Vec::new();
     let mut prefill_tokens = 0usize;
     for (i, c) in contexts.iter().enumerate() {
@@ -468,6 +471,7 @@ fn setup(a: &EvicpressArgs, p: &Preset, dir: &std::path::Path) -> Result<Setup> 
         store.flush();
         let key = e.context_key(&c.tokens, None).context("context key")?;
         let master = store.load_master(&key).map_err(anyhow::Error::msg)?;
+        snapkv_scores.push(store.snapkv_scores_of(&key));
         master_bytes.push(p.grid.configs()[0].bytes(&master.shape()));
         let prefix = Arc::new(PrefixKv { kv: master.clone() });
         let mut refs = vec![out.token_ids];
@@ -506,7 +510,7 @@ fn setup(a: &EvicpressArgs, p: &Preset, dir: &std::path::Path) -> Result<Setup> 
         }).collect());
         eprintln!("profiled context {i}: {:?}", profiles[i].iter().map(|q| (q * 100.0).round() / 100.0).collect::<Vec<_>>());
     }
-    Ok(Setup { contexts, masters, master_bytes, full_prefill_s, full_service_s, references, profiles, test_quality, test_f1, test_scores, test_task, reference_task, prefill_tokens_per_s })
+    Ok(Setup { contexts, masters, snapkv_scores, master_bytes, full_prefill_s, full_service_s, references, profiles, test_quality, test_f1, test_scores, test_task, reference_task, prefill_tokens_per_s })
 }
 
 fn run_profile(e: &mut Engine, key: pk_tiers::ChunkKey, queries: &[Vec<u32>], answer_tokens: usize, metric: pk_engine::profiler::QualityMetric) -> Result<pk_engine::profiler::Profiling> {
@@ -545,7 +549,7 @@ impl Runner {
         let store = e.context_store().expect("configured");
         for (c, ctx) in s.contexts.iter().enumerate() {
             let key = e.context_key(&ctx.tokens, None).expect("aligned");
-            store.offer(key, s.masters[c].clone());
+            store.offer_with_snapkv(key, s.masters[c].clone(), s.snapkv_scores[c].clone());
             store.flush();
             store.set_profile(&key, s.profiles[c].clone()).map_err(anyhow::Error::msg)?;
             store.flush();
