@@ -91,6 +91,12 @@ pub struct EvicpressArgs {
     /// capacity, with continuous batching (about a minute per load).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub loaded: bool,
+    /// Each loaded cell is this many real-time runs of the trace's length, the first on the
+    /// trace itself, the others on fresh traces (same Zipf and rate, seeds seed+1, …) so that
+    /// arrivals differ; their requests are pooled into one row. One run of a few tens of
+    /// requests near saturation is noisy.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10))]
+    pub loaded_repeats: u32,
     /// How test answers are scored for the reported quality (f1 or teacher-forced); token-F1
     /// and the ground-truth task score are reported beside it either way.
     #[arg(long, default_value = "f1", value_parser = crate::commands::parse_profile_metric)]
@@ -99,6 +105,28 @@ pub struct EvicpressArgs {
     /// page cache (posix_fadvise), so that the OS does not turn the disk tier into RAM.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub cold_disk: bool,
+}
+
+/// Per-request results of loaded runs of one policy at one load, pooled over repeats.
+#[derive(Default)]
+struct LoadedRun {
+    ttft: Vec<f64>,
+    quality: Vec<f64>,
+    task: Vec<f64>,
+    f1: Vec<f64>,
+    hits: BTreeMap<String, u64>,
+}
+
+impl LoadedRun {
+    fn extend(&mut self, other: LoadedRun) {
+        self.ttft.extend(other.ttft);
+        self.quality.extend(other.quality);
+        self.task.extend(other.task);
+        self.f1.extend(other.f1);
+        for (tier, n) in other.hits {
+            *self.hits.entry(tier).or_default() += n;
+        }
+    }
 }
 
 /// Loads of the measured loaded runs, as fractions of LRU's capacity (1 / its mean service
@@ -303,12 +331,22 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     let lru_service_s = mean(&runners[0].service);
     let mut loaded_rows = Vec::new();
     if a.loaded {
+        let traces: Vec<Vec<workload::Request>> = (0..a.loaded_repeats as u64)
+            .map(|k| if k == 0 { reqs.clone() } else { workload::trace(p.spec.n_contexts, p.spec.test_queries, p.requests, a.zipf, a.rate, false, a.seed + k) })
+            .collect();
         for &load in &LOADS {
             let rate = load / lru_service_s.max(1e-9);
-            let arrivals: Vec<f64> = reqs.iter().map(|r| r.arrival_s * a.rate / rate).collect();
-            for runner in runners.iter_mut() {
-                let row = runner.serve_loaded(&p, &setup, &reqs, &arrivals, load, a.ram_fraction)?;
-                eprintln!("{} {:?} at {:.0}% load ({rate:.2}/s): TTFT mean {:.3} s, quality {:.3}", row.policy, row.alpha, 100.0 * load, row.ttft_mean_s, row.quality);
+            let mut pooled: Vec<LoadedRun> = (0..runners.len()).map(|_| LoadedRun::default()).collect();
+            for trace in &traces {
+                let arrivals: Vec<f64> = trace.iter().map(|r| r.arrival_s * a.rate / rate).collect();
+                for (runner, pool) in runners.iter_mut().zip(pooled.iter_mut()) {
+                    pool.extend(runner.serve_loaded(&p, &setup, trace, &arrivals)?);
+                }
+            }
+            for (runner, pool) in runners.iter().zip(pooled) {
+                let mut row = row_of(&runner.name, runner.alpha, "real", &format!("load-{:.0}%", 100.0 * load), a.ram_fraction, &pool.ttft, &pool.quality, &pool.task, pool.hits);
+                row.quality_f1 = Some(mean(&pool.f1));
+                eprintln!("{} {:?} at {:.0}% load ({rate:.2}/s, {} requests): TTFT mean {:.3} s, quality {:.3}", row.policy, row.alpha, 100.0 * load, pool.ttft.len(), row.ttft_mean_s, row.quality);
                 loaded_rows.push(row);
             }
         }
@@ -583,8 +621,7 @@ impl Runner {
     }
 
     /// Serves the whole trace in real time with arrivals at `arrivals_s` (see load.rs).
-    #[allow(clippy::too_many_arguments)]
-    fn serve_loaded(&mut self, p: &Preset, s: &Setup, reqs: &[workload::Request], arrivals_s: &[f64], load: f64, ram_fraction: f64) -> Result<RunRow> {
+    fn serve_loaded(&mut self, p: &Preset, s: &Setup, reqs: &[workload::Request], arrivals_s: &[f64]) -> Result<LoadedRun> {
         let prompts: Vec<Vec<u32>> = reqs.iter().map(|r| [&s.contexts[r.context].tokens[..], &s.contexts[r.context].test_queries[r.query]].concat()).collect();
         let results = load::serve_loaded(&mut self.e, &prompts, arrivals_s, p.answer_tokens)?;
         let (mut ttft, mut quality, mut f1, mut task, mut hits, mut mismatches) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), BTreeMap::new(), 0);
@@ -606,9 +643,7 @@ impl Runner {
             eprintln!("warning: {} under load: {mismatches} requests answered differently from setup's table", self.name);
         }
         self.store.flush();
-        let mut row = row_of(&self.name, self.alpha, "real", &format!("load-{:.0}%", 100.0 * load), ram_fraction, &ttft, &quality, &task, hits);
-        row.quality_f1 = Some(mean(&f1));
-        Ok(row)
+        Ok(LoadedRun { ttft, quality, task, f1, hits })
     }
 
     fn finish(self, ram_fraction: f64) -> (RunRow, Vec<Load>) {

@@ -233,6 +233,9 @@ pub fn write(a: &EvicpressArgs, grid: &Grid, rows: &[RunRow], validation: &[Vali
         flags.push_str(" --redis URL");
     }
     flags.push_str(&format!(" --profile-metric {} --quality-metric {} --ram-fraction {} --zipf {} --seed {}", a.profile_metric, a.quality_metric, a.ram_fraction, a.zipf, a.seed));
+    if a.loaded_repeats > 1 {
+        flags.push_str(&format!(" --loaded-repeats {}", a.loaded_repeats));
+    }
     md.push_str(&format!("# EVICPRESS benchmark ({preset})\n\nCommand: `pagekeeper bench evicpress {preset}{flags} --out {}`; host-quiet: `{quiet}`; wall time {:.0} s.\n\n", a.out.display(), wall_s));
     md.push_str(&format!("Tiers: {} with RAM holding {:.0}% of the working set ({:.1} MB of f16 masters); delay model fitted to the real loads: {}.\n\n", delay.tiers.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(" → "), 100.0 * a.ram_fraction, setup["working_set_bytes"].as_f64().unwrap_or(0.0) / 1e6,
         delay.tiers.iter().map(|t| format!("{} {:.0} MB/s", t.name, t.read_bytes_per_s / 1e6)).collect::<Vec<_>>().join(", ")));
