@@ -50,11 +50,18 @@ step() { # step NAME TIMEOUT_S COMMAND...: runs it, logs its status and time
 find_lib_dir() {
   local name=$1 hit
   hit=$(ldconfig -p 2>/dev/null | awk -v n="$name" '$1 ~ "^"n {print $NF; exit}')
-  [ -n "$hit" ] || hit=$(find /usr/local /usr/lib /usr/lib64 /opt -name "$name*" -not -name '*.alt.*' 2>/dev/null | head -1)
+  # Never a toolkit's stubs/libcuda.so (it only returns CUDA_ERROR_STUB_LIBRARY), which a
+  # search of /usr/local would otherwise find before the driver's copy in /usr/lib.
+  [ -n "$hit" ] || hit=$(find /usr/local /usr/lib /usr/lib64 /opt -name "$name*" -not -name '*.alt.*' -not -path '*/stubs/*' 2>/dev/null | head -1)
   [ -n "$hit" ] && dirname "$hit"
 }
 for lib in libcuda.so libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13; do
   dir=$(find_lib_dir "$lib") || true
+  if [ -z "$dir" ] && [ "$lib" != libcuda.so ]; then
+    # cudarc also opens a CUDA 12 library when no .so.13 is found.
+    dir=$(find_lib_dir "${lib%.13}.12") || true
+    [ -n "$dir" ] && lib=${lib%.13}.12 || lib="$lib (or .12)"
+  fi
   echo "$lib: ${dir:-NOT FOUND}"
   [ -n "$dir" ] && case ":${LD_LIBRARY_PATH:-}:" in *":$dir:"*) ;; *) LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;; esac
 done

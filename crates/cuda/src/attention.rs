@@ -37,8 +37,10 @@ pub struct AttnPlan {
 /// Plans one attention call over `seqs` (rows in order, as the forward pass lays them out).
 /// `target_blocks` is how many thread blocks keep the GPU busy (two per multiprocessor).
 pub fn plan(seqs: &[SeqForward], n_heads: usize, n_kv_heads: usize, block_size: usize, target_blocks: usize) -> Result<AttnPlan, CudaError> {
-    let group = n_heads / n_kv_heads;
-    if group == 0 || group > 32 {
+    let group = n_heads.checked_div(n_kv_heads).unwrap_or(0);
+    // One warp per query head of the group, and `paged_attention` is compiled with
+    // __launch_bounds__(512): a group of more than 16 heads cannot be launched.
+    if group == 0 || group > MAX_ROWS_PER_BLOCK || group * n_kv_heads != n_heads {
         return Err(CudaError::Unsupported(format!("{n_heads} query heads over {n_kv_heads} KV heads")));
     }
     let tile_tokens = (MAX_ROWS_PER_BLOCK / group).max(1);
@@ -140,6 +142,23 @@ mod tests {
             check_coverage(&p, &seqs, 9, 3);
             assert_eq!(p.row_splits.len(), 43);
             assert!(p.max_splits <= MAX_SPLITS);
+        }
+    }
+
+    /// Groups the kernel cannot launch (more than 16 warps of 32 threads exceed its
+    /// __launch_bounds__(512)) or heads that do not split evenly are refused, and every
+    /// accepted group launches at most 512 threads.
+    #[test]
+    fn head_groups_beyond_the_launch_bound_are_refused() {
+        let table = [0u32];
+        let one = [1u32];
+        let s = [seq(&one, 0, &table)];
+        for (h, kvh) in [(32, 1), (17, 1), (24, 1), (12, 5), (8, 0)] {
+            assert!(plan(&s, h, kvh, 16, 264).is_err(), "{h} heads over {kvh}");
+        }
+        for group in 1..=16 {
+            let p = plan(&s, group * 2, 2, 16, 264).unwrap();
+            assert!(p.threads_per_block <= 512 && p.threads_per_block.is_multiple_of(32), "group {group}: {} threads", p.threads_per_block);
         }
     }
 

@@ -150,6 +150,10 @@ impl GpuLlama {
     /// Runs the batch and returns the requested logits rows (`vocab_size` floats each).
     pub fn forward(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward]) -> Result<Vec<f32>, CudaError> {
         let n_out = self.forward_on_device(gpu, pool, seqs, false, None)?;
+        if n_out == 0 {
+            // Also a batch without tokens, which allocates no scratch buffers.
+            return Ok(Vec::new());
+        }
         let bufs = self.scratch.bufs.as_ref().expect("allocated by the forward pass");
         gpu.download(&bufs.logits, n_out * self.config.vocab_size)
     }
@@ -158,6 +162,9 @@ impl GpuLlama {
     /// on the device so that a decode step copies 4 bytes per sequence back, not the logits.
     pub fn forward_argmax(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward]) -> Result<Vec<u32>, CudaError> {
         let n_out = self.forward_on_device(gpu, pool, seqs, true, None)?;
+        if n_out == 0 {
+            return Ok(Vec::new());
+        }
         let bufs = self.scratch.bufs.as_ref().expect("allocated by the forward pass");
         Ok(gpu.download(&bufs.argmax, n_out)?.into_iter().map(|t| t as u32).collect())
     }

@@ -103,6 +103,10 @@ fn random_weights_are_made_on_the_device_and_run() {
     let g = KvGeometry { n_layers: cfg.n_layers, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim, block_size_tokens: 16, num_blocks: 4 };
     let mut pool = GpuKvPool::new(&gpu, g).unwrap();
     let table = [0u32, 1, 2, 3];
+    // A batch without tokens before any other call (no scratch buffers yet): no rows.
+    let empty = SeqForward { tokens: &[], start_position: 0, stored_start: 0, block_table: &table, logits_from: 0 };
+    assert!(model.forward(&gpu, &mut pool, &[empty]).unwrap().is_empty());
+    assert!(model.forward_argmax(&gpu, &mut pool, &[empty]).unwrap().is_empty());
     let prompt: Vec<u32> = (0..30).collect();
     let logits = model.forward(&gpu, &mut pool, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: 0 }]).unwrap();
     assert_eq!(logits.len(), 30 * cfg.vocab_size);
