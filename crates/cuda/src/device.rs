@@ -76,7 +76,16 @@ impl Gpu {
         let stream = ctx.new_stream()?;
         let (major, minor) = ctx.compute_capability()?;
         let ptx = kernels::compile(kernels::virtual_arch(major, minor)?, act)?;
-        let module = ctx.load_module(ptx)?;
+        let module = match ctx.load_module(ptx) {
+            Ok(m) => m,
+            Err(e) => {
+                // A driver older than this NVRTC cannot JIT its PTX; machine code for the
+                // exact chip still loads (CUDA's minor-version compatibility).
+                eprintln!("pk-cuda: the driver refused the PTX ({e}); loading sm_{major}{minor} machine code instead");
+                let cubin = kernels::compile_cubin(&kernels::program_source(), &format!("sm_{major}{minor}"), act)?;
+                ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?
+            }
+        };
         let mut functions = HashMap::new();
         for &name in kernels::KERNEL_NAMES {
             functions.insert(name, module.load_function(name)?);

@@ -94,6 +94,55 @@ pub fn compile_source(src: &str, arch: &'static str, act: ActDtype) -> Result<Pt
     })
 }
 
+/// The program compiled to machine code for one real architecture (`sm_arch`, e.g.
+/// "sm_90"): an ELF cubin. The loader's fallback when the driver refuses the PTX, which
+/// happens when the machine's NVRTC is newer than its driver (the driver cannot JIT a newer
+/// PTX ISA; minor-version compatibility covers machine code, not PTX).
+pub fn compile_cubin(src: &str, sm_arch: &str, act: ActDtype) -> Result<Vec<u8>, CudaError> {
+    use cudarc::nvrtc::{result, sys};
+    let mut options = vec![
+        "--std=c++17".to_string(),
+        format!("--gpu-architecture={sm_arch}"),
+        "--ftz=false".into(),
+        "--prec-div=true".into(),
+        "--prec-sqrt=true".into(),
+        "--fmad=true".into(),
+    ];
+    if act == ActDtype::Bf16 {
+        options.push("-DPK_ACT_BF16".into());
+    }
+    let fail = |what: &str, e: &dyn std::fmt::Display| CudaError::Compile(format!("{what}: {e}"));
+    let src_c = std::ffi::CString::new(src).map_err(|e| fail("source", &e))?;
+    let name = std::ffi::CString::new("pagekeeper.cu").expect("no NUL");
+    let prog = result::create_program(&src_c, Some(&name)).map_err(|e| fail("nvrtcCreateProgram", &e))?;
+    // SAFETY: `prog` was just created and is destroyed once, below, on every path.
+    let out = unsafe {
+        let compiled = result::compile_program(prog, &options);
+        let out = match compiled {
+            Err(e) => {
+                let log = result::get_program_log(prog).map(|l| std::ffi::CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned()).unwrap_or_default();
+                Err(CudaError::Compile(format!("{e}\n{log}")))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                match sys::nvrtcGetCUBINSize(prog, &mut size) {
+                    sys::nvrtcResult::NVRTC_SUCCESS => {
+                        let mut cubin = vec![0u8; size];
+                        match sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut std::ffi::c_char) {
+                            sys::nvrtcResult::NVRTC_SUCCESS => Ok(cubin),
+                            e => Err(CudaError::Compile(format!("nvrtcGetCUBIN: {e:?}"))),
+                        }
+                    }
+                    e => Err(CudaError::Compile(format!("nvrtcGetCUBINSize: {e:?}"))),
+                }
+            }
+        };
+        let _ = result::destroy_program(prog);
+        out
+    };
+    out
+}
+
 /// Whether libnvrtc can be opened (it is loaded on first use; a missing library would
 /// otherwise panic inside cudarc).
 pub fn nvrtc_available() -> bool {

@@ -3,7 +3,7 @@
 //! on machines without one; it skips (passes, saying so) when libnvrtc cannot be opened.
 //! Point it at a library with `LD_LIBRARY_PATH` (scripts/gpu/README.md says how).
 
-use pk_cuda::kernels::{compile, compile_source, nvrtc_available, program_source, KERNEL_NAMES};
+use pk_cuda::kernels::{compile, compile_cubin, compile_source, nvrtc_available, program_source, KERNEL_NAMES};
 use pk_cuda::ActDtype;
 
 #[test]
@@ -51,4 +51,21 @@ fn a_type_error_fails_with_the_compiler_log() {
     let broken = program_source() + "\nextern \"C\" __global__ void broken(float* x) { x[0] = undefined_name; }\n";
     let err = compile_source(&broken, "compute_90", ActDtype::F16).expect_err("a type error must not compile");
     assert!(err.to_string().contains("undefined_name"), "log without the error: {err}");
+}
+
+/// The loader's fallback (a driver older than NVRTC refuses its PTX): machine code for sm_90.
+#[test]
+fn every_kernel_compiles_to_sm90_machine_code() {
+    if !nvrtc_available() {
+        eprintln!("skipped: libnvrtc not found");
+        return;
+    }
+    for act in [ActDtype::F16, ActDtype::Bf16] {
+        let cubin = compile_cubin(&program_source(), "sm_90", act).unwrap_or_else(|e| panic!("{act:?}: {e}"));
+        assert_eq!(&cubin[..4], b"\x7fELF", "{act:?}: not an ELF cubin");
+        for name in KERNEL_NAMES {
+            assert!(cubin.windows(name.len()).any(|w| w == name.as_bytes()), "{act:?}: kernel {name} missing from the cubin");
+        }
+        eprintln!("{act:?}: {} bytes of sm_90 machine code", cubin.len());
+    }
 }
