@@ -16,7 +16,7 @@ fn contexts(server: &Server) -> serde_json::Value {
 fn evicpress_store_serves_explains_and_profiles_contexts() {
     let dir = tempfile::tempdir().unwrap();
     let disk = format!("{}:1GiB", dir.path().display());
-    let server = Server::start(&["--tier-policy", "evicpress", "--tier-ram", "64MiB", "--tier-disk", &disk, "--evicpress-grid", "q8,q4,paged-eviction-0.5"]);
+    let server = Server::start(&["--tier-policy", "evicpress", "--tier-ram", "64MiB", "--tier-disk", &disk, "--evicpress-grid", "q8,q4,paged-eviction-0.5,snapkv-0.5"]);
 
     let context = prompt(91);
     let (prompt_tokens, cached) = server.complete(&format!("{context} First question?")).unwrap();
@@ -40,8 +40,12 @@ fn evicpress_store_serves_explains_and_profiles_contexts() {
     let rows = explained["contexts"].as_array().unwrap();
     let ours = rows.iter().find(|r| r["hits"].as_u64() == Some(1)).expect("one context was hit once");
     let options = ours["options"].as_array().unwrap();
-    assert_eq!(options.len(), 2 * 4, "every (tier, configuration) with its utility");
+    assert_eq!(options.len(), 2 * 5, "every (tier, configuration) with its utility");
     assert!(options.windows(2).all(|w| w[0]["utility"].as_f64() >= w[1]["utility"].as_f64()));
+    // The server's offer carried the context's last queries, so SnapKV is an option for it
+    // (an unavailable configuration would show a quality of −∞: null in JSON).
+    let snapkv = options.iter().find(|o| o["config"].as_str().is_some_and(|c| c.starts_with("snapkv"))).unwrap();
+    assert!(snapkv["quality"].as_f64().is_some_and(f64::is_finite), "{snapkv}");
     assert!(server.metrics().contains("pagekeeper:evicpress_hits"));
 
     // The hit recorded its query; the idle server profiles the context with it.
