@@ -18,8 +18,10 @@
 //! SnapKV scores a stored context by the attention of its last 64 tokens' queries, which
 //! the pool does not keep. When the store's grid has a SnapKV configuration, the offer runs
 //! those tokens through the forward pass once more to capture their queries
-//! ([`window_queries`]); it rewrites their K/V with the same bits (the forward pass is
-//! batch-invariant), and the store's worker turns the queries into scores.
+//! ([`window_queries`]); on the CPU that rewrites their K/V with the same bits (its forward
+//! pass is batch-invariant; a GPU's GEMMs may round the last bits differently for another
+//! batch shape, which moves those 64 tokens' K/V by at most that rounding), and the store's
+//! worker turns the queries into scores.
 
 use std::sync::Arc;
 
