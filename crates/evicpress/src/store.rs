@@ -152,6 +152,17 @@ pub(crate) enum SnapKvSource {
     Window(WindowQueries),
 }
 
+impl SnapKvSource {
+    /// Bytes it holds while queued (counted against `max_pending_bytes`).
+    fn bytes(source: &Option<SnapKvSource>) -> usize {
+        match source {
+            Some(SnapKvSource::Window(w)) => w.bytes(),
+            Some(SnapKvSource::Scores(s)) => s.len() * 4,
+            None => 0,
+        }
+    }
+}
+
 enum Job {
     /// A new context, with what its SnapKV scores come from when the caller has it.
     Insert(ChunkKey, Box<KvContext>, Option<SnapKvSource>),
@@ -360,12 +371,7 @@ impl ContextStore {
         if self.contains(&key) {
             return true;
         }
-        let window_bytes = match &snapkv {
-            Some(SnapKvSource::Window(w)) => w.bytes(),
-            Some(SnapKvSource::Scores(s)) => s.len() * 4,
-            None => 0,
-        };
-        let bytes = ((kv.k.len() + kv.v.len()) * 4 + window_bytes) as u64;
+        let bytes = ((kv.k.len() + kv.v.len()) * 4 + SnapKvSource::bytes(&snapkv)) as u64;
         if self.pending_bytes.load(Ordering::Relaxed) + bytes > self.max_pending_bytes {
             self.state.lock().unwrap().stats.skipped_queue_full += 1;
             return false;

@@ -18,12 +18,7 @@ pub(super) fn worker_loop(rx: Receiver<Job>, store: std::sync::Weak<ContextStore
         let Some(store) = store.upgrade() else { return };
         match job {
             Job::Insert(key, kv, snapkv) => {
-                let window_bytes = match &snapkv {
-                    Some(SnapKvSource::Window(w)) => w.bytes(),
-                    Some(SnapKvSource::Scores(s)) => s.len() * 4,
-                    None => 0,
-                };
-                let bytes = ((kv.k.len() + kv.v.len()) * 4 + window_bytes) as u64;
+                let bytes = ((kv.k.len() + kv.v.len()) * 4 + SnapKvSource::bytes(&snapkv)) as u64;
                 let snapkv = match snapkv {
                     Some(SnapKvSource::Scores(s)) => Some(s),
                     Some(SnapKvSource::Window(w)) if !store.contains(&key) => snapkv_scores(&kv, &w),
