@@ -27,11 +27,11 @@ use std::sync::Arc;
 
 use pk_codec::KvContext;
 use pk_evicpress::{ContextStore, LoadReport, StoreConfig, WindowQueries};
-use pk_kv::{KvCacheManager, KvView, SeqId};
+use pk_kv::{KvCacheManager, SeqId};
 use pk_model::{Backend, KvBlocks, SeqForward};
 use pk_tiers::{ChunkKey, ChunkKeyer};
 
-use crate::eviction::{table_of, StoreView};
+use crate::eviction::table_of;
 
 /// A given KV for the first `kv.n_original_tokens` prompt tokens (stored tokens carry their
 /// positions). Used by profiling, evaluation and the context store.
@@ -184,17 +184,7 @@ pub(crate) fn write_prefix(ctx: &KvContext, kv: &mut KvCacheManager, store: &mut
         return false;
     }
     let table = table_of(kv, seq);
-    let (d, bs) = (g.head_dim, g.block_size_tokens);
-    let mut scratch = Vec::new();
-    for layer in 0..g.n_layers {
-        for h in 0..g.n_kv_heads {
-            let (k, v) = (ctx.k_head(layer, h), ctx.v_head(layer, h));
-            for (b, &block) in table.iter().enumerate().take(n.div_ceil(bs)) {
-                let (t0, t1) = (b * bs, ((b + 1) * bs).min(n));
-                store.write_head_rows(layer, block, h, 0, &k[t0 * d..t1 * d], &v[t0 * d..t1 * d], &mut scratch);
-            }
-        }
-    }
+    store.write_tokens(&table, 0, &ctx.k, &ctx.v);
     true
 }
 
@@ -207,19 +197,10 @@ pub(crate) fn read_prefix(kv: &KvCacheManager, store: &dyn KvBlocks, seq: SeqId,
         return None;
     }
     let table = table_of(kv, seq);
-    let view = StoreView::new(store, &table, n_tokens);
     let d = g.head_dim;
     let len = g.n_layers * g.n_kv_heads * n_tokens * d;
     let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
-    for layer in 0..g.n_layers {
-        for h in 0..g.n_kv_heads {
-            for t in 0..n_tokens {
-                let at = ((layer * g.n_kv_heads + h) * n_tokens + t) * d;
-                view.key(layer, h, t, &mut k[at..at + d]);
-                view.value(layer, h, t, &mut v[at..at + d]);
-            }
-        }
-    }
+    store.read_tokens(&table, 0, &mut k, &mut v);
     KvContext::new(g.n_layers, g.n_kv_heads, d, (0..n_tokens as u32).collect(), k, v).ok()
 }
 

@@ -14,11 +14,11 @@ use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
 
 use pk_codec::{KvContext, Method};
-use pk_kv::{KvCacheManager, KvView, SeqId};
+use pk_kv::{KvCacheManager, SeqId};
 use pk_model::KvBlocks;
 use pk_tiers::{ChunkKey, ChunkKeyer, Payload, TieredStore};
 
-use crate::eviction::{table_of, StoreView};
+use crate::eviction::table_of;
 
 /// How the engine uses tiers.
 #[derive(Clone)]
@@ -109,10 +109,7 @@ impl Tiering {
     pub fn load_into(&mut self, keys: &[ChunkKey], kv: &mut KvCacheManager, store: &mut dyn KvBlocks, seq: SeqId) -> usize {
         let chunk = self.chunk_size_tokens();
         let g = store.geometry();
-        let kv_dim = g.n_kv_heads * g.head_dim;
         let mut loaded_tokens = 0;
-        let mut kbuf = vec![0f32; kv_dim];
-        let mut vbuf = vec![0f32; kv_dim];
         for loaded in self.store.load_prefix(keys) {
             let ctx = match pk_codec::decode(&loaded.payload, &self.fingerprint) {
                 Ok(c) if c.positions.len() == chunk && c.n_layers == g.n_layers && c.n_kv_heads == g.n_kv_heads && c.head_dim == g.head_dim => c,
@@ -125,18 +122,7 @@ impl Tiering {
                 break;
             }
             let table = table_of(kv, seq);
-            for t in 0..chunk {
-                let stored = loaded_tokens + t;
-                let (block, slot) = (table[stored / g.block_size_tokens], stored % g.block_size_tokens);
-                for layer in 0..g.n_layers {
-                    for h in 0..g.n_kv_heads {
-                        let at = ((layer * g.n_kv_heads + h) * chunk + t) * g.head_dim;
-                        kbuf[h * g.head_dim..(h + 1) * g.head_dim].copy_from_slice(&ctx.k[at..at + g.head_dim]);
-                        vbuf[h * g.head_dim..(h + 1) * g.head_dim].copy_from_slice(&ctx.v[at..at + g.head_dim]);
-                    }
-                    store.write_token(layer, block, slot, &kbuf, &vbuf);
-                }
-            }
+            store.write_tokens(&table, loaded_tokens, &ctx.k, &ctx.v);
             loaded_tokens += chunk;
             self.stats.chunks_loaded += 1;
         }
@@ -149,20 +135,11 @@ impl Tiering {
         let chunk = self.chunk_size_tokens();
         let g = store.geometry();
         let table = table_of(kv, seq);
-        let view = StoreView::new(store, &table, computed_tokens);
         let mut next = first_chunk;
         while next < keys.len() && (next + 1) * chunk <= computed_tokens {
             let n = g.n_layers * g.n_kv_heads * chunk * g.head_dim;
             let (mut k, mut v) = (vec![0f32; n], vec![0f32; n]);
-            for layer in 0..g.n_layers {
-                for h in 0..g.n_kv_heads {
-                    for t in 0..chunk {
-                        let at = ((layer * g.n_kv_heads + h) * chunk + t) * g.head_dim;
-                        view.key(layer, h, next * chunk + t, &mut k[at..at + g.head_dim]);
-                        view.value(layer, h, next * chunk + t, &mut v[at..at + g.head_dim]);
-                    }
-                }
-            }
+            store.read_tokens(&table, next * chunk, &mut k, &mut v);
             let positions = ((next * chunk) as u32..((next + 1) * chunk) as u32).collect();
             let encoded = KvContext::new(g.n_layers, g.n_kv_heads, g.head_dim, positions, k, v)
                 .and_then(|ctx| pk_codec::encode(&ctx, &Method::None, None, &self.fingerprint));

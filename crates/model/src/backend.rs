@@ -65,11 +65,77 @@ pub trait KvBlocks {
     fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>);
     /// Copies one token slot to another in every layer and KV head (prefill compaction).
     fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize));
+    /// Writes `n` consecutive stored tokens of a sequence, stored indices `first..first + n`
+    /// of the block table `table`, from `k` and `v` in a stored context's layout
+    /// (`[layer][kv_head][token][head_dim]`, `n` tokens): the bulk form of `write_token` that
+    /// restoring a context or a tier's chunk uses. The default writes one run of rows per
+    /// (layer, KV head, block); a GPU backend overrides it to stage the whole range through
+    /// pinned buffers and scatter it on the device.
+    fn write_tokens(&mut self, table: &[u32], first: usize, k: &[f32], v: &[f32]) {
+        let g = self.geometry();
+        let n = token_range_len(&g, table, first, k.len(), v.len());
+        let (hd, bs) = (g.head_dim, g.block_size_tokens);
+        let mut scratch = Vec::new();
+        for lh in 0..g.n_layers * g.n_kv_heads {
+            let (layer, h) = (lh / g.n_kv_heads, lh % g.n_kv_heads);
+            let (ks, vs) = (&k[lh * n * hd..(lh + 1) * n * hd], &v[lh * n * hd..(lh + 1) * n * hd]);
+            for (t0, t1) in block_runs(first, n, bs) {
+                let rows = (t0 - first) * hd..(t1 - first) * hd;
+                self.write_head_rows(layer, table[t0 / bs], h, t0 % bs, &ks[rows.clone()], &vs[rows], &mut scratch);
+            }
+        }
+    }
+    /// Reads stored indices `first..first + n` of `table` into `k` and `v` in a stored
+    /// context's layout (the inverse of `write_tokens`). The default reads a block of one
+    /// (layer, KV head) at a time.
+    fn read_tokens(&self, table: &[u32], first: usize, k: &mut [f32], v: &mut [f32]) {
+        let g = self.geometry();
+        let n = token_range_len(&g, table, first, k.len(), v.len());
+        let (hd, bs) = (g.head_dim, g.block_size_tokens);
+        let mut buf = vec![0f32; bs * hd];
+        for lh in 0..g.n_layers * g.n_kv_heads {
+            let (layer, h) = (lh / g.n_kv_heads, lh % g.n_kv_heads);
+            for (t0, t1) in block_runs(first, n, bs) {
+                let (s0, s1) = (t0 % bs, t0 % bs + (t1 - t0));
+                let out = (lh * n + t0 - first) * hd..(lh * n + t1 - first) * hd;
+                self.read_k(layer, table[t0 / bs], h, &mut buf[..s1 * hd]);
+                k[out.clone()].copy_from_slice(&buf[s0 * hd..s1 * hd]);
+                self.read_v(layer, table[t0 / bs], h, &mut buf[..s1 * hd]);
+                v[out].copy_from_slice(&buf[s0 * hd..s1 * hd]);
+            }
+        }
+    }
     /// The host store itself, for callers that need the CPU's concrete type (none in the
     /// engine; benchmarks and tests of the CPU kernels).
     fn as_kv_store(&self) -> Option<&KvStore> {
         None
     }
+}
+
+/// The number of tokens in a `write_tokens`/`read_tokens` range whose K and V hold
+/// `k_len` and `v_len` floats; panics unless both are whole tokens of every layer and head
+/// and the table covers the range (the engine's block manager guarantees both).
+pub fn token_range_len(g: &KvGeometry, table: &[u32], first: usize, k_len: usize, v_len: usize) -> usize {
+    let per_token = g.n_layers * g.n_kv_heads * g.head_dim;
+    let n = k_len / per_token;
+    assert!(k_len == n * per_token && v_len == k_len, "K and V must hold whole tokens of every layer and KV head");
+    assert!((first + n).div_ceil(g.block_size_tokens) <= table.len(), "the block table does not cover stored tokens {first}..{}", first + n);
+    n
+}
+
+/// The maximal runs `[t0, t1)` of `first..first + n` that lie in one block each.
+pub fn block_runs(first: usize, n: usize, block_size_tokens: usize) -> impl Iterator<Item = (usize, usize)> {
+    let end = first + n;
+    let mut t = first;
+    std::iter::from_fn(move || {
+        if t >= end {
+            return None;
+        }
+        let t1 = ((t / block_size_tokens + 1) * block_size_tokens).min(end);
+        let run = (t, t1);
+        t = t1;
+        Some(run)
+    })
 }
 
 /// A model's forward pass and the KV pool it reads and writes.
@@ -202,5 +268,75 @@ mod tests {
         assert_eq!(backend.kv().capacity_bytes(), store.capacity_bytes());
         assert!(backend.kv().as_kv_store().is_some() && backend.cpu_model().is_some());
         assert_eq!(backend.name(), "cpu");
+    }
+
+    /// The bulk token-range operations equal their per-token and per-block forms in every
+    /// dtype, for ranges that start and end inside blocks and cross several.
+    #[test]
+    fn token_ranges_match_per_token_writes_and_block_reads() {
+        let g = KvGeometry { n_layers: 2, n_kv_heads: 3, head_dim: 32, block_size_tokens: 4, num_blocks: 8 };
+        let table = [5u32, 1, 7, 0, 3];
+        let per_token = g.n_layers * g.n_kv_heads * g.head_dim;
+        for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Q8, KvDtype::Q4] {
+            for (first, n) in [(0usize, 20usize), (3, 9), (5, 2), (8, 4), (7, 0)] {
+                let k: Vec<f32> = (0..n * per_token).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+                let v: Vec<f32> = (0..n * per_token).map(|i| ((i * 53 % 89) as f32 - 44.0) / 13.0).collect();
+                let (mut bulk, mut single) = (KvStore::new(g, dtype), KvStore::new(g, dtype));
+                KvBlocks::write_tokens(&mut bulk, &table, first, &k, &v);
+                let kvd = g.n_kv_heads * g.head_dim;
+                for t in 0..n {
+                    let (mut kt, mut vt) = (vec![0f32; kvd], vec![0f32; kvd]);
+                    for layer in 0..g.n_layers {
+                        for h in 0..g.n_kv_heads {
+                            let at = ((layer * g.n_kv_heads + h) * n + t) * g.head_dim;
+                            kt[h * g.head_dim..(h + 1) * g.head_dim].copy_from_slice(&k[at..at + g.head_dim]);
+                            vt[h * g.head_dim..(h + 1) * g.head_dim].copy_from_slice(&v[at..at + g.head_dim]);
+                        }
+                        let s = first + t;
+                        single.write_token(layer, table[s / 4], s % 4, &kt, &vt);
+                    }
+                }
+                let (mut a, mut b) = (vec![0f32; 4 * g.head_dim], vec![0f32; 4 * g.head_dim]);
+                for layer in 0..g.n_layers {
+                    for &block in &table {
+                        for h in 0..g.n_kv_heads {
+                            bulk.read_k(layer, block, h, &mut a);
+                            single.read_k(layer, block, h, &mut b);
+                            assert_eq!(a, b, "{dtype} K layer {layer} block {block} head {h} for {first}+{n}");
+                            bulk.read_v(layer, block, h, &mut a);
+                            single.read_v(layer, block, h, &mut b);
+                            assert_eq!(a, b, "{dtype} V layer {layer} block {block} head {h} for {first}+{n}");
+                        }
+                    }
+                }
+                // Reading the range back gives what the store holds: the input itself in
+                // f32, its rounding in the others.
+                let (mut kb, mut vb) = (vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
+                KvBlocks::read_tokens(&bulk, &table, first, &mut kb, &mut vb);
+                if dtype == KvDtype::F32 {
+                    assert_eq!((&kb, &vb), (&k, &v));
+                }
+                for t in 0..n {
+                    let s = first + t;
+                    for layer in 0..g.n_layers {
+                        for h in 0..g.n_kv_heads {
+                            bulk.read_k(layer, table[s / 4], h, &mut a);
+                            bulk.read_v(layer, table[s / 4], h, &mut b);
+                            let at = ((layer * g.n_kv_heads + h) * n + t) * g.head_dim;
+                            let row = (s % 4) * g.head_dim..(s % 4 + 1) * g.head_dim;
+                            assert_eq!(&kb[at..at + g.head_dim], &a[row.clone()]);
+                            assert_eq!(&vb[at..at + g.head_dim], &b[row]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn block_runs_split_a_range_at_block_boundaries() {
+        assert_eq!(block_runs(3, 9, 4).collect::<Vec<_>>(), vec![(3, 4), (4, 8), (8, 12)]);
+        assert_eq!(block_runs(8, 4, 4).collect::<Vec<_>>(), vec![(8, 12)]);
+        assert_eq!(block_runs(5, 0, 4).count(), 0);
     }
 }
