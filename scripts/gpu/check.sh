@@ -7,7 +7,7 @@
 #                PK_CUDA_REQUIRE=1 (a missing GPU fails instead of skipping), but those of
 #                the real model (test-backend's real_model_*, run by call 2); bench perf on
 #                random Llama-3.1-8B weights (batch-1 decode at 512 and 2048 tokens, then a
-#                batched-decode sweep 1..64)
+#                batched-decode sweep 1..64); the bulk KV transfer bench
 #   check.sh 2   join half A (left in $STASH by call 1 on the still-warm machine) with .gpu2's
 #                half B, check the SHA-256, and compare perplexity on the GPU with the CPU's
 #                golden value (within 1 %), plus the CPU's own value on this machine; then
@@ -86,6 +86,8 @@ if [ "$PART" = 1 ]; then
     step "bench perf batch sweep, graphs $graphs" 120 env PK_CUDA_GRAPHS=$graphs "$BIN/pagekeeper" bench perf --device cuda \
       --dummy llama-3.1-8b --contexts 512 --batch 1,2,4,8,16,32,64 --decode-tokens 32
   done
+  # Bulk KV transfers (pinned staging + copy stream) vs the per-block copies, by GB/s.
+  step "transfer bench" 60 "$BIN/transfer_bench" --repeats 3
 elif [ "$PART" = 2 ]; then
   [ -x "$BIN/pagekeeper" ] && [ -f "$STASH/model.part-a" ] || {
     echo "call 1's files are gone (the machine was given back between the calls): run call 1 again, then call 2 at once" >&2

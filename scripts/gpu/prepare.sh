@@ -5,7 +5,8 @@
 # device call: a call carries at most 64 MiB), runs the NVRTC compile check here, and
 # prints what each call will carry. Nothing it writes is tracked by git.
 #
-#   .gpu1/bins.tar.xz    pagekeeper (--features cuda) + the pk-cuda test binaries
+#   .gpu1/bins.tar.xz    pagekeeper (--features cuda), the pk-cuda test binaries and
+#                        its transfer_bench example
 #   .gpu1/model.part-a   the model's first PART_A_BYTES
 #   .gpu2/model.part-b   the rest
 set -euo pipefail
@@ -25,6 +26,7 @@ rm -rf .gpu1 .gpu2 && mkdir -p .gpu1 .gpu2
 
 echo "== build (target dir $CARGO_TARGET_DIR)"
 cargo build --release -p pagekeeper --features cuda
+cargo build --release -p pk-cuda --example transfer_bench
 mapfile -t TESTS < <(cargo test --release -p pk-cuda --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json,sys
 for l in sys.stdin:
@@ -40,6 +42,7 @@ STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
 mkdir -p "$STAGE/bin"
 cp "$CARGO_TARGET_DIR/release/pagekeeper" "$STAGE/bin/pagekeeper"
+cp "$CARGO_TARGET_DIR/release/examples/transfer_bench" "$STAGE/bin/transfer_bench"
 for t in "${TESTS[@]}"; do
   set -- $t
   cp "$2" "$STAGE/bin/test-$1"

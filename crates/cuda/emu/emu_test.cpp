@@ -11,6 +11,7 @@
 #include "../src/kernels/elementwise.cu"
 #include "../src/kernels/dequant.cu"
 #include "../src/kernels/attention.cu"
+#include "../src/kernels/transfer.cu"
 
 #include <algorithm>
 #include <cstdio>
@@ -266,12 +267,57 @@ static void test_attention(int splits_wanted) {
     check("paged attention + combine, up to " + std::to_string(max_splits) + " splits", got, want, 2e-3f, 1.0f / 512);
 }
 
+// kv_scatter writes a staged chunk where kv_write's layout puts each stored token, leaves
+// every other pool word alone, and kv_gather reads the same chunk back bit for bit: for
+// chunks of several whole layers and for a token range of one layer starting mid-block.
+static void test_transfer() {
+    const int n_layers = 3, n_kv = 2, hd = 8, bs = 4, n_blocks = 6;
+    const std::vector<int> table = {4, 1, 5, 0};
+    const size_t layer_elems = (size_t)n_blocks * n_kv * bs * hd;
+    std::uniform_int_distribution<int> bits(0, 0xffff);
+    struct Case { int layer0, layers, first, n; };
+    for (Case c : {Case{0, 3, 0, 16}, Case{1, 2, 3, 9}, Case{2, 1, 5, 2}}) {
+        std::vector<u16> kp(n_layers * layer_elems), vp(n_layers * layer_elems);
+        for (auto& x : kp) x = (u16)bits(g_rng);
+        for (auto& x : vp) x = (u16)bits(g_rng);
+        std::vector<u16> staging((size_t)c.layers * 2 * n_kv * c.n * hd);
+        for (auto& x : staging) x = (u16)bits(g_rng);
+        auto want_k = kp, want_v = vp;
+        size_t e = 0;
+        for (int l = 0; l < c.layers; l++)
+            for (int side = 0; side < 2; side++)
+                for (int h = 0; h < n_kv; h++)
+                    for (int i = 0; i < c.n; i++)
+                        for (int d = 0; d < hd; d++, e++) {
+                            const int t = c.first + i;
+                            const size_t at = (c.layer0 + l) * layer_elems + (((size_t)table[t / bs] * n_kv + h) * bs + t % bs) * hd + d;
+                            (side ? want_v : want_k)[at] = staging[e];
+                        }
+        const long long stride_pairs = (long long)layer_elems / 2;
+        u32* kbase = (u32*)(kp.data() + c.layer0 * layer_elems);
+        u32* vbase = (u32*)(vp.data() + c.layer0 * layer_elems);
+        emu_launch(kv_scatter, 2, 64, 0, (const u32*)staging.data(), kbase, vbase, stride_pairs, c.layers, table.data(),
+                   c.first, c.n, n_kv, hd, bs);
+        const std::string name = "chunk of " + std::to_string(c.layers) + " layers, tokens " + std::to_string(c.first) + "+" + std::to_string(c.n);
+        const bool scattered = kp == want_k && vp == want_v;
+        std::printf("%s kv_scatter %s\n", scattered ? "ok  " : "FAIL", name.c_str());
+        g_failures += !scattered;
+        std::vector<u16> back(staging.size(), 0);
+        emu_launch(kv_gather, 3, 32, 0, (u32*)back.data(), (const u32*)kbase, (const u32*)vbase, stride_pairs, c.layers,
+                   table.data(), c.first, c.n, n_kv, hd, bs);
+        const bool gathered = back == staging;
+        std::printf("%s kv_gather %s\n", gathered ? "ok  " : "FAIL", name.c_str());
+        g_failures += !gathered;
+    }
+}
+
 int main() {
     test_rmsnorm();
     test_rope_kv_write();
     test_swiglu_embed_argmax();
     test_dequant();
     for (int splits : {1, 64}) test_attention(splits);
+    test_transfer();
     std::printf("%d failure(s)\n", g_failures);
     return g_failures == 0 ? 0 : 1;
 }

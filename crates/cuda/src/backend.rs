@@ -4,11 +4,12 @@
 //!
 //! The forward pass runs on the device with the CPU's contract (block tables and stored
 //! indices from the engine); logits and captured queries come back to the host, where
-//! sampling and the policies run. Block operations (`KvBlocks`) are host round trips of
-//! one block's slice of one layer and KV head: a policy's scan downloads each block it
-//! reads once, a restored context uploads a block of rows at a time, and a compaction copy
-//! is a device-to-device copy per layer and head. Correct first: no pinned buffers, no
-//! batching of copies, and each download waits for the stream (see ARCHITECTURE.md).
+//! sampling and the policies run. Bulk token ranges — a restored context, a tier's chunk
+//! in or out — go through `transfer.rs` (pinned staging, a copy stream, one scatter or
+//! gather launch per piece). The small block operations stay host round trips of one
+//! block's slice of one layer and KV head: a policy's scan downloads each block it reads
+//! once (and waits for it), and a compaction copy is a device-to-device copy per layer and
+//! head (see ARCHITECTURE.md).
 //!
 //! The pool holds f16 rows slot-major (`kv_pool.rs`), which is what `KvBlocks` reads and
 //! writes, so rows need a conversion between f16 and f32 but no transposition.
@@ -19,6 +20,7 @@ use half::f16;
 use pk_model::{Backend, BackendError, KvBlocks, KvDtype, KvGeometry, ModelConfig, SeqForward};
 
 use crate::kv_pool::Side;
+use crate::transfer::{TransferStats, Transfers, DEFAULT_STAGING_BYTES};
 use crate::{CudaError, Gpu, GpuKvPool, GpuLlama, GpuWeights};
 
 pub struct CudaBackend {
@@ -28,6 +30,8 @@ pub struct CudaBackend {
     /// The first device error of a block operation (which cannot return one): the pool's
     /// contents are unknown from then on, so every later forward call fails with it.
     failed: Mutex<Option<String>>,
+    /// Staging for bulk token ranges; behind a lock because `read_tokens` takes `&self`.
+    transfers: Mutex<Transfers>,
 }
 
 // SAFETY: the engine owns its backend and uses it from one thread at a time (`&mut self`
@@ -45,7 +49,28 @@ impl CudaBackend {
             return Err(CudaError::Unsupported(format!("KV geometry {geometry:?} does not match the model")));
         }
         let pool = GpuKvPool::new(&gpu, geometry)?;
-        Ok(CudaBackend { gpu, model, pool, failed: Mutex::new(None) })
+        let transfers = Mutex::new(Transfers::new(&gpu, &geometry, DEFAULT_STAGING_BYTES)?);
+        Ok(CudaBackend { gpu, model, pool, failed: Mutex::new(None), transfers })
+    }
+
+    /// Replaces the transfers' two staging slots with slots of `bytes` each (at least one
+    /// token of one layer): the bound on a bulk transfer's memory and bytes in flight.
+    pub fn set_staging_bytes(&mut self, bytes: usize) -> Result<(), CudaError> {
+        let stats = self.transfer_stats();
+        let mut t = Transfers::new(&self.gpu, &self.pool.geometry, bytes)?;
+        t.stats = stats;
+        *self.transfers.lock().unwrap_or_else(|p| p.into_inner()) = t;
+        Ok(())
+    }
+
+    /// Bytes of each staging slot.
+    pub fn staging_bytes(&self) -> usize {
+        self.transfers.lock().unwrap_or_else(|p| p.into_inner()).staging_bytes()
+    }
+
+    /// What the bulk transfers have moved so far.
+    pub fn transfer_stats(&self) -> TransferStats {
+        self.transfers.lock().unwrap_or_else(|p| p.into_inner()).stats
     }
 
     /// A model file's weights on `gpu` (dequantised to its GEMM operand type) with a pool of
@@ -135,6 +160,16 @@ impl KvBlocks for CudaBackend {
     fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
         let r = self.pool.copy_slot(&self.gpu, src, dst);
         self.record(r);
+    }
+    fn write_tokens(&mut self, table: &[u32], first: usize, k: &[f32], v: &[f32]) {
+        let r = self.transfers.get_mut().unwrap_or_else(|p| p.into_inner()).write_tokens(&self.gpu, &mut self.pool, table, first, k, v);
+        self.record(r);
+    }
+    fn read_tokens(&self, table: &[u32], first: usize, k: &mut [f32], v: &mut [f32]) -> Result<(), BackendError> {
+        let r = self.transfers.lock().unwrap_or_else(|p| p.into_inner()).read_tokens(&self.gpu, &self.pool, table, first, k, v);
+        let out = r.as_ref().map(|_| ()).map_err(|e| BackendError::new("cuda", e));
+        self.record(r);
+        out
     }
 }
 

@@ -173,10 +173,19 @@ impl Gpu {
     /// pointers as u64, `int` as i32, `long long` as i64, `float` as f32), and every pointer
     /// must cover what the kernel reads and writes.
     pub unsafe fn launch(&self, name: &str, grid: u32, block: u32, shared_bytes: u32, params: &mut [*mut std::ffi::c_void]) -> Result<(), CudaError> {
+        self.launch_on(&self.stream, name, grid, block, shared_bytes, params)
+    }
+
+    /// [`Gpu::launch`] on another stream of this context (the transfers' copy stream).
+    ///
+    /// # Safety
+    /// As for [`Gpu::launch`]; the caller orders the streams (events) around what the
+    /// kernel reads and writes.
+    pub unsafe fn launch_on(&self, stream: &CudaStream, name: &str, grid: u32, block: u32, shared_bytes: u32, params: &mut [*mut std::ffi::c_void]) -> Result<(), CudaError> {
         let f = self.function(name);
         // Kernels and cuBLAS run in the context current on the calling thread.
         self.ctx.bind_to_thread()?;
-        cudarc::driver::result::launch_kernel(f.cu_function(), (grid.max(1), 1, 1), (block, 1, 1), shared_bytes, self.stream.cu_stream(), params)?;
+        cudarc::driver::result::launch_kernel(f.cu_function(), (grid.max(1), 1, 1), (block, 1, 1), shared_bytes, stream.cu_stream(), params)?;
         Ok(())
     }
 

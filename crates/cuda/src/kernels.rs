@@ -16,6 +16,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("dequant.cu", include_str!("kernels/dequant.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
+    ("transfer.cu", include_str!("kernels/transfer.cu")),
 ];
 
 /// Every `extern "C"` kernel the forward pass loads; a missing one fails at load time.
@@ -36,6 +37,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "dequant_f32",
     "paged_attention",
     "attn_combine",
+    "kv_scatter",
+    "kv_gather",
 ];
 
 /// The whole program text: the prelude, then each source.

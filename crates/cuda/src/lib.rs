@@ -18,6 +18,7 @@ pub mod device;
 pub mod forward;
 pub mod kernels;
 pub mod kv_pool;
+pub mod transfer;
 pub mod weights;
 
 pub use backend::CudaBackend;

@@ -200,7 +200,10 @@ pub(crate) fn read_prefix(kv: &KvCacheManager, store: &dyn KvBlocks, seq: SeqId,
     let d = g.head_dim;
     let len = g.n_layers * g.n_kv_heads * n_tokens * d;
     let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
-    store.read_tokens(&table, 0, &mut k, &mut v);
+    if let Err(e) = store.read_tokens(&table, 0, &mut k, &mut v) {
+        tracing::warn!("reading a context out of the KV pool failed, not offering it: {e}");
+        return None;
+    }
     KvContext::new(g.n_layers, g.n_kv_heads, d, (0..n_tokens as u32).collect(), k, v).ok()
 }
 

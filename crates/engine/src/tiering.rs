@@ -139,7 +139,12 @@ impl Tiering {
         while next < keys.len() && (next + 1) * chunk <= computed_tokens {
             let n = g.n_layers * g.n_kv_heads * chunk * g.head_dim;
             let (mut k, mut v) = (vec![0f32; n], vec![0f32; n]);
-            store.read_tokens(&table, next * chunk, &mut k, &mut v);
+            if let Err(e) = store.read_tokens(&table, next * chunk, &mut k, &mut v) {
+                // The pool is unusable from here on (the next forward pass fails): store
+                // nothing of it.
+                tracing::warn!("reading a KV chunk out of the pool failed: {e}");
+                return keys.len();
+            }
             let positions = ((next * chunk) as u32..((next + 1) * chunk) as u32).collect();
             let encoded = KvContext::new(g.n_layers, g.n_kv_heads, g.head_dim, positions, k, v)
                 .and_then(|ctx| pk_codec::encode(&ctx, &Method::None, None, &self.fingerprint));

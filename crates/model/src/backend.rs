@@ -87,8 +87,10 @@ pub trait KvBlocks {
     }
     /// Reads stored indices `first..first + n` of `table` into `k` and `v` in a stored
     /// context's layout (the inverse of `write_tokens`). The default reads a block of one
-    /// (layer, KV head) at a time.
-    fn read_tokens(&self, table: &[u32], first: usize, k: &mut [f32], v: &mut [f32]) {
+    /// (layer, KV head) at a time. Unlike the single-block reads this one reports a device
+    /// failure: its result is kept (tiers, the context store), so it must never be zeros
+    /// standing in for data.
+    fn read_tokens(&self, table: &[u32], first: usize, k: &mut [f32], v: &mut [f32]) -> Result<(), BackendError> {
         let g = self.geometry();
         let n = token_range_len(&g, table, first, k.len(), v.len());
         let (hd, bs) = (g.head_dim, g.block_size_tokens);
@@ -104,6 +106,7 @@ pub trait KvBlocks {
                 v[out].copy_from_slice(&buf[s0 * hd..s1 * hd]);
             }
         }
+        Ok(())
     }
     /// The host store itself, for callers that need the CPU's concrete type (none in the
     /// engine; benchmarks and tests of the CPU kernels).
@@ -312,7 +315,7 @@ mod tests {
                 // Reading the range back gives what the store holds: the input itself in
                 // f32, its rounding in the others.
                 let (mut kb, mut vb) = (vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
-                KvBlocks::read_tokens(&bulk, &table, first, &mut kb, &mut vb);
+                KvBlocks::read_tokens(&bulk, &table, first, &mut kb, &mut vb).unwrap();
                 if dtype == KvDtype::F32 {
                     assert_eq!((&kb, &vb), (&k, &v));
                 }

@@ -12,7 +12,7 @@ pub mod kv_store;
 pub mod llama;
 pub mod weights;
 
-pub use backend::{Backend, BackendError, CpuBackend, KvBlocks};
+pub use backend::{block_runs, token_range_len, Backend, BackendError, CpuBackend, KvBlocks};
 pub use config::{ModelConfig, RopeStyle};
 pub use kv_store::{KvDtype, KvGeometry, KvStore};
 pub use llama::{Llama, SeqForward};
