@@ -188,6 +188,21 @@ impl KvBlocks for KvStore {
     fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
         KvStore::copy_slot(self, src, dst)
     }
+    /// Converts straight from the store into the caller's rows (no block buffer between).
+    fn read_tokens(&self, table: &[u32], first: usize, k: &mut [f32], v: &mut [f32]) -> Result<(), BackendError> {
+        let g = self.geometry;
+        let n = token_range_len(&g, table, first, k.len(), v.len());
+        let (hd, bs) = (g.head_dim, g.block_size_tokens);
+        for lh in 0..g.n_layers * g.n_kv_heads {
+            let (layer, h) = (lh / g.n_kv_heads, lh % g.n_kv_heads);
+            for (t0, t1) in block_runs(first, n, bs) {
+                let rows = (lh * n + t0 - first) * hd..(lh * n + t1 - first) * hd;
+                self.read_k_rows(layer, table[t0 / bs], h, t0 % bs, &mut k[rows.clone()]);
+                self.read_v_rows(layer, table[t0 / bs], h, t0 % bs, &mut v[rows]);
+            }
+        }
+        Ok(())
+    }
     fn as_kv_store(&self) -> Option<&KvStore> {
         Some(self)
     }
@@ -313,9 +328,15 @@ mod tests {
                     }
                 }
                 // Reading the range back gives what the store holds: the input itself in
-                // f32, its rounding in the others.
+                // f32, its rounding in the others; the store's own read and the trait's
+                // default (what a backend without an override gets) agree.
                 let (mut kb, mut vb) = (vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
                 KvBlocks::read_tokens(&bulk, &table, first, &mut kb, &mut vb).unwrap();
+                let (mut kd, mut vd) = (vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
+                let mut defaults = Defaults(KvStore::new(g, dtype));
+                defaults.write_tokens(&table, first, &k, &v);
+                defaults.read_tokens(&table, first, &mut kd, &mut vd).unwrap();
+                assert_eq!((&kd, &vd), (&kb, &vb), "{dtype}: default read_tokens for {first}+{n}");
                 if dtype == KvDtype::F32 {
                     assert_eq!((&kb, &vb), (&k, &v));
                 }
@@ -333,6 +354,36 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A `KvBlocks` with only the required methods, so the provided ones are the defaults.
+    struct Defaults(KvStore);
+
+    impl KvBlocks for Defaults {
+        fn geometry(&self) -> KvGeometry {
+            self.0.geometry
+        }
+        fn dtype(&self) -> KvDtype {
+            self.0.dtype
+        }
+        fn capacity_bytes(&self) -> usize {
+            self.0.capacity_bytes()
+        }
+        fn read_k(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
+            self.0.read_k(layer, block, kv_head, out)
+        }
+        fn read_v(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
+            self.0.read_v(layer, block, kv_head, out)
+        }
+        fn write_token(&mut self, layer: usize, block: u32, slot: usize, k: &[f32], v: &[f32]) {
+            self.0.write_token(layer, block, slot, k, v)
+        }
+        fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>) {
+            self.0.write_head_rows(layer, block, kv_head, slot0, k_rows, v_rows, scratch)
+        }
+        fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
+            self.0.copy_slot(src, dst)
         }
     }
 

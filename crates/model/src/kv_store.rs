@@ -105,13 +105,6 @@ impl Buf {
             Buf::F32(b) => out.copy_from_slice(&b[at..at + out.len()]),
         }
     }
-    /// Element `at` as f32 (strided reads of transposed K; not a hot path).
-    fn get(&self, at: usize) -> f32 {
-        match self {
-            Buf::F16(b) => b[at].to_f32(),
-            Buf::F32(b) => b[at],
-        }
-    }
     fn set(&mut self, at: usize, x: f32) {
         match self {
             Buf::F16(b) => b[at] = f16::from_f32(x),
@@ -282,12 +275,32 @@ impl KvStore {
 
     /// Reads the first `n_tokens` slots of one KV head of a block as f32 (`n_tokens × head_dim`).
     pub fn read_k(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
-        let hd = self.geometry.head_dim;
+        self.read_k_rows(layer, block, kv_head, 0, out)
+    }
+
+    /// Reads slots `slot0..slot0 + out.len() / head_dim` of one KV head of a block's K as
+    /// f32 rows.
+    pub fn read_k_rows(&self, layer: usize, block: u32, kv_head: usize, slot0: usize, out: &mut [f32]) {
+        let (hd, bs) = (self.geometry.head_dim, self.geometry.block_size_tokens);
+        let n = out.len() / hd;
+        assert!(out.len() == n * hd && slot0 + n <= bs, "rows must be whole tokens of one block");
         match &self.layers[layer] {
             LayerBufs::Elems { k, .. } => {
-                for (j, row) in out.chunks_exact_mut(hd).enumerate() {
-                    for (d, o) in row.iter_mut().enumerate() {
-                        *o = k.get(self.k_offset(block, kv_head, j, d));
+                // K is transposed within a block (`[head_dim][slot]`): convert a span of
+                // whole dimensions in one bulk call (F16C), then transpose the wanted slots
+                // into rows. An element-at-a-time read was the slower half of a block read.
+                let mut tmp = [0f32; 4096];
+                assert!(bs <= tmp.len(), "blocks of at most 4096 tokens");
+                let dims = tmp.len() / bs;
+                let base = self.offset(block, kv_head, 0);
+                for d0 in (0..hd).step_by(dims) {
+                    let dn = dims.min(hd - d0);
+                    let t = &mut tmp[..dn * bs];
+                    k.read(base + d0 * bs, t);
+                    for (j, row) in out.chunks_exact_mut(hd).enumerate() {
+                        for (dd, o) in row[d0..d0 + dn].iter_mut().enumerate() {
+                            *o = t[dd * bs + slot0 + j];
+                        }
                     }
                 }
             }
@@ -296,7 +309,7 @@ impl KvStore {
                 let head = &k[self.q_offset(&q, block, kv_head)..][..q.head_bytes()];
                 for (j, row) in out.chunks_exact_mut(hd).enumerate() {
                     for (d, o) in row.iter_mut().enumerate() {
-                        *o = q.k_elem(head, j, d);
+                        *o = q.k_elem(head, slot0 + j, d);
                     }
                 }
             }
@@ -345,13 +358,20 @@ impl KvStore {
 
     /// Reads the first `n_tokens` slots of one KV head of a block's V (`n_tokens × head_dim`).
     pub fn read_v(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
+        self.read_v_rows(layer, block, kv_head, 0, out)
+    }
+
+    /// Reads slots `slot0..slot0 + out.len() / head_dim` of one KV head of a block's V.
+    pub fn read_v_rows(&self, layer: usize, block: u32, kv_head: usize, slot0: usize, out: &mut [f32]) {
+        let (hd, bs) = (self.geometry.head_dim, self.geometry.block_size_tokens);
+        assert!(out.len() % hd == 0 && slot0 + out.len() / hd <= bs, "rows must be whole tokens of one block");
         match &self.layers[layer] {
-            LayerBufs::Elems { v, .. } => v.read(self.offset(block, kv_head, 0), out),
+            LayerBufs::Elems { v, .. } => v.read(self.offset(block, kv_head, slot0), out),
             LayerBufs::Quant { v, .. } => {
                 let q = self.qlayout.expect("quantised store");
                 let head = &v[self.q_offset(&q, block, kv_head)..][..q.head_bytes()];
                 for (j, row) in out.chunks_exact_mut(self.geometry.head_dim).enumerate() {
-                    q.read_v(head, j, row);
+                    q.read_v(head, slot0 + j, row);
                 }
             }
         }
