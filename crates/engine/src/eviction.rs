@@ -49,6 +49,10 @@ pub struct EvictionStats {
 /// layer, KV head) at a time and keep one block per (K or V, layer, KV head), because
 /// policies scan tokens in order, either layer by layer or token by token across layers;
 /// with a single cached block the token-major order would convert a block per token.
+///
+/// On a device pool (no host store behind the trait) each block read is a round trip that
+/// waits, so a view over a whole prompt can instead be `prefetched`: the range comes over
+/// in one bulk `read_tokens` (one pipelined transfer on the GPU) and reads are host copies.
 pub(crate) struct StoreView<'a> {
     store: &'a dyn KvBlocks,
     /// The pool's geometry, read once: `read` runs per token.
@@ -56,18 +60,48 @@ pub(crate) struct StoreView<'a> {
     table: &'a [u32],
     n_tokens: usize,
     cache: RefCell<Vec<(Option<u32>, Vec<f32>)>>,
+    /// K and V of every stored token in a context's layout (`[layer][kv_head][token][d]`).
+    prefetched: Option<(Vec<f32>, Vec<f32>)>,
 }
+
+/// The most host memory (K and V as f32) a prefetched view may take; a longer prompt on a
+/// device pool is read a block at a time instead.
+pub(crate) const PREFETCH_LIMIT_BYTES: usize = 512 << 20;
 
 impl<'a> StoreView<'a> {
     pub fn new(store: &'a dyn KvBlocks, table: &'a [u32], n_tokens: usize) -> StoreView<'a> {
         let g = store.geometry();
         let entries = 2 * g.n_layers * g.n_kv_heads;
-        StoreView { store, geometry: g, table, n_tokens, cache: RefCell::new(vec![(None, Vec::new()); entries]) }
+        StoreView { store, geometry: g, table, n_tokens, cache: RefCell::new(vec![(None, Vec::new()); entries]), prefetched: None }
+    }
+
+    /// A view that reads all `n_tokens` in one bulk transfer first, where that helps (a
+    /// device pool) and fits `PREFETCH_LIMIT_BYTES`; otherwise `new`'s block-at-a-time view.
+    pub fn prefetched(store: &'a dyn KvBlocks, table: &'a [u32], n_tokens: usize) -> StoreView<'a> {
+        let mut view = StoreView::new(store, table, n_tokens);
+        let g = view.geometry;
+        let len = g.n_layers * g.n_kv_heads * n_tokens * g.head_dim;
+        if store.as_kv_store().is_some() || 2 * 4 * len > PREFETCH_LIMIT_BYTES {
+            return view;
+        }
+        let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
+        match store.read_tokens(table, 0, &mut k, &mut v) {
+            Ok(()) => view.prefetched = Some((k, v)),
+            // The backend has recorded the failure and fails its next forward pass; the
+            // block reads below return what they can until then.
+            Err(e) => tracing::warn!("prefetching a sequence's KV for its eviction policy failed: {e}"),
+        }
+        view
     }
 
     fn read(&self, is_value: bool, layer: usize, kv_head: usize, token: usize, out: &mut [f32]) {
         let g = &self.geometry;
         let (bs, hd) = (g.block_size_tokens, g.head_dim);
+        if let Some((k, v)) = &self.prefetched {
+            let at = ((layer * g.n_kv_heads + kv_head) * self.n_tokens + token) * hd;
+            out.copy_from_slice(&(if is_value { v } else { k })[at..at + hd]);
+            return;
+        }
         let block = self.table[token / bs];
         let mut cache = self.cache.borrow_mut();
         let entry = &mut cache[(is_value as usize * g.n_layers + layer) * g.n_kv_heads + kv_head];
@@ -152,7 +186,7 @@ pub(crate) fn after_prefill(
     let n_stored = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
     let bs = kv.block_size_tokens();
     let keep = {
-        let view = StoreView::new(&*store, &table, n_stored);
+        let view = StoreView::prefetched(&*store, &table, n_stored);
         ev.policy.select_prefill(&view, queries.map(|q| q as &dyn QueryView), ev.budget_tokens, bs)
     };
     ev.initialised = true;
@@ -207,4 +241,71 @@ fn recent_as_view(ev: &SeqEviction, store: &dyn KvBlocks, n_heads: usize) -> Opt
         }
     }
     Some(CapturedQueries { n_heads, head_dim: g.head_dim, positions: recent.iter().map(|r| r.0).collect(), data })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::f16;
+    use pk_model::{KvDtype, KvStore};
+
+    /// A pool that hides its host store, as a device pool does (no `as_kv_store`).
+    struct DeviceLike(KvStore);
+
+    impl KvBlocks for DeviceLike {
+        fn geometry(&self) -> KvGeometry {
+            self.0.geometry
+        }
+        fn dtype(&self) -> KvDtype {
+            self.0.dtype
+        }
+        fn capacity_bytes(&self) -> usize {
+            self.0.capacity_bytes()
+        }
+        fn read_k(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
+            self.0.read_k(layer, block, kv_head, out)
+        }
+        fn read_v(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
+            self.0.read_v(layer, block, kv_head, out)
+        }
+        fn write_token(&mut self, layer: usize, block: u32, slot: usize, k: &[f32], v: &[f32]) {
+            self.0.write_token(layer, block, slot, k, v)
+        }
+        fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>) {
+            self.0.write_head_rows(layer, block, kv_head, slot0, k_rows, v_rows, scratch)
+        }
+        fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
+            self.0.copy_slot(src, dst)
+        }
+    }
+
+    /// A prefetched view reads what the block-at-a-time view reads, token by token, in any
+    /// order; on a host store it is the block-at-a-time view itself.
+    #[test]
+    fn prefetched_view_reads_what_block_reads_do() {
+        let g = KvGeometry { n_layers: 2, n_kv_heads: 3, head_dim: 8, block_size_tokens: 4, num_blocks: 8 };
+        let table = [6u32, 2, 5, 0];
+        let n = 14;
+        let len = g.n_layers * g.n_kv_heads * n * g.head_dim;
+        let k: Vec<f32> = (0..len).map(|i| (i % 97) as f32 / 8.0).collect();
+        let v: Vec<f32> = (0..len).map(|i| -((i % 89) as f32) / 4.0).collect();
+        let mut pool = DeviceLike(KvStore::new(g, KvDtype::F16));
+        pool.write_tokens(&table, 0, &k, &v);
+        let (plain, pre) = (StoreView::new(&pool, &table, n), StoreView::prefetched(&pool, &table, n));
+        assert!(pre.prefetched.is_some());
+        assert!(StoreView::prefetched(&pool.0, &table, n).prefetched.is_none());
+        let (mut a, mut b) = (vec![0f32; 8], vec![0f32; 8]);
+        for token in (0..n).rev() {
+            for layer in 0..2 {
+                for h in 0..3 {
+                    plain.key(layer, h, token, &mut a);
+                    pre.key(layer, h, token, &mut b);
+                    assert_eq!(a, b);
+                    plain.value(layer, h, token, &mut a);
+                    pre.value(layer, h, token, &mut b);
+                    assert_eq!(a, b);
+                }
+            }
+        }
+    }
 }
