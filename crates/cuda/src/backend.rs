@@ -166,6 +166,11 @@ impl KvBlocks for CudaBackend {
         self.record(r);
     }
     fn read_tokens(&self, table: &[u32], first: usize, k: &mut [f32], v: &mut [f32]) -> Result<(), BackendError> {
+        // After a failed block operation the pool's contents are unknown: nothing read from
+        // it may be kept.
+        if let Some(e) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            return Err(BackendError::new("cuda", format!("an earlier KV block operation failed ({e})")));
+        }
         let r = self.transfers.lock().unwrap_or_else(|p| p.into_inner()).read_tokens(&self.gpu, &self.pool, table, first, k, v);
         let out = r.as_ref().map(|_| ()).map_err(|e| BackendError::new("cuda", e));
         self.record(r);

@@ -171,14 +171,16 @@ impl Transfers {
         let staging_elems = (staging_bytes / 2).max(token_layer_elems(g));
         let copy = gpu.ctx.new_stream()?;
         let slot = || -> Result<Slot, CudaError> {
-            // SAFETY: plain (not write-combined) page-locked memory, written before any copy
-            // reads it; cached so that reading downloads back on the host is fast.
-            let host = unsafe { gpu.ctx.alloc_pinned_with_flags::<u16>(staging_elems, 0)? };
+            // SAFETY: plain (not write-combined) page-locked memory, cached so that reading
+            // downloads back on the host is fast; zeroed before any slice of it is formed.
+            let mut host = unsafe { gpu.ctx.alloc_pinned_with_flags::<u16>(staging_elems, 0)? };
+            unsafe { std::ptr::write_bytes(host.as_mut_ptr()?, 0, staging_elems) };
             Ok(Slot { host, dev: gpu.alloc::<u16>(staging_elems)?, done: gpu.ctx.new_event(None)?, pending: false })
         };
         let slots = [slot()?, slot()?];
-        // SAFETY: as above; the table is written before it is copied.
-        let table_host = unsafe { gpu.ctx.alloc_pinned_with_flags::<i32>(g.num_blocks.max(1), 0)? };
+        // SAFETY: as above.
+        let mut table_host = unsafe { gpu.ctx.alloc_pinned_with_flags::<i32>(g.num_blocks.max(1), 0)? };
+        unsafe { std::ptr::write_bytes(table_host.as_mut_ptr()?, 0, g.num_blocks.max(1)) };
         let table_dev = gpu.alloc::<i32>(g.num_blocks.max(1))?;
         // The allocations above were made on the compute stream: the copy stream must not
         // touch them before they exist.
@@ -248,6 +250,18 @@ impl Transfers {
             return Err(CudaError::Unsupported(format!("a block table entry outside the pool of {} blocks", g.num_blocks)));
         }
         self.begin(gpu, table)?;
+        let enqueued = self.enqueue_writes(gpu, pool, first, n, k, v);
+        // Even after a failure part-way, whatever was enqueued must be ordered before the
+        // compute stream's later work (block reads and writes do not stop at a failure).
+        let joined = gpu.stream.join(&self.copy);
+        enqueued?;
+        joined?;
+        self.stats.writes += 1;
+        Ok(())
+    }
+
+    fn enqueue_writes(&mut self, gpu: &Gpu, pool: &GpuKvPool, first: usize, n: usize, k: &[f32], v: &[f32]) -> Result<(), CudaError> {
+        let g = pool.geometry;
         for (i, p) in plan_pieces(&g, n, self.staging_elems).into_iter().enumerate() {
             let s = i % 2;
             self.slots[s].wait()?;
@@ -265,8 +279,6 @@ impl Transfers {
             self.stats.pieces += 1;
             self.stats.bytes_to_device += 2 * elems as u64;
         }
-        gpu.stream.join(&self.copy)?;
-        self.stats.writes += 1;
         Ok(())
     }
 

@@ -98,6 +98,7 @@ impl<'a> StoreView<'a> {
         let g = &self.geometry;
         let (bs, hd) = (g.block_size_tokens, g.head_dim);
         if let Some((k, v)) = &self.prefetched {
+            debug_assert!(token < self.n_tokens, "token {token} of a view of {}", self.n_tokens);
             let at = ((layer * g.n_kv_heads + kv_head) * self.n_tokens + token) * hd;
             out.copy_from_slice(&(if is_value { v } else { k })[at..at + hd]);
             return;
