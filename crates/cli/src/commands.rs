@@ -273,7 +273,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         a.prompt.clone()
     };
     // Chat templates contain special tokens; raw prompts are plain text.
-    let ids = engine.tokenizer.encode(&prompt_text, a.chat);
+    let ids = engine.tokenizer.encode_prompt(&prompt_text, a.chat);
     let params = GenerateParams {
         sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
         max_tokens: a.max_tokens,

@@ -105,7 +105,9 @@ mod imp {
         let text = String::from_utf8_lossy(&bytes);
         let path = pk_engine::model_store::resolve_model(a.model.resolved()?.model.as_deref(), true)?;
         let (gpu, mut model, f) = load_file(&path)?;
-        let ids = pk_tokenizer::Tokenizer::from_gguf(&f)?.encode(&text, false);
+        let tokenizer = pk_tokenizer::Tokenizer::from_gguf(&f)?;
+        let ids = tokenizer.encode(&text, false);
+        let bos = tokenizer.add_bos().then(|| tokenizer.bos_id()).flatten();
         let bs = a.model.block_size as usize;
         let c = model.config.clone();
         let geometry = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: bs, num_blocks: a.ctx.div_ceil(bs) };
@@ -119,7 +121,7 @@ mod imp {
             let seq = SeqForward { tokens: chunk, start_position: 0, stored_start: 0, block_table: table, logits_from: first };
             Ok(model.forward(&gpu, &mut pool, &[seq])?)
         };
-        let r = pk_engine::perplexity::perplexity_with(&mut score, c.vocab_size, &ids, a.ctx, a.chunks, &mut |i, ppl| {
+        let r = pk_engine::perplexity::perplexity_with(&mut score, c.vocab_size, bos, &ids, a.ctx, a.chunks, &mut |i, ppl| {
             eprint!("[{i}]{ppl:.4},");
             if i == 1 {
                 eprint!(" ({:.3} s for the first chunk) ", t0.elapsed().as_secs_f64());

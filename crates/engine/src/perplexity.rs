@@ -1,7 +1,8 @@
 //! Perplexity by llama.cpp's method (`llama-perplexity`), so our numbers compare with its.
 //!
 //! The token ids are split into consecutive non-overlapping chunks of `n_ctx` tokens; each
-//! chunk runs in a fresh sequence (no BOS); with `first = n_ctx / 2`, the logits at
+//! chunk runs in a fresh sequence, its first token replaced by BOS when the model wants
+//! one (`tokenizer.ggml.add_bos_token`: Gemma; not SmolLM2); with `first = n_ctx / 2`, the logits at
 //! positions `first ..= n_ctx - 2` are scored against tokens `first + 1 ..= n_ctx - 1`
 //! (each predicted from all tokens before it in its chunk). PPL = exp(mean NLL).
 
@@ -24,15 +25,20 @@ pub struct PerplexityResult {
 
 pub fn perplexity(engine: &mut Engine, ids: &[u32], n_ctx: usize, max_chunks: Option<usize>, on_chunk: &mut dyn FnMut(usize, f64)) -> Result<PerplexityResult> {
     let vocab = engine.model_config().vocab_size;
-    perplexity_with(&mut |chunk, first| engine.score(chunk, first), vocab, ids, n_ctx, max_chunks, on_chunk)
+    let bos = engine.tokenizer.add_bos().then(|| engine.tokenizer.bos_id()).flatten();
+    perplexity_with(&mut |chunk, first| engine.score(chunk, first), vocab, bos, ids, n_ctx, max_chunks, on_chunk)
 }
 
 /// [`perplexity`] over any scorer: `score(chunk, first)` returns the logits rows of
 /// `chunk[first..]` computed in a fresh sequence (`vocab` floats each). The CUDA backend
-/// scores through this, so both backends are measured by the same code.
+/// scores through this, so both backends are measured by the same code. With `bos`, each
+/// chunk's first token is replaced by it, as llama-perplexity does for such models (the
+/// scored tokens, all in the chunk's second half, are unchanged).
+#[allow(clippy::too_many_arguments)]
 pub fn perplexity_with(
     score: &mut dyn FnMut(&[u32], usize) -> Result<Vec<f32>>,
     vocab: usize,
+    bos: Option<u32>,
     ids: &[u32],
     n_ctx: usize,
     max_chunks: Option<usize>,
@@ -50,8 +56,11 @@ pub fn perplexity_with(
     let (mut nll_sum, mut nll2_sum, mut count) = (0f64, 0f64, 0usize);
     let mut running = Vec::with_capacity(n_chunks);
     for c in 0..n_chunks {
-        let chunk = &ids[c * n_ctx..(c + 1) * n_ctx];
-        let logits = score(chunk, first)?;
+        let mut chunk = ids[c * n_ctx..(c + 1) * n_ctx].to_vec();
+        if let Some(b) = bos {
+            chunk[0] = b;
+        }
+        let logits = score(&chunk, first)?;
         for i in 0..n_ctx - 1 - first {
             let row = &logits[i * vocab..(i + 1) * vocab];
             let nll = -log_prob(row, chunk[first + 1 + i]);

@@ -121,6 +121,30 @@ pub fn paged_attention_with(
     q: &[f32],
     out: &mut [f32],
 ) {
+    attention_impl(kernel, store, layer, shape, seqs, q, out, usize::MAX)
+}
+
+/// [`paged_attention`] over a sliding window (Gemma 3's local layers): query i sees only
+/// the last `window_tokens` stored tokens up to its own, `stored_start + i + 1 -
+/// window_tokens ..= stored_start + i`, as llama.cpp's SWA mask does (with no eviction,
+/// stored indices are positions). Runs the portable kernel: the SIMD ones take a visible
+/// prefix, not a range.
+pub fn paged_attention_window(store: &KvStore, layer: usize, shape: AttnShape, seqs: &[AttnSeq], q: &[f32], out: &mut [f32], window_tokens: usize) {
+    assert!(window_tokens > 0, "an empty attention window");
+    attention_impl(Kernel::Scalar, store, layer, shape, seqs, q, out, window_tokens)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_impl(
+    kernel: Kernel,
+    store: &KvStore,
+    layer: usize,
+    shape: AttnShape,
+    seqs: &[AttnSeq],
+    q: &[f32],
+    out: &mut [f32],
+    window_tokens: usize,
+) {
     let q_dim = shape.n_heads * shape.head_dim;
     let n_rows: usize = seqs.iter().map(|s| s.row_offset + s.n_queries).max().unwrap_or(0);
     assert!(q.len() >= n_rows * q_dim && out.len() >= n_rows * q_dim, "q/out shorter than the rows");
@@ -148,7 +172,7 @@ pub fn paged_attention_with(
         }
         // SAFETY (both branches): tasks write disjoint (row, head) slices of `out`, whose
         // length was checked above; block tables were checked to cover every visible key.
-        let run = |t: &Task| unsafe { attend_task(kernel, store, layer, shape, &seqs[t.seq], t, q, ptr) };
+        let run = |t: &Task| unsafe { attend_task(kernel, store, layer, shape, &seqs[t.seq], t, q, ptr, window_tokens) };
         if rayon::current_num_threads() > 1 && tasks.len() > 1 && row_keys >= MIN_PARALLEL_ROW_KEYS {
             tasks.par_iter().for_each(run);
         } else {
@@ -162,7 +186,8 @@ pub fn paged_attention_with(
 /// # Safety
 /// `out` must hold every row of `s`, and no other task may write this (tile, KV head).
 #[allow(clippy::too_many_arguments)]
-unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: AttnShape, s: &AttnSeq, t: &Task, q: &[f32], out: OutPtr) {
+unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: AttnShape, s: &AttnSeq, t: &Task, q: &[f32], out: OutPtr, window_tokens: usize) {
+    debug_assert!(window_tokens == usize::MAX || kernel == Kernel::Scalar, "windows run on the portable kernel");
     let hd = shape.head_dim;
     let group = shape.n_heads / shape.n_kv_heads;
     let q_dim = shape.n_heads * hd;
@@ -201,7 +226,7 @@ unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: Attn
         }
         return;
     }
-    let res = attend_tile(kernel == Kernel::Avx2, store, layer, shape, s, t.kv_head, t.t0, t.t1, q);
+    let res = attend_tile(kernel == Kernel::Avx2, store, layer, shape, s, t.kv_head, t.t0, t.t1, q, window_tokens);
     for (ti, tok) in (t.t0..t.t1).enumerate() {
         for g in 0..group {
             let src = &res[(ti * group + g) * hd..(ti * group + g + 1) * hd];
@@ -221,6 +246,7 @@ fn attend_tile(
     t0: usize,
     t1: usize,
     q: &[f32],
+    window_tokens: usize,
 ) -> Vec<f32> {
     let hd = shape.head_dim;
     let group = shape.n_heads / shape.n_kv_heads;
@@ -250,7 +276,10 @@ fn attend_tile(
     } else {
         Vec::new()
     };
-    for b in 0..n_blocks {
+    // The first stored index query token t sees (0 without a window).
+    let first_visible = |t: usize| (s.stored_start + t + 1).saturating_sub(window_tokens);
+    debug_assert!(window_tokens == usize::MAX || !simd, "windows run on the portable kernel");
+    for b in first_visible(t0) / bs..n_blocks {
         let block = s.block_table[b];
         let n_valid = bs.min(last_visible + 1 - b * bs);
         store.read_v(layer, block, kvh, &mut vbuf[..n_valid * hd]);
@@ -305,12 +334,16 @@ fn attend_tile(
                 continue;
             }
             let n_vis = n_valid.min(visible_end - b * bs);
+            let j0 = first_visible(t).saturating_sub(b * bs);
+            if j0 >= n_vis {
+                continue;
+            }
             for g in 0..group {
                 let h = kvh * group + g;
                 let qrow = &q[(s.row_offset + t) * q_dim + h * hd
                     ..(s.row_offset + t) * q_dim + (h + 1) * hd];
                 let mut block_max = f32::NEG_INFINITY;
-                for j in 0..n_vis {
+                for j in j0..n_vis {
                     let sc = dot_f32(qrow, &kbuf[j * hd..(j + 1) * hd]) * scale;
                     scores[j] = sc;
                     block_max = block_max.max(sc);
@@ -325,7 +358,7 @@ fn attend_tile(
                     }
                 }
                 let mut sum = l[r] * correction;
-                for j in 0..n_vis {
+                for j in j0..n_vis {
                     let p = (scores[j] - m_new).exp();
                     sum += p;
                     for (x, &vv) in a.iter_mut().zip(&vbuf[j * hd..(j + 1) * hd]) {
@@ -397,6 +430,49 @@ mod tests {
                     continue;
                 }
                 check_paged(dtype, n_heads, n_kv, hd, bs, n_tokens, n_q);
+            }
+        }
+    }
+
+    /// A sliding window: each query row attends to exactly its last `w` stored tokens,
+    /// across block boundaries, for windows shorter and longer than the context, and for
+    /// head_dim 256 (Gemma 3).
+    #[test]
+    fn windowed_attention_matches_naive_over_the_last_tokens() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for (n_heads, n_kv, hd, bs, n_tokens, n_q, w) in [(4usize, 1usize, 256usize, 4usize, 23usize, 23usize, 5usize), (4, 2, 8, 4, 40, 9, 7), (4, 2, 8, 16, 40, 40, 16), (2, 1, 8, 4, 12, 12, 100)] {
+            let num_blocks = n_tokens.div_ceil(bs) + 1;
+            let g = KvGeometry { n_layers: 1, n_kv_heads: n_kv, head_dim: hd, block_size_tokens: bs, num_blocks };
+            let mut store = KvStore::new(g, KvDtype::F32);
+            let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
+            let mut ks = vec![vec![vec![0f32; hd]; n_tokens]; n_kv];
+            let mut vs = ks.clone();
+            for t in 0..n_tokens {
+                let k: Vec<f32> = (0..n_kv * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                let v: Vec<f32> = (0..n_kv * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                store.write_token(0, table[t / bs], t % bs, &k, &v);
+                for h in 0..n_kv {
+                    ks[h][t] = k[h * hd..(h + 1) * hd].to_vec();
+                    vs[h][t] = v[h * hd..(h + 1) * hd].to_vec();
+                }
+            }
+            let q_dim = n_heads * hd;
+            let q: Vec<f32> = (0..n_q * q_dim).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let mut out = vec![0f32; n_q * q_dim];
+            let shape = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd };
+            let seq = AttnSeq { block_table: &table, stored_start: n_tokens - n_q, n_queries: n_q, row_offset: 0 };
+            paged_attention_window(&store, 0, shape, &[seq], &q, &mut out, w);
+            for i in 0..n_q {
+                let end = n_tokens - n_q + i + 1;
+                let lo = end.saturating_sub(w);
+                for h in 0..n_heads {
+                    let kvh = h / (n_heads / n_kv);
+                    let want = naive(&q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd], &ks[kvh][lo..end], &vs[kvh][lo..end], hd);
+                    let got = &out[i * q_dim + h * hd..i * q_dim + (h + 1) * hd];
+                    for (a, b) in got.iter().zip(&want) {
+                        assert!((a - b).abs() < 1e-4, "hd {hd} w {w} row {i} head {h}: {a} vs {b}");
+                    }
+                }
             }
         }
     }

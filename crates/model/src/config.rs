@@ -13,6 +13,31 @@ pub enum RopeStyle {
     Neox,
 }
 
+/// Gemma 3's local attention: layers that see only the last `window_tokens` tokens, with
+/// their own RoPE base; every `global_every`-th layer (counting from 1) is global.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlidingWindow {
+    pub window_tokens: usize,
+    pub global_every: usize,
+    pub rope_theta_local: f32,
+}
+
+/// What an architecture adds to the Llama block. All off (the default) is Llama; Gemma 3
+/// turns on every one of them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ArchExtras {
+    /// Input embeddings are multiplied by this (Gemma: √d_model).
+    pub embed_scale: Option<f32>,
+    /// The MLP gates with GELU (tanh approximation) instead of SiLU.
+    pub gelu: bool,
+    /// Q and K are RMS-normalised per head (weights `attn_q_norm`, `attn_k_norm`) before RoPE.
+    pub qk_norm: bool,
+    /// The attention and MLP outputs are RMS-normalised before joining the residual stream
+    /// (`post_attention_norm`, `post_ffw_norm`).
+    pub post_norms: bool,
+    pub sliding_window: Option<SlidingWindow>,
+}
+
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub arch: String,
@@ -28,10 +53,16 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     pub rope_style: RopeStyle,
     pub rms_eps: f32,
+    pub extras: ArchExtras,
 }
 
 /// Architectures whose forward pass we implement.
-pub const SUPPORTED_ARCHS: &[&str] = &["llama"];
+pub const SUPPORTED_ARCHS: &[&str] = &["llama", "gemma3"];
+
+/// Gemma 3's "5-to-1 interleaved attention" and its local RoPE base, which the GGUF does
+/// not carry (llama.cpp hard-codes both for the architecture).
+const GEMMA3_GLOBAL_EVERY: usize = 6;
+const GEMMA3_ROPE_THETA_LOCAL: f32 = 10_000.0;
 
 impl ModelConfig {
     pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig, ModelError> {
@@ -51,7 +82,7 @@ impl ModelConfig {
             Ok(v) => v as usize,
             Err(_) => f.get_str_array("tokenizer.ggml.tokens")?.len(),
         };
-        let cfg = ModelConfig {
+        let mut cfg = ModelConfig {
             name: f.get_str("general.name").unwrap_or("unnamed").to_string(),
             n_layers: f.get_u64(&key("block_count"))? as usize,
             n_heads,
@@ -64,8 +95,28 @@ impl ModelConfig {
             rope_theta: f.get_f64(&key("rope.freq_base")).unwrap_or(10000.0) as f32,
             rope_style: RopeStyle::Normal,
             rms_eps: f.get_f64(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5) as f32,
-            arch,
+            extras: ArchExtras::default(),
+            arch: arch.clone(),
         };
+        if cfg.arch == "gemma3" {
+            // Gemma's GGUF converter stores its norms' weights as 1 + w, so the plain RMSNorm
+            // of the Llama block applies unchanged.
+            cfg.rope_style = RopeStyle::Neox;
+            cfg.extras = ArchExtras {
+                embed_scale: Some((cfg.d_model as f32).sqrt()),
+                gelu: true,
+                qk_norm: true,
+                post_norms: true,
+                sliding_window: Some(SlidingWindow {
+                    window_tokens: f.get_u64(&key("attention.sliding_window"))? as usize,
+                    global_every: GEMMA3_GLOBAL_EVERY,
+                    rope_theta_local: GEMMA3_ROPE_THETA_LOCAL,
+                }),
+            };
+            if f.get_str(&key("rope.scaling.type")).is_ok() {
+                return Err(ModelError::BadConfig("gemma3 with RoPE scaling (the 4B and larger models) is not supported".into()));
+            }
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -82,6 +133,12 @@ impl ModelConfig {
             return bad(format!("head_dim {} is odd; RoPE needs pairs", self.head_dim));
         }
         Ok(())
+    }
+
+    /// The attention window of layer `layer`: `Some(tokens)` for a local layer, `None` for a
+    /// global one (every layer of a Llama).
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        self.extras.sliding_window.filter(|w| !(layer + 1).is_multiple_of(w.global_every)).map(|w| w.window_tokens)
     }
 
     /// Query heads per KV head (the GQA group size).
@@ -119,6 +176,7 @@ impl ModelConfig {
             rope_theta: theta,
             rope_style: RopeStyle::Normal,
             rms_eps: 1e-5,
+            extras: ArchExtras::default(),
         })
     }
 }

@@ -1,7 +1,11 @@
 //! The Llama-family transformer (Llama 2/3, SmolLM2): RMSNorm, RoPE, grouped-query
-//! attention over the paged KV store, SwiGLU MLP, optionally tied output head.
+//! attention over the paged KV store, SwiGLU MLP, optionally tied output head. Gemma 3
+//! is the same block with the additions `ArchExtras` lists (scaled embeddings, per-head
+//! Q/K norms, post-attention and post-MLP norms, GeGLU, sliding-window local layers with
+//! their own RoPE base), each a branch here rather than a second model.
 //!
-//! Paper: "LLaMA: Open and Efficient Foundation Language Models" (arXiv 2302.13971).
+//! Paper: "LLaMA: Open and Efficient Foundation Language Models" (arXiv 2302.13971);
+//! "Gemma 3 Technical Report" (arXiv 2503.19786).
 //! One forward call processes a batch of sequences, each contributing any number of new
 //! tokens (a prompt chunk in prefill, one token in decode), so prefill and continuous
 //! batching share one code path. All weight matmuls run once over the whole batch.
@@ -10,9 +14,9 @@ use std::sync::Mutex;
 
 use pk_gguf::GgufFile;
 
-use crate::attention::{paged_attention, AttnSeq, AttnShape};
+use crate::attention::{paged_attention, paged_attention_window, AttnSeq, AttnShape};
 use crate::config::{ModelConfig, RopeStyle};
-use crate::kernels::{add_in_place, matmul, matmul_multi, rmsnorm, silu_mul_in_place, split_attention};
+use crate::kernels::{add_in_place, gelu_mul_in_place, matmul, matmul_multi, rmsnorm, rmsnorm_rows_in_place, silu_mul_in_place, split_attention};
 use crate::kv_store::KvStore;
 use crate::weights::Weights;
 use crate::ModelError;
@@ -36,6 +40,8 @@ pub struct Llama {
     pub weights: Weights,
     /// `inv_freq[i] = theta^(-2i/head_dim)`, precomputed once.
     inv_freq: Vec<f32>,
+    /// The same for sliding-window layers' own base (Gemma 3); empty without them.
+    inv_freq_local: Vec<f32>,
     /// Activation buffers reused across forward calls, so that a decode step allocates
     /// almost nothing. The engine calls `forward` from one thread, so the lock is never
     /// contended; it only keeps `Llama` `Sync`.
@@ -58,6 +64,9 @@ struct Scratch {
     /// `cos`/`sin` of every row's RoPE angles (`head_dim / 2` each), shared by all layers.
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
+    /// The local layers' angles (Gemma 3), when their base differs.
+    rope_cos_local: Vec<f32>,
+    rope_sin_local: Vec<f32>,
     normed: Vec<f32>,
 }
 
@@ -76,8 +85,10 @@ impl Llama {
 
     pub fn new(config: ModelConfig, weights: Weights) -> Llama {
         let hd = config.head_dim;
-        let inv_freq = (0..hd / 2).map(|i| config.rope_theta.powf(-2.0 * i as f32 / hd as f32)).collect();
-        Llama { config, weights, inv_freq, scratch: Mutex::new(Scratch::default()) }
+        let freqs = |theta: f32| (0..hd / 2).map(|i| theta.powf(-2.0 * i as f32 / hd as f32)).collect::<Vec<f32>>();
+        let inv_freq = freqs(config.rope_theta);
+        let inv_freq_local = config.extras.sliding_window.map(|w| freqs(w.rope_theta_local)).unwrap_or_default();
+        Llama { config, weights, inv_freq, inv_freq_local, scratch: Mutex::new(Scratch::default()) }
     }
 
     /// Runs the new tokens of every sequence through the model, writing their K/V into
@@ -105,7 +116,11 @@ impl Llama {
         for s in seqs {
             for (i, &t) in s.tokens.iter().enumerate() {
                 let row = positions.len();
-                self.weights.token_embd.dequantize_row(t as usize, &mut x[row * d..(row + 1) * d]);
+                let xr = &mut x[row * d..(row + 1) * d];
+                self.weights.token_embd.dequantize_row(t as usize, xr);
+                if let Some(scale) = c.extras.embed_scale {
+                    xr.iter_mut().for_each(|v| *v *= scale);
+                }
                 positions.push(s.start_position + i);
             }
         }
@@ -117,13 +132,21 @@ impl Llama {
         }
         // RoPE angles once per row, not once per layer and head.
         let half = c.head_dim / 2;
-        let (rope_cos, rope_sin) = (sized(&mut sc.rope_cos, n * half), sized(&mut sc.rope_sin, n * half));
-        for (r, &pos) in positions.iter().enumerate() {
-            for i in 0..half {
-                let (sin, cos) = (pos as f32 * self.inv_freq[i]).sin_cos();
-                rope_cos[r * half + i] = cos;
-                rope_sin[r * half + i] = sin;
+        let angles = |inv_freq: &[f32], cos_out: &mut [f32], sin_out: &mut [f32]| {
+            for (r, &pos) in positions.iter().enumerate() {
+                for i in 0..half {
+                    let (sin, cos) = (pos as f32 * inv_freq[i]).sin_cos();
+                    cos_out[r * half + i] = cos;
+                    sin_out[r * half + i] = sin;
+                }
             }
+        };
+        let (rope_cos, rope_sin) = (sized(&mut sc.rope_cos, n * half), sized(&mut sc.rope_sin, n * half));
+        angles(&self.inv_freq, rope_cos, rope_sin);
+        let has_local = !self.inv_freq_local.is_empty();
+        let (rope_cos_local, rope_sin_local) = (sized(&mut sc.rope_cos_local, if has_local { n * half } else { 0 }), sized(&mut sc.rope_sin_local, if has_local { n * half } else { 0 }));
+        if has_local {
+            angles(&self.inv_freq_local, rope_cos_local, rope_sin_local);
         }
 
         let mut captured: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
@@ -143,8 +166,14 @@ impl Llama {
             }
             // One pass: the normed input is quantised once for Q, K and V.
             matmul_multi(&[&lw.wq, &lw.wk, &lw.wv], h, n, &mut [&mut *q, &mut *k, &mut *v]);
+            if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+                rmsnorm_rows_in_place(q, qn, c.rms_eps);
+                rmsnorm_rows_in_place(k, kn, c.rms_eps);
+            }
+            let window = c.layer_window(li);
+            let (layer_cos, layer_sin): (&[f32], &[f32]) = if window.is_some() && has_local { (rope_cos_local, rope_sin_local) } else { (rope_cos, rope_sin) };
             for r in 0..n {
-                let (cos, sin) = (&rope_cos[r * half..(r + 1) * half], &rope_sin[r * half..(r + 1) * half]);
+                let (cos, sin) = (&layer_cos[r * half..(r + 1) * half], &layer_sin[r * half..(r + 1) * half]);
                 self.rope(&mut q[r * qd..(r + 1) * qd], cos, sin);
                 self.rope(&mut k[r * kvd..(r + 1) * kvd], cos, sin);
             }
@@ -164,19 +193,25 @@ impl Llama {
             }
             // Decode steps spread attention over the decode pool (same bits, see
             // `kernels::split_attn`); everything else takes the general path.
-            if !split_attention(store, li, shape, &attn_seqs, q, attn) {
+            if let Some(w) = window {
+                paged_attention_window(store, li, shape, &attn_seqs, q, attn, w);
+            } else if !split_attention(store, li, shape, &attn_seqs, q, attn) {
                 paged_attention(store, li, shape, &attn_seqs, q, attn);
             }
             matmul(&lw.wo, attn, n, proj);
-            add_in_place(x, proj);
+            self.residual_add(x, proj, lw.post_attn_norm.as_deref(), h);
 
             for r in 0..n {
                 rmsnorm(&x[r * d..(r + 1) * d], &lw.ffn_norm, c.rms_eps, &mut h[r * d..(r + 1) * d]);
             }
             matmul_multi(&[&lw.w_gate, &lw.w_up], h, n, &mut [&mut *gate, &mut *up]);
-            silu_mul_in_place(gate, up);
+            if c.extras.gelu {
+                gelu_mul_in_place(gate, up);
+            } else {
+                silu_mul_in_place(gate, up);
+            }
             matmul(&lw.w_down, gate, n, proj);
-            add_in_place(x, proj);
+            self.residual_add(x, proj, lw.post_ffn_norm.as_deref(), h);
         }
 
         // Only the requested rows go through the (large) output head.
@@ -196,6 +231,21 @@ impl Llama {
             matmul(self.weights.output_head(), sel, n_out, &mut logits);
         }
         (logits, captured)
+    }
+
+    /// `x += out`, through a post-norm first when the architecture has one (Gemma 3), with
+    /// `tmp` (as long as `x`) as scratch.
+    fn residual_add(&self, x: &mut [f32], out: &[f32], post_norm: Option<&[f32]>, tmp: &mut [f32]) {
+        match post_norm {
+            None => add_in_place(x, out),
+            Some(w) => {
+                let d = self.config.d_model;
+                for (o, t) in out.chunks_exact(d).zip(tmp.chunks_exact_mut(d)) {
+                    rmsnorm(o, w, self.config.rms_eps, t);
+                }
+                add_in_place(x, &tmp[..out.len()]);
+            }
+        }
     }
 
     /// Rotates every head of `x` (a row of q or k) by its position's angles.

@@ -1,4 +1,4 @@
-//! Loading Llama-family weights from GGUF, or generating random weights of a real shape.
+//! Loading Llama-family (and Gemma 3) weights from GGUF, or generating random weights of a real shape.
 //!
 //! Weights stay in their quantised GGML format in memory (copied out of the memory map
 //! once, so that later kernels may repack them); only norms are converted to f32.
@@ -20,6 +20,11 @@ pub struct LayerWeights {
     pub w_gate: QMatrix,
     pub w_up: QMatrix,
     pub w_down: QMatrix,
+    /// Gemma 3's extra norms (`ArchExtras::qk_norm`, `post_norms`); `None` for Llama.
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub post_ffn_norm: Option<Vec<f32>>,
 }
 
 pub struct Weights {
@@ -50,6 +55,10 @@ impl Weights {
                     w_gate: matrix(f, &p("ffn_gate"), cfg.d_ff, cfg.d_model)?,
                     w_up: matrix(f, &p("ffn_up"), cfg.d_ff, cfg.d_model)?,
                     w_down: matrix(f, &p("ffn_down"), cfg.d_model, cfg.d_ff)?,
+                    q_norm: cfg.extras.qk_norm.then(|| vector(f, &p("attn_q_norm"), cfg.head_dim)).transpose()?,
+                    k_norm: cfg.extras.qk_norm.then(|| vector(f, &p("attn_k_norm"), cfg.head_dim)).transpose()?,
+                    post_attn_norm: cfg.extras.post_norms.then(|| vector(f, &p("post_attention_norm"), cfg.d_model)).transpose()?,
+                    post_ffn_norm: cfg.extras.post_norms.then(|| vector(f, &p("post_ffw_norm"), cfg.d_model)).transpose()?,
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
@@ -96,6 +105,10 @@ impl Weights {
                 w_gate: m(cfg.d_ff, cfg.d_model),
                 w_up: m(cfg.d_ff, cfg.d_model),
                 w_down: m(cfg.d_model, cfg.d_ff),
+                q_norm: cfg.extras.qk_norm.then(|| vec![1.0; cfg.head_dim]),
+                k_norm: cfg.extras.qk_norm.then(|| vec![1.0; cfg.head_dim]),
+                post_attn_norm: cfg.extras.post_norms.then(|| vec![1.0; cfg.d_model]),
+                post_ffn_norm: cfg.extras.post_norms.then(|| vec![1.0; cfg.d_model]),
             })
             .collect();
         let mut w = Weights { token_embd: m(cfg.vocab_size, cfg.d_model), layers, output_norm: vec![1.0; cfg.d_model], output: None };

@@ -300,9 +300,9 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Result<Json<C
         return Err(ApiError::param("echo", "echo is not supported"));
     }
     let prompt_ids = match &req.prompt {
-        PromptField::Text(t) => state.tokenizer.encode(t, true),
+        PromptField::Text(t) => state.tokenizer.encode_prompt(t, true),
         PromptField::Tokens(ids) => ids.clone(),
-        PromptField::TextBatch(v) if v.len() == 1 => state.tokenizer.encode(&v[0], true),
+        PromptField::TextBatch(v) if v.len() == 1 => state.tokenizer.encode_prompt(&v[0], true),
         PromptField::TextBatch(_) => return Err(ApiError::param("prompt", "only one prompt per request is supported")),
     };
     if prompt_ids.is_empty() {
@@ -360,7 +360,7 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Result<J
         msgs.push(ChatMessage::new(role, &message_text(&m.content)?));
     }
     let prompt = state.chat_template.render(&msgs, true).map_err(|e| ApiError::param("messages", format!("chat template failed: {e}")))?;
-    let prompt_ids = state.tokenizer.encode(&prompt, true);
+    let prompt_ids = state.tokenizer.encode_prompt(&prompt, true);
     let params = generate_params(&req.common, prompt_ids.len(), None, &state)?;
     let include_usage = req.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let s = submit(&state, prompt_ids, params, req.common.cache_salt.clone()).await?;

@@ -153,6 +153,17 @@ impl Tokenizer {
         Tokenizer { vocab, model, special, pieces, offsets, bos, eos, eog, add_bos, add_space_prefix }
     }
 
+    /// Encodes a prompt: [`Tokenizer::encode`], with BOS first when the model wants one
+    /// (`add_bos`) and the text does not already begin with it (a chat template may write
+    /// it), as llama.cpp's `common_tokenize(…, add_special = true)` does.
+    pub fn encode_prompt(&self, text: &str, parse_special: bool) -> Vec<u32> {
+        let ids = self.encode(text, parse_special);
+        match self.bos {
+            Some(bos) if self.add_bos() && ids.first() != Some(&bos) => std::iter::once(bos).chain(ids).collect(),
+            _ => ids,
+        }
+    }
+
     /// Encodes `text` to token ids. Adds no BOS; see [`Tokenizer::add_bos`].
     ///
     /// With `parse_special`, control tokens written literally in the text (such as

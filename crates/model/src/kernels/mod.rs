@@ -21,6 +21,6 @@ mod q8;
 mod x86;
 
 pub use matmul::{matmul, matmul_multi, matmul_q8_scalar, matmul_reference, place_in_arena, QMatrix};
-pub use ops::{add_in_place, dot_f32, rmsnorm, silu_mul_in_place, softmax_in_place};
+pub use ops::{add_in_place, dot_f32, gelu_mul_in_place, rmsnorm, rmsnorm_rows_in_place, silu_mul_in_place, softmax_in_place};
 pub use q8::Q8Acts;
 pub use split_attn::split_attention;

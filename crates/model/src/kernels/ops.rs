@@ -53,6 +53,33 @@ pub fn silu_mul_in_place(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// GeGLU's gate (Gemma): `gate = gelu(gate) * up`, GELU in its tanh approximation, as
+/// llama.cpp's `ggml_gelu` (which tabulates it in f16 on the CPU; this computes it in f32).
+pub fn gelu_mul_in_place(gate: &mut [f32], up: &[f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF_A: f32 = 0.044_715;
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh()) * u;
+    }
+}
+
+/// RMSNorm of `x` in place, one `weight.len()`-long row at a time (Gemma's per-head Q/K
+/// norms over `n_heads` heads of a row).
+pub fn rmsnorm_rows_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let n = weight.len();
+    let mut tmp = [0f32; 512];
+    for row in x.chunks_exact_mut(n) {
+        if n <= tmp.len() {
+            rmsnorm(row, weight, eps, &mut tmp[..n]);
+            row.copy_from_slice(&tmp[..n]);
+        } else {
+            let copy = row.to_vec();
+            rmsnorm(&copy, weight, eps, row);
+        }
+    }
+}
+
 pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
     for (a, &b) in acc.iter_mut().zip(x) {
         *a += b;
