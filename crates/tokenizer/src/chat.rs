@@ -5,7 +5,8 @@
 //! `add_generation_prompt`, `bos_token` and `eos_token`, and provides a
 //! `raise_exception(message)` function that templates use to reject malformed
 //! conversations. We do the same, so the rendered prompt is byte-identical to HF's for the
-//! templates our models ship. A GGUF without a template gets plain ChatML.
+//! templates our models ship. A GGUF without a template gets Gemma's turn format if its
+//! vocabulary has Gemma's turn markers, else plain ChatML.
 
 use minijinja::{context, Environment, ErrorKind};
 use pk_gguf::GgufFile;
@@ -19,6 +20,19 @@ pub const CHATML_TEMPLATE: &str = "{% for message in messages %}\
 {{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\
 {% endfor %}\
 {% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// Used when the GGUF has no template but its vocabulary has Gemma's turn markers (the
+/// Gemma 3 base models): Gemma's own turn format, a system message folded into the first
+/// user turn, as Google's template does (text content only).
+pub const GEMMA_TEMPLATE: &str = "{{ bos_token }}\
+{% if messages[0]['role'] == 'system' %}{% set first_user_prefix = messages[0]['content'] + '\n\n' %}{% set loop_messages = messages[1:] %}\
+{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}\
+{% for message in loop_messages %}\
+{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}\
+{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}\
+{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + (message['content'] | trim) + '<end_of_turn>\n' }}\
+{% endfor %}\
+{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}";
 
 const TEMPLATE_NAME: &str = "chat_template";
 
@@ -63,11 +77,12 @@ impl ChatTemplate {
 
     /// Reads `tokenizer.chat_template` (ChatML when absent) and the BOS/EOS token texts.
     pub fn from_gguf(f: &GgufFile) -> Result<ChatTemplate, TokenizerError> {
+        let tokens = f.get_str_array("tokenizer.ggml.tokens")?;
         let source = match f.get("tokenizer.chat_template") {
             Some(_) => f.get_str("tokenizer.chat_template")?,
+            None if tokens.contains(&"<start_of_turn>") && tokens.contains(&"<end_of_turn>") => GEMMA_TEMPLATE,
             None => CHATML_TEMPLATE,
         };
-        let tokens = f.get_str_array("tokenizer.ggml.tokens")?;
         let text_of = |key: &str| -> Result<&str, TokenizerError> {
             Ok(optional_id(f, key, tokens.len())?.map_or("", |id| tokens[id as usize]))
         };
@@ -120,6 +135,21 @@ mod tests {
         assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
         let out = t.render(&[ChatMessage::new("user", "hi")], false).unwrap();
         assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n");
+    }
+
+    /// Gemma's turns, as Google's template renders them: BOS, the system message folded
+    /// into the first user turn, "model" for the assistant, content trimmed, and
+    /// alternation enforced.
+    #[test]
+    fn gemma_fallback() {
+        let t = ChatTemplate::new(GEMMA_TEMPLATE, "<bos>", "<eos>").unwrap();
+        let msgs = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", " hi "), ChatMessage::new("assistant", "Hello."), ChatMessage::new("user", "Bye")];
+        let out = t.render(&msgs, true).unwrap();
+        assert_eq!(out, "<bos><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n");
+        let out = t.render(&[ChatMessage::new("user", "x")], false).unwrap();
+        assert_eq!(out, "<bos><start_of_turn>user\nx<end_of_turn>\n");
+        let err = t.render(&[ChatMessage::new("user", "a"), ChatMessage::new("user", "b")], true).unwrap_err();
+        assert!(err.to_string().contains("alternate"), "{err}");
     }
 
     #[test]
