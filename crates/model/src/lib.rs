@@ -7,6 +7,7 @@
 pub mod attention;
 pub mod backend;
 pub mod config;
+pub mod kquant;
 pub mod kernels;
 pub mod kv_store;
 pub mod llama;

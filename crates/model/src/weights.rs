@@ -125,7 +125,11 @@ fn matrix(f: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<QMatrix,
             info.dims
         )));
     }
-    Ok(QMatrix::new(info.ggml_type, rows, cols, f.tensor_data(info).to_vec()))
+    // K-quants run as the integer kernels' formats (see `kquant`).
+    match crate::kquant::convert(info.ggml_type, f.tensor_data(info)) {
+        Some((ty, data)) => Ok(QMatrix::new(ty, rows, cols, data)),
+        None => Ok(QMatrix::new(info.ggml_type, rows, cols, f.tensor_data(info).to_vec())),
+    }
 }
 
 fn vector(f: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
