@@ -127,11 +127,19 @@ pub fn paged_attention_with(
 /// [`paged_attention`] over a sliding window (Gemma 3's local layers): query i sees only
 /// the last `window_tokens` stored tokens up to its own, `stored_start + i + 1 -
 /// window_tokens ..= stored_start + i`, as llama.cpp's SWA mask does (with no eviction,
-/// stored indices are positions). Runs the portable kernel: the SIMD ones take a visible
-/// prefix, not a range.
+/// stored indices are positions). The AVX-512 kernel takes a range of keys; quantised K/V
+/// and CPUs without it take the portable kernel.
 pub fn paged_attention_window(store: &KvStore, layer: usize, shape: AttnShape, seqs: &[AttnSeq], q: &[f32], out: &mut [f32], window_tokens: usize) {
+    paged_attention_window_with(Kernel::best(shape.head_dim), store, layer, shape, seqs, q, out, window_tokens)
+}
+
+/// [`paged_attention_window`] with a chosen kernel (tests compare them).
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_window_with(kernel: Kernel, store: &KvStore, layer: usize, shape: AttnShape, seqs: &[AttnSeq], q: &[f32], out: &mut [f32], window_tokens: usize) {
     assert!(window_tokens > 0, "an empty attention window");
-    attention_impl(Kernel::Scalar, store, layer, shape, seqs, q, out, window_tokens)
+    let quant = matches!(store.layer(layer), LayerKv::Quant { .. });
+    let kernel = if kernel == Kernel::Avx512 && !quant { Kernel::Avx512 } else { Kernel::Scalar };
+    attention_impl(kernel, store, layer, shape, seqs, q, out, window_tokens)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -187,7 +195,7 @@ fn attention_impl(
 /// `out` must hold every row of `s`, and no other task may write this (tile, KV head).
 #[allow(clippy::too_many_arguments)]
 unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: AttnShape, s: &AttnSeq, t: &Task, q: &[f32], out: OutPtr, window_tokens: usize) {
-    debug_assert!(window_tokens == usize::MAX || kernel == Kernel::Scalar, "windows run on the portable kernel");
+    debug_assert!(window_tokens == usize::MAX || kernel != Kernel::Avx2, "windows run on the AVX-512 or the portable kernel");
     let hd = shape.head_dim;
     let group = shape.n_heads / shape.n_kv_heads;
     let q_dim = shape.n_heads * hd;
@@ -208,11 +216,13 @@ unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: Attn
             Some(layout) => attn512q::attend(kv, layout, rows, scale),
         };
         let max_rows = attn512::max_rows(hd);
-        let mut rows = [attn512::Row { q: std::ptr::null(), out: std::ptr::null_mut(), n_visible: 0 }; 4];
+        let mut rows = [attn512::Row { q: std::ptr::null(), out: std::ptr::null_mut(), first_visible: 0, n_visible: 0 }; 4];
         let mut n = 0;
         for tok in t.t0..t.t1 {
             for g in 0..group {
-                rows[n] = attn512::Row { q: q.as_ptr().add(at(tok, g)), out: out.0.add(at(tok, g)), n_visible: s.stored_start + tok + 1 };
+                let n_visible = s.stored_start + tok + 1;
+                let first_visible = n_visible.saturating_sub(window_tokens);
+                rows[n] = attn512::Row { q: q.as_ptr().add(at(tok, g)), out: out.0.add(at(tok, g)), first_visible, n_visible };
                 n += 1;
                 if n == max_rows {
                     attend(&kv, &rows[..n]);
@@ -424,6 +434,8 @@ mod tests {
             (9, 3, 64, 8, 70, 3),
             (8, 2, 128, 16, 150, 150),
             (8, 2, 128, 128, 150, 2),
+            (4, 1, 256, 16, 70, 70),
+            (4, 1, 256, 16, 70, 1),
         ] {
             for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8, KvDtype::Q4] {
                 if dtype.quant_bits().is_some() && hd % 32 != 0 {
@@ -440,7 +452,7 @@ mod tests {
     #[test]
     fn windowed_attention_matches_naive_over_the_last_tokens() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        for (n_heads, n_kv, hd, bs, n_tokens, n_q, w) in [(4usize, 1usize, 256usize, 4usize, 23usize, 23usize, 5usize), (4, 2, 8, 4, 40, 9, 7), (4, 2, 8, 16, 40, 40, 16), (2, 1, 8, 4, 12, 12, 100)] {
+        for (n_heads, n_kv, hd, bs, n_tokens, n_q, w) in [(4usize, 1usize, 256usize, 4usize, 23usize, 23usize, 5usize), (4, 1, 256, 16, 90, 90, 37), (4, 2, 64, 16, 130, 40, 50), (4, 2, 128, 32, 100, 100, 17), (4, 2, 8, 4, 40, 9, 7), (4, 2, 8, 16, 40, 40, 16), (2, 1, 8, 4, 12, 12, 100)] {
             let num_blocks = n_tokens.div_ceil(bs) + 1;
             let g = KvGeometry { n_layers: 1, n_kv_heads: n_kv, head_dim: hd, block_size_tokens: bs, num_blocks };
             let mut store = KvStore::new(g, KvDtype::F32);
@@ -458,20 +470,27 @@ mod tests {
             }
             let q_dim = n_heads * hd;
             let q: Vec<f32> = (0..n_q * q_dim).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let mut out = vec![0f32; n_q * q_dim];
             let shape = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd };
             let seq = AttnSeq { block_table: &table, stored_start: n_tokens - n_q, n_queries: n_q, row_offset: 0 };
-            paged_attention_window(&store, 0, shape, &[seq], &q, &mut out, w);
-            for i in 0..n_q {
-                let end = n_tokens - n_q + i + 1;
-                let lo = end.saturating_sub(w);
-                for h in 0..n_heads {
-                    let kvh = h / (n_heads / n_kv);
-                    let want = naive(&q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd], &ks[kvh][lo..end], &vs[kvh][lo..end], hd);
-                    let got = &out[i * q_dim + h * hd..i * q_dim + (h + 1) * hd];
-                    for (a, b) in got.iter().zip(&want) {
-                        assert!((a - b).abs() < 1e-4, "hd {hd} w {w} row {i} head {h}: {a} vs {b}");
+            for kernel in kernels(hd) {
+                let mut out = vec![0f32; n_q * q_dim];
+                paged_attention_window_with(kernel, &store, 0, shape, &[seq], &q, &mut out, w);
+                for i in 0..n_q {
+                    let end = n_tokens - n_q + i + 1;
+                    let lo = end.saturating_sub(w);
+                    for h in 0..n_heads {
+                        let kvh = h / (n_heads / n_kv);
+                        let want = naive(&q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd], &ks[kvh][lo..end], &vs[kvh][lo..end], hd);
+                        let got = &out[i * q_dim + h * hd..i * q_dim + (h + 1) * hd];
+                        for (a, b) in got.iter().zip(&want) {
+                            assert!((a - b).abs() < 1e-4, "{kernel:?} hd {hd} w {w} row {i} head {h}: {a} vs {b}");
+                        }
                     }
+                    // The row alone (a decode step) has the same bits as in the batch.
+                    let one = AttnSeq { block_table: &table, stored_start: end - 1, n_queries: 1, row_offset: 0 };
+                    let mut o1 = vec![0f32; q_dim];
+                    paged_attention_window_with(kernel, &store, 0, shape, &[one], &q[i * q_dim..(i + 1) * q_dim], &mut o1, w);
+                    assert_eq!(o1, out[i * q_dim..(i + 1) * q_dim], "{kernel:?} row {i} alone vs batched");
                 }
             }
         }

@@ -9,7 +9,7 @@
 //! state (running max, running sum, `head_dim` accumulators) stays in registers for the
 //! whole walk, so a 64-wide head with 4 rows uses 16 of the 32 vector registers.
 //!
-//! NOTE 1 (batch invariance): a row's arithmetic depends only on its query, its number of
+//! NOTE 1 (batch invariance): a row's arithmetic depends only on its query, its range of
 //! visible keys and the K/V, never on the other rows of the call or on `R`. Keys are taken
 //! in chunks of 16 slots aligned to block starts; a chunk a row cannot see is a no-op for
 //! it (its softmax state is left alone; its accumulators get `+ 0·v`, which changes at most
@@ -29,11 +29,13 @@
 
 use std::arch::x86_64::*;
 
-/// One query row: `out = softmax(q · Kᵀ · scale) · V` over stored keys `0..n_visible`.
+/// One query row: `out = softmax(q · Kᵀ · scale) · V` over stored keys
+/// `first_visible..n_visible` (`first_visible` is 0 but in a sliding window).
 #[derive(Clone, Copy)]
 pub struct Row {
     pub q: *const f32,
     pub out: *mut f32,
+    pub first_visible: usize,
     pub n_visible: usize,
 }
 
@@ -57,7 +59,7 @@ pub struct HeadKv<'a> {
 
 /// Whether [`attend`] handles this head size on this CPU.
 pub fn supported(head_dim: usize) -> bool {
-    matches!(head_dim, 64 | 128)
+    matches!(head_dim, 64 | 128 | 256)
         && is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vl")
@@ -67,10 +69,10 @@ pub fn supported(head_dim: usize) -> bool {
 
 /// Most rows per [`attend`] call: their accumulators must fit in registers.
 pub fn max_rows(head_dim: usize) -> usize {
-    if head_dim <= 64 {
-        4
-    } else {
-        2
+    match head_dim {
+        ..=64 => 4,
+        ..=128 => 2,
+        _ => 1,
     }
 }
 
@@ -97,6 +99,7 @@ pub unsafe fn attend(kv: &HeadKv, rows: &[Row], scale: f32) {
         (64, 4) => go!(4, 4),
         (128, 1) => go!(8, 1),
         (128, 2) => go!(8, 2),
+        (256, 1) => go!(16, 1),
         (hd, n) => panic!("attend: {n} rows of head_dim {hd} unsupported"),
     }
 }
@@ -131,7 +134,7 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(kv: &HeadKv
 
     // Queries copied so that their broadcasts come from one small array; the scale is
     // applied to the dot products, as llama.cpp's `soft_max_ext` does.
-    let mut qs = [[0f32; 128]; R];
+    let mut qs = [[0f32; 256]; R];
     for (qr, row) in qs.iter_mut().zip(rows) {
         std::ptr::copy_nonoverlapping(row.q, qr.as_mut_ptr(), hd);
     }
@@ -149,13 +152,15 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(kv: &HeadKv
     let mut corr = [[0f32; GROUP_CHUNKS]; R];
     let mut sees = [[false; GROUP_CHUNKS]; R];
     let n_max = rows.iter().map(|r| r.n_visible).max().unwrap_or(0);
+    // Chunks wholly before every row's window are skipped (a sliding window's start).
+    let first_min = rows.iter().map(|r| r.first_visible).min().unwrap_or(0);
 
     let n_blocks = n_max.div_ceil(bs);
     let block_bytes = bs * hd * esz;
     let block_at = |b: usize| (*kv.block_table.get_unchecked(b) as usize * kv.n_kv_heads + kv.kv_head) * block_bytes;
     let chunks_per_block = bs.div_ceil(16);
     let n_chunks = n_blocks * chunks_per_block;
-    let mut c = 0;
+    let mut c = (first_min / bs) * chunks_per_block + (first_min % bs) / 16;
     while c < n_chunks {
         // Stage 1: scores of the group's chunks.
         let mut n_group = 0;
@@ -167,7 +172,7 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(kv: &HeadKv
             }
             if c0 == 0 && kv.prefetch {
                 // Two blocks ahead: about one DRAM latency of work at decode's 3–4 rows.
-                for ahead in if b == 0 { 1..3 } else { 2..3 } {
+                for ahead in if b * bs <= first_min { 1..3 } else { 2..3 } {
                     if b + ahead < n_blocks {
                         let off = block_at(b + ahead);
                         for line in (0..block_bytes).step_by(64) {
@@ -204,14 +209,17 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(kv: &HeadKv
         for g in 0..n_group {
             j_max[g] = 0;
             for r in 0..R {
+                // Lanes lo..nv of the chunk are this row's keys.
                 let nv = rows[r].n_visible.saturating_sub(bases[g]).min(widths[g]);
-                sees[r][g] = nv > 0;
-                if nv == 0 {
+                let lo = rows[r].first_visible.saturating_sub(bases[g]).min(nv);
+                sees[r][g] = nv > lo;
+                if nv <= lo {
                     sp[r][g] = [0.0; 16];
                     continue;
                 }
                 j_max[g] = j_max[g].max(nv);
-                let vmask: __mmask16 = if nv == 16 { 0xFFFF } else { (1 << nv) - 1 };
+                let upto: u32 = if nv == 16 { 0xFFFF } else { (1 << nv) - 1 };
+                let vmask: __mmask16 = (upto & !((1u32 << lo) - 1)) as u16;
                 let s = _mm512_loadu_ps(sp[r][g].as_ptr());
                 let m_new = m[r].max(_mm512_mask_reduce_max_ps(vmask, s));
                 let cr = _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[r] - m_new)));

@@ -40,6 +40,7 @@ pub unsafe fn attend(kv: &HeadKv, layout: &QLayout, rows: &[Row], scale: f32) {
         (64, 4) => go!(4, 4),
         (128, 1) => go!(8, 1),
         (128, 2) => go!(8, 2),
+        (256, 1) => go!(16, 1),
         (hd, n) => panic!("attend: {n} rows of head_dim {hd} unsupported"),
     }
 }
@@ -83,7 +84,7 @@ unsafe fn kernel<const HD16: usize, const R: usize, const Q4: bool>(kv: &HeadKv,
         }};
     }
 
-    let mut qs = [[0f32; 128]; R];
+    let mut qs = [[0f32; 256]; R];
     for (qr, row) in qs.iter_mut().zip(rows) {
         std::ptr::copy_nonoverlapping(row.q, qr.as_mut_ptr(), hd);
     }
@@ -92,7 +93,8 @@ unsafe fn kernel<const HD16: usize, const R: usize, const Q4: bool>(kv: &HeadKv,
     let mut l = [0f32; R];
     let mut acc = [[_mm512_setzero_ps(); HD16]; R];
     // Softmax weights times V's scales, per row and group (at most 4 groups: hd ≤ 128).
-    let mut pg = [[[0f32; 16]; 4]; R];
+    let mut pg = [[[0f32; 16]; 8]; R];
+    debug_assert!(rows.iter().all(|r| r.first_visible == 0), "windows over quantised K/V take the portable kernel");
     let n_max = rows.iter().map(|r| r.n_visible).max().unwrap_or(0);
 
     let n_blocks = n_max.div_ceil(bs);
@@ -143,7 +145,7 @@ unsafe fn kernel<const HD16: usize, const R: usize, const Q4: bool>(kv: &HeadKv,
             for r in 0..R {
                 let nv = rows[r].n_visible.saturating_sub(base).min(w);
                 if nv == 0 {
-                    pg[r] = [[0.0; 16]; 4];
+                    pg[r] = [[0.0; 16]; 8];
                     continue;
                 }
                 j_max = j_max.max(nv);

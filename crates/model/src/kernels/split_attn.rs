@@ -80,7 +80,7 @@ fn split_with(pool: &pool::Pool, store: &KvStore, layer: usize, shape: AttnShape
         let (s, kv_head) = (&seqs[i / nkv], i % nkv);
         let mut kv = attn512::HeadKv { k: ptrs.0, v: ptrs.1, f16, block_table: s.block_table, n_kv_heads: g.n_kv_heads, kv_head, block_size: g.block_size_tokens, head_dim: hd, prefetch: true };
         let at = |tok: usize, gi: usize| (s.row_offset + tok) * q_dim + (kv_head * group + gi) * hd;
-        let mut rows = [attn512::Row { q: std::ptr::null(), out: std::ptr::null_mut(), n_visible: 0 }; 4];
+        let mut rows = [attn512::Row { q: std::ptr::null(), out: std::ptr::null_mut(), first_visible: 0, n_visible: 0 }; 4];
         let mut n = 0;
         // SAFETY: `Kernel::best` chose AVX-512 for this head size; rows point into q/out,
         // whose lengths were checked above; the block table covers every row's visible keys;
@@ -94,7 +94,7 @@ fn split_with(pool: &pool::Pool, store: &KvStore, layer: usize, shape: AttnShape
         for tok in 0..s.n_queries {
             for gi in 0..group {
                 // SAFETY: in bounds of q/out (checked above).
-                rows[n] = unsafe { attn512::Row { q: q.as_ptr().add(at(tok, gi)), out: ptrs.2.add(at(tok, gi)), n_visible: s.stored_start + tok + 1 } };
+                rows[n] = unsafe { attn512::Row { q: q.as_ptr().add(at(tok, gi)), out: ptrs.2.add(at(tok, gi)), first_visible: 0, n_visible: s.stored_start + tok + 1 } };
                 n += 1;
                 if n == max_rows {
                     attend(&kv, &rows[..n]);
