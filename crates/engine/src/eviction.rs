@@ -247,38 +247,8 @@ fn recent_as_view(ev: &SeqEviction, store: &dyn KvBlocks, n_heads: usize) -> Opt
 #[cfg(test)]
 mod tests {
     use super::*;
-    use half::f16;
+    use pk_model::backend::BlockOpsOnly;
     use pk_model::{KvDtype, KvStore};
-
-    /// A pool that hides its host store, as a device pool does (no `as_kv_store`).
-    struct DeviceLike(KvStore);
-
-    impl KvBlocks for DeviceLike {
-        fn geometry(&self) -> KvGeometry {
-            self.0.geometry
-        }
-        fn dtype(&self) -> KvDtype {
-            self.0.dtype
-        }
-        fn capacity_bytes(&self) -> usize {
-            self.0.capacity_bytes()
-        }
-        fn read_k(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
-            self.0.read_k(layer, block, kv_head, out)
-        }
-        fn read_v(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
-            self.0.read_v(layer, block, kv_head, out)
-        }
-        fn write_token(&mut self, layer: usize, block: u32, slot: usize, k: &[f32], v: &[f32]) {
-            self.0.write_token(layer, block, slot, k, v)
-        }
-        fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>) {
-            self.0.write_head_rows(layer, block, kv_head, slot0, k_rows, v_rows, scratch)
-        }
-        fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
-            self.0.copy_slot(src, dst)
-        }
-    }
 
     /// A prefetched view reads what the block-at-a-time view reads, token by token, in any
     /// order; on a host store it is the block-at-a-time view itself.
@@ -290,7 +260,7 @@ mod tests {
         let len = g.n_layers * g.n_kv_heads * n * g.head_dim;
         let k: Vec<f32> = (0..len).map(|i| (i % 97) as f32 / 8.0).collect();
         let v: Vec<f32> = (0..len).map(|i| -((i % 89) as f32) / 4.0).collect();
-        let mut pool = DeviceLike(KvStore::new(g, KvDtype::F16));
+        let mut pool = BlockOpsOnly(KvStore::new(g, KvDtype::F16));
         pool.write_tokens(&table, 0, &k, &v);
         let (plain, pre) = (StoreView::new(&pool, &table, n), StoreView::prefetched(&pool, &table, n));
         assert!(pre.prefetched.is_some());

@@ -249,6 +249,38 @@ impl Backend for CpuBackend {
     }
 }
 
+/// A host store seen only through `KvBlocks`' required methods, so that every provided
+/// method runs its default and `as_kv_store` is `None`: what a backend without overrides
+/// gets, and what a device pool looks like to the engine (tests of both use it).
+pub struct BlockOpsOnly(pub KvStore);
+
+impl KvBlocks for BlockOpsOnly {
+    fn geometry(&self) -> KvGeometry {
+        self.0.geometry
+    }
+    fn dtype(&self) -> KvDtype {
+        self.0.dtype
+    }
+    fn capacity_bytes(&self) -> usize {
+        self.0.capacity_bytes()
+    }
+    fn read_k(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
+        self.0.read_k(layer, block, kv_head, out)
+    }
+    fn read_v(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
+        self.0.read_v(layer, block, kv_head, out)
+    }
+    fn write_token(&mut self, layer: usize, block: u32, slot: usize, k: &[f32], v: &[f32]) {
+        self.0.write_token(layer, block, slot, k, v)
+    }
+    fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>) {
+        self.0.write_head_rows(layer, block, kv_head, slot0, k_rows, v_rows, scratch)
+    }
+    fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
+        self.0.copy_slot(src, dst)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -333,7 +365,7 @@ mod tests {
                 let (mut kb, mut vb) = (vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
                 KvBlocks::read_tokens(&bulk, &table, first, &mut kb, &mut vb).unwrap();
                 let (mut kd, mut vd) = (vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
-                let mut defaults = Defaults(KvStore::new(g, dtype));
+                let mut defaults = BlockOpsOnly(KvStore::new(g, dtype));
                 defaults.write_tokens(&table, first, &k, &v);
                 defaults.read_tokens(&table, first, &mut kd, &mut vd).unwrap();
                 assert_eq!((&kd, &vd), (&kb, &vb), "{dtype}: default read_tokens for {first}+{n}");
@@ -354,36 +386,6 @@ mod tests {
                     }
                 }
             }
-        }
-    }
-
-    /// A `KvBlocks` with only the required methods, so the provided ones are the defaults.
-    struct Defaults(KvStore);
-
-    impl KvBlocks for Defaults {
-        fn geometry(&self) -> KvGeometry {
-            self.0.geometry
-        }
-        fn dtype(&self) -> KvDtype {
-            self.0.dtype
-        }
-        fn capacity_bytes(&self) -> usize {
-            self.0.capacity_bytes()
-        }
-        fn read_k(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
-            self.0.read_k(layer, block, kv_head, out)
-        }
-        fn read_v(&self, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
-            self.0.read_v(layer, block, kv_head, out)
-        }
-        fn write_token(&mut self, layer: usize, block: u32, slot: usize, k: &[f32], v: &[f32]) {
-            self.0.write_token(layer, block, slot, k, v)
-        }
-        fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>) {
-            self.0.write_head_rows(layer, block, kv_head, slot0, k_rows, v_rows, scratch)
-        }
-        fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
-            self.0.copy_slot(src, dst)
         }
     }
 
