@@ -175,7 +175,7 @@ impl UnitRun<'_> {
         let count = |s: &str| e.tokenizer.encode(s, false).len();
         let sample = tasks::generate(u.task, u.context_tokens, self.cfg.seed, u.sample, self.cfg.samples, &count);
         let text = e.chat_template.render(&[ChatMessage::new("user", sample.user_message.as_str())], true)? + &sample.answer_prefix;
-        let prompt = e.tokenizer.encode(&text, true);
+        let prompt = e.tokenizer.encode_prompt(&text, true);
         let ctx = e.model_config().context_length;
         if prompt.len() + sample.max_answer_tokens >= ctx {
             bail!("{} at {} tokens: the prompt has {} tokens, too many for the model's context of {ctx}", u.task.name(), u.context_tokens, prompt.len());
@@ -223,7 +223,12 @@ impl UnitRun<'_> {
             bail!("text-kl needs a context longer than the {n_cont}-token continuation");
         }
         let mut rng = SplitMix64::for_parts(&[self.cfg.seed, hash_str("text-kl"), u.context_tokens as u64, u.sample as u64]);
-        let ids = filler::natural_text_tokens(u.context_tokens, &mut rng, &|s| e.tokenizer.encode(s, false));
+        let mut ids = filler::natural_text_tokens(u.context_tokens, &mut rng, &|s| e.tokenizer.encode(s, false));
+        // A model that wants BOS (Gemma) gets it in place of the first token, as
+        // llama-perplexity does; the length, and so every cell's budget, is unchanged.
+        if let Some(bos) = e.tokenizer.add_bos().then(|| e.tokenizer.bos_id()).flatten() {
+            ids[0] = bos;
+        }
         let (prefix, cont) = ids.split_at(u.context_tokens - n_cont);
         let t0 = Instant::now();
         let full = runner::teacher_force(e, prefix, cont, KvSetting::FULL, None)?;
