@@ -157,12 +157,14 @@ fn sentencepiece_without_prefix_and_byte_fallback() {
     assert_eq!(tok.token_bytes(tok.token_id("<0x0A>").unwrap()), b"\n");
 }
 
+/// Without a template, a vocabulary with Gemma's turn markers gets Gemma's turn format,
+/// with the GGUF's BOS text.
 #[test]
-fn chatml_fallback_uses_gguf_bos_and_eos() {
+fn template_fallback_follows_the_vocabulary_and_uses_gguf_bos() {
     let f = spm_gguf("spm-template", false);
     let template = ChatTemplate::from_gguf(&f).unwrap();
     let out = template.render(&[ChatMessage::new("user", "hi")], true).unwrap();
-    assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    assert_eq!(out, "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n");
     let gemma_like =
         ChatTemplate::new("{{ bos_token }}{{ messages[0].content }}{{ eos_token }}", "<bos>", "<eos>").unwrap();
     assert_eq!(gemma_like.render(&[ChatMessage::new("user", "x")], false).unwrap(), "<bos>x<eos>");
