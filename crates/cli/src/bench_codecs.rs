@@ -86,7 +86,7 @@ fn prefix_kv(engine: &Engine, tokens: &[u32]) -> Result<KvContext> {
     let mut store = KvStore::new(g, KvDtype::F16);
     let table: Vec<u32> = (0..g.num_blocks as u32).collect();
     let model = engine.cpu_model().context("bench codecs runs the CPU model")?;
-    model.forward(&mut store, &[SeqForward { tokens, start_position: 0, stored_start: 0, block_table: &table, logits_from: tokens.len() }]);
+    model.forward(&mut store, &[SeqForward { tokens, start_position: 0, stored_start: 0, block_table: &table, logits_from: tokens.len(), stored_positions: &[] }]);
     let (n, hd) = (tokens.len(), g.head_dim);
     let mut k = vec![0f32; g.n_layers * g.n_kv_heads * n * hd];
     let mut v = k.clone();

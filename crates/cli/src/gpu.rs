@@ -118,7 +118,7 @@ mod imp {
         let t0 = Instant::now();
         // Each chunk is a fresh sequence over the same blocks, in one forward call.
         let mut score = |chunk: &[u32], first: usize| -> Result<Vec<f32>> {
-            let seq = SeqForward { tokens: chunk, start_position: 0, stored_start: 0, block_table: table, logits_from: first };
+            let seq = SeqForward { tokens: chunk, start_position: 0, stored_start: 0, block_table: table, logits_from: first, stored_positions: &[] };
             Ok(model.forward(&gpu, &mut pool, &[seq])?)
         };
         let r = pk_engine::perplexity::perplexity_with(&mut score, c.vocab_size, bos, &ids, a.ctx, a.chunks, &mut |i, ppl| {
@@ -205,7 +205,7 @@ mod imp {
                 let t = Instant::now();
                 let mut next = Vec::with_capacity(batch);
                 for (s, p) in prompts.iter().enumerate() {
-                    let seq = SeqForward { tokens: p, start_position: 0, stored_start: 0, block_table: &tables[s], logits_from: ctx - 1 };
+                    let seq = SeqForward { tokens: p, start_position: 0, stored_start: 0, block_table: &tables[s], logits_from: ctx - 1, stored_positions: &[] };
                     next.push(model.forward_argmax(&gpu, &mut pool, &[seq])?[0]);
                 }
                 let prefill_s = t.elapsed().as_secs_f64();
@@ -216,7 +216,7 @@ mod imp {
                 for step in 0..steps {
                     let pos = ctx + step;
                     let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
-                    let seqs: Vec<SeqForward> = (0..batch).map(|s| SeqForward { tokens: &toks[s], start_position: pos, stored_start: pos, block_table: &tables[s], logits_from: 0 }).collect();
+                    let seqs: Vec<SeqForward> = (0..batch).map(|s| SeqForward { tokens: &toks[s], start_position: pos, stored_start: pos, block_table: &tables[s], logits_from: 0, stored_positions: &[] }).collect();
                     let t = Instant::now();
                     next = model.forward_argmax(&gpu, &mut pool, &seqs)?;
                     if step > 0 {

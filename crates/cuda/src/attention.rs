@@ -88,7 +88,7 @@ mod tests {
     use super::*;
 
     fn seq<'a>(tokens: &'a [u32], stored_start: usize, table: &'a [u32]) -> SeqForward<'a> {
-        SeqForward { tokens, start_position: stored_start, stored_start, block_table: table, logits_from: 0 }
+        SeqForward { tokens, start_position: stored_start, stored_start, block_table: table, logits_from: 0, stored_positions: &[] }
     }
 
     /// Every row's visible keys are covered by exactly one split of its sequence, and every

@@ -404,7 +404,7 @@ mod tests {
     #[test]
     fn captured_queries_are_split_per_sequence_like_the_cpu() {
         let (a, b, c) = ([1u32; 5], [2u32; 1], [3u32; 3]);
-        let seqs = [&a[..], &b[..], &c[..]].map(|tokens| SeqForward { tokens, start_position: 0, stored_start: 0, block_table: &[], logits_from: 0 });
+        let seqs = [&a[..], &b[..], &c[..]].map(|tokens| SeqForward { tokens, start_position: 0, stored_start: 0, block_table: &[], logits_from: 0, stored_positions: &[] });
         // Sequence 1 asks for more than it has; sequence 2 has no entry.
         let (rows, counts) = capture_rows(&seqs, &[2, 4]);
         assert_eq!((rows, counts.clone()), (vec![3, 4, 5], vec![2, 1, 0]));

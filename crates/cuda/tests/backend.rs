@@ -143,8 +143,8 @@ fn forward_with_queries_matches_the_cpu_backend() {
     let b: Vec<u32> = (0..20).map(|i| (i * 101 + 3) % 4096).collect();
     let (ta, tb) = ([0u32, 1, 2, 3], [4u32, 5, 6, 7]);
     let seqs = [
-        SeqForward { tokens: &a, start_position: 0, stored_start: 0, block_table: &ta, logits_from: 39 },
-        SeqForward { tokens: &b, start_position: 0, stored_start: 0, block_table: &tb, logits_from: 20 },
+        SeqForward { tokens: &a, start_position: 0, stored_start: 0, block_table: &ta, logits_from: 39, stored_positions: &[] },
+        SeqForward { tokens: &b, start_position: 0, stored_start: 0, block_table: &tb, logits_from: 20, stored_positions: &[] },
     ];
     // Sequence 0 captures its last 3 queries, sequence 1 its last one (a missing entry: none
     // for a third sequence, as on the CPU).

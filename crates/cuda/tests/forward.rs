@@ -55,23 +55,23 @@ fn run(act: ActDtype, abs: f32, graphs: bool) {
     };
     // Prefill with logits for every row (the perplexity shape), twice: the argmax call
     // rewrites the same K/V, which must not change anything.
-    both(&[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &ta, logits_from: 0 }], "prefill");
+    both(&[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &ta, logits_from: 0, stored_positions: &[] }], "prefill");
     // A decode step of sequence A batched with sequence B's prompt.
     both(
         &[
-            SeqForward { tokens: &[11], start_position: 48, stored_start: 48, block_table: &ta, logits_from: 0 },
-            SeqForward { tokens: &other, start_position: 0, stored_start: 0, block_table: &tb, logits_from: 19 },
+            SeqForward { tokens: &[11], start_position: 48, stored_start: 48, block_table: &ta, logits_from: 0, stored_positions: &[] },
+            SeqForward { tokens: &other, start_position: 0, stored_start: 0, block_table: &tb, logits_from: 19, stored_positions: &[] },
         ],
         "decode + prompt",
     );
     // Evict A's block 1 (stored tokens 16..32): the table is compacted, 33 tokens remain
     // stored, positions go on from 49.
     let compacted = [0u32, 2, 3, 4];
-    both(&[SeqForward { tokens: &[12], start_position: 49, stored_start: 33, block_table: &compacted, logits_from: 0 }], "decode after eviction");
+    both(&[SeqForward { tokens: &[12], start_position: 49, stored_start: 33, block_table: &compacted, logits_from: 0, stored_positions: &[] }], "decode after eviction");
     // Enough same-shaped steps that a captured graph is replayed several times.
     for step in 0..5u32 {
         let pos = 50 + step as usize;
-        both(&[SeqForward { tokens: &[100 + step], start_position: pos, stored_start: pos - 16, block_table: &compacted, logits_from: 0 }], "decode");
+        both(&[SeqForward { tokens: &[100 + step], start_position: pos, stored_start: pos - 16, block_table: &compacted, logits_from: 0, stored_positions: &[] }], "decode");
     }
 }
 
@@ -104,11 +104,11 @@ fn random_weights_are_made_on_the_device_and_run() {
     let mut pool = GpuKvPool::new(&gpu, g).unwrap();
     let table = [0u32, 1, 2, 3];
     // A batch without tokens before any other call (no scratch buffers yet): no rows.
-    let empty = SeqForward { tokens: &[], start_position: 0, stored_start: 0, block_table: &table, logits_from: 0 };
+    let empty = SeqForward { tokens: &[], start_position: 0, stored_start: 0, block_table: &table, logits_from: 0, stored_positions: &[] };
     assert!(model.forward(&gpu, &mut pool, &[empty]).unwrap().is_empty());
     assert!(model.forward_argmax(&gpu, &mut pool, &[empty]).unwrap().is_empty());
     let prompt: Vec<u32> = (0..30).collect();
-    let logits = model.forward(&gpu, &mut pool, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: 0 }]).unwrap();
+    let logits = model.forward(&gpu, &mut pool, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: 0, stored_positions: &[] }]).unwrap();
     assert_eq!(logits.len(), 30 * cfg.vocab_size);
     assert!(logits.iter().all(|x| x.is_finite()));
     let spread = logits.iter().fold(0f32, |m, x| m.max(x.abs()));

@@ -236,9 +236,9 @@ fn attention_case(gpu: &Gpu, n_heads: usize, n_kv_heads: usize, head_dim: usize,
     let (ta, tb, tc) = (&ids[0..45], &ids[45..50], &ids[50..51]);
     let (qa, qb, qc) = (vec![0u32; 1], vec![0u32; 37], vec![0u32; 5]);
     let seqs = [
-        SeqForward { tokens: &qa, start_position: 5000, stored_start: 710, block_table: ta, logits_from: 0 },
-        SeqForward { tokens: &qb, start_position: 20, stored_start: 20, block_table: tb, logits_from: 0 },
-        SeqForward { tokens: &qc, start_position: 0, stored_start: 0, block_table: tc, logits_from: 0 },
+        SeqForward { tokens: &qa, start_position: 5000, stored_start: 710, block_table: ta, logits_from: 0, stored_positions: &[] },
+        SeqForward { tokens: &qb, start_position: 20, stored_start: 20, block_table: tb, logits_from: 0, stored_positions: &[] },
+        SeqForward { tokens: &qc, start_position: 0, stored_start: 0, block_table: tc, logits_from: 0, stored_positions: &[] },
     ];
     let kvd = n_kv_heads * head_dim;
     let (mut cpu, mut slots, mut k_all, mut v_all) = (KvStore::new(g, KvDtype::F16), Vec::new(), Vec::new(), Vec::new());

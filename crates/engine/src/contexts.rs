@@ -160,7 +160,7 @@ pub(crate) fn window_queries(backend: &mut dyn Backend, kv: &KvCacheManager, seq
         return None;
     }
     let table = table_of(kv, seq);
-    let fwd = SeqForward { tokens: &ids[n - w..], start_position: n - w, stored_start: n - w, block_table: &table, logits_from: w };
+    let fwd = SeqForward { tokens: &ids[n - w..], start_position: n - w, stored_start: n - w, block_table: &table, logits_from: w, stored_positions: &[] };
     match backend.forward_with_queries(&[fwd], &[w]) {
         Ok((_, mut captured)) if !captured.is_empty() => Some(WindowQueries { n_heads: backend.config().n_heads, positions: (n - w..n).collect(), data: captured.swap_remove(0) }),
         Ok(_) => None,

@@ -27,13 +27,6 @@ use crate::tiering::{Tiering, TieringConfig, TieringStats};
 
 mod direct;
 
-/// Why token eviction is refused on models with sliding-window layers (Gemma 3): their
-/// window is over positions, and the paged cache does not keep each stored token's
-/// position, so after eviction a local layer would see tokens outside its window (the
-/// eval measured KL 3.4–3.9 nats from the full cache at 25–50 % budgets, where
-/// streaming-llm at 2,048 tokens, whose recent window covers the local layers', had 0.02).
-const SLIDING_WINDOW_EVICTION: &str = "token eviction is not supported for models with sliding-window attention layers (their window is over positions, which the paged cache does not track per stored token yet); use kv_policy full";
-
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub block_size_tokens: u32,
@@ -280,17 +273,7 @@ impl Engine {
         };
         let contexts = match &config.contexts {
             Some(_) if tiering.is_some() => bail!("chunk tiers and an EVICPRESS context store are exclusive (pick one --tier-policy)"),
-            Some(c) => {
-                let mut c = c.clone();
-                if backend.config().extras.sliding_window.is_some() {
-                    let keep: Vec<_> = c.store.grid.configs().iter().filter(|x| !matches!(x, pk_evicpress::Compression::Drop { .. } | pk_evicpress::Compression::None)).copied().collect();
-                    if keep.len() + 1 < c.store.grid.len() {
-                        tracing::warn!("EVICPRESS: token-dropping configurations left out of the grid ({SLIDING_WINDOW_EVICTION})");
-                        c.store.grid = pk_evicpress::Grid::new(keep).map_err(anyhow::Error::msg)?;
-                    }
-                }
-                Some(ContextReuse::new(&c, model_name, &cache_namespace, bs).map_err(anyhow::Error::msg)?)
-            }
+            Some(c) => Some(ContextReuse::new(c, model_name, &cache_namespace, bs).map_err(anyhow::Error::msg)?),
             None => None,
         };
         Ok(Engine {
@@ -416,10 +399,6 @@ impl Engine {
             if eviction.is_some() {
                 return Err(SubmitError::Invalid("prefix_kv and an evicting kv_policy are exclusive".into()));
             }
-            let dropped = p.kv.positions.iter().enumerate().any(|(i, &x)| x as usize != i);
-            if dropped && self.backend.config().extras.sliding_window.is_some() {
-                return Err(SubmitError::Invalid(format!("a prefix_kv with dropped tokens: {SLIDING_WINDOW_EVICTION}")));
-            }
         }
         let mut namespace = self.cache_namespace.clone();
         if let Some(salt) = &req.cache_salt {
@@ -451,9 +430,6 @@ impl Engine {
         let Some(budget) = budget else {
             return Err(format!("kv_policy {spec} needs a kv_budget (tokens kept per sequence)"));
         };
-        if self.backend.config().extras.sliding_window.is_some() {
-            return Err(format!("kv_policy {spec}: {SLIDING_WINDOW_EVICTION}"));
-        }
         spec.validate(budget, self.config.block_size_tokens).map_err(|e| e.to_string())?;
         if spec.build().prefill_queries() != pk_kv::QueryNeed::None || spec.build().decode_queries() != pk_kv::QueryNeed::None {
             if !self.capture_supported() {
@@ -589,6 +565,11 @@ impl Engine {
             l.restore_s = t0.elapsed().as_secs_f64();
         }
         let n_original_tokens = ctx.n_original_tokens;
+        // A compressed context keeps its tokens' original positions: sliding-window layers
+        // need them (`SeqForward::stored_positions`).
+        if ctx.positions.iter().enumerate().any(|(i, &p)| p as usize != i) {
+            s.stored_positions = Some(ctx.positions.clone());
+        }
         if let (std::borrow::Cow::Owned(kv), Some(c)) = (ctx, self.contexts.as_ref()) {
             c.recycle(kv);
         }
@@ -605,6 +586,7 @@ impl Engine {
         self.kv.free(seq);
         s.num_computed = 0;
         s.context = SeqContext::default();
+        s.stored_positions = None;
         if let Some(ev) = s.eviction.as_mut() {
             ev.reset();
         }
@@ -691,6 +673,7 @@ impl Engine {
                 stored_start: stored_after - n,
                 block_table: &tables[k],
                 logits_from: if wants_logits { n - 1 } else { n },
+                stored_positions: s.stored_positions.as_deref().unwrap_or(&[]),
             });
         }
         // Attention-based policies score with queries: the last prompt chunk's (capped to
@@ -733,6 +716,10 @@ impl Engine {
             let i = idx_of(&self.running, seq);
             let s = &mut self.running[i];
             let was_prefill = s.is_prefilling();
+            if s.stored_positions.is_some() {
+                let new: Vec<u32> = (from..to).map(|i| s.position_of(i) as u32).collect();
+                s.stored_positions.as_mut().expect("checked").extend(new);
+            }
             s.num_computed = to;
             if was_prefill {
                 self.stats.prompt_tokens += (to - from) as u64;
@@ -764,7 +751,7 @@ impl Engine {
                     // The whole prompt (or, after preemption, everything) is in the cache and
                     // its exact attention is done: select, compact, and from now on evict.
                     if prefill_done && !finished.contains(&seq) {
-                        if !eviction::after_prefill(ev, &mut self.kv, self.backend.kv_mut(), seq, queries.as_ref(), stats) {
+                        if !eviction::after_prefill(ev, &mut self.kv, self.backend.kv_mut(), seq, queries.as_ref(), stats, &mut s.stored_positions) {
                             // No block for a copy-on-write during compaction: give up on
                             // this request rather than corrupt a shared block.
                             s.aborted = true;
@@ -776,7 +763,7 @@ impl Engine {
                     if let Some(q) = queries {
                         ev.recent_queries.push((q.positions[0], q.data));
                     }
-                    eviction::after_decode(ev, &mut self.kv, self.backend.kv(), seq, n_heads, stats);
+                    eviction::after_decode(ev, &mut self.kv, self.backend.kv(), seq, n_heads, stats, &mut s.stored_positions);
                 }
                 s.kv_stored_tokens = stored_now(&self.kv);
                 // Evicting sequences never feed the prefix cache: their blocks are about to

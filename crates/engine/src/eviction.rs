@@ -173,7 +173,7 @@ pub(crate) fn table_of(kv: &KvCacheManager, seq: SeqId) -> Vec<u32> {
 }
 
 /// Runs prefill selection over everything the sequence has stored and compacts the kept
-/// tokens. Returns false when compaction could not get a block for a copy-on-write (the
+/// tokens (and `positions`, the stored tokens' positions, with them). Returns false when compaction could not get a block for a copy-on-write (the
 /// caller then treats it like any other allocation failure).
 pub(crate) fn after_prefill(
     ev: &mut SeqEviction,
@@ -182,6 +182,7 @@ pub(crate) fn after_prefill(
     seq: SeqId,
     queries: Option<&CapturedQueries>,
     stats: &mut EvictionStats,
+    positions: &mut Option<Vec<u32>>,
 ) -> bool {
     let table = table_of(kv, seq);
     let n_stored = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
@@ -195,6 +196,8 @@ pub(crate) fn after_prefill(
         return true;
     }
     let Some(moves) = kv.compact(seq, &keep) else { return false };
+    let old = positions.take().unwrap_or_else(|| (0..n_stored as u32).collect());
+    *positions = Some(keep.iter().map(|&i| old[i as usize]).collect());
     for m in &moves {
         store.copy_slot((m.src.block_id.0, m.src.offset_tokens as usize), (m.dst.block_id.0, m.dst.offset_tokens as usize));
     }
@@ -202,8 +205,9 @@ pub(crate) fn after_prefill(
     true
 }
 
-/// After a decode token: score a block that just filled, then evict while over budget.
-pub(crate) fn after_decode(ev: &mut SeqEviction, kv: &mut KvCacheManager, store: &dyn KvBlocks, seq: SeqId, n_heads: usize, stats: &mut EvictionStats) {
+/// After a decode token: score a block that just filled, then evict while over budget
+/// (dropping the evicted tokens' entries from `positions`).
+pub(crate) fn after_decode(ev: &mut SeqEviction, kv: &mut KvCacheManager, store: &dyn KvBlocks, seq: SeqId, n_heads: usize, stats: &mut EvictionStats, positions: &mut Option<Vec<u32>>) {
     let bs = kv.block_size_tokens() as usize;
     let n_stored = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
     if n_stored % bs != 0 {
@@ -219,7 +223,11 @@ pub(crate) fn after_decode(ev: &mut SeqEviction, kv: &mut KvCacheManager, store:
     while kv.block_table(seq).expect("live").num_stored_tokens() > ev.budget_tokens {
         let n_blocks = kv.block_table(seq).expect("live").num_blocks();
         let Some(victim) = ev.policy.choose_victim(n_blocks) else { break };
+        let before = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
         kv.remove_block(seq, victim);
+        let removed = before - kv.block_table(seq).expect("live").num_stored_tokens() as usize;
+        let p = positions.get_or_insert_with(|| (0..before as u32).collect());
+        p.drain(victim * bs..victim * bs + removed);
         ev.policy.on_block_removed(victim);
         stats.evicted_blocks += 1;
     }

@@ -27,6 +27,10 @@ pub(crate) struct SeqState {
     pub preemptions: usize,
     pub aborted: bool,
     pub eviction: Option<SeqEviction>,
+    /// The position of each stored token once eviction or a compressed context has made
+    /// positions differ from stored indices (`None` while they are equal). Sliding-window
+    /// layers need it: their window is over positions.
+    pub stored_positions: Option<Vec<u32>>,
     /// Stored tokens after the last step, for the final report.
     pub kv_stored_tokens: usize,
     /// Chunk keys of the prompt for the tiers, and the next chunk not yet in them.
@@ -61,6 +65,7 @@ impl SeqState {
             preemptions: 0,
             aborted: false,
             eviction: None,
+            stored_positions: None,
             kv_stored_tokens: 0,
             tier_keys: Vec::new(),
             tier_next_chunk: 0,

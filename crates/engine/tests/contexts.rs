@@ -271,7 +271,7 @@ fn a_snapkv_grid_scores_a_context_by_its_last_queries_and_serves_it_dropped() {
     let g = pk_model::KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: 16, num_blocks: 32 };
     let mut kv = pk_model::KvStore::new(g, pk_model::KvDtype::F16);
     let table: Vec<u32> = (0..32).collect();
-    let fwd = pk_model::SeqForward { tokens: context, start_position: 0, stored_start: 0, block_table: &table, logits_from: context.len() };
+    let fwd = pk_model::SeqForward { tokens: context, start_position: 0, stored_start: 0, block_table: &table, logits_from: context.len(), stored_positions: &[] };
     let (_, mut captured) = model.forward_with_queries(&mut kv, &[fwd], &[64]);
     let window = pk_evicpress::WindowQueries { n_heads: c.n_heads, positions: (448..512).collect(), data: captured.swap_remove(0) };
     let master = store.load_master(&key).unwrap();

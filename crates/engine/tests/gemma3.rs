@@ -96,7 +96,7 @@ fn greedy_continuations_agree_with_llama_cpp_up_to_near_ties() {
         let mut store = KvStore::new(g, KvDtype::F16);
         // One prefill of prompt + continuation; row i predicts token i + 1.
         let n = all.len() - 1;
-        let logits = model.forward(&mut store, &[SeqForward { tokens: &all[..n], start_position: 0, stored_start: 0, block_table: &table, logits_from: prompt.len() - 1 }]);
+        let logits = model.forward(&mut store, &[SeqForward { tokens: &all[..n], start_position: 0, stored_start: 0, block_table: &table, logits_from: prompt.len() - 1, stored_positions: &[] }]);
         for (i, &want) in cont.iter().enumerate() {
             let lp = log_softmax(&logits[i * c.vocab_size..(i + 1) * c.vocab_size]);
             let top = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -125,20 +125,34 @@ fn engine_generates_like_llama_cpp() {
     engine.check_invariants();
 }
 
-/// Token eviction is refused on sliding-window models, with the reason: the local layers'
-/// window is over positions, which the paged cache does not keep per stored token (the
-/// eval's KL from the full cache was 3.4–3.9 nats when it was allowed). The full cache and
-/// the engine keep working after the refusal.
+fn mean_kl(full: &[Vec<f32>], other: &[Vec<f32>]) -> f64 {
+    let kl = |p: &[f32], q: &[f32]| -> f64 {
+        let (lp, lq) = (log_softmax(p), log_softmax(q));
+        lp.iter().zip(&lq).map(|(&a, &b)| (a as f64).exp() * (a - b) as f64).sum()
+    };
+    full.iter().zip(other).map(|(p, q)| kl(p, q)).sum::<f64>() / full.len() as f64
+}
+
+/// Eviction on a sliding-window model: the local layers' window is over positions, so after
+/// streaming-llm keeps the attention sinks (positions 0–3) and the recent tokens of a
+/// 1,024-token text, a query at position ~1,000 must not see the sinks in its local layers.
+/// Measured: mean KL from the full cache over these 32 teacher-forced tokens 0.027 nats
+/// (streaming-llm) and 0.43 (paged-eviction) with the position-aware window; 2.5 for
+/// streaming-llm when the window counted stored tokens (the sinks inside it).
 #[test]
-fn token_eviction_is_refused_with_a_reason() {
+fn eviction_keeps_local_windows_over_positions() {
     let mut engine = Engine::load(&model_path(), EngineConfig::default()).unwrap();
-    let prompt = engine.tokenizer.encode_prompt("The capital of France is", false);
-    for policy in ["paged-eviction", "streaming-llm", "snapkv"] {
-        let params = pk_engine::GenerateParams { max_tokens: 4, kv_policy: Some(policy.parse().unwrap()), kv_budget: Some(64), ..Default::default() };
-        let err = engine.generate(&prompt, &params, &mut |_| {}).unwrap_err().to_string();
-        assert!(err.contains("sliding-window"), "{policy}: {err}");
+    let text = String::from_utf8_lossy(&book()[20_000..60_000]).into_owned();
+    let mut ids = engine.tokenizer.encode_prompt(&text, false);
+    ids.truncate(1024);
+    let (prompt, cont) = ids.split_at(1024 - 32);
+    let full = engine.teacher_force(prompt, cont, &pk_engine::GenerateParams::default()).unwrap();
+    for (policy, bound) in [("streaming-llm", 0.5), ("paged-eviction", 1.0)] {
+        let params = pk_engine::GenerateParams { kv_policy: Some(policy.parse().unwrap()), kv_budget: Some(512), ..Default::default() };
+        let evicted = engine.teacher_force(prompt, cont, &params).unwrap();
+        let kl = mean_kl(&full, &evicted);
+        eprintln!("{policy} at 512 of 1,024 tokens: mean KL {kl:.3} nats");
+        assert!(kl < bound, "{policy}: mean KL {kl:.3} nats from the full cache");
     }
-    let out = engine.generate(&prompt, &pk_engine::GenerateParams { max_tokens: 4, ..Default::default() }, &mut |_| {}).unwrap();
-    assert_eq!(out.token_ids.len(), 4);
     engine.check_invariants();
 }

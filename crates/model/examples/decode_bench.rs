@@ -40,7 +40,7 @@ fn main() {
     let table: Vec<u32> = (0..g.num_blocks as u32).collect();
     let prompt: Vec<u32> = (0..context as u32).map(|i| 1 + (i * 7919) % 40000).collect();
     let t = Instant::now();
-    let logits = model.forward(&mut store, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: context - 1 }]);
+    let logits = model.forward(&mut store, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: context - 1, stored_positions: &[] }]);
     let prefill = t.elapsed().as_secs_f64();
     let pool = pk_model::kernels::pool::global();
     let mut times = vec![Vec::new(); modes.len()];
@@ -52,7 +52,7 @@ fn main() {
             let m = i % modes.len();
             pool.set_active_threads(modes[m]);
             let (t, c) = (Instant::now(), cpu_seconds());
-            let l = model.forward(&mut store, &[SeqForward { tokens: &[tok], start_position: pos, stored_start: pos, block_table: &table, logits_from: 0 }]);
+            let l = model.forward(&mut store, &[SeqForward { tokens: &[tok], start_position: pos, stored_start: pos, block_table: &table, logits_from: 0, stored_positions: &[] }]);
             times[m].push(t.elapsed().as_secs_f64());
             cpus[m] += cpu_seconds() - c;
             tok = argmax(&l);

@@ -29,9 +29,9 @@ fn main() {
     let mut store = KvStore::new(g, dtype);
     let table: Vec<u32> = (0..g.num_blocks as u32).collect();
     let prompt: Vec<u32> = (0..context as u32).map(|i| 1 + (i * 7919) % 40000).collect();
-    model.forward(&mut store, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: context }]);
+    model.forward(&mut store, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: context, stored_positions: &[] }]);
     let q_ids: Vec<u32> = (0..query as u32).map(|i| 100 + i * 13).collect();
-    let fwd = SeqForward { tokens: &q_ids, start_position: context, stored_start: context, block_table: &table, logits_from: query - 1 };
+    let fwd = SeqForward { tokens: &q_ids, start_position: context, stored_start: context, block_table: &table, logits_from: query - 1, stored_positions: &[] };
     let mut hit = Vec::new();
     for _ in 0..reps {
         let t = Instant::now();

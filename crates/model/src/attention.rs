@@ -121,25 +121,29 @@ pub fn paged_attention_with(
     q: &[f32],
     out: &mut [f32],
 ) {
-    attention_impl(kernel, store, layer, shape, seqs, q, out, usize::MAX)
+    attention_impl(kernel, store, layer, shape, seqs, q, out, None)
 }
 
-/// [`paged_attention`] over a sliding window (Gemma 3's local layers): query i sees only
-/// the last `window_tokens` stored tokens up to its own, `stored_start + i + 1 -
-/// window_tokens ..= stored_start + i`, as llama.cpp's SWA mask does (with no eviction,
-/// stored indices are positions). The AVX-512 kernel takes a range of keys; quantised K/V
-/// and CPUs without it take the portable kernel.
-pub fn paged_attention_window(store: &KvStore, layer: usize, shape: AttnShape, seqs: &[AttnSeq], q: &[f32], out: &mut [f32], window_tokens: usize) {
-    paged_attention_window_with(Kernel::best(shape.head_dim), store, layer, shape, seqs, q, out, window_tokens)
+/// [`paged_attention`] over a sliding window (Gemma 3's local layers): query row r (of the
+/// batch) sees stored tokens `first_visible[r] ..= stored_start + i`, where the caller has
+/// turned the window, which is over positions, into the first stored index inside it (the
+/// two differ once tokens were evicted; see `Llama::forward`). The AVX-512 kernel takes a
+/// range of keys; quantised K/V and CPUs without it take the portable kernel.
+pub fn paged_attention_window(store: &KvStore, layer: usize, shape: AttnShape, seqs: &[AttnSeq], q: &[f32], out: &mut [f32], first_visible: &[usize]) {
+    paged_attention_window_with(Kernel::best(shape.head_dim), store, layer, shape, seqs, q, out, first_visible)
 }
 
 /// [`paged_attention_window`] with a chosen kernel (tests compare them).
 #[allow(clippy::too_many_arguments)]
-pub fn paged_attention_window_with(kernel: Kernel, store: &KvStore, layer: usize, shape: AttnShape, seqs: &[AttnSeq], q: &[f32], out: &mut [f32], window_tokens: usize) {
-    assert!(window_tokens > 0, "an empty attention window");
+pub fn paged_attention_window_with(kernel: Kernel, store: &KvStore, layer: usize, shape: AttnShape, seqs: &[AttnSeq], q: &[f32], out: &mut [f32], first_visible: &[usize]) {
+    for s in seqs {
+        for i in 0..s.n_queries {
+            assert!(first_visible[s.row_offset + i] <= s.stored_start + i, "a window must hold the query's own token");
+        }
+    }
     let quant = matches!(store.layer(layer), LayerKv::Quant { .. });
     let kernel = if kernel == Kernel::Avx512 && !quant { Kernel::Avx512 } else { Kernel::Scalar };
-    attention_impl(kernel, store, layer, shape, seqs, q, out, window_tokens)
+    attention_impl(kernel, store, layer, shape, seqs, q, out, Some(first_visible))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -151,7 +155,7 @@ fn attention_impl(
     seqs: &[AttnSeq],
     q: &[f32],
     out: &mut [f32],
-    window_tokens: usize,
+    first_visible: Option<&[usize]>,
 ) {
     let q_dim = shape.n_heads * shape.head_dim;
     let n_rows: usize = seqs.iter().map(|s| s.row_offset + s.n_queries).max().unwrap_or(0);
@@ -180,7 +184,7 @@ fn attention_impl(
         }
         // SAFETY (both branches): tasks write disjoint (row, head) slices of `out`, whose
         // length was checked above; block tables were checked to cover every visible key.
-        let run = |t: &Task| unsafe { attend_task(kernel, store, layer, shape, &seqs[t.seq], t, q, ptr, window_tokens) };
+        let run = |t: &Task| unsafe { attend_task(kernel, store, layer, shape, &seqs[t.seq], t, q, ptr, first_visible) };
         if rayon::current_num_threads() > 1 && tasks.len() > 1 && row_keys >= MIN_PARALLEL_ROW_KEYS {
             tasks.par_iter().for_each(run);
         } else {
@@ -194,8 +198,8 @@ fn attention_impl(
 /// # Safety
 /// `out` must hold every row of `s`, and no other task may write this (tile, KV head).
 #[allow(clippy::too_many_arguments)]
-unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: AttnShape, s: &AttnSeq, t: &Task, q: &[f32], out: OutPtr, window_tokens: usize) {
-    debug_assert!(window_tokens == usize::MAX || kernel != Kernel::Avx2, "windows run on the AVX-512 or the portable kernel");
+unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: AttnShape, s: &AttnSeq, t: &Task, q: &[f32], out: OutPtr, first_visible: Option<&[usize]>) {
+    debug_assert!(first_visible.is_none() || kernel != Kernel::Avx2, "windows run on the AVX-512 or the portable kernel");
     let hd = shape.head_dim;
     let group = shape.n_heads / shape.n_kv_heads;
     let q_dim = shape.n_heads * hd;
@@ -221,8 +225,8 @@ unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: Attn
         for tok in t.t0..t.t1 {
             for g in 0..group {
                 let n_visible = s.stored_start + tok + 1;
-                let first_visible = n_visible.saturating_sub(window_tokens);
-                rows[n] = attn512::Row { q: q.as_ptr().add(at(tok, g)), out: out.0.add(at(tok, g)), first_visible, n_visible };
+                let first = first_visible.map_or(0, |f| f[s.row_offset + tok]);
+                rows[n] = attn512::Row { q: q.as_ptr().add(at(tok, g)), out: out.0.add(at(tok, g)), first_visible: first, n_visible };
                 n += 1;
                 if n == max_rows {
                     attend(&kv, &rows[..n]);
@@ -236,7 +240,7 @@ unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: Attn
         }
         return;
     }
-    let res = attend_tile(kernel == Kernel::Avx2, store, layer, shape, s, t.kv_head, t.t0, t.t1, q, window_tokens);
+    let res = attend_tile(kernel == Kernel::Avx2, store, layer, shape, s, t.kv_head, t.t0, t.t1, q, first_visible);
     for (ti, tok) in (t.t0..t.t1).enumerate() {
         for g in 0..group {
             let src = &res[(ti * group + g) * hd..(ti * group + g + 1) * hd];
@@ -256,7 +260,7 @@ fn attend_tile(
     t0: usize,
     t1: usize,
     q: &[f32],
-    window_tokens: usize,
+    first_visible: Option<&[usize]>,
 ) -> Vec<f32> {
     let hd = shape.head_dim;
     let group = shape.n_heads / shape.n_kv_heads;
@@ -287,8 +291,9 @@ fn attend_tile(
         Vec::new()
     };
     // The first stored index query token t sees (0 without a window).
-    let first_visible = |t: usize| (s.stored_start + t + 1).saturating_sub(window_tokens);
-    debug_assert!(window_tokens == usize::MAX || !simd, "windows run on the portable kernel");
+    let windowed = first_visible.is_some();
+    let first_visible = |t: usize| first_visible.map_or(0, |f| f[s.row_offset + t]);
+    debug_assert!(!windowed || !simd, "windows run on the portable kernel");
     for b in first_visible(t0) / bs..n_blocks {
         let block = s.block_table[b];
         let n_valid = bs.min(last_visible + 1 - b * bs);
@@ -472,9 +477,10 @@ mod tests {
             let q: Vec<f32> = (0..n_q * q_dim).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let shape = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd };
             let seq = AttnSeq { block_table: &table, stored_start: n_tokens - n_q, n_queries: n_q, row_offset: 0 };
+            let first: Vec<usize> = (0..n_q).map(|i| (n_tokens - n_q + i + 1).saturating_sub(w)).collect();
             for kernel in kernels(hd) {
                 let mut out = vec![0f32; n_q * q_dim];
-                paged_attention_window_with(kernel, &store, 0, shape, &[seq], &q, &mut out, w);
+                paged_attention_window_with(kernel, &store, 0, shape, &[seq], &q, &mut out, &first);
                 for i in 0..n_q {
                     let end = n_tokens - n_q + i + 1;
                     let lo = end.saturating_sub(w);
@@ -489,7 +495,7 @@ mod tests {
                     // The row alone (a decode step) has the same bits as in the batch.
                     let one = AttnSeq { block_table: &table, stored_start: end - 1, n_queries: 1, row_offset: 0 };
                     let mut o1 = vec![0f32; q_dim];
-                    paged_attention_window_with(kernel, &store, 0, shape, &[one], &q[i * q_dim..(i + 1) * q_dim], &mut o1, w);
+                    paged_attention_window_with(kernel, &store, 0, shape, &[one], &q[i * q_dim..(i + 1) * q_dim], &mut o1, &first[i..i + 1]);
                     assert_eq!(o1, out[i * q_dim..(i + 1) * q_dim], "{kernel:?} row {i} alone vs batched");
                 }
             }

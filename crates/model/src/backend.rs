@@ -301,7 +301,7 @@ mod tests {
         let mut backend: Box<dyn Backend> = Box::new(CpuBackend::new(Llama::new(cfg.clone(), weights()), g, KvDtype::F16));
         let table = [2u32, 0, 3];
         let prompt: Vec<u32> = (0..40).map(|i| (i * 13 + 1) % 512).collect();
-        let seq = [SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: 38 }];
+        let seq = [SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: 38, stored_positions: &[] }];
         let want = direct.forward_with_queries(&mut store, &seq, &[3]);
         let got = backend.forward_with_queries(&seq, &[3]).unwrap();
         assert_eq!(want, got);

@@ -22,7 +22,7 @@ use crate::weights::Weights;
 use crate::ModelError;
 
 /// One sequence's new tokens in a forward call.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct SeqForward<'a> {
     pub tokens: &'a [u32],
     /// Absolute position (for RoPE) of `tokens[0]`.
@@ -33,6 +33,31 @@ pub struct SeqForward<'a> {
     pub block_table: &'a [u32],
     /// Logits are returned for `tokens[logits_from..]` (use `tokens.len()` for none).
     pub logits_from: usize,
+    /// Positions of stored tokens `0..stored_start`, ascending, once eviction has made them
+    /// differ from stored indices; empty means stored index = position. Only sliding-window
+    /// layers read them (their window is over positions; see `first_visible`).
+    pub stored_positions: &'a [u32],
+}
+
+impl SeqForward<'_> {
+    /// The first stored index a sliding window of `window` positions lets new token `i`
+    /// see: every stored token at position > `start_position + i - window`. Positions
+    /// ascend with stored indices, so it is the number of stored tokens before the window.
+    pub fn first_visible(&self, i: usize, window: usize) -> usize {
+        let lo_pos = (self.start_position + i + 1).saturating_sub(window);
+        if self.stored_positions.is_empty() {
+            // Stored index = position: the window counts stored tokens.
+            return (self.stored_start + i + 1).saturating_sub(window);
+        }
+        assert_eq!(self.stored_positions.len(), self.stored_start, "a position for every stored token");
+        let old = self.stored_positions.partition_point(|&p| (p as usize) < lo_pos);
+        if old < self.stored_start {
+            old
+        } else {
+            // Every older token is outside: the window starts among the new tokens.
+            self.stored_start + lo_pos.saturating_sub(self.start_position).min(i)
+        }
+    }
 }
 
 pub struct Llama {
@@ -124,6 +149,12 @@ impl Llama {
                 positions.push(s.start_position + i);
             }
         }
+        // Sliding-window layers: each row's first visible stored index (the same for every
+        // such layer).
+        let first_visible: Vec<usize> = match c.extras.sliding_window {
+            Some(w) => seqs.iter().flat_map(|s| (0..s.tokens.len()).map(move |i| s.first_visible(i, w.window_tokens))).collect(),
+            None => Vec::new(),
+        };
         let mut attn_seqs = Vec::with_capacity(seqs.len());
         let mut row = 0;
         for s in seqs {
@@ -193,8 +224,8 @@ impl Llama {
             }
             // Decode steps spread attention over the decode pool (same bits, see
             // `kernels::split_attn`); everything else takes the general path.
-            if let Some(w) = window {
-                paged_attention_window(store, li, shape, &attn_seqs, q, attn, w);
+            if window.is_some() {
+                paged_attention_window(store, li, shape, &attn_seqs, q, attn, &first_visible);
             } else if !split_attention(store, li, shape, &attn_seqs, q, attn) {
                 paged_attention(store, li, shape, &attn_seqs, q, attn);
             }
@@ -273,6 +304,27 @@ mod tests {
     use crate::kv_store::{KvDtype, KvGeometry};
     use pk_gguf::GgmlType;
 
+    /// The window's first stored index: by stored index without positions, by position
+    /// with them (tokens dropped before, inside and after the window), and among the new
+    /// tokens when every older one is outside.
+    #[test]
+    fn first_visible_follows_positions() {
+        let table = [0u32];
+        let plain = SeqForward { tokens: &[1, 2, 3], start_position: 10, stored_start: 10, block_table: &table, ..Default::default() };
+        assert_eq!((0..3).map(|i| plain.first_visible(i, 4)).collect::<Vec<_>>(), [7, 8, 9]);
+        // Stored tokens at positions 0, 1, 5, 8, 9 (others evicted); new tokens at 10, 11, 12.
+        let pos = [0u32, 1, 5, 8, 9];
+        let evicted = SeqForward { tokens: &[1, 2, 3], start_position: 10, stored_start: 5, block_table: &table, stored_positions: &pos, ..Default::default() };
+        // Window 4 at position 10 covers positions 7..=10: stored 8 and 9 (indices 3, 4).
+        assert_eq!(evicted.first_visible(0, 4), 3);
+        // Window 6 at position 12 covers 7..=12: still from index 3.
+        assert_eq!(evicted.first_visible(2, 6), 3);
+        // Window 2 at position 12 covers 11..=12: the new tokens 1 and 2 (stored 6 and 7).
+        assert_eq!(evicted.first_visible(2, 2), 6);
+        // A window reaching before every token sees everything.
+        assert_eq!(evicted.first_visible(1, 100), 0);
+    }
+
     /// Decode steps give the same logits, bit for bit, whether the decode pool runs them on
     /// one thread or on several (matmul chunks and attention heads on any thread), and the
     /// same as the step's token computed inside a prefill: per-token arithmetic does not
@@ -290,11 +342,11 @@ mod tests {
         let run = |threads: usize| {
             pool.set_active_threads(threads);
             let mut store = KvStore::new(g, KvDtype::F16);
-            model.forward(&mut store, &[SeqForward { tokens: &prompt[..30], start_position: 0, stored_start: 0, block_table: &table, logits_from: 30 }]);
+            model.forward(&mut store, &[SeqForward { tokens: &prompt[..30], start_position: 0, stored_start: 0, block_table: &table, logits_from: 30, stored_positions: &[] }]);
             let mut out = Vec::new();
             for (i, &t) in prompt[30..].iter().enumerate() {
                 let pos = 30 + i;
-                let l = model.forward(&mut store, &[SeqForward { tokens: &[t], start_position: pos, stored_start: pos, block_table: &table, logits_from: 0 }]);
+                let l = model.forward(&mut store, &[SeqForward { tokens: &[t], start_position: pos, stored_start: pos, block_table: &table, logits_from: 0, stored_positions: &[] }]);
                 out.extend(l.iter().map(|v| v.to_bits()));
             }
             out
@@ -307,7 +359,7 @@ mod tests {
         pool.set_active_threads(pool.threads());
         assert_eq!(one, all);
         let mut store = KvStore::new(g, KvDtype::F16);
-        let whole = model.forward(&mut store, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: 30 }]);
+        let whole = model.forward(&mut store, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: 30, stored_positions: &[] }]);
         assert_eq!(one, whole.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
     }
 }

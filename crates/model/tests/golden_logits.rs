@@ -88,7 +88,7 @@ fn first_step_top5_logprobs_match_llama_cpp() {
         let mut store = KvStore::new(geometry, KvDtype::F16);
         // A deliberately non-contiguous block table.
         let table: Vec<u32> = (0..8).rev().collect();
-        let logits = model.forward(&mut store, &[SeqForward { tokens: &ids, start_position: 0, stored_start: 0, block_table: &table, logits_from: ids.len() - 1 }]);
+        let logits = model.forward(&mut store, &[SeqForward { tokens: &ids, start_position: 0, stored_start: 0, block_table: &table, logits_from: ids.len() - 1, stored_positions: &[] }]);
         let lp = log_softmax(&logits);
         let mut worst = 0f32;
         for want in p["top5_per_step"][0].as_array().unwrap() {

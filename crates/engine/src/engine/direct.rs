@@ -106,7 +106,7 @@ impl Engine {
             };
             let table = eviction::table_of(&self.kv, seq);
             let from = logits_from.clamp(done, end) - done;
-            let fwd = SeqForward { tokens: &tokens[done..end], start_position: slots.first_position as usize, stored_start: done, block_table: &table, logits_from: from };
+            let fwd = SeqForward { tokens: &tokens[done..end], start_position: slots.first_position as usize, stored_start: done, block_table: &table, logits_from: from, stored_positions: &[] };
             match self.backend.forward(&[fwd]) {
                 Ok(rows) => logits.extend(rows),
                 Err(e) => {
