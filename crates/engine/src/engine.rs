@@ -716,9 +716,9 @@ impl Engine {
             let i = idx_of(&self.running, seq);
             let s = &mut self.running[i];
             let was_prefill = s.is_prefilling();
-            if s.stored_positions.is_some() {
-                let new: Vec<u32> = (from..to).map(|i| s.position_of(i) as u32).collect();
-                s.stored_positions.as_mut().expect("checked").extend(new);
+            let new_positions: Vec<u32> = if s.stored_positions.is_some() { (from..to).map(|i| s.position_of(i) as u32).collect() } else { Vec::new() };
+            if let Some(p) = s.stored_positions.as_mut() {
+                p.extend(new_positions);
             }
             s.num_computed = to;
             if was_prefill {

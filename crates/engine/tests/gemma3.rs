@@ -33,7 +33,7 @@ fn book() -> &'static [u8] {
 
 #[test]
 fn tokenizer_matches_llama_cpp() {
-    let f = pk_gguf::GgufFile::open(&model_path()).unwrap();
+    let f = pk_gguf::GgufFile::open(model_path()).unwrap();
     let tok = Tokenizer::from_gguf(&f).unwrap();
     let g = golden();
     for case in g["tokenizer"]["cases"].as_array().unwrap() {
@@ -83,7 +83,7 @@ fn log_softmax(x: &[f32]) -> Vec<f32> {
 #[test]
 fn greedy_continuations_agree_with_llama_cpp_up_to_near_ties() {
     const NEAR_TIE_NATS: f32 = 0.5;
-    let f = pk_gguf::GgufFile::open(&model_path()).unwrap();
+    let f = pk_gguf::GgufFile::open(model_path()).unwrap();
     let model = Llama::from_gguf(&f).unwrap();
     let c = &model.config;
     let g = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: 16, num_blocks: 8 };

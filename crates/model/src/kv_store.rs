@@ -364,7 +364,7 @@ impl KvStore {
     /// Reads slots `slot0..slot0 + out.len() / head_dim` of one KV head of a block's V.
     pub fn read_v_rows(&self, layer: usize, block: u32, kv_head: usize, slot0: usize, out: &mut [f32]) {
         let (hd, bs) = (self.geometry.head_dim, self.geometry.block_size_tokens);
-        assert!(out.len() % hd == 0 && slot0 + out.len() / hd <= bs, "rows must be whole tokens of one block");
+        assert!(out.len().is_multiple_of(hd) && slot0 + out.len() / hd <= bs, "rows must be whole tokens of one block");
         match &self.layers[layer] {
             LayerBufs::Elems { v, .. } => v.read(self.offset(block, kv_head, slot0), out),
             LayerBufs::Quant { v, .. } => {
