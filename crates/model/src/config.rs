@@ -36,6 +36,9 @@ pub struct ArchExtras {
     /// (`post_attention_norm`, `post_ffw_norm`).
     pub post_norms: bool,
     pub sliding_window: Option<SlidingWindow>,
+    /// Q, K and V projections add a bias (`attn_q.bias`, `attn_k.bias`, `attn_v.bias`):
+    /// Qwen2.
+    pub qkv_bias: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -57,7 +60,7 @@ pub struct ModelConfig {
 }
 
 /// Architectures whose forward pass we implement.
-pub const SUPPORTED_ARCHS: &[&str] = &["llama", "gemma3"];
+pub const SUPPORTED_ARCHS: &[&str] = &["llama", "gemma3", "qwen2"];
 
 /// Gemma 3's "5-to-1 interleaved attention" and its local RoPE base, which the GGUF does
 /// not carry (llama.cpp hard-codes both for the architecture).
@@ -98,6 +101,15 @@ impl ModelConfig {
             extras: ArchExtras::default(),
             arch: arch.clone(),
         };
+        if cfg.arch == "qwen2" {
+            // llama.cpp's qwen2 graph: the Llama block with biased Q/K/V projections and
+            // NEOX RoPE (its converter does not permute Q/K as it does for Llama).
+            cfg.rope_style = RopeStyle::Neox;
+            cfg.extras.qkv_bias = true;
+            if f.get_str(&key("rope.scaling.type")).is_ok_and(|t| t != "none") {
+                return Err(ModelError::BadConfig("qwen2 with RoPE scaling (YaRN beyond 32K) is not supported".into()));
+            }
+        }
         if cfg.arch == "gemma3" {
             // Gemma's GGUF converter stores its norms' weights as 1 + w, so the plain RMSNorm
             // of the Llama block applies unchanged.
@@ -112,6 +124,7 @@ impl ModelConfig {
                     global_every: GEMMA3_GLOBAL_EVERY,
                     rope_theta_local: GEMMA3_ROPE_THETA_LOCAL,
                 }),
+                qkv_bias: false,
             };
             if f.get_str(&key("rope.scaling.type")).is_ok() {
                 return Err(ModelError::BadConfig("gemma3 with RoPE scaling (the 4B and larger models) is not supported".into()));
@@ -160,6 +173,8 @@ impl ModelConfig {
             "smollm2-135m" => (30, 9, 3, 576, 1536, 49152, 8192, 100000.0),
             "llama-3.2-1b" => (16, 32, 8, 2048, 8192, 128256, 131072, 500000.0),
             "llama-3.1-8b" => (32, 32, 8, 4096, 14336, 128256, 131072, 500000.0),
+            // Qwen2.5-1.5B's shape without its biases: a Llama of the same size.
+            "qwen2.5-1.5b" => (28, 12, 2, 1536, 8960, 151936, 32768, 1000000.0),
             _ => return None,
         };
         Some(ModelConfig {

@@ -197,6 +197,11 @@ impl Llama {
             }
             // One pass: the normed input is quantised once for Q, K and V.
             matmul_multi(&[&lw.wq, &lw.wk, &lw.wv], h, n, &mut [&mut *q, &mut *k, &mut *v]);
+            for (out, bias) in [(&mut *q, &lw.bq), (&mut *k, &lw.bk), (&mut *v, &lw.bv)] {
+                if let Some(b) = bias {
+                    out.chunks_exact_mut(b.len()).for_each(|row| add_in_place(row, b));
+                }
+            }
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
                 rmsnorm_rows_in_place(q, qn, c.rms_eps);
                 rmsnorm_rows_in_place(k, kn, c.rms_eps);

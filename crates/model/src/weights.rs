@@ -1,4 +1,4 @@
-//! Loading Llama-family (and Gemma 3) weights from GGUF, or generating random weights of a real shape.
+//! Loading Llama-family (Gemma 3, Qwen2) weights from GGUF, or generating random weights of a real shape.
 //!
 //! Weights stay in their quantised GGML format in memory (copied out of the memory map
 //! once, so that later kernels may repack them); only norms are converted to f32.
@@ -25,6 +25,10 @@ pub struct LayerWeights {
     pub k_norm: Option<Vec<f32>>,
     pub post_attn_norm: Option<Vec<f32>>,
     pub post_ffn_norm: Option<Vec<f32>>,
+    /// Qwen2's Q/K/V biases (`ArchExtras::qkv_bias`), added after the projections.
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
 }
 
 pub struct Weights {
@@ -59,6 +63,9 @@ impl Weights {
                     k_norm: cfg.extras.qk_norm.then(|| vector(f, &p("attn_k_norm"), cfg.head_dim)).transpose()?,
                     post_attn_norm: cfg.extras.post_norms.then(|| vector(f, &p("post_attention_norm"), cfg.d_model)).transpose()?,
                     post_ffn_norm: cfg.extras.post_norms.then(|| vector(f, &p("post_ffw_norm"), cfg.d_model)).transpose()?,
+                    bq: cfg.extras.qkv_bias.then(|| vector(f, &format!("blk.{i}.attn_q.bias"), cfg.q_dim())).transpose()?,
+                    bk: cfg.extras.qkv_bias.then(|| vector(f, &format!("blk.{i}.attn_k.bias"), cfg.kv_dim())).transpose()?,
+                    bv: cfg.extras.qkv_bias.then(|| vector(f, &format!("blk.{i}.attn_v.bias"), cfg.kv_dim())).transpose()?,
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
@@ -109,6 +116,9 @@ impl Weights {
                 k_norm: cfg.extras.qk_norm.then(|| vec![1.0; cfg.head_dim]),
                 post_attn_norm: cfg.extras.post_norms.then(|| vec![1.0; cfg.d_model]),
                 post_ffn_norm: cfg.extras.post_norms.then(|| vec![1.0; cfg.d_model]),
+                bq: cfg.extras.qkv_bias.then(|| vec![0.01; cfg.q_dim()]),
+                bk: cfg.extras.qkv_bias.then(|| vec![0.01; cfg.kv_dim()]),
+                bv: cfg.extras.qkv_bias.then(|| vec![0.01; cfg.kv_dim()]),
             })
             .collect();
         let mut w = Weights { token_embd: m(cfg.vocab_size, cfg.d_model), layers, output_norm: vec![1.0; cfg.d_model], output: None };

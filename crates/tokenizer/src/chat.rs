@@ -39,14 +39,40 @@ const TEMPLATE_NAME: &str = "chat_template";
 /// One turn of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
-    /// `"system"`, `"user"` or `"assistant"` (templates may accept others).
+    /// `"system"`, `"user"`, `"assistant"` or `"tool"` (templates may accept others).
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls, in OpenAI's shape (`[{"id", "type": "function",
+    /// "function": {"name", "arguments"}}]`). Rendered with each call's `arguments` as a
+    /// JSON object where it parses as one, as vLLM passes them to templates (Qwen2.5's
+    /// template writes them with `tojson`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// The call a `tool` message answers (templates may show it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), tool_calls: None, tool_call_id: None }
+    }
+
+    /// The message as the template sees it: tool-call arguments given as JSON text are
+    /// parsed into objects.
+    fn for_template(&self) -> ChatMessage {
+        let mut m = self.clone();
+        if let Some(serde_json::Value::Array(calls)) = &mut m.tool_calls {
+            for call in calls.iter_mut() {
+                let args = call.get_mut("function").and_then(|f| f.get_mut("arguments"));
+                if let Some(a) = args {
+                    if let Some(parsed) = a.as_str().and_then(|t| serde_json::from_str::<serde_json::Value>(t).ok()) {
+                        *a = parsed;
+                    }
+                }
+            }
+        }
+        m
     }
 }
 
@@ -65,6 +91,7 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.add_function("raise_exception", raise_exception);
+        env.add_filter("tojson", tojson_like_python);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|source| TokenizerError::Template { stage: "compile", source })?;
         Ok(ChatTemplate {
@@ -92,16 +119,32 @@ impl ChatTemplate {
     /// Renders a conversation. With `add_generation_prompt` the result ends with the
     /// header of an assistant turn, ready for generation.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Renders a conversation with tool definitions (OpenAI's `tools`: `[{"type":
+    /// "function", "function": {"name", "description", "parameters"}}]`), which templates
+    /// that know tools (Qwen2.5's) write into the system turn. `None` or an empty list
+    /// renders as [`ChatTemplate::render`].
+    pub fn render_with_tools(&self, messages: &[ChatMessage], tools: Option<&[serde_json::Value]>, add_generation_prompt: bool) -> Result<String, TokenizerError> {
         let render_error = |source| TokenizerError::Template { stage: "render", source };
         let template = self.env.get_template(TEMPLATE_NAME).map_err(render_error)?;
+        let messages: Vec<ChatMessage> = messages.iter().map(ChatMessage::for_template).collect();
+        let tools = tools.filter(|t| !t.is_empty());
         template
             .render(context! {
                 messages => messages,
+                tools => tools,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
             })
             .map_err(render_error)
+    }
+
+    /// Whether the template reads `tools` (so that a request's tools reach the prompt).
+    pub fn renders_tools(&self) -> bool {
+        self.source.contains("tools")
     }
 
     /// The source of the compiled template.
@@ -116,6 +159,47 @@ impl std::fmt::Debug for ChatTemplate {
             .field("bos_token", &self.bos_token)
             .field("eos_token", &self.eos_token)
             .finish_non_exhaustive()
+    }
+}
+
+/// HF's `tojson`: Python's `json.dumps(value, ensure_ascii=False)`, whose separators are
+/// `", "` and `": "` and whose keys keep their order (minijinja's own filter writes compact
+/// JSON, which would change the prompt's tokens against HF's rendering).
+fn tojson_like_python(value: minijinja::Value) -> Result<minijinja::Value, minijinja::Error> {
+    let json = serde_json::to_value(&value).map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    write_python_json(&json, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+fn write_python_json(v: &serde_json::Value, out: &mut String) {
+    use serde_json::Value as J;
+    match v {
+        J::Array(items) => {
+            out.push('[');
+            for (i, x) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                write_python_json(x, out);
+            }
+            out.push(']');
+        }
+        J::Object(map) => {
+            out.push('{');
+            for (i, (k, x)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                out.push_str(&serde_json::Value::String(k.clone()).to_string());
+                out.push_str(": ");
+                write_python_json(x, out);
+            }
+            out.push('}');
+        }
+        // serde_json escapes strings as Python does with ensure_ascii=False (quotes,
+        // backslashes and control characters), and writes numbers and literals alike.
+        other => out.push_str(&other.to_string()),
     }
 }
 
@@ -150,6 +234,19 @@ mod tests {
         assert_eq!(out, "<bos><start_of_turn>user\nx<end_of_turn>\n");
         let err = t.render(&[ChatMessage::new("user", "a"), ChatMessage::new("user", "b")], true).unwrap_err();
         assert!(err.to_string().contains("alternate"), "{err}");
+    }
+
+    /// Tools reach the template, `tojson` writes Python's separators in the given key
+    /// order, and a call's JSON-text arguments are rendered as an object.
+    #[test]
+    fn tools_and_tool_calls_render_like_hf() {
+        let src = "{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% for m in messages %}{% for c in m.tool_calls %}{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}";
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        let tool: serde_json::Value = serde_json::from_str(r#"{"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": ["x", "é"]}}}"#).unwrap();
+        let mut m = ChatMessage::new("assistant", "");
+        m.tool_calls = Some(serde_json::json!([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"z\": 2, \"y\": \"q\"}"}}]));
+        let out = t.render_with_tools(&[m], Some(&[tool]), false).unwrap();
+        assert_eq!(out, "{\"type\": \"function\", \"function\": {\"name\": \"f\", \"parameters\": {\"b\": 1, \"a\": [\"x\", \"é\"]}}}\n{\"z\": 2, \"y\": \"q\"}");
     }
 
     #[test]

@@ -22,6 +22,10 @@ const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]
 /// whitespace-only words; those end in a line break and must not be shortened.
 const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+";
 
+/// Qwen2's pattern: Llama 3's with every digit on its own (`\p{N}` instead of
+/// `\p{N}{1,3}`), folded the same way.
+const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+";
+
 /// Which family of splitting rules a vocabulary uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PreTokenizerKind {
@@ -34,6 +38,8 @@ pub enum PreTokenizerKind {
     DigitsThenGpt2,
     /// Llama 3 (`llama-bpe`, `llama3`): digits in groups of up to three.
     Llama3,
+    /// Qwen2 (`qwen2`, `deepseek-r1-qwen`): Llama 3's rules with single digits.
+    Qwen2,
 }
 
 impl PreTokenizerKind {
@@ -44,6 +50,7 @@ impl PreTokenizerKind {
                 PreTokenizerKind::DigitsThenGpt2
             }
             "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => PreTokenizerKind::Llama3,
+            "qwen2" | "deepseek-r1-qwen" => PreTokenizerKind::Qwen2,
             _ => PreTokenizerKind::Gpt2,
         }
     }
@@ -62,6 +69,7 @@ impl PreTokenizer {
             PreTokenizerKind::Gpt2 => (None, GPT2),
             PreTokenizerKind::DigitsThenGpt2 => (Some(r"\p{N}"), GPT2),
             PreTokenizerKind::Llama3 => (None, LLAMA3),
+            PreTokenizerKind::Qwen2 => (None, QWEN2),
         };
         // The patterns are constants checked by the unit tests, so compilation cannot fail
         // on user input.
@@ -117,7 +125,7 @@ impl PreTokenizer {
         if end == seg.len() || !word.chars().all(char::is_whitespace) {
             return end;
         }
-        if self.kind == PreTokenizerKind::Llama3 && word.contains(['\r', '\n']) {
+        if matches!(self.kind, PreTokenizerKind::Llama3 | PreTokenizerKind::Qwen2) && word.contains(['\r', '\n']) {
             return end;
         }
         match word.char_indices().next_back() {
@@ -164,7 +172,16 @@ mod tests {
     }
 
     #[test]
+    fn qwen2_words() {
+        use PreTokenizerKind::Qwen2;
+        assert_eq!(words(Qwen2, "12345 don'T"), ["1", "2", "3", "4", "5", " don", "'T"]);
+        assert_eq!(words(Qwen2, "a  \n\n  b"), ["a", "  \n\n", " ", " b"]);
+        assert_eq!(words(Qwen2, "fn main() {\n    x"), ["fn", " main", "()", " {\n", "   ", " x"]);
+    }
+
+    #[test]
     fn pre_names() {
+        assert_eq!(PreTokenizerKind::from_pre("qwen2"), PreTokenizerKind::Qwen2);
         assert_eq!(PreTokenizerKind::from_pre("smollm"), PreTokenizerKind::DigitsThenGpt2);
         assert_eq!(PreTokenizerKind::from_pre("llama-bpe"), PreTokenizerKind::Llama3);
         assert_eq!(PreTokenizerKind::from_pre("something-new"), PreTokenizerKind::Gpt2);
