@@ -5,16 +5,11 @@ mod common;
 
 use pk_engine::{EngineConfig, FinishReason, GenerateParams};
 
-/// llama.cpp's greedy tokens agree with ours only where its own reference is sound.
-///
-/// Measured (see crates/model/tests/golden_logits.rs for the evidence): llama.cpp b4748's
-/// reference outputs for prompts processed in one batch of 32 or more tokens disagree with
-/// both our forward pass and an independent numpy f32 implementation of this GGUF (its
-/// perplexity 277.6 vs 19.8 from both of ours; its chat answer "The capital of France is
-/// France."). For the two short prompts (14 and 19 tokens) its top-5 log-probabilities agree
-/// with ours to within 0.1 at every step. So we hold the short prompts to llama.cpp's greedy
-/// tokens for as long as they agree (raw_code: 12 tokens; raw_list: 5, then a near-tie),
-/// and every prompt to its exact tokenization.
+/// llama.cpp's greedy tokens (b4748, regenerated on a host without AMX; see
+/// shared/golden/README.md) and ours agree for the first 8 tokens of every prompt but one:
+/// chat_capital's 8th token is a near-tie (teacher-forced, llama.cpp's choice is 0.26 nats
+/// below our argmax there; crates/model/tests/golden_logits.rs), so it is held to 7. Every
+/// prompt is also held to its exact tokenization.
 #[test]
 fn greedy_tokens_against_llama_cpp() {
     let mut engine = common::engine(EngineConfig::default());
@@ -25,11 +20,7 @@ fn greedy_tokens_against_llama_cpp() {
         // The tokenizer must produce the same prompt ids from the prompt text.
         let chat = name.starts_with("chat");
         assert_eq!(engine.tokenizer.encode(p["prompt"].as_str().unwrap(), chat), prompt_ids, "{name}: tokenization");
-        let must_match = match name {
-            "raw_code" => 8,
-            "raw_list" => 5,
-            _ => 0,
-        };
+        let must_match = if name == "chat_capital" { 7 } else { 8 };
         let want: Vec<u32> = common::ids(&p["greedy_token_ids"]).into_iter().take(must_match).collect();
         let out = engine.generate(&prompt_ids, &GenerateParams { max_tokens: 8, ..Default::default() }, &mut |_| {}).unwrap();
         let mut got = out.token_ids.clone();
@@ -37,7 +28,10 @@ fn greedy_tokens_against_llama_cpp() {
         if out.finish_reason == FinishReason::Stop {
             got.push(engine.tokenizer.eos_id());
         }
-        assert_eq!(got[..must_match.min(got.len())], want[..], "{name}: greedy tokens differ from llama.cpp's");
+        // llama.cpp's list may be shorter than 8 (chat_sky's reference stops after 6).
+        let n = want.len();
+        assert!(got.len() >= n, "{name}: {} tokens, llama.cpp's {n}", got.len());
+        assert_eq!(got[..n], want[..], "{name}: greedy tokens differ from llama.cpp's");
         assert!(!out.text.is_empty(), "{name}: empty output");
         engine.check_invariants();
     }

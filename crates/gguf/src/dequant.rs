@@ -32,6 +32,7 @@ pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) {
             GgmlType::Q8_0 => q8_0(blk, y),
             GgmlType::Q4K => q4_k(blk, y),
             GgmlType::Q6K => q6_k(blk, y),
+            GgmlType::Q6S => q6_s(blk, y),
         }
     }
 }
@@ -126,6 +127,19 @@ fn q6_k(b: &[u8], y: &mut [f32]) {
             out[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
             out[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
         }
+    }
+}
+
+/// pagekeeper's internal [`GgmlType::Q6S`]: two f16 scales, one per 16 elements, then the
+/// low nibbles (as Q4_0's) and 2 high bits per element, four elements a byte.
+fn q6_s(b: &[u8], y: &mut [f32]) {
+    let (d0, d1) = (f16_at(b, 0), f16_at(b, 2));
+    let (ql, qh) = (&b[4..20], &b[20..28]);
+    for e in 0..32 {
+        let lo = if e < 16 { ql[e] & 0x0f } else { ql[e - 16] >> 4 };
+        let hi = (qh[e / 4] >> (2 * (e % 4))) & 3;
+        let q = (lo | (hi << 4)) as i32 - 32;
+        y[e] = if e < 16 { d0 } else { d1 } * q as f32;
     }
 }
 
@@ -226,5 +240,26 @@ mod tests {
         dequantize(GgmlType::Q6K, &b, &mut y);
         assert_eq!(y[0], 0.5 * -8.0 * (63 - 32) as f32);
         assert_eq!(y[64], 0.5 * -4.0 * -32.0);
+    }
+
+    #[test]
+    fn q6_s_known_values() {
+        let mut b = vec![];
+        b.extend(h(0.5));
+        b.extend(h(-2.0));
+        // Element j < 16: low nibble j; element 16 + j: high nibble 15 - j.
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        // High bits of element e: e % 4 (so q = lo + 16 · (e % 4)).
+        b.extend([0b11_10_01_00u8; 8]);
+        assert_eq!(b.len(), GgmlType::Q6S.block_bytes());
+        let mut y = [0f32; 32];
+        dequantize(GgmlType::Q6S, &b, &mut y);
+        for j in 0..16 {
+            assert_eq!(y[j], ((j + 16 * (j % 4)) as f32 - 32.0) * 0.5, "element {j}");
+            let e = 16 + j;
+            assert_eq!(y[e], ((15 - j + 16 * (e % 4)) as f32 - 32.0) * -2.0, "element {e}");
+        }
+        assert_eq!(y[0], -16.0);
+        assert_eq!(y[31], (0.0 + 48.0 - 32.0) * -2.0);
     }
 }

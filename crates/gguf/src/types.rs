@@ -16,6 +16,14 @@ pub enum GgmlType {
     Q8_0,
     Q4K,
     Q6K,
+    /// pagekeeper's own 6-bit format, never found in (or written to) a file: Q6_K's quants
+    /// regrouped into 32-element blocks that the integer SIMD kernels run directly (see
+    /// `pk_model::kquant`). A block is 28 bytes: `d0: f16` @0 scales elements 0..16, `d1:
+    /// f16` @2 elements 16..32, `ql[16]` @4 (element `e < 16` in the low nibble of `ql[e]`,
+    /// `16 + e` in its high nibble), `qh[8]` @20 (the two high bits of element `e` in bits
+    /// `2(e % 4)..2(e % 4) + 2` of byte `e / 4`); `y[e] = d_{e/16} · (q[e] − 32)`, `q` in 0..64.
+    /// That is 7 bits a weight.
+    Q6S,
 }
 
 impl GgmlType {
@@ -42,6 +50,8 @@ impl GgmlType {
         })
     }
 
+    /// The GGUF type id; [`GgmlType::Q6S`], which exists only in memory, has none and gives
+    /// `u32::MAX` (it is never written to a file).
     pub fn id(self) -> u32 {
         match self {
             GgmlType::F32 => 0,
@@ -53,6 +63,8 @@ impl GgmlType {
             GgmlType::Q4K => 12,
             GgmlType::Q6K => 14,
             GgmlType::BF16 => 30,
+            // Internal only: no GGUF id, never written, and `from_id` never yields it.
+            GgmlType::Q6S => u32::MAX,
         }
     }
 
@@ -60,7 +72,7 @@ impl GgmlType {
     pub fn block_elems(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 => 32,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Q6S => 32,
             GgmlType::Q4K | GgmlType::Q6K => 256,
         }
     }
@@ -76,6 +88,7 @@ impl GgmlType {
             GgmlType::Q8_0 => 34,
             GgmlType::Q4K => 144,
             GgmlType::Q6K => 210,
+            GgmlType::Q6S => 28,
         }
     }
 
@@ -90,6 +103,7 @@ impl GgmlType {
             GgmlType::Q8_0 => "Q8_0",
             GgmlType::Q4K => "Q4_K",
             GgmlType::Q6K => "Q6_K",
+            GgmlType::Q6S => "Q6S",
         }
     }
 

@@ -6,16 +6,21 @@
 //!   dmin·m` with 4-bit `q`, which is Q4_1's `d'·q + m'` with `d' = d·sc` and `m' =
 //!   −dmin·m`. The quants move unchanged; only the two products are rounded to f16
 //!   (relative error ≤ 2⁻¹¹ on a scale, far below the 4-bit step).
-//! - Q6_K → Q8_0: each 32 values (two 16-value sub-blocks with their own 8-bit scales) are
-//!   requantised to 8 bits with one scale, as llama.cpp's `quantize_row_q8_0_ref` does: the
-//!   added error is at most 1/254 of the block's largest value, about an eighth of the
-//!   6-bit step.
+//! - Q6_K → Q6S (pagekeeper's own 6-bit format, see [`GgmlType::Q6S`]), one block per 32
+//!   elements: a Q6_K sub-block of 16 is `d·sc·(q − 32)` with 6-bit `q` and an 8-bit signed
+//!   `sc`, which is a Q6S half-block's `d'·(q − 32)` with `d' = d·sc`. The quants move
+//!   unchanged; only the product is rounded to f16 (relative error ≤ 2⁻¹¹, far below the
+//!   6-bit step). This replaced a requantisation to Q8_0, which added up to 1/254 of a
+//!   block's largest value of error and stored 8.5 bits a weight where Q6S stores 7 (decode
+//!   is bound by the bytes it reads: Qwen2.5-Coder-1.5B's Q6_K tensors, 458 → 378 MB a
+//!   token).
 //!
-//! Both change numerics slightly against llama.cpp, which runs K-quants directly; the
-//! Gemma golden tests (perplexity within 1 %, greedy agreement) hold with the conversion.
+//! Both change numerics slightly against llama.cpp, which runs K-quants directly (only by
+//! the f16 rounding of the scale products); the Gemma golden tests (perplexity within 1 %,
+//! greedy agreement) hold with the conversion.
 
 use half::f16;
-use pk_gguf::{dequantize, scale_min_k4, GgmlType};
+use pk_gguf::{scale_min_k4, GgmlType};
 
 const QK_K: usize = 256;
 
@@ -23,7 +28,7 @@ const QK_K: usize = 256;
 pub fn convert(ty: GgmlType, data: &[u8]) -> Option<(GgmlType, Vec<u8>)> {
     match ty {
         GgmlType::Q4K => Some((GgmlType::Q4_1, q4_k_to_q4_1(data))),
-        GgmlType::Q6K => Some((GgmlType::Q8_0, q6_k_to_q8_0(data))),
+        GgmlType::Q6K => Some((GgmlType::Q6S, q6_k_to_q6s(data))),
         _ => None,
     }
 }
@@ -56,20 +61,33 @@ pub fn q4_k_to_q4_1(data: &[u8]) -> Vec<u8> {
     out
 }
 
-/// Q6_K blocks (210 bytes per 256 values) → Q8_0 blocks (34 bytes per 32), requantised.
-pub fn q6_k_to_q8_0(data: &[u8]) -> Vec<u8> {
+/// Q6_K blocks (210 bytes per 256 values) → Q6S blocks (28 bytes per 32), quants unchanged.
+pub fn q6_k_to_q6s(data: &[u8]) -> Vec<u8> {
     let bb = GgmlType::Q6K.block_bytes();
     assert!(data.len().is_multiple_of(bb), "whole Q6_K blocks");
-    let mut out = Vec::with_capacity(data.len() / bb * 8 * 34);
-    let mut y = [0f32; QK_K];
+    let mut out = Vec::with_capacity(data.len() / bb * 8 * GgmlType::Q6S.block_bytes());
+    let mut q = [0u8; QK_K];
     for b in data.chunks_exact(bb) {
-        dequantize(GgmlType::Q6K, b, &mut y);
-        for block in y.chunks_exact(32) {
-            let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-            out.extend(block.iter().map(|&x| (x * id).round() as i8 as u8));
+        let (ql, qh, sc, d) = (&b[0..128], &b[128..192], &b[192..208], f16_at(b, 208));
+        // The unsigned 6-bit quants in element order, as `pk_gguf::dequantize`'s `q6_k`
+        // reads them: each half of 128 takes 64 bytes of `ql` and 32 of `qh`.
+        for h in 0..2 {
+            let (ql, qh) = (&ql[64 * h..64 * h + 64], &qh[32 * h..32 * h + 32]);
+            for l in 0..32 {
+                let e = 128 * h + l;
+                q[e] = (ql[l] & 0x0f) | ((qh[l] & 3) << 4);
+                q[e + 32] = (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4);
+                q[e + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                q[e + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+            }
+        }
+        // Element e's scale is sc[e / 16], so Q6S block k's halves take sc[2k] and sc[2k + 1].
+        for (k, q) in q.chunks_exact(32).enumerate() {
+            for s in &sc[2 * k..2 * k + 2] {
+                out.extend_from_slice(&f16::from_f32(d * (*s as i8) as f32).to_le_bytes());
+            }
+            out.extend((0..16).map(|i| (q[i] & 0x0f) | ((q[16 + i] & 0x0f) << 4)));
+            out.extend((0..8).map(|j| (0..4).fold(0u8, |acc, i| acc | ((q[4 * j + i] >> 4) << (2 * i)))));
         }
     }
     out
@@ -78,6 +96,7 @@ pub fn q6_k_to_q8_0(data: &[u8]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pk_gguf::dequantize;
     use rand::{Rng, SeedableRng};
 
     /// Random K-quant blocks with small valid f16 scales (random bytes elsewhere).
@@ -125,18 +144,31 @@ mod tests {
         assert_eq!(dq(GgmlType::Q4K, &exact, n), dq(GgmlType::Q4_1, &q4_k_to_q4_1(&exact), n));
     }
 
-    /// Q6_K → Q8_0: within half a step of the block's 8-bit grid (amax / 254).
+    /// Q6_K → Q6S keeps every quant: each value moves by no more than the f16 rounding of
+    /// its sub-block's scale, and not at all when that product is exact in f16.
     #[test]
-    fn q6_k_requantises_to_q8_0_within_half_a_step() {
+    fn q6_k_converts_to_q6s_up_to_scale_rounding() {
         let data = random_blocks(GgmlType::Q6K, 12, 2);
         let n = 12 * QK_K;
-        let (want, got) = (dq(GgmlType::Q6K, &data, n), dq(GgmlType::Q8_0, &q6_k_to_q8_0(&data), n));
-        for (bw, bg) in want.chunks_exact(32).zip(got.chunks_exact(32)) {
-            let amax = bw.iter().fold(0f32, |m, x| m.max(x.abs()));
-            for (a, b) in bw.iter().zip(bg) {
-                // Half a step, plus the f16 rounding of the scale over up to 127 steps.
-                assert!((a - b).abs() <= amax / 254.0 * 1.01 + amax * 2f32.powi(-11), "{a} vs {b} (amax {amax})");
-            }
+        let (want, got) = (dq(GgmlType::Q6K, &data, n), dq(GgmlType::Q6S, &q6_k_to_q6s(&data), n));
+        for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+            // |d·sc·(q − 32)| ≤ 0.01·128·32, rounded at 2⁻¹¹ relative (2⁻¹² plus margin).
+            assert!((a - b).abs() <= a.abs() * 2f32.powi(-11) + 1e-6, "value {i}: {a} vs {b}");
         }
+        // With a power-of-two super-block scale and sub-scales of at most 11 bits the
+        // products are exact in f16, and so is every converted value: any misplaced quant or
+        // scale would show.
+        let mut exact = data.clone();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for b in exact.chunks_exact_mut(GgmlType::Q6K.block_bytes()) {
+            for s in &mut b[192..208] {
+                *s = rng.gen_range(-64i8..64) as u8;
+            }
+            b[208..210].copy_from_slice(&f16::from_f32(2f32.powi(-9)).to_le_bytes());
+        }
+        let want = dq(GgmlType::Q6K, &exact, n);
+        assert!(want.iter().any(|&v| v != 0.0));
+        assert_eq!(want, dq(GgmlType::Q6S, &q6_k_to_q6s(&exact), n));
+        assert_eq!(convert(GgmlType::Q6K, &exact), Some((GgmlType::Q6S, q6_k_to_q6s(&exact))));
     }
 }

@@ -166,7 +166,7 @@ fn random_matrix(rng: &mut impl Rng, ty: GgmlType, rows: usize, cols: usize) -> 
             GgmlType::F16 => blk.copy_from_slice(&half::f16::from_f32(rng.gen_range(-0.05..0.05)).to_le_bytes()),
             GgmlType::BF16 => blk.copy_from_slice(&half::bf16::from_f32(rng.gen_range(-0.05..0.05)).to_le_bytes()),
             GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => blk[0..2].copy_from_slice(&scale(rng)),
-            GgmlType::Q4_1 | GgmlType::Q4K => {
+            GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q6S => {
                 blk[0..2].copy_from_slice(&scale(rng));
                 blk[2..4].copy_from_slice(&scale(rng));
             }

@@ -14,9 +14,24 @@
 //!   low nibbles are elements `4k..4k+4` and its high nibbles elements `16+4k..16+4k+4`.
 //! - Q8_0: `d` @0, bytes @16 (256 B): vector k has row r's elements `4k..4k+4` as `q ^ 0x80`
 //!   (unsigned `q + 128`, because `vpdpbusd` wants its first operand unsigned).
-//! - Q5_0: `d` @0, bytes @16 (256 B): as Q8_0, holding the unsigned 5-bit value `q + 16`.
+//! - Q5_0: `d` @0, nibbles @16 (128 B, laid out as Q4_0's), high bits @144 (32 B): byte
+//!   `4r + i` of the high-bit vector holds, in bit `j`, the fifth bit of the element whose
+//!   low nibble is in nibble vector `j % 4`'s byte `4r + i` (low nibble for `j < 4`, high
+//!   for `j >= 4`), so the kernel rebuilds the unsigned value `q + 16` of unpacked vector
+//!   `j` with one shift and mask. Five bits a weight, as in the file: the byte-per-weight
+//!   layout used before read 8.5 bits a weight, and decode of a Q5_0 model is bound by the
+//!   bytes it reads (Qwen2.5-Coder-0.5B: 267 → 173 MB of its 502 MB a token).
+//! - Q6S (pagekeeper's 6-bit format, converted from Q6_K at load): `d0` @0 and `d1` @16
+//!   (each 8 × f16: the scales of elements 0..16 and 16..32), nibbles @32 (128 B, laid out
+//!   as Q4_0's), then two high-bit vectors, H0 @160 and H1 @192 (32 B each). Byte `4r + i`
+//!   of H0 holds, in bits `2j..2j+2` (j < 4), the two high bits of element `4j + i` of row
+//!   r, which is the element unpacked vector `j` holds there; H1 does the same for elements
+//!   `16 + 4j + i` (unpacked vectors `4 + j`). The kernel so rebuilds the unsigned value
+//!   `q` (0..64) of every unpacked vector with one shift and one mask. Seven bits a weight,
+//!   with no requantisation: Qwen2.5-Coder-1.5B's Q6_K tensors were converted to Q8_0
+//!   before, which read 458 MB a decoded token where the file holds 354 MB.
 //!
-//! Every group block is the same size as (or for Q5_0 larger than) the 8 original blocks,
+//! Every group block is the same size as the 8 original blocks,
 //! and [`Packed::row_gguf`] restores a row's original bytes exactly, so the GGUF copy need
 //! not be kept. The last group is padded with zero rows (scale 0).
 
@@ -87,7 +102,9 @@ pub fn group_block_bytes(ty: GgmlType) -> Option<usize> {
     match ty {
         GgmlType::Q4_0 => Some(16 + 128),
         GgmlType::Q4_1 => Some(32 + 128),
-        GgmlType::Q8_0 | GgmlType::Q5_0 => Some(16 + 256),
+        GgmlType::Q8_0 => Some(16 + 256),
+        GgmlType::Q5_0 => Some(16 + 128 + 32),
+        GgmlType::Q6S => Some(32 + 128 + 64),
         _ => None,
     }
 }
@@ -156,13 +173,47 @@ fn pack_block(ty: GgmlType, src: &[u8], dst: &mut [u8], lane: usize) {
             }
         }
         GgmlType::Q5_0 => {
+            let qs = &src[6..22];
+            for k in 0..4 {
+                dst[16 + 32 * k + 4 * lane..][..4].copy_from_slice(&qs[4 * k..4 * k + 4]);
+            }
             let qh = u32::from_le_bytes([src[2], src[3], src[4], src[5]]);
-            for e in 0..QK {
-                let nib = if e < 16 { src[6 + e] & 0x0f } else { src[6 + e - 16] >> 4 };
-                dst[16 + 32 * (e / 4) + 4 * lane + e % 4] = nib | ((((qh >> e) & 1) as u8) << 4);
+            for i in 0..4 {
+                dst[Q5_HIGH_AT + 4 * lane + i] = (0..8).fold(0u8, |acc, j| acc | ((((qh >> q5_element(j, i)) & 1) as u8) << j));
+            }
+        }
+        GgmlType::Q6S => {
+            dst[16 + 2 * lane..18 + 2 * lane].copy_from_slice(&src[2..4]);
+            for k in 0..4 {
+                dst[32 + 32 * k + 4 * lane..][..4].copy_from_slice(&src[4 + 4 * k..8 + 4 * k]);
+            }
+            // Element e's high bits are bits 2(e % 4).. of qh[e / 4]: element 4j + i (or
+            // 16 + 4j + i) sits in qh[j] (or qh[4 + j]) at bits 2i.., and moves to bits 2j..
+            // of byte 4·lane + i of H0 (or H1), a 4 × 4 transpose of 2-bit fields.
+            let qh = &src[20..28];
+            for (h, at) in [Q6_HIGH_AT, Q6_HIGH_AT + 32].into_iter().enumerate() {
+                for i in 0..4 {
+                    dst[at + 4 * lane + i] = (0..4).fold(0u8, |acc, j| acc | (((qh[4 * h + j] >> (2 * i)) & 3) << (2 * j)));
+                }
             }
         }
         _ => unreachable!("no packed layout for {ty:?}"),
+    }
+}
+
+/// Where a Q6S group block's high-bit vectors start (H0; H1 follows 32 bytes later).
+pub const Q6_HIGH_AT: usize = 32 + 128;
+
+/// Where a Q5_0 group block's high-bit vector starts.
+pub const Q5_HIGH_AT: usize = 16 + 128;
+
+/// The element of a 32-element block that unpacked vector `j` (0..8) holds at byte `4r + i`:
+/// `4j + i` for the low nibbles (`j < 4`), `16 + 4(j − 4) + i` for the high ones.
+fn q5_element(j: usize, i: usize) -> usize {
+    if j < 4 {
+        4 * j + i
+    } else {
+        16 + 4 * (j - 4) + i
     }
 }
 
@@ -187,18 +238,28 @@ fn unpack_block(ty: GgmlType, src: &[u8], dst: &mut [u8], lane: usize) {
             }
         }
         GgmlType::Q5_0 => {
+            for k in 0..4 {
+                dst[6 + 4 * k..6 + 4 * k + 4].copy_from_slice(&src[16 + 32 * k + 4 * lane..][..4]);
+            }
             let mut qh = 0u32;
-            dst[6..22].fill(0);
-            for e in 0..QK {
-                let v = src[16 + 32 * (e / 4) + 4 * lane + e % 4];
-                qh |= ((v >> 4) as u32 & 1) << e;
-                if e < 16 {
-                    dst[6 + e] |= v & 0x0f;
-                } else {
-                    dst[6 + e - 16] |= (v & 0x0f) << 4;
+            for i in 0..4 {
+                let bits = src[Q5_HIGH_AT + 4 * lane + i];
+                for j in 0..8 {
+                    qh |= (((bits >> j) & 1) as u32) << q5_element(j, i);
                 }
             }
             dst[2..6].copy_from_slice(&qh.to_le_bytes());
+        }
+        GgmlType::Q6S => {
+            dst[2..4].copy_from_slice(&src[16 + 2 * lane..18 + 2 * lane]);
+            for k in 0..4 {
+                dst[4 + 4 * k..8 + 4 * k].copy_from_slice(&src[32 + 32 * k + 4 * lane..][..4]);
+            }
+            for (h, at) in [Q6_HIGH_AT, Q6_HIGH_AT + 32].into_iter().enumerate() {
+                for j in 0..4 {
+                    dst[20 + 4 * h + j] = (0..4).fold(0u8, |acc, i| acc | (((src[at + 4 * lane + i] >> (2 * j)) & 3) << (2 * i)));
+                }
+            }
         }
         _ => unreachable!("no packed layout for {ty:?}"),
     }
@@ -212,7 +273,8 @@ mod tests {
     #[test]
     fn pack_roundtrips_every_row_exactly() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_0] {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q6S] {
+            assert_eq!(group_block_bytes(ty), Some(GROUP_ROWS * ty.block_bytes()), "{ty:?}");
             let (rows, cols) = (19, 96);
             let mut gguf = vec![0u8; rows * ty.row_bytes(cols).unwrap()];
             rng.fill(&mut gguf[..]);

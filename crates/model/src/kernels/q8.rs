@@ -21,6 +21,10 @@ pub struct Q8Acts {
     /// `Σ qs` per block, exact; the SIMD kernels subtract `offset × sum` for weights stored
     /// with an unsigned offset.
     pub sum: Vec<i32>,
+    /// `Σ qs` over the first 16 values of each block, exact (the second half's is `sum −
+    /// sum_lo`): Q6S weights have one scale per 16 values, so the kernels subtract their
+    /// offset from each half's integer sum separately.
+    pub sum_lo: Vec<i32>,
     pub qs: Vec<i8>,
 }
 
@@ -32,7 +36,7 @@ impl Q8Acts {
         if super::x86::has_avx512() {
             self.resize(x.len());
             // SAFETY: AVX-512 F/BW/VL checked; every buffer was sized for `x`.
-            unsafe { super::x86::quantize_avx512(x, &mut self.d, &mut self.s, &mut self.sum, &mut self.qs) };
+            unsafe { super::x86::quantize_avx512(x, &mut self.d, &mut self.s, &mut self.sum, &mut self.sum_lo, &mut self.qs) };
             return;
         }
         self.quantize_scalar(x);
@@ -44,6 +48,7 @@ impl Q8Acts {
         self.d.resize(n_blocks, 0.0);
         self.s.resize(n_blocks, 0.0);
         self.sum.resize(n_blocks, 0);
+        self.sum_lo.resize(n_blocks, 0);
         self.qs.resize(len, 0);
     }
 
@@ -56,15 +61,19 @@ impl Q8Acts {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, &v) in self.qs[b * QK..(b + 1) * QK].iter_mut().zip(xb) {
+            let (mut sum, mut sum_lo) = (0i32, 0i32);
+            for (i, (q, &v)) in self.qs[b * QK..(b + 1) * QK].iter_mut().zip(xb).enumerate() {
                 let r = round_half_away(v * id);
                 *q = r as i8;
                 sum += r;
+                if i < QK / 2 {
+                    sum_lo += r;
+                }
             }
             self.d[b] = f16::from_f32(d).to_f32();
             self.s[b] = f16::from_f32(d * sum as f32).to_f32();
             self.sum[b] = sum;
+            self.sum_lo[b] = sum_lo;
         }
     }
 }
@@ -147,6 +156,32 @@ pub fn dot_q8_0(w: &[u8], a: &Q8Acts, b0: usize) -> f32 {
     sum
 }
 
+/// Σ over blocks of a [`pk_gguf::GgmlType::Q6S`] weight row times Q8 activations. Each
+/// 16-element half has its own scale, so each gets its own integer sum, and the two are
+/// added to the float sum one after the other: `(d0 · d_a) · ilo`, then `(d1 · d_a) · ihi`,
+/// each multiply and add rounded separately, the order the SIMD kernels follow.
+pub fn dot_q6s(w: &[u8], a: &Q8Acts, b0: usize) -> f32 {
+    let mut sum = 0f32;
+    for (i, blk) in w.chunks_exact(28).enumerate() {
+        let (d0, d1) = (f16_at(blk, 0), f16_at(blk, 2));
+        let (ql, qh) = (&blk[4..20], &blk[20..28]);
+        let qa = &a.qs[(b0 + i) * QK..(b0 + i + 1) * QK];
+        let q = |e: usize| {
+            let lo = if e < 16 { ql[e] & 0x0f } else { ql[e - 16] >> 4 };
+            (lo | (((qh[e / 4] >> (2 * (e % 4))) & 3) << 4)) as i32 - 32
+        };
+        let (mut ilo, mut ihi) = (0i32, 0i32);
+        for e in 0..16 {
+            ilo += q(e) * qa[e] as i32;
+            ihi += q(16 + e) * qa[16 + e] as i32;
+        }
+        let da = a.d[b0 + i];
+        sum += (d0 * da) * ilo as f32;
+        sum += (d1 * da) * ihi as f32;
+    }
+    sum
+}
+
 #[cfg(test)]
 mod rounding_tests {
     use super::*;
@@ -171,6 +206,8 @@ mod rounding_tests {
         b.quantize_scalar(&x);
         assert_eq!(a.qs, b.qs);
         assert_eq!(a.sum, b.sum);
+        assert_eq!(a.sum_lo, b.sum_lo);
+        assert_eq!(b.sum_lo[0], b.qs[..16].iter().map(|&q| q as i32).sum::<i32>());
         assert_eq!(a.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         assert_eq!(a.s.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.s.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
     }

@@ -7,13 +7,17 @@
 //! row; per block it gets the exact integer dot product (integer sums do not depend on
 //! order), then `acc += (d_w * d_a) * isum` (+ `m_w * s_a` for Q4_1) with separate multiplies
 //! and adds in the reference's order, never FMA. So a token's result does not depend on
-//! which other tokens share the call, which ISA ran, or how the work was split.
+//! which other tokens share the call, which ISA ran, or how the work was split. Q6S has two
+//! scales a block (one per 16 elements), so its lanes get two integer sums, `ilo` over
+//! elements 0..16 and `ihi` over 16..32, and two updates in this order: `acc += (d0 * d_a) *
+//! ilo`, then `acc += (d1 * d_a) * ihi`, as `q8::dot_q6s` does.
 //!
 //! NOTE 2: `vpdpbusd` multiplies unsigned by signed bytes, so signed weights are stored
-//! offset (Q8_0 as `q + 128`, Q4_0 as `q + 8`, Q5_0 as `q + 16`) and `offset × Σ a` is
-//! subtracted from the block's integer sum (`Q8Acts::sum`). `vpmaddubsw` saturates its
-//! 16-bit pair sums, which only `(q + 128) · a` could reach: AVX2 runs Q8_0 with the sign
-//! trick instead (`|q| · sign(a, q)`).
+//! offset (Q8_0 as `q + 128`, Q4_0 as `q + 8`, Q5_0 as `q + 16`, Q6S as `q + 32`) and
+//! `offset × Σ a` is subtracted from the block's integer sum (`Q8Acts::sum`; for Q6S from
+//! each half's sum, with `Q8Acts::sum_lo` the first half's `Σ a`). `vpmaddubsw` saturates
+//! its 16-bit pair sums, which only `(q + 128) · a` could reach (Q6S's weights are below 64,
+//! so `2 · 63 · 127` fits): AVX2 runs Q8_0 with the sign trick instead (`|q| · sign(a, q)`).
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -56,11 +60,11 @@ pub fn has_avx512() -> bool {
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW/VL ([`has_avx512`]); `x.len()` is a multiple of 32 and
-/// `d`, `s`, `sum` hold `x.len() / 32` entries, `qs` `x.len()`.
+/// `d`, `s`, `sum`, `sum_lo` hold `x.len() / 32` entries, `qs` `x.len()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-pub unsafe fn quantize_avx512(x: &[f32], d: &mut [f32], s: &mut [f32], sum: &mut [i32], qs: &mut [i8]) {
+pub unsafe fn quantize_avx512(x: &[f32], d: &mut [f32], s: &mut [f32], sum: &mut [i32], sum_lo: &mut [i32], qs: &mut [i8]) {
     let n_blocks = x.len() / QK;
-    assert!(d.len() >= n_blocks && s.len() >= n_blocks && sum.len() >= n_blocks && qs.len() >= x.len());
+    assert!(d.len() >= n_blocks && s.len() >= n_blocks && sum.len() >= n_blocks && sum_lo.len() >= n_blocks && qs.len() >= x.len());
     let (half, mhalf, one) = (_mm512_set1_ps(0.5), _mm512_set1_ps(-0.5), _mm512_set1_epi32(1));
     for b in 0..n_blocks {
         let p = x.as_ptr().add(b * QK);
@@ -83,10 +87,12 @@ pub unsafe fn quantize_avx512(x: &[f32], d: &mut [f32], s: &mut [f32], sum: &mut
         let q = qs.as_mut_ptr().add(b * QK);
         _mm_storeu_si128(q as *mut __m128i, _mm512_cvtepi32_epi8(r0));
         _mm_storeu_si128(q.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(r1));
-        let sb = _mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
+        let (slo, shi) = (_mm512_reduce_add_epi32(r0), _mm512_reduce_add_epi32(r1));
+        let sb = slo + shi;
         d[b] = half::f16::from_f32(db).to_f32();
         s[b] = half::f16::from_f32(db * sb as f32).to_f32();
         sum[b] = sb;
+        sum_lo[b] = slo;
     }
 }
 
@@ -94,6 +100,7 @@ const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
 const Q5_0: u8 = 3;
+const Q6S: u8 = 4;
 
 /// Tokens per register tile: one group's 8 unpacked weight vectors are reused this often.
 const TILE_TOKENS: usize = 4;
@@ -128,6 +135,7 @@ pub unsafe fn gemm_group(isa: Isa, p: &Packed, g: usize, acts: &Q8Acts, t0: usiz
                 GgmlType::Q4_1 => run!($m, Q4_1),
                 GgmlType::Q8_0 => run!($m, Q8_0),
                 GgmlType::Q5_0 => run!($m, Q5_0),
+                GgmlType::Q6S => run!($m, Q6S),
                 ty => unreachable!("no packed kernel for {ty:?}"),
             }
         };
@@ -162,30 +170,62 @@ macro_rules! isa_module {
                 let gbb = match FMT {
                     Q4_0 => 16 + 128,
                     Q4_1 => 32 + 128,
+                    Q5_0 => 16 + 128 + 32,
+                    Q6S => 32 + 128 + 64,
                     _ => 16 + 256,
                 };
                 // Q8_0 on AVX2 takes the sign trick (NOTE 2), so it has no offset there.
                 let offset: i32 = match FMT {
                     Q4_0 => 8,
                     Q5_0 => 16,
+                    Q6S => 32,
                     Q8_0 if $vnni => 128,
                     _ => 0,
                 };
                 let low4 = _mm256_set1_epi8(0x0f);
-                let (qs, ad, asum, as_) = (acts.qs.as_ptr(), acts.d.as_ptr(), acts.sum.as_ptr(), acts.s.as_ptr());
+                let (qs, ad, asum, as_, asum_lo) = (acts.qs.as_ptr(), acts.d.as_ptr(), acts.sum.as_ptr(), acts.s.as_ptr(), acts.sum_lo.as_ptr());
                 let mut acc = [_mm256_setzero_ps(); NT];
                 for b in 0..bpr {
                     let gb = group.add(b * gbb);
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
-                    let m = if FMT == Q4_1 { _mm256_cvtph_ps(_mm_loadu_si128(gb.add(16) as *const __m128i)) } else { _mm256_setzero_ps() };
+                    // Q4_1's mins, or Q6S's second scales (elements 16..32).
+                    let m = if FMT == Q4_1 || FMT == Q6S { _mm256_cvtph_ps(_mm_loadu_si128(gb.add(16) as *const __m128i)) } else { _mm256_setzero_ps() };
                     // v[k]: 4 quants (elements 4k..4k+4) of each of the 8 rows.
                     let mut v = [_mm256_setzero_si256(); 8];
-                    if FMT == Q4_0 || FMT == Q4_1 {
-                        let at = if FMT == Q4_1 { 32 } else { 16 };
+                    if FMT == Q4_0 || FMT == Q4_1 || FMT == Q5_0 || FMT == Q6S {
+                        let at = if FMT == Q4_1 || FMT == Q6S { 32 } else { 16 };
                         for k in 0..4 {
                             let p = _mm256_loadu_si256(gb.add(at + 32 * k) as *const __m256i);
                             v[k] = _mm256_and_si256(p, low4);
                             v[k + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
+                        }
+                        if FMT == Q5_0 {
+                            // Bit j of the high-bit vector is vector j's fifth bit (see
+                            // `pack`): move it to bit 4. The 16-bit shifts carry bits across
+                            // bytes only into positions the 0x10 mask clears.
+                            let h = _mm256_loadu_si256(gb.add(super::super::pack::Q5_HIGH_AT) as *const __m256i);
+                            let bit4 = _mm256_set1_epi8(0x10);
+                            v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+                            v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+                            v[2] = _mm256_or_si256(v[2], _mm256_and_si256(_mm256_slli_epi16(h, 2), bit4));
+                            v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_slli_epi16(h, 1), bit4));
+                            v[4] = _mm256_or_si256(v[4], _mm256_and_si256(h, bit4));
+                            v[5] = _mm256_or_si256(v[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), bit4));
+                            v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4));
+                            v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4));
+                        }
+                        if FMT == Q6S {
+                            // Bits 2j..2j+2 of H0 (H1) are vector j's (4 + j's) two high bits
+                            // (see `pack`): move them to bits 4..6. The 16-bit shifts carry
+                            // bits across bytes only into positions the 0x30 mask clears.
+                            let hi2 = _mm256_set1_epi8(0x30);
+                            for (h, at) in [(0, super::super::pack::Q6_HIGH_AT), (4, super::super::pack::Q6_HIGH_AT + 32)] {
+                                let hv = _mm256_loadu_si256(gb.add(at) as *const __m256i);
+                                v[h] = _mm256_or_si256(v[h], _mm256_and_si256(_mm256_slli_epi16(hv, 4), hi2));
+                                v[h + 1] = _mm256_or_si256(v[h + 1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), hi2));
+                                v[h + 2] = _mm256_or_si256(v[h + 2], _mm256_and_si256(hv, hi2));
+                                v[h + 3] = _mm256_or_si256(v[h + 3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), hi2));
+                            }
                         }
                     } else {
                         for k in 0..8 {
@@ -203,6 +243,21 @@ macro_rules! isa_module {
                     for j in 0..NT {
                         let ab = (t0 + j) * bpr + b;
                         let a = qs.add(ab * QK);
+                        if FMT == Q6S {
+                            // Two scales a block: one integer sum per half (NOTE 1).
+                            let mut i = [_mm256_setzero_si256(); 4];
+                            for k in 0..8 {
+                                let ak = _mm256_set1_epi32((a.add(4 * k) as *const i32).read_unaligned());
+                                i[2 * (k / 4) + k % 2] = dot4(i[2 * (k / 4) + k % 2], v[k], ak);
+                            }
+                            let (slo, s) = (*asum_lo.add(ab), *asum.add(ab));
+                            let ilo = _mm256_sub_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_set1_epi32(offset * slo));
+                            let ihi = _mm256_sub_epi32(_mm256_add_epi32(i[2], i[3]), _mm256_set1_epi32(offset * (s - slo)));
+                            let da = _mm256_set1_ps(*ad.add(ab));
+                            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(ilo)));
+                            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_mul_ps(m, da), _mm256_cvtepi32_ps(ihi)));
+                            continue;
+                        }
                         let (mut i0, mut i1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
                         for k in (0..8).step_by(2) {
                             let mut a0 = _mm256_set1_epi32((a.add(4 * k) as *const i32).read_unaligned());
