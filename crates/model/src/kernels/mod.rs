@@ -10,7 +10,7 @@ pub mod kv_quant;
 pub mod attn512;
 #[cfg(target_arch = "x86_64")]
 pub mod attn512q;
-mod hugebuf;
+pub mod hugebuf;
 mod matmul;
 mod ops;
 mod pack;
