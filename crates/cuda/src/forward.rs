@@ -139,7 +139,7 @@ impl GpuLlama {
     pub fn new(gpu: &Gpu, config: ModelConfig, weights: GpuWeights) -> Result<GpuLlama, CudaError> {
         let hd = config.head_dim;
         if config.extras != pk_model::ArchExtras::default() {
-            return Err(CudaError::Unsupported(format!("the {} architecture (Gemma 3's norms, GeGLU and sliding windows run on the CPU only)", config.arch)));
+            return Err(CudaError::Unsupported(format!("the {} architecture (Gemma 3's norms, GeGLU and sliding windows and Qwen2's Q/K/V biases run on the CPU only)", config.arch)));
         }
         if !hd.is_multiple_of(32) || hd > 256 {
             return Err(CudaError::Unsupported(format!("head_dim {hd} (the attention kernel needs a multiple of 32, at most 256)")));
