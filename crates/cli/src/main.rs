@@ -59,12 +59,33 @@ fn fetch(a: &FetchArgs) -> anyhow::Result<()> {
     fetch_model(m, true).map(|_| ())
 }
 
+/// Exit status of a command whose stdout reader went away (`info --json | head`): what a
+/// shell reports for a process ended by SIGPIPE, 128 + 13.
+const EXIT_BROKEN_PIPE: i32 = 141;
+
+/// Makes a closed stdout end the process quietly, as it does any Unix filter: Rust ignores
+/// SIGPIPE (sockets need that: the server must survive a client that hangs up), so
+/// `println!` to a closed pipe panics instead, with a backtrace on stderr.
+fn exit_quietly_on_broken_stdout() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info.payload().downcast_ref::<String>().map(String::as_str).or_else(|| info.payload().downcast_ref::<&str>().copied()).unwrap_or("");
+        if msg.contains("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(EXIT_BROKEN_PIPE);
+        }
+        default(info);
+    }));
+}
+
 fn main() {
+    exit_quietly_on_broken_stdout();
+    // Colours only where a person reads them: escape codes in a redirected log are noise.
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     let result = match cli.command {

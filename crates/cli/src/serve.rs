@@ -65,11 +65,13 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     let model_config = pk_model::ModelConfig::from_gguf(&gguf)?;
     let ctx = model_config.context_length;
     drop(gguf);
+    let pool_tokens = a.kv_capacity_tokens.unwrap_or_else(|| default_pool_tokens(&model_config, kv_dtype));
+    let max_total_tokens = max_request_tokens(ctx, a.max_model_len, pool_tokens)?;
     let model_name = a.served_model_name.clone().unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
     let config = EngineConfig {
         block_size_tokens: a.model.block_size,
         kv_dtype,
-        kv_capacity_tokens: Some(a.kv_capacity_tokens.unwrap_or_else(|| default_pool_tokens(&model_config, kv_dtype))),
+        kv_capacity_tokens: Some(pool_tokens),
         max_batch_tokens: a.max_batch_tokens,
         max_running_seqs: a.max_running_seqs,
         max_waiting_requests: a.max_waiting_requests,
@@ -90,7 +92,7 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         tokenizer,
         chat_template,
         model_name,
-        limits: ServerLimits { max_request_body_bytes: 4 << 20, max_total_tokens: a.max_model_len.unwrap_or(ctx).min(ctx), max_messages: 1024 },
+        limits: ServerLimits { max_request_body_bytes: 4 << 20, max_total_tokens, max_messages: 1024 },
         metrics,
     });
     let addr: SocketAddr = format!("{}:{}", a.host, a.port).parse().with_context(|| format!("bad --host/--port {}:{}", a.host, a.port))?;
@@ -111,6 +113,24 @@ pub fn default_pool_tokens(model: &pk_model::ModelConfig, dtype: KvDtype) -> usi
     (DEFAULT_POOL_BYTES / per_token.max(1)).clamp(ctx, 4 * ctx)
 }
 
+/// The longest request (prompt + completion) the server accepts: the model's context, or
+/// `--max-model-len` when smaller, and never more than the KV pool holds, so that a request
+/// the pool cannot hold is refused at once instead of computed and then failed. A
+/// `--max-model-len` beyond the pool is a configuration error (vLLM refuses it the same
+/// way); without it the limit is clamped to the pool, with a warning.
+pub fn max_request_tokens(ctx: usize, max_model_len: Option<usize>, pool_tokens: usize) -> anyhow::Result<usize> {
+    match max_model_len {
+        Some(l) if l > pool_tokens => anyhow::bail!("--max-model-len {l} exceeds the KV pool of {pool_tokens} tokens: raise --kv-capacity-tokens or lower --max-model-len"),
+        Some(l) => Ok(l.min(ctx)),
+        None if pool_tokens < ctx => {
+            tracing::warn!("the KV pool holds {pool_tokens} tokens, less than the model's context of {ctx}: requests are limited to {pool_tokens} tokens");
+            eprintln!("pagekeeper: requests limited to {pool_tokens} tokens (the KV pool's size; the model's context is {ctx})");
+            Ok(pool_tokens)
+        }
+        None => Ok(ctx),
+    }
+}
+
 /// The byte cap of the default pool: 1 GiB.
 pub const DEFAULT_POOL_BYTES: usize = 1 << 30;
 
@@ -120,6 +140,15 @@ mod tests {
 
     /// SmolLM2 (8K context, 23 KB a token) keeps four contexts; Qwen2.5-1.5B (32K, 28 KB
     /// a token) gets 1 GiB, 37,449 tokens, instead of four contexts' 3.8 GB.
+    #[test]
+    fn request_limit_never_exceeds_the_pool() {
+        assert_eq!(max_request_tokens(8192, None, 32768).unwrap(), 8192);
+        assert_eq!(max_request_tokens(32768, None, 4096).unwrap(), 4096);
+        assert_eq!(max_request_tokens(32768, Some(2048), 4096).unwrap(), 2048);
+        let err = max_request_tokens(32768, Some(8192), 4096).unwrap_err().to_string();
+        assert!(err.contains("--max-model-len 8192") && err.contains("4096"), "{err}");
+    }
+
     #[test]
     fn default_pool_is_capped_at_a_gibibyte_but_holds_one_context() {
         let smol = pk_model::ModelConfig::dummy("smollm2-135m").unwrap();

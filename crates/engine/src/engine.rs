@@ -19,7 +19,7 @@ use pk_model::{Backend, CpuBackend, KvBlocks, KvDtype, KvGeometry, Llama, ModelC
 use pk_tokenizer::{ChatTemplate, Tokenizer};
 
 use crate::eviction::{self, EvictionStats, SeqEviction};
-use crate::request::{Request, SeqEvent};
+use crate::request::{Request, RequestError, SeqEvent};
 use crate::sampler::SamplingParams;
 use crate::sequence::SeqState;
 use crate::contexts::{self, ContextReuse, ContextReuseConfig, ContextReuseStats, PrefixKv, SeqContext};
@@ -166,6 +166,9 @@ pub enum SubmitError {
     QueueFull(usize),
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// The engine thread is gone (it panicked or shut down): nothing will serve the request.
+    #[error("the engine has stopped")]
+    Stopped,
 }
 
 /// Counters for observability; monotonically increasing except the gauges.
@@ -495,7 +498,7 @@ impl Engine {
                     needed,
                     self.config.block_size_tokens
                 );
-                (s.req.sink)(SeqEvent::Error(msg));
+                (s.req.sink)(SeqEvent::Error(RequestError::TooLarge(msg)));
                 continue;
             }
             if needed > self.kv.pool().num_free_blocks() as usize {
@@ -641,7 +644,7 @@ impl Engine {
             if !ok {
                 let i = self.running.iter().position(|s| s.seq == Some(seq)).expect("still running");
                 let s = self.running.remove(i);
-                self.fail(s, "the KV cache is full even with every other sequence preempted; raise the KV capacity".into());
+                self.fail(s, RequestError::CacheFull("the KV cache is full even with every other sequence preempted; raise the KV capacity".into()));
                 continue;
             }
             plan.push((seq, from, from + take));
@@ -700,7 +703,7 @@ impl Engine {
                 for &(seq, _, _) in plan {
                     if let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) {
                         let s = self.running.remove(i);
-                        self.fail(s, format!("the forward pass failed: {e}"));
+                        self.fail(s, RequestError::Internal(format!("the forward pass failed: {e}")));
                     }
                 }
                 return 0;
@@ -755,7 +758,7 @@ impl Engine {
                             // No block for a copy-on-write during compaction: give up on
                             // this request rather than corrupt a shared block.
                             s.aborted = true;
-                            (s.req.sink)(SeqEvent::Error("the KV cache is full: no block to compact the pruned prompt into".into()));
+                            (s.req.sink)(SeqEvent::Error(RequestError::CacheFull("the KV cache is full: no block to compact the pruned prompt into".into())));
                             finished.push(seq);
                         }
                     }
@@ -812,11 +815,11 @@ impl Engine {
         (s.req.sink)(SeqEvent::Finished(out));
     }
 
-    fn fail(&mut self, mut s: SeqState, msg: String) {
+    fn fail(&mut self, mut s: SeqState, err: RequestError) {
         if let Some(seq) = s.seq.take() {
             self.kv.free(seq);
         }
-        (s.req.sink)(SeqEvent::Error(msg));
+        (s.req.sink)(SeqEvent::Error(err));
     }
 
     /// Checks the KV manager's invariants (tests).

@@ -17,7 +17,7 @@ pub mod tiering;
 
 pub use eviction::EvictionStats;
 pub use engine::{Engine, EngineConfig, EngineStats, FinishReason, GenerateOutput, GenerateParams, SubmitError};
-pub use request::{Request, RequestOutput, SeqEvent};
+pub use request::{Request, RequestError, RequestOutput, SeqEvent};
 pub use sampler::{Sampler, SamplingParams};
 pub use tiering::{TieringConfig, TieringStats};
 pub use contexts::{kv_fingerprint, ContextReuseConfig, ContextReuseStats, PrefixKv};

@@ -14,7 +14,23 @@ pub enum SeqEvent {
     /// The full logits of a step (only with `GenerateParams::return_logits`).
     Logits(Vec<f32>),
     Finished(RequestOutput),
-    Error(String),
+    Error(RequestError),
+}
+
+/// Why the engine failed a request it had accepted; the server maps each kind to its own
+/// HTTP status, so that a client can tell its own mistake from the server's state.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    /// The request can never fit this engine's KV pool (400: shorten it or ask for a
+    /// budget).
+    #[error("{0}")]
+    TooLarge(String),
+    /// The KV pool is full now, even with the other sequences preempted (503: retry).
+    #[error("{0}")]
+    CacheFull(String),
+    /// The backend failed (a forward pass): not the client's fault (500).
+    #[error("{0}")]
+    Internal(String),
 }
 
 /// The sink for a request's events; returning `false` means the client went away and the

@@ -5,7 +5,7 @@
 //! drains it between steps, so admission happens at step boundaries (continuous batching).
 //! Metrics are published from here after every step.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,11 +16,50 @@ pub enum Command {
     Submit(Request, oneshot::Sender<Result<(), SubmitError>>),
 }
 
+/// Where the engine thread is: loading the model, serving, or dead (it panicked; every
+/// request then gets 503 and `/health` says so, instead of a live-looking server that
+/// refuses everything).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineState {
+    Loading,
+    Ready,
+    Dead,
+}
+
+/// The engine thread's state, shared with the HTTP side.
+#[derive(Debug, Default)]
+pub struct Liveness(AtomicU8);
+
+impl Liveness {
+    pub fn get(&self) -> EngineState {
+        match self.0.load(Ordering::Acquire) {
+            0 => EngineState::Loading,
+            1 => EngineState::Ready,
+            _ => EngineState::Dead,
+        }
+    }
+
+    pub fn set(&self, s: EngineState) {
+        self.0.store(s as u8, Ordering::Release);
+    }
+}
+
+/// Runs `body` as the engine thread's work: a panic anywhere in it marks the engine dead
+/// (logged once, with its message) rather than leaving a thread-less server that looks
+/// alive.
+fn run_guarded(liveness: &Liveness, body: impl FnOnce()) {
+    if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
+        liveness.set(EngineState::Dead);
+        let msg = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_default();
+        tracing::error!("the engine thread panicked ({msg}); every request now gets 503");
+    }
+}
+
 /// Cloneable handle used by the HTTP side.
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
-    pub ready: Arc<AtomicBool>,
+    pub liveness: Arc<Liveness>,
     /// The engine's EVICPRESS store once loaded (thread-safe; `/v1/kv/contexts` reads it).
     pub contexts: Arc<std::sync::OnceLock<Arc<pk_evicpress::ContextStore>>>,
 }
@@ -36,34 +75,42 @@ const LOG_INTERVAL: Duration = Duration::from_secs(10);
 impl EngineHandle {
     /// Starts the engine thread; `load` runs on it (so /health can answer 503 meanwhile).
     pub fn spawn(load: impl FnOnce() -> anyhow::Result<Engine> + Send + 'static) -> EngineHandle {
+        Self::spawn_with(move |rx, liveness, contexts| match load() {
+            Ok(engine) => {
+                if let Some(store) = engine.context_store() {
+                    let _ = contexts.set(store);
+                }
+                liveness.set(EngineState::Ready);
+                run(engine, rx);
+            }
+            Err(e) => {
+                tracing::error!("model loading failed: {e:#}");
+                std::process::exit(1);
+            }
+        })
+    }
+
+    /// Starts a thread running `body` with the command receiver, under [`run_guarded`].
+    fn spawn_with(body: impl FnOnce(mpsc::Receiver<Command>, &Liveness, &std::sync::OnceLock<Arc<pk_evicpress::ContextStore>>) + Send + 'static) -> EngineHandle {
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE_LEN);
-        let ready = Arc::new(AtomicBool::new(false));
-        let r = ready.clone();
+        let liveness = Arc::new(Liveness::default());
         let contexts = Arc::new(std::sync::OnceLock::new());
-        let c = contexts.clone();
-        std::thread::Builder::new()
-            .name("engine".into())
-            .spawn(move || match load() {
-                Ok(engine) => {
-                    if let Some(store) = engine.context_store() {
-                        let _ = c.set(store);
-                    }
-                    r.store(true, Ordering::Release);
-                    run(engine, rx);
-                }
-                Err(e) => {
-                    tracing::error!("model loading failed: {e:#}");
-                    std::process::exit(1);
-                }
-            })
-            .expect("spawning the engine thread");
-        EngineHandle { tx, ready, contexts }
+        let (l, c) = (liveness.clone(), contexts.clone());
+        std::thread::Builder::new().name("engine".into()).spawn(move || run_guarded(&l, || body(rx, &l, &c))).expect("spawning the engine thread");
+        EngineHandle { tx, liveness, contexts }
+    }
+
+    pub fn state(&self) -> EngineState {
+        self.liveness.get()
     }
 
     pub async fn submit(&self, req: Request) -> Result<(), SubmitError> {
         let (reply, rx) = oneshot::channel();
-        self.tx.try_send(Command::Submit(req, reply)).map_err(|_| SubmitError::QueueFull(COMMAND_QUEUE_LEN))?;
-        rx.await.unwrap_or_else(|_| Err(SubmitError::Invalid("the engine stopped".into())))
+        self.tx.try_send(Command::Submit(req, reply)).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => SubmitError::QueueFull(COMMAND_QUEUE_LEN),
+            mpsc::error::TrySendError::Closed(_) => SubmitError::Stopped,
+        })?;
+        rx.await.unwrap_or(Err(SubmitError::Stopped))
     }
 }
 
@@ -151,4 +198,28 @@ fn publish(engine: &Engine, model: &str, last: &mut EngineStats, last_eviction: 
     metrics::counter!("vllm:prefix_cache_queries", &labels).increment(s.prefix_queries_tokens - last.prefix_queries_tokens);
     metrics::counter!("vllm:prefix_cache_hits", &labels).increment(s.prefix_hits_tokens - last.prefix_hits_tokens);
     *last = s.clone();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A panic on the engine thread marks it dead, and a request then gets `Stopped`
+    /// (503), not `QueueFull` (429) as when the closed channel looked like a full one.
+    #[tokio::test]
+    async fn a_panicking_engine_thread_is_dead_and_refuses_with_stopped() {
+        let h = EngineHandle::spawn_with(|_rx, liveness, _| {
+            liveness.set(EngineState::Ready);
+            panic!("injected failure");
+        });
+        for _ in 0..200 {
+            if h.state() == EngineState::Dead {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(h.state(), EngineState::Dead);
+        let req = Request { prompt_ids: vec![1], params: Default::default(), cache_salt: None, sink: Box::new(|_| true) };
+        assert!(matches!(h.submit(req).await, Err(SubmitError::Stopped)));
+    }
 }

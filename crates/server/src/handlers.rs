@@ -1,7 +1,6 @@
 //! HTTP handlers: validation, tokenization, submission, and response shaping (JSON or SSE).
 
 use std::convert::Infallible;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -12,7 +11,9 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::Stream;
-use pk_engine::{FinishReason, GenerateParams, Request, RequestOutput, SamplingParams, SeqEvent, SubmitError};
+use pk_engine::{FinishReason, GenerateParams, Request, RequestError, RequestOutput, SamplingParams, SeqEvent, SubmitError};
+
+use crate::engine_thread::EngineState;
 use pk_tokenizer::ChatMessage;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -35,14 +36,21 @@ impl ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let kind = match self.status {
+impl ApiError {
+    /// OpenAI's error `type` for this status.
+    fn error_type(&self) -> &'static str {
+        match self.status {
             StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
             StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
             s if s.is_server_error() => "internal_error",
             _ => "invalid_request_error",
-        };
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = self.error_type();
         let body = ErrorBody {
             error: ErrorDetail { message: self.message, kind: kind.into(), param: self.param.map(String::from), code: Some(self.status.as_u16()) },
         };
@@ -78,10 +86,22 @@ fn finish_str(r: FinishReason) -> &'static str {
 }
 
 fn check_ready(state: &AppState) -> Result<(), ApiError> {
-    if !state.engine.ready.load(Ordering::Acquire) {
-        return Err(ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: "the model is still loading".into(), param: None });
+    let unavailable = |m: &str| Err(ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: m.into(), param: None });
+    match state.engine.state() {
+        EngineState::Ready => Ok(()),
+        EngineState::Loading => unavailable("the model is still loading"),
+        EngineState::Dead => unavailable("the engine has stopped after an internal error; restart the server"),
     }
-    Ok(())
+}
+
+/// The HTTP status and OpenAI error type of a request the engine failed after accepting it.
+fn request_error(e: &RequestError) -> ApiError {
+    let status = match e {
+        RequestError::TooLarge(_) => StatusCode::BAD_REQUEST,
+        RequestError::CacheFull(_) => StatusCode::SERVICE_UNAVAILABLE,
+        RequestError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    ApiError { status, message: e.to_string(), param: None }
 }
 
 /// Turns the shared request fields into engine parameters, validating every one.
@@ -149,6 +169,7 @@ async fn submit(state: &AppState, prompt_ids: Vec<u32>, params: GenerateParams, 
     let req = Request { prompt_ids, params, cache_salt, sink: Box::new(move |e| tx.send(e).is_ok()) };
     state.engine.submit(req).await.map_err(|e| match e {
         SubmitError::QueueFull(_) => ApiError { status: StatusCode::TOO_MANY_REQUESTS, message: e.to_string(), param: None },
+        SubmitError::Stopped => ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: e.to_string(), param: None },
         SubmitError::Invalid(m) => ApiError::bad(m),
     })?;
     Ok(Submitted { rx, prompt_tokens })
@@ -174,7 +195,7 @@ async fn collect(mut s: Submitted, model: &str) -> Result<RequestOutput, ApiErro
                 record_latencies(model, &o);
                 return Ok(o);
             }
-            SeqEvent::Error(m) => return Err(ApiError::bad(m)),
+            SeqEvent::Error(e) => return Err(request_error(&e)),
         }
     }
     Err(ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: "the engine dropped the request".into(), param: None })
@@ -255,8 +276,11 @@ fn stream_response(kind: Kind, s: Submitted, model: String, include_usage: bool)
                     }
                     break;
                 }
-                SeqEvent::Error(m) => {
-                    let v = json!({"error": {"message": m, "type": "invalid_request_error", "param": null, "code": 400}});
+                SeqEvent::Error(e) => {
+                    // The status line went out with the stream's first byte; the error
+                    // event carries the status the request would have had.
+                    let a = request_error(&e);
+                    let v = json!({"error": {"message": a.message, "type": a.error_type(), "param": null, "code": a.status.as_u16()}});
                     yield_(Event::default().data(v.to_string())).await;
                     break;
                 }
@@ -385,10 +409,10 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
 }
 
 pub async fn health(State(state): State<Arc<AppState>>) -> Response {
-    if state.engine.ready.load(Ordering::Acquire) {
-        (StatusCode::OK, "ok").into_response()
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "loading").into_response()
+    match state.engine.state() {
+        EngineState::Ready => (StatusCode::OK, "ok").into_response(),
+        EngineState::Loading => (StatusCode::SERVICE_UNAVAILABLE, "loading").into_response(),
+        EngineState::Dead => (StatusCode::SERVICE_UNAVAILABLE, "engine stopped").into_response(),
     }
 }
 

@@ -18,7 +18,7 @@ use axum::Router;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use pk_tokenizer::{ChatTemplate, Tokenizer};
 
-pub use engine_thread::EngineHandle;
+pub use engine_thread::{EngineHandle, EngineState};
 
 /// Limits applied before a request reaches the engine.
 #[derive(Debug, Clone)]
@@ -58,13 +58,53 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// How long a shutdown waits for running requests (streams included) to finish before the
+/// process exits anyway.
+pub const DRAIN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Resolves on SIGTERM (what service managers and `kill` send) or Ctrl-C.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM ({e}); only Ctrl-C drains");
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// Serves until SIGTERM or Ctrl-C, then drains: the listener closes (new connections are
+/// refused) while requests already running finish, for at most [`DRAIN_DEADLINE`].
 pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!("listening on http://{}", listener.local_addr()?);
     eprintln!("pagekeeper: serving {} on http://{}", state.model_name, listener.local_addr()?);
-    axum::serve(listener, router(state)).with_graceful_shutdown(async {
-        let _ = tokio::signal::ctrl_c().await;
-    })
-    .await?;
+    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        eprintln!("pagekeeper: shutting down; draining running requests (at most {} s)", DRAIN_DEADLINE.as_secs());
+        let _ = signalled_tx.send(());
+    });
+    let deadline = async move {
+        if signalled_rx.await.is_ok() {
+            tokio::time::sleep(DRAIN_DEADLINE).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        r = server => r?,
+        _ = deadline => eprintln!("pagekeeper: drain deadline passed; exiting with requests still running"),
+    }
     Ok(())
 }
