@@ -229,7 +229,8 @@ impl Engine {
         let tokenizer = Tokenizer::from_gguf(&gguf).context("building the tokenizer")?;
         let chat_template = ChatTemplate::from_gguf(&gguf).context("reading the chat template")?;
         let name = model_path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        Engine::with_backend(backend, tokenizer, chat_template, config, &name)
+        let identity = model_content_id(model_path)?;
+        Engine::with_backend_identified(backend, tokenizer, chat_template, config, &name, &identity)
     }
 
     /// An engine running `model` on the CPU.
@@ -242,6 +243,14 @@ impl Engine {
     /// An engine over any backend, whose pool must have `config.kv_geometry(backend.config())`
     /// and `config.kv_dtype`.
     pub fn with_backend(backend: Box<dyn Backend>, tokenizer: Tokenizer, chat_template: ChatTemplate, config: EngineConfig, model_name: &str) -> Result<Engine> {
+        Engine::with_backend_identified(backend, tokenizer, chat_template, config, model_name, model_name)
+    }
+
+    /// [`Engine::with_backend`], with `model_identity` naming the weights in every cache
+    /// key (the prefix cache's and the tiers'): [`model_content_id`] for a model file, so
+    /// that two different files of the same name sharing a disk or Redis tier never read
+    /// each other's KV.
+    pub fn with_backend_identified(backend: Box<dyn Backend>, tokenizer: Tokenizer, chat_template: ChatTemplate, config: EngineConfig, model_name: &str, model_identity: &str) -> Result<Engine> {
         let geometry = config.kv_geometry(backend.config())?;
         if config.max_batch_tokens == 0 || config.max_running_seqs == 0 {
             bail!("max_batch_tokens and max_running_seqs must be at least 1");
@@ -262,9 +271,8 @@ impl Engine {
         let kv = KvCacheManager::new(num_blocks as u32, bs as u32);
         // Backends compute K/V with different arithmetic (the GPU's f16 GEMMs against the
         // CPU's 8-bit activations), so blocks and stored chunks are never shared between
-        // them: a sequence's bits must not depend on where its prefix was computed. The CPU
-        // keeps the namespace it always had, so that existing tiers stay valid.
-        let mut namespace = format!("{model_name}|{:?}", config.kv_dtype);
+        // them: a sequence's bits must not depend on where its prefix was computed.
+        let mut namespace = format!("{model_identity}|{:?}", config.kv_dtype);
         if backend.name() != "cpu" {
             namespace.push('|');
             namespace.push_str(backend.name());
@@ -826,4 +834,15 @@ impl Engine {
     pub fn check_invariants(&self) {
         self.kv.check_invariants();
     }
+}
+
+/// The identity of a model file's contents, `blake3:` and the hex digest of its bytes: what
+/// cache keys name instead of the file's name, which two different GGUFs can share. Reading
+/// the file costs about a second per GB (BLAKE3 at memory speed; the pages are the ones the
+/// weights are loaded from, so they are usually in the page cache already).
+pub fn model_content_id(path: &Path) -> Result<String> {
+    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut h = blake3::Hasher::new();
+    h.update_reader(&mut f).with_context(|| format!("reading {}", path.display()))?;
+    Ok(format!("blake3:{}", h.finalize().to_hex()))
 }

@@ -52,3 +52,46 @@ fn stored_prompt_chunks_survive_a_restart() {
     assert_eq!(a.token_ids, b.token_ids, "KV loaded from disk must give the same tokens");
     second.check_invariants();
 }
+
+/// Cache keys name the model file's contents, not its name: two GGUFs called the same with
+/// different bytes (here one weight byte changed) sharing one disk tier get no hits from
+/// each other, while an identical copy of the first does.
+#[test]
+fn same_named_models_with_different_contents_never_share_tier_entries() {
+    let tier_dir = tempfile::tempdir().unwrap();
+    let copies = tempfile::tempdir().unwrap();
+    let original = std::fs::read(common::model_path()).unwrap();
+    let file = common::model_path().file_name().unwrap().to_owned();
+    let place = |sub: &str, bytes: &[u8]| {
+        let d = copies.path().join(sub);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join(&file), bytes).unwrap();
+        d.join(&file)
+    };
+    let mut changed = original.clone();
+    // The last byte belongs to the last tensor's data (a weight), not to the header.
+    *changed.last_mut().unwrap() ^= 0x01;
+    let (a, b, c) = (place("a", &original), place("b", &changed), place("c", &original));
+    let book = common::book_ids();
+    let prompt = &book[7000..7600];
+    let params = GenerateParams { max_tokens: 4, ignore_eos: true, ..Default::default() };
+    let run = |path: &std::path::Path| {
+        let store = tiered(tier_dir.path());
+        let mut e = pk_engine::Engine::load(path, config(store.clone())).unwrap();
+        let out = e.generate(prompt, &params, &mut |_| {}).unwrap();
+        let t0 = Instant::now();
+        while store.metrics().iter().map(|m| m.bytes_written).sum::<u64>() < 2 * 256 * 23040 && out.cached_prompt_tokens == 0 {
+            assert!(t0.elapsed() < Duration::from_secs(30), "chunks were not stored");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        (out.cached_prompt_tokens, e.kv_fingerprint())
+    };
+    let (hits_a, fa) = run(&a);
+    let (hits_b, fb) = run(&b);
+    let (hits_c, fc) = run(&c);
+    assert_eq!(hits_a, 0);
+    assert_ne!(fa, fb, "different contents, different cache identity");
+    assert_eq!(hits_b, 0, "the changed model must not load the first model's KV");
+    assert_eq!(fa, fc);
+    assert_eq!(hits_c, 512, "an identical copy under another path reuses the stored chunks");
+}
