@@ -462,6 +462,16 @@ impl Engine {
     /// Moves waiting requests into the running set while blocks and slots allow.
     fn admit(&mut self) {
         while self.running.len() < self.config.max_running_seqs {
+            // The tiers are asked once per waiting request (and again only after a
+            // preemption has changed its tokens): while the head waits for blocks, each
+            // step would otherwise re-hash its prompt and make a Redis round trip.
+            if let (Some(t), Some(front)) = (self.tiering.as_mut(), self.waiting.front_mut()) {
+                if front.eviction.is_none() && front.tier_probe.as_ref().is_none_or(|p| p.0 != front.all_ids.len()) {
+                    let keys = t.keys(&front.all_ids, front.req.cache_salt.as_deref());
+                    let found = t.lookup(&keys);
+                    front.tier_probe = Some((front.all_ids.len(), keys, found));
+                }
+            }
             let Some(front) = self.waiting.front() else { break };
             let prefix = match self.config.enable_prefix_caching {
                 true => self.kv.get_computed_prefix(&front.all_ids, &front.namespace),
@@ -470,12 +480,8 @@ impl Engine {
             let cached = prefix.num_cached_tokens() as usize;
             // Tiers are consulted for non-evicting sequences; they win when they hold a
             // longer prefix than the pool.
-            let (tier_keys, tier_found) = match (&self.tiering, &front.eviction) {
-                (Some(t), None) => {
-                    let keys = t.keys(&front.all_ids, front.req.cache_salt.as_deref());
-                    let found = t.lookup(&keys);
-                    (keys, found)
-                }
+            let (tier_keys, tier_found) = match (&front.tier_probe, &front.eviction) {
+                (Some((_, keys, found)), None) => (keys.clone(), *found),
                 _ => (Vec::new(), 0),
             };
             // A given prefix KV, or the longest stored context, wins over a shorter pool hit.

@@ -36,6 +36,9 @@ pub(crate) struct SeqState {
     /// Chunk keys of the prompt for the tiers, and the next chunk not yet in them.
     pub tier_keys: Vec<pk_tiers::ChunkKey>,
     pub tier_next_chunk: usize,
+    /// While waiting: the tiers' answer for `all_ids` of this length (its chunk keys and
+    /// how many of them are stored), asked once rather than at every step.
+    pub tier_probe: Option<(usize, Vec<pk_tiers::ChunkKey>, usize)>,
     /// What the sequence got from (or will give to) the context store.
     pub context: SeqContext,
     sampler: Sampler,
@@ -69,6 +72,7 @@ impl SeqState {
             kv_stored_tokens: 0,
             tier_keys: Vec::new(),
             tier_next_chunk: 0,
+            tier_probe: None,
             context: SeqContext::default(),
             unreported_ids: Vec::new(),
             arrival: Instant::now(),

@@ -32,6 +32,8 @@ pub struct TieringConfig {
 
 #[derive(Debug, Default, Clone)]
 pub struct TieringStats {
+    /// Prefix lookups asked of the tiers (one per admission attempt of a new prompt).
+    pub lookups: u64,
     pub chunks_loaded: u64,
     pub chunks_queued: u64,
     pub chunks_skipped_queue_full: u64,
@@ -99,7 +101,8 @@ impl Tiering {
     }
 
     /// Stored chunks at the head of `keys` (contiguous).
-    pub fn lookup(&self, keys: &[ChunkKey]) -> usize {
+    pub fn lookup(&mut self, keys: &[ChunkKey]) -> usize {
+        self.stats.lookups += 1;
         self.store.lookup_prefix(keys).chunks_found
     }
 
