@@ -28,7 +28,8 @@ pub struct EvalArgs {
     /// KV budgets: percentages of the context (25%) or token counts (512), comma-separated.
     #[arg(long, value_delimiter = ',')]
     pub budgets: Option<Vec<String>>,
-    /// passkey, niah-single, niah-multikey, niah-multivalue, kv-retrieval, variable-tracking, text-kl.
+    /// passkey, niah-single, niah-multikey, niah-multivalue, kv-retrieval, variable-tracking, text-kl,
+    /// text-kl-keep-continuation.
     #[arg(long, value_delimiter = ',')]
     pub tasks: Option<Vec<String>>,
     /// Context lengths in tokens, comma-separated.
@@ -52,6 +53,11 @@ pub struct EvalArgs {
     /// A local GGUF file; default: SmolLM2-135M-Instruct Q4_1, fetched on first use.
     #[arg(long, env = "PAGEKEEPER_MODEL")]
     pub model: Option<PathBuf>,
+    /// Also run text-kl under kvpress's protocol (task `text-kl-keep-continuation`): the
+    /// budget bounds the prefix only and every continuation token is kept. Rows of both
+    /// protocols are reported side by side.
+    #[arg(long)]
+    pub text_kl_keep_continuation: bool,
     /// Hide the progress bar.
     #[arg(long)]
     pub no_progress: bool,
@@ -88,6 +94,9 @@ fn config(a: &EvalArgs) -> Result<SweepConfig> {
     }
     if let Some(s) = a.seed {
         c.seed = s;
+    }
+    if a.text_kl_keep_continuation && !c.tasks.contains(&Task::TextKlKeepContinuation) {
+        c.tasks.push(Task::TextKlKeepContinuation);
     }
     c.progress = !a.no_progress;
     c.kv_dtype = pk_model::KvDtype::parse(&a.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected {})", a.kv_dtype, pk_model::KvDtype::NAMES))?;

@@ -105,6 +105,10 @@ pub struct GenerateParams {
     pub kv_policy: Option<PolicySpec>,
     /// Per-sequence KV budget in tokens (the same for every layer).
     pub kv_budget: Option<u32>,
+    /// The budget bounds the prompt only: every token generated (or forced) after it is
+    /// kept, as kvpress's presses compress the context at prefill and leave decode alone.
+    /// Evaluation uses it to compare with kvpress's numbers (`eval --text-kl-keep-continuation`).
+    pub kv_keep_generated: bool,
     /// Teacher forcing: generated token i is `forced_tokens[i]` instead of a sample (while
     /// there are any), so that two cache configurations can be compared on the same text.
     pub forced_tokens: Vec<u32>,
@@ -128,6 +132,7 @@ impl Default for GenerateParams {
             ignore_eos: false,
             kv_policy: None,
             kv_budget: None,
+            kv_keep_generated: false,
             forced_tokens: Vec::new(),
             return_logits: false,
             prefix_kv: None,
@@ -447,7 +452,9 @@ impl Engine {
                 return Err(format!("kv_policy {spec} needs attention queries, which this build does not capture yet"));
             }
         }
-        Ok(Some(SeqEviction::new(spec, budget)))
+        let mut ev = SeqEviction::new(spec, budget);
+        ev.keep_generated = p.kv_keep_generated;
+        Ok(Some(ev))
     }
 
     fn capture_supported(&self) -> bool {

@@ -17,6 +17,8 @@ pub(crate) struct SeqEviction {
     pub policy: Box<dyn EvictionPolicy>,
     pub spec: PolicySpec,
     pub budget_tokens: u32,
+    /// The budget applies at prefill only; decode never evicts (`GenerateParams::kv_keep_generated`).
+    pub keep_generated: bool,
     /// Prefill selection has run (the policy holds block scores).
     pub initialised: bool,
     /// Post-RoPE queries of the tokens decoded since the last block filled, for policies
@@ -27,7 +29,7 @@ pub(crate) struct SeqEviction {
 
 impl SeqEviction {
     pub fn new(spec: PolicySpec, budget_tokens: u32) -> SeqEviction {
-        SeqEviction { policy: spec.build(), spec, budget_tokens, initialised: false, recent_queries: Vec::new() }
+        SeqEviction { policy: spec.build(), spec, budget_tokens, keep_generated: false, initialised: false, recent_queries: Vec::new() }
     }
 
     /// After a preemption the sequence is recomputed from scratch: start over.
@@ -220,7 +222,7 @@ pub(crate) fn after_decode(ev: &mut SeqEviction, kv: &mut KvCacheManager, store:
         ev.policy.on_block_filled(&view, queries.as_ref().map(|q| q as &dyn QueryView), n_stored / bs - 1);
     }
     ev.recent_queries.clear();
-    while kv.block_table(seq).expect("live").num_stored_tokens() > ev.budget_tokens {
+    while !ev.keep_generated && kv.block_table(seq).expect("live").num_stored_tokens() > ev.budget_tokens {
         let n_blocks = kv.block_table(seq).expect("live").num_blocks();
         let Some(victim) = ev.policy.choose_victim(n_blocks) else { break };
         let before = kv.block_table(seq).expect("live").num_stored_tokens() as usize;

@@ -26,6 +26,23 @@ fn stored_tokens_stay_within_budget_for_every_policy() {
     assert!(stats.evicted_blocks > 0, "{stats:?}");
 }
 
+/// kvpress's protocol (`kv_keep_generated`): the prompt is pruned to the budget at prefill
+/// and every generated token is kept, so the sequence ends with the budget plus the 47
+/// generated tokens that were fed back (the last one is sampled, never computed).
+#[test]
+fn keep_generated_prunes_the_prompt_only() {
+    let mut engine = common::engine(EngineConfig::default());
+    let book = common::book_ids();
+    let prompt = &book[1000..1600];
+    for name in ["snapkv", "streaming-llm", "paged-eviction"] {
+        let spec: PolicySpec = name.parse().unwrap();
+        let params = GenerateParams { max_tokens: 48, ignore_eos: true, kv_policy: Some(spec), kv_budget: Some(128), kv_keep_generated: true, ..Default::default() };
+        let out = engine.generate(prompt, &params, &mut |_| {}).unwrap();
+        assert!((128 + 47..=128 + 47 + 16).contains(&out.kv_stored_tokens), "{name}: {} stored tokens", out.kv_stored_tokens);
+        engine.check_invariants();
+    }
+}
+
 #[test]
 fn budget_at_least_context_changes_nothing() {
     // With a budget above prompt + output, PagedEviction never prunes or evicts, so the

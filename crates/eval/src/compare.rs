@@ -62,7 +62,7 @@ pub fn markdown(report: &Report, subject: &str) -> String {
         for (k, a) in &mine {
             let (Some(b), Some(pm)) = (theirs.get(k), budget_permille(a)) else { continue };
             let e = by_budget.entry(pm).or_default();
-            if a.task == "text-kl" {
+            if a.task.starts_with("text-kl") {
                 if let (Some(x), Some(y)) = (a.kl_mean, b.kl_mean) {
                     e.4.push(x - y);
                     e.5 += usize::from(x < y);
@@ -89,7 +89,8 @@ pub fn markdown(report: &Report, subject: &str) -> String {
     }
     s += "\n";
     s += &score_table(report, &policies);
-    s += &kl_table(report, &policies);
+    s += &kl_table(report, &policies, "text-kl");
+    s += &kl_table(report, &policies, "text-kl-keep-continuation");
     s
 }
 
@@ -98,7 +99,7 @@ pub fn markdown(report: &Report, subject: &str) -> String {
 fn score_table(report: &Report, policies: &BTreeSet<&str>) -> String {
     // (task, budget) → policy → scores
     let mut groups: BTreeMap<(&str, u32), BTreeMap<&str, Vec<f64>>> = BTreeMap::new();
-    for r in report.results.iter().filter(|r| r.task != "text-kl" && r.calibrated && r.policy != "full") {
+    for r in report.results.iter().filter(|r| !r.task.starts_with("text-kl") && r.calibrated && r.policy != "full") {
         if let Some(pm) = budget_permille(r) {
             groups.entry((r.task.as_str(), pm)).or_default().entry(r.policy.as_str()).or_default().push(r.score);
         }
@@ -129,10 +130,11 @@ fn score_table(report: &Report, policies: &BTreeSet<&str>) -> String {
     s + "\n"
 }
 
-/// text-kl's mean KL per (length, budget share), one column per policy; the lowest is bold.
-fn kl_table(report: &Report, policies: &BTreeSet<&str>) -> String {
+/// A text-kl task's mean KL per (length, budget share), one column per policy; the lowest
+/// is bold.
+fn kl_table(report: &Report, policies: &BTreeSet<&str>, task: &str) -> String {
     let mut groups: BTreeMap<(usize, u32), BTreeMap<&str, f64>> = BTreeMap::new();
-    for r in report.results.iter().filter(|r| r.task == "text-kl" && r.policy != "full") {
+    for r in report.results.iter().filter(|r| r.task == task && r.policy != "full") {
         if let (Some(pm), Some(kl)) = (budget_permille(r), r.kl_mean) {
             groups.entry((r.context_tokens, pm)).or_default().insert(r.policy.as_str(), kl);
         }
@@ -140,7 +142,7 @@ fn kl_table(report: &Report, policies: &BTreeSet<&str>) -> String {
     if groups.is_empty() {
         return String::new();
     }
-    let mut s = String::from("### text-kl: mean KL(p_full ‖ p_policy), nats (lowest in bold)\n\n| length | budget |");
+    let mut s = format!("### {task}: mean KL(p_full ‖ p_policy), nats (lowest in bold)\n\n| length | budget |");
     for p in policies {
         let _ = write!(s, " {p} |");
     }

@@ -64,17 +64,19 @@ pub fn write_plots(report: &Report, dir: &Path) -> Result<Vec<PathBuf>> {
     let mut written = Vec::new();
     for b in block_sizes {
         let rows: Vec<&SummaryRow> = report.results.iter().filter(|r| r.block_size == b).collect();
-        let generative: Vec<&SummaryRow> = rows.iter().copied().filter(|r| r.task != "text-kl").collect();
+        let generative: Vec<&SummaryRow> = rows.iter().copied().filter(|r| !r.task.starts_with("text-kl")).collect();
         if !generative.is_empty() {
             let path = dir.join(format!("scores_B{b}.png"));
             scores_figure(&report.model, b, &generative, &policies, &path)?;
             written.push(path);
         }
-        let kl: Vec<&SummaryRow> = rows.iter().copied().filter(|r| r.task == "text-kl").collect();
-        if !kl.is_empty() {
-            let path = dir.join(format!("kl_B{b}.png"));
-            kl_figure(&report.model, b, &kl, &policies, &path)?;
-            written.push(path);
+        for (task, file) in [("text-kl", format!("kl_B{b}.png")), ("text-kl-keep-continuation", format!("kl_keep_continuation_B{b}.png"))] {
+            let kl: Vec<&SummaryRow> = rows.iter().copied().filter(|r| r.task == task).collect();
+            if !kl.is_empty() {
+                let path = dir.join(file);
+                kl_figure(&report.model, b, &kl, &policies, &path)?;
+                written.push(path);
+            }
         }
     }
     Ok(written)

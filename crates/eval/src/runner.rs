@@ -54,6 +54,7 @@ pub fn teacher_force(engine: &mut Engine, prompt_ids: &[u32], continuation: &[u3
         return_logits: true,
         kv_policy: kv.policy,
         kv_budget: kv.budget,
+        kv_keep_generated: kv.keep_generated,
         ..Default::default()
     };
     let out = run(engine, prompt_ids, params, salt)?;
@@ -68,8 +69,10 @@ pub fn teacher_force(engine: &mut Engine, prompt_ids: &[u32], continuation: &[u3
 pub struct KvSetting {
     pub policy: Option<pk_kv::PolicySpec>,
     pub budget: Option<u32>,
+    /// The budget bounds the prompt only (`GenerateParams::kv_keep_generated`).
+    pub keep_generated: bool,
 }
 
 impl KvSetting {
-    pub const FULL: KvSetting = KvSetting { policy: None, budget: None };
+    pub const FULL: KvSetting = KvSetting { policy: None, budget: None, keep_generated: false };
 }

@@ -195,7 +195,7 @@ impl UnitRun<'_> {
                 continue;
             };
             let t0 = Instant::now();
-            let out = runner::generate(e, &prompt, sample.max_answer_tokens, KvSetting { policy, budget }, salt(spec, budget))?;
+            let out = runner::generate(e, &prompt, sample.max_answer_tokens, KvSetting { policy, budget, keep_generated: false }, salt(spec, budget))?;
             let mut r = self.base(policy, budget, prompt.len());
             r.seconds = t0.elapsed().as_secs_f64();
             r.kv_stored_tokens = out.kv_stored_tokens;
@@ -242,7 +242,8 @@ impl UnitRun<'_> {
             let t0 = Instant::now();
             let (logits, kv_stored_tokens) = match policy {
                 Some(spec) => {
-                    let o = runner::teacher_force(e, prefix, cont, KvSetting { policy, budget }, salt(spec, budget))?;
+                    let keep_generated = u.task == Task::TextKlKeepContinuation;
+                    let o = runner::teacher_force(e, prefix, cont, KvSetting { policy, budget, keep_generated }, salt(spec, budget))?;
                     (o.logits, o.kv_stored_tokens)
                 }
                 None => (full.logits.clone(), full.kv_stored_tokens),

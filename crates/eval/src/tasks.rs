@@ -20,6 +20,9 @@ pub enum Task {
     KvRetrieval,
     VariableTracking,
     TextKl,
+    /// `text-kl` under kvpress's protocol: the budget bounds the prefix only and every
+    /// continuation token is kept, so the numbers compare with kvpress's.
+    TextKlKeepContinuation,
 }
 
 pub const ALL_TASKS: [Task; 7] =
@@ -35,19 +38,21 @@ impl Task {
             Task::KvRetrieval => "kv-retrieval",
             Task::VariableTracking => "variable-tracking",
             Task::TextKl => "text-kl",
+            Task::TextKlKeepContinuation => "text-kl-keep-continuation",
         }
     }
 
     pub fn parse(name: &str) -> Result<Task, String> {
-        ALL_TASKS.iter().copied().find(|t| t.name() == name).ok_or_else(|| {
-            let names: Vec<&str> = ALL_TASKS.iter().map(|t| t.name()).collect();
+        let known = ALL_TASKS.iter().copied().chain([Task::TextKlKeepContinuation]);
+        known.clone().find(|t| t.name() == name).ok_or_else(|| {
+            let names: Vec<&str> = known.map(|t| t.name()).collect();
             format!("unknown task {name:?} (expected one of {})", names.join(", "))
         })
     }
 
     /// Whether the task is answered by generation and scored by exact match.
     pub fn is_generative(self) -> bool {
-        self != Task::TextKl
+        !matches!(self, Task::TextKl | Task::TextKlKeepContinuation)
     }
 
     /// The haystack filler (RULER uses noise for passkey-like tasks and essays for NIAH).
@@ -175,7 +180,7 @@ pub fn generate(task: Task, context_tokens: usize, seed: u64, index: usize, coun
                 32,
             )
         }
-        Task::TextKl => unreachable!("checked above"),
+        Task::TextKl | Task::TextKlKeepContinuation => unreachable!("checked above"),
     };
     let overhead: usize = [&intro, &question, &answer_prefix].iter().map(|s| count_tokens(s)).sum::<usize>()
         + needles.iter().map(|n| count_tokens(&format!(" {n}"))).sum::<usize>()
