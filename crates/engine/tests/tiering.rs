@@ -107,7 +107,7 @@ fn a_waiting_request_makes_one_tier_lookup() {
     let mut e = common::engine(cfg);
     let book = common::book_ids();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let mut submit = |e: &mut pk_engine::Engine, prompt: &[u32], max_tokens: usize| {
+    let submit = |e: &mut pk_engine::Engine, prompt: &[u32], max_tokens: usize| {
         let d = done.clone();
         let sink = Box::new(move |ev: pk_engine::SeqEvent| {
             if matches!(ev, pk_engine::SeqEvent::Finished(_) | pk_engine::SeqEvent::Error(_)) {
