@@ -14,7 +14,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use pk_kv::{KvCacheManager, PolicySpec, SeqId};
+use pk_kv::{KvCacheManager, KvGranularity, PolicySpec, SeqId};
 use pk_model::{Backend, CpuBackend, KvBlocks, KvDtype, KvGeometry, Llama, ModelConfig, SeqForward};
 use pk_tokenizer::{ChatTemplate, Tokenizer};
 
@@ -44,6 +44,8 @@ pub struct EngineConfig {
     pub default_kv_policy: PolicySpec,
     /// Budget applied to requests that give none (`None`: no eviction by default).
     pub default_kv_budget: Option<u32>,
+    /// Eviction granularity for requests that give none.
+    pub default_kv_granularity: KvGranularity,
     /// Tiers below the pool for reusing prompt KV across requests, restarts and servers.
     pub tiering: Option<TieringConfig>,
     /// Whole-context reuse through an EVICPRESS store (`--tier-policy evicpress`); exclusive
@@ -86,6 +88,7 @@ impl Default for EngineConfig {
             max_waiting_requests: 256,
             default_kv_policy: PolicySpec::default(),
             default_kv_budget: None,
+            default_kv_granularity: KvGranularity::Shared,
             tiering: None,
             contexts: None,
             enable_prefix_caching: true,
@@ -105,6 +108,9 @@ pub struct GenerateParams {
     pub kv_policy: Option<PolicySpec>,
     /// Per-sequence KV budget in tokens (the same for every layer).
     pub kv_budget: Option<u32>,
+    /// Which parts of the model choose their kept tokens together (`shared`, per `layer`,
+    /// per KV `head`); `None` means the engine's default.
+    pub kv_granularity: Option<KvGranularity>,
     /// The budget bounds the prompt only: every token generated (or forced) after it is
     /// kept, as kvpress's presses compress the context at prefill and leave decode alone.
     /// Evaluation uses it to compare with kvpress's numbers (`eval --text-kl-keep-continuation`).
@@ -132,6 +138,7 @@ impl Default for GenerateParams {
             ignore_eos: false,
             kv_policy: None,
             kv_budget: None,
+            kv_granularity: None,
             kv_keep_generated: false,
             forced_tokens: Vec::new(),
             return_logits: false,
@@ -452,7 +459,10 @@ impl Engine {
                 return Err(format!("kv_policy {spec} needs attention queries, which this build does not capture yet"));
             }
         }
-        let mut ev = SeqEviction::new(spec, budget);
+        let granularity = p.kv_granularity.unwrap_or(self.config.default_kv_granularity);
+        let c = self.backend.config();
+        let units = pk_kv::selection_units(granularity, c.n_layers, c.n_kv_heads, |layer| c.layer_window(layer).is_some());
+        let mut ev = SeqEviction::new(spec, budget, granularity, units);
         ev.keep_generated = p.kv_keep_generated;
         Ok(Some(ev))
     }
@@ -707,8 +717,8 @@ impl Engine {
             .map(|&(seq, from, to)| {
                 let s = &self.running[idx_of(&self.running, seq)];
                 match &s.eviction {
-                    Some(ev) if !ev.initialised && to == s.all_ids.len() => ev.policy.prefill_queries().count(to - from),
-                    Some(ev) if ev.initialised && ev.policy.decode_queries() != pk_kv::QueryNeed::None => 1,
+                    Some(ev) if !ev.initialised && to == s.all_ids.len() => ev.policy().prefill_queries().count(to - from),
+                    Some(ev) if ev.initialised && ev.policy().decode_queries() != pk_kv::QueryNeed::None => 1,
                     _ => 0,
                 }
             })
@@ -787,7 +797,7 @@ impl Engine {
                     if let Some(q) = queries {
                         ev.recent_queries.push((q.positions[0], q.data));
                     }
-                    eviction::after_decode(ev, &mut self.kv, self.backend.kv(), seq, n_heads, stats, &mut s.stored_positions);
+                    eviction::after_decode(ev, &mut self.kv, self.backend.kv_mut(), seq, n_heads, stats, &mut s.stored_positions);
                 }
                 s.kv_stored_tokens = stored_now(&self.kv);
                 // Evicting sequences never feed the prefix cache: their blocks are about to

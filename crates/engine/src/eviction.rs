@@ -9,17 +9,27 @@
 
 use std::cell::RefCell;
 
-use pk_kv::{EvictionPolicy, KvCacheManager, KvView, PolicySpec, QueryView, SeqId};
+use pk_kv::{EvictionPolicy, KvCacheManager, KvGranularity, KvView, PolicySpec, QueryView, SelectionUnit, SeqId, TokenMove};
 use pk_model::{KvBlocks, KvGeometry};
 
-/// A sequence's eviction state: its policy instance and budget.
-pub(crate) struct SeqEviction {
+/// One unit of selection (`KvGranularity`) and its own policy instance.
+pub(crate) struct UnitPolicy {
+    pub unit: SelectionUnit,
     pub policy: Box<dyn EvictionPolicy>,
+}
+
+/// A sequence's eviction state: a policy instance per selection unit, and the budget.
+/// Unit 0's kept tokens are the ones the sequence's stored positions follow (at `layer`
+/// and `head` granularity it is the unit of the sliding-window layers, the only layers
+/// that read positions, when the model has any).
+pub(crate) struct SeqEviction {
+    pub units: Vec<UnitPolicy>,
     pub spec: PolicySpec,
+    pub granularity: KvGranularity,
     pub budget_tokens: u32,
     /// The budget applies at prefill only; decode never evicts (`GenerateParams::kv_keep_generated`).
     pub keep_generated: bool,
-    /// Prefill selection has run (the policy holds block scores).
+    /// Prefill selection has run (the policies hold block scores).
     pub initialised: bool,
     /// Post-RoPE queries of the tokens decoded since the last block filled, for policies
     /// that score blocks with queries: (stored index, `[layer][n_heads * head_dim]`). Cleared
@@ -28,13 +38,22 @@ pub(crate) struct SeqEviction {
 }
 
 impl SeqEviction {
-    pub fn new(spec: PolicySpec, budget_tokens: u32) -> SeqEviction {
-        SeqEviction { policy: spec.build(), spec, budget_tokens, keep_generated: false, initialised: false, recent_queries: Vec::new() }
+    pub fn new(spec: PolicySpec, budget_tokens: u32, granularity: KvGranularity, units: Vec<SelectionUnit>) -> SeqEviction {
+        let units = units.into_iter().map(|unit| UnitPolicy { unit, policy: spec.build() }).collect();
+        SeqEviction { units, spec, granularity, budget_tokens, keep_generated: false, initialised: false, recent_queries: Vec::new() }
+    }
+
+    /// Unit 0's policy: every unit runs the same spec, so it answers for all of them what
+    /// depends only on the spec (which queries it reads).
+    pub fn policy(&self) -> &dyn EvictionPolicy {
+        &*self.units[0].policy
     }
 
     /// After a preemption the sequence is recomputed from scratch: start over.
     pub fn reset(&mut self) {
-        self.policy = self.spec.build();
+        for u in &mut self.units {
+            u.policy = self.spec.build();
+        }
         self.initialised = false;
         self.recent_queries.clear();
     }
@@ -174,9 +193,10 @@ pub(crate) fn table_of(kv: &KvCacheManager, seq: SeqId) -> Vec<u32> {
     kv.block_table(seq).expect("live sequence").block_ids().iter().map(|b| b.0).collect()
 }
 
-/// Runs prefill selection over everything the sequence has stored and compacts the kept
-/// tokens (and `positions`, the stored tokens' positions, with them). Returns false when compaction could not get a block for a copy-on-write (the
-/// caller then treats it like any other allocation failure).
+/// Runs prefill selection over everything the sequence has stored, in every unit, and
+/// compacts the kept tokens (and `positions`, the stored tokens' positions, with unit 0's).
+/// Returns false when compaction could not get a block for a copy-on-write (the caller
+/// then treats it like any other allocation failure).
 pub(crate) fn after_prefill(
     ev: &mut SeqEviction,
     kv: &mut KvCacheManager,
@@ -189,55 +209,168 @@ pub(crate) fn after_prefill(
     let table = table_of(kv, seq);
     let n_stored = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
     let bs = kv.block_size_tokens();
-    let keep = {
+    let keeps: Vec<Vec<u32>> = {
         let view = StoreView::prefetched(&*store, &table, n_stored);
-        ev.policy.select_prefill(&view, queries.map(|q| q as &dyn QueryView), ev.budget_tokens, bs)
+        let budget = ev.budget_tokens;
+        ev.units
+            .iter_mut()
+            .map(|u| {
+                let unit_view = UnitView { inner: &view, unit: &u.unit };
+                let unit_queries = queries.map(|q| UnitQueries { inner: q, unit: &u.unit, n_kv_heads: view.n_kv_heads() });
+                u.policy.select_prefill(&unit_view, unit_queries.as_ref().map(|q| q as &dyn QueryView), budget, bs)
+            })
+            .collect()
     };
     ev.initialised = true;
-    if keep.len() == n_stored {
+    if keeps[0].len() == n_stored {
         return true;
     }
-    let Some(moves) = kv.compact(seq, &keep) else { return false };
-    let old = positions.take().unwrap_or_else(|| (0..n_stored as u32).collect());
-    *positions = Some(keep.iter().map(|&i| old[i as usize]).collect());
-    for m in &moves {
-        store.copy_slot((m.src.block_id.0, m.src.offset_tokens as usize), (m.dst.block_id.0, m.dst.offset_tokens as usize));
+    if !compact(ev, kv, store, seq, &keeps) {
+        return false;
     }
-    stats.pruned_prompt_tokens += (n_stored - keep.len()) as u64;
+    let old = positions.take().unwrap_or_else(|| (0..n_stored as u32).collect());
+    *positions = Some(keeps[0].iter().map(|&i| old[i as usize]).collect());
+    stats.pruned_prompt_tokens += (n_stored - keeps[0].len()) as u64;
     true
 }
 
-/// After a decode token: score a block that just filled, then evict while over budget
-/// (dropping the evicted tokens' entries from `positions`).
-pub(crate) fn after_decode(ev: &mut SeqEviction, kv: &mut KvCacheManager, store: &dyn KvBlocks, seq: SeqId, n_heads: usize, stats: &mut EvictionStats, positions: &mut Option<Vec<u32>>) {
+/// Keeps `keeps[u]` in unit `u` and performs the K/V moves: through `compact` (every layer
+/// at once) when one unit holds the whole model, else through `compact_units`.
+fn compact(ev: &SeqEviction, kv: &mut KvCacheManager, store: &mut dyn KvBlocks, seq: SeqId, keeps: &[Vec<u32>]) -> bool {
+    let slot = |m: &TokenMove| ((m.src.block_id.0, m.src.offset_tokens as usize), (m.dst.block_id.0, m.dst.offset_tokens as usize));
+    if ev.units.len() == 1 {
+        let Some(moves) = kv.compact(seq, &keeps[0]) else { return false };
+        for m in &moves {
+            let (src, dst) = slot(m);
+            store.copy_slot(src, dst);
+        }
+        return true;
+    }
+    let Some((private, unit_moves)) = kv.compact_units(seq, keeps) else { return false };
+    for m in &private {
+        let (src, dst) = slot(m);
+        store.copy_slot(src, dst);
+    }
+    let n_kv_heads = store.geometry().n_kv_heads;
+    for (u, moves) in ev.units.iter().zip(&unit_moves) {
+        let heads = u.unit.kv_head.map_or(0..n_kv_heads, |h| h..h + 1);
+        for m in moves {
+            let (src, dst) = slot(m);
+            for &layer in &u.unit.layers {
+                store.copy_slot_in(layer..layer + 1, heads.clone(), src, dst);
+            }
+        }
+    }
+    true
+}
+
+/// After a decode token: score a block that just filled (in every unit), then evict while
+/// over budget (dropping unit 0's evicted tokens from `positions`). With one unit a whole
+/// block leaves the table; with several, each unit drops its own block and moves its later
+/// blocks down one, and the table's last block is released.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn after_decode(ev: &mut SeqEviction, kv: &mut KvCacheManager, store: &mut dyn KvBlocks, seq: SeqId, n_heads: usize, stats: &mut EvictionStats, positions: &mut Option<Vec<u32>>) {
     let bs = kv.block_size_tokens() as usize;
     let n_stored = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
     if n_stored % bs != 0 {
         return;
     }
     let table = table_of(kv, seq);
-    let queries = recent_as_view(ev, store, n_heads);
+    let queries = recent_as_view(ev, &*store, n_heads);
     {
-        let view = StoreView::new(store, &table, n_stored);
-        ev.policy.on_block_filled(&view, queries.as_ref().map(|q| q as &dyn QueryView), n_stored / bs - 1);
+        let view = StoreView::new(&*store, &table, n_stored);
+        for u in &mut ev.units {
+            let unit_view = UnitView { inner: &view, unit: &u.unit };
+            let unit_queries = queries.as_ref().map(|q| UnitQueries { inner: q, unit: &u.unit, n_kv_heads: view.n_kv_heads() });
+            u.policy.on_block_filled(&unit_view, unit_queries.as_ref().map(|q| q as &dyn QueryView), n_stored / bs - 1);
+        }
     }
     ev.recent_queries.clear();
     while !ev.keep_generated && kv.block_table(seq).expect("live").num_stored_tokens() > ev.budget_tokens {
         let n_blocks = kv.block_table(seq).expect("live").num_blocks();
-        let Some(victim) = ev.policy.choose_victim(n_blocks) else { break };
         let before = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
-        kv.remove_block(seq, victim);
+        let victims: Option<Vec<usize>> = ev.units.iter().map(|u| u.policy.choose_victim(n_blocks)).collect();
+        let Some(victims) = victims else { break };
+        if ev.units.len() == 1 {
+            kv.remove_block(seq, victims[0]);
+        } else {
+            // Full blocks only here (a block has just filled), so each unit drops B tokens.
+            let keeps: Vec<Vec<u32>> = victims.iter().map(|&v| (0..before as u32).filter(|&i| i as usize / bs != v).collect()).collect();
+            if !compact(ev, kv, store, seq, &keeps) {
+                tracing::warn!("no free block for a copy-on-write while evicting per {}; the sequence stays over its budget", ev.granularity);
+                break;
+            }
+        }
         let removed = before - kv.block_table(seq).expect("live").num_stored_tokens() as usize;
         let p = positions.get_or_insert_with(|| (0..before as u32).collect());
-        p.drain(victim * bs..victim * bs + removed);
-        ev.policy.on_block_removed(victim);
+        p.drain(victims[0] * bs..victims[0] * bs + removed);
+        for (u, &v) in ev.units.iter_mut().zip(&victims) {
+            u.policy.on_block_removed(v);
+        }
         stats.evicted_blocks += 1;
+    }
+}
+
+/// A unit's part of a sequence's K/V: its layers, and every KV head or one.
+struct UnitView<'a> {
+    inner: &'a StoreView<'a>,
+    unit: &'a SelectionUnit,
+}
+
+impl KvView for UnitView<'_> {
+    fn n_layers(&self) -> usize {
+        self.unit.layers.len()
+    }
+    fn n_kv_heads(&self) -> usize {
+        if self.unit.kv_head.is_some() { 1 } else { self.inner.n_kv_heads() }
+    }
+    fn head_dim(&self) -> usize {
+        self.inner.head_dim()
+    }
+    fn n_tokens(&self) -> usize {
+        self.inner.n_tokens()
+    }
+    fn key(&self, layer: usize, kv_head: usize, token: usize, out: &mut [f32]) {
+        self.inner.key(self.unit.layers[layer], self.unit.kv_head.unwrap_or(kv_head), token, out)
+    }
+    fn value(&self, layer: usize, kv_head: usize, token: usize, out: &mut [f32]) {
+        self.inner.value(self.unit.layers[layer], self.unit.kv_head.unwrap_or(kv_head), token, out)
+    }
+}
+
+/// A unit's part of the captured queries: its layers, and for one KV head the query heads
+/// of its GQA group.
+struct UnitQueries<'a> {
+    inner: &'a CapturedQueries,
+    unit: &'a SelectionUnit,
+    n_kv_heads: usize,
+}
+
+impl UnitQueries<'_> {
+    fn group(&self) -> usize {
+        self.inner.n_heads / self.n_kv_heads
+    }
+}
+
+impl QueryView for UnitQueries<'_> {
+    fn n_queries(&self) -> usize {
+        self.inner.n_queries()
+    }
+    fn n_heads(&self) -> usize {
+        if self.unit.kv_head.is_some() { self.group() } else { self.inner.n_heads }
+    }
+    fn query(&self, layer: usize, head: usize, q: usize, out: &mut [f32]) {
+        let head = self.unit.kv_head.map_or(head, |h| h * self.group() + head);
+        self.inner.query(self.unit.layers[layer], head, q, out)
+    }
+    fn query_position(&self, q: usize) -> usize {
+        self.inner.query_position(q)
     }
 }
 
 /// The newest queries the policy asks for, transposed to `CapturedQueries`' layout.
 fn recent_as_view(ev: &SeqEviction, store: &dyn KvBlocks, n_heads: usize) -> Option<CapturedQueries> {
-    let want = ev.policy.decode_queries().count(ev.recent_queries.len());
+    let want = ev.policy().decode_queries().count(ev.recent_queries.len());
     if want == 0 {
         return None;
     }
@@ -259,6 +392,126 @@ mod tests {
     use super::*;
     use pk_model::backend::BlockOpsOnly;
     use pk_model::{KvDtype, KvStore};
+
+    /// The K/V (f32, so exact) of token `t` in (layer, head): distinct per unit, so a
+    /// per-head policy (KNorm here) keeps different tokens in every (layer, head).
+    fn kv_of(layer: usize, h: usize, t: usize, k: &mut [f32], v: &mut [f32]) {
+        let norm = 1.0 + ((t * 7919 + layer * 104_729 + h * 1_299_709) % 997) as f32 / 50.0;
+        for (d, (k, v)) in k.iter_mut().zip(v.iter_mut()).enumerate() {
+            *k = norm * if d == t % 8 { 1.0 } else { 0.1 };
+            *v = (t * 1000 + layer * 10 + h) as f32 + d as f32 / 100.0;
+        }
+    }
+
+    /// At `head` granularity every (layer, KV head) keeps exactly the tokens its own policy
+    /// instance chose over its own K/V, after prefill and after decode evictions; the table
+    /// holds the budget; shared blocks from the prefix cache are never written.
+    #[test]
+    fn each_head_keeps_its_own_tokens_through_prefill_and_decode() {
+        let g = KvGeometry { n_layers: 2, n_kv_heads: 2, head_dim: 8, block_size_tokens: 4, num_blocks: 32 };
+        let (bs, budget, n_prompt) = (4usize, 16u32, 40usize);
+        let spec: PolicySpec = "knorm".parse().unwrap();
+        let units = pk_kv::selection_units(KvGranularity::Head, 2, 2, |_| false);
+        let mut ev = SeqEviction::new(spec, budget, KvGranularity::Head, units);
+        let mut store = KvStore::new(g, KvDtype::F32);
+        let mut kv = KvCacheManager::new(32, 4);
+        // A donor caches the first 8 prompt tokens' blocks: the sequence adopts them shared.
+        let prompt: Vec<u32> = (0..n_prompt as u32).collect();
+        let write = |store: &mut KvStore, table: &[u32], from: usize, to: usize| {
+            for t in from..to {
+                for layer in 0..2 {
+                    let (mut k, mut v) = (vec![0f32; 16], vec![0f32; 16]);
+                    for h in 0..2 {
+                        kv_of(layer, h, t, &mut k[h * 8..(h + 1) * 8], &mut v[h * 8..(h + 1) * 8]);
+                    }
+                    store.write_token(layer, table[t / bs], t % bs, &k, &v);
+                }
+            }
+        };
+        let donor = SeqId(9);
+        let empty = kv.get_computed_prefix(&[], b"");
+        kv.add_sequence(donor, &empty);
+        kv.allocate_slots(donor, 8).unwrap();
+        write(&mut store, &table_of(&kv, donor), 0, 8);
+        kv.cache_full_blocks(donor, &prompt[..8]);
+        let seq = SeqId(1);
+        let prefix = kv.get_computed_prefix(&prompt, b"");
+        assert_eq!(kv.add_sequence(seq, &prefix), 8);
+        kv.allocate_slots(seq, (n_prompt - 8) as u32).unwrap();
+        write(&mut store, &table_of(&kv, seq), 8, n_prompt);
+        let donor_blocks = table_of(&kv, donor);
+
+        // What each (layer, head)'s own policy keeps, from a dense copy of its K/V alone.
+        let mut expected: Vec<(usize, usize, Vec<u32>, Box<dyn EvictionPolicy>)> = Vec::new();
+        for layer in 0..2 {
+            for h in 0..2 {
+                let dense = pk_kv::DenseKv::from_fn(1, 1, 8, n_prompt, |_, _, t, k, v| kv_of(layer, h, t, k, v));
+                let mut policy = spec.build();
+                let keep = policy.select_prefill(&dense, None, budget, 4);
+                expected.push((layer, h, keep, policy));
+            }
+        }
+        let mut stats = EvictionStats::default();
+        let mut positions = None;
+        assert!(after_prefill(&mut ev, &mut kv, &mut store, seq, None, &mut stats, &mut positions));
+        let distinct: std::collections::BTreeSet<&Vec<u32>> = expected.iter().map(|e| &e.2).collect();
+        assert!(distinct.len() > 1, "the test needs heads that choose differently");
+        let check = |store: &KvStore, kv: &KvCacheManager, expected: &[(usize, usize, Vec<u32>, Box<dyn EvictionPolicy>)]| {
+            let table = table_of(kv, seq);
+            let n = kv.block_table(seq).unwrap().num_stored_tokens() as usize;
+            let mut row = vec![0f32; bs * 8];
+            for (layer, h, tokens, _) in expected {
+                assert_eq!(tokens.len(), n);
+                for (i, &t) in tokens.iter().enumerate() {
+                    store.read_v(*layer, table[i / bs], *h, &mut row);
+                    let (mut k, mut v) = (vec![0f32; 8], vec![0f32; 8]);
+                    kv_of(*layer, *h, t as usize, &mut k, &mut v);
+                    assert_eq!(&row[(i % bs) * 8..(i % bs + 1) * 8], &v[..], "layer {layer} head {h} slot {i}: token {t}");
+                }
+            }
+        };
+        check(&store, &kv, &expected);
+        assert_eq!(stats.pruned_prompt_tokens, (n_prompt - budget as usize) as u64);
+
+        // Decode: fill a block; each unit evicts its own lowest-scored block.
+        for step in 0..bs {
+            let slots = kv.allocate_slots(seq, 1).unwrap();
+            let t = n_prompt + step;
+            let table = table_of(&kv, seq);
+            let stored = kv.block_table(seq).unwrap().num_stored_tokens() as usize - 1;
+            for layer in 0..2 {
+                let (mut k, mut v) = (vec![0f32; 16], vec![0f32; 16]);
+                for h in 0..2 {
+                    kv_of(layer, h, t, &mut k[h * 8..(h + 1) * 8], &mut v[h * 8..(h + 1) * 8]);
+                }
+                store.write_token(layer, table[stored / bs], stored % bs, &k, &v);
+            }
+            assert_eq!(slots.slots.len(), 1);
+            // As the engine's step does: a new token's position joins the stored positions.
+            positions.as_mut().expect("set at prefill").push(t as u32);
+            after_decode(&mut ev, &mut kv, &mut store, seq, 2, &mut stats, &mut positions);
+        }
+        for (layer, h, tokens, policy) in expected.iter_mut() {
+            tokens.extend((n_prompt..n_prompt + bs).map(|t| t as u32));
+            let dense = pk_kv::DenseKv::from_fn(1, 1, 8, tokens.len(), |_, _, i, k, v| kv_of(*layer, *h, tokens[i] as usize, k, v));
+            policy.on_block_filled(&dense, None, tokens.len() / bs - 1);
+            let victim = policy.choose_victim(tokens.len() / bs).unwrap();
+            policy.on_block_removed(victim);
+            tokens.drain(victim * bs..(victim + 1) * bs);
+        }
+        assert_eq!(stats.evicted_blocks, 1);
+        check(&store, &kv, &expected);
+        assert_eq!(positions.as_ref().map(|p| p.len()), Some(budget as usize));
+        // The donor's (cached, shared) blocks still hold the prompt.
+        let mut row = vec![0f32; bs * 8];
+        for t in 0..8 {
+            let (mut k, mut v) = (vec![0f32; 8], vec![0f32; 8]);
+            kv_of(1, 1, t, &mut k, &mut v);
+            store.read_v(1, donor_blocks[t / bs], 1, &mut row);
+            assert_eq!(&row[(t % bs) * 8..(t % bs + 1) * 8], &v[..]);
+        }
+        kv.check_invariants();
+    }
 
     /// A prefetched view reads what the block-at-a-time view reads, token by token, in any
     /// order; on a host store it is the block-at-a-time view itself.

@@ -4,7 +4,7 @@
 mod common;
 
 use pk_engine::{EngineConfig, GenerateParams};
-use pk_kv::PolicySpec;
+use pk_kv::{KvGranularity, PolicySpec};
 
 #[test]
 fn stored_tokens_stay_within_budget_for_every_policy() {
@@ -24,6 +24,45 @@ fn stored_tokens_stay_within_budget_for_every_policy() {
     let stats = &engine.eviction_stats["paged-eviction"];
     assert!(stats.pruned_prompt_tokens >= 3 * (600 - 128), "{stats:?}");
     assert!(stats.evicted_blocks > 0, "{stats:?}");
+}
+
+/// Per-layer and per-head selection on the real model: every policy stays within budget,
+/// prunes and evicts, and leaves the pool consistent.
+#[test]
+fn per_layer_and_per_head_selection_stay_within_budget() {
+    let mut engine = common::engine(EngineConfig::default());
+    let book = common::book_ids();
+    let prompt = &book[1000..1600];
+    for granularity in [KvGranularity::Layer, KvGranularity::Head] {
+        for name in ["paged-eviction", "streaming-llm", "knorm", "keydiff", "snapkv", "h2o", "tova", "expected-attention"] {
+            let spec: PolicySpec = name.parse().unwrap();
+            let params = GenerateParams { max_tokens: 40, ignore_eos: true, kv_policy: Some(spec), kv_budget: Some(128), kv_granularity: Some(granularity), ..Default::default() };
+            let out = engine.generate(prompt, &params, &mut |_| {}).unwrap();
+            assert_eq!(out.token_ids.len(), 40, "{name} {granularity}");
+            assert!((128..=128 + 16).contains(&out.kv_stored_tokens), "{name} {granularity}: {} stored tokens", out.kv_stored_tokens);
+            engine.check_invariants();
+            assert_eq!(engine.kv_manager().pool().num_free_blocks(), engine.kv_manager().pool().num_blocks());
+        }
+    }
+}
+
+/// StreamingLLM chooses by position, so every layer and head chooses the same tokens: per
+/// layer and per head, the moves go through the per-unit path yet must give exactly the
+/// shared selection's greedy tokens, through prefill pruning and decode evictions.
+#[test]
+fn position_based_selection_is_the_same_at_every_granularity() {
+    let mut engine = common::engine(EngineConfig::default());
+    let book = common::book_ids();
+    let prompt = &book[2000..2500];
+    let run = |engine: &mut pk_engine::Engine, granularity| {
+        let params = GenerateParams { max_tokens: 48, ignore_eos: true, kv_policy: Some("streaming-llm".parse().unwrap()), kv_budget: Some(96), kv_granularity: Some(granularity), ..Default::default() };
+        engine.generate(prompt, &params, &mut |_| {}).unwrap().token_ids
+    };
+    let shared = run(&mut engine, KvGranularity::Shared);
+    for granularity in [KvGranularity::Layer, KvGranularity::Head] {
+        assert_eq!(run(&mut engine, granularity), shared, "{granularity}");
+    }
+    assert!(engine.eviction_stats["streaming-llm"].evicted_blocks >= 3 * 2, "{:?}", engine.eviction_stats);
 }
 
 /// kvpress's protocol (`kv_keep_generated`): the prompt is pruned to the budget at prefill

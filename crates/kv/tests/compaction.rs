@@ -256,3 +256,104 @@ proptest! {
         prop_assert_eq!(manager.pool().num_free_blocks(), num_blocks);
     }
 }
+
+// -----------------------------------------------------------------------------------------
+// Per-unit compaction (`layer`/`head` granularity): each unit keeps its own tokens.
+// -----------------------------------------------------------------------------------------
+
+proptest! {
+    /// Every unit ends up holding exactly its own keep list, in order, in the new layout;
+    /// a donor's shared blocks and the prefix cache's blocks are never written, in any unit.
+    #[test]
+    fn unit_compaction_gives_each_unit_its_own_tokens(
+        prompt_len in 1u32..=30,
+        n_units in 1usize..=4,
+        seeds in proptest::collection::vec(any::<u64>(), 4),
+        keep_len in 0u32..=30,
+        donor in 0u8..3,
+    ) {
+        let keep_len = keep_len.min(prompt_len);
+        let num_blocks = 24;
+        let mut manager = KvCacheManager::new(num_blocks, B);
+        // One slot-content model per unit: the engine moves each unit's K/V separately.
+        let mut contents: Vec<SlotContents> = (0..n_units).map(|_| SlotContents { positions: vec![None; (num_blocks * B) as usize] }).collect();
+        let prompt: Vec<u32> = (0..prompt_len).collect();
+        let mut run_prompt = |manager: &mut KvCacheManager, seq: SeqId| {
+            let prefix = manager.get_computed_prefix(&prompt, b"");
+            let cached = manager.add_sequence(seq, &prefix);
+            let new_slots = manager.allocate_slots(seq, prompt_len - cached).unwrap();
+            for c in contents.iter_mut() {
+                for (i, slot) in new_slots.slots.iter().enumerate() {
+                    c.set(*slot, Some(new_slots.first_position as u32 + i as u32));
+                }
+            }
+            manager.cache_full_blocks(seq, &prompt);
+        };
+        if donor > 0 {
+            run_prompt(&mut manager, SeqId(2));
+            if donor == 2 {
+                manager.free(SeqId(2));
+            }
+        }
+        run_prompt(&mut manager, SeqId(1));
+        // A different sorted subset of `keep_len` tokens per unit (a seeded shuffle).
+        let keeps: Vec<Vec<u32>> = seeds[..n_units].iter().map(|&seed| {
+            let mut order: Vec<u32> = (0..prompt_len).collect();
+            let mut x = seed | 1;
+            for i in (1..order.len()).rev() {
+                x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+                order.swap(i, (x % (i as u64 + 1)) as usize);
+            }
+            let mut keep = order[..keep_len as usize].to_vec();
+            keep.sort_unstable();
+            keep
+        }).collect();
+        let (private, unit_moves) = manager.compact_units(SeqId(1), &keeps).unwrap();
+        for m in &private {
+            prop_assert_eq!(m.from_stored_index, m.to_stored_index, "private copies keep tokens in place");
+            for c in contents.iter_mut() {
+                let position = c.get(m.src);
+                c.set(m.dst, position);
+            }
+        }
+        for (u, moves) in unit_moves.iter().enumerate() {
+            let mut last_to = None;
+            for m in moves {
+                prop_assert!(m.from_stored_index > m.to_stored_index);
+                prop_assert!(last_to < Some(m.to_stored_index), "moves in ascending order");
+                last_to = Some(m.to_stored_index);
+                let position = contents[u].get(m.src);
+                contents[u].set(m.dst, position);
+            }
+        }
+        manager.check_invariants();
+        let table = manager.block_table(SeqId(1)).unwrap();
+        prop_assert_eq!(table.num_stored_tokens(), keep_len);
+        prop_assert_eq!(table.next_position(), prompt_len as u64);
+        for (u, keep) in keeps.iter().enumerate() {
+            for (index, &position) in keep.iter().enumerate() {
+                prop_assert_eq!(contents[u].get(table.slot(index as u32)), Some(position), "unit {} token {}", u, index);
+            }
+        }
+        let prefix = manager.get_computed_prefix(&prompt, b"");
+        for (k, block_id) in prefix.block_ids().iter().enumerate() {
+            for offset in 0..B {
+                let slot = Slot { block_id: *block_id, offset_tokens: offset };
+                for c in &contents {
+                    prop_assert_eq!(c.get(slot), Some(k as u32 * B + offset));
+                }
+            }
+        }
+        if donor == 1 {
+            let donor_table = manager.block_table(SeqId(2)).unwrap();
+            for index in 0..prompt_len {
+                for c in &contents {
+                    prop_assert_eq!(c.get(donor_table.slot(index)), Some(index));
+                }
+            }
+        }
+        manager.free(SeqId(1));
+        manager.free(SeqId(2));
+        prop_assert_eq!(manager.pool().num_free_blocks(), num_blocks);
+    }
+}

@@ -65,6 +65,23 @@ pub trait KvBlocks {
     fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>);
     /// Copies one token slot to another in every layer and KV head (prefill compaction).
     fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize));
+    /// Copies one token slot to another in `layers` and `kv_heads` only (eviction at `layer`
+    /// or `head` granularity moves each unit's tokens separately). The default reads the
+    /// source block's rows of each (layer, KV head) and writes one row; the CPU store
+    /// copies bytes in place.
+    fn copy_slot_in(&mut self, layers: std::ops::Range<usize>, kv_heads: std::ops::Range<usize>, src: (u32, usize), dst: (u32, usize)) {
+        let hd = self.geometry().head_dim;
+        let (mut k, mut v) = (vec![0f32; (src.1 + 1) * hd], vec![0f32; (src.1 + 1) * hd]);
+        let mut scratch = Vec::new();
+        for layer in layers {
+            for h in kv_heads.clone() {
+                self.read_k(layer, src.0, h, &mut k);
+                self.read_v(layer, src.0, h, &mut v);
+                let row = src.1 * hd..(src.1 + 1) * hd;
+                self.write_head_rows(layer, dst.0, h, dst.1, &k[row.clone()], &v[row], &mut scratch);
+            }
+        }
+    }
     /// Writes `n` consecutive stored tokens of a sequence, stored indices `first..first + n`
     /// of the block table `table`, from `k` and `v` in a stored context's layout
     /// (`[layer][kv_head][token][head_dim]`, `n` tokens): the bulk form of `write_token` that
@@ -187,6 +204,9 @@ impl KvBlocks for KvStore {
     }
     fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
         KvStore::copy_slot(self, src, dst)
+    }
+    fn copy_slot_in(&mut self, layers: std::ops::Range<usize>, kv_heads: std::ops::Range<usize>, src: (u32, usize), dst: (u32, usize)) {
+        KvStore::copy_slot_in(self, layers, kv_heads, src, dst)
     }
     /// Converts straight from the store into the caller's rows (no block buffer between).
     fn read_tokens(&self, table: &[u32], first: usize, k: &mut [f32], v: &mut [f32]) -> Result<(), BackendError> {
@@ -382,6 +402,49 @@ mod tests {
                             let row = (s % 4) * g.head_dim..(s % 4 + 1) * g.head_dim;
                             assert_eq!(&kb[at..at + g.head_dim], &a[row.clone()]);
                             assert_eq!(&vb[at..at + g.head_dim], &b[row]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// `copy_slot_in` moves one token in the named layers and KV heads only, in every
+    /// dtype; the store's byte copy and the trait's default (read rows, write a row) agree.
+    #[test]
+    fn copy_slot_in_touches_only_its_layers_and_heads() {
+        let g = KvGeometry { n_layers: 3, n_kv_heads: 2, head_dim: 32, block_size_tokens: 4, num_blocks: 4 };
+        let table = [2u32, 0, 3, 1];
+        let n = 16;
+        let per_token = g.n_layers * g.n_kv_heads * g.head_dim;
+        let k: Vec<f32> = (0..n * per_token).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let v: Vec<f32> = (0..n * per_token).map(|i| ((i * 53 % 89) as f32 - 44.0) / 13.0).collect();
+        for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Q8, KvDtype::Q4] {
+            let filled = || {
+                let mut store = KvStore::new(g, dtype);
+                KvBlocks::write_tokens(&mut store, &table, 0, &k, &v);
+                store
+            };
+            let (mut fast, before, mut slow) = (filled(), filled(), BlockOpsOnly(filled()));
+            fast.copy_slot_in(1..2, 1..2, (3, 2), (2, 1));
+            slow.copy_slot_in(1..2, 1..2, (3, 2), (2, 1));
+            let (mut a, mut b, mut c) = (vec![0f32; 4 * g.head_dim], vec![0f32; 4 * g.head_dim], vec![0f32; 4 * g.head_dim]);
+            for layer in 0..3 {
+                for h in 0..2 {
+                    for &block in &table {
+                        for read in [KvStore::read_k, KvStore::read_v] {
+                            read(&fast, layer, block, h, &mut a);
+                            read(&slow.0, layer, block, h, &mut b);
+                            assert_eq!(a, b, "{dtype}: store and default differ at layer {layer} head {h} block {block}");
+                            read(&before, layer, block, h, &mut c);
+                            if (layer, h, block) == (1, 1, 2) {
+                                let mut src = vec![0f32; 4 * g.head_dim];
+                                read(&before, layer, 3, h, &mut src);
+                                assert_eq!(a[32..64], src[64..96], "{dtype}: the moved row");
+                                assert_eq!((&a[..32], &a[64..]), (&c[..32], &c[64..]), "{dtype}: the other rows");
+                            } else {
+                                assert_eq!(a, c, "{dtype}: layer {layer} head {h} block {block} untouched");
+                            }
                         }
                     }
                 }

@@ -389,13 +389,19 @@ impl KvStore {
     /// Copies one token slot to another in every layer and KV head (prefill compaction).
     /// Quantised tokens are copied as bytes: they are never re-quantised.
     pub fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
+        self.copy_slot_in(0..self.geometry.n_layers, 0..self.geometry.n_kv_heads, src, dst)
+    }
+
+    /// Copies one token slot to another in `layers` and `kv_heads` only (eviction that
+    /// chooses tokens per layer or per KV head moves each unit's tokens separately).
+    pub fn copy_slot_in(&mut self, layers: std::ops::Range<usize>, kv_heads: std::ops::Range<usize>, src: (u32, usize), dst: (u32, usize)) {
         let hd = self.geometry.head_dim;
         let bs = self.geometry.block_size_tokens;
-        for h in 0..self.geometry.n_kv_heads {
+        for h in kv_heads {
             let (vs, vd) = (self.offset(src.0, h, src.1), self.offset(dst.0, h, dst.1));
             let (ks, kd) = (self.k_offset(src.0, h, src.1, 0), self.k_offset(dst.0, h, dst.1, 0));
             let q_regions = self.qlayout.map(|q| (q, self.q_offset(&q, src.0, h), self.q_offset(&q, dst.0, h)));
-            for layer in self.layers.iter_mut() {
+            for layer in self.layers[layers.clone()].iter_mut() {
                 match (layer, q_regions) {
                     (LayerBufs::Elems { k, v }, _) => {
                         v.copy_within(vs, vd, hd);

@@ -22,10 +22,13 @@
 //! 3. Queries: `prefill_queries()`/`decode_queries()` say how many recent queries the
 //!    policy reads (`QueryNeed`); key/value-only policies read none and are passed `None`.
 //!
-//! Decision (spec "which layer decides"): one selection for all layers, from token scores
-//! averaged over layers and KV heads (option (b)). One block table per sequence serves
-//! every layer (a block id indexes each layer's storage), so per-layer selection (option
-//! (a)) would need a table per layer; it is left to be measured later.
+//! Decision (spec "which layer decides"): a request chooses (`KvGranularity`, module
+//! `granularity`). `shared` is one selection for all layers, from token scores averaged
+//! over layers and KV heads (option (b)); `layer` is option (a), one policy instance per
+//! layer; `head` one per (layer, KV head), as kvpress does. The table stays one per
+//! sequence: every unit keeps the same number of tokens, each in its own slots
+//! (`KvCacheManager::compact_units`), so a policy instance sees a `KvView` of its unit
+//! only and needs no change.
 //!
 //! Block-state invariant (NOTE 11 in the crate docs): a policy holds exactly one entry per
 //! full block of the table, in table order: `num_scored_blocks() == num_full_blocks()`
@@ -58,6 +61,7 @@
 use std::fmt;
 
 mod attention;
+mod granularity;
 mod scored;
 mod scorers;
 mod select;
@@ -66,6 +70,7 @@ mod spec;
 mod view;
 
 pub use attention::snapkv_token_scores;
+pub use granularity::{selection_units, KvGranularity, SelectionUnit, VALID_GRANULARITIES};
 pub use spec::{PagedScore, PolicySpec, SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT};
 pub use view::{DenseKv, DenseQueries, KvView, QueryView};
 

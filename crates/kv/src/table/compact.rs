@@ -63,7 +63,7 @@ impl BlockTable {
                 self.num_stored_tokens
             );
         }
-        self.compact_with(keep.len() as u32, |to| keep[to as usize], pool)
+        self.compact_with(keep.len() as u32, |to| keep[to as usize], false, pool)
     }
 
     /// Keeps the first `new_num_stored_tokens` tokens and releases the blocks past them,
@@ -85,15 +85,63 @@ impl BlockTable {
             "BlockTable::truncate: {new_num_stored_tokens} tokens requested, {} stored",
             self.num_stored_tokens
         );
-        self.compact_with(new_num_stored_tokens, |to| to, pool)
+        self.compact_with(new_num_stored_tokens, |to| to, false, pool)
+    }
+
+    /// Per-unit compaction (eviction at `layer` or `head` granularity): each unit (a set of
+    /// layers, or one KV head of one layer) keeps its own tokens, `keeps[u]`, all of the
+    /// same length `n`, each strictly increasing. The table keeps `n` tokens and releases
+    /// the blocks past them.
+    ///
+    /// Returns `(private_copies, unit_moves)`. `private_copies` are whole-token copies (every
+    /// layer) that give each block of the new layout that is shared or cached a private
+    /// replacement, since units may write any of them; perform them first. Then perform
+    /// `unit_moves[u]` for unit `u`'s layers and heads only: each reads the old layout's
+    /// slot (whose bytes are intact: nothing allocates in between, and shared blocks are
+    /// never written) and writes the new layout's slot, in ascending destination order, so
+    /// in place it never overwrites a slot a later move of the same unit still reads.
+    ///
+    /// `None`: no free block for a private copy; nothing has changed.
+    ///
+    /// Panics if the lists differ in length, are not strictly increasing, or name a token
+    /// that is not stored.
+    #[must_use = "allocation can fail, and the returned moves must be performed"]
+    #[allow(clippy::type_complexity)]
+    pub fn compact_units(&mut self, keeps: &[Vec<u32>], pool: &mut BlockPool) -> Option<(Vec<TokenMove>, Vec<Vec<TokenMove>>)> {
+        let n = keeps.first().map_or(0, |k| k.len()) as u32;
+        for (unit, keep) in keeps.iter().enumerate() {
+            assert_eq!(keep.len() as u32, n, "BlockTable::compact_units: unit {unit} keeps {} tokens, unit 0 keeps {n}", keep.len());
+            for pair in keep.windows(2) {
+                assert!(pair[0] < pair[1], "BlockTable::compact_units: unit {unit}'s keep list is not strictly increasing ({} then {})", pair[0], pair[1]);
+            }
+            if let Some(&last) = keep.last() {
+                assert!(last < self.num_stored_tokens, "BlockTable::compact_units: token {last} is not stored (num_stored_tokens = {})", self.num_stored_tokens);
+            }
+        }
+        let old_slots: Vec<Slot> = (0..self.num_stored_tokens).map(|i| self.slot(i)).collect();
+        let private_copies = self.compact_with(n, |to| to, true, pool)?;
+        let unit_moves = keeps
+            .iter()
+            .map(|keep| {
+                keep.iter()
+                    .enumerate()
+                    .filter(|&(to, &from)| from != to as u32)
+                    .map(|(to, &from)| TokenMove { from_stored_index: from, to_stored_index: to as u32, src: old_slots[from as usize], dst: self.slot(to as u32) })
+                    .collect()
+            })
+            .collect();
+        Some((private_copies, unit_moves))
     }
 
     /// The shared body: new stored token `to` is old stored token `source(to)`, for `to` in
     /// `0..new_num_stored_tokens`, with `source` strictly increasing and `source(to) >= to`.
+    /// `all_private`: every block of the new layout that is shared or cached gets a private
+    /// copy, whether or not a token moves into it (per-unit moves will write it).
     fn compact_with(
         &mut self,
         new_num_stored_tokens: u32,
         source: impl Fn(u32) -> u32,
+        all_private: bool,
         pool: &mut BlockPool,
     ) -> Option<Vec<TokenMove>> {
         let block_size_tokens = self.block_size_tokens;
@@ -108,7 +156,7 @@ impl BlockTable {
                 let first = block_index as u32 * block_size_tokens;
                 let end = (first + block_size_tokens).min(new_num_stored_tokens);
                 let becomes_partial = end - first < block_size_tokens;
-                becomes_partial || (first..end).any(|to| source(to) != to)
+                all_private || becomes_partial || (first..end).any(|to| source(to) != to)
             })
             .collect();
         let num_copies = needs_private_copy.iter().filter(|&&copy| copy).count() as u32;
