@@ -74,6 +74,10 @@ long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 40)
 ev = client.completions.create(model=model, prompt=long_prompt, max_tokens=8, temperature=0,
                                extra_body={"kv_policy": "paged-eviction", "kv_budget": 128})
 assert ev.usage.completion_tokens == 8 or ev.choices[0].finish_reason == "stop", ev
+# The same per KV head (kvpress's granularity).
+ev = client.completions.create(model=model, prompt=long_prompt, max_tokens=8, temperature=0,
+                               extra_body={"kv_policy": "snapkv", "kv_budget": 128, "kv_granularity": "head"})
+assert ev.usage.completion_tokens == 8 or ev.choices[0].finish_reason == "stop", ev
 
 # Concurrent requests are batched and all complete.
 def one(i):
@@ -89,6 +93,7 @@ for kwargs, needle in [
     (dict(temperature=-1), "temperature"),
     (dict(extra_body={"kv_policy": "nonsense"}), "eviction policy"),
     (dict(extra_body={"kv_policy": "paged-eviction", "kv_budget": 8}), "budget"),
+    (dict(extra_body={"kv_policy": "knorm", "kv_budget": 128, "kv_granularity": "token"}), "granularity"),
 ]:
     try:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], **{"max_tokens": 4, **kwargs})

@@ -275,7 +275,7 @@ pub fn perf(a: PerfArgs) -> Result<()> {
     for &ctx in &a.contexts {
         // Random ids avoid prefix-cache hits between runs; ids 1000.. skip special tokens.
         let prompt: Vec<u32> = (0..ctx).map(|_| rng.gen_range(1000..vocab)).collect();
-        let params = GenerateParams { max_tokens: a.decode_tokens, ignore_eos: true, kv_policy: a.kv.spec()?, kv_budget: a.kv.kv_budget, ..Default::default() };
+        let params = GenerateParams { max_tokens: a.decode_tokens, ignore_eos: true, kv_policy: a.kv.spec()?, kv_budget: a.kv.kv_budget, kv_granularity: a.kv.granularity()?, ..Default::default() };
         let out = engine.generate(&prompt, &params, &mut |_| {})?;
         let decoded = out.token_ids.len().saturating_sub(1);
         let mut run = serde_json::json!({
@@ -343,6 +343,7 @@ pub fn perf(a: PerfArgs) -> Result<()> {
             "threads": threads,
             "kv_policy": a.kv.label(),
             "kv_budget": a.kv.kv_budget,
+            "kv_granularity": a.kv.granularity()?.unwrap_or_default().name(),
             "runs": runs,
         });
         println!("{v}");

@@ -139,9 +139,18 @@ pub struct KvPolicyArgs {
     /// Tokens each sequence may keep in the KV cache (at least 3 blocks).
     #[arg(long)]
     pub kv_budget: Option<u32>,
+    /// Which parts of the model choose their kept tokens together: shared (one selection
+    /// for every layer and head), layer (each layer its own), head (each KV head of each
+    /// layer its own, as kvpress). The budget is per unit, so the bytes are the same.
+    #[arg(long)]
+    pub kv_granularity: Option<String>,
 }
 
 impl KvPolicyArgs {
+    pub fn granularity(&self) -> Result<Option<pk_kv::KvGranularity>> {
+        self.kv_granularity.as_deref().map(|g| g.parse::<pk_kv::KvGranularity>().map_err(|e| anyhow::anyhow!("--kv-granularity: {e}"))).transpose()
+    }
+
     pub fn spec(&self) -> Result<Option<pk_kv::PolicySpec>> {
         self.kv_policy.as_deref().map(|p| p.parse::<pk_kv::PolicySpec>().map_err(|e| anyhow::anyhow!("--kv-policy: {e}"))).transpose()
     }
@@ -281,6 +290,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         ignore_eos: false,
         kv_policy: a.kv.spec()?,
         kv_budget: a.kv.kv_budget,
+        kv_granularity: a.kv.granularity()?,
         ..Default::default()
     };
     let mut stdout = std::io::stdout().lock();

@@ -58,6 +58,10 @@ pub struct EvalArgs {
     /// protocols are reported side by side.
     #[arg(long)]
     pub text_kl_keep_continuation: bool,
+    /// Forced tokens after the prefix in the text-kl tasks (default 64; kvpress's comparison
+    /// used 256). Lengths include them.
+    #[arg(long)]
+    pub continuation_tokens: Option<usize>,
     /// Hide the progress bar.
     #[arg(long)]
     pub no_progress: bool,
@@ -65,6 +69,11 @@ pub struct EvalArgs {
     /// against the f16 full cache, so its `full` row measures the precision itself.
     #[arg(long, default_value = "f16")]
     pub kv_dtype: String,
+    /// Eviction granularities to sweep, comma-separated (shared, layer, head): each evicting
+    /// policy and budget runs at every one; rows carry `kv_granularity`, and summaries name
+    /// a non-shared one after the policy (`snapkv/head`).
+    #[arg(long, value_delimiter = ',')]
+    pub kv_granularity: Option<Vec<String>>,
     /// Worker threads for the kernels (default: all cores). Scores do not depend on it.
     #[arg(long)]
     pub threads: Option<usize>,
@@ -95,13 +104,22 @@ fn config(a: &EvalArgs) -> Result<SweepConfig> {
     if let Some(s) = a.seed {
         c.seed = s;
     }
+    if let Some(n) = a.continuation_tokens {
+        if n == 0 {
+            bail!("--continuation-tokens must be at least 1");
+        }
+        c.continuation_tokens = n;
+    }
     if a.text_kl_keep_continuation && !c.tasks.contains(&Task::TextKlKeepContinuation) {
         c.tasks.push(Task::TextKlKeepContinuation);
     }
+    if let Some(g) = &a.kv_granularity {
+        c.granularities = g.iter().map(|s| s.parse::<pk_kv::KvGranularity>().map_err(|e| anyhow::anyhow!("--kv-granularity: {e}"))).collect::<Result<_>>()?;
+    }
     c.progress = !a.no_progress;
     c.kv_dtype = pk_model::KvDtype::parse(&a.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected {})", a.kv_dtype, pk_model::KvDtype::NAMES))?;
-    if c.samples == 0 || c.lengths.is_empty() || c.tasks.is_empty() || c.block_sizes.is_empty() {
-        bail!("nothing to run: samples, lengths, tasks and block sizes must not be empty");
+    if c.samples == 0 || c.lengths.is_empty() || c.tasks.is_empty() || c.block_sizes.is_empty() || c.granularities.is_empty() {
+        bail!("nothing to run: samples, lengths, tasks, block sizes and granularities must not be empty");
     }
     Ok(c)
 }

@@ -77,6 +77,7 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         max_waiting_requests: a.max_waiting_requests,
         default_kv_policy: a.kv.spec()?.unwrap_or_default(),
         default_kv_budget: a.kv.kv_budget,
+        default_kv_granularity: a.kv.granularity()?.unwrap_or_default(),
         tiering: a.model.tiers.build()?,
         contexts: a.model.tiers.build_contexts()?,
         ..Default::default()

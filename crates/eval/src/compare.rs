@@ -173,6 +173,7 @@ mod tests {
             task: task.into(),
             context_tokens: 1024,
             policy: policy.into(),
+            kv_granularity: "shared".into(),
             kv_budget: budget,
             block_size: 16,
             score,

@@ -67,6 +67,8 @@ pub struct SweepConfig {
     /// Live KV precision of every run except `text-kl`'s reference, which is always the
     /// f16 full cache (so a q8 sweep's `full` text-kl row measures q8 itself).
     pub kv_dtype: KvDtype,
+    /// Eviction granularities: every evicting (policy, budget) runs at each.
+    pub granularities: Vec<pk_kv::KvGranularity>,
 }
 
 /// The seeds' comparison: PagedEviction against StreamingLLM, KeyDiff and inverse key L2.
@@ -90,6 +92,7 @@ impl SweepConfig {
             out_dir,
             progress: true,
             kv_dtype: KvDtype::F16,
+            granularities: vec![pk_kv::KvGranularity::Shared],
         }
     }
 

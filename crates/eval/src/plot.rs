@@ -288,6 +288,7 @@ mod tests {
             task: task.into(),
             context_tokens: len,
             policy: policy.into(),
+            kv_granularity: "shared".into(),
             kv_budget: budget,
             block_size: 16,
             score,

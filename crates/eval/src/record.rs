@@ -37,6 +37,13 @@ pub struct RawResult {
     /// Live KV precision of this run (`f16` in records written before the field existed).
     #[serde(default = "default_kv_dtype")]
     pub kv_dtype: String,
+    /// Eviction granularity (`shared` in records written before the field existed).
+    #[serde(default = "default_kv_granularity")]
+    pub kv_granularity: String,
+}
+
+fn default_kv_granularity() -> String {
+    "shared".to_string()
 }
 
 fn default_kv_dtype() -> String {
@@ -55,6 +62,7 @@ pub struct CellKey {
     pub kv_budget: Option<u32>,
     pub block_size: u32,
     pub kv_dtype: String,
+    pub kv_granularity: String,
 }
 
 impl RawResult {
@@ -69,6 +77,16 @@ impl RawResult {
             kv_budget: self.kv_budget,
             block_size: self.block_size,
             kv_dtype: self.kv_dtype.clone(),
+            kv_granularity: self.kv_granularity.clone(),
+        }
+    }
+
+    /// The name summaries and plots give this configuration: the policy, with the
+    /// granularity after a slash unless it is `shared` (`snapkv/head`).
+    pub fn label(&self) -> String {
+        match self.kv_granularity.as_str() {
+            "shared" => self.policy.clone(),
+            g => format!("{}/{g}", self.policy),
         }
     }
 }

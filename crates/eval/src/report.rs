@@ -20,7 +20,9 @@ pub const CALIBRATION_MIN_SCORE: f64 = 0.8;
 pub struct SummaryRow {
     pub task: String,
     pub context_tokens: usize,
+    /// The policy, with `/layer` or `/head` for those granularities (`RawResult::label`).
     pub policy: String,
+    pub kv_granularity: String,
     pub kv_budget: Option<u32>,
     pub block_size: u32,
     pub score: f64,
@@ -54,7 +56,7 @@ pub fn summarise(model: &str, records: &[RawResult]) -> Report {
     type Key = (String, usize, u32, bool, String, Option<u32>);
     let mut groups: BTreeMap<Key, Vec<&RawResult>> = BTreeMap::new();
     for r in records {
-        groups.entry((r.task.clone(), r.context_tokens, r.block_size, r.policy != "full", r.policy.clone(), r.kv_budget)).or_default().push(r);
+        groups.entry((r.task.clone(), r.context_tokens, r.block_size, r.policy != "full", r.label(), r.kv_budget)).or_default().push(r);
     }
     let full_score: BTreeMap<(String, usize, u32), f64> = groups
         .iter()
@@ -75,6 +77,7 @@ pub fn summarise(model: &str, records: &[RawResult]) -> Report {
                 token_f1: mean(rs.iter().filter_map(|r| r.token_f1)),
                 rouge_l: mean(rs.iter().filter_map(|r| r.rouge_l)),
                 delta_ppl: mean(rs.iter().filter_map(|r| Some(r.ppl_policy? - r.ppl_full?))),
+                kv_granularity: rs[0].kv_granularity.clone(),
                 task,
                 context_tokens,
                 policy,
@@ -202,6 +205,7 @@ mod tests {
             kv_stored_tokens: 0,
             seconds: 0.0,
             kv_dtype: "f16".into(),
+            kv_granularity: "shared".into(),
         }
     }
 
@@ -221,5 +225,21 @@ mod tests {
         assert_eq!(csv(&r).lines().count(), 3);
         let md = markdown(&r, "pagekeeper eval");
         assert!(md.contains("full score 0.750  <- below 80%") && md.contains("| passkey (uncalibrated) | 1024 | 16 | knorm | 256 | 0.500 |"), "{md}");
+    }
+
+    /// Rows of another granularity are their own cells, named after the policy; records
+    /// written before the field existed read as `shared`.
+    #[test]
+    fn granularities_are_separate_rows() {
+        let mut head = rec("knorm", Some(256), 0, 1.0);
+        head.kv_granularity = "head".into();
+        let recs = vec![rec("full", None, 0, 1.0), rec("knorm", Some(256), 0, 0.0), head];
+        let r = summarise("m", &recs);
+        let rows: Vec<(&str, &str, f64)> = r.results.iter().map(|x| (x.policy.as_str(), x.kv_granularity.as_str(), x.score)).collect();
+        assert_eq!(rows, vec![("full", "shared", 1.0), ("knorm", "shared", 0.0), ("knorm/head", "head", 1.0)]);
+        let mut old = serde_json::to_value(rec("knorm", Some(256), 0, 0.5)).unwrap();
+        old.as_object_mut().unwrap().remove("kv_granularity");
+        let back: RawResult = serde_json::from_value(old).unwrap();
+        assert_eq!(back.kv_granularity, "shared");
     }
 }

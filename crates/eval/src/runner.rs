@@ -41,7 +41,7 @@ pub fn run(engine: &mut Engine, prompt_ids: &[u32], params: GenerateParams, cach
 
 /// Greedy generation of at most `max_tokens`.
 pub fn generate(engine: &mut Engine, prompt_ids: &[u32], max_tokens: usize, kv: KvSetting, salt: Option<String>) -> Result<RunOutput> {
-    let params = GenerateParams { max_tokens, kv_policy: kv.policy, kv_budget: kv.budget, ..Default::default() };
+    let params = GenerateParams { max_tokens, kv_policy: kv.policy, kv_budget: kv.budget, kv_granularity: kv.granularity, ..Default::default() };
     run(engine, prompt_ids, params, salt)
 }
 
@@ -55,6 +55,7 @@ pub fn teacher_force(engine: &mut Engine, prompt_ids: &[u32], continuation: &[u3
         kv_policy: kv.policy,
         kv_budget: kv.budget,
         kv_keep_generated: kv.keep_generated,
+        kv_granularity: kv.granularity,
         ..Default::default()
     };
     let out = run(engine, prompt_ids, params, salt)?;
@@ -71,8 +72,10 @@ pub struct KvSetting {
     pub budget: Option<u32>,
     /// The budget bounds the prompt only (`GenerateParams::kv_keep_generated`).
     pub keep_generated: bool,
+    /// `None`: the engine's default.
+    pub granularity: Option<pk_kv::KvGranularity>,
 }
 
 impl KvSetting {
-    pub const FULL: KvSetting = KvSetting { policy: None, budget: None, keep_generated: false };
+    pub const FULL: KvSetting = KvSetting { policy: None, budget: None, keep_generated: false, granularity: None };
 }

@@ -13,7 +13,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use pk_engine::{Engine, EngineConfig};
-use pk_kv::PolicySpec;
+use pk_kv::{KvGranularity, PolicySpec};
 use pk_model::KvDtype;
 use pk_tokenizer::ChatMessage;
 
@@ -39,8 +39,23 @@ struct Unit {
     task: Task,
     context_tokens: usize,
     sample: usize,
-    /// (policy, budget); `None` policy is the full cache.
-    cells: Vec<(Option<PolicySpec>, Option<u32>)>,
+    cells: Vec<Cell>,
+}
+
+/// One cache configuration of a unit: `None` policy is the full cache (always `shared`).
+#[derive(Clone, Copy, Debug)]
+struct Cell {
+    policy: Option<PolicySpec>,
+    budget: Option<u32>,
+    granularity: KvGranularity,
+}
+
+impl Cell {
+    const FULL: Cell = Cell { policy: None, budget: None, granularity: KvGranularity::Shared };
+
+    fn setting(self, keep_generated: bool) -> KvSetting {
+        KvSetting { policy: self.policy, budget: self.budget, keep_generated, granularity: Some(self.granularity) }
+    }
 }
 
 pub fn model_name(path: &Path) -> String {
@@ -56,9 +71,11 @@ fn units(cfg: &SweepConfig) -> Vec<Unit> {
             for &task in &cfg.tasks {
                 let budgets = cfg.budget_tokens(context_tokens, block_size);
                 for sample in 0..cfg.samples {
-                    let mut cells = vec![(None, None)];
-                    for p in cfg.policies.iter().filter(|p| p.evicts()) {
-                        cells.extend(budgets.iter().map(|&b| (Some(*p), Some(b))));
+                    let mut cells = vec![Cell::FULL];
+                    for &granularity in &cfg.granularities {
+                        for p in cfg.policies.iter().filter(|p| p.evicts()) {
+                            cells.extend(budgets.iter().map(|&b| Cell { policy: Some(*p), budget: Some(b), granularity }));
+                        }
                     }
                     out.push(Unit { block_size, task, context_tokens, sample, cells });
                 }
@@ -68,7 +85,8 @@ fn units(cfg: &SweepConfig) -> Vec<Unit> {
     out
 }
 
-fn key(cfg: &SweepConfig, model: &str, u: &Unit, policy: Option<PolicySpec>, budget: Option<u32>) -> CellKey {
+fn key(cfg: &SweepConfig, model: &str, u: &Unit, cell: Cell) -> CellKey {
+    let Cell { policy, budget, granularity } = cell;
     CellKey {
         model: model.to_string(),
         seed: cfg.seed,
@@ -79,6 +97,7 @@ fn key(cfg: &SweepConfig, model: &str, u: &Unit, policy: Option<PolicySpec>, bud
         kv_budget: budget,
         block_size: u.block_size,
         kv_dtype: cfg.kv_dtype.to_string(),
+        kv_granularity: granularity.name().to_string(),
     }
 }
 
@@ -90,7 +109,7 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
     let model = model_name(&cfg.model_path);
     let units = units(cfg);
     let cells_total: usize = units.iter().map(|u| u.cells.len()).sum();
-    let pending: usize = units.iter().flat_map(|u| u.cells.iter().map(move |&(p, b)| (u, p, b))).filter(|&(u, p, b)| !done.contains_key(&key(cfg, &model, u, p, b))).count();
+    let pending: usize = units.iter().flat_map(|u| u.cells.iter().map(move |&c| (u, c))).filter(|&(u, c)| !done.contains_key(&key(cfg, &model, u, c))).count();
     eprintln!("eval: {cells_total} cells x samples in this sweep, {} already in {}, {pending} to run", cells_total - pending, path.display());
     let bar = progress_bar(pending as u64, cfg.progress);
     let mut out = Appender::open(&path)?;
@@ -98,7 +117,7 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
     let mut reference: Option<Engine> = None;
     let max_len = cfg.lengths.iter().copied().max().unwrap_or(0);
     for u in &units {
-        if u.cells.iter().all(|&(p, b)| done.contains_key(&key(cfg, &model, u, p, b))) {
+        if u.cells.iter().all(|&c| done.contains_key(&key(cfg, &model, u, c))) {
             continue;
         }
         if engine.as_ref().is_none_or(|e| e.config.block_size_tokens != u.block_size) {
@@ -121,7 +140,7 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
     }
     bar.finish_and_clear();
     let records: Vec<RawResult> =
-        units.iter().flat_map(|u| u.cells.iter().filter_map(|&(p, b)| done.get(&key(cfg, &model, u, p, b)).cloned()).collect::<Vec<_>>()).collect();
+        units.iter().flat_map(|u| u.cells.iter().filter_map(|&c| done.get(&key(cfg, &model, u, c)).cloned()).collect::<Vec<_>>()).collect();
     Ok(SweepOutcome { model, records, cells_total, cells_run: pending })
 }
 
@@ -138,8 +157,9 @@ struct UnitRun<'a> {
 }
 
 impl UnitRun<'_> {
-    fn base(&self, policy: Option<PolicySpec>, budget: Option<u32>, prompt_tokens: usize) -> RawResult {
+    fn base(&self, cell: Cell, prompt_tokens: usize) -> RawResult {
         let u = self.unit;
+        let Cell { policy, budget, granularity } = cell;
         RawResult {
             model: self.model.to_string(),
             seed: self.cfg.seed,
@@ -163,11 +183,12 @@ impl UnitRun<'_> {
             kv_stored_tokens: 0,
             seconds: 0.0,
             kv_dtype: self.cfg.kv_dtype.to_string(),
+            kv_granularity: granularity.name().to_string(),
         }
     }
 
-    fn pending<'u>(&'u self, done: &'u HashMap<CellKey, RawResult>) -> impl Iterator<Item = (Option<PolicySpec>, Option<u32>)> + 'u {
-        self.unit.cells.iter().copied().filter(move |&(p, b)| !done.contains_key(&key(self.cfg, self.model, self.unit, p, b)))
+    fn pending<'u>(&'u self, done: &'u HashMap<CellKey, RawResult>) -> impl Iterator<Item = Cell> + 'u {
+        self.unit.cells.iter().copied().filter(move |&c| !done.contains_key(&key(self.cfg, self.model, self.unit, c)))
     }
 
     fn run_generative(&self, e: &mut Engine, done: &HashMap<CellKey, RawResult>, bar: &ProgressBar) -> Result<Vec<RawResult>> {
@@ -184,19 +205,19 @@ impl UnitRun<'_> {
         // The full cache first: calibration, the reference answer, and a warm prefix cache.
         let t0 = Instant::now();
         let full = runner::generate(e, &prompt, sample.max_answer_tokens, KvSetting::FULL, None)?;
-        let mut full_rec = self.base(None, None, prompt.len());
+        let mut full_rec = self.base(Cell::FULL, prompt.len());
         full_rec.seconds = t0.elapsed().as_secs_f64();
         full_rec.kv_stored_tokens = full.kv_stored_tokens;
         self.fill_answer(&mut full_rec, &sample, &full.text, &full.text);
-        for (policy, budget) in self.pending(done).collect::<Vec<_>>() {
-            let Some(spec) = policy else {
+        for cell in self.pending(done).collect::<Vec<_>>() {
+            let Some(spec) = cell.policy else {
                 new.push(full_rec.clone());
                 bar.inc(1);
                 continue;
             };
             let t0 = Instant::now();
-            let out = runner::generate(e, &prompt, sample.max_answer_tokens, KvSetting { policy, budget, keep_generated: false }, salt(spec, budget))?;
-            let mut r = self.base(policy, budget, prompt.len());
+            let out = runner::generate(e, &prompt, sample.max_answer_tokens, cell.setting(false), salt(spec, cell.budget))?;
+            let mut r = self.base(cell, prompt.len());
             r.seconds = t0.elapsed().as_secs_f64();
             r.kv_stored_tokens = out.kv_stored_tokens;
             self.fill_answer(&mut r, &sample, &out.text, &full.text);
@@ -238,19 +259,19 @@ impl UnitRun<'_> {
             None => full.logits.clone(),
         };
         let mut new = Vec::new();
-        for (policy, budget) in self.pending(done).collect::<Vec<_>>() {
+        for cell in self.pending(done).collect::<Vec<_>>() {
             let t0 = Instant::now();
-            let (logits, kv_stored_tokens) = match policy {
+            let (logits, kv_stored_tokens) = match cell.policy {
                 Some(spec) => {
                     let keep_generated = u.task == Task::TextKlKeepContinuation;
-                    let o = runner::teacher_force(e, prefix, cont, KvSetting { policy, budget, keep_generated }, salt(spec, budget))?;
+                    let o = runner::teacher_force(e, prefix, cont, cell.setting(keep_generated), salt(spec, cell.budget))?;
                     (o.logits, o.kv_stored_tokens)
                 }
                 None => (full.logits.clone(), full.kv_stored_tokens),
             };
             let d = metrics::divergence(&reference, &logits, cont, 1);
-            let mut r = self.base(policy, budget, prefix.len());
-            r.seconds = if policy.is_none() { full_seconds } else { t0.elapsed().as_secs_f64() };
+            let mut r = self.base(cell, prefix.len());
+            r.seconds = if cell.policy.is_none() { full_seconds } else { t0.elapsed().as_secs_f64() };
             r.kv_stored_tokens = kv_stored_tokens;
             r.score = d.top1_agreement;
             r.kl_mean = Some(d.kl_mean);

@@ -92,12 +92,6 @@ pub fn snapkv_scores(ctx: &KvContext, queries: &WindowQueries) -> Option<Vec<f32
     Some(pk_kv::snapkv_token_scores(&ContextView(ctx), &WindowView { q: queries, head_dim: ctx.head_dim }, window, kernel))
 }
 
-const NORM_EPS: f32 = 1e-6;
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
 /// Scores of every stored token of `ctx` under `score` (higher = keep); `None` for a score
 /// that needs queries (SnapKV), which the KV alone cannot give.
 pub fn token_scores(ctx: &KvContext, score: DropScore) -> Option<Vec<f32>> {
@@ -107,46 +101,18 @@ pub fn token_scores(ctx: &KvContext, score: DropScore) -> Option<Vec<f32>> {
     Some(kv_scores(ctx, score))
 }
 
+/// Recency for StreamingLLM (the protected first block is the sink; the rest ranks by
+/// position); otherwise pk-kv's own scorer of the policy, so a context dropped here ranks
+/// its tokens exactly as the eviction policy of the same name does.
 fn kv_scores(ctx: &KvContext, score: DropScore) -> Vec<f32> {
-    let n = ctx.n_tokens();
-    let d = ctx.head_dim;
-    let mut out = vec![0f32; n];
-    if score == DropScore::StreamingLlm {
-        // Recency: the protected first block is the sink; the rest ranks by position.
-        for (o, p) in out.iter_mut().zip(&ctx.positions) {
-            *o = *p as f32;
-        }
-        return out;
-    }
-    let heads = (ctx.n_layers * ctx.n_kv_heads) as f32;
-    let mut mean = vec![0f32; d];
-    for layer in 0..ctx.n_layers {
-        for h in 0..ctx.n_kv_heads {
-            let (k, v) = (ctx.k_head(layer, h), ctx.v_head(layer, h));
-            if score == DropScore::KeyDiff {
-                mean.iter_mut().for_each(|m| *m = 0.0);
-                for kt in k.chunks_exact(d) {
-                    mean.iter_mut().zip(kt).for_each(|(m, x)| *m += x);
-                }
-            }
-            let mean_norm = dot(&mean, &mean).sqrt() + NORM_EPS;
-            for t in 0..n {
-                let kt = &k[t * d..(t + 1) * d];
-                let k_norm = dot(kt, kt).sqrt();
-                let s = match score {
-                    DropScore::PagedEviction => {
-                        let vt = &v[t * d..(t + 1) * d];
-                        dot(vt, vt).sqrt() / (k_norm + NORM_EPS)
-                    }
-                    DropScore::KNorm => -k_norm,
-                    DropScore::KeyDiff => -dot(kt, &mean) / ((k_norm + NORM_EPS) * mean_norm),
-                    DropScore::StreamingLlm | DropScore::SnapKv => unreachable!("handled above"),
-                };
-                out[t] += s / heads;
-            }
-        }
-    }
-    out
+    let spec = match score {
+        DropScore::StreamingLlm => return ctx.positions.iter().map(|&p| p as f32).collect(),
+        DropScore::PagedEviction => pk_kv::PolicySpec::default(),
+        DropScore::KNorm => pk_kv::PolicySpec::KNorm,
+        DropScore::KeyDiff => pk_kv::PolicySpec::KeyDiff,
+        DropScore::SnapKv => unreachable!("needs queries: token_scores returns None first"),
+    };
+    pk_kv::kv_token_scores(spec, &ContextView(ctx)).expect("a key/value-only policy")
 }
 
 #[cfg(test)]

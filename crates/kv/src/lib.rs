@@ -90,7 +90,7 @@ pub use hash::{hash_block, hash_prefix_blocks};
 pub use manager::{CachedPrefix, KvCacheManager, NewSlots, SeqId};
 pub use policy::{
     selection_units, KvGranularity, SelectionUnit, VALID_GRANULARITIES,
-    snapkv_token_scores, validate_budget, SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT, DenseKv, DenseQueries, EvictionPolicy, KvView,
+    kv_token_scores, snapkv_token_scores, validate_budget, SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT, DenseKv, DenseQueries, EvictionPolicy, KvView,
     PagedScore, PolicyError, PolicySpec, QueryNeed, QueryView,
 };
 pub use pool::BlockPool;

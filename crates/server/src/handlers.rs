@@ -125,6 +125,10 @@ fn generate_params(c: &CommonParams, prompt_tokens: usize, default_max_tokens: O
         Some(b) => Some(b as u32),
         None => None,
     };
+    let kv_granularity = match &c.kv_granularity {
+        Some(g) => Some(g.parse::<pk_kv::KvGranularity>().map_err(|e| ApiError::param("kv_granularity", e))?),
+        None => None,
+    };
     let limit = state.limits.max_total_tokens;
     if prompt_tokens >= limit {
         return Err(ApiError::param("messages", format!("This model's maximum context length is {limit} tokens. However, your prompt has {prompt_tokens} tokens.")));
@@ -155,7 +159,7 @@ fn generate_params(c: &CommonParams, prompt_tokens: usize, default_max_tokens: O
     if stop.len() > 16 {
         return Err(ApiError::param("stop", "at most 16 stop strings are supported"));
     }
-    Ok(GenerateParams { sampling, max_tokens, stop, ignore_eos: c.ignore_eos, kv_policy, kv_budget, ..Default::default() })
+    Ok(GenerateParams { sampling, max_tokens, stop, ignore_eos: c.ignore_eos, kv_policy, kv_budget, kv_granularity, ..Default::default() })
 }
 
 struct Submitted {

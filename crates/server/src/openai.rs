@@ -1,5 +1,5 @@
 //! OpenAI API request and response bodies (the subset vLLM and llama-server implement),
-//! plus pagekeeper's extensions (`kv_policy`, `kv_budget`, `cache_salt`, `top_k`), which
+//! plus pagekeeper's extensions (`kv_policy`, `kv_budget`, `kv_granularity`, `cache_salt`, `top_k`), which
 //! clients that do not know them simply never send.
 
 use serde::{Deserialize, Serialize};
@@ -56,6 +56,7 @@ pub struct CommonParams {
     pub ignore_eos: bool,
     pub kv_policy: Option<String>,
     pub kv_budget: Option<i64>,
+    pub kv_granularity: Option<String>,
     pub cache_salt: Option<String>,
 }
 

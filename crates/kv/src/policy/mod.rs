@@ -70,6 +70,7 @@ mod spec;
 mod view;
 
 pub use attention::snapkv_token_scores;
+pub use scorers::kv_token_scores;
 pub use granularity::{selection_units, KvGranularity, SelectionUnit, VALID_GRANULARITIES};
 pub use spec::{PagedScore, PolicySpec, SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT};
 pub use view::{DenseKv, DenseQueries, KvView, QueryView};

@@ -162,3 +162,20 @@ impl TokenScorer for KeyDiffScorer {
         });
     }
 }
+
+/// The scores a key/value-only policy (PagedEviction and its variants, KNorm, KeyDiff)
+/// gives every stored token of `kv` (higher = keep), for callers that keep the ranking
+/// rather than one selection (EVICPRESS drops a stored context's tokens at several ratios
+/// later). `None` for a policy whose score needs queries or positions.
+pub fn kv_token_scores(spec: super::PolicySpec, kv: &dyn KvView) -> Option<Vec<f32>> {
+    use super::PolicySpec;
+    let mut scorer: Box<dyn TokenScorer> = match spec {
+        PolicySpec::PagedEviction { score, .. } => Box::new(PagedScorer { score }),
+        PolicySpec::KNorm => Box::new(KNormScorer),
+        PolicySpec::KeyDiff => Box::<KeyDiffScorer>::default(),
+        _ => return None,
+    };
+    let mut out = Vec::new();
+    scorer.score(kv, None, 0..kv.n_tokens(), &mut out);
+    Some(out)
+}
