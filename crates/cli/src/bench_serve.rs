@@ -34,6 +34,9 @@ pub struct ServeBenchArgs {
     pub threads: Option<usize>,
     #[arg(long)]
     pub json: bool,
+    /// Passed to the server (`serve --max-prefill-tokens-while-decoding`); its default if unset.
+    #[arg(long)]
+    pub max_prefill_tokens_while_decoding: Option<usize>,
 }
 
 struct Server(Child);
@@ -104,6 +107,9 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     }
     if let Some(t) = a.threads {
         cmd.args(["--threads", &t.to_string()]);
+    }
+    if let Some(n) = a.max_prefill_tokens_while_decoding {
+        cmd.args(["--max-prefill-tokens-while-decoding", &n.to_string()]);
     }
     let _server = Server(cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().context("starting the server")?);
     let base = format!("http://127.0.0.1:{}", a.port);

@@ -34,6 +34,11 @@ pub struct ServeArgs {
     /// Tokens per forward pass (prefill chunks + decode tokens).
     #[arg(long, default_value_t = 512)]
     pub max_batch_tokens: usize,
+    /// Prompt tokens a step may carry while any stream is decoding (chunked prefill with
+    /// decode priority): bounds the time between two tokens of every stream. Prefill with
+    /// nothing decoding still uses --max-batch-tokens.
+    #[arg(long, default_value_t = 128)]
+    pub max_prefill_tokens_while_decoding: usize,
     /// Prompt + completion tokens per request (default: the model's context length).
     #[arg(long)]
     pub max_model_len: Option<usize>,
@@ -73,6 +78,7 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         kv_dtype,
         kv_capacity_tokens: Some(pool_tokens),
         max_batch_tokens: a.max_batch_tokens,
+        max_prefill_tokens_while_decoding: a.max_prefill_tokens_while_decoding,
         max_running_seqs: a.max_running_seqs,
         max_waiting_requests: a.max_waiting_requests,
         default_kv_policy: a.kv.spec()?.unwrap_or_default(),

@@ -36,6 +36,11 @@ pub struct EngineConfig {
     pub kv_capacity_tokens: Option<usize>,
     /// Upper bound on tokens per forward call; bounds activation memory and step latency.
     pub max_batch_tokens: usize,
+    /// Prompt tokens a step may carry while any sequence is decoding (chunked prefill with
+    /// decode priority, as vLLM schedules): a step's time is what every decoding stream
+    /// waits between two tokens, so a large prompt chunk beside the decodes is the ITL
+    /// tail. Prefill alone still runs in chunks of `max_batch_tokens`.
+    pub max_prefill_tokens_while_decoding: usize,
     /// Upper bound on sequences decoding at once.
     pub max_running_seqs: usize,
     /// Upper bound on requests waiting for admission; `submit` refuses beyond it.
@@ -84,6 +89,7 @@ impl Default for EngineConfig {
             kv_dtype: KvDtype::F16,
             kv_capacity_tokens: None,
             max_batch_tokens: 512,
+            max_prefill_tokens_while_decoding: 128,
             max_running_seqs: 32,
             max_waiting_requests: 256,
             default_kv_policy: PolicySpec::default(),
@@ -651,14 +657,17 @@ impl Engine {
         let mut order: Vec<(bool, SeqId)> = self.running.iter().map(|s| (s.is_prefilling(), s.seq.expect("running"))).collect();
         order.sort_by_key(|&(prefilling, _)| prefilling);
         let mut budget = self.config.max_batch_tokens;
+        let any_decoding = order.iter().any(|&(prefilling, _)| !prefilling);
         let mut plan: Vec<(SeqId, usize, usize)> = Vec::new(); // (seq, from, to) in all_ids
-        for (_, seq) in order {
+        // Decodes are planned first (sorted above); prompt chunks beside them are capped.
+        let mut prefill_left = if any_decoding { self.config.max_prefill_tokens_while_decoding.max(1) } else { usize::MAX };
+        for (prefilling, seq) in order {
             if budget == 0 {
                 break;
             }
             let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) else { continue };
             let (from, pending) = (self.running[i].num_computed, self.running[i].all_ids.len() - self.running[i].num_computed);
-            let take = pending.min(budget);
+            let take = if prefilling { pending.min(budget).min(prefill_left) } else { pending.min(budget) };
             if take == 0 {
                 continue;
             }
@@ -680,6 +689,9 @@ impl Engine {
             }
             plan.push((seq, from, from + take));
             budget -= take;
+            if prefilling {
+                prefill_left -= take;
+            }
         }
         if plan.is_empty() {
             return 0;

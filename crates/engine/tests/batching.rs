@@ -85,3 +85,35 @@ fn queue_limit_refuses_with_a_clear_error() {
     let bad = Request { prompt_ids: vec![u32::MAX], params: GenerateParams::default(), cache_salt: None, sink: Box::new(|_| true) };
     assert!(engine.submit(bad).is_err());
 }
+
+/// Chunked prefill with decode priority: while a stream decodes, a long prompt arrives;
+/// every step carries the decode token plus at most `max_prefill_tokens_while_decoding`
+/// prompt tokens, so the stream's time between tokens stays one small step. With nothing
+/// decoding, the prompt runs in chunks of `max_batch_tokens`. Tokens are unchanged.
+#[test]
+fn prompt_chunks_beside_decodes_are_capped() {
+    let config = EngineConfig { max_prefill_tokens_while_decoding: 48, ..Default::default() };
+    let mut engine = common::engine(config);
+    let book = common::book_ids();
+    let params = GenerateParams { max_tokens: 40, ignore_eos: true, ..Default::default() };
+    let submit = |engine: &mut pk_engine::Engine, prompt: &[u32]| {
+        let (tx, rx) = mpsc::channel();
+        engine.submit(Request { prompt_ids: prompt.to_vec(), params: params.clone(), cache_salt: None, sink: Box::new(move |e| tx.send(e).is_ok()) }).unwrap();
+        rx
+    };
+    let first = submit(&mut engine, &book[0..20]);
+    assert_eq!(engine.step(), 20, "alone, the prompt runs whole");
+    let long = submit(&mut engine, &book[100..400]);
+    let mut steps = Vec::new();
+    while engine.has_work() {
+        steps.push(engine.step());
+    }
+    // One decode token beside each capped prompt chunk until the 300-token prompt is in.
+    assert_eq!(&steps[..6], &[49, 49, 49, 49, 49, 49], "{steps:?}");
+    assert_eq!(steps[6], 1 + (300 - 6 * 48), "{steps:?}");
+    let ids = |rx: mpsc::Receiver<SeqEvent>| rx.try_iter().find_map(|e| if let SeqEvent::Finished(o) = e { Some(o.token_ids) } else { None }).unwrap();
+    let (a, b) = (ids(first), ids(long));
+    let alone = |prompt: &[u32]| common::engine(EngineConfig::default()).generate(prompt, &params, &mut |_| {}).unwrap().token_ids;
+    assert_eq!(a, alone(&book[0..20]));
+    assert_eq!(b, alone(&book[100..400]));
+}

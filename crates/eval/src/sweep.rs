@@ -227,6 +227,17 @@ impl UnitRun<'_> {
         Ok(new)
     }
 
+    /// Appends the unit's token ids to `OUT/text-kl-tokens.jsonl`, so that another
+    /// implementation (a kvpress run, llama.cpp) can be scored on exactly these spans.
+    fn record_tokens(&self, prefix: &[u32], continuation: &[u32]) -> Result<()> {
+        use std::io::Write;
+        let u = self.unit;
+        let line = serde_json::json!({"task": u.task.name(), "context_tokens": u.context_tokens, "sample": u.sample, "seed": self.cfg.seed, "prefix": prefix, "continuation": continuation});
+        let path = self.cfg.out_dir.join("text-kl-tokens.jsonl");
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path).with_context(|| format!("opening {}", path.display()))?;
+        writeln!(f, "{line}").with_context(|| format!("writing {}", path.display()))
+    }
+
     fn fill_answer(&self, r: &mut RawResult, sample: &tasks::Sample, answer: &str, full_answer: &str) {
         r.score = metrics::match_score(answer, &sample.expected);
         r.depth = Some(sample.depth);
@@ -251,6 +262,7 @@ impl UnitRun<'_> {
             ids[0] = bos;
         }
         let (prefix, cont) = ids.split_at(u.context_tokens - n_cont);
+        self.record_tokens(prefix, cont)?;
         let t0 = Instant::now();
         let full = runner::teacher_force(e, prefix, cont, KvSetting::FULL, None)?;
         let full_seconds = t0.elapsed().as_secs_f64();
