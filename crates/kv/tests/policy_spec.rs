@@ -20,6 +20,8 @@ fn canonical_names_round_trip() {
         "snapkv:window=32",
         "snapkv:kernel=7",
         "snapkv:window=16:kernel=3",
+        "snapkv:pool=avg",
+        "snapkv:window=16:kernel=3:pool=avg",
         "h2o",
         "tova",
         "expected-attention",
@@ -111,6 +113,7 @@ fn bad_options_name_the_valid_ones() {
         ("snapkv:window=0", "window=N"),
         ("snapkv:kernel=4", "kernel=N (odd"),
         ("snapkv:size=3", "window=N"),
+        ("snapkv:pool=median", "pool=max|avg"),
         ("streaming-llm:n-sink=x", "n-sink=N"),
         ("paged-eviction:l2", "v-norm, inv-k-norm"),
         ("paged-eviction:v-norm=1", "v-norm, inv-k-norm"),
@@ -129,7 +132,7 @@ fn bad_options_name_the_valid_ones() {
         Err(PolicyError::InvalidOption {
             policy: "snapkv",
             option: "kernel=4".to_string(),
-            valid: "window=N (N >= 1), kernel=N (odd, N >= 1)",
+            valid: "window=N (N >= 1), kernel=N (odd, N >= 1), pool=max|avg",
         })
     );
 }

@@ -154,6 +154,9 @@ fn mean_attention(
 pub(crate) struct SnapKvScorer {
     pub(crate) window: usize,
     pub(crate) kernel: usize,
+    /// Average instead of maximum over the kernel (kvpress's `avg_pool1d`, whose zero
+    /// padding counts at the ends: the sum is always divided by the kernel).
+    pub(crate) avg_pool: bool,
 }
 
 impl TokenScorer for SnapKvScorer {
@@ -177,11 +180,12 @@ impl TokenScorer for SnapKvScorer {
             .clamp(tokens.start, tokens.end);
         let split = window_start - tokens.start;
         let radius = self.kernel / 2;
+        let pool = if self.avg_pool { avg_pool } else { max_pool };
         mean_attention(kv, queries, &ids, tokens, out, |received, pooled| {
             let (prefix, window) = received.split_at(split);
             let (pooled_prefix, pooled_window) = pooled.split_at_mut(split);
-            max_pool(prefix, radius, pooled_prefix);
-            max_pool(window, radius, pooled_window);
+            pool(prefix, radius, pooled_prefix);
+            pool(window, radius, pooled_window);
         });
     }
 }
@@ -193,8 +197,16 @@ impl TokenScorer for SnapKvScorer {
 /// gone). Panics if `queries` is empty.
 pub fn snapkv_token_scores(kv: &dyn KvView, queries: &dyn QueryView, window: usize, kernel: usize) -> Vec<f32> {
     let mut out = Vec::new();
-    SnapKvScorer { window, kernel }.score(kv, Some(queries), 0..kv.n_tokens(), &mut out);
+    SnapKvScorer { window, kernel, avg_pool: false }.score(kv, Some(queries), 0..kv.n_tokens(), &mut out);
     out
+}
+
+/// `out[i] = sum(x[i - radius ..= i + radius]) / (2 radius + 1)`, zeros past the ends.
+fn avg_pool(x: &[f32], radius: usize, out: &mut [f32]) {
+    for (i, o) in out.iter_mut().enumerate() {
+        let window = &x[i.saturating_sub(radius)..(i + radius + 1).min(x.len())];
+        *o = window.iter().sum::<f32>() / (2 * radius + 1) as f32;
+    }
 }
 
 /// `out[i] = max(x[i - radius ..= i + radius])`, clipped at the ends.

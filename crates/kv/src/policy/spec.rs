@@ -51,10 +51,12 @@ pub enum PolicySpec {
     KNorm,
     /// `keydiff`: key diversity.
     KeyDiff,
-    /// `snapkv[:window=N][:kernel=N]`: observation-window attention, max-pooled.
+    /// `snapkv[:window=N][:kernel=N][:pool=max|avg]`: observation-window attention,
+    /// max-pooled (the SnapKV paper's code) or average-pooled (kvpress's `SnapKVPress`).
     SnapKv {
         window_tokens: u32,
         kernel_tokens: u32,
+        avg_pool: bool,
     },
     /// `h2o`: heavy hitters + recent window, half the budget each.
     H2o,
@@ -155,10 +157,12 @@ impl PolicySpec {
             PolicySpec::SnapKv {
                 window_tokens,
                 kernel_tokens,
+                avg_pool,
             } => scored(
                 Box::new(SnapKvScorer {
                     window: window_tokens as usize,
                     kernel: kernel_tokens as usize,
+                    avg_pool,
                 }),
                 Protect::LastTokens(window_tokens as usize),
                 Candidates::AllOlder,
@@ -248,6 +252,7 @@ impl FromStr for PolicySpec {
             "snapkv" => PolicySpec::SnapKv {
                 window_tokens: SNAPKV_WINDOW_DEFAULT,
                 kernel_tokens: SNAPKV_KERNEL_DEFAULT,
+                avg_pool: false,
             },
             "h2o" => PolicySpec::H2o,
             "tova" => PolicySpec::Tova,
@@ -294,7 +299,7 @@ impl FromStr for PolicySpec {
 fn valid_options(spec: &PolicySpec) -> &'static str {
     match spec {
         PolicySpec::StreamingLlm { .. } => "n-sink=N (N >= 1)",
-        PolicySpec::SnapKv { .. } => "window=N (N >= 1), kernel=N (odd, N >= 1)",
+        PolicySpec::SnapKv { .. } => "window=N (N >= 1), kernel=N (odd, N >= 1), pool=max|avg",
         PolicySpec::ExpectedAttention { .. } => "window=N (N >= 1), n-sink=N (N >= 0)",
         PolicySpec::PagedEviction { .. } => {
             "ratio (default), v-norm, inv-k-norm, local, local=N (N >= 1)"
@@ -319,16 +324,22 @@ fn apply_option(
                 n_sink_tokens: Some(n),
             })
         }
-        (PolicySpec::SnapKv { kernel_tokens, .. }, "window", Some(v)) => {
+        (PolicySpec::SnapKv { kernel_tokens, avg_pool, .. }, "window", Some(v)) => {
             number(Some(v)).map(|n| PolicySpec::SnapKv {
                 window_tokens: n,
                 kernel_tokens,
+                avg_pool,
             })
         }
-        (PolicySpec::SnapKv { window_tokens, .. }, "kernel", Some(v)) => match number(Some(v)) {
+        (PolicySpec::SnapKv { window_tokens, kernel_tokens, .. }, "pool", Some(v)) => match v {
+            "max" | "avg" => Ok(PolicySpec::SnapKv { window_tokens, kernel_tokens, avg_pool: v == "avg" }),
+            _ => Err(PolicyError::InvalidOption { policy, option: option.to_string(), valid }),
+        },
+        (PolicySpec::SnapKv { window_tokens, avg_pool, .. }, "kernel", Some(v)) => match number(Some(v)) {
             Ok(n) if n % 2 == 1 => Ok(PolicySpec::SnapKv {
                 window_tokens,
                 kernel_tokens: n,
+                avg_pool,
             }),
             Ok(_) => Err(PolicyError::InvalidOption {
                 policy,
@@ -387,12 +398,16 @@ impl fmt::Display for PolicySpec {
             PolicySpec::SnapKv {
                 window_tokens,
                 kernel_tokens,
+                avg_pool,
             } => {
                 if window_tokens != SNAPKV_WINDOW_DEFAULT {
                     write!(f, ":window={window_tokens}")?;
                 }
                 if kernel_tokens != SNAPKV_KERNEL_DEFAULT {
                     write!(f, ":kernel={kernel_tokens}")?;
+                }
+                if avg_pool {
+                    write!(f, ":pool=avg")?;
                 }
             }
             PolicySpec::ExpectedAttention {
