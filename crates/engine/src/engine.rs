@@ -485,16 +485,7 @@ impl Engine {
     /// Moves waiting requests into the running set while blocks and slots allow.
     fn admit(&mut self) {
         while self.running.len() < self.config.max_running_seqs {
-            // The tiers are asked once per waiting request (and again only after a
-            // preemption has changed its tokens): while the head waits for blocks, each
-            // step would otherwise re-hash its prompt and make a Redis round trip.
-            if let (Some(t), Some(front)) = (self.tiering.as_mut(), self.waiting.front_mut()) {
-                if front.eviction.is_none() && front.tier_probe.as_ref().is_none_or(|p| p.0 != front.all_ids.len()) {
-                    let keys = t.keys(&front.all_ids, front.req.cache_salt.as_deref());
-                    let found = t.lookup(&keys);
-                    front.tier_probe = Some((front.all_ids.len(), keys, found));
-                }
-            }
+            self.probe_tiers_for_front();
             let Some(front) = self.waiting.front() else { break };
             let prefix = match self.config.enable_prefix_caching {
                 true => self.kv.get_computed_prefix(&front.all_ids, &front.namespace),
@@ -507,19 +498,8 @@ impl Engine {
                 (Some((_, keys, found)), None) => (keys.clone(), *found),
                 _ => (Vec::new(), 0),
             };
-            // A given prefix KV, or the longest stored context, wins over a shorter pool hit.
-            let mut context_hit = None;
-            let mut context_offer = None;
-            if front.eviction.is_none() && front.req.params.prefix_kv.is_none() {
-                if let Some(c) = self.contexts.as_mut() {
-                    let keys = c.keys(&front.all_ids, front.req.cache_salt.as_deref());
-                    match c.lookup(&keys) {
-                        Some((key, tokens)) if tokens > cached => context_hit = Some((key, tokens)),
-                        Some(_) => {}
-                        None => context_offer = keys.last().map(|k| (*k, keys.len() * c.chunk_size_tokens())),
-                    }
-                }
-            }
+            let (context_hit, context_offer) = self.context_lookup(cached);
+            let Some(front) = self.waiting.front() else { break };
             let preloading = context_hit.is_some() || (front.req.params.prefix_kv.is_some() && front.eviction.is_none());
             let use_tiers = !preloading && tier_found * self.tiering.as_ref().map_or(0, |t| t.chunk_size_tokens()) > cached;
             let needed = if use_tiers || preloading {
@@ -563,6 +543,36 @@ impl Engine {
             s.tier_next_chunk = if use_tiers { adopted / self.tiering.as_ref().map_or(1, |t| t.chunk_size_tokens()) } else { tier_found };
             s.tier_keys = tier_keys;
             self.start_running(s, seq, adopted);
+        }
+    }
+
+    /// Asks the tiers for the head of the queue, once per waiting request (and again only
+    /// after a preemption has changed its tokens): while the head waits for blocks, each
+    /// step would otherwise re-hash its prompt and make a Redis round trip.
+    fn probe_tiers_for_front(&mut self) {
+        if let (Some(t), Some(front)) = (self.tiering.as_mut(), self.waiting.front_mut()) {
+            if front.eviction.is_none() && front.tier_probe.as_ref().is_none_or(|p| p.0 != front.all_ids.len()) {
+                let keys = t.keys(&front.all_ids, front.req.cache_salt.as_deref());
+                let found = t.lookup(&keys);
+                front.tier_probe = Some((front.all_ids.len(), keys, found));
+            }
+        }
+    }
+
+    /// The EVICPRESS store's answer for the head of the queue: a stored context longer than
+    /// the pool's `cached` prefix to load, or else (nothing stored) the key to offer its
+    /// context under once computed. A given prefix KV wins over both.
+    #[allow(clippy::type_complexity)]
+    fn context_lookup(&mut self, cached: usize) -> (Option<(pk_tiers::ChunkKey, usize)>, Option<(pk_tiers::ChunkKey, usize)>) {
+        let (Some(front), Some(c)) = (self.waiting.front(), self.contexts.as_mut()) else { return (None, None) };
+        if front.eviction.is_some() || front.req.params.prefix_kv.is_some() {
+            return (None, None);
+        }
+        let keys = c.keys(&front.all_ids, front.req.cache_salt.as_deref());
+        match c.lookup(&keys) {
+            Some((key, tokens)) if tokens > cached => (Some((key, tokens)), None),
+            Some(_) => (None, None),
+            None => (None, keys.last().map(|k| (*k, keys.len() * c.chunk_size_tokens()))),
         }
     }
 
@@ -701,13 +711,44 @@ impl Engine {
         n_tokens
     }
 
+    /// Executes a plan: one forward pass over every planned chunk, then each sequence's
+    /// result is applied (`apply`). Returns the number of tokens run.
     fn run_plan(&mut self, plan: &[(SeqId, usize, usize)]) -> usize {
+        let Some((logits, captured, capture)) = self.execute(plan) else { return 0 };
+        let vocab = self.backend.config().vocab_size;
+        let mut row = 0;
+        let mut n_tokens = 0;
+        let mut finished = Vec::new();
+        for (k, &(seq, from, to)) in plan.iter().enumerate() {
+            n_tokens += to - from;
+            let i = self.running.iter().position(|s| s.seq == Some(seq)).expect("planned sequence is running");
+            let wants_logits = to == self.running[i].all_ids.len();
+            let l = wants_logits.then(|| &logits[row * vocab..(row + 1) * vocab]);
+            row += usize::from(wants_logits);
+            let queries = (capture[k] > 0).then(|| captured[k].clone());
+            if self.apply(i, from, to, l, capture[k], queries) {
+                finished.push(seq);
+            }
+        }
+        for seq in finished {
+            if let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) {
+                let s = self.running.remove(i);
+                self.finish(s);
+            }
+        }
+        n_tokens
+    }
+
+    /// The forward pass of a plan, with the queries attention-based policies score with
+    /// (the last prompt chunk's, capped to the chunk, at prefill; each decode token's
+    /// afterwards). On failure every planned request fails (a device error may have left
+    /// the batch's K/V half-written) and `None` is returned.
+    #[allow(clippy::type_complexity)]
+    fn execute(&mut self, plan: &[(SeqId, usize, usize)]) -> Option<(Vec<f32>, Vec<Vec<f32>>, Vec<usize>)> {
         let idx_of = |running: &[SeqState], seq: SeqId| running.iter().position(|s| s.seq == Some(seq)).expect("planned sequence is running");
-        let tables: Vec<Vec<u32>> = plan
-            .iter()
-            .map(|(seq, _, _)| eviction::table_of(&self.kv, *seq))
-            .collect();
+        let tables: Vec<Vec<u32>> = plan.iter().map(|(seq, _, _)| eviction::table_of(&self.kv, *seq)).collect();
         let mut fwd = Vec::with_capacity(plan.len());
+        let mut capture = Vec::with_capacity(plan.len());
         for (k, &(seq, from, to)) in plan.iter().enumerate() {
             let s = &self.running[idx_of(&self.running, seq)];
             let stored_after = self.kv.block_table(seq).expect("live").num_stored_tokens() as usize;
@@ -721,27 +762,17 @@ impl Engine {
                 logits_from: if wants_logits { n - 1 } else { n },
                 stored_positions: s.stored_positions.as_deref().unwrap_or(&[]),
             });
+            capture.push(match &s.eviction {
+                Some(ev) if !ev.initialised && to == s.all_ids.len() => ev.policy().prefill_queries().count(to - from),
+                Some(ev) if ev.initialised && ev.policy().decode_queries() != pk_kv::QueryNeed::None => 1,
+                _ => 0,
+            });
         }
-        // Attention-based policies score with queries: the last prompt chunk's (capped to
-        // the chunk) at prefill, each decode token's afterwards.
-        let capture: Vec<usize> = plan
-            .iter()
-            .map(|&(seq, from, to)| {
-                let s = &self.running[idx_of(&self.running, seq)];
-                match &s.eviction {
-                    Some(ev) if !ev.initialised && to == s.all_ids.len() => ev.policy().prefill_queries().count(to - from),
-                    Some(ev) if ev.initialised && ev.policy().decode_queries() != pk_kv::QueryNeed::None => 1,
-                    _ => 0,
-                }
-            })
-            .collect();
         let forward = self.backend.forward_with_queries(&fwd, &capture);
         drop(fwd);
-        let (logits, captured) = match forward {
-            Ok(out) => out,
+        match forward {
+            Ok((logits, captured)) => Some((logits, captured, capture)),
             Err(e) => {
-                // Nothing of the batch can be trusted (a device error may have left its K/V
-                // half-written): its requests fail, and the others go on.
                 tracing::error!("forward pass failed: {e}");
                 for &(seq, _, _) in plan {
                     if let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) {
@@ -749,102 +780,103 @@ impl Engine {
                         self.fail(s, RequestError::Internal(format!("the forward pass failed: {e}")));
                     }
                 }
-                return 0;
+                None
             }
-        };
+        }
+    }
+
+    /// Applies one planned chunk's result to `running[i]`: stored positions, sampling and
+    /// streaming (`logits` when the chunk ends at the sequence's last token), then eviction
+    /// or, for a non-evicting sequence, the context offer, the tier stores and the prefix
+    /// cache. Returns whether the sequence is finished.
+    fn apply(&mut self, i: usize, from: usize, to: usize, logits: Option<&[f32]>, n_captured: usize, queries: Option<Vec<f32>>) -> bool {
+        let ctx = self.backend.config().context_length;
+        let s = &mut self.running[i];
+        let seq = s.seq.expect("running");
+        let was_prefill = s.is_prefilling();
+        let new_positions: Vec<u32> = if s.stored_positions.is_some() { (from..to).map(|i| s.position_of(i) as u32).collect() } else { Vec::new() };
+        if let Some(p) = s.stored_positions.as_mut() {
+            p.extend(new_positions);
+        }
+        s.num_computed = to;
+        if was_prefill {
+            self.stats.prompt_tokens += (to - from) as u64;
+        }
+        let mut finished = false;
+        if let Some(l) = logits {
+            finished = s.sample_and_emit(l, &self.tokenizer, ctx);
+            self.stats.generation_tokens += 1;
+        }
+        finished |= s.aborted;
+        let prefill_done = !s.is_prefilling();
+        if s.eviction.is_some() {
+            // Evicting sequences never feed the prefix cache: their blocks are about to
+            // be compacted or removed, and a cached block would force copies.
+            return self.apply_eviction(i, from, to, n_captured, queries, prefill_done, finished);
+        }
+        s.kv_stored_tokens = self.kv.block_table(seq).map_or(0, |t| t.num_stored_tokens() as usize);
+        if s.context.inexact {
+            return finished;
+        }
+        if prefill_done {
+            self.offer_and_store(i);
+        }
+        if self.config.enable_prefix_caching {
+            let s = &self.running[i];
+            self.kv.cache_full_blocks(seq, &s.all_ids[..s.num_computed]);
+        }
+        finished
+    }
+
+    /// The eviction part of `apply`: prefill selection once the prompt is in, then a block
+    /// score per filled block and evictions while over budget.
+    #[allow(clippy::too_many_arguments)]
+    fn apply_eviction(&mut self, i: usize, from: usize, to: usize, n_captured: usize, queries: Option<Vec<f32>>, prefill_done: bool, mut finished: bool) -> bool {
         let c = self.backend.config();
-        let (n_heads, head_dim, vocab, ctx) = (c.n_heads, c.head_dim, c.vocab_size, c.context_length);
-        let mut row = 0;
-        let mut n_tokens = 0;
-        let mut finished = Vec::new();
-        for (k, &(seq, from, to)) in plan.iter().enumerate() {
-            n_tokens += to - from;
-            let i = idx_of(&self.running, seq);
-            let s = &mut self.running[i];
-            let was_prefill = s.is_prefilling();
-            let new_positions: Vec<u32> = if s.stored_positions.is_some() { (from..to).map(|i| s.position_of(i) as u32).collect() } else { Vec::new() };
-            if let Some(p) = s.stored_positions.as_mut() {
-                p.extend(new_positions);
+        let (n_heads, head_dim) = (c.n_heads, c.head_dim);
+        let s = &mut self.running[i];
+        let seq = s.seq.expect("running");
+        let ev = s.eviction.as_mut().expect("an evicting sequence");
+        let stats = self.eviction_stats.entry(ev.spec.name().to_string()).or_default();
+        let stored_now = |kv: &KvCacheManager| kv.block_table(seq).map_or(0, |t| t.num_stored_tokens() as usize);
+        let stored_end = stored_now(&self.kv);
+        let queries = queries.map(|data| eviction::CapturedQueries { n_heads, head_dim, positions: (stored_end - n_captured..stored_end).collect(), data });
+        if !ev.initialised {
+            // The whole prompt (or, after preemption, everything) is in the cache and its
+            // exact attention is done: select, compact, and from now on evict.
+            if prefill_done && !finished && !eviction::after_prefill(ev, &mut self.kv, self.backend.kv_mut(), seq, queries.as_ref(), stats, &mut s.stored_positions) {
+                // No block for a copy-on-write during compaction: give up on this request
+                // rather than corrupt a shared block.
+                s.aborted = true;
+                (s.req.sink)(SeqEvent::Error(RequestError::CacheFull("the KV cache is full: no block to compact the pruned prompt into".into())));
+                finished = true;
             }
-            s.num_computed = to;
-            if was_prefill {
-                self.stats.prompt_tokens += (to - from) as u64;
+        } else if to - from == 1 {
+            if let Some(q) = queries {
+                ev.recent_queries.push((q.positions[0], q.data));
             }
-            if to == s.all_ids.len() {
-                let l = &logits[row * vocab..(row + 1) * vocab];
-                row += 1;
-                if s.sample_and_emit(l, &self.tokenizer, ctx) {
-                    finished.push(seq);
-                }
-                self.stats.generation_tokens += 1;
-            }
-            if s.aborted {
-                finished.push(seq);
-            }
-            let prefill_done = !s.is_prefilling();
-            let stored_now = |kv: &KvCacheManager| kv.block_table(seq).map_or(0, |t| t.num_stored_tokens() as usize);
-            if let Some(ev) = s.eviction.as_mut() {
-                let stats = self.eviction_stats.entry(ev.spec.name().to_string()).or_default();
-                let n_captured = capture[k];
-                let stored_end = stored_now(&self.kv);
-                let queries = (n_captured > 0).then(|| eviction::CapturedQueries {
-                    n_heads,
-                    head_dim,
-                    positions: (stored_end - n_captured..stored_end).collect(),
-                    data: captured[k].clone(),
-                });
-                if !ev.initialised {
-                    // The whole prompt (or, after preemption, everything) is in the cache and
-                    // its exact attention is done: select, compact, and from now on evict.
-                    if prefill_done && !finished.contains(&seq) {
-                        if !eviction::after_prefill(ev, &mut self.kv, self.backend.kv_mut(), seq, queries.as_ref(), stats, &mut s.stored_positions) {
-                            // No block for a copy-on-write during compaction: give up on
-                            // this request rather than corrupt a shared block.
-                            s.aborted = true;
-                            (s.req.sink)(SeqEvent::Error(RequestError::CacheFull("the KV cache is full: no block to compact the pruned prompt into".into())));
-                            finished.push(seq);
-                        }
-                    }
-                } else if to - from == 1 {
-                    if let Some(q) = queries {
-                        ev.recent_queries.push((q.positions[0], q.data));
-                    }
-                    eviction::after_decode(ev, &mut self.kv, self.backend.kv_mut(), seq, n_heads, stats, &mut s.stored_positions);
-                }
-                s.kv_stored_tokens = stored_now(&self.kv);
-                // Evicting sequences never feed the prefix cache: their blocks are about to
-                // be compacted or removed, and a cached block would force copies.
-                continue;
-            }
-            s.kv_stored_tokens = stored_now(&self.kv);
-            if s.context.inexact {
-                continue;
-            }
-            if prefill_done {
-                if let (Some((key, tokens)), Some(c)) = (s.context.offer.take(), self.contexts.as_mut()) {
-                    if let Some(kv) = contexts::read_prefix(&self.kv, self.backend.kv(), seq, tokens) {
-                        let window = if c.wants_window() { contexts::window_queries(&mut *self.backend, &self.kv, seq, &s.all_ids[..tokens]) } else { None };
-                        c.offer(key, kv, window);
-                    }
-                }
-            }
-            if prefill_done && !s.tier_keys.is_empty() && s.tier_next_chunk < s.tier_keys.len() {
-                if let Some(t) = self.tiering.as_mut() {
-                    s.tier_next_chunk = t.store_chunks(&s.tier_keys, s.tier_next_chunk, s.num_computed, &self.kv, self.backend.kv(), seq);
-                }
-            }
-            let computed = s.num_computed;
-            if self.config.enable_prefix_caching {
-                self.kv.cache_full_blocks(seq, &self.running[i].all_ids[..computed]);
+            eviction::after_decode(ev, &mut self.kv, self.backend.kv_mut(), seq, n_heads, stats, &mut s.stored_positions);
+        }
+        s.kv_stored_tokens = stored_now(&self.kv);
+        finished
+    }
+
+    /// Once a non-evicting sequence's prompt is in: offer its context to the EVICPRESS
+    /// store (if it asked to be offered) and hand its new full chunks to the tiers.
+    fn offer_and_store(&mut self, i: usize) {
+        let s = &mut self.running[i];
+        let seq = s.seq.expect("running");
+        if let (Some((key, tokens)), Some(c)) = (s.context.offer.take(), self.contexts.as_mut()) {
+            if let Some(kv) = contexts::read_prefix(&self.kv, self.backend.kv(), seq, tokens) {
+                let window = if c.wants_window() { contexts::window_queries(&mut *self.backend, &self.kv, seq, &s.all_ids[..tokens]) } else { None };
+                c.offer(key, kv, window);
             }
         }
-        for seq in finished {
-            if let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) {
-                let s = self.running.remove(i);
-                self.finish(s);
+        if !s.tier_keys.is_empty() && s.tier_next_chunk < s.tier_keys.len() {
+            if let Some(t) = self.tiering.as_mut() {
+                s.tier_next_chunk = t.store_chunks(&s.tier_keys, s.tier_next_chunk, s.num_computed, &self.kv, self.backend.kv(), seq);
             }
         }
-        n_tokens
     }
 
     fn finish(&mut self, mut s: SeqState) {

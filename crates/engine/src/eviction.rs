@@ -403,6 +403,33 @@ mod tests {
         }
     }
 
+    /// Writes token `t`'s K/V (every layer and head) at stored index `stored` of `table`.
+    fn write_token_at(store: &mut KvStore, table: &[u32], stored: usize, t: usize) {
+        for layer in 0..2 {
+            let (mut k, mut v) = (vec![0f32; 16], vec![0f32; 16]);
+            for h in 0..2 {
+                kv_of(layer, h, t, &mut k[h * 8..(h + 1) * 8], &mut v[h * 8..(h + 1) * 8]);
+            }
+            store.write_token(layer, table[stored / 4], stored % 4, &k, &v);
+        }
+    }
+
+    /// Each (layer, head, tokens) holds exactly `tokens`, in order, in the sequence's slots.
+    fn assert_units_hold(store: &KvStore, kv: &KvCacheManager, seq: SeqId, expected: &[(usize, usize, Vec<u32>, Box<dyn EvictionPolicy>)]) {
+        let table = table_of(kv, seq);
+        let n = kv.block_table(seq).unwrap().num_stored_tokens() as usize;
+        let mut row = vec![0f32; 4 * 8];
+        for (layer, h, tokens, _) in expected {
+            assert_eq!(tokens.len(), n);
+            for (i, &t) in tokens.iter().enumerate() {
+                store.read_v(*layer, table[i / 4], *h, &mut row);
+                let (mut k, mut v) = (vec![0f32; 8], vec![0f32; 8]);
+                kv_of(*layer, *h, t as usize, &mut k, &mut v);
+                assert_eq!(&row[(i % 4) * 8..(i % 4 + 1) * 8], &v[..], "layer {layer} head {h} slot {i}: token {t}");
+            }
+        }
+    }
+
     /// At `head` granularity every (layer, KV head) keeps exactly the tokens its own policy
     /// instance chose over its own K/V, after prefill and after decode evictions; the table
     /// holds the budget; shared blocks from the prefix cache are never written.
@@ -411,82 +438,39 @@ mod tests {
         let g = KvGeometry { n_layers: 2, n_kv_heads: 2, head_dim: 8, block_size_tokens: 4, num_blocks: 32 };
         let (bs, budget, n_prompt) = (4usize, 16u32, 40usize);
         let spec: PolicySpec = "knorm".parse().unwrap();
-        let units = pk_kv::selection_units(KvGranularity::Head, 2, 2, |_| false);
-        let mut ev = SeqEviction::new(spec, budget, KvGranularity::Head, units);
-        let mut store = KvStore::new(g, KvDtype::F32);
-        let mut kv = KvCacheManager::new(32, 4);
+        let mut ev = SeqEviction::new(spec, budget, KvGranularity::Head, pk_kv::selection_units(KvGranularity::Head, 2, 2, |_| false));
+        let (mut store, mut kv) = (KvStore::new(g, KvDtype::F32), KvCacheManager::new(32, 4));
         // A donor caches the first 8 prompt tokens' blocks: the sequence adopts them shared.
         let prompt: Vec<u32> = (0..n_prompt as u32).collect();
-        let write = |store: &mut KvStore, table: &[u32], from: usize, to: usize| {
-            for t in from..to {
-                for layer in 0..2 {
-                    let (mut k, mut v) = (vec![0f32; 16], vec![0f32; 16]);
-                    for h in 0..2 {
-                        kv_of(layer, h, t, &mut k[h * 8..(h + 1) * 8], &mut v[h * 8..(h + 1) * 8]);
-                    }
-                    store.write_token(layer, table[t / bs], t % bs, &k, &v);
-                }
-            }
-        };
-        let donor = SeqId(9);
+        let (donor, seq) = (SeqId(9), SeqId(1));
         let empty = kv.get_computed_prefix(&[], b"");
         kv.add_sequence(donor, &empty);
         kv.allocate_slots(donor, 8).unwrap();
-        write(&mut store, &table_of(&kv, donor), 0, 8);
+        (0..8).for_each(|t| write_token_at(&mut store, &table_of(&kv, donor), t, t));
         kv.cache_full_blocks(donor, &prompt[..8]);
-        let seq = SeqId(1);
         let prefix = kv.get_computed_prefix(&prompt, b"");
         assert_eq!(kv.add_sequence(seq, &prefix), 8);
         kv.allocate_slots(seq, (n_prompt - 8) as u32).unwrap();
-        write(&mut store, &table_of(&kv, seq), 8, n_prompt);
+        (8..n_prompt).for_each(|t| write_token_at(&mut store, &table_of(&kv, seq), t, t));
         let donor_blocks = table_of(&kv, donor);
-
         // What each (layer, head)'s own policy keeps, from a dense copy of its K/V alone.
         let mut expected: Vec<(usize, usize, Vec<u32>, Box<dyn EvictionPolicy>)> = Vec::new();
-        for layer in 0..2 {
-            for h in 0..2 {
-                let dense = pk_kv::DenseKv::from_fn(1, 1, 8, n_prompt, |_, _, t, k, v| kv_of(layer, h, t, k, v));
-                let mut policy = spec.build();
-                let keep = policy.select_prefill(&dense, None, budget, 4);
-                expected.push((layer, h, keep, policy));
-            }
+        for (layer, h) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+            let dense = pk_kv::DenseKv::from_fn(1, 1, 8, n_prompt, |_, _, t, k, v| kv_of(layer, h, t, k, v));
+            let mut policy = spec.build();
+            let keep = policy.select_prefill(&dense, None, budget, 4);
+            expected.push((layer, h, keep, policy));
         }
-        let mut stats = EvictionStats::default();
-        let mut positions = None;
+        let (mut stats, mut positions) = (EvictionStats::default(), None);
         assert!(after_prefill(&mut ev, &mut kv, &mut store, seq, None, &mut stats, &mut positions));
-        let distinct: std::collections::BTreeSet<&Vec<u32>> = expected.iter().map(|e| &e.2).collect();
-        assert!(distinct.len() > 1, "the test needs heads that choose differently");
-        let check = |store: &KvStore, kv: &KvCacheManager, expected: &[(usize, usize, Vec<u32>, Box<dyn EvictionPolicy>)]| {
-            let table = table_of(kv, seq);
-            let n = kv.block_table(seq).unwrap().num_stored_tokens() as usize;
-            let mut row = vec![0f32; bs * 8];
-            for (layer, h, tokens, _) in expected {
-                assert_eq!(tokens.len(), n);
-                for (i, &t) in tokens.iter().enumerate() {
-                    store.read_v(*layer, table[i / bs], *h, &mut row);
-                    let (mut k, mut v) = (vec![0f32; 8], vec![0f32; 8]);
-                    kv_of(*layer, *h, t as usize, &mut k, &mut v);
-                    assert_eq!(&row[(i % bs) * 8..(i % bs + 1) * 8], &v[..], "layer {layer} head {h} slot {i}: token {t}");
-                }
-            }
-        };
-        check(&store, &kv, &expected);
+        assert!(expected.iter().any(|e| e.2 != expected[0].2), "the test needs heads that choose differently");
+        assert_units_hold(&store, &kv, seq, &expected);
         assert_eq!(stats.pruned_prompt_tokens, (n_prompt - budget as usize) as u64);
-
         // Decode: fill a block; each unit evicts its own lowest-scored block.
-        for step in 0..bs {
-            let slots = kv.allocate_slots(seq, 1).unwrap();
-            let t = n_prompt + step;
-            let table = table_of(&kv, seq);
+        for t in n_prompt..n_prompt + bs {
+            kv.allocate_slots(seq, 1).unwrap();
             let stored = kv.block_table(seq).unwrap().num_stored_tokens() as usize - 1;
-            for layer in 0..2 {
-                let (mut k, mut v) = (vec![0f32; 16], vec![0f32; 16]);
-                for h in 0..2 {
-                    kv_of(layer, h, t, &mut k[h * 8..(h + 1) * 8], &mut v[h * 8..(h + 1) * 8]);
-                }
-                store.write_token(layer, table[stored / bs], stored % bs, &k, &v);
-            }
-            assert_eq!(slots.slots.len(), 1);
+            write_token_at(&mut store, &table_of(&kv, seq), stored, t);
             // As the engine's step does: a new token's position joins the stored positions.
             positions.as_mut().expect("set at prefill").push(t as u32);
             after_decode(&mut ev, &mut kv, &mut store, seq, 2, &mut stats, &mut positions);
@@ -500,15 +484,15 @@ mod tests {
             tokens.drain(victim * bs..(victim + 1) * bs);
         }
         assert_eq!(stats.evicted_blocks, 1);
-        check(&store, &kv, &expected);
+        assert_units_hold(&store, &kv, seq, &expected);
         assert_eq!(positions.as_ref().map(|p| p.len()), Some(budget as usize));
-        // The donor's (cached, shared) blocks still hold the prompt.
-        let mut row = vec![0f32; bs * 8];
-        for t in 0..8 {
+        // The donor's (cached, shared) blocks still hold the prompt, in every unit.
+        let mut row = vec![0f32; 4 * 8];
+        for (t, (layer, h)) in (0..8).flat_map(|t| [(0, 0), (0, 1), (1, 0), (1, 1)].map(|u| (t, u))) {
             let (mut k, mut v) = (vec![0f32; 8], vec![0f32; 8]);
-            kv_of(1, 1, t, &mut k, &mut v);
-            store.read_v(1, donor_blocks[t / bs], 1, &mut row);
-            assert_eq!(&row[(t % bs) * 8..(t % bs + 1) * 8], &v[..]);
+            kv_of(layer, h, t, &mut k, &mut v);
+            store.read_v(layer, donor_blocks[t / bs], h, &mut row);
+            assert_eq!(&row[(t % bs) * 8..(t % bs + 1) * 8], &v[..], "donor token {t} layer {layer} head {h}");
         }
         kv.check_invariants();
     }
