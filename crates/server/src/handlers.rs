@@ -126,7 +126,7 @@ fn generate_params(c: &CommonParams, prompt_tokens: usize, default_max_tokens: O
         None => None,
     };
     let kv_granularity = match &c.kv_granularity {
-        Some(g) => Some(g.parse::<pk_kv::KvGranularity>().map_err(|e| ApiError::param("kv_granularity", e))?),
+        Some(g) => Some(g.parse::<pk_kv::KvGranularity>().map_err(|e| ApiError::param("kv_granularity", e.to_string()))?),
         None => None,
     };
     let limit = state.limits.max_total_tokens;

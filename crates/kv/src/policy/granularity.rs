@@ -48,12 +48,9 @@ impl fmt::Display for KvGranularity {
 }
 
 impl FromStr for KvGranularity {
-    type Err = String;
-    fn from_str(text: &str) -> Result<Self, String> {
-        KvGranularity::ALL
-            .into_iter()
-            .find(|g| g.name() == text.trim())
-            .ok_or_else(|| format!("unknown KV eviction granularity `{text}`; valid: {VALID_GRANULARITIES}"))
+    type Err = super::PolicyError;
+    fn from_str(text: &str) -> Result<Self, super::PolicyError> {
+        KvGranularity::ALL.into_iter().find(|g| g.name() == text.trim()).ok_or_else(|| super::PolicyError::UnknownGranularity { name: text.to_string() })
     }
 }
 
@@ -96,7 +93,7 @@ mod tests {
         for g in KvGranularity::ALL {
             assert_eq!(g.name().parse::<KvGranularity>().unwrap(), g);
         }
-        let err = "per-token".parse::<KvGranularity>().unwrap_err();
+        let err = "per-token".parse::<KvGranularity>().unwrap_err().to_string();
         assert!(err.contains("per-token") && err.contains(VALID_GRANULARITIES), "{err}");
     }
 

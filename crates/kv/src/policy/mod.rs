@@ -181,6 +181,9 @@ pub enum PolicyError {
     UnknownPolicy {
         name: String,
     },
+    UnknownGranularity {
+        name: String,
+    },
     InvalidOption {
         policy: &'static str,
         option: String,
@@ -201,6 +204,7 @@ impl fmt::Display for PolicyError {
                 "unknown KV eviction policy `{name}`; valid policies: {}",
                 spec::VALID_POLICIES
             ),
+            PolicyError::UnknownGranularity { name } => write!(f, "unknown KV eviction granularity `{name}`; valid: {}", granularity::VALID_GRANULARITIES),
             PolicyError::InvalidOption {
                 policy,
                 option,
