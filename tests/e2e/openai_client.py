@@ -94,12 +94,20 @@ for kwargs, needle in [
     (dict(extra_body={"kv_policy": "nonsense"}), "eviction policy"),
     (dict(extra_body={"kv_policy": "paged-eviction", "kv_budget": 8}), "budget"),
     (dict(extra_body={"kv_policy": "knorm", "kv_budget": 128, "kv_granularity": "token"}), "granularity"),
+    # Never a 200 that ignores a field: what is not built yet is refused by name.
+    (dict(logprobs=True, top_logprobs=5), "logprobs"),
+    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(extra_body={"frobnicate": 1}), "frobnicate"),
 ]:
     try:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], **{"max_tokens": 4, **kwargs})
         raise AssertionError(f"expected an error for {kwargs}")
     except openai.BadRequestError as e:
         assert needle in str(e), (needle, str(e))
+# Fields at their defaults (as some clients always send them) are accepted.
+ok = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, presence_penalty=0, frequency_penalty=0, logprobs=False, user="tester")
+assert ok.choices, ok
 try:
     client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     raise AssertionError("expected 404")

@@ -24,7 +24,7 @@ use crate::AppState;
 pub struct ApiError {
     status: StatusCode,
     message: String,
-    param: Option<&'static str>,
+    param: Option<String>,
 }
 
 impl ApiError {
@@ -32,7 +32,7 @@ impl ApiError {
         ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), param: None }
     }
     fn param(param: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), param: Some(param) }
+        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), param: Some(param.to_string()) }
     }
 }
 
@@ -52,7 +52,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let kind = self.error_type();
         let body = ErrorBody {
-            error: ErrorDetail { message: self.message, kind: kind.into(), param: self.param.map(String::from), code: Some(self.status.as_u16()) },
+            error: ErrorDetail { message: self.message, kind: kind.into(), param: self.param, code: Some(self.status.as_u16()) },
         };
         (self.status, Json(body)).into_response()
     }
@@ -108,8 +108,11 @@ fn request_error(e: &RequestError) -> ApiError {
 fn generate_params(c: &CommonParams, prompt_tokens: usize, default_max_tokens: Option<usize>, state: &AppState) -> Result<GenerateParams, ApiError> {
     if let Some(m) = &c.model {
         if m != &state.model_name {
-            return Err(ApiError { status: StatusCode::NOT_FOUND, message: format!("the model `{m}` does not exist; this server serves `{}`", state.model_name), param: Some("model") });
+            return Err(ApiError { status: StatusCode::NOT_FOUND, message: format!("the model `{m}` does not exist; this server serves `{}`", state.model_name), param: Some("model".into()) });
         }
+    }
+    if let Some((name, message)) = crate::openai::unsupported_field(&c.other) {
+        return Err(ApiError { status: StatusCode::BAD_REQUEST, message, param: Some(name) });
     }
     if let Some(n) = c.n {
         if n != 1 {
@@ -383,6 +386,9 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Result<J
     for m in &req.messages {
         if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {
             return Err(ApiError::param("messages", format!("unsupported role {:?}", m.role)));
+        }
+        if let Some((name, message)) = crate::openai::unsupported_field(&m.other) {
+            return Err(ApiError::param("messages", format!("message field {message}; `{name}`")));
         }
         let role = if m.role == "developer" { "system" } else { m.role.as_str() };
         msgs.push(ChatMessage::new(role, &message_text(&m.content)?));

@@ -58,6 +58,38 @@ pub struct CommonParams {
     pub kv_budget: Option<i64>,
     pub kv_granularity: Option<String>,
     pub cache_salt: Option<String>,
+    /// Every other field of the body. None is silently ignored: the handlers refuse each
+    /// one whose value asks for something (`unsupported_field`), and accept only values
+    /// that mean the default (null, false, 0, empty) and `user` (an end-user id for the
+    /// operator's logs, which changes no output).
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, Value>,
+}
+
+/// The first field of `other` that asks for something this server does not do, with the
+/// message its 400 carries; `None` if every one is a no-op.
+pub fn unsupported_field(other: &serde_json::Map<String, Value>) -> Option<(String, String)> {
+    other.iter().find(|(name, value)| !is_no_op(name, value)).map(|(name, value)| {
+        let known = matches!(
+            name.as_str(),
+            "logprobs" | "top_logprobs" | "response_format" | "tools" | "tool_choice" | "parallel_tool_calls" | "functions" | "function_call"
+                | "presence_penalty" | "frequency_penalty" | "repetition_penalty" | "logit_bias" | "suffix" | "best_of" | "min_p" | "min_tokens"
+                | "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar" | "prompt_logprobs"
+        );
+        let why = if known { "is not supported by this server yet" } else { "is not a field this server knows" };
+        (name.clone(), format!("`{name}` = {value} {why}; remove it (a request is never answered with a field ignored)"))
+    })
+}
+
+fn is_no_op(name: &str, value: &Value) -> bool {
+    match value {
+        Value::Null | Value::Bool(false) => true,
+        Value::Number(n) => n.as_f64() == Some(0.0) || (name == "best_of" && n.as_f64() == Some(1.0)),
+        Value::String(s) => s.is_empty() || name == "user",
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty() || (name == "response_format" && o.get("type").and_then(Value::as_str) == Some("text") && o.len() == 1),
+        Value::Bool(true) => false,
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -74,6 +106,9 @@ pub struct ChatMessageIn {
     pub role: String,
     /// A string, or a list of content parts of which only `{"type": "text"}` is supported.
     pub content: Option<Value>,
+    /// Other message fields (`name`, `tool_calls`, …): refused unless no-ops, as for the body.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -120,4 +155,39 @@ pub struct ErrorDetail {
     pub kind: String,
     pub param: Option<String>,
     pub code: Option<u16>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(json: &str) -> serde_json::Map<String, Value> {
+        serde_json::from_str::<ChatRequest>(json).unwrap().common.other
+    }
+
+    /// Known fields land in their places; the others are refused by name unless their
+    /// value is the default.
+    #[test]
+    fn fields_that_ask_for_something_are_refused_by_name() {
+        let base = r#""messages": [{"role": "user", "content": "hi"}], "temperature": 0"#;
+        assert!(fields(&format!("{{{base}}}")).is_empty());
+        for no_op in [r#""logprobs": false"#, r#""presence_penalty": 0"#, r#""user": "alice""#, r#""tools": []"#, r#""best_of": 1"#, r#""response_format": {"type": "text"}"#, r#""logit_bias": {}"#] {
+            assert_eq!(unsupported_field(&fields(&format!("{{{base}, {no_op}}}"))), None, "{no_op}");
+        }
+        for (asks, name) in [
+            (r#""logprobs": true"#, "logprobs"),
+            (r#""top_logprobs": 5"#, "top_logprobs"),
+            (r#""presence_penalty": 0.5"#, "presence_penalty"),
+            (r#""response_format": {"type": "json_object"}"#, "response_format"),
+            (r#""tools": [{"type": "function"}]"#, "tools"),
+            (r#""logit_bias": {"50256": -100}"#, "logit_bias"),
+            (r#""frobnicate": 1"#, "frobnicate"),
+        ] {
+            let (field, message) = unsupported_field(&fields(&format!("{{{base}, {asks}}}"))).expect(asks);
+            assert_eq!(field, name);
+            assert!(message.contains(name), "{message}");
+        }
+        let msg: ChatMessageIn = serde_json::from_str(r#"{"role": "user", "content": "hi", "name": "bob"}"#).unwrap();
+        assert_eq!(unsupported_field(&msg.other).map(|f| f.0), Some("name".to_string()));
+    }
 }
