@@ -105,6 +105,18 @@ for kwargs, needle in [
         raise AssertionError(f"expected an error for {kwargs}")
     except openai.BadRequestError as e:
         assert needle in str(e), (needle, str(e))
+
+# Errors name the field at fault.
+for call, param in [
+    (lambda: client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, top_p=0), "top_p"),
+    (lambda: client.completions.create(model=model, prompt="hi " * 20000, max_tokens=2), "prompt"),
+    (lambda: client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"kv_policy": "knorm", "kv_budget": 8}), "kv_budget"),
+]:
+    try:
+        call()
+        raise AssertionError(f"expected a 400 naming {param}")
+    except openai.BadRequestError as e:
+        assert e.body.get("param") == param, (param, e.body)
 # Fields at their defaults (as some clients always send them) are accepted.
 ok = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, presence_penalty=0, frequency_penalty=0, logprobs=False, user="tester")
 assert ok.choices, ok
@@ -113,6 +125,13 @@ try:
     raise AssertionError("expected 404")
 except openai.NotFoundError:
     pass
+
+# Unknown paths -> a JSON 404.
+try:
+    urllib.request.urlopen(base + "/v1/no-such-path")
+    raise AssertionError("expected 404")
+except urllib.error.HTTPError as e:
+    assert e.code == 404 and "no route" in json.loads(e.read())["error"]["message"], e.code
 
 # Malformed JSON body -> 400 with an OpenAI error object.
 req = urllib.request.Request(base + "/v1/completions", data=b'{"prompt": ', headers={"content-type": "application/json"})

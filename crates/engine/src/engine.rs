@@ -184,6 +184,9 @@ pub enum SubmitError {
     QueueFull(usize),
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// Invalid because of one request field, named as the API names it (`kv_budget`).
+    #[error("invalid request: {message}")]
+    InvalidParam { param: &'static str, message: String },
     /// The engine thread is gone (it panicked or shut down): nothing will serve the request.
     #[error("the engine has stopped")]
     Stopped,
@@ -416,7 +419,7 @@ impl Engine {
         if let Some(&bad) = req.prompt_ids.iter().find(|&&t| t as usize >= self.backend.config().vocab_size) {
             return Err(SubmitError::Invalid(format!("token id {bad} is outside the vocabulary")));
         }
-        let eviction = self.eviction_for(&req.params).map_err(SubmitError::Invalid)?;
+        let eviction = self.eviction_for(&req.params)?;
         if let Some(p) = &req.params.prefix_kv {
             let g = self.backend.kv().geometry();
             if p.n_tokens() >= req.prompt_ids.len() || p.kv.positions.last().is_some_and(|&x| x as usize >= p.n_tokens()) {
@@ -443,7 +446,8 @@ impl Engine {
     }
 
     /// Resolves a request's policy and budget against the engine defaults.
-    fn eviction_for(&self, p: &GenerateParams) -> Result<Option<SeqEviction>, String> {
+    fn eviction_for(&self, p: &GenerateParams) -> Result<Option<SeqEviction>, SubmitError> {
+        let invalid = |param: &'static str, message: String| SubmitError::InvalidParam { param, message };
         let budget = p.kv_budget.or(self.config.default_kv_budget);
         let spec = match (p.kv_policy, budget) {
             (Some(spec), _) => spec,
@@ -452,17 +456,17 @@ impl Engine {
         };
         if !spec.evicts() {
             if p.kv_budget.is_some() {
-                return Err(format!("kv_policy {spec} keeps every token and takes no kv_budget"));
+                return Err(invalid("kv_budget", format!("kv_policy {spec} keeps every token and takes no kv_budget")));
             }
             return Ok(None);
         }
         let Some(budget) = budget else {
-            return Err(format!("kv_policy {spec} needs a kv_budget (tokens kept per sequence)"));
+            return Err(invalid("kv_budget", format!("kv_policy {spec} needs a kv_budget (tokens kept per sequence)")));
         };
-        spec.validate(budget, self.config.block_size_tokens).map_err(|e| e.to_string())?;
+        spec.validate(budget, self.config.block_size_tokens).map_err(|e| invalid("kv_budget", e.to_string()))?;
         if spec.build().prefill_queries() != pk_kv::QueryNeed::None || spec.build().decode_queries() != pk_kv::QueryNeed::None {
             if !self.capture_supported() {
-                return Err(format!("kv_policy {spec} needs attention queries, which this build does not capture yet"));
+                return Err(invalid("kv_policy", format!("kv_policy {spec} needs attention queries, which this build does not capture yet")));
             }
         }
         let granularity = p.kv_granularity.unwrap_or(self.config.default_kv_granularity);

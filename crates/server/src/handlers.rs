@@ -54,8 +54,18 @@ impl IntoResponse for ApiError {
         let body = ErrorBody {
             error: ErrorDetail { message: self.message, kind: kind.into(), param: self.param, code: Some(self.status.as_u16()) },
         };
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            // The queue drains in about a step; clients that honour it back off that long.
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        }
+        response
     }
+}
+
+/// Unknown paths: an OpenAI-style JSON 404, not an empty body.
+pub async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError { status: StatusCode::NOT_FOUND, message: format!("no route for {}", uri.path()), param: None }
 }
 
 impl From<JsonRejection> for ApiError {
@@ -105,7 +115,8 @@ fn request_error(e: &RequestError) -> ApiError {
 }
 
 /// Turns the shared request fields into engine parameters, validating every one.
-fn generate_params(c: &CommonParams, prompt_tokens: usize, default_max_tokens: Option<usize>, state: &AppState) -> Result<GenerateParams, ApiError> {
+/// `prompt_param` names the prompt's field in errors (`prompt` or `messages`).
+fn generate_params(c: &CommonParams, prompt_param: &'static str, prompt_tokens: usize, default_max_tokens: Option<usize>, state: &AppState) -> Result<GenerateParams, ApiError> {
     if let Some(m) = &c.model {
         if m != &state.model_name {
             return Err(ApiError { status: StatusCode::NOT_FOUND, message: format!("the model `{m}` does not exist; this server serves `{}`", state.model_name), param: Some("model".into()) });
@@ -134,7 +145,7 @@ fn generate_params(c: &CommonParams, prompt_tokens: usize, default_max_tokens: O
     };
     let limit = state.limits.max_total_tokens;
     if prompt_tokens >= limit {
-        return Err(ApiError::param("messages", format!("This model's maximum context length is {limit} tokens. However, your prompt has {prompt_tokens} tokens.")));
+        return Err(ApiError::param(prompt_param, format!("This model's maximum context length is {limit} tokens. However, your prompt has {prompt_tokens} tokens.")));
     }
     let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
         Some(m) if m < 1 => return Err(ApiError::param("max_tokens", format!("max_tokens must be at least 1, got {m}"))),
@@ -157,7 +168,7 @@ fn generate_params(c: &CommonParams, prompt_tokens: usize, default_max_tokens: O
         top_p: c.top_p.unwrap_or(1.0),
         seed: c.seed.map(|s| s as u64),
     };
-    sampling.validate().map_err(|m| ApiError::param("temperature", m))?;
+    sampling.validate().map_err(|m| ApiError::param(if m.starts_with("top_p") { "top_p" } else { "temperature" }, m))?;
     let stop = c.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     if stop.len() > 16 {
         return Err(ApiError::param("stop", "at most 16 stop strings are supported"));
@@ -178,6 +189,7 @@ async fn submit(state: &AppState, prompt_ids: Vec<u32>, params: GenerateParams, 
         SubmitError::QueueFull(_) => ApiError { status: StatusCode::TOO_MANY_REQUESTS, message: e.to_string(), param: None },
         SubmitError::Stopped => ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: e.to_string(), param: None },
         SubmitError::Invalid(m) => ApiError::bad(m),
+        SubmitError::InvalidParam { param, message } => ApiError::param(param, message),
     })?;
     Ok(Submitted { rx, prompt_tokens })
 }
@@ -339,7 +351,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Result<Json<C
     if prompt_ids.is_empty() {
         return Err(ApiError::param("prompt", "the prompt is empty"));
     }
-    let params = generate_params(&req.common, prompt_ids.len(), Some(16), &state)?;
+    let params = generate_params(&req.common, "prompt", prompt_ids.len(), Some(16), &state)?;
     let include_usage = req.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let s = submit(&state, prompt_ids, params, req.common.cache_salt.clone()).await?;
     if req.common.stream {
@@ -395,7 +407,7 @@ pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Result<J
     }
     let prompt = state.chat_template.render(&msgs, true).map_err(|e| ApiError::param("messages", format!("chat template failed: {e}")))?;
     let prompt_ids = state.tokenizer.encode_prompt(&prompt, true);
-    let params = generate_params(&req.common, prompt_ids.len(), None, &state)?;
+    let params = generate_params(&req.common, "messages", prompt_ids.len(), None, &state)?;
     let include_usage = req.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let s = submit(&state, prompt_ids, params, req.common.cache_salt.clone()).await?;
     if req.common.stream {

@@ -54,6 +54,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(handlers::health))
         .route("/metrics", get(handlers::metrics))
         .route("/v1/kv/contexts", get(handlers::kv_contexts))
+        .fallback(handlers::not_found)
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
 }
