@@ -37,7 +37,7 @@ pub struct ServeArgs {
     /// Prompt tokens a step may carry while any stream is decoding (chunked prefill with
     /// decode priority): bounds the time between two tokens of every stream. Prefill with
     /// nothing decoding still uses --max-batch-tokens.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 64)]
     pub max_prefill_tokens_while_decoding: usize,
     /// Prompt + completion tokens per request (default: the model's context length).
     #[arg(long)]

@@ -27,6 +27,11 @@ use crate::tiering::{Tiering, TieringConfig, TieringStats};
 
 mod direct;
 
+/// Prompt tokens a step may carry per decoding sequence beside it (see
+/// `EngineConfig::max_prefill_tokens_while_decoding`), so a step's rows stay within five
+/// times its decodes' (measured with `bench serve`, BENCHMARKS.md).
+pub const PREFILL_TOKENS_PER_DECODE: usize = 4;
+
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub block_size_tokens: u32,
@@ -39,7 +44,8 @@ pub struct EngineConfig {
     /// Prompt tokens a step may carry while any sequence is decoding (chunked prefill with
     /// decode priority, as vLLM schedules): a step's time is what every decoding stream
     /// waits between two tokens, so a large prompt chunk beside the decodes is the ITL
-    /// tail. Prefill alone still runs in chunks of `max_batch_tokens`.
+    /// tail. The cap is this or `PREFILL_TOKENS_PER_DECODE` per decoding sequence, whichever
+    /// is larger. Prefill alone still runs in chunks of `max_batch_tokens`.
     pub max_prefill_tokens_while_decoding: usize,
     /// Upper bound on sequences decoding at once.
     pub max_running_seqs: usize,
@@ -89,7 +95,7 @@ impl Default for EngineConfig {
             kv_dtype: KvDtype::F16,
             kv_capacity_tokens: None,
             max_batch_tokens: 512,
-            max_prefill_tokens_while_decoding: 128,
+            max_prefill_tokens_while_decoding: 64,
             max_running_seqs: 32,
             max_waiting_requests: 256,
             default_kv_policy: PolicySpec::default(),
@@ -671,10 +677,15 @@ impl Engine {
         let mut order: Vec<(bool, SeqId)> = self.running.iter().map(|s| (s.is_prefilling(), s.seq.expect("running"))).collect();
         order.sort_by_key(|&(prefilling, _)| prefilling);
         let mut budget = self.config.max_batch_tokens;
-        let any_decoding = order.iter().any(|&(prefilling, _)| !prefilling);
+        let n_decoding = order.iter().filter(|&&(prefilling, _)| !prefilling).count();
         let mut plan: Vec<(SeqId, usize, usize)> = Vec::new(); // (seq, from, to) in all_ids
         // Decodes are planned first (sorted above); prompt chunks beside them are capped.
-        let mut prefill_left = if any_decoding { self.config.max_prefill_tokens_while_decoding.max(1) } else { usize::MAX };
+        // The cap grows with the decodes (PREFILL_TOKENS_PER_DECODE each): a step of many
+        // decodes is long already, and prompt rows beside them cost it proportionally less.
+        let mut prefill_left = match n_decoding {
+            0 => usize::MAX,
+            n => self.config.max_prefill_tokens_while_decoding.max(PREFILL_TOKENS_PER_DECODE * n).max(1),
+        };
         for (prefilling, seq) in order {
             if budget == 0 {
                 break;
