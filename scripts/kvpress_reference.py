@@ -155,14 +155,15 @@ def main():
     ap.add_argument("tokens")
     ap.add_argument("--ratios", default="0.5,0.75,0.875")
     ap.add_argument("--presses", default="snapkv,streaming-llm,knorm,keydiff")
-    ap.add_argument("--samples", type=int, default=99)
+    ap.add_argument("--samples", type=int, default=99, help="only samples below this")
+    ap.add_argument("--first-sample", type=int, default=0, help="only samples from this on")
     a = ap.parse_args()
     m = Model(a.model)
     seen = set()
     for line in open(a.tokens):
         s = json.loads(line)
         key = (s["context_tokens"], s["sample"])
-        if key in seen or s["sample"] >= a.samples:
+        if key in seen or not a.first_sample <= s["sample"] < a.samples:
             continue
         seen.add(key)
         pre, cont = np.array(s["prefix"]), np.array(s["continuation"])

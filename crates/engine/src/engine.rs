@@ -417,7 +417,7 @@ impl Engine {
         if req.prompt_ids.is_empty() {
             return Err(SubmitError::Invalid("the prompt is empty".into()));
         }
-        req.params.sampling.validate().map_err(SubmitError::Invalid)?;
+        req.params.sampling.validate().map_err(|e| SubmitError::InvalidParam { param: e.param, message: e.message })?;
         let ctx = self.backend.config().context_length;
         if req.prompt_ids.len() >= ctx {
             return Err(SubmitError::Invalid(format!("the prompt has {} tokens; the model's context is {ctx}", req.prompt_ids.len())));

@@ -23,13 +23,21 @@ impl Default for SamplingParams {
     }
 }
 
+/// An invalid sampling parameter, named as the API names it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct SamplingError {
+    pub param: &'static str,
+    pub message: String,
+}
+
 impl SamplingParams {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SamplingError> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(format!("temperature must be a finite number >= 0, got {}", self.temperature));
+            return Err(SamplingError { param: "temperature", message: format!("temperature must be a finite number >= 0, got {}", self.temperature) });
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+            return Err(SamplingError { param: "top_p", message: format!("top_p must be in (0, 1], got {}", self.top_p) });
         }
         Ok(())
     }

@@ -168,7 +168,7 @@ fn generate_params(c: &CommonParams, prompt_param: &'static str, prompt_tokens: 
         top_p: c.top_p.unwrap_or(1.0),
         seed: c.seed.map(|s| s as u64),
     };
-    sampling.validate().map_err(|m| ApiError::param(if m.starts_with("top_p") { "top_p" } else { "temperature" }, m))?;
+    sampling.validate().map_err(|e| ApiError::param(e.param, e.message))?;
     let stop = c.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     if stop.len() > 16 {
         return Err(ApiError::param("stop", "at most 16 stop strings are supported"));
