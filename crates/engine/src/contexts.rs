@@ -87,11 +87,11 @@ pub fn kv_fingerprint(namespace: &[u8]) -> [u8; 32] {
 }
 
 impl ContextReuse {
-    pub fn new(cfg: &ContextReuseConfig, model_name: &str, namespace: &[u8], block_size_tokens: usize) -> Result<ContextReuse, String> {
-        let keyer = ChunkKeyer::new(model_name, namespace, cfg.chunk_size_tokens, block_size_tokens)?;
+    pub fn new(cfg: &ContextReuseConfig, model_name: &str, namespace: &[u8], block_size_tokens: usize) -> anyhow::Result<ContextReuse> {
+        let keyer = ChunkKeyer::new(model_name, namespace, cfg.chunk_size_tokens, block_size_tokens).map_err(anyhow::Error::msg)?;
         let mut store_cfg = cfg.store.clone();
         store_cfg.fingerprint = kv_fingerprint(namespace);
-        Ok(ContextReuse { store: ContextStore::new(store_cfg)?, keyer, stats: ContextReuseStats::default(), profile_metric: cfg.profile_metric })
+        Ok(ContextReuse { store: ContextStore::new(store_cfg).map_err(anyhow::Error::msg)?, keyer, stats: ContextReuseStats::default(), profile_metric: cfg.profile_metric })
     }
 
     pub fn chunk_size_tokens(&self) -> usize {

@@ -306,12 +306,12 @@ impl Engine {
         }
         let cache_namespace = namespace.into_bytes();
         let tiering = match &config.tiering {
-            Some(t) => Some(Tiering::new(t, model_name, &cache_namespace, bs, geometry.bytes_per_token(config.kv_dtype)).map_err(anyhow::Error::msg)?),
+            Some(t) => Some(Tiering::new(t, model_name, &cache_namespace, bs, geometry.bytes_per_token(config.kv_dtype))?),
             None => None,
         };
         let contexts = match &config.contexts {
             Some(_) if tiering.is_some() => bail!("chunk tiers and an EVICPRESS context store are exclusive (pick one --tier-policy)"),
-            Some(c) => Some(ContextReuse::new(c, model_name, &cache_namespace, bs).map_err(anyhow::Error::msg)?),
+            Some(c) => Some(ContextReuse::new(c, model_name, &cache_namespace, bs)?),
             None => None,
         };
         Ok(Engine {

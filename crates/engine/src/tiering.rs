@@ -62,8 +62,8 @@ impl Drop for Tiering {
 }
 
 impl Tiering {
-    pub fn new(cfg: &TieringConfig, model_name: &str, namespace: &[u8], block_size_tokens: usize, bytes_per_token: usize) -> Result<Tiering, String> {
-        let keyer = ChunkKeyer::new(model_name, namespace, cfg.chunk_size_tokens, block_size_tokens)?;
+    pub fn new(cfg: &TieringConfig, model_name: &str, namespace: &[u8], block_size_tokens: usize, bytes_per_token: usize) -> anyhow::Result<Tiering> {
+        let keyer = ChunkKeyer::new(model_name, namespace, cfg.chunk_size_tokens, block_size_tokens).map_err(anyhow::Error::msg)?;
         let chunk_bytes = cfg.chunk_size_tokens * bytes_per_token;
         let capacity = (cfg.max_pending_bytes / chunk_bytes.max(1)).max(1);
         let (tx, rx) = sync_channel::<(ChunkKey, Payload)>(capacity);
@@ -78,7 +78,7 @@ impl Tiering {
                     }
                 }
             })
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| anyhow::anyhow!("starting the tier writer thread: {e}"))?;
         Ok(Tiering {
             store: cfg.store.clone(),
             keyer,
