@@ -729,7 +729,7 @@ impl Engine {
     /// Executes a plan: one forward pass over every planned chunk, then each sequence's
     /// result is applied (`apply`). Returns the number of tokens run.
     fn run_plan(&mut self, plan: &[(SeqId, usize, usize)]) -> usize {
-        let Some((logits, captured, capture)) = self.execute(plan) else { return 0 };
+        let Some((logits, mut captured, capture)) = self.execute(plan) else { return 0 };
         let vocab = self.backend.config().vocab_size;
         let mut row = 0;
         let mut n_tokens = 0;
@@ -740,7 +740,7 @@ impl Engine {
             let wants_logits = to == self.running[i].all_ids.len();
             let l = wants_logits.then(|| &logits[row * vocab..(row + 1) * vocab]);
             row += usize::from(wants_logits);
-            let queries = (capture[k] > 0).then(|| captured[k].clone());
+            let queries = (capture[k] > 0).then(|| std::mem::take(&mut captured[k]));
             if self.apply(i, from, to, l, capture[k], queries) {
                 finished.push(seq);
             }
