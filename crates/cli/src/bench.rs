@@ -85,7 +85,13 @@ fn check_llamacpp(python: &str) -> Result<()> {
 }
 
 /// Runs scripts/llamacpp_bench.py on one prompt and returns its run object.
-fn llamacpp_run(python: &str, model: &std::path::Path, threads: usize, prompt: &[u32], decode_tokens: usize) -> Result<serde_json::Value> {
+fn llamacpp_run(
+    python: &str,
+    model: &std::path::Path,
+    threads: usize,
+    prompt: &[u32],
+    decode_tokens: usize,
+) -> Result<serde_json::Value> {
     let dir = tempfile::tempdir()?;
     let req = dir.path().join("request.json");
     let request = serde_json::json!({
@@ -104,9 +110,18 @@ fn llamacpp_run(python: &str, model: &std::path::Path, threads: usize, prompt: &
         .output()
         .with_context(|| format!("running {python:?} for llama.cpp"))?;
     if !out.status.success() {
-        bail!("llama.cpp side failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+        bail!(
+            "llama.cpp side failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).with_context(|| format!("llama.cpp side printed no JSON: {}", String::from_utf8_lossy(&out.stdout)))?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).with_context(|| {
+        format!(
+            "llama.cpp side printed no JSON: {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })?;
     let mut run = v["runs"][0].clone();
     run["llama_cpp_python"] = v["llama_cpp_python"].clone();
     Ok(run)
@@ -127,12 +142,26 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
 /// to the next count before every step, and returns each count's decode speed: mean and
 /// median over its steps. The prompt is usually in the prefix cache by now; its prefill
 /// steps are not counted either way.
-fn compare_threads(engine: &mut Engine, prompt: &[u32], modes: &[usize], decode_tokens: usize) -> Result<Vec<serde_json::Value>> {
+fn compare_threads(
+    engine: &mut Engine,
+    prompt: &[u32],
+    modes: &[usize],
+    decode_tokens: usize,
+) -> Result<Vec<serde_json::Value>> {
     let pool = pk_model::kernels::pool::global();
     let before = pool.active_threads();
     let (tx, rx) = std::sync::mpsc::channel();
-    let params = GenerateParams { max_tokens: decode_tokens * modes.len() + 1, ignore_eos: true, ..Default::default() };
-    let req = pk_engine::Request { prompt_ids: prompt.to_vec(), params, cache_salt: None, sink: Box::new(move |e| tx.send(e).is_ok()) };
+    let params = GenerateParams {
+        max_tokens: decode_tokens * modes.len() + 1,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let req = pk_engine::Request {
+        prompt_ids: prompt.to_vec(),
+        params,
+        cache_salt: None,
+        sink: Box::new(move |e| tx.send(e).is_ok()),
+    };
     engine.submit(req).map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut times = vec![Vec::new(); modes.len()];
     let (mut first_token_seen, mut step) = (false, 0usize);
@@ -206,17 +235,39 @@ fn build_engine(a: &PerfArgs, capacity_tokens: usize) -> Result<Engine> {
         return a.model.engine(Some(max_ctx));
     };
     if let Some(n) = a.model.threads {
-        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring threads")?;
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("configuring threads")?;
     }
-    let cfg = ModelConfig::dummy(name).with_context(|| format!("unknown --dummy {name:?} (smollm2-135m, llama-3.2-1b, llama-3.1-8b)"))?;
+    let cfg = ModelConfig::dummy(name).with_context(|| {
+        format!("unknown --dummy {name:?} (smollm2-135m, llama-3.2-1b, llama-3.1-8b)")
+    })?;
     let weights = pk_model::weights::Weights::random(&cfg, dummy_type(&a.dummy_type)?, 1);
     // The tokenizer only decodes generated ids for streaming; the default model's serves.
     let gguf = pk_gguf::GgufFile::open(pk_engine::model_store::resolve_model(None, true)?)?;
     let tokenizer = pk_tokenizer::Tokenizer::from_gguf(&gguf)?;
     let template = pk_tokenizer::ChatTemplate::from_gguf(&gguf)?;
-    let kv_dtype = KvDtype::parse(&a.model.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected {})", a.model.kv_dtype, KvDtype::NAMES))?;
-    let config = EngineConfig { block_size_tokens: a.model.block_size, kv_dtype, kv_capacity_tokens: Some(max_ctx), ..Default::default() };
-    Engine::new(Llama::new(cfg, weights), tokenizer, template, config, &format!("dummy-{name}"))
+    let kv_dtype = KvDtype::parse(&a.model.kv_dtype).with_context(|| {
+        format!(
+            "unknown --kv-dtype {:?} (expected {})",
+            a.model.kv_dtype,
+            KvDtype::NAMES
+        )
+    })?;
+    let config = EngineConfig {
+        block_size_tokens: a.model.block_size,
+        kv_dtype,
+        kv_capacity_tokens: Some(max_ctx),
+        ..Default::default()
+    };
+    Engine::new(
+        Llama::new(cfg, weights),
+        tokenizer,
+        template,
+        config,
+        &format!("dummy-{name}"),
+    )
 }
 
 pub fn perf(a: PerfArgs) -> Result<()> {
@@ -245,7 +296,10 @@ pub fn perf(a: PerfArgs) -> Result<()> {
             bail!("--compare-llamacpp needs a model file, not --dummy");
         }
         check_llamacpp(&a.llamacpp_python)?;
-        Some(pk_engine::model_store::resolve_model(a.model.resolved()?.model.as_deref(), true)?)
+        Some(pk_engine::model_store::resolve_model(
+            a.model.resolved()?.model.as_deref(),
+            true,
+        )?)
     } else {
         None
     };
@@ -257,25 +311,52 @@ pub fn perf(a: PerfArgs) -> Result<()> {
         bail!("context {max_ctx} + {decode_max} decode tokens exceeds the model's context {model_ctx}");
     }
     let vocab = engine.model_config().vocab_size as u32;
-    let kv_bytes_per_token = engine.kv_store().geometry().bytes_per_token(engine.kv_store().dtype());
+    let kv_bytes_per_token = engine
+        .kv_store()
+        .geometry()
+        .bytes_per_token(engine.kv_store().dtype());
     let threads = rayon::current_num_threads();
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
     let mut runs = Vec::new();
     if !a.json {
-        eprintln!("model {} | threads {threads} | block {} | kv {:?}", engine.model_name, a.model.block_size, engine.kv_store().dtype());
+        eprintln!(
+            "model {} | threads {threads} | block {} | kv {:?}",
+            engine.model_name,
+            a.model.block_size,
+            engine.kv_store().dtype()
+        );
         if llamacpp_model.is_some() {
             println!(
                 "{:>8} {:>12} {:>8} {:>12} {:>12} {:>12} | {:>14} {:>14} | {:>8} {:>8}",
-                "context", "prefill t/s", "decode", "decode t/s", "KV MiB", "peak RSS MiB", "llama.cpp pp", "llama.cpp tg", "pp ratio", "tg ratio"
+                "context",
+                "prefill t/s",
+                "decode",
+                "decode t/s",
+                "KV MiB",
+                "peak RSS MiB",
+                "llama.cpp pp",
+                "llama.cpp tg",
+                "pp ratio",
+                "tg ratio"
             );
         } else {
-            println!("{:>8} {:>12} {:>8} {:>12} {:>12} {:>12}", "context", "prefill t/s", "decode", "decode t/s", "KV MiB", "peak RSS MiB");
+            println!(
+                "{:>8} {:>12} {:>8} {:>12} {:>12} {:>12}",
+                "context", "prefill t/s", "decode", "decode t/s", "KV MiB", "peak RSS MiB"
+            );
         }
     }
     for &ctx in &a.contexts {
         // Random ids avoid prefix-cache hits between runs; ids 1000.. skip special tokens.
         let prompt: Vec<u32> = (0..ctx).map(|_| rng.gen_range(1000..vocab)).collect();
-        let params = GenerateParams { max_tokens: a.decode_tokens, ignore_eos: true, kv_policy: a.kv.spec()?, kv_budget: a.kv.kv_budget, kv_granularity: a.kv.granularity()?, ..Default::default() };
+        let params = GenerateParams {
+            max_tokens: a.decode_tokens,
+            ignore_eos: true,
+            kv_policy: a.kv.spec()?,
+            kv_budget: a.kv.kv_budget,
+            kv_granularity: a.kv.granularity()?,
+            ..Default::default()
+        };
         let out = engine.generate(&prompt, &params, &mut |_| {})?;
         let decoded = out.token_ids.len().saturating_sub(1);
         let mut run = serde_json::json!({
@@ -291,15 +372,18 @@ pub fn perf(a: PerfArgs) -> Result<()> {
             Some(path) => {
                 let lc = llamacpp_run(&a.llamacpp_python, path, threads, &prompt, a.decode_tokens)?;
                 let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
-                run["ratio_prefill"] = serde_json::json!(f(&run, "prefill_tok_s") / f(&lc, "prefill_tok_s"));
-                run["ratio_decode"] = serde_json::json!(f(&run, "decode_tok_s") / f(&lc, "decode_tok_s"));
+                run["ratio_prefill"] =
+                    serde_json::json!(f(&run, "prefill_tok_s") / f(&lc, "prefill_tok_s"));
+                run["ratio_decode"] =
+                    serde_json::json!(f(&run, "decode_tok_s") / f(&lc, "decode_tok_s"));
                 run["llamacpp"] = lc.clone();
                 Some(lc)
             }
             None => None,
         };
         if !a.compare_threads.is_empty() {
-            let per_mode = compare_threads(&mut engine, &prompt, &a.compare_threads, a.decode_tokens)?;
+            let per_mode =
+                compare_threads(&mut engine, &prompt, &a.compare_threads, a.decode_tokens)?;
             run["compare_threads"] = serde_json::json!(per_mode);
         }
         if !a.json {

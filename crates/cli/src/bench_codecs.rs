@@ -37,7 +37,11 @@ pub struct CodecsArgs {
     #[arg(long, default_value_t = 3)]
     pub samples: usize,
     /// Drop ratios (fraction of the prefix's tokens dropped), comma-separated.
-    #[arg(long, default_value = "0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9", value_delimiter = ',')]
+    #[arg(
+        long,
+        default_value = "0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9",
+        value_delimiter = ','
+    )]
     pub ratios: Vec<f32>,
     /// Print one JSON object on stdout instead of a table.
     #[arg(long)]
@@ -57,21 +61,44 @@ struct Config {
 
 fn configs(ratios: &[f32]) -> Result<Vec<Config>> {
     let q = |p| QuantSpec::uniform(p);
-    let mut out = vec![Config { name: "none (f16)".into(), method: Method::None, policy: None }];
-    for (name, spec) in [("q8", q(Precision::Q8)), ("q4", q(Precision::Q4)), ("q2", q(Precision::Q2)), ("K8V4", QuantSpec::kv(Precision::Q8, Precision::Q4))] {
-        out.push(Config { name: name.into(), method: Method::Quant(spec), policy: None });
+    let mut out = vec![Config {
+        name: "none (f16)".into(),
+        method: Method::None,
+        policy: None,
+    }];
+    for (name, spec) in [
+        ("q8", q(Precision::Q8)),
+        ("q4", q(Precision::Q4)),
+        ("q2", q(Precision::Q2)),
+        ("K8V4", QuantSpec::kv(Precision::Q8, Precision::Q4)),
+    ] {
+        out.push(Config {
+            name: name.into(),
+            method: Method::Quant(spec),
+            policy: None,
+        });
     }
     for policy in DROP_POLICIES {
         let spec: PolicySpec = policy.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
         for &r in ratios {
-            out.push(Config { name: format!("drop {r:.1} {policy}"), method: Method::Drop(DropSpec::new(r)), policy: Some(spec) });
+            out.push(Config {
+                name: format!("drop {r:.1} {policy}"),
+                method: Method::Drop(DropSpec::new(r)),
+                policy: Some(spec),
+            });
         }
     }
     // Dropping then quantising, with the default policy of the engine (PagedEviction).
-    let spec: PolicySpec = "paged-eviction".parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let spec: PolicySpec = "paged-eviction"
+        .parse()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     for (qname, qs) in [("q8", q(Precision::Q8)), ("q4", q(Precision::Q4))] {
         for &r in ratios {
-            out.push(Config { name: format!("drop {r:.1} paged-eviction + {qname}"), method: Method::DropQuant(DropSpec::new(r), qs), policy: Some(spec) });
+            out.push(Config {
+                name: format!("drop {r:.1} paged-eviction + {qname}"),
+                method: Method::DropQuant(DropSpec::new(r), qs),
+                policy: Some(spec),
+            });
         }
     }
     Ok(out)
@@ -82,11 +109,29 @@ fn configs(ratios: &[f32]) -> Result<Vec<Config>> {
 fn prefix_kv(engine: &Engine, tokens: &[u32]) -> Result<KvContext> {
     let c = engine.model_config();
     let bs = 16;
-    let g = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: bs, num_blocks: tokens.len().div_ceil(bs) };
+    let g = KvGeometry {
+        n_layers: c.n_layers,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        block_size_tokens: bs,
+        num_blocks: tokens.len().div_ceil(bs),
+    };
     let mut store = KvStore::new(g, KvDtype::F16);
     let table: Vec<u32> = (0..g.num_blocks as u32).collect();
-    let model = engine.cpu_model().context("bench codecs runs the CPU model")?;
-    model.forward(&mut store, &[SeqForward { tokens, start_position: 0, stored_start: 0, block_table: &table, logits_from: tokens.len(), stored_positions: &[] }]);
+    let model = engine
+        .cpu_model()
+        .context("bench codecs runs the CPU model")?;
+    model.forward(
+        &mut store,
+        &[SeqForward {
+            tokens,
+            start_position: 0,
+            stored_start: 0,
+            block_table: &table,
+            logits_from: tokens.len(),
+            stored_positions: &[],
+        }],
+    );
     let (n, hd) = (tokens.len(), g.head_dim);
     let mut k = vec![0f32; g.n_layers * g.n_kv_heads * n * hd];
     let mut v = k.clone();
@@ -103,7 +148,15 @@ fn prefix_kv(engine: &Engine, tokens: &[u32]) -> Result<KvContext> {
             }
         }
     }
-    KvContext::new(g.n_layers, g.n_kv_heads, g.head_dim, (0..n as u32).collect(), k, v).map_err(|e| anyhow::anyhow!("{e}"))
+    KvContext::new(
+        g.n_layers,
+        g.n_kv_heads,
+        g.head_dim,
+        (0..n as u32).collect(),
+        k,
+        v,
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 /// Per-token scores for the codec: 1 for the tokens `policy` keeps at the budget the codec
@@ -112,11 +165,17 @@ fn policy_scores(ctx: &KvContext, policy: PolicySpec, spec: &DropSpec) -> Vec<f3
     let n = ctx.n_tokens();
     let keep = pk_codec::drop::n_kept_tokens(n, spec);
     let hd = ctx.head_dim;
-    let view = DenseKv::from_fn(ctx.n_layers, ctx.n_kv_heads, hd, n, |layer, h, t, key, value| {
-        let at = ((layer * ctx.n_kv_heads + h) * n + t) * hd;
-        key.copy_from_slice(&ctx.k[at..at + hd]);
-        value.copy_from_slice(&ctx.v[at..at + hd]);
-    });
+    let view = DenseKv::from_fn(
+        ctx.n_layers,
+        ctx.n_kv_heads,
+        hd,
+        n,
+        |layer, h, t, key, value| {
+            let at = ((layer * ctx.n_kv_heads + h) * n + t) * hd;
+            key.copy_from_slice(&ctx.k[at..at + hd]);
+            value.copy_from_slice(&ctx.v[at..at + hd]);
+        },
+    );
     let mut scores = vec![0f32; n];
     // Policies need at least 3 blocks; below that the codec's protected ends decide.
     if keep >= 3 * 16 && keep < n {
@@ -149,12 +208,24 @@ pub fn run(a: CodecsArgs) -> Result<()> {
     let t_start = Instant::now();
     let total = a.prefix_tokens + a.continuation_tokens;
     let mut engine = a.model.engine(Some(total + 64))?;
-    let book = engine.tokenizer.encode(pk_eval::filler::verne_body(), false);
+    let book = engine
+        .tokenizer
+        .encode(pk_eval::filler::verne_body(), false);
     if book.len() < total * a.samples {
-        bail!("the book has {} tokens, fewer than {} samples of {total}", book.len(), a.samples);
+        bail!(
+            "the book has {} tokens, fewer than {} samples of {total}",
+            book.len(),
+            a.samples
+        );
     }
     let configs = configs(&a.ratios)?;
-    let mut sums: Vec<Row> = configs.iter().map(|c| Row { method: c.name.clone(), ..Default::default() }).collect();
+    let mut sums: Vec<Row> = configs
+        .iter()
+        .map(|c| Row {
+            method: c.name.clone(),
+            ..Default::default()
+        })
+        .collect();
     let fingerprint = [0u8; 32];
     for s in 0..a.samples {
         let start = s * (book.len() - total) / a.samples.max(2).saturating_sub(1).max(1);
@@ -175,7 +246,10 @@ pub fn run(a: CodecsArgs) -> Result<()> {
             let bytes = encode(&full_ctx, &c.method, scores.as_deref(), &fingerprint)?;
             let kv = decode(&bytes, &fingerprint).context("decoding what was just encoded")?;
             let kept = kv.n_tokens();
-            let p = GenerateParams { prefix_kv: Some(Arc::new(PrefixKv { kv })), ..params.clone() };
+            let p = GenerateParams {
+                prefix_kv: Some(Arc::new(PrefixKv { kv })),
+                ..params.clone()
+            };
             let got = engine.teacher_force(prompt, cont, &p)?;
             let d = pk_eval::metrics::divergence(&reference, &got, cont, 0);
             sum.bytes_per_token += bytes.len() as f64 / full_ctx.n_tokens() as f64;
@@ -186,7 +260,12 @@ pub fn run(a: CodecsArgs) -> Result<()> {
             sum.ppl_full += d.ppl_full;
             sum.ppl_method += d.ppl_policy;
         }
-        eprintln!("bench codecs: sample {}/{} done ({:.0} s)", s + 1, a.samples, t_start.elapsed().as_secs_f64());
+        eprintln!(
+            "bench codecs: sample {}/{} done ({:.0} s)",
+            s + 1,
+            a.samples,
+            t_start.elapsed().as_secs_f64()
+        );
     }
     let n = a.samples as f64;
     let rows: Vec<Row> = sums
@@ -226,7 +305,14 @@ pub fn run(a: CodecsArgs) -> Result<()> {
     for r in &rows {
         println!(
             "| {} | {:.0} | {:.3} | {:.0} | {:.4} | {:.3} | {:.2} → {:.2} |",
-            r.method, r.bytes_per_token, r.bytes_ratio_vs_f16, r.kept_tokens, r.kl_mean, r.top1_agreement, r.ppl_full, r.ppl_method
+            r.method,
+            r.bytes_per_token,
+            r.bytes_ratio_vs_f16,
+            r.kept_tokens,
+            r.kl_mean,
+            r.top1_agreement,
+            r.ppl_full,
+            r.ppl_method
         );
     }
     Ok(())

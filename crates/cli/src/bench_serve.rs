@@ -64,7 +64,12 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
-fn one_request(http: &reqwest::blocking::Client, url: &str, prompt: &str, max_tokens: usize) -> Result<Sample> {
+fn one_request(
+    http: &reqwest::blocking::Client,
+    url: &str,
+    prompt: &str,
+    max_tokens: usize,
+) -> Result<Sample> {
     let body = serde_json::json!({
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true,
         "ignore_eos": true, "stream_options": {"include_usage": true},
@@ -77,7 +82,9 @@ fn one_request(http: &reqwest::blocking::Client, url: &str, prompt: &str, max_to
     let mut completion_tokens = 0;
     for line in BufReader::new(resp).lines() {
         let line = line?;
-        let Some(data) = line.strip_prefix("data: ") else { continue };
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
         if data == "[DONE]" {
             break;
         }
@@ -85,7 +92,10 @@ fn one_request(http: &reqwest::blocking::Client, url: &str, prompt: &str, max_to
         if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
             completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as usize;
         }
-        let has_text = v["choices"].as_array().is_some_and(|c| c.iter().any(|c| c["text"].as_str().is_some_and(|t| !t.is_empty())));
+        let has_text = v["choices"].as_array().is_some_and(|c| {
+            c.iter()
+                .any(|c| c["text"].as_str().is_some_and(|t| !t.is_empty()))
+        });
         if has_text {
             let now = Instant::now();
             match first {
@@ -95,13 +105,24 @@ fn one_request(http: &reqwest::blocking::Client, url: &str, prompt: &str, max_to
             last = now;
         }
     }
-    Ok(Sample { ttft_s: first.unwrap_or(f64::NAN), itl_s: itl, e2e_s: t0.elapsed().as_secs_f64(), completion_tokens })
+    Ok(Sample {
+        ttft_s: first.unwrap_or(f64::NAN),
+        itl_s: itl,
+        e2e_s: t0.elapsed().as_secs_f64(),
+        completion_tokens,
+    })
 }
 
 pub fn run(a: ServeBenchArgs) -> Result<()> {
     let exe = std::env::current_exe()?;
     let mut cmd = Command::new(exe);
-    cmd.args(["serve", "--port", &a.port.to_string(), "--max-running-seqs", "64"]);
+    cmd.args([
+        "serve",
+        "--port",
+        &a.port.to_string(),
+        "--max-running-seqs",
+        "64",
+    ]);
     if let Some(m) = &a.model {
         cmd.arg("--model").arg(m);
     }
@@ -111,11 +132,24 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     if let Some(n) = a.max_prefill_tokens_while_decoding {
         cmd.args(["--max-prefill-tokens-while-decoding", &n.to_string()]);
     }
-    let _server = Server(cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().context("starting the server")?);
+    let _server = Server(
+        cmd.stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting the server")?,
+    );
     let base = format!("http://127.0.0.1:{}", a.port);
-    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(600)).build()?;
+    let http = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(600))
+        .build()?;
     let t0 = Instant::now();
-    while http.get(format!("{base}/health")).send().map(|r| r.status().as_u16()).unwrap_or(0) != 200 {
+    while http
+        .get(format!("{base}/health"))
+        .send()
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+        != 200
+    {
         if t0.elapsed() > Duration::from_secs(120) {
             bail!("the server did not become healthy");
         }
@@ -128,7 +162,17 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     let url = format!("{base}/v1/completions");
     let mut levels = Vec::new();
     if !a.json {
-        println!("{:>6} {:>8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10}", "conc", "requests", "decode t/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "E2E p50");
+        println!(
+            "{:>6} {:>8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "conc",
+            "requests",
+            "decode t/s",
+            "TTFT p50",
+            "TTFT p99",
+            "ITL p50",
+            "ITL p99",
+            "E2E p50"
+        );
     }
     for &conc in &a.concurrency {
         let n_requests = a.requests.unwrap_or((2 * conc).max(8));
@@ -154,12 +198,18 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
                     })
                 })
                 .collect();
-            handles.into_iter().flat_map(|h| h.join().expect("client thread")).collect::<Result<Vec<_>>>()
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().expect("client thread"))
+                .collect::<Result<Vec<_>>>()
         })?;
         let wall = start.elapsed().as_secs_f64();
         let tokens: usize = samples.iter().map(|s| s.completion_tokens).sum();
         let mut ttft: Vec<f64> = samples.iter().map(|s| s.ttft_s).collect();
-        let mut itl: Vec<f64> = samples.iter().flat_map(|s| s.itl_s.iter().copied()).collect();
+        let mut itl: Vec<f64> = samples
+            .iter()
+            .flat_map(|s| s.itl_s.iter().copied())
+            .collect();
         let mut e2e: Vec<f64> = samples.iter().map(|s| s.e2e_s).collect();
         for v in [&mut ttft, &mut itl, &mut e2e] {
             v.sort_by(f64::total_cmp);
@@ -187,7 +237,10 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         levels.push(level);
     }
     if a.json {
-        println!("{}", serde_json::json!({"max_tokens": a.max_tokens, "prompt_tokens": a.prompt_tokens, "levels": levels}));
+        println!(
+            "{}",
+            serde_json::json!({"max_tokens": a.max_tokens, "prompt_tokens": a.prompt_tokens, "levels": levels})
+        );
     }
     Ok(())
 }

@@ -26,7 +26,10 @@ use clap::Args;
 use pk_engine::model_store::resolve_model;
 use pk_engine::{Engine, EngineConfig, GenerateParams, TieringConfig};
 use pk_model::KvDtype;
-use pk_tiers::{ChunkKey, DiskTier, DiskTierConfig, Payload, RamTier, RedisTier, RedisTierConfig, Tier, TierConfig, TieredStore};
+use pk_tiers::{
+    ChunkKey, DiskTier, DiskTierConfig, Payload, RamTier, RedisTier, RedisTierConfig, Tier,
+    TierConfig, TieredStore,
+};
 use rand::{Rng, SeedableRng};
 
 #[derive(Args)]
@@ -72,13 +75,33 @@ struct Bench {
 
 impl Bench {
     fn engine(&self, tier: Option<Arc<dyn Tier>>) -> Result<Engine> {
-        let tiering = tier.map(|t| TieringConfig { store: Arc::new(TieredStore::new(vec![t])), chunk_size_tokens: self.chunk_tokens, max_pending_bytes: 1 << 30 });
-        Engine::load(&self.path, EngineConfig { tiering, ..self.base.clone() })
+        let tiering = tier.map(|t| TieringConfig {
+            store: Arc::new(TieredStore::new(vec![t])),
+            chunk_size_tokens: self.chunk_tokens,
+            max_pending_bytes: 1 << 30,
+        });
+        Engine::load(
+            &self.path,
+            EngineConfig {
+                tiering,
+                ..self.base.clone()
+            },
+        )
     }
 
     /// Times `runs` prompts on `engine`; with `expect_loaded`, each must load every chunk.
-    fn ttft_runs(&self, engine: &mut Engine, runs: usize, expect_loaded: bool, label: &str) -> Result<Vec<f64>> {
-        let params = GenerateParams { max_tokens: 1, ignore_eos: true, ..Default::default() };
+    fn ttft_runs(
+        &self,
+        engine: &mut Engine,
+        runs: usize,
+        expect_loaded: bool,
+        label: &str,
+    ) -> Result<Vec<f64>> {
+        let params = GenerateParams {
+            max_tokens: 1,
+            ignore_eos: true,
+            ..Default::default()
+        };
         let mut out = Vec::new();
         for _ in 0..runs {
             let loaded_before = engine.tiering_stats().map_or(0, |s| s.chunks_loaded);
@@ -86,7 +109,10 @@ impl Bench {
             let result = engine.generate(&self.prompt, &params, &mut |_| {})?;
             out.push(started.elapsed().as_secs_f64());
             let loaded = engine.tiering_stats().map_or(0, |s| s.chunks_loaded) - loaded_before;
-            if expect_loaded && (loaded as usize != self.chunks || result.cached_prompt_tokens != self.chunks * self.chunk_tokens) {
+            if expect_loaded
+                && (loaded as usize != self.chunks
+                    || result.cached_prompt_tokens != self.chunks * self.chunk_tokens)
+            {
                 bail!("{label}: a run loaded {loaded} of {} chunks ({} cached tokens); the numbers would not measure the tier", self.chunks, result.cached_prompt_tokens);
             }
         }
@@ -97,7 +123,8 @@ impl Bench {
     fn bandwidth(&self, tier: &dyn Tier, chunks: &[(ChunkKey, Payload)]) -> Result<(f64, f64)> {
         let bytes: usize = chunks.iter().map(|c| c.1.len()).sum();
         let started = Instant::now();
-        tier.store_many(chunks).with_context(|| format!("storing into {}", tier.name()))?;
+        tier.store_many(chunks)
+            .with_context(|| format!("storing into {}", tier.name()))?;
         let write_s = started.elapsed().as_secs_f64();
         let read_s = self.read_all(tier, chunks)?;
         Ok((bytes as f64 / read_s, bytes as f64 / write_s))
@@ -106,9 +133,15 @@ impl Bench {
     fn read_all(&self, tier: &dyn Tier, chunks: &[(ChunkKey, Payload)]) -> Result<f64> {
         let keys: Vec<ChunkKey> = chunks.iter().map(|c| c.0).collect();
         let started = Instant::now();
-        let loaded = tier.load_many(&keys).with_context(|| format!("loading from {}", tier.name()))?;
+        let loaded = tier
+            .load_many(&keys)
+            .with_context(|| format!("loading from {}", tier.name()))?;
         let read_s = started.elapsed().as_secs_f64();
-        if loaded.iter().zip(chunks).any(|(got, want)| got.as_deref() != Some(&want.1[..])) {
+        if loaded
+            .iter()
+            .zip(chunks)
+            .any(|(got, want)| got.as_deref() != Some(&want.1[..]))
+        {
             bail!("{} did not return every chunk intact", tier.name());
         }
         Ok(read_s)
@@ -121,13 +154,17 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
         bail!("--runs must be at least 1");
     }
     if let Some(n) = args.threads {
-        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring threads")?;
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("configuring threads")?;
     }
     let chunk_tokens = args.tiers.chunk_tokens();
     if a.context_tokens == 0 || a.context_tokens % chunk_tokens != 0 {
         bail!("--context-tokens must be a positive multiple of the chunk size ({chunk_tokens})");
     }
-    let kv_dtype = KvDtype::parse(&args.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?}", args.kv_dtype))?;
+    let kv_dtype = KvDtype::parse(&args.kv_dtype)
+        .with_context(|| format!("unknown --kv-dtype {:?}", args.kv_dtype))?;
     let path = resolve_model(args.model.as_deref(), true)?;
     let base = EngineConfig {
         block_size_tokens: args.block_size,
@@ -148,16 +185,28 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
         _ => None,
     });
 
-    let mut bench = Bench { path, base, chunk_tokens, prompt: Vec::new(), chunks: a.context_tokens / chunk_tokens };
+    let mut bench = Bench {
+        path,
+        base,
+        chunk_tokens,
+        prompt: Vec::new(),
+        chunks: a.context_tokens / chunk_tokens,
+    };
     let mut engine = bench.engine(None)?;
     let vocab = engine.model_config().vocab_size as u32;
     let model_name = engine.model_name.clone();
     if a.context_tokens + 1 > engine.model_config().context_length {
-        bail!("--context-tokens {} exceeds the model's context {}", a.context_tokens, engine.model_config().context_length);
+        bail!(
+            "--context-tokens {} exceeds the model's context {}",
+            a.context_tokens,
+            engine.model_config().context_length
+        );
     }
     // Random ids (1000.. skips special tokens), one more than the context.
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    bench.prompt = (0..=a.context_tokens).map(|_| rng.gen_range(1000..vocab)).collect();
+    bench.prompt = (0..=a.context_tokens)
+        .map(|_| rng.gen_range(1000..vocab))
+        .collect();
     let progress = |what: &str| {
         if !a.json {
             eprintln!("bench tiers: {what}");
@@ -174,9 +223,17 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
     let mut writer = bench.engine(Some(ram.clone()))?;
     bench.ttft_runs(&mut writer, 1, false, "writer")?;
     drop(writer); // waits for its writer thread to store every chunk
-    let chunks: Vec<(ChunkKey, Payload)> = ram.keys_lru_first().into_iter().map(|k| (k, ram.load(&k).unwrap().unwrap())).collect();
+    let chunks: Vec<(ChunkKey, Payload)> = ram
+        .keys_lru_first()
+        .into_iter()
+        .map(|k| (k, ram.load(&k).unwrap().unwrap()))
+        .collect();
     if chunks.len() != bench.chunks {
-        bail!("the engine stored {} chunks, expected {}", chunks.len(), bench.chunks);
+        bail!(
+            "the engine stored {} chunks, expected {}",
+            chunks.len(),
+            bench.chunks
+        );
     }
     let chunk_bytes = chunks[0].1.len();
     let total_bytes = chunk_bytes * chunks.len();
@@ -185,32 +242,62 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
     progress("RAM");
     let memcpy = ram.bandwidth().read_bytes_per_s;
     let ttft = bench.ttft_runs(&mut bench.engine(Some(ram.clone()))?, a.runs, true, "ram")?;
-    rows.push(Row { tier: "ram".into(), ttft_runs_s: ttft, read_bytes_per_s: memcpy, write_bytes_per_s: memcpy });
+    rows.push(Row {
+        tier: "ram".into(),
+        ttft_runs_s: ttft,
+        read_bytes_per_s: memcpy,
+        write_bytes_per_s: memcpy,
+    });
     drop(ram);
 
     progress("disk");
     let (dir, remove_dir) = match disk_dir {
         Some(d) => (d, false),
-        None => (std::env::temp_dir().join(format!("pagekeeper-bench-tiers-{}", std::process::id())), true),
+        None => (
+            std::env::temp_dir().join(format!("pagekeeper-bench-tiers-{}", std::process::id())),
+            true,
+        ),
     };
     let open_disk = |drop_page_cache: bool| -> Result<Arc<DiskTier>> {
         let mut c = DiskTierConfig::new(&dir, (total_bytes as u64 + (1 << 20)) * 2);
         c.drop_page_cache = drop_page_cache;
-        Ok(Arc::new(DiskTier::open(c).with_context(|| format!("opening the disk tier in {}", dir.display()))?))
+        Ok(Arc::new(DiskTier::open(c).with_context(|| {
+            format!("opening the disk tier in {}", dir.display())
+        })?))
     };
     let disk = open_disk(false)?;
     for (key, _) in &chunks {
         disk.delete(key)?; // a previous run's entries would make the writes no-ops
     }
     let (warm_read, write) = bench.bandwidth(disk.as_ref(), &chunks)?;
-    let ttft = bench.ttft_runs(&mut bench.engine(Some(disk.clone()))?, a.runs, true, "disk (warm)")?;
-    rows.push(Row { tier: "disk (warm page cache)".into(), ttft_runs_s: ttft, read_bytes_per_s: Some(warm_read), write_bytes_per_s: Some(write) });
+    let ttft = bench.ttft_runs(
+        &mut bench.engine(Some(disk.clone()))?,
+        a.runs,
+        true,
+        "disk (warm)",
+    )?;
+    rows.push(Row {
+        tier: "disk (warm page cache)".into(),
+        ttft_runs_s: ttft,
+        read_bytes_per_s: Some(warm_read),
+        write_bytes_per_s: Some(write),
+    });
     drop(disk);
     // Reopening with drop_page_cache evicts each entry's pages during the scan.
     let disk = open_disk(true)?;
     let cold_read = total_bytes as f64 / bench.read_all(disk.as_ref(), &chunks)?;
-    let ttft = bench.ttft_runs(&mut bench.engine(Some(disk.clone()))?, a.runs, true, "disk (cold)")?;
-    rows.push(Row { tier: "disk (cold, drop_page_cache)".into(), ttft_runs_s: ttft, read_bytes_per_s: Some(cold_read), write_bytes_per_s: None });
+    let ttft = bench.ttft_runs(
+        &mut bench.engine(Some(disk.clone()))?,
+        a.runs,
+        true,
+        "disk (cold)",
+    )?;
+    rows.push(Row {
+        tier: "disk (cold, drop_page_cache)".into(),
+        ttft_runs_s: ttft,
+        read_bytes_per_s: Some(cold_read),
+        write_bytes_per_s: None,
+    });
     for (key, _) in &chunks {
         disk.delete(key)?;
     }
@@ -226,8 +313,18 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
             c.key_prefix = format!("pk:bench-tiers:{}:", std::process::id());
             let redis = Arc::new(RedisTier::open(c)?);
             let (read, write) = bench.bandwidth(redis.as_ref(), &chunks)?;
-            let ttft = bench.ttft_runs(&mut bench.engine(Some(redis.clone()))?, a.runs, true, "redis")?;
-            rows.push(Row { tier: "redis".into(), ttft_runs_s: ttft, read_bytes_per_s: Some(read), write_bytes_per_s: Some(write) });
+            let ttft = bench.ttft_runs(
+                &mut bench.engine(Some(redis.clone()))?,
+                a.runs,
+                true,
+                "redis",
+            )?;
+            rows.push(Row {
+                tier: "redis".into(),
+                ttft_runs_s: ttft,
+                read_bytes_per_s: Some(read),
+                write_bytes_per_s: Some(write),
+            });
             for (key, _) in &chunks {
                 redis.delete(key)?;
             }
@@ -272,12 +369,29 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
         total_bytes as f64 / 1e6,
         a.runs
     );
-    println!("{:<30} {:>10} {:>9} {:>12} {:>12}", "served from", "TTFT ms", "speedup", "read MB/s", "write MB/s");
-    println!("{:<30} {:>10.1} {:>9} {:>12} {:>12}", "recompute (no tier)", recompute_s * 1e3, "1.0x", "-", "-");
+    println!(
+        "{:<30} {:>10} {:>9} {:>12} {:>12}",
+        "served from", "TTFT ms", "speedup", "read MB/s", "write MB/s"
+    );
+    println!(
+        "{:<30} {:>10.1} {:>9} {:>12} {:>12}",
+        "recompute (no tier)",
+        recompute_s * 1e3,
+        "1.0x",
+        "-",
+        "-"
+    );
     let mbs = |x: Option<f64>| x.map_or("-".to_owned(), |b| format!("{:.0}", b / 1e6));
     for r in &rows {
         let t = median(&r.ttft_runs_s);
-        println!("{:<30} {:>10.1} {:>8.1}x {:>12} {:>12}", r.tier, t * 1e3, recompute_s / t, mbs(r.read_bytes_per_s), mbs(r.write_bytes_per_s));
+        println!(
+            "{:<30} {:>10.1} {:>8.1}x {:>12} {:>12}",
+            r.tier,
+            t * 1e3,
+            recompute_s / t,
+            mbs(r.read_bytes_per_s),
+            mbs(r.write_bytes_per_s)
+        );
     }
     Ok(())
 }

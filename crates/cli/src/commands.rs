@@ -48,11 +48,27 @@ impl ModelArgs {
             if n == 0 {
                 bail!("--threads must be at least 1");
             }
-            rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring threads")?;
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build_global()
+                .context("configuring threads")?;
         }
-        let kv_dtype = KvDtype::parse(&args.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected {})", args.kv_dtype, KvDtype::NAMES))?;
+        let kv_dtype = KvDtype::parse(&args.kv_dtype).with_context(|| {
+            format!(
+                "unknown --kv-dtype {:?} (expected {})",
+                args.kv_dtype,
+                KvDtype::NAMES
+            )
+        })?;
         let path = resolve_model(args.model.as_deref(), true)?;
-        let config = EngineConfig { block_size_tokens: args.block_size, kv_dtype, kv_capacity_tokens, tiering: args.tiers.build()?, contexts: args.tiers.build_contexts()?, ..Default::default() };
+        let config = EngineConfig {
+            block_size_tokens: args.block_size,
+            kv_dtype,
+            kv_capacity_tokens,
+            tiering: args.tiers.build()?,
+            contexts: args.tiers.build_contexts()?,
+            ..Default::default()
+        };
         crate::gpu::engine(device, &path, config)
     }
 }
@@ -113,8 +129,13 @@ impl TierArgs {
         if tiers.is_empty() {
             return Ok(None);
         }
-        let store = std::sync::Arc::new(pk_tiers::TieredStore::new(tiers).with_write_through_last(true));
-        Ok(Some(pk_engine::TieringConfig { store, chunk_size_tokens: self.chunk_tokens(), max_pending_bytes: 256 << 20 }))
+        let store =
+            std::sync::Arc::new(pk_tiers::TieredStore::new(tiers).with_write_through_last(true));
+        Ok(Some(pk_engine::TieringConfig {
+            store,
+            chunk_size_tokens: self.chunk_tokens(),
+            max_pending_bytes: 256 << 20,
+        }))
     }
 }
 
@@ -124,8 +145,17 @@ impl TierArgs {
         if self.tier_policy != "evicpress" {
             return Ok(None);
         }
-        let store = crate::tier_policy::evicpress_config(&self.tier_configs()?, self.evicpress_alpha, self.evicpress_grid.as_deref(), self.evicpress_per_byte)?;
-        Ok(Some(pk_engine::ContextReuseConfig { store, chunk_size_tokens: self.chunk_tokens(), profile_metric: self.evicpress_profile_metric }))
+        let store = crate::tier_policy::evicpress_config(
+            &self.tier_configs()?,
+            self.evicpress_alpha,
+            self.evicpress_grid.as_deref(),
+            self.evicpress_per_byte,
+        )?;
+        Ok(Some(pk_engine::ContextReuseConfig {
+            store,
+            chunk_size_tokens: self.chunk_tokens(),
+            profile_metric: self.evicpress_profile_metric,
+        }))
     }
 }
 
@@ -148,11 +178,23 @@ pub struct KvPolicyArgs {
 
 impl KvPolicyArgs {
     pub fn granularity(&self) -> Result<Option<pk_kv::KvGranularity>> {
-        self.kv_granularity.as_deref().map(|g| g.parse::<pk_kv::KvGranularity>().map_err(|e| anyhow::anyhow!("--kv-granularity: {e}"))).transpose()
+        self.kv_granularity
+            .as_deref()
+            .map(|g| {
+                g.parse::<pk_kv::KvGranularity>()
+                    .map_err(|e| anyhow::anyhow!("--kv-granularity: {e}"))
+            })
+            .transpose()
     }
 
     pub fn spec(&self) -> Result<Option<pk_kv::PolicySpec>> {
-        self.kv_policy.as_deref().map(|p| p.parse::<pk_kv::PolicySpec>().map_err(|e| anyhow::anyhow!("--kv-policy: {e}"))).transpose()
+        self.kv_policy
+            .as_deref()
+            .map(|p| {
+                p.parse::<pk_kv::PolicySpec>()
+                    .map_err(|e| anyhow::anyhow!("--kv-policy: {e}"))
+            })
+            .transpose()
     }
 
     /// The name reports print: the policy given, else what the engine will use.
@@ -176,7 +218,8 @@ pub struct InfoArgs {
 
 pub fn info(a: InfoArgs) -> Result<()> {
     let path = resolve_model(a.model.as_deref(), true)?;
-    let f = pk_gguf::GgufFile::open(&path).with_context(|| format!("loading {}", path.display()))?;
+    let f =
+        pk_gguf::GgufFile::open(&path).with_context(|| format!("loading {}", path.display()))?;
     let arch = f.get_str("general.architecture")?.to_string();
     let mut by_type = std::collections::BTreeMap::<String, (usize, u64)>::new();
     let mut n_params = 0u64;
@@ -207,14 +250,25 @@ pub fn info(a: InfoArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
-    println!("file:            {} ({:.1} MiB, GGUF v{})", path.display(), f.file_len_bytes() as f64 / (1 << 20) as f64, f.version);
-    println!("name:            {}", f.get_str("general.name").unwrap_or("?"));
+    println!(
+        "file:            {} ({:.1} MiB, GGUF v{})",
+        path.display(),
+        f.file_len_bytes() as f64 / (1 << 20) as f64,
+        f.version
+    );
+    println!(
+        "name:            {}",
+        f.get_str("general.name").unwrap_or("?")
+    );
     println!("architecture:    {arch}");
     println!("parameters:      {:.1} M", n_params as f64 / 1e6);
     match &cfg {
         Ok(c) => {
             println!("layers:          {}", c.n_layers);
-            println!("heads:           {} query / {} KV (head_dim {})", c.n_heads, c.n_kv_heads, c.head_dim);
+            println!(
+                "heads:           {} query / {} KV (head_dim {})",
+                c.n_heads, c.n_kv_heads, c.head_dim
+            );
             println!("embedding:       {}  feed-forward: {}", c.d_model, c.d_ff);
             println!("vocabulary:      {}", c.vocab_size);
             println!("context length:  {}", c.context_length);
@@ -225,7 +279,10 @@ pub fn info(a: InfoArgs) -> Result<()> {
         Err(e) => println!("not runnable:    {e}"),
     }
     for (t, (n, e)) in &by_type {
-        println!("tensors {t:>6}:  {n} tensors, {:.1} M elements", *e as f64 / 1e6);
+        println!(
+            "tensors {t:>6}:  {n} tensors, {:.1} M elements",
+            *e as f64 / 1e6
+        );
     }
     Ok(())
 }
@@ -284,7 +341,12 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     // Chat templates contain special tokens; raw prompts are plain text.
     let ids = engine.tokenizer.encode_prompt(&prompt_text, a.chat);
     let params = GenerateParams {
-        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            seed: a.seed,
+        },
         max_tokens: a.max_tokens,
         stop: a.stop.clone(),
         ignore_eos: false,
@@ -343,16 +405,26 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     let text = String::from_utf8_lossy(&bytes);
     let mut engine = a.model.engine(Some(a.ctx))?;
     let ids = engine.tokenizer.encode(&text, false);
-    let n_chunks = a.chunks.map_or(ids.len() / a.ctx, |c| c.min(ids.len() / a.ctx));
-    eprintln!("perplexity: {} tokens, calculating over {n_chunks} chunks, n_ctx={}", ids.len(), a.ctx);
+    let n_chunks = a
+        .chunks
+        .map_or(ids.len() / a.ctx, |c| c.min(ids.len() / a.ctx));
+    eprintln!(
+        "perplexity: {} tokens, calculating over {n_chunks} chunks, n_ctx={}",
+        ids.len(),
+        a.ctx
+    );
     let t0 = std::time::Instant::now();
-    let r = pk_engine::perplexity::perplexity(&mut engine, &ids, a.ctx, a.chunks, &mut |i, ppl| {
-        eprint!("[{i}]{ppl:.4},");
-        if i == 1 {
-            let per = t0.elapsed().as_secs_f64();
-            eprint!(" ({per:.2} s per chunk, ETA {:.0} s) ", per * (n_chunks - 1) as f64);
-        }
-    })?;
+    let r =
+        pk_engine::perplexity::perplexity(&mut engine, &ids, a.ctx, a.chunks, &mut |i, ppl| {
+            eprint!("[{i}]{ppl:.4},");
+            if i == 1 {
+                let per = t0.elapsed().as_secs_f64();
+                eprint!(
+                    " ({per:.2} s per chunk, ETA {:.0} s) ",
+                    per * (n_chunks - 1) as f64
+                );
+            }
+        })?;
     eprintln!();
     print_perplexity(&r, a.json)
 }

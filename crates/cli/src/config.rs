@@ -75,10 +75,15 @@ pub struct RedisSection {
 
 impl FileConfig {
     pub fn load(path: &Path) -> Result<FileConfig> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))?;
-        let config: FileConfig = toml::from_str(&text).with_context(|| format!("parsing config file {}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config file {}", path.display()))?;
+        let config: FileConfig = toml::from_str(&text)
+            .with_context(|| format!("parsing config file {}", path.display()))?;
         // Validate sizes and URLs now, so that a bad file fails before the model loads.
-        config.tiers.tier_configs().with_context(|| format!("in config file {}", path.display()))?;
+        config
+            .tiers
+            .tier_configs()
+            .with_context(|| format!("in config file {}", path.display()))?;
         Ok(config)
     }
 }
@@ -92,11 +97,23 @@ impl TiersSection {
         }
         if let Some(d) = &self.disk {
             let capacity_bytes = parse_byte_size(&d.capacity).context("tiers.disk.capacity")?;
-            out.push(("disk", TierConfig::Disk { dir: d.path.clone(), capacity_bytes, drop_page_cache: d.drop_page_cache }));
+            out.push((
+                "disk",
+                TierConfig::Disk {
+                    dir: d.path.clone(),
+                    capacity_bytes,
+                    drop_page_cache: d.drop_page_cache,
+                },
+            ));
         }
         if let Some(r) = &self.redis {
             let mut config = TierConfig::parse_redis(&r.url).context("tiers.redis.url")?;
-            if let TierConfig::Redis { capacity_bytes, key_prefix, .. } = &mut config {
+            if let TierConfig::Redis {
+                capacity_bytes,
+                key_prefix,
+                ..
+            } = &mut config
+            {
                 if let Some(c) = &r.capacity {
                     *capacity_bytes = Some(parse_byte_size(c).context("tiers.redis.capacity")?);
                 }
@@ -119,11 +136,23 @@ impl TierArgs {
     /// The configured tiers, fastest first, each labelled with where it came from (for
     /// error messages): a flag or env value wins over the file's entry for that tier.
     pub fn tier_configs(&self) -> Result<Vec<(String, TierConfig)>> {
-        let from_file = self.from_file.as_ref().map(|f| f.tier_configs()).transpose()?.unwrap_or_default();
+        let from_file = self
+            .from_file
+            .as_ref()
+            .map(|f| f.tier_configs())
+            .transpose()?
+            .unwrap_or_default();
         let mut out = Vec::new();
-        for (name, flag, value) in [("ram", "--tier-ram", &self.tier_ram), ("disk", "--tier-disk", &self.tier_disk), ("redis", "--tier-redis", &self.tier_redis)] {
+        for (name, flag, value) in [
+            ("ram", "--tier-ram", &self.tier_ram),
+            ("disk", "--tier-disk", &self.tier_disk),
+            ("redis", "--tier-redis", &self.tier_redis),
+        ] {
             if let Some(v) = value {
-                out.push((flag.to_owned(), TierConfig::parse(flag, v).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?));
+                out.push((
+                    flag.to_owned(),
+                    TierConfig::parse(flag, v).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?,
+                ));
             } else if let Some((_, config)) = from_file.iter().find(|(n, _)| *n == name) {
                 out.push((format!("tiers.{name} (config file)"), config.clone()));
             }
@@ -185,7 +214,11 @@ prefix = "team:"
     }
 
     fn parse(args: &[&str]) -> ModelArgs {
-        Cli::try_parse_from(std::iter::once("pk").chain(args.iter().copied())).unwrap().model.resolved().unwrap()
+        Cli::try_parse_from(std::iter::once("pk").chain(args.iter().copied()))
+            .unwrap()
+            .model
+            .resolved()
+            .unwrap()
     }
 
     /// Flag > env > file > default, for every setting the file can hold. The only test in
@@ -194,26 +227,52 @@ prefix = "team:"
     fn precedence_flags_env_file_defaults() {
         let (_dir, path) = write(FILE);
         let path = path.to_str().unwrap();
-        for var in ["PAGEKEEPER_MODEL", "PAGEKEEPER_TIER_RAM", "PAGEKEEPER_TIER_DISK", "PAGEKEEPER_TIER_REDIS", "PAGEKEEPER_TIER_CHUNK_TOKENS", "PAGEKEEPER_CONFIG"] {
+        for var in [
+            "PAGEKEEPER_MODEL",
+            "PAGEKEEPER_TIER_RAM",
+            "PAGEKEEPER_TIER_DISK",
+            "PAGEKEEPER_TIER_REDIS",
+            "PAGEKEEPER_TIER_CHUNK_TOKENS",
+            "PAGEKEEPER_CONFIG",
+        ] {
             std::env::remove_var(var);
         }
 
         // Defaults: no file, no flags.
         let a = parse(&[]);
-        assert_eq!((a.model, a.threads, a.tiers.chunk_tokens()), (None, None, 256));
+        assert_eq!(
+            (a.model, a.threads, a.tiers.chunk_tokens()),
+            (None, None, 256)
+        );
         assert!(a.tiers.tier_configs().unwrap().is_empty());
 
         // File only.
         let a = parse(&["--config", path]);
         assert_eq!(a.model.as_deref(), Some(Path::new("/from/file.gguf")));
         assert_eq!((a.threads, a.tiers.chunk_tokens()), (Some(3), 128));
-        let tiers: Vec<_> = a.tiers.tier_configs().unwrap().into_iter().map(|t| t.1).collect();
+        let tiers: Vec<_> = a
+            .tiers
+            .tier_configs()
+            .unwrap()
+            .into_iter()
+            .map(|t| t.1)
+            .collect();
         assert_eq!(
             tiers,
             vec![
-                TierConfig::Ram { capacity_bytes: 1 << 30 },
-                TierConfig::Disk { dir: "/tmp/pk-disk".into(), capacity_bytes: 2 << 30, drop_page_cache: true },
-                TierConfig::Redis { url: "redis://127.0.0.1:6391".into(), capacity_bytes: Some(8 << 30), key_prefix: Some("team:".into()) },
+                TierConfig::Ram {
+                    capacity_bytes: 1 << 30
+                },
+                TierConfig::Disk {
+                    dir: "/tmp/pk-disk".into(),
+                    capacity_bytes: 2 << 30,
+                    drop_page_cache: true
+                },
+                TierConfig::Redis {
+                    url: "redis://127.0.0.1:6391".into(),
+                    capacity_bytes: Some(8 << 30),
+                    key_prefix: Some("team:".into())
+                },
             ]
         );
 
@@ -223,21 +282,62 @@ prefix = "team:"
         std::env::set_var("PAGEKEEPER_CONFIG", path);
         let a = parse(&[]);
         assert_eq!(a.model.as_deref(), Some(Path::new("/from/env.gguf")));
-        assert_eq!(a.tiers.tier_configs().unwrap()[0].1, TierConfig::Ram { capacity_bytes: 512 << 20 });
-        assert_eq!(a.threads, Some(3), "settings env leaves alone still come from the file");
+        assert_eq!(
+            a.tiers.tier_configs().unwrap()[0].1,
+            TierConfig::Ram {
+                capacity_bytes: 512 << 20
+            }
+        );
+        assert_eq!(
+            a.threads,
+            Some(3),
+            "settings env leaves alone still come from the file"
+        );
 
         // Flags over env and file; a flag replaces the file's whole tier entry.
-        let a = parse(&["--tier-ram", "64MiB", "--model", "/from/flag.gguf", "--threads", "1", "--tier-chunk-tokens", "64", "--tier-disk", "/flag/dir:1GiB"]);
-        for var in ["PAGEKEEPER_MODEL", "PAGEKEEPER_TIER_RAM", "PAGEKEEPER_CONFIG"] {
+        let a = parse(&[
+            "--tier-ram",
+            "64MiB",
+            "--model",
+            "/from/flag.gguf",
+            "--threads",
+            "1",
+            "--tier-chunk-tokens",
+            "64",
+            "--tier-disk",
+            "/flag/dir:1GiB",
+        ]);
+        for var in [
+            "PAGEKEEPER_MODEL",
+            "PAGEKEEPER_TIER_RAM",
+            "PAGEKEEPER_CONFIG",
+        ] {
             std::env::remove_var(var);
         }
         assert_eq!(a.model.as_deref(), Some(Path::new("/from/flag.gguf")));
         assert_eq!((a.threads, a.tiers.chunk_tokens()), (Some(1), 64));
         let tiers = a.tiers.tier_configs().unwrap();
-        assert_eq!(tiers.iter().map(|t| t.0.as_str()).collect::<Vec<_>>(), ["--tier-ram", "--tier-disk", "tiers.redis (config file)"]);
-        assert_eq!(tiers[0].1, TierConfig::Ram { capacity_bytes: 64 << 20 });
-        assert_eq!(tiers[1].1, TierConfig::Disk { dir: "/flag/dir".into(), capacity_bytes: 1 << 30, drop_page_cache: false });
-        assert!(matches!(&tiers[2].1, TierConfig::Redis { key_prefix: Some(p), .. } if p == "team:"));
+        assert_eq!(
+            tiers.iter().map(|t| t.0.as_str()).collect::<Vec<_>>(),
+            ["--tier-ram", "--tier-disk", "tiers.redis (config file)"]
+        );
+        assert_eq!(
+            tiers[0].1,
+            TierConfig::Ram {
+                capacity_bytes: 64 << 20
+            }
+        );
+        assert_eq!(
+            tiers[1].1,
+            TierConfig::Disk {
+                dir: "/flag/dir".into(),
+                capacity_bytes: 1 << 30,
+                drop_page_cache: false
+            }
+        );
+        assert!(
+            matches!(&tiers[2].1, TierConfig::Redis { key_prefix: Some(p), .. } if p == "team:")
+        );
     }
 
     #[test]
@@ -253,13 +353,22 @@ prefix = "team:"
             let err = format!("{:#}", FileConfig::load(&path).unwrap_err());
             assert!(err.contains(expect), "{text:?}: {err}");
         }
-        let err = format!("{:#}", FileConfig::load(Path::new("/nonexistent/pk.toml")).unwrap_err());
-        assert!(err.contains("reading config file /nonexistent/pk.toml"), "{err}");
+        let err = format!(
+            "{:#}",
+            FileConfig::load(Path::new("/nonexistent/pk.toml")).unwrap_err()
+        );
+        assert!(
+            err.contains("reading config file /nonexistent/pk.toml"),
+            "{err}"
+        );
     }
 
     #[test]
     fn the_example_file_parses() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/pagekeeper.toml");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../examples/pagekeeper.toml"
+        );
         let file = FileConfig::load(Path::new(path)).unwrap();
         assert_eq!(file.tiers.tier_configs().unwrap().len(), 3);
     }

@@ -81,16 +81,32 @@ pub struct EvalArgs {
 
 fn config(a: &EvalArgs) -> Result<SweepConfig> {
     let model = pk_engine::model_store::resolve_model(a.model.as_deref(), true)?;
-    let mut c = if a.full { SweepConfig::full(model, a.out.clone()) } else { SweepConfig::quick(model, a.out.clone()) };
+    let mut c = if a.full {
+        SweepConfig::full(model, a.out.clone())
+    } else {
+        SweepConfig::quick(model, a.out.clone())
+    };
     if let Some(p) = &a.policies {
-        c.policies = p.iter().map(|s| s.parse::<pk_kv::PolicySpec>().map_err(|e| anyhow::anyhow!("--policies: {e}"))).collect::<Result<_>>()?;
+        c.policies = p
+            .iter()
+            .map(|s| {
+                s.parse::<pk_kv::PolicySpec>()
+                    .map_err(|e| anyhow::anyhow!("--policies: {e}"))
+            })
+            .collect::<Result<_>>()?;
         c.policies.retain(|p| p.evicts()); // the full cache always runs as the reference
     }
     if let Some(b) = &a.budgets {
-        c.budgets = b.iter().map(|s| Budget::parse(s).map_err(|e| anyhow::anyhow!("--budgets: {e}"))).collect::<Result<_>>()?;
+        c.budgets = b
+            .iter()
+            .map(|s| Budget::parse(s).map_err(|e| anyhow::anyhow!("--budgets: {e}")))
+            .collect::<Result<_>>()?;
     }
     if let Some(t) = &a.tasks {
-        c.tasks = t.iter().map(|s| Task::parse(s).map_err(|e| anyhow::anyhow!("--tasks: {e}"))).collect::<Result<_>>()?;
+        c.tasks = t
+            .iter()
+            .map(|s| Task::parse(s).map_err(|e| anyhow::anyhow!("--tasks: {e}")))
+            .collect::<Result<_>>()?;
     }
     if let Some(l) = &a.lengths {
         c.lengths = l.clone();
@@ -114,11 +130,28 @@ fn config(a: &EvalArgs) -> Result<SweepConfig> {
         c.tasks.push(Task::TextKlKeepContinuation);
     }
     if let Some(g) = &a.kv_granularity {
-        c.granularities = g.iter().map(|s| s.parse::<pk_kv::KvGranularity>().map_err(|e| anyhow::anyhow!("--kv-granularity: {e}"))).collect::<Result<_>>()?;
+        c.granularities = g
+            .iter()
+            .map(|s| {
+                s.parse::<pk_kv::KvGranularity>()
+                    .map_err(|e| anyhow::anyhow!("--kv-granularity: {e}"))
+            })
+            .collect::<Result<_>>()?;
     }
     c.progress = !a.no_progress;
-    c.kv_dtype = pk_model::KvDtype::parse(&a.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected {})", a.kv_dtype, pk_model::KvDtype::NAMES))?;
-    if c.samples == 0 || c.lengths.is_empty() || c.tasks.is_empty() || c.block_sizes.is_empty() || c.granularities.is_empty() {
+    c.kv_dtype = pk_model::KvDtype::parse(&a.kv_dtype).with_context(|| {
+        format!(
+            "unknown --kv-dtype {:?} (expected {})",
+            a.kv_dtype,
+            pk_model::KvDtype::NAMES
+        )
+    })?;
+    if c.samples == 0
+        || c.lengths.is_empty()
+        || c.tasks.is_empty()
+        || c.block_sizes.is_empty()
+        || c.granularities.is_empty()
+    {
         bail!("nothing to run: samples, lengths, tasks, block sizes and granularities must not be empty");
     }
     Ok(c)
@@ -130,7 +163,10 @@ pub fn run(a: EvalArgs) -> Result<()> {
         if n == 0 {
             bail!("--threads must be at least 1");
         }
-        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring threads")?;
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("configuring threads")?;
     }
     let t0 = Instant::now();
     let outcome = pk_eval::run_sweep(&cfg)?;

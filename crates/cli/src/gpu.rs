@@ -48,9 +48,9 @@ pub fn perplexity(_a: &PerplexityArgs) -> anyhow::Result<()> {
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::{perf, perplexity};
-#[cfg(feature = "cuda")]
 use imp::cuda_engine;
+#[cfg(feature = "cuda")]
+pub use imp::{perf, perplexity};
 
 #[cfg(feature = "cuda")]
 mod imp {
@@ -68,7 +68,9 @@ mod imp {
     /// (or `PK_CUDA_ACT`), an f16 KV pool of the engine's geometry.
     pub fn cuda_engine(path: &std::path::Path, config: EngineConfig) -> Result<Engine> {
         let gpu = gpu(ActDtype::F16)?;
-        Engine::load_with(path, config, |f, geometry, dtype| Ok(Box::new(CudaBackend::from_gguf(gpu, f, geometry, dtype)?)))
+        Engine::load_with(path, config, |f, geometry, dtype| {
+            Ok(Box::new(CudaBackend::from_gguf(gpu, f, geometry, dtype)?))
+        })
     }
 
     /// Opens device 0 with `default` as the GEMM operand type unless `PK_CUDA_ACT` (f16 or
@@ -81,13 +83,17 @@ mod imp {
             Err(_) => default,
         };
         let g = Gpu::new(0, act).context("opening CUDA device 0")?;
-        eprintln!("device: {} ({} multiprocessors), GEMM operands {act:?}", g.name, g.sm_count);
+        eprintln!(
+            "device: {} ({} multiprocessors), GEMM operands {act:?}",
+            g.name, g.sm_count
+        );
         Ok(g)
     }
 
     /// A model file's weights on the GPU (f16 operands by default: closer to the CPU's f32).
     fn load_file(path: &std::path::Path) -> Result<(Gpu, GpuLlama, pk_gguf::GgufFile)> {
-        let f = pk_gguf::GgufFile::open(path).with_context(|| format!("loading {}", path.display()))?;
+        let f =
+            pk_gguf::GgufFile::open(path).with_context(|| format!("loading {}", path.display()))?;
         let cfg = ModelConfig::from_gguf(&f)?;
         let gpu = gpu(ActDtype::F16)?;
         let weights = GpuWeights::from_gguf(&gpu, &f, &cfg)?;
@@ -97,36 +103,70 @@ mod imp {
 
     /// Sequences' block tables: sequence s owns blocks `s * per_seq .. (s + 1) * per_seq`.
     fn tables(n_seqs: usize, per_seq: usize) -> Vec<Vec<u32>> {
-        (0..n_seqs).map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect()).collect()
+        (0..n_seqs)
+            .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+            .collect()
     }
 
     pub fn perplexity(a: &PerplexityArgs) -> Result<()> {
-        let bytes = std::fs::read(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+        let bytes =
+            std::fs::read(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
         let text = String::from_utf8_lossy(&bytes);
-        let path = pk_engine::model_store::resolve_model(a.model.resolved()?.model.as_deref(), true)?;
+        let path =
+            pk_engine::model_store::resolve_model(a.model.resolved()?.model.as_deref(), true)?;
         let (gpu, mut model, f) = load_file(&path)?;
         let tokenizer = pk_tokenizer::Tokenizer::from_gguf(&f)?;
         let ids = tokenizer.encode(&text, false);
         let bos = tokenizer.add_bos().then(|| tokenizer.bos_id()).flatten();
         let bs = a.model.block_size as usize;
         let c = model.config.clone();
-        let geometry = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: bs, num_blocks: a.ctx.div_ceil(bs) };
+        let geometry = KvGeometry {
+            n_layers: c.n_layers,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            block_size_tokens: bs,
+            num_blocks: a.ctx.div_ceil(bs),
+        };
         let mut pool = GpuKvPool::new(&gpu, geometry)?;
         let table = &tables(1, geometry.num_blocks)[0];
-        let n_chunks = a.chunks.map_or(ids.len() / a.ctx, |c| c.min(ids.len() / a.ctx));
-        eprintln!("perplexity (cuda): {} tokens, calculating over {n_chunks} chunks, n_ctx={}", ids.len(), a.ctx);
+        let n_chunks = a
+            .chunks
+            .map_or(ids.len() / a.ctx, |c| c.min(ids.len() / a.ctx));
+        eprintln!(
+            "perplexity (cuda): {} tokens, calculating over {n_chunks} chunks, n_ctx={}",
+            ids.len(),
+            a.ctx
+        );
         let t0 = Instant::now();
         // Each chunk is a fresh sequence over the same blocks, in one forward call.
         let mut score = |chunk: &[u32], first: usize| -> Result<Vec<f32>> {
-            let seq = SeqForward { tokens: chunk, start_position: 0, stored_start: 0, block_table: table, logits_from: first, stored_positions: &[] };
+            let seq = SeqForward {
+                tokens: chunk,
+                start_position: 0,
+                stored_start: 0,
+                block_table: table,
+                logits_from: first,
+                stored_positions: &[],
+            };
             Ok(model.forward(&gpu, &mut pool, &[seq])?)
         };
-        let r = pk_engine::perplexity::perplexity_with(&mut score, c.vocab_size, bos, &ids, a.ctx, a.chunks, &mut |i, ppl| {
-            eprint!("[{i}]{ppl:.4},");
-            if i == 1 {
-                eprint!(" ({:.3} s for the first chunk) ", t0.elapsed().as_secs_f64());
-            }
-        })?;
+        let r = pk_engine::perplexity::perplexity_with(
+            &mut score,
+            c.vocab_size,
+            bos,
+            &ids,
+            a.ctx,
+            a.chunks,
+            &mut |i, ppl| {
+                eprint!("[{i}]{ppl:.4},");
+                if i == 1 {
+                    eprint!(
+                        " ({:.3} s for the first chunk) ",
+                        t0.elapsed().as_secs_f64()
+                    );
+                }
+            },
+        )?;
         eprintln!();
         crate::commands::print_perplexity(&r, a.json)
     }
@@ -151,34 +191,62 @@ mod imp {
     pub fn perf(a: &PerfArgs) -> Result<()> {
         let (gpu, mut model, name) = match &a.dummy {
             Some(name) => {
-                let cfg = ModelConfig::dummy(name).with_context(|| format!("unknown --dummy {name:?} (smollm2-135m, llama-3.2-1b, llama-3.1-8b)"))?;
+                let cfg = ModelConfig::dummy(name).with_context(|| {
+                    format!("unknown --dummy {name:?} (smollm2-135m, llama-3.2-1b, llama-3.1-8b)")
+                })?;
                 // Random weights are made on the device in bf16 (the setting), or in
                 // f16 with --dummy-type F16 (or PK_CUDA_ACT); quantised types do not apply.
-                let act = if a.dummy_type.eq_ignore_ascii_case("F16") { ActDtype::F16 } else { ActDtype::Bf16 };
+                let act = if a.dummy_type.eq_ignore_ascii_case("F16") {
+                    ActDtype::F16
+                } else {
+                    ActDtype::Bf16
+                };
                 let gpu = gpu(act)?;
                 let t = Instant::now();
                 let weights = GpuWeights::random(&gpu, &cfg, 1)?;
-                eprintln!("random weights made on the device in {:.2} s", t.elapsed().as_secs_f64());
+                eprintln!(
+                    "random weights made on the device in {:.2} s",
+                    t.elapsed().as_secs_f64()
+                );
                 let model = GpuLlama::new(&gpu, cfg, weights)?;
                 (gpu, model, format!("dummy-{name}"))
             }
             None => {
-                let path = pk_engine::model_store::resolve_model(a.model.resolved()?.model.as_deref(), true)?;
+                let path = pk_engine::model_store::resolve_model(
+                    a.model.resolved()?.model.as_deref(),
+                    true,
+                )?;
                 let (gpu, model, _) = load_file(&path)?;
-                (gpu, model, path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default())
+                (
+                    gpu,
+                    model,
+                    path.file_name()
+                        .map(|s| s.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
+                )
             }
         };
         let c = model.config.clone();
         let max_ctx = *a.contexts.iter().max().expect("checked non-empty");
         let max_batch = *a.batch.iter().max().expect("checked non-empty");
         if max_ctx + a.decode_tokens > c.context_length {
-            bail!("context {max_ctx} + {} decode tokens exceeds the model's context {}", a.decode_tokens, c.context_length);
+            bail!(
+                "context {max_ctx} + {} decode tokens exceeds the model's context {}",
+                a.decode_tokens,
+                c.context_length
+            );
         }
         let bs = a.model.block_size as usize;
         // Decode steps per run: the first is an untimed warm-up, so at least two.
         let steps = a.decode_tokens.max(2);
         let per_seq = (max_ctx + steps + 1).div_ceil(bs);
-        let geometry = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: bs, num_blocks: per_seq * max_batch };
+        let geometry = KvGeometry {
+            n_layers: c.n_layers,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            block_size_tokens: bs,
+            num_blocks: per_seq * max_batch,
+        };
         let mut pool = GpuKvPool::new(&gpu, geometry)?;
         let tables = tables(max_batch, per_seq);
         let weight_bytes = model.weights.bytes_per_token();
@@ -192,20 +260,43 @@ mod imp {
             copy_bw / 1e9
         );
         if !a.json {
-            println!("{:>8} {:>6} {:>12} {:>8} {:>12} {:>10} {:>10} {:>8}", "context", "batch", "prefill t/s", "steps", "decode t/s", "ms/step", "GB/s", "of copy");
+            println!(
+                "{:>8} {:>6} {:>12} {:>8} {:>12} {:>10} {:>10} {:>8}",
+                "context",
+                "batch",
+                "prefill t/s",
+                "steps",
+                "decode t/s",
+                "ms/step",
+                "GB/s",
+                "of copy"
+            );
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(0);
         let mut runs = Vec::new();
         for &ctx in &a.contexts {
             for &batch in &a.batch {
-                let prompts: Vec<Vec<u32>> = (0..batch).map(|_| (0..ctx).map(|_| rng.gen_range(1000..c.vocab_size as u32)).collect()).collect();
+                let prompts: Vec<Vec<u32>> = (0..batch)
+                    .map(|_| {
+                        (0..ctx)
+                            .map(|_| rng.gen_range(1000..c.vocab_size as u32))
+                            .collect()
+                    })
+                    .collect();
                 // Prefill: one sequence per call, as the CPU bench does; the greedy token of
                 // each prompt's last row starts its decode.
                 gpu.synchronize()?;
                 let t = Instant::now();
                 let mut next = Vec::with_capacity(batch);
                 for (s, p) in prompts.iter().enumerate() {
-                    let seq = SeqForward { tokens: p, start_position: 0, stored_start: 0, block_table: &tables[s], logits_from: ctx - 1, stored_positions: &[] };
+                    let seq = SeqForward {
+                        tokens: p,
+                        start_position: 0,
+                        stored_start: 0,
+                        block_table: &tables[s],
+                        logits_from: ctx - 1,
+                        stored_positions: &[],
+                    };
                     next.push(model.forward_argmax(&gpu, &mut pool, &[seq])?[0]);
                 }
                 let prefill_s = t.elapsed().as_secs_f64();
@@ -216,7 +307,16 @@ mod imp {
                 for step in 0..steps {
                     let pos = ctx + step;
                     let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
-                    let seqs: Vec<SeqForward> = (0..batch).map(|s| SeqForward { tokens: &toks[s], start_position: pos, stored_start: pos, block_table: &tables[s], logits_from: 0, stored_positions: &[] }).collect();
+                    let seqs: Vec<SeqForward> = (0..batch)
+                        .map(|s| SeqForward {
+                            tokens: &toks[s],
+                            start_position: pos,
+                            stored_start: pos,
+                            block_table: &tables[s],
+                            logits_from: 0,
+                            stored_positions: &[],
+                        })
+                        .collect();
                     let t = Instant::now();
                     next = model.forward_argmax(&gpu, &mut pool, &seqs)?;
                     if step > 0 {

@@ -15,7 +15,11 @@ mod tier_policy;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "pagekeeper", version, about = "LLM inference with a paged, evicting, tiered KV cache")]
+#[command(
+    name = "pagekeeper",
+    version,
+    about = "LLM inference with a paged, evicting, tiered KV cache"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -52,10 +56,18 @@ struct FetchArgs {
 fn fetch(a: &FetchArgs) -> anyhow::Result<()> {
     use pk_engine::model_store::{fetch_model, known_model, KNOWN_MODELS};
     if a.name == "all" {
-        return KNOWN_MODELS.iter().try_for_each(|m| fetch_model(m, true).map(|_| ()));
+        return KNOWN_MODELS
+            .iter()
+            .try_for_each(|m| fetch_model(m, true).map(|_| ()));
     }
     let names: Vec<&str> = KNOWN_MODELS.iter().map(|m| m.name).collect();
-    let m = known_model(&a.name).ok_or_else(|| anyhow::anyhow!("unknown model {:?} (known: {}, all)", a.name, names.join(", ")))?;
+    let m = known_model(&a.name).ok_or_else(|| {
+        anyhow::anyhow!(
+            "unknown model {:?} (known: {}, all)",
+            a.name,
+            names.join(", ")
+        )
+    })?;
     fetch_model(m, true).map(|_| ())
 }
 
@@ -69,7 +81,12 @@ const EXIT_BROKEN_PIPE: i32 = 141;
 fn exit_quietly_on_broken_stdout() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        let msg = info.payload().downcast_ref::<String>().map(String::as_str).or_else(|| info.payload().downcast_ref::<&str>().copied()).unwrap_or("");
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
         if msg.contains("failed printing to stdout") && msg.contains("Broken pipe") {
             std::process::exit(EXIT_BROKEN_PIPE);
         }
@@ -82,7 +99,8 @@ fn main() {
     // Colours only where a person reads them: escape codes in a redirected log are noise.
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

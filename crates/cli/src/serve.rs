@@ -59,20 +59,36 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     let metrics = pk_server::install_metrics().context("installing the metrics recorder")?;
     let path = resolve_model(a.model.model.as_deref(), true)?;
     if let Some(n) = a.model.threads {
-        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring threads")?;
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("configuring threads")?;
     }
-    let kv_dtype = KvDtype::parse(&a.model.kv_dtype).with_context(|| format!("unknown --kv-dtype {:?} (expected {})", a.model.kv_dtype, KvDtype::NAMES))?;
+    let kv_dtype = KvDtype::parse(&a.model.kv_dtype).with_context(|| {
+        format!(
+            "unknown --kv-dtype {:?} (expected {})",
+            a.model.kv_dtype,
+            KvDtype::NAMES
+        )
+    })?;
     // Tokenizer and template load in milliseconds on this side; the weights load on the
     // engine thread so that /health can say 503 meanwhile.
-    let gguf = pk_gguf::GgufFile::open(&path).with_context(|| format!("loading {}", path.display()))?;
+    let gguf =
+        pk_gguf::GgufFile::open(&path).with_context(|| format!("loading {}", path.display()))?;
     let tokenizer = Arc::new(pk_tokenizer::Tokenizer::from_gguf(&gguf)?);
     let chat_template = Arc::new(pk_tokenizer::ChatTemplate::from_gguf(&gguf)?);
     let model_config = pk_model::ModelConfig::from_gguf(&gguf)?;
     let ctx = model_config.context_length;
     drop(gguf);
-    let pool_tokens = a.kv_capacity_tokens.unwrap_or_else(|| default_pool_tokens(&model_config, kv_dtype));
+    let pool_tokens = a
+        .kv_capacity_tokens
+        .unwrap_or_else(|| default_pool_tokens(&model_config, kv_dtype));
     let max_total_tokens = max_request_tokens(ctx, a.max_model_len, pool_tokens)?;
-    let model_name = a.served_model_name.clone().unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
+    let model_name = a.served_model_name.clone().unwrap_or_else(|| {
+        path.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    });
     let config = EngineConfig {
         block_size_tokens: a.model.block_size,
         kv_dtype,
@@ -90,20 +106,31 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     };
     let name = model_name.clone();
     let device = a.device.clone();
-    let engine = EngineHandle::spawn(move || crate::gpu::engine(&device, &path, config).map(|mut e| {
-        e.model_name = name;
-        e
-    }));
+    let engine = EngineHandle::spawn(move || {
+        crate::gpu::engine(&device, &path, config).map(|mut e| {
+            e.model_name = name;
+            e
+        })
+    });
     let state = Arc::new(AppState {
         engine,
         tokenizer,
         chat_template,
         model_name,
-        limits: ServerLimits { max_request_body_bytes: 4 << 20, max_total_tokens, max_messages: 1024 },
+        limits: ServerLimits {
+            max_request_body_bytes: 4 << 20,
+            max_total_tokens,
+            max_messages: 1024,
+        },
         metrics,
     });
-    let addr: SocketAddr = format!("{}:{}", a.host, a.port).parse().with_context(|| format!("bad --host/--port {}:{}", a.host, a.port))?;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+        .parse()
+        .with_context(|| format!("bad --host/--port {}:{}", a.host, a.port))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     rt.block_on(pk_server::serve(state, addr))
 }
 
@@ -115,7 +142,8 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
 /// pool's pages are committed as blocks are first written (`KvStore`), so what is
 /// resident grows with use up to this size.
 pub fn default_pool_tokens(model: &pk_model::ModelConfig, dtype: KvDtype) -> usize {
-    let per_token = 2 * model.n_layers * model.n_kv_heads * dtype.bytes_per_head_token(model.head_dim);
+    let per_token =
+        2 * model.n_layers * model.n_kv_heads * dtype.bytes_per_head_token(model.head_dim);
     let ctx = model.context_length;
     (DEFAULT_POOL_BYTES / per_token.max(1)).clamp(ctx, 4 * ctx)
 }
@@ -125,7 +153,11 @@ pub fn default_pool_tokens(model: &pk_model::ModelConfig, dtype: KvDtype) -> usi
 /// the pool cannot hold is refused at once instead of computed and then failed. A
 /// `--max-model-len` beyond the pool is a configuration error (vLLM refuses it the same
 /// way); without it the limit is clamped to the pool, with a warning.
-pub fn max_request_tokens(ctx: usize, max_model_len: Option<usize>, pool_tokens: usize) -> anyhow::Result<usize> {
+pub fn max_request_tokens(
+    ctx: usize,
+    max_model_len: Option<usize>,
+    pool_tokens: usize,
+) -> anyhow::Result<usize> {
     match max_model_len {
         Some(l) if l > pool_tokens => anyhow::bail!("--max-model-len {l} exceeds the KV pool of {pool_tokens} tokens: raise --kv-capacity-tokens or lower --max-model-len"),
         Some(l) => Ok(l.min(ctx)),
@@ -152,8 +184,13 @@ mod tests {
         assert_eq!(max_request_tokens(8192, None, 32768).unwrap(), 8192);
         assert_eq!(max_request_tokens(32768, None, 4096).unwrap(), 4096);
         assert_eq!(max_request_tokens(32768, Some(2048), 4096).unwrap(), 2048);
-        let err = max_request_tokens(32768, Some(8192), 4096).unwrap_err().to_string();
-        assert!(err.contains("--max-model-len 8192") && err.contains("4096"), "{err}");
+        let err = max_request_tokens(32768, Some(8192), 4096)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--max-model-len 8192") && err.contains("4096"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -170,6 +207,9 @@ mod tests {
         // In q8 (34 bytes a 32-element group) more tokens fit under the same cap.
         let q8 = default_pool_tokens(&qwen, KvDtype::Q8);
         let q8_per_token = 2 * 28 * 2 * KvDtype::Q8.bytes_per_head_token(128);
-        assert!(q8 > 32768 && q8 * q8_per_token <= DEFAULT_POOL_BYTES, "{q8}");
+        assert!(
+            q8 > 32768 && q8 * q8_per_token <= DEFAULT_POOL_BYTES,
+            "{q8}"
+        );
     }
 }

@@ -13,7 +13,12 @@ use pk_evicpress::{DelayModel, Grid, Policy, Ranking, StoreConfig, TierSpec};
 use pk_tiers::TierConfig;
 
 /// Builds the EVICPRESS store configuration over `tiers` (fastest first).
-pub fn evicpress_config(tiers: &[(String, TierConfig)], alpha: f64, grid: Option<&str>, per_byte: bool) -> Result<StoreConfig> {
+pub fn evicpress_config(
+    tiers: &[(String, TierConfig)],
+    alpha: f64,
+    grid: Option<&str>,
+    per_byte: bool,
+) -> Result<StoreConfig> {
     if tiers.is_empty() {
         bail!("--tier-policy evicpress needs at least one tier (--tier-ram, --tier-disk, --tier-redis)");
     }
@@ -31,26 +36,60 @@ pub fn evicpress_config(tiers: &[(String, TierConfig)], alpha: f64, grid: Option
         let (name, capacity, bw, latency) = match cfg {
             TierConfig::Ram { capacity_bytes } => ("ram", *capacity_bytes, 5e9, 1e-5),
             TierConfig::Disk { capacity_bytes, .. } => ("disk", *capacity_bytes, 1e9, 2e-4),
-            TierConfig::Redis { capacity_bytes, .. } => ("redis", capacity_bytes.unwrap_or(u64::MAX), 3e8, 5e-4),
+            TierConfig::Redis { capacity_bytes, .. } => {
+                ("redis", capacity_bytes.unwrap_or(u64::MAX), 3e8, 5e-4)
+            }
         };
         // The store keeps its logical capacity; the tier itself gets slack so that it never
         // evicts on its own (disk files carry headers).
         let physical = match cfg {
-            TierConfig::Ram { capacity_bytes } => TierConfig::Ram { capacity_bytes: capacity_bytes.saturating_mul(2) },
-            TierConfig::Disk { dir, capacity_bytes, drop_page_cache } => TierConfig::Disk { dir: dir.clone(), capacity_bytes: capacity_bytes.saturating_mul(2), drop_page_cache: *drop_page_cache },
+            TierConfig::Ram { capacity_bytes } => TierConfig::Ram {
+                capacity_bytes: capacity_bytes.saturating_mul(2),
+            },
+            TierConfig::Disk {
+                dir,
+                capacity_bytes,
+                drop_page_cache,
+            } => TierConfig::Disk {
+                dir: dir.clone(),
+                capacity_bytes: capacity_bytes.saturating_mul(2),
+                drop_page_cache: *drop_page_cache,
+            },
             other => other.clone(),
         };
         opened.push(pk_tiers::open_tier(&physical).map_err(|e| anyhow::anyhow!("{origin}: {e}"))?);
-        capacities.push(if i + 1 == tiers.len() { u64::MAX } else { capacity });
-        specs.push(TierSpec { name: name.into(), capacity_bytes: capacity, read_bytes_per_s: bw, access_latency_s: latency });
+        capacities.push(if i + 1 == tiers.len() {
+            u64::MAX
+        } else {
+            capacity
+        });
+        specs.push(TierSpec {
+            name: name.into(),
+            capacity_bytes: capacity,
+            read_bytes_per_s: bw,
+            access_latency_s: latency,
+        });
     }
     Ok(StoreConfig {
         tiers: opened,
         capacities_bytes: capacities,
         grid,
-        policy: Policy::Evicpress { alpha, ranking: if per_byte { Ranking::DropPerByte } else { Ranking::AbsoluteDrop } },
+        policy: Policy::Evicpress {
+            alpha,
+            ranking: if per_byte {
+                Ranking::DropPerByte
+            } else {
+                Ranking::AbsoluteDrop
+            },
+        },
         fingerprint: [0; 32],
-        delay: DelayModel { tiers: specs, decode_s_per_byte: 2e-10, restore_s_per_token: 2e-5, prefill_tokens_per_s: 400.0, query_tokens: 32 },
+        delay: DelayModel {
+            tiers: specs,
+            decode_s_per_byte: 2e-10,
+            restore_s_per_token: 2e-5,
+            prefill_tokens_per_s: 400.0,
+            query_tokens: 32,
+        },
         frequency_half_life_s: 600.0,
         reprofile_threshold: 0.1,
         max_pending_bytes: 1 << 30,

@@ -9,7 +9,11 @@ use serde_json::Value;
 
 fn model_path() -> PathBuf {
     let p = pk_engine::model_store::default_model_path();
-    assert!(p.exists(), "{} is missing: run `pagekeeper fetch-model` first (or set PAGEKEEPER_HOME)", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run `pagekeeper fetch-model` first (or set PAGEKEEPER_HOME)",
+        p.display()
+    );
     p
 }
 
@@ -33,14 +37,29 @@ fn eval(out: &Path, args: &[&str]) -> (Value, String) {
     let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(o.status.success(), "pagekeeper eval failed: {stderr}");
     let stdout = String::from_utf8(o.stdout).expect("utf-8 stdout");
-    let v: Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {stdout}"));
+    let v: Value = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {stdout}"));
     (v, stderr)
 }
 
-const TINY: [&str; 10] = ["--tasks", "passkey", "--lengths", "512", "--samples", "1", "--policies", "paged-eviction,streaming-llm", "--budgets", "256"];
+const TINY: [&str; 10] = [
+    "--tasks",
+    "passkey",
+    "--lengths",
+    "512",
+    "--samples",
+    "1",
+    "--policies",
+    "paged-eviction,streaming-llm",
+    "--budgets",
+    "256",
+];
 
 fn check_shape(v: &Value) {
-    assert!(v["model"].as_str().is_some_and(|m| m.contains("SmolLM2")), "{v}");
+    assert!(
+        v["model"].as_str().is_some_and(|m| m.contains("SmolLM2")),
+        "{v}"
+    );
     let rows = v["results"].as_array().expect("results is an array");
     assert_eq!(rows.len(), 3, "full + two policies: {v}");
     for r in rows {
@@ -51,7 +70,11 @@ fn check_shape(v: &Value) {
         let score = r["score"].as_f64().expect("score is a number");
         assert!((0.0..=1.0).contains(&score), "{r}");
         // Generated tasks have no divergence; the keys are still there, as null.
-        assert!(r.get("kl_mean").is_some_and(Value::is_null) && r.get("top1_agreement").is_some_and(Value::is_null), "{r}");
+        assert!(
+            r.get("kl_mean").is_some_and(Value::is_null)
+                && r.get("top1_agreement").is_some_and(Value::is_null),
+            "{r}"
+        );
         match r["policy"].as_str().unwrap() {
             "full" => assert!(r["kv_budget"].is_null()),
             "paged-eviction" | "streaming-llm" => assert_eq!(r["kv_budget"], 256),
@@ -62,13 +85,28 @@ fn check_shape(v: &Value) {
 
 /// The plot decodes, has the expected size and is not blank: it has lines, text and colour.
 fn check_png(path: &Path, size_px: (u32, u32)) {
-    let s = pk_eval::plot::inspect_png(path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+    let s =
+        pk_eval::plot::inspect_png(path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
     assert_eq!((s.width_px, s.height_px), size_px, "{}", path.display());
-    assert!(s.non_white_fraction > 0.02 && s.distinct_colours > 20, "{} looks blank: {s:?}", path.display());
+    assert!(
+        s.non_white_fraction > 0.02 && s.distinct_colours > 20,
+        "{} looks blank: {s:?}",
+        path.display()
+    );
 }
 
 fn scores(v: &Value) -> Vec<(String, f64)> {
-    v["results"].as_array().unwrap().iter().map(|r| (r["policy"].as_str().unwrap().to_string(), r["score"].as_f64().unwrap())).collect()
+    v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["policy"].as_str().unwrap().to_string(),
+                r["score"].as_f64().unwrap(),
+            )
+        })
+        .collect()
 }
 
 #[test]
@@ -83,13 +121,22 @@ fn json_shape_resume_and_determinism() {
         assert!(out.join(f).exists(), "{f} missing");
     }
     // One generative task at one length: a one-panel score plot, and no KL plot.
-    check_png(&out.join("scores_B16.png"), pk_eval::plot::figure_size(1, 1));
-    assert!(!out.join("kl_B16.png").exists(), "a KL plot without text-kl rows");
+    check_png(
+        &out.join("scores_B16.png"),
+        pk_eval::plot::figure_size(1, 1),
+    );
+    assert!(
+        !out.join("kl_B16.png").exists(),
+        "a KL plot without text-kl rows"
+    );
 
     // Resume: everything is in results.jsonl, so nothing runs and nothing is appended.
     let (second, err2) = eval(&out, &TINY);
     assert!(err2.contains("ran 0 new of 3 cells"), "{err2}");
-    assert_eq!(std::fs::read_to_string(out.join("results.jsonl")).unwrap(), lines);
+    assert_eq!(
+        std::fs::read_to_string(out.join("results.jsonl")).unwrap(),
+        lines
+    );
     assert_eq!(first, second);
 
     // Determinism: a fresh directory, the same seed, the same scores.
@@ -115,12 +162,18 @@ fn quick_preset() {
         if r["policy"] == "full" {
             assert_eq!(r["calibrated"].as_bool().unwrap(), s >= 0.8, "{r}");
             if r["task"] == "text-kl" {
-                assert_eq!((r["kl_mean"].as_f64(), r["top1_agreement"].as_f64()), (Some(0.0), Some(1.0)));
+                assert_eq!(
+                    (r["kl_mean"].as_f64(), r["top1_agreement"].as_f64()),
+                    (Some(0.0), Some(1.0))
+                );
             }
         }
     }
     // Three generative tasks × two lengths; text-kl: KL and top-1 rows × two lengths.
-    check_png(&out.join("scores_B16.png"), pk_eval::plot::figure_size(3, 2));
+    check_png(
+        &out.join("scores_B16.png"),
+        pk_eval::plot::figure_size(3, 2),
+    );
     check_png(&out.join("kl_B16.png"), pk_eval::plot::figure_size(2, 2));
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -9,19 +9,37 @@ use std::time::Duration;
 use tiers_support::{prompt, wait_until, Server, POOL_TOKENS};
 
 fn contexts(server: &Server) -> serde_json::Value {
-    reqwest::blocking::get(server.url("/v1/kv/contexts")).unwrap().json().unwrap()
+    reqwest::blocking::get(server.url("/v1/kv/contexts"))
+        .unwrap()
+        .json()
+        .unwrap()
 }
 
 #[test]
 fn evicpress_store_serves_explains_and_profiles_contexts() {
     let dir = tempfile::tempdir().unwrap();
     let disk = format!("{}:1GiB", dir.path().display());
-    let server = Server::start(&["--tier-policy", "evicpress", "--tier-ram", "64MiB", "--tier-disk", &disk, "--evicpress-grid", "q8,q4,paged-eviction-0.5,snapkv-0.5"]);
+    let server = Server::start(&[
+        "--tier-policy",
+        "evicpress",
+        "--tier-ram",
+        "64MiB",
+        "--tier-disk",
+        &disk,
+        "--evicpress-grid",
+        "q8,q4,paged-eviction-0.5,snapkv-0.5",
+    ]);
 
     let context = prompt(91);
-    let (prompt_tokens, cached) = server.complete(&format!("{context} First question?")).unwrap();
+    let (prompt_tokens, cached) = server
+        .complete(&format!("{context} First question?"))
+        .unwrap();
     assert_eq!(cached, 0);
-    wait_until("the context to be stored", Duration::from_secs(60), || contexts(&server)["contexts"].as_array().is_some_and(|c| !c.is_empty()));
+    wait_until("the context to be stored", Duration::from_secs(60), || {
+        contexts(&server)["contexts"]
+            .as_array()
+            .is_some_and(|c| !c.is_empty())
+    });
 
     // Push the context's blocks out of the small pool, so that only the store has them.
     let mut other_tokens = 0;
@@ -31,26 +49,54 @@ fn evicpress_store_serves_explains_and_profiles_contexts() {
         }
         other_tokens += server.complete(&prompt(1000 + seed)).unwrap().0;
     }
-    let (_, cached) = server.complete(&format!("{context} Second question?")).unwrap();
+    let (_, cached) = server
+        .complete(&format!("{context} Second question?"))
+        .unwrap();
     let stored_tokens = (prompt_tokens - 1) / 64 * 64;
-    assert!(cached >= stored_tokens, "the context ({stored_tokens} tokens) must come from the store, got {cached} cached tokens");
+    assert!(
+        cached >= stored_tokens,
+        "the context ({stored_tokens} tokens) must come from the store, got {cached} cached tokens"
+    );
 
     let explained = contexts(&server);
     assert_eq!(explained["policy"], "evicpress");
     let rows = explained["contexts"].as_array().unwrap();
-    let ours = rows.iter().find(|r| r["hits"].as_u64() == Some(1)).expect("one context was hit once");
+    let ours = rows
+        .iter()
+        .find(|r| r["hits"].as_u64() == Some(1))
+        .expect("one context was hit once");
     let options = ours["options"].as_array().unwrap();
-    assert_eq!(options.len(), 2 * 5, "every (tier, configuration) with its utility");
-    assert!(options.windows(2).all(|w| w[0]["utility"].as_f64() >= w[1]["utility"].as_f64()));
+    assert_eq!(
+        options.len(),
+        2 * 5,
+        "every (tier, configuration) with its utility"
+    );
+    assert!(options
+        .windows(2)
+        .all(|w| w[0]["utility"].as_f64() >= w[1]["utility"].as_f64()));
     // The server's offer carried the context's last queries, so SnapKV is an option for it
     // (an unavailable configuration would show a quality of −∞: null in JSON).
-    let snapkv = options.iter().find(|o| o["config"].as_str().is_some_and(|c| c.starts_with("snapkv"))).unwrap();
-    assert!(snapkv["quality"].as_f64().is_some_and(f64::is_finite), "{snapkv}");
+    let snapkv = options
+        .iter()
+        .find(|o| {
+            o["config"]
+                .as_str()
+                .is_some_and(|c| c.starts_with("snapkv"))
+        })
+        .unwrap();
+    assert!(
+        snapkv["quality"].as_f64().is_some_and(f64::is_finite),
+        "{snapkv}"
+    );
     assert!(server.metrics().contains("pagekeeper:evicpress_hits"));
 
     // The hit recorded its query; the idle server profiles the context with it.
     wait_until("background profiling", Duration::from_secs(120), || {
-        contexts(&server)["contexts"].as_array().unwrap().iter().any(|r| r["quality_source"] == "profiled")
+        contexts(&server)["contexts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["quality_source"] == "profiled")
     });
 }
 

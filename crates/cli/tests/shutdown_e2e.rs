@@ -7,12 +7,20 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn model_path() -> std::path::PathBuf {
     let p = pk_engine::model_store::default_model_path();
-    assert!(p.exists(), "{} is missing: run `pagekeeper fetch-model` first", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run `pagekeeper fetch-model` first",
+        p.display()
+    );
     p
 }
 
@@ -20,29 +28,63 @@ fn model_path() -> std::path::PathBuf {
 fn sigterm_lets_a_running_stream_finish() {
     let port = free_port();
     let mut child = Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
-        .args(["serve", "--port", &port.to_string(), "--threads", "2", "--kv-capacity-tokens", "2048"])
+        .args([
+            "serve",
+            "--port",
+            &port.to_string(),
+            "--threads",
+            "2",
+            "--kv-capacity-tokens",
+            "2048",
+        ])
         .arg("--model")
         .arg(model_path())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()
         .expect("starting pagekeeper serve");
-    let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+    let client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap();
     let base = format!("http://127.0.0.1:{port}");
     let started = Instant::now();
-    while client.get(format!("{base}/health")).send().map(|r| r.status().as_u16()).ok() != Some(200) {
-        assert!(child.try_wait().unwrap().is_none(), "server exited during start-up");
-        assert!(started.elapsed() < Duration::from_secs(120), "server did not become healthy");
+    while client
+        .get(format!("{base}/health"))
+        .send()
+        .map(|r| r.status().as_u16())
+        .ok()
+        != Some(200)
+    {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "server exited during start-up"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "server did not become healthy"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let body = serde_json::json!({"prompt": "Once upon a time", "max_tokens": 96, "ignore_eos": true, "stream": true, "temperature": 0});
-    let resp = client.post(format!("{base}/v1/completions")).json(&body).send().unwrap();
+    let resp = client
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
     let mut lines = BufReader::new(resp).lines();
     // The first chunk proves the request is running; then the signal.
-    let first = lines.by_ref().map(|l| l.unwrap()).find(|l| l.starts_with("data: ")).expect("a first chunk");
+    let first = lines
+        .by_ref()
+        .map(|l| l.unwrap())
+        .find(|l| l.starts_with("data: "))
+        .expect("a first chunk");
     assert!(first.contains("text"), "{first}");
-    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
     assert!(killed.success());
     let mut chunks = 1;
     let mut done = false;
@@ -57,7 +99,10 @@ fn sigterm_lets_a_running_stream_finish() {
             chunks += 1;
         }
     }
-    assert!(done, "the stream ended without [DONE] after {chunks} chunks");
+    assert!(
+        done,
+        "the stream ended without [DONE] after {chunks} chunks"
+    );
     // One chunk per token, perhaps fewer when a character spans tokens.
     assert!(chunks >= 80, "only {chunks} chunks of 96 tokens arrived");
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -65,7 +110,10 @@ fn sigterm_lets_a_running_stream_finish() {
         if let Some(s) = child.try_wait().unwrap() {
             break s;
         }
-        assert!(Instant::now() < deadline, "the server did not exit after draining");
+        assert!(
+            Instant::now() < deadline,
+            "the server did not exit after draining"
+        );
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "exit status after SIGTERM: {status}");

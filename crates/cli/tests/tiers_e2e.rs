@@ -17,7 +17,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use pk_tiers::{DiskTier, DiskTierConfig, Tier};
-use tiers_support::{prompt, stored_chunks, unique_prefix, wait_until, Redis, Server, CHUNK_TOKENS};
+use tiers_support::{
+    prompt, stored_chunks, unique_prefix, wait_until, Redis, Server, CHUNK_TOKENS,
+};
 
 const HITS: &str = "pagekeeper_tier_hits_total";
 
@@ -74,11 +76,15 @@ fn disk_tier_survives_kill_9_mid_write() {
     // Kill as soon as a write is in progress (a temporary file exists) once a few prompts'
     // worth of entries are down; if no write is ever caught, kill anyway at 24 entries.
     let mut caught_mid_write = false;
-    wait_until("entries on disk to kill the server", Duration::from_secs(240), || {
-        let (entries, temps) = count_files(&dir);
-        caught_mid_write = entries >= 8 && temps > 0;
-        caught_mid_write || entries >= 24
-    });
+    wait_until(
+        "entries on disk to kill the server",
+        Duration::from_secs(240),
+        || {
+            let (entries, temps) = count_files(&dir);
+            caught_mid_write = entries >= 8 && temps > 0;
+            caught_mid_write || entries >= 24
+        },
+    );
     server.kill9();
     stop.store(true, Ordering::Relaxed);
     client.join().unwrap();
@@ -87,7 +93,11 @@ fn disk_tier_survives_kill_9_mid_write() {
 
     // Independently of the server: every file is intact or detected, nothing in between.
     let (intact, detected) = verify_copy(&dir, &tmp.path().join("verify"));
-    assert_eq!(intact + detected, entries, "every entry is intact or detected");
+    assert_eq!(
+        intact + detected,
+        entries,
+        "every entry is intact or detected"
+    );
     assert!(intact >= 8, "{intact} intact entries");
 
     // A kill -9 cannot tear a renamed entry (the rename comes after the fsync), but a power
@@ -97,18 +107,40 @@ fn disk_tier_survives_kill_9_mid_write() {
         .unwrap()
         .flatten()
         .filter(|e| e.file_name().to_string_lossy().ends_with(".kv"))
-        .max_by_key(|e| e.metadata().unwrap().modified().unwrap_or(SystemTime::UNIX_EPOCH))
+        .max_by_key(|e| {
+            e.metadata()
+                .unwrap()
+                .modified()
+                .unwrap_or(SystemTime::UNIX_EPOCH)
+        })
         .unwrap();
     let len = newest.metadata().unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(newest.path()).unwrap().set_len(len / 2).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(newest.path())
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
 
     let server = Server::start(&["--tier-disk", &disk_flag]);
     let metrics = server.metrics();
     let gauge = |name: &str| tiers_support::tier_counter(&metrics, name, "disk") as usize;
     let expected_intact = intact - 1;
-    assert_eq!(gauge("pagekeeper_tier_entries_found_on_open"), expected_intact, "entries kept by the restart scan");
-    assert_eq!(gauge("pagekeeper_tier_corrupt_entries_total"), detected + 1, "the torn entry is detected and dropped");
-    assert_eq!(gauge("pagekeeper_tier_temp_files_removed_total"), temps, "unfinished writes are removed");
+    assert_eq!(
+        gauge("pagekeeper_tier_entries_found_on_open"),
+        expected_intact,
+        "entries kept by the restart scan"
+    );
+    assert_eq!(
+        gauge("pagekeeper_tier_corrupt_entries_total"),
+        detected + 1,
+        "the torn entry is detected and dropped"
+    );
+    assert_eq!(
+        gauge("pagekeeper_tier_temp_files_removed_total"),
+        temps,
+        "unfinished writes are removed"
+    );
     assert_eq!(count_files(&dir), (expected_intact, 0));
 
     // Every prompt that may have reached the server, again: each intact entry is one chunk
@@ -142,7 +174,9 @@ fn two_servers_share_one_redis() {
     assert_eq!(cached, 0);
     let chunks = stored_chunks(prompt_tokens);
     assert!(chunks >= 3, "{prompt_tokens} tokens");
-    wait_until("A's chunks in Redis", Duration::from_secs(30), || redis.entries(&prefix) == chunks);
+    wait_until("A's chunks in Redis", Duration::from_secs(30), || {
+        redis.entries(&prefix) == chunks
+    });
     // ...and a hit on B, which never saw it.
     let (_, cached) = b.complete(&prompt(1000)).unwrap();
     assert_eq!(cached, chunks * CHUNK_TOKENS, "B reuses A's context");
@@ -151,10 +185,15 @@ fn two_servers_share_one_redis() {
 
     // And the other way round.
     let (prompt_tokens, _) = b.complete(&prompt(1001)).unwrap();
-    wait_until("B's chunks in Redis", Duration::from_secs(30), || redis.entries(&prefix) == chunks + stored_chunks(prompt_tokens));
+    wait_until("B's chunks in Redis", Duration::from_secs(30), || {
+        redis.entries(&prefix) == chunks + stored_chunks(prompt_tokens)
+    });
     let (_, cached) = a.complete(&prompt(1001)).unwrap();
     assert_eq!(cached, stored_chunks(prompt_tokens) * CHUNK_TOKENS);
-    assert_eq!(a.tier_metric(HITS, "redis") as usize, stored_chunks(prompt_tokens));
+    assert_eq!(
+        a.tier_metric(HITS, "redis") as usize,
+        stored_chunks(prompt_tokens)
+    );
 }
 
 #[test]
@@ -169,7 +208,12 @@ fn redis_killed_mid_run_fails_no_request_and_hits_resume() {
     let failures = Arc::new(Mutex::new(Vec::new()));
     let stop = Arc::new(AtomicBool::new(false));
     let client = {
-        let (api, done, failures, stop) = (server.api.clone(), done.clone(), failures.clone(), stop.clone());
+        let (api, done, failures, stop) = (
+            server.api.clone(),
+            done.clone(),
+            failures.clone(),
+            stop.clone(),
+        );
         std::thread::spawn(move || {
             let mut i = 0u64;
             while !stop.load(Ordering::Relaxed) {
@@ -182,12 +226,20 @@ fn redis_killed_mid_run_fails_no_request_and_hits_resume() {
         })
     };
     let hits = || server.tier_metric(HITS, "redis");
-    wait_until("Redis hits before the outage", Duration::from_secs(120), || hits() >= 6.0);
+    wait_until(
+        "Redis hits before the outage",
+        Duration::from_secs(120),
+        || hits() >= 6.0,
+    );
 
     redis.stop();
     let hits_at_kill = hits();
     let done_at_kill = done.load(Ordering::SeqCst);
-    wait_until("requests during the outage", Duration::from_secs(120), || done.load(Ordering::SeqCst) >= done_at_kill + 6);
+    wait_until(
+        "requests during the outage",
+        Duration::from_secs(120),
+        || done.load(Ordering::SeqCst) >= done_at_kill + 6,
+    );
     let errors = server.tier_metric("pagekeeper_tier_errors_total", "redis");
     assert!(errors > 0.0, "the outage was seen by the tier");
     let hits_in_outage = hits() - hits_at_kill;
@@ -195,13 +247,20 @@ fn redis_killed_mid_run_fails_no_request_and_hits_resume() {
     // The restarted Redis is empty (no persistence): chunks are stored again, then hit.
     redis.start();
     let hits_at_restart = hits();
-    wait_until("Redis hits after the restart", Duration::from_secs(120), || hits() >= hits_at_restart + 6.0);
+    wait_until(
+        "Redis hits after the restart",
+        Duration::from_secs(120),
+        || hits() >= hits_at_restart + 6.0,
+    );
     stop.store(true, Ordering::Relaxed);
     client.join().unwrap();
 
     let failures = failures.lock().unwrap();
     assert!(failures.is_empty(), "failed requests: {failures:?}");
-    assert!(hits_in_outage <= 1.0, "at most a load that began before the kill: {hits_in_outage}");
+    assert!(
+        hits_in_outage <= 1.0,
+        "at most a load that began before the kill: {hits_in_outage}"
+    );
     eprintln!(
         "redis outage: {} requests, none failed; hits {hits_at_kill} before the kill, {hits_in_outage} during, {} after the restart; {errors} tier errors; {:.1} s",
         done.load(Ordering::SeqCst),
@@ -218,25 +277,72 @@ fn bench_tiers_json_reports_every_tier() {
     let tmp = tempfile::tempdir().unwrap();
     let disk = format!("{}:1GiB", tmp.path().join("kv").display());
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
-        .args(["bench", "tiers", "--context-tokens", "256", "--runs", "1", "--threads", "2", "--json"])
+        .args([
+            "bench",
+            "tiers",
+            "--context-tokens",
+            "256",
+            "--runs",
+            "1",
+            "--threads",
+            "2",
+            "--json",
+        ])
         .args(["--tier-disk", &disk, "--tier-redis", &redis.url, "--model"])
         .arg(tiers_support::model_path())
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "bench tiers failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "bench tiers failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-    assert_eq!((v["context_tokens"].as_u64(), v["chunk_tokens"].as_u64(), v["chunks"].as_u64()), (Some(256), Some(256), Some(1)));
+    assert_eq!(
+        (
+            v["context_tokens"].as_u64(),
+            v["chunk_tokens"].as_u64(),
+            v["chunks"].as_u64()
+        ),
+        (Some(256), Some(256), Some(1))
+    );
     assert!(v["chunk_bytes"].as_u64().unwrap() > 256 * 1000);
     assert!(v["recompute"]["ttft_s"].as_f64().unwrap() > 0.0);
-    let tiers: Vec<&str> = v["tiers"].as_array().unwrap().iter().map(|t| t["tier"].as_str().unwrap()).collect();
-    assert_eq!(tiers, ["ram", "disk (warm page cache)", "disk (cold, drop_page_cache)", "redis"]);
+    let tiers: Vec<&str> = v["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["tier"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        tiers,
+        [
+            "ram",
+            "disk (warm page cache)",
+            "disk (cold, drop_page_cache)",
+            "redis"
+        ]
+    );
     for t in v["tiers"].as_array().unwrap() {
-        assert!(t["ttft_s"].as_f64().unwrap() > 0.0 && t["speedup_vs_recompute"].as_f64().unwrap() > 0.0, "{t}");
+        assert!(
+            t["ttft_s"].as_f64().unwrap() > 0.0
+                && t["speedup_vs_recompute"].as_f64().unwrap() > 0.0,
+            "{t}"
+        );
         assert!(t["read_bytes_per_s"].as_f64().unwrap() > 0.0, "{t}");
         assert_eq!(t["ttft_runs_s"].as_array().unwrap().len(), 1);
     }
     // The bench cleans up after itself: no entries left in the disk tier.
-    let entries = std::fs::read_dir(tmp.path().join("kv")).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".kv")).count();
+    let entries = std::fs::read_dir(tmp.path().join("kv"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".kv")
+        })
+        .count();
     assert_eq!(entries, 0);
 }

@@ -9,7 +9,11 @@ use pk_cuda::ActDtype;
 fn main() {
     let mut args = std::env::args().skip(1);
     let path = args.next().unwrap_or_else(|| "pagekeeper.ptx".into());
-    let act = if args.next().as_deref() == Some("bf16") { ActDtype::Bf16 } else { ActDtype::F16 };
+    let act = if args.next().as_deref() == Some("bf16") {
+        ActDtype::Bf16
+    } else {
+        ActDtype::F16
+    };
     if !nvrtc_available() {
         eprintln!("libnvrtc not found: set LD_LIBRARY_PATH (scripts/gpu/README.md)");
         std::process::exit(1);

@@ -14,8 +14,8 @@
 
 use std::time::Instant;
 
-use half::slice::HalfFloatSliceExt;
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use pk_cuda::kv_pool::Side;
 use pk_cuda::transfer::{Transfers, DEFAULT_STAGING_BYTES};
 use pk_cuda::{cuda_or_skip, ActDtype, Gpu, GpuKvPool};
@@ -29,13 +29,19 @@ fn write_per_block(gpu: &Gpu, pool: &mut GpuKvPool, table: &[u32], n: usize, k: 
     for lh in 0..g.n_layers * g.n_kv_heads {
         let (layer, h) = (lh / g.n_kv_heads, lh % g.n_kv_heads);
         for (t0, t1) in block_runs(0, n, g.block_size_tokens) {
-            let at = pool.offset(layer, table[t0 / g.block_size_tokens], h, t0 % g.block_size_tokens);
+            let at = pool.offset(
+                layer,
+                table[t0 / g.block_size_tokens],
+                h,
+                t0 % g.block_size_tokens,
+            );
             for (side, src) in [(Side::K, k), (Side::V, v)] {
                 let rows = &src[(lh * n + t0) * hd..(lh * n + t1) * hd];
                 scratch.clear();
                 scratch.resize(rows.len(), f16::ZERO);
                 scratch.convert_from_f32_slice(rows);
-                pool.upload_at(gpu, side, at, scratch.reinterpret_cast()).unwrap();
+                pool.upload_at(gpu, side, at, scratch.reinterpret_cast())
+                    .unwrap();
             }
         }
     }
@@ -43,7 +49,14 @@ fn write_per_block(gpu: &Gpu, pool: &mut GpuKvPool, table: &[u32], n: usize, k: 
 }
 
 /// The former read path: one waited-for download per run of rows.
-fn read_per_block(gpu: &Gpu, pool: &GpuKvPool, table: &[u32], n: usize, k: &mut [f32], v: &mut [f32]) {
+fn read_per_block(
+    gpu: &Gpu,
+    pool: &GpuKvPool,
+    table: &[u32],
+    n: usize,
+    k: &mut [f32],
+    v: &mut [f32],
+) {
     let g = pool.geometry;
     let hd = g.head_dim;
     let mut bits = vec![0u16; g.block_size_tokens * hd];
@@ -54,7 +67,10 @@ fn read_per_block(gpu: &Gpu, pool: &GpuKvPool, table: &[u32], n: usize, k: &mut 
             for (side, dst) in [(Side::K, &mut *k), (Side::V, &mut *v)] {
                 let len = (t1 - t0) * hd;
                 pool.download_at(gpu, side, at, &mut bits[..len]).unwrap();
-                for (o, &b) in dst[(lh * n + t0) * hd..(lh * n + t1) * hd].iter_mut().zip(&bits[..len]) {
+                for (o, &b) in dst[(lh * n + t0) * hd..(lh * n + t1) * hd]
+                    .iter_mut()
+                    .zip(&bits[..len])
+                {
                     *o = f16::from_bits(b).to_f32();
                 }
             }
@@ -69,18 +85,42 @@ fn median(mut x: Vec<f64>) -> f64 {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let repeats: usize = args.iter().position(|a| a == "--repeats").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(5);
-    let Some(gpu) = cuda_or_skip(ActDtype::F16) else { return };
-    println!("GPU: {} | staging {} MiB × 2 | median of {repeats}", gpu.name, DEFAULT_STAGING_BYTES >> 20);
-    for (name, n_layers, n_kv_heads, head_dim, n_tokens) in [("smollm2-135m", 30, 3, 64, 1536), ("llama-3.1-8b", 32, 8, 128, 4096)] {
+    let repeats: usize = args
+        .iter()
+        .position(|a| a == "--repeats")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    let Some(gpu) = cuda_or_skip(ActDtype::F16) else {
+        return;
+    };
+    println!(
+        "GPU: {} | staging {} MiB × 2 | median of {repeats}",
+        gpu.name,
+        DEFAULT_STAGING_BYTES >> 20
+    );
+    for (name, n_layers, n_kv_heads, head_dim, n_tokens) in [
+        ("smollm2-135m", 30, 3, 64, 1536),
+        ("llama-3.1-8b", 32, 8, 128, 4096),
+    ] {
         let bs = 16;
         let n_blocks = n_tokens / bs;
         // A table in reverse order with gaps, as a pool that has served for a while.
-        let g = KvGeometry { n_layers, n_kv_heads, head_dim, block_size_tokens: bs, num_blocks: 2 * n_blocks + 1 };
+        let g = KvGeometry {
+            n_layers,
+            n_kv_heads,
+            head_dim,
+            block_size_tokens: bs,
+            num_blocks: 2 * n_blocks + 1,
+        };
         let table: Vec<u32> = (0..n_blocks).map(|b| (2 * (n_blocks - b)) as u32).collect();
         let len = n_layers * n_kv_heads * n_tokens * head_dim;
-        let k: Vec<f32> = (0..len).map(|i| ((i * 7919 % 2003) as f32 - 1000.0) / 256.0).collect();
-        let v: Vec<f32> = (0..len).map(|i| ((i * 104_729 % 1999) as f32 - 1000.0) / 512.0).collect();
+        let k: Vec<f32> = (0..len)
+            .map(|i| ((i * 7919 % 2003) as f32 - 1000.0) / 256.0)
+            .collect();
+        let v: Vec<f32> = (0..len)
+            .map(|i| ((i * 104_729 % 1999) as f32 - 1000.0) / 512.0)
+            .collect();
         let bytes = (4 * len) as f64; // f16 K and V
         let mut pool = GpuKvPool::new(&gpu, g).unwrap();
         let mut transfers = Transfers::new(&gpu, &g, DEFAULT_STAGING_BYTES).unwrap();
@@ -103,7 +143,8 @@ fn main() {
         let gbs = |s: f64| bytes / s / 1e9;
         println!("{name}: {n_tokens} tokens, {:.1} MiB of f16 K/V | pinned memcpy bound: to device {:.1} GB/s, to host {:.1} GB/s", bytes / 1048576.0, gbs(median(up)), gbs(median(down)));
 
-        let (mut old_w, mut new_ret, mut new_w, mut old_r, mut new_r) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut old_w, mut new_ret, mut new_w, mut old_r, mut new_r) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut k_old, mut v_old) = (vec![0f32; len], vec![0f32; len]);
         let (mut k_new, mut v_new) = (vec![0f32; len], vec![0f32; len]);
         for _ in 0..repeats {
@@ -115,21 +156,35 @@ fn main() {
             old_r.push(t.elapsed().as_secs_f64());
 
             let t = Instant::now();
-            transfers.write_tokens(&gpu, &mut pool, &table, 0, &k, &v).unwrap();
+            transfers
+                .write_tokens(&gpu, &mut pool, &table, 0, &k, &v)
+                .unwrap();
             new_ret.push(t.elapsed().as_secs_f64());
             gpu.synchronize().unwrap();
             new_w.push(t.elapsed().as_secs_f64());
             let t = Instant::now();
-            transfers.read_tokens(&gpu, &pool, &table, 0, &mut k_new, &mut v_new).unwrap();
+            transfers
+                .read_tokens(&gpu, &pool, &table, 0, &mut k_new, &mut v_new)
+                .unwrap();
             new_r.push(t.elapsed().as_secs_f64());
         }
-        assert!(k_new == k_old && v_new == v_old, "{name}: the two paths read different values");
+        assert!(
+            k_new == k_old && v_new == v_old,
+            "{name}: the two paths read different values"
+        );
         let (ow, nw, nr, or) = (median(old_w), median(new_w), median(new_r), median(old_r));
         println!(
             "{name} write: per-block {:.2} GB/s ({:.1} ms) | staged {:.2} GB/s ({:.1} ms; returns after {:.1} ms) | {:.1}×",
             gbs(ow), ow * 1e3, gbs(nw), nw * 1e3, median(new_ret) * 1e3, ow / nw
         );
-        println!("{name} read:  per-block {:.2} GB/s ({:.1} ms) | staged {:.2} GB/s ({:.1} ms) | {:.1}×", gbs(or), or * 1e3, gbs(nr), nr * 1e3, or / nr);
+        println!(
+            "{name} read:  per-block {:.2} GB/s ({:.1} ms) | staged {:.2} GB/s ({:.1} ms) | {:.1}×",
+            gbs(or),
+            or * 1e3,
+            gbs(nr),
+            nr * 1e3,
+            or / nr
+        );
         println!("{name} stats: {:?}", transfers.stats);
     }
 }

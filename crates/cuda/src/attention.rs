@@ -36,17 +36,37 @@ pub struct AttnPlan {
 
 /// Plans one attention call over `seqs` (rows in order, as the forward pass lays them out).
 /// `target_blocks` is how many thread blocks keep the GPU busy (two per multiprocessor).
-pub fn plan(seqs: &[SeqForward], n_heads: usize, n_kv_heads: usize, block_size: usize, target_blocks: usize) -> Result<AttnPlan, CudaError> {
+pub fn plan(
+    seqs: &[SeqForward],
+    n_heads: usize,
+    n_kv_heads: usize,
+    block_size: usize,
+    target_blocks: usize,
+) -> Result<AttnPlan, CudaError> {
     let group = n_heads.checked_div(n_kv_heads).unwrap_or(0);
     // One warp per query head of the group, and `paged_attention` is compiled with
     // __launch_bounds__(512): a group of more than 16 heads cannot be launched.
     if group == 0 || group > MAX_ROWS_PER_BLOCK || group * n_kv_heads != n_heads {
-        return Err(CudaError::Unsupported(format!("{n_heads} query heads over {n_kv_heads} KV heads")));
+        return Err(CudaError::Unsupported(format!(
+            "{n_heads} query heads over {n_kv_heads} KV heads"
+        )));
     }
     let tile_tokens = (MAX_ROWS_PER_BLOCK / group).max(1);
-    let tiles: usize = seqs.iter().map(|s| n_kv_heads * s.tokens.len().div_ceil(tile_tokens)).sum();
-    let want_splits = if tiles >= target_blocks { 1 } else { target_blocks.div_ceil(tiles.max(1)) };
-    let mut p = AttnPlan { tile_tokens, threads_per_block: (32 * tile_tokens * group) as u32, max_splits: 1, ..Default::default() };
+    let tiles: usize = seqs
+        .iter()
+        .map(|s| n_kv_heads * s.tokens.len().div_ceil(tile_tokens))
+        .sum();
+    let want_splits = if tiles >= target_blocks {
+        1
+    } else {
+        target_blocks.div_ceil(tiles.max(1))
+    };
+    let mut p = AttnPlan {
+        tile_tokens,
+        threads_per_block: (32 * tile_tokens * group) as u32,
+        max_splits: 1,
+        ..Default::default()
+    };
     let mut row = 0usize;
     for (si, s) in seqs.iter().enumerate() {
         let n_q = s.tokens.len();
@@ -58,16 +78,26 @@ pub fn plan(seqs: &[SeqForward], n_heads: usize, n_kv_heads: usize, block_size: 
             )));
         }
         // At least two blocks per split, so that a split is worth its share of the combine.
-        let splits = want_splits.min(visible.div_ceil(2 * block_size)).clamp(1, MAX_SPLITS);
+        let splits = want_splits
+            .min(visible.div_ceil(2 * block_size))
+            .clamp(1, MAX_SPLITS);
         let keys_per_split = visible.div_ceil(splits).div_ceil(block_size).max(1) * block_size;
         let splits = visible.div_ceil(keys_per_split).max(1);
         p.max_splits = p.max_splits.max(splits);
-        p.seqs.extend([p.tables.len() as i32, s.stored_start as i32, n_q as i32, row as i32, splits as i32, keys_per_split as i32]);
+        p.seqs.extend([
+            p.tables.len() as i32,
+            s.stored_start as i32,
+            n_q as i32,
+            row as i32,
+            splits as i32,
+            keys_per_split as i32,
+        ]);
         p.tables.extend(s.block_table.iter().map(|&b| b as i32));
         for kv_head in 0..n_kv_heads {
             for t0 in (0..n_q).step_by(tile_tokens) {
                 for split in 0..splits {
-                    p.items.extend([si as i32, kv_head as i32, t0 as i32, split as i32]);
+                    p.items
+                        .extend([si as i32, kv_head as i32, t0 as i32, split as i32]);
                 }
             }
         }
@@ -88,7 +118,14 @@ mod tests {
     use super::*;
 
     fn seq<'a>(tokens: &'a [u32], stored_start: usize, table: &'a [u32]) -> SeqForward<'a> {
-        SeqForward { tokens, start_position: stored_start, stored_start, block_table: table, logits_from: 0, stored_positions: &[] }
+        SeqForward {
+            tokens,
+            start_position: stored_start,
+            stored_start,
+            block_table: table,
+            logits_from: 0,
+            stored_positions: &[],
+        }
     }
 
     /// Every row's visible keys are covered by exactly one split of its sequence, and every
@@ -99,7 +136,10 @@ mod tests {
             let d = &p.seqs[6 * si..6 * si + 6];
             let (splits, kps) = (d[4] as usize, d[5] as usize);
             let visible = s.stored_start + s.tokens.len();
-            assert!(splits * kps >= visible && (splits - 1) * kps < visible, "splits {splits} × {kps} vs {visible} keys");
+            assert!(
+                splits * kps >= visible && (splits - 1) * kps < visible,
+                "splits {splits} × {kps} vs {visible} keys"
+            );
             let mut seen = vec![0usize; s.tokens.len() * n_heads * splits];
             for it in p.items.chunks_exact(4).filter(|it| it[0] as usize == si) {
                 let (kvh, t0, split) = (it[1] as usize, it[2] as usize, it[3] as usize);
@@ -109,7 +149,11 @@ mod tests {
                     }
                 }
             }
-            assert!(seen.iter().all(|&c| c == 1), "sequence {si}: some (row, head, split) computed {:?} times", seen.iter().max());
+            assert!(
+                seen.iter().all(|&c| c == 1),
+                "sequence {si}: some (row, head, split) computed {:?} times",
+                seen.iter().max()
+            );
         }
     }
 
@@ -119,7 +163,10 @@ mod tests {
         let one = [7u32];
         let d = [seq(&one, 2047, &table)];
         let p = plan(&d, 32, 8, 16, 264).unwrap();
-        assert!(p.max_splits > 1, "batch-1 decode at 2048 keys should split: {p:?}");
+        assert!(
+            p.max_splits > 1,
+            "batch-1 decode at 2048 keys should split: {p:?}"
+        );
         assert_eq!(p.n_items(), 8 * p.max_splits);
         check_coverage(&p, &d, 32, 8);
 
@@ -136,7 +183,11 @@ mod tests {
     fn mixed_batches_cover_every_row_once() {
         let table: Vec<u32> = (0..64).rev().collect();
         let (a, b, c) = ([1u32; 1], [2u32; 37], [3u32; 5]);
-        let seqs = [seq(&a, 300, &table), seq(&b, 100, &table), seq(&c, 0, &table)];
+        let seqs = [
+            seq(&a, 300, &table),
+            seq(&b, 100, &table),
+            seq(&c, 0, &table),
+        ];
         for target in [1, 24, 264, 10_000] {
             let p = plan(&seqs, 9, 3, 16, target).unwrap();
             check_coverage(&p, &seqs, 9, 3);
@@ -158,7 +209,11 @@ mod tests {
         }
         for group in 1..=16 {
             let p = plan(&s, group * 2, 2, 16, 264).unwrap();
-            assert!(p.threads_per_block <= 512 && p.threads_per_block.is_multiple_of(32), "group {group}: {} threads", p.threads_per_block);
+            assert!(
+                p.threads_per_block <= 512 && p.threads_per_block.is_multiple_of(32),
+                "group {group}: {} threads",
+                p.threads_per_block
+            );
         }
     }
 

@@ -45,12 +45,22 @@ impl CudaBackend {
     /// A backend over `model` with a fresh f16 pool of `geometry` (which must match it).
     pub fn new(gpu: Gpu, model: GpuLlama, geometry: KvGeometry) -> Result<CudaBackend, CudaError> {
         let c = &model.config;
-        if (geometry.n_layers, geometry.n_kv_heads, geometry.head_dim) != (c.n_layers, c.n_kv_heads, c.head_dim) {
-            return Err(CudaError::Unsupported(format!("KV geometry {geometry:?} does not match the model")));
+        if (geometry.n_layers, geometry.n_kv_heads, geometry.head_dim)
+            != (c.n_layers, c.n_kv_heads, c.head_dim)
+        {
+            return Err(CudaError::Unsupported(format!(
+                "KV geometry {geometry:?} does not match the model"
+            )));
         }
         let pool = GpuKvPool::new(&gpu, geometry)?;
         let transfers = Mutex::new(Transfers::new(&gpu, &geometry, DEFAULT_STAGING_BYTES)?);
-        Ok(CudaBackend { gpu, model, pool, failed: Mutex::new(None), transfers })
+        Ok(CudaBackend {
+            gpu,
+            model,
+            pool,
+            failed: Mutex::new(None),
+            transfers,
+        })
     }
 
     /// Replaces the transfers' two staging slots with slots of `bytes` each (at least one
@@ -65,19 +75,32 @@ impl CudaBackend {
 
     /// Bytes of each staging slot.
     pub fn staging_bytes(&self) -> usize {
-        self.transfers.lock().unwrap_or_else(|p| p.into_inner()).staging_bytes()
+        self.transfers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .staging_bytes()
     }
 
     /// What the bulk transfers have moved so far.
     pub fn transfer_stats(&self) -> TransferStats {
-        self.transfers.lock().unwrap_or_else(|p| p.into_inner()).stats
+        self.transfers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .stats
     }
 
     /// A model file's weights on `gpu` (dequantised to its GEMM operand type) with a pool of
     /// `geometry` in `dtype`, which must be f16: the device pool holds nothing else yet.
-    pub fn from_gguf(gpu: Gpu, f: &pk_gguf::GgufFile, geometry: KvGeometry, dtype: KvDtype) -> Result<CudaBackend, CudaError> {
+    pub fn from_gguf(
+        gpu: Gpu,
+        f: &pk_gguf::GgufFile,
+        geometry: KvGeometry,
+        dtype: KvDtype,
+    ) -> Result<CudaBackend, CudaError> {
         if dtype != KvDtype::F16 {
-            return Err(CudaError::Unsupported(format!("KV dtype {dtype}: the GPU pool holds f16 K/V only (--kv-dtype f16)")));
+            return Err(CudaError::Unsupported(format!(
+                "KV dtype {dtype}: the GPU pool holds f16 K/V only (--kv-dtype f16)"
+            )));
         }
         let cfg = ModelConfig::from_gguf(f).map_err(|e| CudaError::Unsupported(e.to_string()))?;
         let weights = GpuWeights::from_gguf(&gpu, f, &cfg)?;
@@ -98,9 +121,17 @@ impl CudaBackend {
 
     fn read(&self, which: Side, layer: usize, block: u32, kv_head: usize, out: &mut [f32]) {
         let g = &self.pool.geometry;
-        assert!(out.len() <= g.block_size_tokens * g.head_dim, "a read covers at most one block");
+        assert!(
+            out.len() <= g.block_size_tokens * g.head_dim,
+            "a read covers at most one block"
+        );
         let mut bits = vec![0u16; out.len()];
-        let r = self.pool.download_at(&self.gpu, which, self.pool.offset(layer, block, kv_head, 0), &mut bits);
+        let r = self.pool.download_at(
+            &self.gpu,
+            which,
+            self.pool.offset(layer, block, kv_head, 0),
+            &mut bits,
+        );
         if r.is_err() {
             out.fill(0.0);
             return self.record(r);
@@ -111,14 +142,24 @@ impl CudaBackend {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn write_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>) -> Result<(), CudaError> {
+    fn write_rows(
+        &mut self,
+        layer: usize,
+        block: u32,
+        kv_head: usize,
+        slot0: usize,
+        k_rows: &[f32],
+        v_rows: &[f32],
+        scratch: &mut Vec<f16>,
+    ) -> Result<(), CudaError> {
         use half::slice::HalfFloatSliceExt;
         let at = self.pool.offset(layer, block, kv_head, slot0);
         for (which, rows) in [(Side::K, k_rows), (Side::V, v_rows)] {
             scratch.clear();
             scratch.resize(rows.len(), f16::ZERO);
             scratch.convert_from_f32_slice(rows);
-            self.pool.upload_at(&self.gpu, which, at, scratch.reinterpret_cast())?;
+            self.pool
+                .upload_at(&self.gpu, which, at, scratch.reinterpret_cast())?;
         }
         Ok(())
     }
@@ -146,14 +187,36 @@ impl KvBlocks for CudaBackend {
         let hd = self.pool.geometry.head_dim;
         let mut scratch = Vec::with_capacity(hd);
         for h in 0..self.pool.geometry.n_kv_heads {
-            let r = self.write_rows(layer, block, h, slot, &k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd], &mut scratch);
+            let r = self.write_rows(
+                layer,
+                block,
+                h,
+                slot,
+                &k[h * hd..(h + 1) * hd],
+                &v[h * hd..(h + 1) * hd],
+                &mut scratch,
+            );
             self.record(r);
         }
     }
-    fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>) {
+    fn write_head_rows(
+        &mut self,
+        layer: usize,
+        block: u32,
+        kv_head: usize,
+        slot0: usize,
+        k_rows: &[f32],
+        v_rows: &[f32],
+        scratch: &mut Vec<f16>,
+    ) {
         let g = &self.pool.geometry;
         let n = k_rows.len() / g.head_dim;
-        assert!(k_rows.len() == n * g.head_dim && v_rows.len() == k_rows.len() && slot0 + n <= g.block_size_tokens, "rows must fill whole tokens of one block");
+        assert!(
+            k_rows.len() == n * g.head_dim
+                && v_rows.len() == k_rows.len()
+                && slot0 + n <= g.block_size_tokens,
+            "rows must fill whole tokens of one block"
+        );
         let r = self.write_rows(layer, block, kv_head, slot0, k_rows, v_rows, scratch);
         self.record(r);
     }
@@ -162,17 +225,42 @@ impl KvBlocks for CudaBackend {
         self.record(r);
     }
     fn write_tokens(&mut self, table: &[u32], first: usize, k: &[f32], v: &[f32]) {
-        let r = self.transfers.get_mut().unwrap_or_else(|p| p.into_inner()).write_tokens(&self.gpu, &mut self.pool, table, first, k, v);
+        let r = self
+            .transfers
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .write_tokens(&self.gpu, &mut self.pool, table, first, k, v);
         self.record(r);
     }
-    fn read_tokens(&self, table: &[u32], first: usize, k: &mut [f32], v: &mut [f32]) -> Result<(), BackendError> {
+    fn read_tokens(
+        &self,
+        table: &[u32],
+        first: usize,
+        k: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<(), BackendError> {
         // After a failed block operation the pool's contents are unknown: nothing read from
         // it may be kept.
-        if let Some(e) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-            return Err(BackendError::new("cuda", format!("an earlier KV block operation failed ({e})")));
+        if let Some(e) = self
+            .failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            return Err(BackendError::new(
+                "cuda",
+                format!("an earlier KV block operation failed ({e})"),
+            ));
         }
-        let r = self.transfers.lock().unwrap_or_else(|p| p.into_inner()).read_tokens(&self.gpu, &self.pool, table, first, k, v);
-        let out = r.as_ref().map(|_| ()).map_err(|e| BackendError::new("cuda", e));
+        let r = self
+            .transfers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .read_tokens(&self.gpu, &self.pool, table, first, k, v);
+        let out = r
+            .as_ref()
+            .map(|_| ())
+            .map_err(|e| BackendError::new("cuda", e));
         self.record(r);
         out
     }
@@ -191,11 +279,26 @@ impl Backend for CudaBackend {
     fn kv_mut(&mut self) -> &mut dyn KvBlocks {
         self
     }
-    fn forward_with_queries(&mut self, seqs: &[SeqForward], capture_last: &[usize]) -> Result<(Vec<f32>, Vec<Vec<f32>>), BackendError> {
-        if let Some(e) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-            return Err(BackendError::new("cuda", format!("an earlier KV block operation failed ({e}); the pool is unusable")));
+    fn forward_with_queries(
+        &mut self,
+        seqs: &[SeqForward],
+        capture_last: &[usize],
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>), BackendError> {
+        if let Some(e) = self
+            .failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            return Err(BackendError::new(
+                "cuda",
+                format!("an earlier KV block operation failed ({e}); the pool is unusable"),
+            ));
         }
-        match self.model.forward_with_queries(&self.gpu, &mut self.pool, seqs, capture_last) {
+        match self
+            .model
+            .forward_with_queries(&self.gpu, &mut self.pool, seqs, capture_last)
+        {
             Ok(out) => Ok(out),
             Err(e) => {
                 // A driver or cuBLAS error may have left K/V half-written: nothing runs

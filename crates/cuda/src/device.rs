@@ -9,7 +9,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
+};
 
 use crate::{kernels, ActDtype, CudaError};
 
@@ -66,7 +68,9 @@ impl Gpu {
             return Err(CudaError::NoDevice("libcuda.so not found".into()));
         }
         if !kernels::nvrtc_available() {
-            return Err(CudaError::NoDevice("libnvrtc.so not found (LD_LIBRARY_PATH)".into()));
+            return Err(CudaError::NoDevice(
+                "libnvrtc.so not found (LD_LIBRARY_PATH)".into(),
+            ));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::NoDevice(e.to_string()))?;
         // SAFETY: this crate uses a single stream, so no cross-stream ordering is needed.
@@ -82,7 +86,11 @@ impl Gpu {
                 // A driver older than this NVRTC cannot JIT its PTX; machine code for the
                 // exact chip still loads (CUDA's minor-version compatibility).
                 eprintln!("pk-cuda: the driver refused the PTX ({e}); loading sm_{major}{minor} machine code instead");
-                let cubin = kernels::compile_cubin(&kernels::program_source(), &format!("sm_{major}{minor}"), act)?;
+                let cubin = kernels::compile_cubin(
+                    &kernels::program_source(),
+                    &format!("sm_{major}{minor}"),
+                    act,
+                )?;
                 ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?
             }
         };
@@ -90,7 +98,9 @@ impl Gpu {
         for &name in kernels::KERNEL_NAMES {
             functions.insert(name, module.load_function(name)?);
         }
-        let sm_count = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
+        let sm_count = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as usize;
         let blas = CudaBlas::new(stream.clone())?;
         // 32 MiB: NVIDIA's recommendation for Hopper.
         let workspace_bytes = 32usize << 20;
@@ -99,20 +109,36 @@ impl Gpu {
             let (p, _sync) = workspace.device_ptr(&stream);
             // SAFETY: the buffer outlives the handle: both live in `Gpu`, where `blas` is
             // declared before `_blas_workspace` and so is dropped first.
-            let status = unsafe { blas_sys::cublasSetWorkspace_v2(*blas.handle(), p as *mut _, workspace_bytes) };
+            let status = unsafe {
+                blas_sys::cublasSetWorkspace_v2(*blas.handle(), p as *mut _, workspace_bytes)
+            };
             if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
                 return Err(CudaError::Blas(cudarc::cublas::result::CublasError(status)));
             }
         }
         let name = ctx.name()?;
-        Ok(Gpu { ctx, stream, blas, _blas_workspace: workspace, functions, act, sm_count, name })
+        Ok(Gpu {
+            ctx,
+            stream,
+            blas,
+            _blas_workspace: workspace,
+            functions,
+            act,
+            sm_count,
+            name,
+        })
     }
 
     pub fn function(&self, name: &str) -> &CudaFunction {
-        self.functions.get(name).unwrap_or_else(|| panic!("kernel {name} is not in KERNEL_NAMES"))
+        self.functions
+            .get(name)
+            .unwrap_or_else(|| panic!("kernel {name} is not in KERNEL_NAMES"))
     }
 
-    pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>, CudaError> {
+    pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>, CudaError> {
         Ok(self.stream.alloc_zeros::<T>(len.max(1))?)
     }
 
@@ -125,7 +151,11 @@ impl Gpu {
     }
 
     /// Copies `host` into the start of `dst` (which must be at least as long).
-    pub fn upload_into<T: DeviceRepr>(&self, host: &[T], dst: &mut CudaSlice<T>) -> Result<(), CudaError> {
+    pub fn upload_into<T: DeviceRepr>(
+        &self,
+        host: &[T],
+        dst: &mut CudaSlice<T>,
+    ) -> Result<(), CudaError> {
         if !host.is_empty() {
             let mut view = dst.slice_mut(..host.len());
             self.stream.memcpy_htod(host, &mut view)?;
@@ -133,7 +163,11 @@ impl Gpu {
         Ok(())
     }
 
-    pub fn download<T: DeviceRepr + Default + Clone>(&self, src: &CudaSlice<T>, len: usize) -> Result<Vec<T>, CudaError> {
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        src: &CudaSlice<T>,
+        len: usize,
+    ) -> Result<Vec<T>, CudaError> {
         let mut out = vec![T::default(); len];
         if len > 0 {
             self.stream.memcpy_dtoh(&src.slice(..len), &mut out[..])?;
@@ -172,7 +206,14 @@ impl Gpu {
     /// The arguments must match the kernel's parameters in number, order and type (device
     /// pointers as u64, `int` as i32, `long long` as i64, `float` as f32), and every pointer
     /// must cover what the kernel reads and writes.
-    pub unsafe fn launch(&self, name: &str, grid: u32, block: u32, shared_bytes: u32, params: &mut [*mut std::ffi::c_void]) -> Result<(), CudaError> {
+    pub unsafe fn launch(
+        &self,
+        name: &str,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), CudaError> {
         self.launch_on(&self.stream, name, grid, block, shared_bytes, params)
     }
 
@@ -181,11 +222,26 @@ impl Gpu {
     /// # Safety
     /// As for [`Gpu::launch`]; the caller orders the streams (events) around what the
     /// kernel reads and writes.
-    pub unsafe fn launch_on(&self, stream: &CudaStream, name: &str, grid: u32, block: u32, shared_bytes: u32, params: &mut [*mut std::ffi::c_void]) -> Result<(), CudaError> {
+    pub unsafe fn launch_on(
+        &self,
+        stream: &CudaStream,
+        name: &str,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), CudaError> {
         let f = self.function(name);
         // Kernels and cuBLAS run in the context current on the calling thread.
         self.ctx.bind_to_thread()?;
-        cudarc::driver::result::launch_kernel(f.cu_function(), (grid.max(1), 1, 1), (block, 1, 1), shared_bytes, stream.cu_stream(), params)?;
+        cudarc::driver::result::launch_kernel(
+            f.cu_function(),
+            (grid.max(1), 1, 1),
+            (block, 1, 1),
+            shared_bytes,
+            stream.cu_stream(),
+            params,
+        )?;
         Ok(())
     }
 
@@ -209,7 +265,16 @@ impl Gpu {
     /// dimensions cols, cols and rows. For one token cuBLAS picks its GEMV kernels; we use
     /// it for every batch size (see scripts/gpu/README.md for how to check that choice).
     #[allow(clippy::too_many_arguments)]
-    pub fn gemm(&self, w: DevPtr, rows: usize, cols: usize, x: DevPtr, n_tokens: usize, y: DevPtr, beta: f32) -> Result<(), CudaError> {
+    pub fn gemm(
+        &self,
+        w: DevPtr,
+        rows: usize,
+        cols: usize,
+        x: DevPtr,
+        n_tokens: usize,
+        y: DevPtr,
+        beta: f32,
+    ) -> Result<(), CudaError> {
         let alpha = 1.0f32;
         let t = self.act_type();
         self.ctx.bind_to_thread()?;

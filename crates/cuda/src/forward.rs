@@ -89,7 +89,16 @@ impl Shape {
         let seqs = out_rows + self.n_out;
         let items = seqs + 6 * self.n_seqs;
         let row_splits = items + 4 * self.n_items;
-        Offsets { tokens: 0, positions: n, slots: 2 * n, out_rows, seqs, items, row_splits, tables: row_splits + n }
+        Offsets {
+            tokens: 0,
+            positions: n,
+            slots: 2 * n,
+            out_rows,
+            seqs,
+            items,
+            row_splits,
+            tables: row_splits + n,
+        }
     }
 }
 
@@ -142,34 +151,67 @@ impl GpuLlama {
             return Err(CudaError::Unsupported(format!("the {} architecture (Gemma 3's norms, GeGLU and sliding windows and Qwen2's Q/K/V biases run on the CPU only)", config.arch)));
         }
         if !hd.is_multiple_of(32) || hd > 256 {
-            return Err(CudaError::Unsupported(format!("head_dim {hd} (the attention kernel needs a multiple of 32, at most 256)")));
+            return Err(CudaError::Unsupported(format!(
+                "head_dim {hd} (the attention kernel needs a multiple of 32, at most 256)"
+            )));
         }
         // The same f32 computation as `Llama::new`, so both rotate by the same angles.
-        let inv_freq: Vec<f32> = (0..hd / 2).map(|i| config.rope_theta.powf(-2.0 * i as f32 / hd as f32)).collect();
+        let inv_freq: Vec<f32> = (0..hd / 2)
+            .map(|i| config.rope_theta.powf(-2.0 * i as f32 / hd as f32))
+            .collect();
         let use_graphs = std::env::var("PK_CUDA_GRAPHS").as_deref() == Ok("1");
-        Ok(GpuLlama { inv_freq: gpu.upload(&inv_freq)?, config, weights, scratch: Scratch::default(), use_graphs, graphs: Default::default() })
+        Ok(GpuLlama {
+            inv_freq: gpu.upload(&inv_freq)?,
+            config,
+            weights,
+            scratch: Scratch::default(),
+            use_graphs,
+            graphs: Default::default(),
+        })
     }
 
     /// Runs the batch and returns the requested logits rows (`vocab_size` floats each).
-    pub fn forward(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward]) -> Result<Vec<f32>, CudaError> {
+    pub fn forward(
+        &mut self,
+        gpu: &Gpu,
+        pool: &mut GpuKvPool,
+        seqs: &[SeqForward],
+    ) -> Result<Vec<f32>, CudaError> {
         let n_out = self.forward_on_device(gpu, pool, seqs, false, None)?;
         if n_out == 0 {
             // Also a batch without tokens, which allocates no scratch buffers.
             return Ok(Vec::new());
         }
-        let bufs = self.scratch.bufs.as_ref().expect("allocated by the forward pass");
+        let bufs = self
+            .scratch
+            .bufs
+            .as_ref()
+            .expect("allocated by the forward pass");
         gpu.download(&bufs.logits, n_out * self.config.vocab_size)
     }
 
     /// Runs the batch and returns the greedy token of each requested logits row, computed
     /// on the device so that a decode step copies 4 bytes per sequence back, not the logits.
-    pub fn forward_argmax(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward]) -> Result<Vec<u32>, CudaError> {
+    pub fn forward_argmax(
+        &mut self,
+        gpu: &Gpu,
+        pool: &mut GpuKvPool,
+        seqs: &[SeqForward],
+    ) -> Result<Vec<u32>, CudaError> {
         let n_out = self.forward_on_device(gpu, pool, seqs, true, None)?;
         if n_out == 0 {
             return Ok(Vec::new());
         }
-        let bufs = self.scratch.bufs.as_ref().expect("allocated by the forward pass");
-        Ok(gpu.download(&bufs.argmax, n_out)?.into_iter().map(|t| t as u32).collect())
+        let bufs = self
+            .scratch
+            .bufs
+            .as_ref()
+            .expect("allocated by the forward pass");
+        Ok(gpu
+            .download(&bufs.argmax, n_out)?
+            .into_iter()
+            .map(|t| t as u32)
+            .collect())
     }
 
     /// Like `forward`, and also returns, per sequence, the post-RoPE queries of its last
@@ -179,7 +221,13 @@ impl GpuLlama {
     /// `rope_kv_write`) into one capture buffer, downloaded once at the end; such a call runs
     /// eagerly, never from a graph (it happens once per prompt, and per decode step only
     /// for policies that ask for decode queries).
-    pub fn forward_with_queries(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward], capture_last: &[usize]) -> Result<(Vec<f32>, Vec<Vec<f32>>), CudaError> {
+    pub fn forward_with_queries(
+        &mut self,
+        gpu: &Gpu,
+        pool: &mut GpuKvPool,
+        seqs: &[SeqForward],
+        capture_last: &[usize],
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>), CudaError> {
         let qd = self.config.q_dim();
         let (rows, counts) = capture_rows(seqs, capture_last);
         if rows.is_empty() {
@@ -187,8 +235,13 @@ impl GpuLlama {
         }
         let n_layers = self.config.n_layers;
         let captured = gpu.alloc::<f32>(n_layers * rows.len() * qd)?;
-        let n_out = self.forward_on_device(gpu, pool, seqs, false, Some((gpu.ptr(&captured), &rows)))?;
-        let bufs = self.scratch.bufs.as_ref().expect("allocated by the forward pass");
+        let n_out =
+            self.forward_on_device(gpu, pool, seqs, false, Some((gpu.ptr(&captured), &rows)))?;
+        let bufs = self
+            .scratch
+            .bufs
+            .as_ref()
+            .expect("allocated by the forward pass");
         let logits = gpu.download(&bufs.logits, n_out * self.config.vocab_size)?;
         let all = gpu.download(&captured, n_layers * rows.len() * qd)?;
         Ok((logits, split_captured(&all, &counts, n_layers, qd)))
@@ -207,20 +260,33 @@ impl GpuLlama {
 
     /// Plans the call on the host: token ids, positions, physical slots, the rows that get
     /// logits and the attention plan, laid out as `Shape::offsets` says.
-    fn meta(&self, gpu: &Gpu, pool: &GpuKvPool, seqs: &[SeqForward], argmax: bool) -> Result<(Shape, Vec<i32>), CudaError> {
+    fn meta(
+        &self,
+        gpu: &Gpu,
+        pool: &GpuKvPool,
+        seqs: &[SeqForward],
+        argmax: bool,
+    ) -> Result<(Shape, Vec<i32>), CudaError> {
         let c = &self.config;
         let bs = pool.geometry.block_size_tokens;
         let ap: AttnPlan = plan(seqs, c.n_heads, c.n_kv_heads, bs, 2 * gpu.sm_count)?;
-        let (mut tokens, mut positions, mut slots, mut out_rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut tokens, mut positions, mut slots, mut out_rows) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for s in seqs {
             for (i, &t) in s.tokens.iter().enumerate() {
                 if t as usize >= c.vocab_size {
-                    return Err(CudaError::Unsupported(format!("token id {t} outside the vocabulary of {}", c.vocab_size)));
+                    return Err(CudaError::Unsupported(format!(
+                        "token id {t} outside the vocabulary of {}",
+                        c.vocab_size
+                    )));
                 }
                 let idx = s.stored_start + i;
                 let block = s.block_table[idx / bs] as usize;
                 if block >= pool.geometry.num_blocks {
-                    return Err(CudaError::Unsupported(format!("block id {block} outside the pool of {}", pool.geometry.num_blocks)));
+                    return Err(CudaError::Unsupported(format!(
+                        "block id {block} outside the pool of {}",
+                        pool.geometry.num_blocks
+                    )));
                 }
                 if i >= s.logits_from {
                     out_rows.push(tokens.len() as i32);
@@ -230,13 +296,32 @@ impl GpuLlama {
                 slots.push((block * bs + idx % bs) as i32);
             }
         }
-        let shape = Shape { n: tokens.len(), n_out: out_rows.len(), n_seqs: seqs.len(), n_items: ap.n_items(), max_splits: ap.max_splits, argmax };
+        let shape = Shape {
+            n: tokens.len(),
+            n_out: out_rows.len(),
+            n_seqs: seqs.len(),
+            n_items: ap.n_items(),
+            max_splits: ap.max_splits,
+            argmax,
+        };
         let mut ints = Vec::with_capacity(shape.offsets().tables + ap.tables.len());
-        for section in [&tokens, &positions, &slots, &out_rows, &ap.seqs, &ap.items, &ap.row_splits, &ap.tables] {
+        for section in [
+            &tokens,
+            &positions,
+            &slots,
+            &out_rows,
+            &ap.seqs,
+            &ap.items,
+            &ap.row_splits,
+            &ap.tables,
+        ] {
             ints.extend_from_slice(section);
         }
         debug_assert_eq!(ints.len(), shape.offsets().tables + ap.tables.len());
-        debug_assert_eq!(ap.threads_per_block as usize, 32 * self.tile_tokens() * c.group_size());
+        debug_assert_eq!(
+            ap.threads_per_block as usize,
+            32 * self.tile_tokens() * c.group_size()
+        );
         Ok((shape, ints))
     }
 
@@ -246,10 +331,22 @@ impl GpuLlama {
     }
 
     /// Grows the scratch buffers to hold `n` rows, `n_out` logits rows and the plan.
-    fn ensure_scratch(&mut self, gpu: &Gpu, n: usize, n_out: usize, partial_floats: usize, meta_ints: usize) -> Result<(), CudaError> {
+    fn ensure_scratch(
+        &mut self,
+        gpu: &Gpu,
+        n: usize,
+        n_out: usize,
+        partial_floats: usize,
+        meta_ints: usize,
+    ) -> Result<(), CudaError> {
         let c = &self.config;
         let s = &mut self.scratch;
-        if s.bufs.is_some() && n <= s.rows && n_out <= s.logit_rows && partial_floats <= s.partial_floats && meta_ints <= s.meta_ints {
+        if s.bufs.is_some()
+            && n <= s.rows
+            && n_out <= s.logit_rows
+            && partial_floats <= s.partial_floats
+            && meta_ints <= s.meta_ints
+        {
             return Ok(());
         }
         s.rows = s.rows.max(n);
@@ -278,14 +375,26 @@ impl GpuLlama {
     /// Runs every layer; leaves the requested rows' logits (and their argmax when asked) in
     /// the scratch buffers and returns how many rows there are. With `capture`, each
     /// layer's post-RoPE Q of the given rows goes to `[layer][i][q_dim]` of the buffer.
-    fn forward_on_device(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, seqs: &[SeqForward], argmax: bool, capture: Option<Capture>) -> Result<usize, CudaError> {
+    fn forward_on_device(
+        &mut self,
+        gpu: &Gpu,
+        pool: &mut GpuKvPool,
+        seqs: &[SeqForward],
+        argmax: bool,
+        capture: Option<Capture>,
+    ) -> Result<usize, CudaError> {
         let g = pool.geometry;
         let c = self.config.clone();
         if g.n_layers != c.n_layers || g.n_kv_heads != c.n_kv_heads || g.head_dim != c.head_dim {
-            return Err(CudaError::Unsupported(format!("pool geometry {g:?} does not match the model")));
+            return Err(CudaError::Unsupported(format!(
+                "pool geometry {g:?} does not match the model"
+            )));
         }
         if 2 * g.block_size_tokens * c.head_dim * 4 > 48 * 1024 {
-            return Err(CudaError::Unsupported(format!("block size {} × head_dim {} needs more than 48 KiB of shared memory", g.block_size_tokens, c.head_dim)));
+            return Err(CudaError::Unsupported(format!(
+                "block size {} × head_dim {} needs more than 48 KiB of shared memory",
+                g.block_size_tokens, c.head_dim
+            )));
         }
         if seqs.iter().all(|s| s.tokens.is_empty()) {
             return Ok(0);
@@ -306,9 +415,13 @@ impl GpuLlama {
             if self.graphs.len() >= GRAPH_CACHE_MAX {
                 self.graphs.clear();
             }
-            gpu.stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            gpu.stream.begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )?;
             let launched = self.launch_all(gpu, pool, shape, None);
-            let captured = gpu.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            let captured = gpu
+                .stream
+                .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
             match (launched, captured) {
                 (Ok(()), Ok(Some(graph))) => {
                     self.graphs.insert(key, graph);
@@ -326,16 +439,34 @@ impl GpuLlama {
     }
 
     /// Enqueues every kernel of a call whose metadata is in the scratch buffer.
-    fn launch_all(&self, gpu: &Gpu, pool: &GpuKvPool, shape: Shape, capture: Option<Capture>) -> Result<(), CudaError> {
+    fn launch_all(
+        &self,
+        gpu: &Gpu,
+        pool: &GpuKvPool,
+        shape: Shape,
+        capture: Option<Capture>,
+    ) -> Result<(), CudaError> {
         let c = &self.config;
         let g = pool.geometry;
-        let b = self.scratch.bufs.as_ref().expect("allocated before launching");
+        let b = self
+            .scratch
+            .bufs
+            .as_ref()
+            .expect("allocated before launching");
         let o = shape.offsets();
         let (n, n_out) = (shape.n, shape.n_out);
         let (d, qd, kvd, ff) = (c.d_model, c.q_dim(), c.kv_dim(), c.d_ff);
         let qkv_stride = (qd + 2 * kvd) as i32;
         let ip = |at: usize| -> DevPtr { gpu.ptr(&b.meta) + 4 * at as u64 };
-        let (x, h, qkv, attn, gate_up, act_ff, partial) = (gpu.ptr(&b.x), gpu.ptr(&b.h), gpu.ptr(&b.qkv), gpu.ptr(&b.attn), gpu.ptr(&b.gate_up), gpu.ptr(&b.act_ff), gpu.ptr(&b.partial));
+        let (x, h, qkv, attn, gate_up, act_ff, partial) = (
+            gpu.ptr(&b.x),
+            gpu.ptr(&b.h),
+            gpu.ptr(&b.qkv),
+            gpu.ptr(&b.attn),
+            gpu.ptr(&b.gate_up),
+            gpu.ptr(&b.act_ff),
+            gpu.ptr(&b.partial),
+        );
         let neox = (c.rope_style == RopeStyle::Neox) as i32;
         let null: DevPtr = 0;
         let attn_smem = (2 * g.block_size_tokens * c.head_dim * 4) as u32;
@@ -350,17 +481,42 @@ impl GpuLlama {
         // table's length; a capture buffer holds `n_layers × rows × q_dim` floats for rows
         // below `n` (`forward_with_queries`).
         unsafe {
-            gpu.launch("embed", n as u32, 256, 0, kargs![gpu.ptr(&w.token_embd), ip(o.tokens), x, d as i32])?;
+            gpu.launch(
+                "embed",
+                n as u32,
+                256,
+                0,
+                kargs![gpu.ptr(&w.token_embd), ip(o.tokens), x, d as i32],
+            )?;
             for (li, lw) in w.layers.iter().enumerate() {
                 let (k_pool, v_pool) = pool.layer_ptrs(gpu, li);
-                gpu.launch("rmsnorm", n as u32, 256, 0, kargs![x, gpu.ptr(&lw.attn_norm), h, null, d as i32, c.rms_eps])?;
+                gpu.launch(
+                    "rmsnorm",
+                    n as u32,
+                    256,
+                    0,
+                    kargs![x, gpu.ptr(&lw.attn_norm), h, null, d as i32, c.rms_eps],
+                )?;
                 gpu.gemm(gpu.ptr(&lw.wqkv), qd + 2 * kvd, d, h, n, qkv, 0.0)?;
                 gpu.launch(
                     "rope_kv_write",
                     n as u32,
                     256,
                     0,
-                    kargs![qkv, qkv_stride, ip(o.positions), gpu.ptr(&self.inv_freq), c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32, neox, k_pool, v_pool, ip(o.slots), g.block_size_tokens as i32],
+                    kargs![
+                        qkv,
+                        qkv_stride,
+                        ip(o.positions),
+                        gpu.ptr(&self.inv_freq),
+                        c.n_heads as i32,
+                        c.n_kv_heads as i32,
+                        c.head_dim as i32,
+                        neox,
+                        k_pool,
+                        v_pool,
+                        ip(o.slots),
+                        g.block_size_tokens as i32
+                    ],
                 )?;
                 if let Some((buf, rows)) = capture {
                     // Q is each row's first q_dim floats, rotated in place just above.
@@ -374,20 +530,88 @@ impl GpuLlama {
                     shape.n_items as u32,
                     threads,
                     attn_smem,
-                    kargs![qkv, qkv_stride, k_pool, v_pool, ip(o.tables), ip(o.seqs), ip(o.items), partial, c.n_heads as i32, c.n_kv_heads as i32, c.head_dim as i32, g.block_size_tokens as i32, self.tile_tokens() as i32, n_i, scale],
+                    kargs![
+                        qkv,
+                        qkv_stride,
+                        k_pool,
+                        v_pool,
+                        ip(o.tables),
+                        ip(o.seqs),
+                        ip(o.items),
+                        partial,
+                        c.n_heads as i32,
+                        c.n_kv_heads as i32,
+                        c.head_dim as i32,
+                        g.block_size_tokens as i32,
+                        self.tile_tokens() as i32,
+                        n_i,
+                        scale
+                    ],
                 )?;
-                gpu.launch("attn_combine", (n * c.n_heads) as u32, c.head_dim as u32, 0, kargs![partial, ip(o.row_splits), attn, c.n_heads as i32, c.head_dim as i32, n_i])?;
+                gpu.launch(
+                    "attn_combine",
+                    (n * c.n_heads) as u32,
+                    c.head_dim as u32,
+                    0,
+                    kargs![
+                        partial,
+                        ip(o.row_splits),
+                        attn,
+                        c.n_heads as i32,
+                        c.head_dim as i32,
+                        n_i
+                    ],
+                )?;
                 gpu.gemm(gpu.ptr(&lw.wo), d, qd, attn, n, x, 1.0)?;
-                gpu.launch("rmsnorm", n as u32, 256, 0, kargs![x, gpu.ptr(&lw.ffn_norm), h, null, d as i32, c.rms_eps])?;
+                gpu.launch(
+                    "rmsnorm",
+                    n as u32,
+                    256,
+                    0,
+                    kargs![x, gpu.ptr(&lw.ffn_norm), h, null, d as i32, c.rms_eps],
+                )?;
                 gpu.gemm(gpu.ptr(&lw.w_gate_up), 2 * ff, d, h, n, gate_up, 0.0)?;
-                gpu.launch("swiglu", gpu.grid_for(n * ff), 256, 0, kargs![gate_up, act_ff, n_i, ff as i32])?;
+                gpu.launch(
+                    "swiglu",
+                    gpu.grid_for(n * ff),
+                    256,
+                    0,
+                    kargs![gate_up, act_ff, n_i, ff as i32],
+                )?;
                 gpu.gemm(gpu.ptr(&lw.w_down), d, ff, act_ff, n, x, 1.0)?;
             }
             if n_out > 0 {
-                gpu.launch("rmsnorm", n_out as u32, 256, 0, kargs![x, gpu.ptr(&w.output_norm), h, ip(o.out_rows), d as i32, c.rms_eps])?;
-                gpu.gemm(gpu.ptr(w.output_head()), c.vocab_size, d, h, n_out, gpu.ptr(&b.logits), 0.0)?;
+                gpu.launch(
+                    "rmsnorm",
+                    n_out as u32,
+                    256,
+                    0,
+                    kargs![
+                        x,
+                        gpu.ptr(&w.output_norm),
+                        h,
+                        ip(o.out_rows),
+                        d as i32,
+                        c.rms_eps
+                    ],
+                )?;
+                gpu.gemm(
+                    gpu.ptr(w.output_head()),
+                    c.vocab_size,
+                    d,
+                    h,
+                    n_out,
+                    gpu.ptr(&b.logits),
+                    0.0,
+                )?;
                 if shape.argmax {
-                    gpu.launch("argmax_rows", n_out as u32, 1024, 0, kargs![gpu.ptr(&b.logits), c.vocab_size as i32, gpu.ptr(&b.argmax)])?;
+                    gpu.launch(
+                        "argmax_rows",
+                        n_out as u32,
+                        1024,
+                        0,
+                        kargs![gpu.ptr(&b.logits), c.vocab_size as i32, gpu.ptr(&b.argmax)],
+                    )?;
                 }
             }
         }
@@ -404,15 +628,29 @@ mod tests {
     #[test]
     fn captured_queries_are_split_per_sequence_like_the_cpu() {
         let (a, b, c) = ([1u32; 5], [2u32; 1], [3u32; 3]);
-        let seqs = [&a[..], &b[..], &c[..]].map(|tokens| SeqForward { tokens, start_position: 0, stored_start: 0, block_table: &[], logits_from: 0, stored_positions: &[] });
+        let seqs = [&a[..], &b[..], &c[..]].map(|tokens| SeqForward {
+            tokens,
+            start_position: 0,
+            stored_start: 0,
+            block_table: &[],
+            logits_from: 0,
+            stored_positions: &[],
+        });
         // Sequence 1 asks for more than it has; sequence 2 has no entry.
         let (rows, counts) = capture_rows(&seqs, &[2, 4]);
         assert_eq!((rows, counts.clone()), (vec![3, 4, 5], vec![2, 1, 0]));
         // Two layers, q_dim 2: the buffer holds value 100·layer + 10·captured row + d.
         let (n_layers, qd) = (2, 2);
-        let all: Vec<f32> = (0..n_layers).flat_map(|l| (0..3).flat_map(move |i| (0..qd).map(move |d| (100 * l + 10 * i + d) as f32))).collect();
+        let all: Vec<f32> = (0..n_layers)
+            .flat_map(|l| {
+                (0..3).flat_map(move |i| (0..qd).map(move |d| (100 * l + 10 * i + d) as f32))
+            })
+            .collect();
         let out = split_captured(&all, &counts, n_layers, qd);
-        assert_eq!(out[0], vec![0.0, 1.0, 10.0, 11.0, 100.0, 101.0, 110.0, 111.0]);
+        assert_eq!(
+            out[0],
+            vec![0.0, 1.0, 10.0, 11.0, 100.0, 101.0, 110.0, 111.0]
+        );
         assert_eq!(out[1], vec![20.0, 21.0, 120.0, 121.0]);
         assert!(out[2].is_empty());
     }

@@ -64,7 +64,11 @@ pub fn virtual_arch(major: i32, minor: i32) -> Result<&'static str, CudaError> {
         (9, 0) => "compute_90",
         (10, 0) => "compute_100",
         (12, 0) => "compute_120",
-        _ => return Err(CudaError::Unsupported(format!("compute capability {major}.{minor}"))),
+        _ => {
+            return Err(CudaError::Unsupported(format!(
+                "compute capability {major}.{minor}"
+            )))
+        }
     })
 }
 
@@ -92,7 +96,9 @@ pub fn compile_source(src: &str, arch: &'static str, act: ActDtype) -> Result<Pt
         ..Default::default()
     };
     compile_ptx_with_opts(src, opts).map_err(|e| match e {
-        cudarc::nvrtc::CompileError::CompileError { log, .. } => CudaError::Compile(log.to_string_lossy().into_owned()),
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+            CudaError::Compile(log.to_string_lossy().into_owned())
+        }
         other => CudaError::Compile(other.to_string()),
     })
 }
@@ -117,13 +123,20 @@ pub fn compile_cubin(src: &str, sm_arch: &str, act: ActDtype) -> Result<Vec<u8>,
     let fail = |what: &str, e: &dyn std::fmt::Display| CudaError::Compile(format!("{what}: {e}"));
     let src_c = std::ffi::CString::new(src).map_err(|e| fail("source", &e))?;
     let name = std::ffi::CString::new("pagekeeper.cu").expect("no NUL");
-    let prog = result::create_program(&src_c, Some(&name)).map_err(|e| fail("nvrtcCreateProgram", &e))?;
+    let prog =
+        result::create_program(&src_c, Some(&name)).map_err(|e| fail("nvrtcCreateProgram", &e))?;
     // SAFETY: `prog` was just created and is destroyed once, below, on every path.
     let out = unsafe {
         let compiled = result::compile_program(prog, &options);
         let out = match compiled {
             Err(e) => {
-                let log = result::get_program_log(prog).map(|l| std::ffi::CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned()).unwrap_or_default();
+                let log = result::get_program_log(prog)
+                    .map(|l| {
+                        std::ffi::CStr::from_ptr(l.as_ptr())
+                            .to_string_lossy()
+                            .into_owned()
+                    })
+                    .unwrap_or_default();
                 Err(CudaError::Compile(format!("{e}\n{log}")))
             }
             Ok(()) => {
@@ -131,7 +144,8 @@ pub fn compile_cubin(src: &str, sm_arch: &str, act: ActDtype) -> Result<Vec<u8>,
                 match sys::nvrtcGetCUBINSize(prog, &mut size) {
                     sys::nvrtcResult::NVRTC_SUCCESS => {
                         let mut cubin = vec![0u8; size];
-                        match sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut std::ffi::c_char) {
+                        match sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut std::ffi::c_char)
+                        {
                             sys::nvrtcResult::NVRTC_SUCCESS => Ok(cubin),
                             e => Err(CudaError::Compile(format!("nvrtcGetCUBIN: {e:?}"))),
                         }

@@ -19,8 +19,16 @@ use crate::CudaError;
 
 /// Element offset of a head vector in a pool of `g` (see [`GpuKvPool::offset`]).
 fn row_offset(g: &KvGeometry, layer: usize, block: u32, kv_head: usize, slot: usize) -> usize {
-    assert!(layer < g.n_layers && (block as usize) < g.num_blocks && kv_head < g.n_kv_heads && slot < g.block_size_tokens, "KV row out of the pool");
-    (((layer * g.num_blocks + block as usize) * g.n_kv_heads + kv_head) * g.block_size_tokens + slot) * g.head_dim
+    assert!(
+        layer < g.n_layers
+            && (block as usize) < g.num_blocks
+            && kv_head < g.n_kv_heads
+            && slot < g.block_size_tokens,
+        "KV row out of the pool"
+    );
+    (((layer * g.num_blocks + block as usize) * g.n_kv_heads + kv_head) * g.block_size_tokens
+        + slot)
+        * g.head_dim
 }
 
 /// Keys or values.
@@ -39,7 +47,11 @@ pub struct GpuKvPool {
 impl GpuKvPool {
     pub fn new(gpu: &Gpu, geometry: KvGeometry) -> Result<GpuKvPool, CudaError> {
         let n = geometry.n_layers * geometry.num_blocks * geometry.block_elems();
-        Ok(GpuKvPool { geometry, k: gpu.alloc::<u16>(n)?, v: gpu.alloc::<u16>(n)? })
+        Ok(GpuKvPool {
+            geometry,
+            k: gpu.alloc::<u16>(n)?,
+            v: gpu.alloc::<u16>(n)?,
+        })
     }
 
     /// Bytes of K and V together.
@@ -72,7 +84,13 @@ impl GpuKvPool {
 
     /// Copies `out.len()` f16 values of K or V from element `at` to the host (a block's
     /// first slots of one KV head are contiguous: slot-major rows).
-    pub fn download_at(&self, gpu: &Gpu, which: Side, at: usize, out: &mut [u16]) -> Result<(), CudaError> {
+    pub fn download_at(
+        &self,
+        gpu: &Gpu,
+        which: Side,
+        at: usize,
+        out: &mut [u16],
+    ) -> Result<(), CudaError> {
         if out.is_empty() {
             return Ok(());
         }
@@ -84,7 +102,13 @@ impl GpuKvPool {
 
     /// Copies `rows` (f16 bits) into K or V from element `at` on. Ordered on the stream
     /// after every forward call already enqueued, and before every later one.
-    pub fn upload_at(&mut self, gpu: &Gpu, which: Side, at: usize, rows: &[u16]) -> Result<(), CudaError> {
+    pub fn upload_at(
+        &mut self,
+        gpu: &Gpu,
+        which: Side,
+        at: usize,
+        rows: &[u16],
+    ) -> Result<(), CudaError> {
         if rows.is_empty() {
             return Ok(());
         }
@@ -101,13 +125,21 @@ impl GpuKvPool {
 
     /// Copies one token slot to another in every layer and KV head, K and V (prefill
     /// compaction), on the stream: `2 × n_layers × n_kv_heads` copies of one head vector.
-    pub fn copy_slot(&mut self, gpu: &Gpu, src: (u32, usize), dst: (u32, usize)) -> Result<(), CudaError> {
+    pub fn copy_slot(
+        &mut self,
+        gpu: &Gpu,
+        src: (u32, usize),
+        dst: (u32, usize),
+    ) -> Result<(), CudaError> {
         let g = self.geometry;
         let bytes = 2 * g.head_dim;
         let (k, v) = (gpu.ptr(&self.k), gpu.ptr(&self.v));
         for layer in 0..g.n_layers {
             for h in 0..g.n_kv_heads {
-                let (s, d) = (self.offset(layer, src.0, h, src.1) as u64 * 2, self.offset(layer, dst.0, h, dst.1) as u64 * 2);
+                let (s, d) = (
+                    self.offset(layer, src.0, h, src.1) as u64 * 2,
+                    self.offset(layer, dst.0, h, dst.1) as u64 * 2,
+                );
                 // SAFETY: both ranges lie inside the pool's allocations (offsets of valid
                 // block ids and slots, checked above in debug builds and by the engine's
                 // block manager), and a slot never overlaps another.
@@ -122,7 +154,13 @@ impl GpuKvPool {
 
     /// One stored token's K and V head vectors of one layer, as f32 (`n_kv_heads * head_dim`
     /// each), for tests; copies the whole layer to the host.
-    pub fn read_token(&self, gpu: &Gpu, layer: usize, block: usize, slot: usize) -> Result<(Vec<f32>, Vec<f32>), CudaError> {
+    pub fn read_token(
+        &self,
+        gpu: &Gpu,
+        layer: usize,
+        block: usize,
+        slot: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), CudaError> {
         let g = &self.geometry;
         let all_k = gpu.download(&self.k, self.layer_elems() * (layer + 1))?;
         let all_v = gpu.download(&self.v, self.layer_elems() * (layer + 1))?;
@@ -130,8 +168,16 @@ impl GpuKvPool {
         let (mut k, mut v) = (Vec::new(), Vec::new());
         for h in 0..g.n_kv_heads {
             let at = base + ((block * g.n_kv_heads + h) * g.block_size_tokens + slot) * g.head_dim;
-            k.extend(all_k[at..at + g.head_dim].iter().map(|&b| half::f16::from_bits(b).to_f32()));
-            v.extend(all_v[at..at + g.head_dim].iter().map(|&b| half::f16::from_bits(b).to_f32()));
+            k.extend(
+                all_k[at..at + g.head_dim]
+                    .iter()
+                    .map(|&b| half::f16::from_bits(b).to_f32()),
+            );
+            v.extend(
+                all_v[at..at + g.head_dim]
+                    .iter()
+                    .map(|&b| half::f16::from_bits(b).to_f32()),
+            );
         }
         Ok((k, v))
     }
@@ -145,7 +191,13 @@ mod tests {
     /// pool: every (layer, block, head, slot) has its own row inside the allocation.
     #[test]
     fn offsets_tile_the_pool() {
-        let geometry = KvGeometry { n_layers: 2, n_kv_heads: 3, head_dim: 4, block_size_tokens: 5, num_blocks: 6 };
+        let geometry = KvGeometry {
+            n_layers: 2,
+            n_kv_heads: 3,
+            head_dim: 4,
+            block_size_tokens: 5,
+            num_blocks: 6,
+        };
         let offset = |l: usize, b: u32, h: usize, s: usize| row_offset(&geometry, l, b, h, s);
         let mut seen = std::collections::HashSet::new();
         for l in 0..2 {

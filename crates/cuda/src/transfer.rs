@@ -26,8 +26,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
-use half::slice::HalfFloatSliceExt;
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use pk_model::{block_runs, token_range_len, KvGeometry};
 
 use crate::device::Gpu;
@@ -66,7 +66,10 @@ pub fn token_layer_elems(g: &KvGeometry) -> usize {
 /// not fit, runs of tokens of one layer. Empty for an empty range.
 pub fn plan_pieces(g: &KvGeometry, n_tokens: usize, capacity_elems: usize) -> Vec<Piece> {
     let per_token = token_layer_elems(g);
-    assert!(capacity_elems >= per_token, "a staging slot must hold one token of one layer");
+    assert!(
+        capacity_elems >= per_token,
+        "a staging slot must hold one token of one layer"
+    );
     if n_tokens == 0 {
         return Vec::new();
     }
@@ -77,7 +80,12 @@ pub fn plan_pieces(g: &KvGeometry, n_tokens: usize, capacity_elems: usize) -> Ve
         let mut l = 0;
         while l < g.n_layers {
             let n_layers = per_piece.min(g.n_layers - l);
-            pieces.push(Piece { layer0: l, n_layers, t0: 0, n: n_tokens });
+            pieces.push(Piece {
+                layer0: l,
+                n_layers,
+                t0: 0,
+                n: n_tokens,
+            });
             l += n_layers;
         }
     } else {
@@ -86,7 +94,12 @@ pub fn plan_pieces(g: &KvGeometry, n_tokens: usize, capacity_elems: usize) -> Ve
             let mut t0 = 0;
             while t0 < n_tokens {
                 let n = tokens_per_piece.min(n_tokens - t0);
-                pieces.push(Piece { layer0, n_layers: 1, t0, n });
+                pieces.push(Piece {
+                    layer0,
+                    n_layers: 1,
+                    t0,
+                    n,
+                });
                 t0 += n;
             }
         }
@@ -97,28 +110,49 @@ pub fn plan_pieces(g: &KvGeometry, n_tokens: usize, capacity_elems: usize) -> Ve
 /// Where row `(layer, side, kv_head, token)` of a piece sits in a range of `n_tokens`
 /// tokens in the context layout (`[layer][kv_head][token][head_dim]`, K and V apart), for
 /// each staged row in staging order: `(side is V, element offset)`.
-fn piece_rows(g: &KvGeometry, n_tokens: usize, p: Piece) -> impl Iterator<Item = (bool, usize)> + '_ {
+fn piece_rows(
+    g: &KvGeometry,
+    n_tokens: usize,
+    p: Piece,
+) -> impl Iterator<Item = (bool, usize)> + '_ {
     let hd = g.head_dim;
     (p.layer0..p.layer0 + p.n_layers).flat_map(move |layer| {
         [false, true].into_iter().flat_map(move |is_v| {
-            (0..g.n_kv_heads).map(move |h| (is_v, ((layer * g.n_kv_heads + h) * n_tokens + p.t0) * hd))
+            (0..g.n_kv_heads)
+                .map(move |h| (is_v, ((layer * g.n_kv_heads + h) * n_tokens + p.t0) * hd))
         })
     })
 }
 
 /// Packs piece `p` of a range of `n_tokens` tokens (`k`, `v` in the context layout) into
 /// `out` in the staging layout (`[layer][K, V][kv_head][token][head_dim]`) as f16.
-pub fn pack_piece(g: &KvGeometry, n_tokens: usize, p: Piece, k: &[f32], v: &[f32], out: &mut [f16]) {
+pub fn pack_piece(
+    g: &KvGeometry,
+    n_tokens: usize,
+    p: Piece,
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f16],
+) {
     let run = p.n * g.head_dim;
-    for ((is_v, at), dst) in piece_rows(g, n_tokens, p).zip(out[..p.elems(g)].chunks_exact_mut(run)) {
+    for ((is_v, at), dst) in piece_rows(g, n_tokens, p).zip(out[..p.elems(g)].chunks_exact_mut(run))
+    {
         dst.convert_from_f32_slice(&(if is_v { v } else { k })[at..at + run]);
     }
 }
 
 /// The inverse of [`pack_piece`]: staged f16 values back into the context layout as f32.
-pub fn unpack_piece(g: &KvGeometry, n_tokens: usize, p: Piece, staged: &[f16], k: &mut [f32], v: &mut [f32]) {
+pub fn unpack_piece(
+    g: &KvGeometry,
+    n_tokens: usize,
+    p: Piece,
+    staged: &[f16],
+    k: &mut [f32],
+    v: &mut [f32],
+) {
     let run = p.n * g.head_dim;
-    for ((is_v, at), src) in piece_rows(g, n_tokens, p).zip(staged[..p.elems(g)].chunks_exact(run)) {
+    for ((is_v, at), src) in piece_rows(g, n_tokens, p).zip(staged[..p.elems(g)].chunks_exact(run))
+    {
         src.convert_to_f32_slice(&mut (if is_v { &mut *v } else { &mut *k })[at..at + run]);
     }
 }
@@ -175,17 +209,34 @@ impl Transfers {
             // downloads back on the host is fast; zeroed before any slice of it is formed.
             let mut host = unsafe { gpu.ctx.alloc_pinned_with_flags::<u16>(staging_elems, 0)? };
             unsafe { std::ptr::write_bytes(host.as_mut_ptr()?, 0, staging_elems) };
-            Ok(Slot { host, dev: gpu.alloc::<u16>(staging_elems)?, done: gpu.ctx.new_event(None)?, pending: false })
+            Ok(Slot {
+                host,
+                dev: gpu.alloc::<u16>(staging_elems)?,
+                done: gpu.ctx.new_event(None)?,
+                pending: false,
+            })
         };
         let slots = [slot()?, slot()?];
         // SAFETY: as above.
-        let mut table_host = unsafe { gpu.ctx.alloc_pinned_with_flags::<i32>(g.num_blocks.max(1), 0)? };
+        let mut table_host = unsafe {
+            gpu.ctx
+                .alloc_pinned_with_flags::<i32>(g.num_blocks.max(1), 0)?
+        };
         unsafe { std::ptr::write_bytes(table_host.as_mut_ptr()?, 0, g.num_blocks.max(1)) };
         let table_dev = gpu.alloc::<i32>(g.num_blocks.max(1))?;
         // The allocations above were made on the compute stream: the copy stream must not
         // touch them before they exist.
         copy.join(&gpu.stream)?;
-        Ok(Transfers { copy, slots, staging_elems, table_host, table_dev, table_done: gpu.ctx.new_event(None)?, table_pending: false, stats: TransferStats::default() })
+        Ok(Transfers {
+            copy,
+            slots,
+            staging_elems,
+            table_host,
+            table_dev,
+            table_done: gpu.ctx.new_event(None)?,
+            table_pending: false,
+            stats: TransferStats::default(),
+        })
     }
 
     /// Bytes of one staging slot.
@@ -196,7 +247,10 @@ impl Transfers {
     /// Orders the copy stream after the compute stream's pending work and stages `table` on
     /// the device (only the blocks the range touches matter, but the table is short).
     fn begin(&mut self, gpu: &Gpu, table: &[u32]) -> Result<(), CudaError> {
-        assert!(table.len() <= self.table_host.len(), "a block table longer than the pool");
+        assert!(
+            table.len() <= self.table_host.len(),
+            "a block table longer than the pool"
+        );
         self.copy.join(&gpu.stream)?;
         if self.table_pending {
             self.table_done.synchronize()?;
@@ -209,7 +263,13 @@ impl Transfers {
         gpu.ctx.bind_to_thread()?;
         // SAFETY: the pinned source stays untouched until `table_done` passes (checked above
         // before the next write), and the device table holds as many entries.
-        unsafe { cudarc::driver::result::memcpy_htod_async(gpu.ptr(&self.table_dev), &host[..table.len()], self.copy.cu_stream())? };
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                gpu.ptr(&self.table_dev),
+                &host[..table.len()],
+                self.copy.cu_stream(),
+            )?
+        };
         self.table_done.record(&self.copy)?;
         self.table_pending = true;
         Ok(())
@@ -217,7 +277,15 @@ impl Transfers {
 
     /// Launches `kv_scatter` or `kv_gather` for piece `p` between slot `s`'s device buffer
     /// and the pool, on the copy stream.
-    fn launch(&self, gpu: &Gpu, name: &str, pool: &GpuKvPool, s: usize, first: usize, p: Piece) -> Result<(), CudaError> {
+    fn launch(
+        &self,
+        gpu: &Gpu,
+        name: &str,
+        pool: &GpuKvPool,
+        s: usize,
+        first: usize,
+        p: Piece,
+    ) -> Result<(), CudaError> {
         let g = &pool.geometry;
         let (k, v) = pool.layer_ptrs(gpu, p.layer0);
         let stride_pairs = (g.num_blocks * g.block_elems() / 2) as i64;
@@ -232,7 +300,19 @@ impl Transfers {
                 gpu.grid_for(pairs),
                 256,
                 0,
-                kargs![gpu.ptr(&self.slots[s].dev), k, v, stride_pairs, p.n_layers as i32, gpu.ptr(&self.table_dev), (first + p.t0) as i32, p.n as i32, g.n_kv_heads as i32, g.head_dim as i32, g.block_size_tokens as i32],
+                kargs![
+                    gpu.ptr(&self.slots[s].dev),
+                    k,
+                    v,
+                    stride_pairs,
+                    p.n_layers as i32,
+                    gpu.ptr(&self.table_dev),
+                    (first + p.t0) as i32,
+                    p.n as i32,
+                    g.n_kv_heads as i32,
+                    g.head_dim as i32,
+                    g.block_size_tokens as i32
+                ],
             )
         }
     }
@@ -240,14 +320,25 @@ impl Transfers {
     /// Writes stored indices `first..` of `table` from `k` and `v` (context layout; see
     /// `KvBlocks::write_tokens`). Returns once the last piece is enqueued; the compute
     /// stream is ordered after it.
-    pub fn write_tokens(&mut self, gpu: &Gpu, pool: &mut GpuKvPool, table: &[u32], first: usize, k: &[f32], v: &[f32]) -> Result<(), CudaError> {
+    pub fn write_tokens(
+        &mut self,
+        gpu: &Gpu,
+        pool: &mut GpuKvPool,
+        table: &[u32],
+        first: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), CudaError> {
         let g = pool.geometry;
         let n = token_range_len(&g, table, first, k.len(), v.len());
         if n == 0 {
             return Ok(());
         }
         if !runs_in_table(&g, table, first, n) {
-            return Err(CudaError::Unsupported(format!("a block table entry outside the pool of {} blocks", g.num_blocks)));
+            return Err(CudaError::Unsupported(format!(
+                "a block table entry outside the pool of {} blocks",
+                g.num_blocks
+            )));
         }
         self.begin(gpu, table)?;
         let enqueued = self.enqueue_writes(gpu, pool, first, n, k, v);
@@ -260,19 +351,39 @@ impl Transfers {
         Ok(())
     }
 
-    fn enqueue_writes(&mut self, gpu: &Gpu, pool: &GpuKvPool, first: usize, n: usize, k: &[f32], v: &[f32]) -> Result<(), CudaError> {
+    fn enqueue_writes(
+        &mut self,
+        gpu: &Gpu,
+        pool: &GpuKvPool,
+        first: usize,
+        n: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), CudaError> {
         let g = pool.geometry;
-        for (i, p) in plan_pieces(&g, n, self.staging_elems).into_iter().enumerate() {
+        for (i, p) in plan_pieces(&g, n, self.staging_elems)
+            .into_iter()
+            .enumerate()
+        {
             let s = i % 2;
             self.slots[s].wait()?;
             let elems = p.elems(&g);
             let slot = &mut self.slots[s];
             let dev = gpu.ptr(&slot.dev);
             let host = &mut slot.host.as_mut_slice()?[..elems];
-            pack_piece(&g, n, p, k, v, half::slice::HalfBitsSliceExt::reinterpret_cast_mut(host));
+            pack_piece(
+                &g,
+                n,
+                p,
+                k,
+                v,
+                half::slice::HalfBitsSliceExt::reinterpret_cast_mut(host),
+            );
             gpu.ctx.bind_to_thread()?;
             // SAFETY: the slot's buffers are not reused before `done` passes (`wait`).
-            unsafe { cudarc::driver::result::memcpy_htod_async(dev, &host[..], self.copy.cu_stream())? };
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(dev, &host[..], self.copy.cu_stream())?
+            };
             self.launch(gpu, "kv_scatter", pool, s, first, p)?;
             self.slots[s].done.record(&self.copy)?;
             self.slots[s].pending = true;
@@ -284,14 +395,25 @@ impl Transfers {
 
     /// Reads stored indices `first..` of `table` into `k` and `v` (context layout). Piece
     /// i + 1 is in flight while piece i is converted.
-    pub fn read_tokens(&mut self, gpu: &Gpu, pool: &GpuKvPool, table: &[u32], first: usize, k: &mut [f32], v: &mut [f32]) -> Result<(), CudaError> {
+    pub fn read_tokens(
+        &mut self,
+        gpu: &Gpu,
+        pool: &GpuKvPool,
+        table: &[u32],
+        first: usize,
+        k: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<(), CudaError> {
         let g = pool.geometry;
         let n = token_range_len(&g, table, first, k.len(), v.len());
         if n == 0 {
             return Ok(());
         }
         if !runs_in_table(&g, table, first, n) {
-            return Err(CudaError::Unsupported(format!("a block table entry outside the pool of {} blocks", g.num_blocks)));
+            return Err(CudaError::Unsupported(format!(
+                "a block table entry outside the pool of {} blocks",
+                g.num_blocks
+            )));
         }
         self.begin(gpu, table)?;
         let pieces = plan_pieces(&g, n, self.staging_elems);
@@ -304,7 +426,13 @@ impl Transfers {
             let host = &mut slot.host.as_mut_slice()?[..elems];
             gpu.ctx.bind_to_thread()?;
             // SAFETY: the host buffer is read only after `done` passes, below.
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(host, gpu.ptr(&slot.dev), t.copy.cu_stream())? };
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    host,
+                    gpu.ptr(&slot.dev),
+                    t.copy.cu_stream(),
+                )?
+            };
             slot.done.record(&t.copy)?;
             slot.pending = true;
             t.stats.pieces += 1;
@@ -319,7 +447,14 @@ impl Transfers {
             let slot = &mut self.slots[i % 2];
             slot.wait()?;
             let staged = &slot.host.as_mut_slice()?[..p.elems(&g)];
-            unpack_piece(&g, n, p, half::slice::HalfBitsSliceExt::reinterpret_cast(staged), k, v);
+            unpack_piece(
+                &g,
+                n,
+                p,
+                half::slice::HalfBitsSliceExt::reinterpret_cast(staged),
+                k,
+                v,
+            );
         }
         self.stats.reads += 1;
         Ok(())
@@ -335,7 +470,10 @@ impl Drop for Transfers {
 
 /// Checks that the runs of a range stay inside `table` (what `kv_scatter` trusts).
 pub fn runs_in_table(g: &KvGeometry, table: &[u32], first: usize, n: usize) -> bool {
-    block_runs(first, n, g.block_size_tokens).all(|(t0, _)| t0 / g.block_size_tokens < table.len() && (table[t0 / g.block_size_tokens] as usize) < g.num_blocks)
+    block_runs(first, n, g.block_size_tokens).all(|(t0, _)| {
+        t0 / g.block_size_tokens < table.len()
+            && (table[t0 / g.block_size_tokens] as usize) < g.num_blocks
+    })
 }
 
 #[cfg(test)]
@@ -343,7 +481,13 @@ mod tests {
     use super::*;
 
     fn geometry() -> KvGeometry {
-        KvGeometry { n_layers: 3, n_kv_heads: 2, head_dim: 8, block_size_tokens: 4, num_blocks: 16 }
+        KvGeometry {
+            n_layers: 3,
+            n_kv_heads: 2,
+            head_dim: 8,
+            block_size_tokens: 4,
+            num_blocks: 16,
+        }
     }
 
     /// Pieces cover every (layer, token) of the range exactly once, in layer order, and
@@ -353,18 +497,31 @@ mod tests {
         let g = geometry();
         let per = token_layer_elems(&g);
         for n in [1usize, 5, 16, 40] {
-            for cap in [per, 3 * per, per * n, per * n * 2 + 1, per * n * 3, per * n * 10] {
+            for cap in [
+                per,
+                3 * per,
+                per * n,
+                per * n * 2 + 1,
+                per * n * 3,
+                per * n * 10,
+            ] {
                 let pieces = plan_pieces(&g, n, cap);
                 let mut covered = vec![0u8; g.n_layers * n];
                 for p in &pieces {
-                    assert!(p.elems(&g) <= cap && p.n > 0 && p.n_layers > 0, "{p:?} for cap {cap}");
+                    assert!(
+                        p.elems(&g) <= cap && p.n > 0 && p.n_layers > 0,
+                        "{p:?} for cap {cap}"
+                    );
                     for l in p.layer0..p.layer0 + p.n_layers {
                         for t in p.t0..p.t0 + p.n {
                             covered[l * n + t] += 1;
                         }
                     }
                 }
-                assert!(covered.iter().all(|&c| c == 1), "n {n} cap {cap}: {pieces:?}");
+                assert!(
+                    covered.iter().all(|&c| c == 1),
+                    "n {n} cap {cap}: {pieces:?}"
+                );
                 if per * n <= cap {
                     assert_eq!(pieces.len(), g.n_layers.div_ceil(cap / (per * n)));
                 }
@@ -390,7 +547,10 @@ mod tests {
                 // The first value of the piece's last V row of its last layer and head.
                 let (l, h, t) = (p.layer0 + p.n_layers - 1, g.n_kv_heads - 1, p.t0);
                 let staged_at = (((p.n_layers - 1) * 2 + 1) * g.n_kv_heads + h) * p.n * g.head_dim;
-                assert_eq!(staged[staged_at].to_f32(), v[((l * g.n_kv_heads + h) * n + t) * g.head_dim]);
+                assert_eq!(
+                    staged[staged_at].to_f32(),
+                    v[((l * g.n_kv_heads + h) * n + t) * g.head_dim]
+                );
                 unpack_piece(&g, n, p, &staged, &mut k2, &mut v2);
             }
             // Small integers and halves are exact in f16.

@@ -11,7 +11,9 @@ use pk_cuda::{ActDtype, CudaBackend, GpuLlama, GpuWeights};
 use pk_engine::{Engine, EngineConfig, GenerateParams};
 use pk_gguf::GgmlType;
 use pk_model::weights::Weights;
-use pk_model::{Backend, CpuBackend, KvBlocks, KvDtype, KvGeometry, KvStore, Llama, ModelConfig, SeqForward};
+use pk_model::{
+    Backend, CpuBackend, KvBlocks, KvDtype, KvGeometry, KvStore, Llama, ModelConfig, SeqForward,
+};
 
 fn small_config() -> ModelConfig {
     let mut cfg = ModelConfig::dummy("smollm2-135m").unwrap();
@@ -21,7 +23,13 @@ fn small_config() -> ModelConfig {
 }
 
 fn geometry(cfg: &ModelConfig, num_blocks: usize) -> KvGeometry {
-    KvGeometry { n_layers: cfg.n_layers, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim, block_size_tokens: 16, num_blocks }
+    KvGeometry {
+        n_layers: cfg.n_layers,
+        n_kv_heads: cfg.n_kv_heads,
+        head_dim: cfg.head_dim,
+        block_size_tokens: 16,
+        num_blocks,
+    }
 }
 
 /// The same random f16 weights on the CPU and on the GPU.
@@ -32,13 +40,19 @@ fn backends(act: ActDtype, num_blocks: usize) -> Option<(CpuBackend, CudaBackend
     let cpu = Llama::new(cfg.clone(), Weights::random(&cfg, GgmlType::F16, 7));
     let weights = GpuWeights::from_cpu(&gpu, &cpu.weights, &cfg).unwrap();
     let model = GpuLlama::new(&gpu, cfg, weights).unwrap();
-    Some((CpuBackend::new(cpu, g, KvDtype::F16), CudaBackend::new(gpu, model, g).unwrap()))
+    Some((
+        CpuBackend::new(cpu, g, KvDtype::F16),
+        CudaBackend::new(gpu, model, g).unwrap(),
+    ))
 }
 
 /// Every K and V row of `block` in both pools.
 fn assert_same_block(what: &str, a: &dyn KvBlocks, b: &dyn KvBlocks, block: u32) {
     let g = a.geometry();
-    let (mut x, mut y) = (vec![0f32; g.block_size_tokens * g.head_dim], vec![0f32; g.block_size_tokens * g.head_dim]);
+    let (mut x, mut y) = (
+        vec![0f32; g.block_size_tokens * g.head_dim],
+        vec![0f32; g.block_size_tokens * g.head_dim],
+    );
     for layer in 0..g.n_layers {
         for h in 0..g.n_kv_heads {
             a.read_k(layer, block, h, &mut x);
@@ -53,7 +67,9 @@ fn assert_same_block(what: &str, a: &dyn KvBlocks, b: &dyn KvBlocks, block: u32)
 
 #[test]
 fn kv_blocks_round_trip_like_the_cpu_store() {
-    let Some((_, mut gpu)) = backends(ActDtype::F16, 4) else { return };
+    let Some((_, mut gpu)) = backends(ActDtype::F16, 4) else {
+        return;
+    };
     let g = gpu.geometry();
     let mut cpu = KvStore::new(g, KvDtype::F16);
     let mut r = rng(11);
@@ -66,11 +82,25 @@ fn kv_blocks_round_trip_like_the_cpu_store() {
     let mut row = vec![0f32; 16 * g.head_dim];
     for h in 0..g.n_kv_heads {
         gpu.read_k(1, 2, h, &mut row);
-        let want: Vec<f32> = k[h * g.head_dim..(h + 1) * g.head_dim].iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
-        assert_eq!(&row[3 * g.head_dim..4 * g.head_dim], &want[..], "K head {h}");
+        let want: Vec<f32> = k[h * g.head_dim..(h + 1) * g.head_dim]
+            .iter()
+            .map(|&x| half::f16::from_f32(x).to_f32())
+            .collect();
+        assert_eq!(
+            &row[3 * g.head_dim..4 * g.head_dim],
+            &want[..],
+            "K head {h}"
+        );
         gpu.read_v(1, 2, h, &mut row);
-        let want: Vec<f32> = v[h * g.head_dim..(h + 1) * g.head_dim].iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
-        assert_eq!(&row[3 * g.head_dim..4 * g.head_dim], &want[..], "V head {h}");
+        let want: Vec<f32> = v[h * g.head_dim..(h + 1) * g.head_dim]
+            .iter()
+            .map(|&x| half::f16::from_f32(x).to_f32())
+            .collect();
+        assert_eq!(
+            &row[3 * g.head_dim..4 * g.head_dim],
+            &want[..],
+            "V head {h}"
+        );
     }
     // A partial read covers the first slots only.
     let mut first = vec![0f32; 4 * g.head_dim];
@@ -78,7 +108,10 @@ fn kv_blocks_round_trip_like_the_cpu_store() {
     assert_eq!(&first[3 * g.head_dim..], &half_round(&k[..g.head_dim])[..]);
     // Bulk rows, then a compaction copy, then the whole pool against the CPU store's.
     let n = 9;
-    let (kr, vr) = (uniform(&mut r, n * g.head_dim, 2.0), uniform(&mut r, n * g.head_dim, 2.0));
+    let (kr, vr) = (
+        uniform(&mut r, n * g.head_dim, 2.0),
+        uniform(&mut r, n * g.head_dim, 2.0),
+    );
     let mut scratch = Vec::new();
     for store in [&mut cpu as &mut dyn KvBlocks, &mut gpu] {
         store.write_head_rows(0, 1, 2, 5, &kr, &vr, &mut scratch);
@@ -97,29 +130,50 @@ fn kv_blocks_round_trip_like_the_cpu_store() {
 /// in it, a bulk write is visible to the very next block read and forward pass).
 #[test]
 fn bulk_token_ranges_match_the_cpu_store_and_order_the_streams() {
-    let Some((_, mut gpu)) = backends(ActDtype::F16, 12) else { return };
+    let Some((_, mut gpu)) = backends(ActDtype::F16, 12) else {
+        return;
+    };
     let g = gpu.geometry();
     let table = [7u32, 2, 11, 0, 5, 9];
     let per_token = g.n_layers * g.n_kv_heads * g.head_dim;
     let mut r = rng(23);
     // One CPU store for all cases, as the GPU pool keeps every earlier case's rows too.
     let mut cpu = KvStore::new(g, KvDtype::F16);
-    for staging in [8usize << 20, 2 * 2 * g.n_kv_heads * g.head_dim * 40, 2 * 2 * g.n_kv_heads * g.head_dim * 3] {
+    for staging in [
+        8usize << 20,
+        2 * 2 * g.n_kv_heads * g.head_dim * 40,
+        2 * 2 * g.n_kv_heads * g.head_dim * 3,
+    ] {
         gpu.set_staging_bytes(staging).unwrap();
         for (first, n) in [(0usize, 96usize), (5, 40), (17, 1), (33, 0)] {
-            let (k, v) = (uniform(&mut r, n * per_token, 3.0), uniform(&mut r, n * per_token, 3.0));
+            let (k, v) = (
+                uniform(&mut r, n * per_token, 3.0),
+                uniform(&mut r, n * per_token, 3.0),
+            );
             KvBlocks::write_tokens(&mut cpu, &table, first, &k, &v);
             gpu.write_tokens(&table, first, &k, &v);
             for &block in &table {
-                assert_same_block(&format!("staging {staging}, tokens {first}+{n}"), &cpu, &gpu, block);
+                assert_same_block(
+                    &format!("staging {staging}, tokens {first}+{n}"),
+                    &cpu,
+                    &gpu,
+                    block,
+                );
             }
             let (mut kb, mut vb) = (vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
             gpu.read_tokens(&table, first, &mut kb, &mut vb).unwrap();
-            assert_eq!((half_round(&k), half_round(&v)), (kb, vb), "staging {staging}, tokens {first}+{n} read back");
+            assert_eq!(
+                (half_round(&k), half_round(&v)),
+                (kb, vb),
+                "staging {staging}, tokens {first}+{n} read back"
+            );
         }
     }
     let stats = gpu.transfer_stats();
-    assert!(stats.writes >= 9 && stats.reads >= 9 && stats.pieces > stats.writes + stats.reads, "{stats:?}");
+    assert!(
+        stats.writes >= 9 && stats.reads >= 9 && stats.pieces > stats.writes + stats.reads,
+        "{stats:?}"
+    );
     // A row written on the compute stream, then read at once by the copy stream.
     let rows = uniform(&mut r, 2 * g.head_dim, 1.0);
     let mut scratch = Vec::new();
@@ -137,26 +191,58 @@ fn half_round(x: &[f32]) -> Vec<f32> {
 
 #[test]
 fn forward_with_queries_matches_the_cpu_backend() {
-    let Some((mut cpu, mut gpu)) = backends(ActDtype::F16, 8) else { return };
+    let Some((mut cpu, mut gpu)) = backends(ActDtype::F16, 8) else {
+        return;
+    };
     let cfg = small_config();
     let a: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 4096).collect();
     let b: Vec<u32> = (0..20).map(|i| (i * 101 + 3) % 4096).collect();
     let (ta, tb) = ([0u32, 1, 2, 3], [4u32, 5, 6, 7]);
     let seqs = [
-        SeqForward { tokens: &a, start_position: 0, stored_start: 0, block_table: &ta, logits_from: 39, stored_positions: &[] },
-        SeqForward { tokens: &b, start_position: 0, stored_start: 0, block_table: &tb, logits_from: 20, stored_positions: &[] },
+        SeqForward {
+            tokens: &a,
+            start_position: 0,
+            stored_start: 0,
+            block_table: &ta,
+            logits_from: 39,
+            stored_positions: &[],
+        },
+        SeqForward {
+            tokens: &b,
+            start_position: 0,
+            stored_start: 0,
+            block_table: &tb,
+            logits_from: 20,
+            stored_positions: &[],
+        },
     ];
     // Sequence 0 captures its last 3 queries, sequence 1 its last one (a missing entry: none
     // for a third sequence, as on the CPU).
     for capture in [&[3usize, 1][..], &[0, 5][..], &[][..]] {
         let (want_logits, want_q) = cpu.forward_with_queries(&seqs, capture).unwrap();
         let (got_logits, got_q) = gpu.forward_with_queries(&seqs, capture).unwrap();
-        assert_close(&format!("logits, capture {capture:?}"), &got_logits, &want_logits, 0.02, 0.0);
+        assert_close(
+            &format!("logits, capture {capture:?}"),
+            &got_logits,
+            &want_logits,
+            0.02,
+            0.0,
+        );
         assert_eq!(got_q.len(), 2);
         for (i, (g, w)) in got_q.iter().zip(&want_q).enumerate() {
-            assert_eq!(g.len(), cfg.n_layers * capture.get(i).copied().unwrap_or(0) * cfg.q_dim(), "sequence {i}: [layer][token][q_dim]");
+            assert_eq!(
+                g.len(),
+                cfg.n_layers * capture.get(i).copied().unwrap_or(0) * cfg.q_dim(),
+                "sequence {i}: [layer][token][q_dim]"
+            );
             // Q comes from an f16-operand GEMM on the GPU and from f32 on the CPU.
-            assert_close(&format!("queries of sequence {i}, capture {capture:?}"), g, w, 0.02, 0.01);
+            assert_close(
+                &format!("queries of sequence {i}, capture {capture:?}"),
+                g,
+                w,
+                0.02,
+                0.01,
+            );
         }
     }
     // The K/V both wrote agree within f16 rounding of slightly different arithmetic.
@@ -165,26 +251,48 @@ fn forward_with_queries_matches_the_cpu_backend() {
     for (layer, block, h) in [(0, 0, 0), (1, 2, 1), (1, 5, 2)] {
         cpu.kv().read_k(layer, block, h, &mut x);
         gpu.read_k(layer, block, h, &mut y);
-        assert_close(&format!("K layer {layer} block {block} head {h}"), &y, &x, 0.02, 0.01);
+        assert_close(
+            &format!("K layer {layer} block {block} head {h}"),
+            &y,
+            &x,
+            0.02,
+            0.01,
+        );
         cpu.kv().read_v(layer, block, h, &mut x);
         gpu.read_v(layer, block, h, &mut y);
-        assert_close(&format!("V layer {layer} block {block} head {h}"), &y, &x, 0.02, 0.01);
+        assert_close(
+            &format!("V layer {layer} block {block} head {h}"),
+            &y,
+            &x,
+            0.02,
+            0.01,
+        );
     }
 }
 
 /// The real default model (the engine tests' path: `$PAGEKEEPER_HOME`), which must exist.
 fn model_path() -> std::path::PathBuf {
     let p = pk_engine::model_store::default_model_path();
-    assert!(p.exists(), "{} is missing: run `pagekeeper fetch-model` first", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run `pagekeeper fetch-model` first",
+        p.display()
+    );
     p
 }
 
 fn cuda_engine(gpu: pk_cuda::Gpu, config: EngineConfig) -> Engine {
-    Engine::load_with(&model_path(), config, |f, geometry, dtype| Ok(Box::new(CudaBackend::from_gguf(gpu, f, geometry, dtype)?))).expect("CUDA engine loads")
+    Engine::load_with(&model_path(), config, |f, geometry, dtype| {
+        Ok(Box::new(CudaBackend::from_gguf(gpu, f, geometry, dtype)?))
+    })
+    .expect("CUDA engine loads")
 }
 
 fn config() -> EngineConfig {
-    EngineConfig { kv_capacity_tokens: Some(1024), ..Default::default() }
+    EngineConfig {
+        kv_capacity_tokens: Some(1024),
+        ..Default::default()
+    }
 }
 
 /// Greedy tokens of the engine on the GPU against the engine on the CPU. The two compute
@@ -195,15 +303,23 @@ fn config() -> EngineConfig {
 /// CPU's top two logits are within 0.5 of each other.
 #[test]
 fn real_model_engine_greedy_matches_cpu() {
-    let Some(gpu) = gpu(ActDtype::F16) else { return };
+    let Some(gpu) = gpu(ActDtype::F16) else {
+        return;
+    };
     let mut on_gpu = cuda_engine(gpu, config());
     assert_eq!(on_gpu.backend().name(), "cuda");
     let mut on_cpu = Engine::load(&model_path(), config()).unwrap();
     let ids = on_cpu.tokenizer.encode("The capital of France is", true);
-    let params = GenerateParams { max_tokens: 16, ignore_eos: true, ..Default::default() };
+    let params = GenerateParams {
+        max_tokens: 16,
+        ignore_eos: true,
+        ..Default::default()
+    };
     let want = on_cpu.generate(&ids, &params, &mut |_| {}).unwrap();
     let got = on_gpu.generate(&ids, &params, &mut |_| {}).unwrap();
-    let rows = on_cpu.teacher_force(&ids, &want.token_ids, &params).unwrap();
+    let rows = on_cpu
+        .teacher_force(&ids, &want.token_ids, &params)
+        .unwrap();
     let margin = |r: &Vec<f32>| {
         let mut s = r.clone();
         s.sort_by(|a, b| b.total_cmp(a));
@@ -212,12 +328,24 @@ fn real_model_engine_greedy_matches_cpu() {
     eprintln!("cpu: {:?}\ncuda: {:?}", want.text, got.text);
     assert_eq!(got.token_ids.len(), 16);
     if let Some(d) = (0..16).find(|&i| got.token_ids[i] != want.token_ids[i]) {
-        assert!(d >= 4, "diverged at token {d}: {:?} vs {:?}", got.token_ids, want.token_ids);
-        assert!(margin(&rows[d]) < 0.5, "diverged at token {d}, where the CPU's margin is {:.3} logits", margin(&rows[d]));
+        assert!(
+            d >= 4,
+            "diverged at token {d}: {:?} vs {:?}",
+            got.token_ids,
+            want.token_ids
+        );
+        assert!(
+            margin(&rows[d]) < 0.5,
+            "diverged at token {d}, where the CPU's margin is {:.3} logits",
+            margin(&rows[d])
+        );
     }
     // A repeat hits the pool's prefix cache: the same tokens from the cached blocks.
     let again = on_gpu.generate(&ids, &params, &mut |_| {}).unwrap();
-    assert!(again.cached_prompt_tokens > 0 || ids.len() <= 16, "no prefix-cache hit");
+    assert!(
+        again.cached_prompt_tokens > 0 || ids.len() <= 16,
+        "no prefix-cache hit"
+    );
     assert_eq!(again.token_ids, got.token_ids);
     on_gpu.check_invariants();
 }
@@ -228,19 +356,32 @@ fn real_model_engine_greedy_matches_cpu() {
 /// and must be the CPU's; the rest depend on scores computed from slightly different K/V.
 #[test]
 fn real_model_snapkv_eviction_runs_on_the_gpu() {
-    let Some(gpu) = gpu(ActDtype::F16) else { return };
+    let Some(gpu) = gpu(ActDtype::F16) else {
+        return;
+    };
     let mut on_gpu = cuda_engine(gpu, config());
     let mut on_cpu = Engine::load(&model_path(), config()).unwrap();
-    let text = "Phileas Fogg lived, in 1872, at No. 7, Saville Row, Burlington Gardens. ".repeat(12);
+    let text =
+        "Phileas Fogg lived, in 1872, at No. 7, Saville Row, Burlington Gardens. ".repeat(12);
     let ids = on_cpu.tokenizer.encode(&text, true);
     assert!(ids.len() > 150, "the prompt must exceed the budget");
-    let params = GenerateParams { max_tokens: 40, ignore_eos: true, kv_policy: Some("snapkv".parse().unwrap()), kv_budget: Some(64), ..Default::default() };
+    let params = GenerateParams {
+        max_tokens: 40,
+        ignore_eos: true,
+        kv_policy: Some("snapkv".parse().unwrap()),
+        kv_budget: Some(64),
+        ..Default::default()
+    };
     let want = on_cpu.generate(&ids, &params, &mut |_| {}).unwrap();
     let got = on_gpu.generate(&ids, &params, &mut |_| {}).unwrap();
     eprintln!("cpu: {:?}\ncuda: {:?}", want.text, got.text);
     assert_eq!(got.token_ids.len(), 40);
     assert_eq!(got.token_ids[0], want.token_ids[0]);
-    assert!(got.kv_stored_tokens <= 64 + 16, "stored {} tokens over a budget of 64", got.kv_stored_tokens);
+    assert!(
+        got.kv_stored_tokens <= 64 + 16,
+        "stored {} tokens over a budget of 64",
+        got.kv_stored_tokens
+    );
     assert!(on_gpu.eviction_stats["snapkv"].pruned_prompt_tokens > 0);
     on_gpu.check_invariants();
 }

@@ -13,7 +13,18 @@ fn compiler() -> String {
 
 /// Compiles `src` into `out` with the flags the emulator needs.
 fn compile(src: &Path, out: &Path) -> std::io::Result<std::process::Output> {
-    Command::new(compiler()).args(["-std=c++20", "-O1", "-mf16c", "-pthread", "-Wno-unknown-pragmas", "-o"]).arg(out).arg(src).output()
+    Command::new(compiler())
+        .args([
+            "-std=c++20",
+            "-O1",
+            "-mf16c",
+            "-pthread",
+            "-Wno-unknown-pragmas",
+            "-o",
+        ])
+        .arg(out)
+        .arg(src)
+        .output()
 }
 
 #[test]
@@ -26,21 +37,39 @@ fn kernels_on_the_host_emulator_match_naive_references() {
     std::fs::create_dir_all(&dir).unwrap();
     // A compiler that cannot build a C++20 barrier is a missing tool, not a kernel bug.
     let probe = dir.join("probe.cpp");
-    std::fs::write(&probe, "#include <barrier>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n").unwrap();
+    std::fs::write(
+        &probe,
+        "#include <barrier>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n",
+    )
+    .unwrap();
     match compile(&probe, &dir.join("probe")) {
         Ok(o) if o.status.success() => {}
         _ => {
-            eprintln!("skipped: no C++20 compiler with <barrier> ({} ; set CXX)", compiler());
+            eprintln!(
+                "skipped: no C++20 compiler with <barrier> ({} ; set CXX)",
+                compiler()
+            );
             return;
         }
     }
-    let src: PathBuf = [env!("CARGO_MANIFEST_DIR"), "emu", "emu_test.cpp"].iter().collect();
+    let src: PathBuf = [env!("CARGO_MANIFEST_DIR"), "emu", "emu_test.cpp"]
+        .iter()
+        .collect();
     let exe = dir.join("emu_test");
     let built = compile(&src, &exe).expect("running the C++ compiler");
-    assert!(built.status.success(), "the kernels do not compile on the emulator:\n{}", String::from_utf8_lossy(&built.stderr));
-    let run = Command::new(&exe).output().expect("running the emulated kernels");
+    assert!(
+        built.status.success(),
+        "the kernels do not compile on the emulator:\n{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let run = Command::new(&exe)
+        .output()
+        .expect("running the emulated kernels");
     let report = String::from_utf8_lossy(&run.stdout);
     eprintln!("{report}");
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(run.status.success(), "emulated kernels differ from the references:\n{report}");
+    assert!(
+        run.status.success(),
+        "emulated kernels differ from the references:\n{report}"
+    );
 }

@@ -14,10 +14,20 @@ use pk_model::{KvDtype, KvGeometry, KvStore, Llama, ModelConfig, SeqForward};
 /// further apart than that.
 fn assert_logits(what: &str, got: &[f32], want: &[f32], vocab: usize, abs: f32) {
     assert_close(what, got, want, abs, 0.0);
-    for (r, (g, w)) in got.chunks_exact(vocab).zip(want.chunks_exact(vocab)).enumerate() {
+    for (r, (g, w)) in got
+        .chunks_exact(vocab)
+        .zip(want.chunks_exact(vocab))
+        .enumerate()
+    {
         let mut sorted = w.to_vec();
         sorted.sort_by(|a, b| b.total_cmp(a));
-        let argmax = |x: &[f32]| x.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+        let argmax = |x: &[f32]| {
+            x.iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap()
+                .0
+        };
         if sorted[0] - sorted[1] > 2.0 * abs {
             assert_eq!(argmax(g), argmax(w), "{what}: row {r}: top token differs");
         }
@@ -38,7 +48,13 @@ fn run(act: ActDtype, abs: f32, graphs: bool) {
     let weights = GpuWeights::from_cpu(&gpu, &cpu.weights, &cfg).unwrap();
     let mut model = GpuLlama::new(&gpu, cfg.clone(), weights).unwrap();
     model.set_graphs(graphs);
-    let g = KvGeometry { n_layers: cfg.n_layers, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim, block_size_tokens: 16, num_blocks: 16 };
+    let g = KvGeometry {
+        n_layers: cfg.n_layers,
+        n_kv_heads: cfg.n_kv_heads,
+        head_dim: cfg.head_dim,
+        block_size_tokens: 16,
+        num_blocks: 16,
+    };
     let mut store = KvStore::new(g, KvDtype::F16);
     let mut pool = GpuKvPool::new(&gpu, g).unwrap();
     let v = cfg.vocab_size;
@@ -49,29 +65,79 @@ fn run(act: ActDtype, abs: f32, graphs: bool) {
     let mut both = |seqs: &[SeqForward], what: &str| {
         let want = cpu.forward(&mut store, seqs);
         let got = model.forward(&gpu, &mut pool, seqs).unwrap();
-        assert_logits(&format!("{what} ({act:?}, graphs {graphs})"), &got, &want, v, abs);
+        assert_logits(
+            &format!("{what} ({act:?}, graphs {graphs})"),
+            &got,
+            &want,
+            v,
+            abs,
+        );
         let greedy = model.forward_argmax(&gpu, &mut pool, seqs);
         greedy.unwrap()
     };
     // Prefill with logits for every row (the perplexity shape), twice: the argmax call
     // rewrites the same K/V, which must not change anything.
-    both(&[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &ta, logits_from: 0, stored_positions: &[] }], "prefill");
+    both(
+        &[SeqForward {
+            tokens: &prompt,
+            start_position: 0,
+            stored_start: 0,
+            block_table: &ta,
+            logits_from: 0,
+            stored_positions: &[],
+        }],
+        "prefill",
+    );
     // A decode step of sequence A batched with sequence B's prompt.
     both(
         &[
-            SeqForward { tokens: &[11], start_position: 48, stored_start: 48, block_table: &ta, logits_from: 0, stored_positions: &[] },
-            SeqForward { tokens: &other, start_position: 0, stored_start: 0, block_table: &tb, logits_from: 19, stored_positions: &[] },
+            SeqForward {
+                tokens: &[11],
+                start_position: 48,
+                stored_start: 48,
+                block_table: &ta,
+                logits_from: 0,
+                stored_positions: &[],
+            },
+            SeqForward {
+                tokens: &other,
+                start_position: 0,
+                stored_start: 0,
+                block_table: &tb,
+                logits_from: 19,
+                stored_positions: &[],
+            },
         ],
         "decode + prompt",
     );
     // Evict A's block 1 (stored tokens 16..32): the table is compacted, 33 tokens remain
     // stored, positions go on from 49.
     let compacted = [0u32, 2, 3, 4];
-    both(&[SeqForward { tokens: &[12], start_position: 49, stored_start: 33, block_table: &compacted, logits_from: 0, stored_positions: &[] }], "decode after eviction");
+    both(
+        &[SeqForward {
+            tokens: &[12],
+            start_position: 49,
+            stored_start: 33,
+            block_table: &compacted,
+            logits_from: 0,
+            stored_positions: &[],
+        }],
+        "decode after eviction",
+    );
     // Enough same-shaped steps that a captured graph is replayed several times.
     for step in 0..5u32 {
         let pos = 50 + step as usize;
-        both(&[SeqForward { tokens: &[100 + step], start_position: pos, stored_start: pos - 16, block_table: &compacted, logits_from: 0, stored_positions: &[] }], "decode");
+        both(
+            &[SeqForward {
+                tokens: &[100 + step],
+                start_position: pos,
+                stored_start: pos - 16,
+                block_table: &compacted,
+                logits_from: 0,
+                stored_positions: &[],
+            }],
+            "decode",
+        );
     }
 }
 
@@ -95,22 +161,63 @@ fn forward_matches_cpu_bf16() {
 
 #[test]
 fn random_weights_are_made_on_the_device_and_run() {
-    let Some(gpu) = gpu(ActDtype::Bf16) else { return };
+    let Some(gpu) = gpu(ActDtype::Bf16) else {
+        return;
+    };
     let cfg = small_config();
     let weights = GpuWeights::random(&gpu, &cfg, 1).unwrap();
-    assert_eq!(weights.bytes_per_token(), 2 * cfg.n_layers * (cfg.d_model * (cfg.q_dim() + 2 * cfg.kv_dim()) + cfg.q_dim() * cfg.d_model + 3 * cfg.d_model * cfg.d_ff) + 2 * cfg.vocab_size * cfg.d_model);
+    assert_eq!(
+        weights.bytes_per_token(),
+        2 * cfg.n_layers
+            * (cfg.d_model * (cfg.q_dim() + 2 * cfg.kv_dim())
+                + cfg.q_dim() * cfg.d_model
+                + 3 * cfg.d_model * cfg.d_ff)
+            + 2 * cfg.vocab_size * cfg.d_model
+    );
     let mut model = GpuLlama::new(&gpu, cfg.clone(), weights).unwrap();
-    let g = KvGeometry { n_layers: cfg.n_layers, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim, block_size_tokens: 16, num_blocks: 4 };
+    let g = KvGeometry {
+        n_layers: cfg.n_layers,
+        n_kv_heads: cfg.n_kv_heads,
+        head_dim: cfg.head_dim,
+        block_size_tokens: 16,
+        num_blocks: 4,
+    };
     let mut pool = GpuKvPool::new(&gpu, g).unwrap();
     let table = [0u32, 1, 2, 3];
     // A batch without tokens before any other call (no scratch buffers yet): no rows.
-    let empty = SeqForward { tokens: &[], start_position: 0, stored_start: 0, block_table: &table, logits_from: 0, stored_positions: &[] };
+    let empty = SeqForward {
+        tokens: &[],
+        start_position: 0,
+        stored_start: 0,
+        block_table: &table,
+        logits_from: 0,
+        stored_positions: &[],
+    };
     assert!(model.forward(&gpu, &mut pool, &[empty]).unwrap().is_empty());
-    assert!(model.forward_argmax(&gpu, &mut pool, &[empty]).unwrap().is_empty());
+    assert!(model
+        .forward_argmax(&gpu, &mut pool, &[empty])
+        .unwrap()
+        .is_empty());
     let prompt: Vec<u32> = (0..30).collect();
-    let logits = model.forward(&gpu, &mut pool, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: 0, stored_positions: &[] }]).unwrap();
+    let logits = model
+        .forward(
+            &gpu,
+            &mut pool,
+            &[SeqForward {
+                tokens: &prompt,
+                start_position: 0,
+                stored_start: 0,
+                block_table: &table,
+                logits_from: 0,
+                stored_positions: &[],
+            }],
+        )
+        .unwrap();
     assert_eq!(logits.len(), 30 * cfg.vocab_size);
     assert!(logits.iter().all(|x| x.is_finite()));
     let spread = logits.iter().fold(0f32, |m, x| m.max(x.abs()));
-    assert!(spread > 0.0, "all logits are zero: the random fill wrote nothing");
+    assert!(
+        spread > 0.0,
+        "all logits are zero: the random fill wrote nothing"
+    );
 }

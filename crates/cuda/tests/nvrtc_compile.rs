@@ -3,7 +3,9 @@
 //! on machines without one; it skips (passes, saying so) when libnvrtc cannot be opened.
 //! Point it at a library with `LD_LIBRARY_PATH` (scripts/gpu/README.md says how).
 
-use pk_cuda::kernels::{compile, compile_cubin, compile_source, nvrtc_available, program_source, KERNEL_NAMES};
+use pk_cuda::kernels::{
+    compile, compile_cubin, compile_source, nvrtc_available, program_source, KERNEL_NAMES,
+};
 use pk_cuda::ActDtype;
 
 #[test]
@@ -16,9 +18,16 @@ fn every_kernel_compiles_for_sm90() {
         let ptx = compile("compute_90", act).unwrap_or_else(|e| panic!("{act:?}: {e}"));
         let text = ptx.to_src();
         for name in KERNEL_NAMES {
-            assert!(text.contains(&format!(".entry {name}(")), "{act:?}: kernel {name} missing from the PTX");
+            assert!(
+                text.contains(&format!(".entry {name}(")),
+                "{act:?}: kernel {name} missing from the PTX"
+            );
         }
-        eprintln!("{act:?}: {} kernels, {} bytes of PTX for compute_90", KERNEL_NAMES.len(), text.len());
+        eprintln!(
+            "{act:?}: {} kernels, {} bytes of PTX for compute_90",
+            KERNEL_NAMES.len(),
+            text.len()
+        );
     }
 }
 
@@ -31,14 +40,22 @@ fn every_named_kernel_is_defined_once() {
         .lines()
         .filter(|l| l.starts_with("extern \"C\" __global__"))
         .map(|l| {
-            let l = l.split_once("__launch_bounds__(").map_or(l, |(_, rest)| rest.split_once(')').unwrap().1);
-            l[..l.find('(').expect("a parameter list")].rsplit(' ').next().unwrap()
+            let l = l
+                .split_once("__launch_bounds__(")
+                .map_or(l, |(_, rest)| rest.split_once(')').unwrap().1);
+            l[..l.find('(').expect("a parameter list")]
+                .rsplit(' ')
+                .next()
+                .unwrap()
         })
         .collect();
     defined.sort_unstable();
     let mut listed = KERNEL_NAMES.to_vec();
     listed.sort_unstable();
-    assert_eq!(defined, listed, "kernels defined in the sources vs KERNEL_NAMES");
+    assert_eq!(
+        defined, listed,
+        "kernels defined in the sources vs KERNEL_NAMES"
+    );
 }
 
 /// The check would catch a broken kernel: a type error fails with NVRTC's log.
@@ -48,9 +65,14 @@ fn a_type_error_fails_with_the_compiler_log() {
         eprintln!("skipped: libnvrtc not found");
         return;
     }
-    let broken = program_source() + "\nextern \"C\" __global__ void broken(float* x) { x[0] = undefined_name; }\n";
-    let err = compile_source(&broken, "compute_90", ActDtype::F16).expect_err("a type error must not compile");
-    assert!(err.to_string().contains("undefined_name"), "log without the error: {err}");
+    let broken = program_source()
+        + "\nextern \"C\" __global__ void broken(float* x) { x[0] = undefined_name; }\n";
+    let err = compile_source(&broken, "compute_90", ActDtype::F16)
+        .expect_err("a type error must not compile");
+    assert!(
+        err.to_string().contains("undefined_name"),
+        "log without the error: {err}"
+    );
 }
 
 /// The loader's fallback (a driver older than NVRTC refuses its PTX): machine code for sm_90.
@@ -61,10 +83,14 @@ fn every_kernel_compiles_to_sm90_machine_code() {
         return;
     }
     for act in [ActDtype::F16, ActDtype::Bf16] {
-        let cubin = compile_cubin(&program_source(), "sm_90", act).unwrap_or_else(|e| panic!("{act:?}: {e}"));
+        let cubin = compile_cubin(&program_source(), "sm_90", act)
+            .unwrap_or_else(|e| panic!("{act:?}: {e}"));
         assert_eq!(&cubin[..4], b"\x7fELF", "{act:?}: not an ELF cubin");
         for name in KERNEL_NAMES {
-            assert!(cubin.windows(name.len()).any(|w| w == name.as_bytes()), "{act:?}: kernel {name} missing from the cubin");
+            assert!(
+                cubin.windows(name.len()).any(|w| w == name.as_bytes()),
+                "{act:?}: kernel {name} missing from the cubin"
+            );
         }
         eprintln!("{act:?}: {} bytes of sm_90 machine code", cubin.len());
     }

@@ -61,7 +61,10 @@ pub struct ContextReuseConfig {
 
 impl std::fmt::Debug for ContextReuseConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ContextReuseConfig").field("policy", &self.store.policy).field("chunk_size_tokens", &self.chunk_size_tokens).finish()
+        f.debug_struct("ContextReuseConfig")
+            .field("policy", &self.store.policy)
+            .field("chunk_size_tokens", &self.chunk_size_tokens)
+            .finish()
     }
 }
 
@@ -87,11 +90,27 @@ pub fn kv_fingerprint(namespace: &[u8]) -> [u8; 32] {
 }
 
 impl ContextReuse {
-    pub fn new(cfg: &ContextReuseConfig, model_name: &str, namespace: &[u8], block_size_tokens: usize) -> anyhow::Result<ContextReuse> {
-        let keyer = ChunkKeyer::new(model_name, namespace, cfg.chunk_size_tokens, block_size_tokens).map_err(anyhow::Error::msg)?;
+    pub fn new(
+        cfg: &ContextReuseConfig,
+        model_name: &str,
+        namespace: &[u8],
+        block_size_tokens: usize,
+    ) -> anyhow::Result<ContextReuse> {
+        let keyer = ChunkKeyer::new(
+            model_name,
+            namespace,
+            cfg.chunk_size_tokens,
+            block_size_tokens,
+        )
+        .map_err(anyhow::Error::msg)?;
         let mut store_cfg = cfg.store.clone();
         store_cfg.fingerprint = kv_fingerprint(namespace);
-        Ok(ContextReuse { store: ContextStore::new(store_cfg).map_err(anyhow::Error::msg)?, keyer, stats: ContextReuseStats::default(), profile_metric: cfg.profile_metric })
+        Ok(ContextReuse {
+            store: ContextStore::new(store_cfg).map_err(anyhow::Error::msg)?,
+            keyer,
+            stats: ContextReuseStats::default(),
+            profile_metric: cfg.profile_metric,
+        })
     }
 
     pub fn chunk_size_tokens(&self) -> usize {
@@ -108,7 +127,9 @@ impl ContextReuse {
     pub fn lookup(&mut self, keys: &[ChunkKey]) -> Option<(ChunkKey, usize)> {
         self.stats.lookups += 1;
         let chunk = self.chunk_size_tokens();
-        self.store.longest_stored(keys).map(|i| (keys[i], (i + 1) * chunk))
+        self.store
+            .longest_stored(keys)
+            .map(|i| (keys[i], (i + 1) * chunk))
     }
 
     pub fn load(&mut self, key: &ChunkKey, query: &[u32]) -> Option<(KvContext, LoadReport)> {
@@ -153,16 +174,32 @@ impl ContextReuse {
 /// `seq`, at positions equal to their stored indices — computed again by `backend`, for the
 /// store's SnapKV scores. `None` if the forward pass fails (the context is then offered
 /// without them, and its SnapKV configurations are unavailable).
-pub(crate) fn window_queries(backend: &mut dyn Backend, kv: &KvCacheManager, seq: SeqId, ids: &[u32]) -> Option<WindowQueries> {
+pub(crate) fn window_queries(
+    backend: &mut dyn Backend,
+    kv: &KvCacheManager,
+    seq: SeqId,
+    ids: &[u32],
+) -> Option<WindowQueries> {
     let n = ids.len();
     let w = (pk_kv::SNAPKV_WINDOW_DEFAULT as usize).min(n);
     if w == 0 {
         return None;
     }
     let table = table_of(kv, seq);
-    let fwd = SeqForward { tokens: &ids[n - w..], start_position: n - w, stored_start: n - w, block_table: &table, logits_from: w, stored_positions: &[] };
+    let fwd = SeqForward {
+        tokens: &ids[n - w..],
+        start_position: n - w,
+        stored_start: n - w,
+        block_table: &table,
+        logits_from: w,
+        stored_positions: &[],
+    };
     match backend.forward_with_queries(&[fwd], &[w]) {
-        Ok((_, mut captured)) if !captured.is_empty() => Some(WindowQueries { n_heads: backend.config().n_heads, positions: (n - w..n).collect(), data: captured.swap_remove(0) }),
+        Ok((_, mut captured)) if !captured.is_empty() => Some(WindowQueries {
+            n_heads: backend.config().n_heads,
+            positions: (n - w..n).collect(),
+            data: captured.swap_remove(0),
+        }),
         Ok(_) => None,
         Err(e) => {
             tracing::warn!("capturing a context's SnapKV window failed: {e}");
@@ -174,7 +211,12 @@ pub(crate) fn window_queries(backend: &mut dyn Backend, kv: &KvCacheManager, seq
 /// Writes `ctx`'s stored tokens into `seq` (which must be empty), in order. Returns false
 /// if the pool has no room (nothing is half-written that the caller would use: it frees
 /// the sequence).
-pub(crate) fn write_prefix(ctx: &KvContext, kv: &mut KvCacheManager, store: &mut dyn KvBlocks, seq: SeqId) -> bool {
+pub(crate) fn write_prefix(
+    ctx: &KvContext,
+    kv: &mut KvCacheManager,
+    store: &mut dyn KvBlocks,
+    seq: SeqId,
+) -> bool {
     let g = store.geometry();
     let n = ctx.n_tokens();
     if ctx.n_layers != g.n_layers || ctx.n_kv_heads != g.n_kv_heads || ctx.head_dim != g.head_dim {
@@ -190,10 +232,19 @@ pub(crate) fn write_prefix(ctx: &KvContext, kv: &mut KvCacheManager, store: &mut
 
 /// Copies the first `n_tokens` stored tokens of `seq` (not evicted, so stored index =
 /// position) out of the pool.
-pub(crate) fn read_prefix(kv: &KvCacheManager, store: &dyn KvBlocks, seq: SeqId, n_tokens: usize) -> Option<KvContext> {
+pub(crate) fn read_prefix(
+    kv: &KvCacheManager,
+    store: &dyn KvBlocks,
+    seq: SeqId,
+    n_tokens: usize,
+) -> Option<KvContext> {
     let g = store.geometry();
     // The view trusts the count it is given; the sequence must really store that many.
-    if kv.block_table(seq).map_or(0, |t| t.num_stored_tokens() as usize) < n_tokens {
+    if kv
+        .block_table(seq)
+        .map_or(0, |t| t.num_stored_tokens() as usize)
+        < n_tokens
+    {
         return None;
     }
     let table = table_of(kv, seq);
@@ -204,7 +255,15 @@ pub(crate) fn read_prefix(kv: &KvCacheManager, store: &dyn KvBlocks, seq: SeqId,
         tracing::warn!("reading a context out of the KV pool failed, not offering it: {e}");
         return None;
     }
-    KvContext::new(g.n_layers, g.n_kv_heads, d, (0..n_tokens as u32).collect(), k, v).ok()
+    KvContext::new(
+        g.n_layers,
+        g.n_kv_heads,
+        d,
+        (0..n_tokens as u32).collect(),
+        k,
+        v,
+    )
+    .ok()
 }
 
 /// What an admitted sequence got from a stored or given context.
@@ -216,4 +275,3 @@ pub(crate) struct SeqContext {
     pub offer: Option<(ChunkKey, usize)>,
     pub load: Option<LoadReport>,
 }
-

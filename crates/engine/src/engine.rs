@@ -15,14 +15,18 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use pk_kv::{KvCacheManager, KvGranularity, PolicySpec, SeqId};
-use pk_model::{Backend, CpuBackend, KvBlocks, KvDtype, KvGeometry, Llama, ModelConfig, SeqForward};
+use pk_model::{
+    Backend, CpuBackend, KvBlocks, KvDtype, KvGeometry, Llama, ModelConfig, SeqForward,
+};
 use pk_tokenizer::{ChatTemplate, Tokenizer};
 
+use crate::contexts::{
+    self, ContextReuse, ContextReuseConfig, ContextReuseStats, PrefixKv, SeqContext,
+};
 use crate::eviction::{self, EvictionStats, SeqEviction};
 use crate::request::{Request, RequestError, SeqEvent};
 use crate::sampler::SamplingParams;
 use crate::sequence::SeqState;
-use crate::contexts::{self, ContextReuse, ContextReuseConfig, ContextReuseStats, PrefixKv, SeqContext};
 use crate::tiering::{Tiering, TieringConfig, TieringStats};
 
 mod direct;
@@ -70,7 +74,10 @@ pub struct EngineConfig {
 
 impl std::fmt::Debug for TieringConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TieringConfig").field("chunk_size_tokens", &self.chunk_size_tokens).field("max_pending_bytes", &self.max_pending_bytes).finish()
+        f.debug_struct("TieringConfig")
+            .field("chunk_size_tokens", &self.chunk_size_tokens)
+            .field("max_pending_bytes", &self.max_pending_bytes)
+            .finish()
     }
 }
 
@@ -84,7 +91,13 @@ impl EngineConfig {
         }
         let capacity_tokens = self.kv_capacity_tokens.unwrap_or(model.context_length);
         let num_blocks = capacity_tokens.div_ceil(bs).max(1);
-        Ok(KvGeometry { n_layers: model.n_layers, n_kv_heads: model.n_kv_heads, head_dim: model.head_dim, block_size_tokens: bs, num_blocks })
+        Ok(KvGeometry {
+            n_layers: model.n_layers,
+            n_kv_heads: model.n_kv_heads,
+            head_dim: model.head_dim,
+            block_size_tokens: bs,
+            num_blocks,
+        })
     }
 }
 
@@ -192,7 +205,10 @@ pub enum SubmitError {
     Invalid(String),
     /// Invalid because of one request field, named as the API names it (`kv_budget`).
     #[error("invalid request: {message}")]
-    InvalidParam { param: &'static str, message: String },
+    InvalidParam {
+        param: &'static str,
+        message: String,
+    },
     /// The engine thread is gone (it panicked or shut down): nothing will serve the request.
     #[error("the engine has stopped")]
     Stopped,
@@ -250,18 +266,30 @@ impl Engine {
         config: EngineConfig,
         build: impl FnOnce(&pk_gguf::GgufFile, KvGeometry, KvDtype) -> Result<Box<dyn Backend>>,
     ) -> Result<Engine> {
-        let gguf = pk_gguf::GgufFile::open(model_path).with_context(|| format!("loading {}", model_path.display()))?;
-        let geometry = config.kv_geometry(&ModelConfig::from_gguf(&gguf).context("reading the model's configuration")?)?;
+        let gguf = pk_gguf::GgufFile::open(model_path)
+            .with_context(|| format!("loading {}", model_path.display()))?;
+        let geometry = config.kv_geometry(
+            &ModelConfig::from_gguf(&gguf).context("reading the model's configuration")?,
+        )?;
         let backend = build(&gguf, geometry, config.kv_dtype)?;
         let tokenizer = Tokenizer::from_gguf(&gguf).context("building the tokenizer")?;
         let chat_template = ChatTemplate::from_gguf(&gguf).context("reading the chat template")?;
-        let name = model_path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = model_path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
         let identity = model_content_id(model_path)?;
         Engine::with_backend_identified(backend, tokenizer, chat_template, config, &name, &identity)
     }
 
     /// An engine running `model` on the CPU.
-    pub fn new(model: Llama, tokenizer: Tokenizer, chat_template: ChatTemplate, config: EngineConfig, model_name: &str) -> Result<Engine> {
+    pub fn new(
+        model: Llama,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate,
+        config: EngineConfig,
+        model_name: &str,
+    ) -> Result<Engine> {
         let geometry = config.kv_geometry(&model.config)?;
         let backend = Box::new(CpuBackend::new(model, geometry, config.kv_dtype));
         Engine::with_backend(backend, tokenizer, chat_template, config, model_name)
@@ -269,21 +297,49 @@ impl Engine {
 
     /// An engine over any backend, whose pool must have `config.kv_geometry(backend.config())`
     /// and `config.kv_dtype`.
-    pub fn with_backend(backend: Box<dyn Backend>, tokenizer: Tokenizer, chat_template: ChatTemplate, config: EngineConfig, model_name: &str) -> Result<Engine> {
-        Engine::with_backend_identified(backend, tokenizer, chat_template, config, model_name, model_name)
+    pub fn with_backend(
+        backend: Box<dyn Backend>,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate,
+        config: EngineConfig,
+        model_name: &str,
+    ) -> Result<Engine> {
+        Engine::with_backend_identified(
+            backend,
+            tokenizer,
+            chat_template,
+            config,
+            model_name,
+            model_name,
+        )
     }
 
     /// [`Engine::with_backend`], with `model_identity` naming the weights in every cache
     /// key (the prefix cache's and the tiers'): [`model_content_id`] for a model file, so
     /// that two different files of the same name sharing a disk or Redis tier never read
     /// each other's KV.
-    pub fn with_backend_identified(backend: Box<dyn Backend>, tokenizer: Tokenizer, chat_template: ChatTemplate, config: EngineConfig, model_name: &str, model_identity: &str) -> Result<Engine> {
+    pub fn with_backend_identified(
+        backend: Box<dyn Backend>,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate,
+        config: EngineConfig,
+        model_name: &str,
+        model_identity: &str,
+    ) -> Result<Engine> {
         let geometry = config.kv_geometry(backend.config())?;
         if config.max_batch_tokens == 0 || config.max_running_seqs == 0 {
             bail!("max_batch_tokens and max_running_seqs must be at least 1");
         }
         let pool = backend.kv().geometry();
-        let shape = |g: &KvGeometry| (g.n_layers, g.n_kv_heads, g.head_dim, g.block_size_tokens, g.num_blocks);
+        let shape = |g: &KvGeometry| {
+            (
+                g.n_layers,
+                g.n_kv_heads,
+                g.head_dim,
+                g.block_size_tokens,
+                g.num_blocks,
+            )
+        };
         if shape(&pool) != shape(&geometry) || backend.kv().dtype() != config.kv_dtype {
             bail!("the {} backend's KV pool ({pool:?}, {}) is not the configured one ({geometry:?}, {})", backend.name(), backend.kv().dtype(), config.kv_dtype);
         }
@@ -306,11 +362,19 @@ impl Engine {
         }
         let cache_namespace = namespace.into_bytes();
         let tiering = match &config.tiering {
-            Some(t) => Some(Tiering::new(t, model_name, &cache_namespace, bs, geometry.bytes_per_token(config.kv_dtype))?),
+            Some(t) => Some(Tiering::new(
+                t,
+                model_name,
+                &cache_namespace,
+                bs,
+                geometry.bytes_per_token(config.kv_dtype),
+            )?),
             None => None,
         };
         let contexts = match &config.contexts {
-            Some(_) if tiering.is_some() => bail!("chunk tiers and an EVICPRESS context store are exclusive (pick one --tier-policy)"),
+            Some(_) if tiering.is_some() => bail!(
+                "chunk tiers and an EVICPRESS context store are exclusive (pick one --tier-policy)"
+            ),
             Some(c) => Some(ContextReuse::new(c, model_name, &cache_namespace, bs)?),
             None => None,
         };
@@ -364,7 +428,9 @@ impl Engine {
     /// The EVICPRESS store, if configured.
     /// How profiling scores configurations (the default when no store is configured).
     pub fn profile_metric(&self) -> crate::profiler::QualityMetric {
-        self.contexts.as_ref().map_or_else(Default::default, |c| c.profile_metric)
+        self.contexts
+            .as_ref()
+            .map_or_else(Default::default, |c| c.profile_metric)
     }
 
     pub fn context_store(&self) -> Option<Arc<pk_evicpress::ContextStore>> {
@@ -417,25 +483,55 @@ impl Engine {
         if req.prompt_ids.is_empty() {
             return Err(SubmitError::Invalid("the prompt is empty".into()));
         }
-        req.params.sampling.validate().map_err(|e| SubmitError::InvalidParam { param: e.param, message: e.message })?;
+        req.params
+            .sampling
+            .validate()
+            .map_err(|e| SubmitError::InvalidParam {
+                param: e.param,
+                message: e.message,
+            })?;
         let ctx = self.backend.config().context_length;
         if req.prompt_ids.len() >= ctx {
-            return Err(SubmitError::Invalid(format!("the prompt has {} tokens; the model's context is {ctx}", req.prompt_ids.len())));
+            return Err(SubmitError::Invalid(format!(
+                "the prompt has {} tokens; the model's context is {ctx}",
+                req.prompt_ids.len()
+            )));
         }
-        if let Some(&bad) = req.prompt_ids.iter().find(|&&t| t as usize >= self.backend.config().vocab_size) {
-            return Err(SubmitError::Invalid(format!("token id {bad} is outside the vocabulary")));
+        if let Some(&bad) = req
+            .prompt_ids
+            .iter()
+            .find(|&&t| t as usize >= self.backend.config().vocab_size)
+        {
+            return Err(SubmitError::Invalid(format!(
+                "token id {bad} is outside the vocabulary"
+            )));
         }
         let eviction = self.eviction_for(&req.params)?;
         if let Some(p) = &req.params.prefix_kv {
             let g = self.backend.kv().geometry();
-            if p.n_tokens() >= req.prompt_ids.len() || p.kv.positions.last().is_some_and(|&x| x as usize >= p.n_tokens()) {
-                return Err(SubmitError::Invalid(format!("prefix_kv covers {} tokens of a {}-token prompt", p.n_tokens(), req.prompt_ids.len())));
+            if p.n_tokens() >= req.prompt_ids.len()
+                || p.kv
+                    .positions
+                    .last()
+                    .is_some_and(|&x| x as usize >= p.n_tokens())
+            {
+                return Err(SubmitError::Invalid(format!(
+                    "prefix_kv covers {} tokens of a {}-token prompt",
+                    p.n_tokens(),
+                    req.prompt_ids.len()
+                )));
             }
-            if (p.kv.n_layers, p.kv.n_kv_heads, p.kv.head_dim) != (g.n_layers, g.n_kv_heads, g.head_dim) {
-                return Err(SubmitError::Invalid("prefix_kv has another model's shape".into()));
+            if (p.kv.n_layers, p.kv.n_kv_heads, p.kv.head_dim)
+                != (g.n_layers, g.n_kv_heads, g.head_dim)
+            {
+                return Err(SubmitError::Invalid(
+                    "prefix_kv has another model's shape".into(),
+                ));
             }
             if eviction.is_some() {
-                return Err(SubmitError::Invalid("prefix_kv and an evicting kv_policy are exclusive".into()));
+                return Err(SubmitError::Invalid(
+                    "prefix_kv and an evicting kv_policy are exclusive".into(),
+                ));
             }
         }
         let mut namespace = self.cache_namespace.clone();
@@ -446,14 +542,22 @@ impl Engine {
         let background = req.params.background;
         let mut state = SeqState::new(req, namespace);
         state.eviction = eviction;
-        let at = if background { self.waiting.len() } else { self.waiting.iter().position(|s| s.req.params.background).unwrap_or(self.waiting.len()) };
+        let at = if background {
+            self.waiting.len()
+        } else {
+            self.waiting
+                .iter()
+                .position(|s| s.req.params.background)
+                .unwrap_or(self.waiting.len())
+        };
         self.waiting.insert(at, state);
         Ok(())
     }
 
     /// Resolves a request's policy and budget against the engine defaults.
     fn eviction_for(&self, p: &GenerateParams) -> Result<Option<SeqEviction>, SubmitError> {
-        let invalid = |param: &'static str, message: String| SubmitError::InvalidParam { param, message };
+        let invalid =
+            |param: &'static str, message: String| SubmitError::InvalidParam { param, message };
         let budget = p.kv_budget.or(self.config.default_kv_budget);
         let spec = match (p.kv_policy, budget) {
             (Some(spec), _) => spec,
@@ -462,22 +566,35 @@ impl Engine {
         };
         if !spec.evicts() {
             if p.kv_budget.is_some() {
-                return Err(invalid("kv_budget", format!("kv_policy {spec} keeps every token and takes no kv_budget")));
+                return Err(invalid(
+                    "kv_budget",
+                    format!("kv_policy {spec} keeps every token and takes no kv_budget"),
+                ));
             }
             return Ok(None);
         }
         let Some(budget) = budget else {
-            return Err(invalid("kv_budget", format!("kv_policy {spec} needs a kv_budget (tokens kept per sequence)")));
+            return Err(invalid(
+                "kv_budget",
+                format!("kv_policy {spec} needs a kv_budget (tokens kept per sequence)"),
+            ));
         };
-        spec.validate(budget, self.config.block_size_tokens).map_err(|e| invalid("kv_budget", e.to_string()))?;
-        if spec.build().prefill_queries() != pk_kv::QueryNeed::None || spec.build().decode_queries() != pk_kv::QueryNeed::None {
+        spec.validate(budget, self.config.block_size_tokens)
+            .map_err(|e| invalid("kv_budget", e.to_string()))?;
+        if spec.build().prefill_queries() != pk_kv::QueryNeed::None
+            || spec.build().decode_queries() != pk_kv::QueryNeed::None
+        {
             if !self.capture_supported() {
                 return Err(invalid("kv_policy", format!("kv_policy {spec} needs attention queries, which this build does not capture yet")));
             }
         }
-        let granularity = p.kv_granularity.unwrap_or(self.config.default_kv_granularity);
+        let granularity = p
+            .kv_granularity
+            .unwrap_or(self.config.default_kv_granularity);
         let c = self.backend.config();
-        let units = pk_kv::selection_units(granularity, c.n_layers, c.n_kv_heads, |layer| c.layer_window(layer).is_some());
+        let units = pk_kv::selection_units(granularity, c.n_layers, c.n_kv_heads, |layer| {
+            c.layer_window(layer).is_some()
+        });
         let mut ev = SeqEviction::new(spec, budget, granularity, units);
         ev.keep_generated = p.kv_keep_generated;
         Ok(Some(ev))
@@ -496,9 +613,13 @@ impl Engine {
     fn admit(&mut self) {
         while self.running.len() < self.config.max_running_seqs {
             self.probe_tiers_for_front();
-            let Some(front) = self.waiting.front() else { break };
+            let Some(front) = self.waiting.front() else {
+                break;
+            };
             let prefix = match self.config.enable_prefix_caching {
-                true => self.kv.get_computed_prefix(&front.all_ids, &front.namespace),
+                true => self
+                    .kv
+                    .get_computed_prefix(&front.all_ids, &front.namespace),
                 false => self.kv.get_computed_prefix(&[], &front.namespace),
             };
             let cached = prefix.num_cached_tokens() as usize;
@@ -509,9 +630,13 @@ impl Engine {
                 _ => (Vec::new(), 0),
             };
             let (context_hit, context_offer) = self.context_lookup(cached);
-            let Some(front) = self.waiting.front() else { break };
-            let preloading = context_hit.is_some() || (front.req.params.prefix_kv.is_some() && front.eviction.is_none());
-            let use_tiers = !preloading && tier_found * self.tiering.as_ref().map_or(0, |t| t.chunk_size_tokens()) > cached;
+            let Some(front) = self.waiting.front() else {
+                break;
+            };
+            let preloading = context_hit.is_some()
+                || (front.req.params.prefix_kv.is_some() && front.eviction.is_none());
+            let use_tiers = !preloading
+                && tier_found * self.tiering.as_ref().map_or(0, |t| t.chunk_size_tokens()) > cached;
             let needed = if use_tiers || preloading {
                 self.blocks_for(front.all_ids.len())
             } else {
@@ -522,8 +647,7 @@ impl Engine {
                 let mut s = self.waiting.pop_front().expect("front exists");
                 let msg = format!(
                     "the request needs {} KV blocks of {} tokens but the cache has only {total}",
-                    needed,
-                    self.config.block_size_tokens
+                    needed, self.config.block_size_tokens
                 );
                 (s.req.sink)(SeqEvent::Error(RequestError::TooLarge(msg)));
                 continue;
@@ -540,17 +664,29 @@ impl Engine {
                 }
                 // Not loadable: compute the prompt as usual (from the pool's prefix).
             }
-            s.context = SeqContext { offer: context_offer, ..Default::default() };
+            s.context = SeqContext {
+                offer: context_offer,
+                ..Default::default()
+            };
             let adopted = if use_tiers {
                 let empty = self.kv.get_computed_prefix(&[], &s.namespace);
                 self.kv.add_sequence(seq, &empty);
                 let tiering = self.tiering.as_mut().expect("tiers configured");
-                tiering.load_into(&tier_keys[..tier_found], &mut self.kv, self.backend.kv_mut(), seq)
+                tiering.load_into(
+                    &tier_keys[..tier_found],
+                    &mut self.kv,
+                    self.backend.kv_mut(),
+                    seq,
+                )
             } else {
                 self.kv.add_sequence(seq, &prefix) as usize
             };
             // Chunks already in the tiers are not stored again.
-            s.tier_next_chunk = if use_tiers { adopted / self.tiering.as_ref().map_or(1, |t| t.chunk_size_tokens()) } else { tier_found };
+            s.tier_next_chunk = if use_tiers {
+                adopted / self.tiering.as_ref().map_or(1, |t| t.chunk_size_tokens())
+            } else {
+                tier_found
+            };
             s.tier_keys = tier_keys;
             self.start_running(s, seq, adopted);
         }
@@ -561,7 +697,12 @@ impl Engine {
     /// step would otherwise re-hash its prompt and make a Redis round trip.
     fn probe_tiers_for_front(&mut self) {
         if let (Some(t), Some(front)) = (self.tiering.as_mut(), self.waiting.front_mut()) {
-            if front.eviction.is_none() && front.tier_probe.as_ref().is_none_or(|p| p.0 != front.all_ids.len()) {
+            if front.eviction.is_none()
+                && front
+                    .tier_probe
+                    .as_ref()
+                    .is_none_or(|p| p.0 != front.all_ids.len())
+            {
                 let keys = t.keys(&front.all_ids, front.req.cache_salt.as_deref());
                 let found = t.lookup(&keys);
                 front.tier_probe = Some((front.all_ids.len(), keys, found));
@@ -573,8 +714,16 @@ impl Engine {
     /// the pool's `cached` prefix to load, or else (nothing stored) the key to offer its
     /// context under once computed. A given prefix KV wins over both.
     #[allow(clippy::type_complexity)]
-    fn context_lookup(&mut self, cached: usize) -> (Option<(pk_tiers::ChunkKey, usize)>, Option<(pk_tiers::ChunkKey, usize)>) {
-        let (Some(front), Some(c)) = (self.waiting.front(), self.contexts.as_mut()) else { return (None, None) };
+    fn context_lookup(
+        &mut self,
+        cached: usize,
+    ) -> (
+        Option<(pk_tiers::ChunkKey, usize)>,
+        Option<(pk_tiers::ChunkKey, usize)>,
+    ) {
+        let (Some(front), Some(c)) = (self.waiting.front(), self.contexts.as_mut()) else {
+            return (None, None);
+        };
         if front.eviction.is_some() || front.req.params.prefix_kv.is_some() {
             return (None, None);
         }
@@ -582,7 +731,11 @@ impl Engine {
         match c.lookup(&keys) {
             Some((key, tokens)) if tokens > cached => (Some((key, tokens)), None),
             Some(_) => (None, None),
-            None => (None, keys.last().map(|k| (*k, keys.len() * c.chunk_size_tokens()))),
+            None => (
+                None,
+                keys.last()
+                    .map(|k| (*k, keys.len() * c.chunk_size_tokens())),
+            ),
         }
     }
 
@@ -600,7 +753,12 @@ impl Engine {
 
     /// Starts `seq` from a given prefix KV or a stored context. Returns the prompt tokens
     /// covered, or `None` (sequence not created) if the KV could not be loaded or placed.
-    fn admit_preloaded(&mut self, s: &mut SeqState, seq: pk_kv::SeqId, hit: Option<(pk_tiers::ChunkKey, usize)>) -> Option<usize> {
+    fn admit_preloaded(
+        &mut self,
+        s: &mut SeqState,
+        seq: pk_kv::SeqId,
+        hit: Option<(pk_tiers::ChunkKey, usize)>,
+    ) -> Option<usize> {
         let (ctx, mut load, exact) = match (&s.req.params.prefix_kv, hit) {
             (Some(p), _) => (std::borrow::Cow::Borrowed(&p.kv), None, false),
             (None, Some((key, tokens))) => {
@@ -627,20 +785,31 @@ impl Engine {
         let n_original_tokens = ctx.n_original_tokens;
         // A compressed context keeps its tokens' original positions: sliding-window layers
         // need them (`SeqForward::stored_positions`).
-        if ctx.positions.iter().enumerate().any(|(i, &p)| p as usize != i) {
+        if ctx
+            .positions
+            .iter()
+            .enumerate()
+            .any(|(i, &p)| p as usize != i)
+        {
             s.stored_positions = Some(ctx.positions.clone());
         }
         if let (std::borrow::Cow::Owned(kv), Some(c)) = (ctx, self.contexts.as_ref()) {
             c.recycle(kv);
         }
-        s.context = SeqContext { inexact: !exact, offer: None, load };
+        s.context = SeqContext {
+            inexact: !exact,
+            offer: None,
+            load,
+        };
         Some(n_original_tokens)
     }
 
     /// Frees the most recently admitted running sequence other than `keep` and puts it
     /// back at the head of the queue. Returns its (former) sequence id.
     fn preempt_one(&mut self, keep: SeqId) -> Option<SeqId> {
-        let victim = (0..self.running.len()).rev().find(|&i| self.running[i].seq != Some(keep))?;
+        let victim = (0..self.running.len())
+            .rev()
+            .find(|&i| self.running[i].seq != Some(keep))?;
         let mut s = self.running.remove(victim);
         let seq = s.seq.take().expect("running sequences hold a block table");
         self.kv.free(seq);
@@ -652,7 +821,10 @@ impl Engine {
         }
         s.preemptions += 1;
         self.stats.preemptions += 1;
-        tracing::debug!("preempted a sequence ({} tokens) to free blocks", s.all_ids.len());
+        tracing::debug!(
+            "preempted a sequence ({} tokens) to free blocks",
+            s.all_ids.len()
+        );
         self.waiting.push_front(s);
         Some(seq)
     }
@@ -674,25 +846,42 @@ impl Engine {
             return 0;
         }
         // Plan: decode tokens first (one each), then prompt chunks, within the token budget.
-        let mut order: Vec<(bool, SeqId)> = self.running.iter().map(|s| (s.is_prefilling(), s.seq.expect("running"))).collect();
+        let mut order: Vec<(bool, SeqId)> = self
+            .running
+            .iter()
+            .map(|s| (s.is_prefilling(), s.seq.expect("running")))
+            .collect();
         order.sort_by_key(|&(prefilling, _)| prefilling);
         let mut budget = self.config.max_batch_tokens;
         let n_decoding = order.iter().filter(|&&(prefilling, _)| !prefilling).count();
         let mut plan: Vec<(SeqId, usize, usize)> = Vec::new(); // (seq, from, to) in all_ids
-        // Decodes are planned first (sorted above); prompt chunks beside them are capped.
-        // The cap grows with the decodes (PREFILL_TOKENS_PER_DECODE each): a step of many
-        // decodes is long already, and prompt rows beside them cost it proportionally less.
+                                                               // Decodes are planned first (sorted above); prompt chunks beside them are capped.
+                                                               // The cap grows with the decodes (PREFILL_TOKENS_PER_DECODE each): a step of many
+                                                               // decodes is long already, and prompt rows beside them cost it proportionally less.
         let mut prefill_left = match n_decoding {
             0 => usize::MAX,
-            n => self.config.max_prefill_tokens_while_decoding.max(PREFILL_TOKENS_PER_DECODE * n).max(1),
+            n => self
+                .config
+                .max_prefill_tokens_while_decoding
+                .max(PREFILL_TOKENS_PER_DECODE * n)
+                .max(1),
         };
         for (prefilling, seq) in order {
             if budget == 0 {
                 break;
             }
-            let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) else { continue };
-            let (from, pending) = (self.running[i].num_computed, self.running[i].all_ids.len() - self.running[i].num_computed);
-            let take = if prefilling { pending.min(budget).min(prefill_left) } else { pending.min(budget) };
+            let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) else {
+                continue;
+            };
+            let (from, pending) = (
+                self.running[i].num_computed,
+                self.running[i].all_ids.len() - self.running[i].num_computed,
+            );
+            let take = if prefilling {
+                pending.min(budget).min(prefill_left)
+            } else {
+                pending.min(budget)
+            };
             if take == 0 {
                 continue;
             }
@@ -707,7 +896,11 @@ impl Engine {
                 }
             };
             if !ok {
-                let i = self.running.iter().position(|s| s.seq == Some(seq)).expect("still running");
+                let i = self
+                    .running
+                    .iter()
+                    .position(|s| s.seq == Some(seq))
+                    .expect("still running");
                 let s = self.running.remove(i);
                 self.fail(s, RequestError::CacheFull("the KV cache is full even with every other sequence preempted; raise the KV capacity".into()));
                 continue;
@@ -729,14 +922,20 @@ impl Engine {
     /// Executes a plan: one forward pass over every planned chunk, then each sequence's
     /// result is applied (`apply`). Returns the number of tokens run.
     fn run_plan(&mut self, plan: &[(SeqId, usize, usize)]) -> usize {
-        let Some((logits, mut captured, capture)) = self.execute(plan) else { return 0 };
+        let Some((logits, mut captured, capture)) = self.execute(plan) else {
+            return 0;
+        };
         let vocab = self.backend.config().vocab_size;
         let mut row = 0;
         let mut n_tokens = 0;
         let mut finished = Vec::new();
         for (k, &(seq, from, to)) in plan.iter().enumerate() {
             n_tokens += to - from;
-            let i = self.running.iter().position(|s| s.seq == Some(seq)).expect("planned sequence is running");
+            let i = self
+                .running
+                .iter()
+                .position(|s| s.seq == Some(seq))
+                .expect("planned sequence is running");
             let wants_logits = to == self.running[i].all_ids.len();
             let l = wants_logits.then(|| &logits[row * vocab..(row + 1) * vocab]);
             row += usize::from(wants_logits);
@@ -759,9 +958,20 @@ impl Engine {
     /// afterwards). On failure every planned request fails (a device error may have left
     /// the batch's K/V half-written) and `None` is returned.
     #[allow(clippy::type_complexity)]
-    fn execute(&mut self, plan: &[(SeqId, usize, usize)]) -> Option<(Vec<f32>, Vec<Vec<f32>>, Vec<usize>)> {
-        let idx_of = |running: &[SeqState], seq: SeqId| running.iter().position(|s| s.seq == Some(seq)).expect("planned sequence is running");
-        let tables: Vec<Vec<u32>> = plan.iter().map(|(seq, _, _)| eviction::table_of(&self.kv, *seq)).collect();
+    fn execute(
+        &mut self,
+        plan: &[(SeqId, usize, usize)],
+    ) -> Option<(Vec<f32>, Vec<Vec<f32>>, Vec<usize>)> {
+        let idx_of = |running: &[SeqState], seq: SeqId| {
+            running
+                .iter()
+                .position(|s| s.seq == Some(seq))
+                .expect("planned sequence is running")
+        };
+        let tables: Vec<Vec<u32>> = plan
+            .iter()
+            .map(|(seq, _, _)| eviction::table_of(&self.kv, *seq))
+            .collect();
         let mut fwd = Vec::with_capacity(plan.len());
         let mut capture = Vec::with_capacity(plan.len());
         for (k, &(seq, from, to)) in plan.iter().enumerate() {
@@ -778,8 +988,14 @@ impl Engine {
                 stored_positions: s.stored_positions.as_deref().unwrap_or(&[]),
             });
             capture.push(match &s.eviction {
-                Some(ev) if !ev.initialised && to == s.all_ids.len() => ev.policy().prefill_queries().count(to - from),
-                Some(ev) if ev.initialised && ev.policy().decode_queries() != pk_kv::QueryNeed::None => 1,
+                Some(ev) if !ev.initialised && to == s.all_ids.len() => {
+                    ev.policy().prefill_queries().count(to - from)
+                }
+                Some(ev)
+                    if ev.initialised && ev.policy().decode_queries() != pk_kv::QueryNeed::None =>
+                {
+                    1
+                }
                 _ => 0,
             });
         }
@@ -792,7 +1008,10 @@ impl Engine {
                 for &(seq, _, _) in plan {
                     if let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) {
                         let s = self.running.remove(i);
-                        self.fail(s, RequestError::Internal(format!("the forward pass failed: {e}")));
+                        self.fail(
+                            s,
+                            RequestError::Internal(format!("the forward pass failed: {e}")),
+                        );
                     }
                 }
                 None
@@ -804,12 +1023,24 @@ impl Engine {
     /// streaming (`logits` when the chunk ends at the sequence's last token), then eviction
     /// or, for a non-evicting sequence, the context offer, the tier stores and the prefix
     /// cache. Returns whether the sequence is finished.
-    fn apply(&mut self, i: usize, from: usize, to: usize, logits: Option<&[f32]>, n_captured: usize, queries: Option<Vec<f32>>) -> bool {
+    fn apply(
+        &mut self,
+        i: usize,
+        from: usize,
+        to: usize,
+        logits: Option<&[f32]>,
+        n_captured: usize,
+        queries: Option<Vec<f32>>,
+    ) -> bool {
         let ctx = self.backend.config().context_length;
         let s = &mut self.running[i];
         let seq = s.seq.expect("running");
         let was_prefill = s.is_prefilling();
-        let new_positions: Vec<u32> = if s.stored_positions.is_some() { (from..to).map(|i| s.position_of(i) as u32).collect() } else { Vec::new() };
+        let new_positions: Vec<u32> = if s.stored_positions.is_some() {
+            (from..to).map(|i| s.position_of(i) as u32).collect()
+        } else {
+            Vec::new()
+        };
         if let Some(p) = s.stored_positions.as_mut() {
             p.extend(new_positions);
         }
@@ -829,7 +1060,10 @@ impl Engine {
             // be compacted or removed, and a cached block would force copies.
             return self.apply_eviction(i, from, to, n_captured, queries, prefill_done, finished);
         }
-        s.kv_stored_tokens = self.kv.block_table(seq).map_or(0, |t| t.num_stored_tokens() as usize);
+        s.kv_stored_tokens = self
+            .kv
+            .block_table(seq)
+            .map_or(0, |t| t.num_stored_tokens() as usize);
         if s.context.inexact {
             return finished;
         }
@@ -846,31 +1080,72 @@ impl Engine {
     /// The eviction part of `apply`: prefill selection once the prompt is in, then a block
     /// score per filled block and evictions while over budget.
     #[allow(clippy::too_many_arguments)]
-    fn apply_eviction(&mut self, i: usize, from: usize, to: usize, n_captured: usize, queries: Option<Vec<f32>>, prefill_done: bool, mut finished: bool) -> bool {
+    fn apply_eviction(
+        &mut self,
+        i: usize,
+        from: usize,
+        to: usize,
+        n_captured: usize,
+        queries: Option<Vec<f32>>,
+        prefill_done: bool,
+        mut finished: bool,
+    ) -> bool {
         let c = self.backend.config();
         let (n_heads, head_dim) = (c.n_heads, c.head_dim);
         let s = &mut self.running[i];
         let seq = s.seq.expect("running");
         let ev = s.eviction.as_mut().expect("an evicting sequence");
-        let stats = self.eviction_stats.entry(ev.spec.name().to_string()).or_default();
-        let stored_now = |kv: &KvCacheManager| kv.block_table(seq).map_or(0, |t| t.num_stored_tokens() as usize);
+        let stats = self
+            .eviction_stats
+            .entry(ev.spec.name().to_string())
+            .or_default();
+        let stored_now = |kv: &KvCacheManager| {
+            kv.block_table(seq)
+                .map_or(0, |t| t.num_stored_tokens() as usize)
+        };
         let stored_end = stored_now(&self.kv);
-        let queries = queries.map(|data| eviction::CapturedQueries { n_heads, head_dim, positions: (stored_end - n_captured..stored_end).collect(), data });
+        let queries = queries.map(|data| eviction::CapturedQueries {
+            n_heads,
+            head_dim,
+            positions: (stored_end - n_captured..stored_end).collect(),
+            data,
+        });
         if !ev.initialised {
             // The whole prompt (or, after preemption, everything) is in the cache and its
             // exact attention is done: select, compact, and from now on evict.
-            if prefill_done && !finished && !eviction::after_prefill(ev, &mut self.kv, self.backend.kv_mut(), seq, queries.as_ref(), stats, &mut s.stored_positions) {
+            if prefill_done
+                && !finished
+                && !eviction::after_prefill(
+                    ev,
+                    &mut self.kv,
+                    self.backend.kv_mut(),
+                    seq,
+                    queries.as_ref(),
+                    stats,
+                    &mut s.stored_positions,
+                )
+            {
                 // No block for a copy-on-write during compaction: give up on this request
                 // rather than corrupt a shared block.
                 s.aborted = true;
-                (s.req.sink)(SeqEvent::Error(RequestError::CacheFull("the KV cache is full: no block to compact the pruned prompt into".into())));
+                (s.req.sink)(SeqEvent::Error(RequestError::CacheFull(
+                    "the KV cache is full: no block to compact the pruned prompt into".into(),
+                )));
                 finished = true;
             }
         } else if to - from == 1 {
             if let Some(q) = queries {
                 ev.recent_queries.push((q.positions[0], q.data));
             }
-            eviction::after_decode(ev, &mut self.kv, self.backend.kv_mut(), seq, n_heads, stats, &mut s.stored_positions);
+            eviction::after_decode(
+                ev,
+                &mut self.kv,
+                self.backend.kv_mut(),
+                seq,
+                n_heads,
+                stats,
+                &mut s.stored_positions,
+            );
         }
         s.kv_stored_tokens = stored_now(&self.kv);
         finished
@@ -883,13 +1158,29 @@ impl Engine {
         let seq = s.seq.expect("running");
         if let (Some((key, tokens)), Some(c)) = (s.context.offer.take(), self.contexts.as_mut()) {
             if let Some(kv) = contexts::read_prefix(&self.kv, self.backend.kv(), seq, tokens) {
-                let window = if c.wants_window() { contexts::window_queries(&mut *self.backend, &self.kv, seq, &s.all_ids[..tokens]) } else { None };
+                let window = if c.wants_window() {
+                    contexts::window_queries(
+                        &mut *self.backend,
+                        &self.kv,
+                        seq,
+                        &s.all_ids[..tokens],
+                    )
+                } else {
+                    None
+                };
                 c.offer(key, kv, window);
             }
         }
         if !s.tier_keys.is_empty() && s.tier_next_chunk < s.tier_keys.len() {
             if let Some(t) = self.tiering.as_mut() {
-                s.tier_next_chunk = t.store_chunks(&s.tier_keys, s.tier_next_chunk, s.num_computed, &self.kv, self.backend.kv(), seq);
+                s.tier_next_chunk = t.store_chunks(
+                    &s.tier_keys,
+                    s.tier_next_chunk,
+                    s.num_computed,
+                    &self.kv,
+                    self.backend.kv(),
+                    seq,
+                );
             }
         }
     }
@@ -925,6 +1216,7 @@ impl Engine {
 pub fn model_content_id(path: &Path) -> Result<String> {
     let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut h = blake3::Hasher::new();
-    h.update_reader(&mut f).with_context(|| format!("reading {}", path.display()))?;
+    h.update_reader(&mut f)
+        .with_context(|| format!("reading {}", path.display()))?;
     Ok(format!("blake3:{}", h.finalize().to_hex()))
 }

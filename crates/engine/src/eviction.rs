@@ -9,7 +9,10 @@
 
 use std::cell::RefCell;
 
-use pk_kv::{EvictionPolicy, KvCacheManager, KvGranularity, KvView, PolicySpec, QueryView, SelectionUnit, SeqId, TokenMove};
+use pk_kv::{
+    EvictionPolicy, KvCacheManager, KvGranularity, KvView, PolicySpec, QueryView, SelectionUnit,
+    SeqId, TokenMove,
+};
 use pk_model::{KvBlocks, KvGeometry};
 
 /// One unit of selection (`KvGranularity`) and its own policy instance.
@@ -38,9 +41,28 @@ pub(crate) struct SeqEviction {
 }
 
 impl SeqEviction {
-    pub fn new(spec: PolicySpec, budget_tokens: u32, granularity: KvGranularity, units: Vec<SelectionUnit>) -> SeqEviction {
-        let units = units.into_iter().map(|unit| UnitPolicy { unit, policy: spec.build() }).collect();
-        SeqEviction { units, spec, granularity, budget_tokens, keep_generated: false, initialised: false, recent_queries: Vec::new() }
+    pub fn new(
+        spec: PolicySpec,
+        budget_tokens: u32,
+        granularity: KvGranularity,
+        units: Vec<SelectionUnit>,
+    ) -> SeqEviction {
+        let units = units
+            .into_iter()
+            .map(|unit| UnitPolicy {
+                unit,
+                policy: spec.build(),
+            })
+            .collect();
+        SeqEviction {
+            units,
+            spec,
+            granularity,
+            budget_tokens,
+            keep_generated: false,
+            initialised: false,
+            recent_queries: Vec::new(),
+        }
     }
 
     /// Unit 0's policy: every unit runs the same spec, so it answers for all of them what
@@ -93,7 +115,14 @@ impl<'a> StoreView<'a> {
     pub fn new(store: &'a dyn KvBlocks, table: &'a [u32], n_tokens: usize) -> StoreView<'a> {
         let g = store.geometry();
         let entries = 2 * g.n_layers * g.n_kv_heads;
-        StoreView { store, geometry: g, table, n_tokens, cache: RefCell::new(vec![(None, Vec::new()); entries]), prefetched: None }
+        StoreView {
+            store,
+            geometry: g,
+            table,
+            n_tokens,
+            cache: RefCell::new(vec![(None, Vec::new()); entries]),
+            prefetched: None,
+        }
     }
 
     /// A view that reads all `n_tokens` in one bulk transfer first, where that helps (a
@@ -110,7 +139,9 @@ impl<'a> StoreView<'a> {
             Ok(()) => view.prefetched = Some((k, v)),
             // The backend has recorded the failure and fails its next forward pass; the
             // block reads below return what they can until then.
-            Err(e) => tracing::warn!("prefetching a sequence's KV for its eviction policy failed: {e}"),
+            Err(e) => {
+                tracing::warn!("prefetching a sequence's KV for its eviction policy failed: {e}")
+            }
         }
         view
     }
@@ -119,7 +150,11 @@ impl<'a> StoreView<'a> {
         let g = &self.geometry;
         let (bs, hd) = (g.block_size_tokens, g.head_dim);
         if let Some((k, v)) = &self.prefetched {
-            debug_assert!(token < self.n_tokens, "token {token} of a view of {}", self.n_tokens);
+            debug_assert!(
+                token < self.n_tokens,
+                "token {token} of a view of {}",
+                self.n_tokens
+            );
             let at = ((layer * g.n_kv_heads + kv_head) * self.n_tokens + token) * hd;
             out.copy_from_slice(&(if is_value { v } else { k })[at..at + hd]);
             return;
@@ -190,7 +225,12 @@ impl QueryView for CapturedQueries {
 
 /// A live sequence's block table as the plain ids the model and the store take.
 pub(crate) fn table_of(kv: &KvCacheManager, seq: SeqId) -> Vec<u32> {
-    kv.block_table(seq).expect("live sequence").block_ids().iter().map(|b| b.0).collect()
+    kv.block_table(seq)
+        .expect("live sequence")
+        .block_ids()
+        .iter()
+        .map(|b| b.0)
+        .collect()
 }
 
 /// Runs prefill selection over everything the sequence has stored, in every unit, and
@@ -215,9 +255,21 @@ pub(crate) fn after_prefill(
         ev.units
             .iter_mut()
             .map(|u| {
-                let unit_view = UnitView { inner: &view, unit: &u.unit };
-                let unit_queries = queries.map(|q| UnitQueries { inner: q, unit: &u.unit, n_kv_heads: view.n_kv_heads() });
-                u.policy.select_prefill(&unit_view, unit_queries.as_ref().map(|q| q as &dyn QueryView), budget, bs)
+                let unit_view = UnitView {
+                    inner: &view,
+                    unit: &u.unit,
+                };
+                let unit_queries = queries.map(|q| UnitQueries {
+                    inner: q,
+                    unit: &u.unit,
+                    n_kv_heads: view.n_kv_heads(),
+                });
+                u.policy.select_prefill(
+                    &unit_view,
+                    unit_queries.as_ref().map(|q| q as &dyn QueryView),
+                    budget,
+                    bs,
+                )
             })
             .collect()
     };
@@ -228,7 +280,9 @@ pub(crate) fn after_prefill(
     if !compact(ev, kv, store, seq, &keeps) {
         return false;
     }
-    let old = positions.take().unwrap_or_else(|| (0..n_stored as u32).collect());
+    let old = positions
+        .take()
+        .unwrap_or_else(|| (0..n_stored as u32).collect());
     *positions = Some(keeps[0].iter().map(|&i| old[i as usize]).collect());
     stats.pruned_prompt_tokens += (n_stored - keeps[0].len()) as u64;
     true
@@ -236,17 +290,32 @@ pub(crate) fn after_prefill(
 
 /// Keeps `keeps[u]` in unit `u` and performs the K/V moves: through `compact` (every layer
 /// at once) when one unit holds the whole model, else through `compact_units`.
-fn compact(ev: &SeqEviction, kv: &mut KvCacheManager, store: &mut dyn KvBlocks, seq: SeqId, keeps: &[Vec<u32>]) -> bool {
-    let slot = |m: &TokenMove| ((m.src.block_id.0, m.src.offset_tokens as usize), (m.dst.block_id.0, m.dst.offset_tokens as usize));
+fn compact(
+    ev: &SeqEviction,
+    kv: &mut KvCacheManager,
+    store: &mut dyn KvBlocks,
+    seq: SeqId,
+    keeps: &[Vec<u32>],
+) -> bool {
+    let slot = |m: &TokenMove| {
+        (
+            (m.src.block_id.0, m.src.offset_tokens as usize),
+            (m.dst.block_id.0, m.dst.offset_tokens as usize),
+        )
+    };
     if ev.units.len() == 1 {
-        let Some(moves) = kv.compact(seq, &keeps[0]) else { return false };
+        let Some(moves) = kv.compact(seq, &keeps[0]) else {
+            return false;
+        };
         for m in &moves {
             let (src, dst) = slot(m);
             store.copy_slot(src, dst);
         }
         return true;
     }
-    let Some((private, unit_moves)) = kv.compact_units(seq, keeps) else { return false };
+    let Some((private, unit_moves)) = kv.compact_units(seq, keeps) else {
+        return false;
+    };
     for m in &private {
         let (src, dst) = slot(m);
         store.copy_slot(src, dst);
@@ -269,7 +338,15 @@ fn compact(ev: &SeqEviction, kv: &mut KvCacheManager, store: &mut dyn KvBlocks, 
 /// block leaves the table; with several, each unit drops its own block and moves its later
 /// blocks down one, and the table's last block is released.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn after_decode(ev: &mut SeqEviction, kv: &mut KvCacheManager, store: &mut dyn KvBlocks, seq: SeqId, n_heads: usize, stats: &mut EvictionStats, positions: &mut Option<Vec<u32>>) {
+pub(crate) fn after_decode(
+    ev: &mut SeqEviction,
+    kv: &mut KvCacheManager,
+    store: &mut dyn KvBlocks,
+    seq: SeqId,
+    n_heads: usize,
+    stats: &mut EvictionStats,
+    positions: &mut Option<Vec<u32>>,
+) {
     let bs = kv.block_size_tokens() as usize;
     let n_stored = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
     if n_stored % bs != 0 {
@@ -280,22 +357,46 @@ pub(crate) fn after_decode(ev: &mut SeqEviction, kv: &mut KvCacheManager, store:
     {
         let view = StoreView::new(&*store, &table, n_stored);
         for u in &mut ev.units {
-            let unit_view = UnitView { inner: &view, unit: &u.unit };
-            let unit_queries = queries.as_ref().map(|q| UnitQueries { inner: q, unit: &u.unit, n_kv_heads: view.n_kv_heads() });
-            u.policy.on_block_filled(&unit_view, unit_queries.as_ref().map(|q| q as &dyn QueryView), n_stored / bs - 1);
+            let unit_view = UnitView {
+                inner: &view,
+                unit: &u.unit,
+            };
+            let unit_queries = queries.as_ref().map(|q| UnitQueries {
+                inner: q,
+                unit: &u.unit,
+                n_kv_heads: view.n_kv_heads(),
+            });
+            u.policy.on_block_filled(
+                &unit_view,
+                unit_queries.as_ref().map(|q| q as &dyn QueryView),
+                n_stored / bs - 1,
+            );
         }
     }
     ev.recent_queries.clear();
-    while !ev.keep_generated && kv.block_table(seq).expect("live").num_stored_tokens() > ev.budget_tokens {
+    while !ev.keep_generated
+        && kv.block_table(seq).expect("live").num_stored_tokens() > ev.budget_tokens
+    {
         let n_blocks = kv.block_table(seq).expect("live").num_blocks();
         let before = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
-        let victims: Option<Vec<usize>> = ev.units.iter().map(|u| u.policy.choose_victim(n_blocks)).collect();
+        let victims: Option<Vec<usize>> = ev
+            .units
+            .iter()
+            .map(|u| u.policy.choose_victim(n_blocks))
+            .collect();
         let Some(victims) = victims else { break };
         if ev.units.len() == 1 {
             kv.remove_block(seq, victims[0]);
         } else {
             // Full blocks only here (a block has just filled), so each unit drops B tokens.
-            let keeps: Vec<Vec<u32>> = victims.iter().map(|&v| (0..before as u32).filter(|&i| i as usize / bs != v).collect()).collect();
+            let keeps: Vec<Vec<u32>> = victims
+                .iter()
+                .map(|&v| {
+                    (0..before as u32)
+                        .filter(|&i| i as usize / bs != v)
+                        .collect()
+                })
+                .collect();
             if !compact(ev, kv, store, seq, &keeps) {
                 tracing::warn!("no free block for a copy-on-write while evicting per {}; the sequence stays over its budget", ev.granularity);
                 break;
@@ -322,7 +423,11 @@ impl KvView for UnitView<'_> {
         self.unit.layers.len()
     }
     fn n_kv_heads(&self) -> usize {
-        if self.unit.kv_head.is_some() { 1 } else { self.inner.n_kv_heads() }
+        if self.unit.kv_head.is_some() {
+            1
+        } else {
+            self.inner.n_kv_heads()
+        }
     }
     fn head_dim(&self) -> usize {
         self.inner.head_dim()
@@ -331,10 +436,20 @@ impl KvView for UnitView<'_> {
         self.inner.n_tokens()
     }
     fn key(&self, layer: usize, kv_head: usize, token: usize, out: &mut [f32]) {
-        self.inner.key(self.unit.layers[layer], self.unit.kv_head.unwrap_or(kv_head), token, out)
+        self.inner.key(
+            self.unit.layers[layer],
+            self.unit.kv_head.unwrap_or(kv_head),
+            token,
+            out,
+        )
     }
     fn value(&self, layer: usize, kv_head: usize, token: usize, out: &mut [f32]) {
-        self.inner.value(self.unit.layers[layer], self.unit.kv_head.unwrap_or(kv_head), token, out)
+        self.inner.value(
+            self.unit.layers[layer],
+            self.unit.kv_head.unwrap_or(kv_head),
+            token,
+            out,
+        )
     }
 }
 
@@ -357,7 +472,11 @@ impl QueryView for UnitQueries<'_> {
         self.inner.n_queries()
     }
     fn n_heads(&self) -> usize {
-        if self.unit.kv_head.is_some() { self.group() } else { self.inner.n_heads }
+        if self.unit.kv_head.is_some() {
+            self.group()
+        } else {
+            self.inner.n_heads
+        }
     }
     fn query(&self, layer: usize, head: usize, q: usize, out: &mut [f32]) {
         let head = self.unit.kv_head.map_or(head, |h| h * self.group() + head);
@@ -369,7 +488,11 @@ impl QueryView for UnitQueries<'_> {
 }
 
 /// The newest queries the policy asks for, transposed to `CapturedQueries`' layout.
-fn recent_as_view(ev: &SeqEviction, store: &dyn KvBlocks, n_heads: usize) -> Option<CapturedQueries> {
+fn recent_as_view(
+    ev: &SeqEviction,
+    store: &dyn KvBlocks,
+    n_heads: usize,
+) -> Option<CapturedQueries> {
     let want = ev.policy().decode_queries().count(ev.recent_queries.len());
     if want == 0 {
         return None;
@@ -384,7 +507,12 @@ fn recent_as_view(ev: &SeqEviction, store: &dyn KvBlocks, n_heads: usize) -> Opt
             data[dst..dst + q_dim].copy_from_slice(&per_layer[layer * q_dim..(layer + 1) * q_dim]);
         }
     }
-    Some(CapturedQueries { n_heads, head_dim: g.head_dim, positions: recent.iter().map(|r| r.0).collect(), data })
+    Some(CapturedQueries {
+        n_heads,
+        head_dim: g.head_dim,
+        positions: recent.iter().map(|r| r.0).collect(),
+        data,
+    })
 }
 
 #[cfg(test)]
@@ -408,14 +536,25 @@ mod tests {
         for layer in 0..2 {
             let (mut k, mut v) = (vec![0f32; 16], vec![0f32; 16]);
             for h in 0..2 {
-                kv_of(layer, h, t, &mut k[h * 8..(h + 1) * 8], &mut v[h * 8..(h + 1) * 8]);
+                kv_of(
+                    layer,
+                    h,
+                    t,
+                    &mut k[h * 8..(h + 1) * 8],
+                    &mut v[h * 8..(h + 1) * 8],
+                );
             }
             store.write_token(layer, table[stored / 4], stored % 4, &k, &v);
         }
     }
 
     /// Each (layer, head, tokens) holds exactly `tokens`, in order, in the sequence's slots.
-    fn assert_units_hold(store: &KvStore, kv: &KvCacheManager, seq: SeqId, expected: &[(usize, usize, Vec<u32>, Box<dyn EvictionPolicy>)]) {
+    fn assert_units_hold(
+        store: &KvStore,
+        kv: &KvCacheManager,
+        seq: SeqId,
+        expected: &[(usize, usize, Vec<u32>, Box<dyn EvictionPolicy>)],
+    ) {
         let table = table_of(kv, seq);
         let n = kv.block_table(seq).unwrap().num_stored_tokens() as usize;
         let mut row = vec![0f32; 4 * 8];
@@ -425,7 +564,11 @@ mod tests {
                 store.read_v(*layer, table[i / 4], *h, &mut row);
                 let (mut k, mut v) = (vec![0f32; 8], vec![0f32; 8]);
                 kv_of(*layer, *h, t as usize, &mut k, &mut v);
-                assert_eq!(&row[(i % 4) * 8..(i % 4 + 1) * 8], &v[..], "layer {layer} head {h} slot {i}: token {t}");
+                assert_eq!(
+                    &row[(i % 4) * 8..(i % 4 + 1) * 8],
+                    &v[..],
+                    "layer {layer} head {h} slot {i}: token {t}"
+                );
             }
         }
     }
@@ -435,10 +578,21 @@ mod tests {
     /// holds the budget; shared blocks from the prefix cache are never written.
     #[test]
     fn each_head_keeps_its_own_tokens_through_prefill_and_decode() {
-        let g = KvGeometry { n_layers: 2, n_kv_heads: 2, head_dim: 8, block_size_tokens: 4, num_blocks: 32 };
+        let g = KvGeometry {
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 8,
+            block_size_tokens: 4,
+            num_blocks: 32,
+        };
         let (bs, budget, n_prompt) = (4usize, 16u32, 40usize);
         let spec: PolicySpec = "knorm".parse().unwrap();
-        let mut ev = SeqEviction::new(spec, budget, KvGranularity::Head, pk_kv::selection_units(KvGranularity::Head, 2, 2, |_| false));
+        let mut ev = SeqEviction::new(
+            spec,
+            budget,
+            KvGranularity::Head,
+            pk_kv::selection_units(KvGranularity::Head, 2, 2, |_| false),
+        );
         let (mut store, mut kv) = (KvStore::new(g, KvDtype::F32), KvCacheManager::new(32, 4));
         // A donor caches the first 8 prompt tokens' blocks: the sequence adopts them shared.
         let prompt: Vec<u32> = (0..n_prompt as u32).collect();
@@ -456,16 +610,32 @@ mod tests {
         // What each (layer, head)'s own policy keeps, from a dense copy of its K/V alone.
         let mut expected: Vec<(usize, usize, Vec<u32>, Box<dyn EvictionPolicy>)> = Vec::new();
         for (layer, h) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
-            let dense = pk_kv::DenseKv::from_fn(1, 1, 8, n_prompt, |_, _, t, k, v| kv_of(layer, h, t, k, v));
+            let dense = pk_kv::DenseKv::from_fn(1, 1, 8, n_prompt, |_, _, t, k, v| {
+                kv_of(layer, h, t, k, v)
+            });
             let mut policy = spec.build();
             let keep = policy.select_prefill(&dense, None, budget, 4);
             expected.push((layer, h, keep, policy));
         }
         let (mut stats, mut positions) = (EvictionStats::default(), None);
-        assert!(after_prefill(&mut ev, &mut kv, &mut store, seq, None, &mut stats, &mut positions));
-        assert!(expected.iter().any(|e| e.2 != expected[0].2), "the test needs heads that choose differently");
+        assert!(after_prefill(
+            &mut ev,
+            &mut kv,
+            &mut store,
+            seq,
+            None,
+            &mut stats,
+            &mut positions
+        ));
+        assert!(
+            expected.iter().any(|e| e.2 != expected[0].2),
+            "the test needs heads that choose differently"
+        );
         assert_units_hold(&store, &kv, seq, &expected);
-        assert_eq!(stats.pruned_prompt_tokens, (n_prompt - budget as usize) as u64);
+        assert_eq!(
+            stats.pruned_prompt_tokens,
+            (n_prompt - budget as usize) as u64
+        );
         // Decode: fill a block; each unit evicts its own lowest-scored block.
         for t in n_prompt..n_prompt + bs {
             kv.allocate_slots(seq, 1).unwrap();
@@ -473,11 +643,21 @@ mod tests {
             write_token_at(&mut store, &table_of(&kv, seq), stored, t);
             // As the engine's step does: a new token's position joins the stored positions.
             positions.as_mut().expect("set at prefill").push(t as u32);
-            after_decode(&mut ev, &mut kv, &mut store, seq, 2, &mut stats, &mut positions);
+            after_decode(
+                &mut ev,
+                &mut kv,
+                &mut store,
+                seq,
+                2,
+                &mut stats,
+                &mut positions,
+            );
         }
         for (layer, h, tokens, policy) in expected.iter_mut() {
             tokens.extend((n_prompt..n_prompt + bs).map(|t| t as u32));
-            let dense = pk_kv::DenseKv::from_fn(1, 1, 8, tokens.len(), |_, _, i, k, v| kv_of(*layer, *h, tokens[i] as usize, k, v));
+            let dense = pk_kv::DenseKv::from_fn(1, 1, 8, tokens.len(), |_, _, i, k, v| {
+                kv_of(*layer, *h, tokens[i] as usize, k, v)
+            });
             policy.on_block_filled(&dense, None, tokens.len() / bs - 1);
             let victim = policy.choose_victim(tokens.len() / bs).unwrap();
             policy.on_block_removed(victim);
@@ -488,11 +668,16 @@ mod tests {
         assert_eq!(positions.as_ref().map(|p| p.len()), Some(budget as usize));
         // The donor's (cached, shared) blocks still hold the prompt, in every unit.
         let mut row = vec![0f32; 4 * 8];
-        for (t, (layer, h)) in (0..8).flat_map(|t| [(0, 0), (0, 1), (1, 0), (1, 1)].map(|u| (t, u))) {
+        for (t, (layer, h)) in (0..8).flat_map(|t| [(0, 0), (0, 1), (1, 0), (1, 1)].map(|u| (t, u)))
+        {
             let (mut k, mut v) = (vec![0f32; 8], vec![0f32; 8]);
             kv_of(layer, h, t, &mut k, &mut v);
             store.read_v(layer, donor_blocks[t / bs], h, &mut row);
-            assert_eq!(&row[(t % bs) * 8..(t % bs + 1) * 8], &v[..], "donor token {t} layer {layer} head {h}");
+            assert_eq!(
+                &row[(t % bs) * 8..(t % bs + 1) * 8],
+                &v[..],
+                "donor token {t} layer {layer} head {h}"
+            );
         }
         kv.check_invariants();
     }
@@ -501,7 +686,13 @@ mod tests {
     /// order; on a host store it is the block-at-a-time view itself.
     #[test]
     fn prefetched_view_reads_what_block_reads_do() {
-        let g = KvGeometry { n_layers: 2, n_kv_heads: 3, head_dim: 8, block_size_tokens: 4, num_blocks: 8 };
+        let g = KvGeometry {
+            n_layers: 2,
+            n_kv_heads: 3,
+            head_dim: 8,
+            block_size_tokens: 4,
+            num_blocks: 8,
+        };
         let table = [6u32, 2, 5, 0];
         let n = 14;
         let len = g.n_layers * g.n_kv_heads * n * g.head_dim;
@@ -509,9 +700,14 @@ mod tests {
         let v: Vec<f32> = (0..len).map(|i| -((i % 89) as f32) / 4.0).collect();
         let mut pool = BlockOpsOnly(KvStore::new(g, KvDtype::F16));
         pool.write_tokens(&table, 0, &k, &v);
-        let (plain, pre) = (StoreView::new(&pool, &table, n), StoreView::prefetched(&pool, &table, n));
+        let (plain, pre) = (
+            StoreView::new(&pool, &table, n),
+            StoreView::prefetched(&pool, &table, n),
+        );
         assert!(pre.prefetched.is_some());
-        assert!(StoreView::prefetched(&pool.0, &table, n).prefetched.is_none());
+        assert!(StoreView::prefetched(&pool.0, &table, n)
+            .prefetched
+            .is_none());
         let (mut a, mut b) = (vec![0f32; 8], vec![0f32; 8]);
         for token in (0..n).rev() {
             for layer in 0..2 {

@@ -15,9 +15,11 @@ mod sequence;
 pub mod stop;
 pub mod tiering;
 
+pub use contexts::{kv_fingerprint, ContextReuseConfig, ContextReuseStats, PrefixKv};
+pub use engine::{
+    Engine, EngineConfig, EngineStats, FinishReason, GenerateOutput, GenerateParams, SubmitError,
+};
 pub use eviction::EvictionStats;
-pub use engine::{Engine, EngineConfig, EngineStats, FinishReason, GenerateOutput, GenerateParams, SubmitError};
 pub use request::{Request, RequestError, RequestOutput, SeqEvent};
 pub use sampler::{Sampler, SamplingParams};
 pub use tiering::{TieringConfig, TieringStats};
-pub use contexts::{kv_fingerprint, ContextReuseConfig, ContextReuseStats, PrefixKv};

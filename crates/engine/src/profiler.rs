@@ -68,7 +68,9 @@ impl std::str::FromStr for QualityMetric {
         match s {
             "f1" => Ok(QualityMetric::AnswerF1),
             "teacher-forced" => Ok(QualityMetric::TeacherForced),
-            _ => Err(format!("unknown profile metric {s:?} (f1 or teacher-forced)")),
+            _ => Err(format!(
+                "unknown profile metric {s:?} (f1 or teacher-forced)"
+            )),
         }
     }
 }
@@ -115,9 +117,17 @@ impl Profiling {
         if !self.phase_done() {
             return Ok(false);
         }
-        let Some((prefixes, queries)) = self.second_phase.take() else { return Ok(true) };
-        let refs: Vec<Vec<u32>> = (0..queries.len()).map(|q| self.answer(0, q).unwrap_or_default()).collect();
-        for (c, prefix) in prefixes.into_iter().enumerate().filter_map(|(i, p)| Some((i + 1, p?))) {
+        let Some((prefixes, queries)) = self.second_phase.take() else {
+            return Ok(true);
+        };
+        let refs: Vec<Vec<u32>> = (0..queries.len())
+            .map(|q| self.answer(0, q).unwrap_or_default())
+            .collect();
+        for (c, prefix) in prefixes
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, p)| Some((i + 1, p?)))
+        {
             for (q, query) in queries.iter().enumerate() {
                 if refs[q].is_empty() {
                     self.agreement.lock().unwrap().insert((c, q), 1.0);
@@ -134,19 +144,30 @@ impl Profiling {
                     background: true,
                     ..Default::default()
                 };
-                let (agreement, remaining, reference) = (self.agreement.clone(), self.remaining.clone(), refs[q].clone());
+                let (agreement, remaining, reference) = (
+                    self.agreement.clone(),
+                    self.remaining.clone(),
+                    refs[q].clone(),
+                );
                 let (mut matched, mut seen, mut done) = (0usize, 0usize, false);
                 self.remaining.fetch_add(1, Ordering::AcqRel);
                 let sink = Box::new(move |ev: SeqEvent| {
                     let finished = match ev {
                         SeqEvent::Logits(l) => {
-                            let top = l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32);
+                            let top = l
+                                .iter()
+                                .enumerate()
+                                .max_by(|a, b| a.1.total_cmp(b.1))
+                                .map(|(i, _)| i as u32);
                             matched += usize::from(top == reference.get(seen).copied());
                             seen += 1;
                             false
                         }
                         SeqEvent::Finished(_) => {
-                            agreement.lock().unwrap().insert((c, q), matched as f64 / reference.len() as f64);
+                            agreement
+                                .lock()
+                                .unwrap()
+                                .insert((c, q), matched as f64 / reference.len() as f64);
                             true
                         }
                         SeqEvent::Error(_) => true,
@@ -158,7 +179,12 @@ impl Profiling {
                     }
                     true
                 });
-                if let Err(err) = e.submit(Request { prompt_ids: prompt, params, cache_salt: None, sink }) {
+                if let Err(err) = e.submit(Request {
+                    prompt_ids: prompt,
+                    params,
+                    cache_salt: None,
+                    sink,
+                }) {
                     self.remaining.fetch_sub(1, Ordering::AcqRel);
                     bail!("submitting a teacher-forced profiling request: {err}");
                 }
@@ -178,11 +204,23 @@ impl Profiling {
             return 1.0;
         }
         match self.metric {
-            QualityMetric::TeacherForced => self.agreement.lock().unwrap().get(&(config, query)).copied().unwrap_or(0.0),
+            QualityMetric::TeacherForced => self
+                .agreement
+                .lock()
+                .unwrap()
+                .get(&(config, query))
+                .copied()
+                .unwrap_or(0.0),
             QualityMetric::AnswerF1 => {
                 let answers = self.answers.lock().unwrap();
                 let reference = answers.get(&(0, query)).map(Vec::as_slice).unwrap_or(&[]);
-                token_f1(answers.get(&(config, query)).map(Vec::as_slice).unwrap_or(&[]), reference)
+                token_f1(
+                    answers
+                        .get(&(config, query))
+                        .map(Vec::as_slice)
+                        .unwrap_or(&[]),
+                    reference,
+                )
             }
         }
     }
@@ -196,7 +234,9 @@ impl Profiling {
                     if c == 0 {
                         return 1.0;
                     }
-                    let sum: f64 = (0..self.n_queries).map(|q| agreement.get(&(c, q)).copied().unwrap_or(0.0)).sum();
+                    let sum: f64 = (0..self.n_queries)
+                        .map(|q| agreement.get(&(c, q)).copied().unwrap_or(0.0))
+                        .sum();
                     (sum / self.n_queries.max(1) as f64) as f32
                 })
                 .collect();
@@ -220,30 +260,56 @@ impl Engine {
     /// Submits the profiling requests of one stored context: for every configuration of
     /// the store's grid and every query (tokens that follow the context), a greedy answer
     /// of at most `max_answer_tokens` from the configuration's KV.
-    pub fn start_profile(&mut self, key: ChunkKey, queries: &[Vec<u32>], max_answer_tokens: usize) -> Result<Profiling> {
+    pub fn start_profile(
+        &mut self,
+        key: ChunkKey,
+        queries: &[Vec<u32>],
+        max_answer_tokens: usize,
+    ) -> Result<Profiling> {
         let metric = self.profile_metric();
         self.start_profile_with(key, queries, max_answer_tokens, metric)
     }
 
     /// As [`Engine::start_profile`], scored by `metric` instead of the configured one.
-    pub fn start_profile_with(&mut self, key: ChunkKey, queries: &[Vec<u32>], max_answer_tokens: usize, metric: QualityMetric) -> Result<Profiling> {
-        let Some(store) = self.context_store() else { bail!("no context store configured") };
+    pub fn start_profile_with(
+        &mut self,
+        key: ChunkKey,
+        queries: &[Vec<u32>],
+        max_answer_tokens: usize,
+        metric: QualityMetric,
+    ) -> Result<Profiling> {
+        let Some(store) = self.context_store() else {
+            bail!("no context store configured")
+        };
         if queries.is_empty() {
             bail!("profiling needs at least one query");
         }
         let full = store.load_master(&key).map_err(anyhow::Error::msg)?;
         let n_configs = store.grid().len();
-        let room = self.config.max_waiting_requests.saturating_sub(self.num_waiting());
+        let room = self
+            .config
+            .max_waiting_requests
+            .saturating_sub(self.num_waiting());
         if n_configs * queries.len() > room {
-            bail!("profiling needs {} requests; the queue has room for {room}", n_configs * queries.len());
+            bail!(
+                "profiling needs {} requests; the queue has room for {room}",
+                n_configs * queries.len()
+            );
         }
         let answers = Arc::new(Mutex::new(HashMap::new()));
         // With teacher forcing, the first phase answers from the full KV only. A
         // configuration this context cannot build (SnapKV without its scores) is not run:
         // it scores 0, and the store never places it anyway.
-        let first_phase_configs = if metric == QualityMetric::TeacherForced { 1 } else { n_configs };
-        let available: Vec<bool> = (0..n_configs).map(|c| c == 0 || store.is_available(&key, c)).collect();
-        let first_phase_requests = (0..first_phase_configs).filter(|&c| available[c]).count() * queries.len();
+        let first_phase_configs = if metric == QualityMetric::TeacherForced {
+            1
+        } else {
+            n_configs
+        };
+        let available: Vec<bool> = (0..n_configs)
+            .map(|c| c == 0 || store.is_available(&key, c))
+            .collect();
+        let first_phase_requests =
+            (0..first_phase_configs).filter(|&c| available[c]).count() * queries.len();
         let remaining = Arc::new(AtomicUsize::new(first_phase_requests));
         let mut later = Vec::new();
         for c in 0..n_configs {
@@ -253,7 +319,11 @@ impl Engine {
                 }
                 continue;
             }
-            let kv = if c == 0 { full.clone() } else { store.compress(&key, &full, c).map_err(anyhow::Error::msg)? };
+            let kv = if c == 0 {
+                full.clone()
+            } else {
+                store.compress(&key, &full, c).map_err(anyhow::Error::msg)?
+            };
             let prefix = Arc::new(PrefixKv { kv });
             if c >= first_phase_configs {
                 later.push(Some(prefix));
@@ -263,7 +333,12 @@ impl Engine {
                 // The context's own token ids are not needed: its KV is given.
                 let mut prompt = vec![0u32; prefix.n_tokens()];
                 prompt.extend_from_slice(query);
-                let params = GenerateParams { max_tokens: max_answer_tokens, prefix_kv: Some(prefix.clone()), background: true, ..Default::default() };
+                let params = GenerateParams {
+                    max_tokens: max_answer_tokens,
+                    prefix_kv: Some(prefix.clone()),
+                    background: true,
+                    ..Default::default()
+                };
                 let (answers, remaining) = (answers.clone(), remaining.clone());
                 let mut done = false;
                 let sink = Box::new(move |e: SeqEvent| {
@@ -281,15 +356,36 @@ impl Engine {
                     }
                     true
                 });
-                self.submit(Request { prompt_ids: prompt, params, cache_salt: None, sink }).map_err(|e| anyhow::anyhow!("{e}"))?;
+                self.submit(Request {
+                    prompt_ids: prompt,
+                    params,
+                    cache_salt: None,
+                    sink,
+                })
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
             }
         }
-        let second_phase = (metric == QualityMetric::TeacherForced).then(|| (later, queries.to_vec()));
-        Ok(Profiling { key, n_configs, n_queries: queries.len(), answers, agreement: Arc::new(Mutex::new(HashMap::new())), remaining, second_phase, metric })
+        let second_phase =
+            (metric == QualityMetric::TeacherForced).then(|| (later, queries.to_vec()));
+        Ok(Profiling {
+            key,
+            n_configs,
+            n_queries: queries.len(),
+            answers,
+            agreement: Arc::new(Mutex::new(HashMap::new())),
+            remaining,
+            second_phase,
+            metric,
+        })
     }
 
     /// Profiles one context to completion and records the curve in the store. Returns it.
-    pub fn profile_blocking(&mut self, key: ChunkKey, queries: &[Vec<u32>], max_answer_tokens: usize) -> Result<Vec<f32>> {
+    pub fn profile_blocking(
+        &mut self,
+        key: ChunkKey,
+        queries: &[Vec<u32>],
+        max_answer_tokens: usize,
+    ) -> Result<Vec<f32>> {
         let mut p = self.start_profile(key, queries, max_answer_tokens)?;
         while !p.poll(self)? {
             if !self.has_work() {
@@ -298,13 +394,19 @@ impl Engine {
             self.step();
         }
         let q = p.qualities();
-        self.context_store().expect("checked").set_profile(&key, q.clone()).map_err(anyhow::Error::msg)?;
+        self.context_store()
+            .expect("checked")
+            .set_profile(&key, q.clone())
+            .map_err(anyhow::Error::msg)?;
         Ok(q)
     }
 
     /// A server's idle hook: if nothing waits and a stored context wants a (re)profile with
     /// queries seen for it, starts profiling it.
-    pub fn maybe_start_background_profile(&mut self, max_answer_tokens: usize) -> Option<Profiling> {
+    pub fn maybe_start_background_profile(
+        &mut self,
+        max_answer_tokens: usize,
+    ) -> Option<Profiling> {
         if self.num_waiting() > 0 || self.num_running() * 2 > self.config.max_running_seqs {
             return None;
         }

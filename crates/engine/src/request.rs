@@ -10,7 +10,10 @@ use crate::engine::{FinishReason, GenerateParams};
 pub enum SeqEvent {
     /// Newly final text and the token ids that produced it (ids may arrive before their
     /// text when a character spans tokens or a stop string might be starting).
-    Text { text: String, token_ids: Vec<u32> },
+    Text {
+        text: String,
+        token_ids: Vec<u32>,
+    },
     /// The full logits of a step (only with `GenerateParams::return_logits`).
     Logits(Vec<f32>),
     Finished(RequestOutput),

@@ -19,7 +19,12 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+        }
     }
 }
 
@@ -34,10 +39,19 @@ pub struct SamplingError {
 impl SamplingParams {
     pub fn validate(&self) -> Result<(), SamplingError> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(SamplingError { param: "temperature", message: format!("temperature must be a finite number >= 0, got {}", self.temperature) });
+            return Err(SamplingError {
+                param: "temperature",
+                message: format!(
+                    "temperature must be a finite number >= 0, got {}",
+                    self.temperature
+                ),
+            });
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(SamplingError { param: "top_p", message: format!("top_p must be in (0, 1], got {}", self.top_p) });
+            return Err(SamplingError {
+                param: "top_p",
+                message: format!("top_p must be in (0, 1], got {}", self.top_p),
+            });
         }
         Ok(())
     }
@@ -56,7 +70,11 @@ impl Sampler {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_entropy(),
         };
-        Sampler { params, rng, candidates: Vec::new() }
+        Sampler {
+            params,
+            rng,
+            candidates: Vec::new(),
+        }
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
@@ -66,7 +84,11 @@ impl Sampler {
         let c = &mut self.candidates;
         c.clear();
         c.extend(logits.iter().enumerate().map(|(i, &l)| (l, i as u32)));
-        let k = if self.params.top_k == 0 { c.len() } else { self.params.top_k.min(c.len()) };
+        let k = if self.params.top_k == 0 {
+            c.len()
+        } else {
+            self.params.top_k.min(c.len())
+        };
         if k < c.len() {
             c.select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0));
             c.truncate(k);
@@ -116,7 +138,12 @@ pub fn argmax(logits: &[f32]) -> u32 {
 /// `log_softmax(logits)[id]`, computed in f64.
 pub fn log_prob(logits: &[f32], id: u32) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+    let lse = max
+        + logits
+            .iter()
+            .map(|&l| (l as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
     logits[id as usize] as f64 - lse
 }
 
@@ -132,7 +159,12 @@ mod tests {
 
     #[test]
     fn top_k_one_is_greedy_at_any_temperature() {
-        let mut s = Sampler::new(SamplingParams { temperature: 5.0, top_k: 1, top_p: 1.0, seed: Some(1) });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 5.0,
+            top_k: 1,
+            top_p: 1.0,
+            seed: Some(1),
+        });
         for _ in 0..50 {
             assert_eq!(s.sample(&[0.0, 2.0, 1.9, -1.0]), 1);
         }
@@ -142,7 +174,12 @@ mod tests {
     fn top_p_excludes_the_tail() {
         // Probabilities ~ [0.64, 0.24, 0.09, 0.03]: top_p 0.8 keeps the first two only.
         let logits = [3.0, 2.0, 1.0, 0.0];
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.8, seed: Some(7) });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.8,
+            seed: Some(7),
+        });
         let mut seen = [0usize; 4];
         for _ in 0..2000 {
             seen[s.sample(&logits) as usize] += 1;
@@ -154,7 +191,12 @@ mod tests {
     #[test]
     fn same_seed_same_samples() {
         let logits: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin()).collect();
-        let p = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: Some(42) };
+        let p = SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            seed: Some(42),
+        };
         let (mut a, mut b) = (Sampler::new(p.clone()), Sampler::new(p));
         let xa: Vec<u32> = (0..20).map(|_| a.sample(&logits)).collect();
         let xb: Vec<u32> = (0..20).map(|_| b.sample(&logits)).collect();

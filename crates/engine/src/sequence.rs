@@ -97,7 +97,12 @@ impl SeqState {
 
     /// Samples the next token from `logits`, streams its text, and returns whether the
     /// sequence is finished.
-    pub fn sample_and_emit(&mut self, logits: &[f32], tokenizer: &Tokenizer, context_length: usize) -> bool {
+    pub fn sample_and_emit(
+        &mut self,
+        logits: &[f32],
+        tokenizer: &Tokenizer,
+        context_length: usize,
+    ) -> bool {
         if self.req.params.return_logits && !(self.req.sink)(SeqEvent::Logits(logits.to_vec())) {
             self.aborted = true;
             return true;
@@ -118,7 +123,10 @@ impl SeqState {
         let (text, hit) = self.stop.push(&piece);
         if !text.is_empty() || hit {
             let ids = std::mem::take(&mut self.unreported_ids);
-            if !(self.req.sink)(SeqEvent::Text { text, token_ids: ids }) {
+            if !(self.req.sink)(SeqEvent::Text {
+                text,
+                token_ids: ids,
+            }) {
                 self.aborted = true;
                 return true;
             }
@@ -139,7 +147,10 @@ impl SeqState {
         let tail = self.stop.finish(&self.decoder.finish());
         if !tail.is_empty() || !self.unreported_ids.is_empty() {
             let ids = std::mem::take(&mut self.unreported_ids);
-            (self.req.sink)(SeqEvent::Text { text: tail, token_ids: ids });
+            (self.req.sink)(SeqEvent::Text {
+                text: tail,
+                token_ids: ids,
+            });
         }
         RequestOutput {
             token_ids: self.all_ids[self.n_prompt..].to_vec(),

@@ -16,7 +16,12 @@ pub struct StopMatcher {
 impl StopMatcher {
     pub fn new(stops: &[String]) -> StopMatcher {
         let stops = stops.iter().filter(|s| !s.is_empty()).cloned().collect();
-        StopMatcher { stops, text: String::new(), emitted: 0, stopped: false }
+        StopMatcher {
+            stops,
+            text: String::new(),
+            emitted: 0,
+            stopped: false,
+        }
     }
 
     /// Adds a piece; returns the text that is now safe to emit and whether a stop matched.
@@ -27,7 +32,15 @@ impl StopMatcher {
         let search_from = self.emitted;
         self.text.push_str(piece);
         // The earliest match wins; a stop may begin inside text held back earlier.
-        let hit = self.stops.iter().filter_map(|s| self.text[search_from..].find(s.as_str()).map(|i| search_from + i)).min();
+        let hit = self
+            .stops
+            .iter()
+            .filter_map(|s| {
+                self.text[search_from..]
+                    .find(s.as_str())
+                    .map(|i| search_from + i)
+            })
+            .min();
         if let Some(at) = hit {
             self.text.truncate(at);
             self.stopped = true;

@@ -62,8 +62,20 @@ impl Drop for Tiering {
 }
 
 impl Tiering {
-    pub fn new(cfg: &TieringConfig, model_name: &str, namespace: &[u8], block_size_tokens: usize, bytes_per_token: usize) -> anyhow::Result<Tiering> {
-        let keyer = ChunkKeyer::new(model_name, namespace, cfg.chunk_size_tokens, block_size_tokens).map_err(anyhow::Error::msg)?;
+    pub fn new(
+        cfg: &TieringConfig,
+        model_name: &str,
+        namespace: &[u8],
+        block_size_tokens: usize,
+        bytes_per_token: usize,
+    ) -> anyhow::Result<Tiering> {
+        let keyer = ChunkKeyer::new(
+            model_name,
+            namespace,
+            cfg.chunk_size_tokens,
+            block_size_tokens,
+        )
+        .map_err(anyhow::Error::msg)?;
         let chunk_bytes = cfg.chunk_size_tokens * bytes_per_token;
         let capacity = (cfg.max_pending_bytes / chunk_bytes.max(1)).max(1);
         let (tx, rx) = sync_channel::<(ChunkKey, Payload)>(capacity);
@@ -109,13 +121,26 @@ impl Tiering {
     /// Loads up to `keys.len()` chunks into `seq` (which must be empty), returning the
     /// number of tokens now in the cache. Stops at the first chunk that cannot be loaded,
     /// decoded or placed; a corrupted payload is never used.
-    pub fn load_into(&mut self, keys: &[ChunkKey], kv: &mut KvCacheManager, store: &mut dyn KvBlocks, seq: SeqId) -> usize {
+    pub fn load_into(
+        &mut self,
+        keys: &[ChunkKey],
+        kv: &mut KvCacheManager,
+        store: &mut dyn KvBlocks,
+        seq: SeqId,
+    ) -> usize {
         let chunk = self.chunk_size_tokens();
         let g = store.geometry();
         let mut loaded_tokens = 0;
         for loaded in self.store.load_prefix(keys) {
             let ctx = match pk_codec::decode(&loaded.payload, &self.fingerprint) {
-                Ok(c) if c.positions.len() == chunk && c.n_layers == g.n_layers && c.n_kv_heads == g.n_kv_heads && c.head_dim == g.head_dim => c,
+                Ok(c)
+                    if c.positions.len() == chunk
+                        && c.n_layers == g.n_layers
+                        && c.n_kv_heads == g.n_kv_heads
+                        && c.head_dim == g.head_dim =>
+                {
+                    c
+                }
                 _ => {
                     self.stats.load_failures += 1;
                     break;
@@ -134,7 +159,15 @@ impl Tiering {
 
     /// Encodes chunks `first_chunk..` of `seq` that are fully computed (up to
     /// `computed_tokens`) and queues them for storing. Returns the next chunk to store.
-    pub fn store_chunks(&mut self, keys: &[ChunkKey], first_chunk: usize, computed_tokens: usize, kv: &KvCacheManager, store: &dyn KvBlocks, seq: SeqId) -> usize {
+    pub fn store_chunks(
+        &mut self,
+        keys: &[ChunkKey],
+        first_chunk: usize,
+        computed_tokens: usize,
+        kv: &KvCacheManager,
+        store: &dyn KvBlocks,
+        seq: SeqId,
+    ) -> usize {
         let chunk = self.chunk_size_tokens();
         let g = store.geometry();
         let table = table_of(kv, seq);
@@ -152,7 +185,12 @@ impl Tiering {
             let encoded = KvContext::new(g.n_layers, g.n_kv_heads, g.head_dim, positions, k, v)
                 .and_then(|ctx| pk_codec::encode(&ctx, &Method::None, None, &self.fingerprint));
             match encoded {
-                Ok(bytes) => match self.tx.as_ref().expect("open until drop").try_send((keys[next], Payload::from(bytes))) {
+                Ok(bytes) => match self
+                    .tx
+                    .as_ref()
+                    .expect("open until drop")
+                    .try_send((keys[next], Payload::from(bytes)))
+                {
                     Ok(()) => self.stats.chunks_queued += 1,
                     Err(TrySendError::Full(_)) => self.stats.chunks_skipped_queue_full += 1,
                     Err(TrySendError::Disconnected(_)) => return keys.len(),

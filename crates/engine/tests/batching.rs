@@ -20,13 +20,22 @@ fn prompts(engine: &pk_engine::Engine) -> Vec<Vec<u32>> {
     .collect()
 }
 
-fn run_batched(config: EngineConfig, prompts: &[Vec<u32>], params: &GenerateParams) -> (Vec<Vec<u32>>, u64) {
+fn run_batched(
+    config: EngineConfig,
+    prompts: &[Vec<u32>],
+    params: &GenerateParams,
+) -> (Vec<Vec<u32>>, u64) {
     let mut engine = common::engine(config);
     let mut rxs = Vec::new();
     for p in prompts {
         let (tx, rx) = mpsc::channel();
         engine
-            .submit(Request { prompt_ids: p.clone(), params: params.clone(), cache_salt: None, sink: Box::new(move |e| tx.send(e).is_ok()) })
+            .submit(Request {
+                prompt_ids: p.clone(),
+                params: params.clone(),
+                cache_salt: None,
+                sink: Box::new(move |e| tx.send(e).is_ok()),
+            })
             .unwrap();
         rxs.push(rx);
     }
@@ -52,16 +61,26 @@ fn run_batched(config: EngineConfig, prompts: &[Vec<u32>], params: &GeneratePara
             ids
         })
         .collect();
-    assert_eq!(engine.kv_manager().pool().num_free_blocks(), engine.kv_manager().pool().num_blocks());
+    assert_eq!(
+        engine.kv_manager().pool().num_free_blocks(),
+        engine.kv_manager().pool().num_blocks()
+    );
     (outs, engine.stats.preemptions)
 }
 
 #[test]
 fn batched_equals_sequential_and_survives_preemption() {
-    let params = GenerateParams { max_tokens: 24, ignore_eos: true, ..Default::default() };
+    let params = GenerateParams {
+        max_tokens: 24,
+        ignore_eos: true,
+        ..Default::default()
+    };
     let mut single = common::engine(EngineConfig::default());
     let ps = prompts(&single);
-    let alone: Vec<Vec<u32>> = ps.iter().map(|p| single.generate(p, &params, &mut |_| {}).unwrap().token_ids).collect();
+    let alone: Vec<Vec<u32>> = ps
+        .iter()
+        .map(|p| single.generate(p, &params, &mut |_| {}).unwrap().token_ids)
+        .collect();
 
     let (batched, preemptions) = run_batched(EngineConfig::default(), &ps, &params);
     assert_eq!(preemptions, 0);
@@ -69,20 +88,39 @@ fn batched_equals_sequential_and_survives_preemption() {
 
     // 12 blocks of 16 tokens cannot hold five sequences of ~40 tokens: preemption by
     // recompute must kick in and still give the same tokens.
-    let tight = EngineConfig { kv_capacity_tokens: Some(12 * 16), ..Default::default() };
+    let tight = EngineConfig {
+        kv_capacity_tokens: Some(12 * 16),
+        ..Default::default()
+    };
     let (preempted, preemptions) = run_batched(tight, &ps, &params);
-    assert!(preemptions > 0, "expected preemptions with a tight KV cache");
+    assert!(
+        preemptions > 0,
+        "expected preemptions with a tight KV cache"
+    );
     assert_eq!(preempted, alone);
 }
 
 #[test]
 fn queue_limit_refuses_with_a_clear_error() {
-    let mut engine = common::engine(EngineConfig { max_waiting_requests: 1, ..Default::default() });
-    let mk = || Request { prompt_ids: vec![1, 2, 3], params: GenerateParams::default(), cache_salt: None, sink: Box::new(|_| true) };
+    let mut engine = common::engine(EngineConfig {
+        max_waiting_requests: 1,
+        ..Default::default()
+    });
+    let mk = || Request {
+        prompt_ids: vec![1, 2, 3],
+        params: GenerateParams::default(),
+        cache_salt: None,
+        sink: Box::new(|_| true),
+    };
     engine.submit(mk()).unwrap();
     let err = engine.submit(mk()).unwrap_err();
     assert!(err.to_string().contains("queue is full"), "{err}");
-    let bad = Request { prompt_ids: vec![u32::MAX], params: GenerateParams::default(), cache_salt: None, sink: Box::new(|_| true) };
+    let bad = Request {
+        prompt_ids: vec![u32::MAX],
+        params: GenerateParams::default(),
+        cache_salt: None,
+        sink: Box::new(|_| true),
+    };
     assert!(engine.submit(bad).is_err());
 }
 
@@ -92,13 +130,27 @@ fn queue_limit_refuses_with_a_clear_error() {
 /// decoding, the prompt runs in chunks of `max_batch_tokens`. Tokens are unchanged.
 #[test]
 fn prompt_chunks_beside_decodes_are_capped() {
-    let config = EngineConfig { max_prefill_tokens_while_decoding: 48, ..Default::default() };
+    let config = EngineConfig {
+        max_prefill_tokens_while_decoding: 48,
+        ..Default::default()
+    };
     let mut engine = common::engine(config);
     let book = common::book_ids();
-    let params = GenerateParams { max_tokens: 40, ignore_eos: true, ..Default::default() };
+    let params = GenerateParams {
+        max_tokens: 40,
+        ignore_eos: true,
+        ..Default::default()
+    };
     let submit = |engine: &mut pk_engine::Engine, prompt: &[u32]| {
         let (tx, rx) = mpsc::channel();
-        engine.submit(Request { prompt_ids: prompt.to_vec(), params: params.clone(), cache_salt: None, sink: Box::new(move |e| tx.send(e).is_ok()) }).unwrap();
+        engine
+            .submit(Request {
+                prompt_ids: prompt.to_vec(),
+                params: params.clone(),
+                cache_salt: None,
+                sink: Box::new(move |e| tx.send(e).is_ok()),
+            })
+            .unwrap();
         rx
     };
     let first = submit(&mut engine, &book[0..20]);
@@ -111,9 +163,24 @@ fn prompt_chunks_beside_decodes_are_capped() {
     // One decode token beside each capped prompt chunk until the 300-token prompt is in.
     assert_eq!(&steps[..6], &[49, 49, 49, 49, 49, 49], "{steps:?}");
     assert_eq!(steps[6], 1 + (300 - 6 * 48), "{steps:?}");
-    let ids = |rx: mpsc::Receiver<SeqEvent>| rx.try_iter().find_map(|e| if let SeqEvent::Finished(o) = e { Some(o.token_ids) } else { None }).unwrap();
+    let ids = |rx: mpsc::Receiver<SeqEvent>| {
+        rx.try_iter()
+            .find_map(|e| {
+                if let SeqEvent::Finished(o) = e {
+                    Some(o.token_ids)
+                } else {
+                    None
+                }
+            })
+            .unwrap()
+    };
     let (a, b) = (ids(first), ids(long));
-    let alone = |prompt: &[u32]| common::engine(EngineConfig::default()).generate(prompt, &params, &mut |_| {}).unwrap().token_ids;
+    let alone = |prompt: &[u32]| {
+        common::engine(EngineConfig::default())
+            .generate(prompt, &params, &mut |_| {})
+            .unwrap()
+            .token_ids
+    };
     assert_eq!(a, alone(&book[0..20]));
     assert_eq!(b, alone(&book[100..400]));
 }

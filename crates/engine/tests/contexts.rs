@@ -12,14 +12,25 @@ use pk_tiers::{DiskTier, DiskTierConfig, RamTier, Tier};
 fn store_config(dir: &std::path::Path, policy: Policy, ram_bytes: u64) -> StoreConfig {
     let ram: Arc<dyn Tier> = Arc::new(RamTier::new(ram_bytes * 2 + (8 << 20)));
     let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(DiskTierConfig::new(dir, 1 << 30)).unwrap());
-    let spec = |name: &str, bw: f64| TierSpec { name: name.into(), capacity_bytes: 0, read_bytes_per_s: bw, access_latency_s: 0.0 };
+    let spec = |name: &str, bw: f64| TierSpec {
+        name: name.into(),
+        capacity_bytes: 0,
+        read_bytes_per_s: bw,
+        access_latency_s: 0.0,
+    };
     StoreConfig {
         tiers: vec![ram, disk],
         capacities_bytes: vec![ram_bytes, u64::MAX],
         grid: Grid::parse("q8,q4,knorm-0.5,paged-eviction-0.5").unwrap(),
         policy,
         fingerprint: [0; 32],
-        delay: DelayModel { tiers: vec![spec("ram", 5e9), spec("disk", 2e8)], decode_s_per_byte: 1e-9, restore_s_per_token: 1e-6, prefill_tokens_per_s: 300.0, query_tokens: 32 },
+        delay: DelayModel {
+            tiers: vec![spec("ram", 5e9), spec("disk", 2e8)],
+            decode_s_per_byte: 1e-9,
+            restore_s_per_token: 1e-6,
+            prefill_tokens_per_s: 300.0,
+            query_tokens: 32,
+        },
         frequency_half_life_s: 600.0,
         reprofile_threshold: 0.05,
         max_pending_bytes: 512 << 20,
@@ -29,7 +40,15 @@ fn store_config(dir: &std::path::Path, policy: Policy, ram_bytes: u64) -> StoreC
 
 fn engine_with(store: StoreConfig) -> pk_engine::Engine {
     // The pool's own prefix cache would serve repeats before the store is asked.
-    common::engine(EngineConfig { contexts: Some(ContextReuseConfig { store, chunk_size_tokens: 256, profile_metric: Default::default() }), enable_prefix_caching: false, ..Default::default() })
+    common::engine(EngineConfig {
+        contexts: Some(ContextReuseConfig {
+            store,
+            chunk_size_tokens: 256,
+            profile_metric: Default::default(),
+        }),
+        enable_prefix_caching: false,
+        ..Default::default()
+    })
 }
 
 #[test]
@@ -38,23 +57,42 @@ fn a_stored_context_is_reused_and_gives_the_same_tokens() {
     let book = common::book_ids();
     let context = &book[2000..2512];
     let prompt = |q: &[u32]| [context, q].concat();
-    let params = GenerateParams { max_tokens: 12, ignore_eos: true, ..Default::default() };
+    let params = GenerateParams {
+        max_tokens: 12,
+        ignore_eos: true,
+        ..Default::default()
+    };
     let mut e = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
 
-    let a = e.generate(&prompt(&book[100..120]), &params, &mut |_| {}).unwrap();
+    let a = e
+        .generate(&prompt(&book[100..120]), &params, &mut |_| {})
+        .unwrap();
     assert!(a.context_load.is_none());
     e.context_store().unwrap().flush();
-    assert_eq!(e.context_store().unwrap().len(), 1, "the 512-token context was offered and stored");
+    assert_eq!(
+        e.context_store().unwrap().len(),
+        1,
+        "the 512-token context was offered and stored"
+    );
 
     // Another question on the same context: a hit from RAM, uncompressed (LRU).
-    let b = e.generate(&prompt(&book[200..215]), &params, &mut |_| {}).unwrap();
-    let load = b.context_load.expect("the context is loaded from the store");
-    assert_eq!((load.tier.as_str(), load.config.as_str()), ("ram", "none-0"));
+    let b = e
+        .generate(&prompt(&book[200..215]), &params, &mut |_| {})
+        .unwrap();
+    let load = b
+        .context_load
+        .expect("the context is loaded from the store");
+    assert_eq!(
+        (load.tier.as_str(), load.config.as_str()),
+        ("ram", "none-0")
+    );
     assert_eq!(b.cached_prompt_tokens, 512);
 
     // The same answer as a cold engine computing everything.
     let mut cold = common::engine(EngineConfig::default());
-    let c = cold.generate(&prompt(&book[200..215]), &params, &mut |_| {}).unwrap();
+    let c = cold
+        .generate(&prompt(&book[200..215]), &params, &mut |_| {})
+        .unwrap();
     assert_eq!(b.token_ids, c.token_ids);
     e.check_invariants();
 }
@@ -66,9 +104,15 @@ fn a_fixed_compression_is_served_compressed_with_positions_kept() {
     let context = &book[3000..3768];
     let query = &book[400..420];
     let prompt = [context, query].concat();
-    let params = GenerateParams { max_tokens: 8, ignore_eos: true, ..Default::default() };
+    let params = GenerateParams {
+        max_tokens: 8,
+        ignore_eos: true,
+        ..Default::default()
+    };
     let grid = Grid::parse("q8,q4,knorm-0.5,paged-eviction-0.5").unwrap();
-    let fixed = grid.index_of(&Compression::parse("paged-eviction-0.5").unwrap()).unwrap();
+    let fixed = grid
+        .index_of(&Compression::parse("paged-eviction-0.5").unwrap())
+        .unwrap();
     let mut e = engine_with(store_config(dir.path(), Policy::Fixed(fixed), 256 << 20));
     e.generate(&prompt, &params, &mut |_| {}).unwrap();
     e.context_store().unwrap().flush();
@@ -77,7 +121,11 @@ fn a_fixed_compression_is_served_compressed_with_positions_kept() {
     assert_eq!(load.config, "paged-eviction-0.5");
     // Half the context's tokens are stored; the query still sits after all 768 positions.
     assert_eq!(b.cached_prompt_tokens, 768);
-    assert!(b.kv_stored_tokens < 768 / 2 + query.len() + 8 + 16, "{}", b.kv_stored_tokens);
+    assert!(
+        b.kv_stored_tokens < 768 / 2 + query.len() + 8 + 16,
+        "{}",
+        b.kv_stored_tokens
+    );
     e.check_invariants();
 }
 
@@ -87,8 +135,18 @@ fn evicpress_keeps_ram_within_capacity() {
     let book = common::book_ids();
     // RAM holds about one and a half uncompressed 256-token contexts (23 KB per token).
     let ram_bytes = 256 * 23040 * 3 / 2;
-    let mut e = engine_with(store_config(dir.path(), Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop }, ram_bytes));
-    let params = GenerateParams { max_tokens: 1, ..Default::default() };
+    let mut e = engine_with(store_config(
+        dir.path(),
+        Policy::Evicpress {
+            alpha: 1.0,
+            ranking: Ranking::AbsoluteDrop,
+        },
+        ram_bytes,
+    ));
+    let params = GenerateParams {
+        max_tokens: 1,
+        ..Default::default()
+    };
     for i in 0..4 {
         let prompt = [&book[i * 300..i * 300 + 256], &book[50..60]].concat();
         e.generate(&prompt, &params, &mut |_| {}).unwrap();
@@ -101,7 +159,10 @@ fn evicpress_keeps_ram_within_capacity() {
     assert!(usage[0] > 0, "something is placed in RAM");
     let rows = store.explain();
     assert_eq!(rows.len(), 4);
-    assert!(rows.iter().all(|r| r.options.len() == 2 * 5 && r.options.windows(2).all(|w| w[0].utility >= w[1].utility)));
+    assert!(rows
+        .iter()
+        .all(|r| r.options.len() == 2 * 5
+            && r.options.windows(2).all(|w| w[0].utility >= w[1].utility)));
 }
 
 #[test]
@@ -110,33 +171,76 @@ fn prefix_kv_stands_in_for_the_computed_prefix() {
     let context = &book[6000..6400];
     let cont = &book[6400..6432];
     let mut e = common::engine(EngineConfig::default());
-    let full = e.teacher_force(context, cont, &GenerateParams::default()).unwrap();
+    let full = e
+        .teacher_force(context, cont, &GenerateParams::default())
+        .unwrap();
 
     // The engine's own KV of the context, handed back as a prefix: the same logits.
     let dir = tempfile::tempdir().unwrap();
     let mut s = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
-    s.generate(&[context, &cont[..1]].concat(), &GenerateParams { max_tokens: 1, ..Default::default() }, &mut |_| {}).unwrap();
+    s.generate(
+        &[context, &cont[..1]].concat(),
+        &GenerateParams {
+            max_tokens: 1,
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
     let store = s.context_store().unwrap();
     store.flush();
     let key = store.explain()[0].key.clone();
-    let kv = store.load_master(&pk_tiers::ChunkKey::from_hex(&key).unwrap()).unwrap();
+    let kv = store
+        .load_master(&pk_tiers::ChunkKey::from_hex(&key).unwrap())
+        .unwrap();
     assert_eq!(kv.n_original_tokens, 256);
-    let params = GenerateParams { prefix_kv: Some(Arc::new(PrefixKv { kv })), ..Default::default() };
+    let params = GenerateParams {
+        prefix_kv: Some(Arc::new(PrefixKv { kv })),
+        ..Default::default()
+    };
     let given = e.teacher_force(context, cont, &params).unwrap();
-    let argmax = |r: &Vec<f32>| r.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+    let argmax = |r: &Vec<f32>| {
+        r.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0
+    };
     for (a, b) in full.iter().zip(&given) {
         assert_eq!(argmax(a), argmax(b));
-        let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        let diff = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
         assert!(diff < 1e-3, "logits differ by {diff}");
     }
 }
 
 /// An engine whose store holds book[8000..8512] (stored by a first request), and its key.
-fn engine_with_stored_context(dir: &std::path::Path, book: &[u32]) -> (pk_engine::Engine, pk_tiers::ChunkKey) {
+fn engine_with_stored_context(
+    dir: &std::path::Path,
+    book: &[u32],
+) -> (pk_engine::Engine, pk_tiers::ChunkKey) {
     let context = &book[8000..8512];
-    let mut e = engine_with(store_config(dir, Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop }, 256 << 20));
+    let mut e = engine_with(store_config(
+        dir,
+        Policy::Evicpress {
+            alpha: 1.0,
+            ranking: Ranking::AbsoluteDrop,
+        },
+        256 << 20,
+    ));
     let key = e.context_key(context, None).unwrap();
-    e.generate(&[context, &book[10..20]].concat(), &GenerateParams { max_tokens: 1, ..Default::default() }, &mut |_| {}).unwrap();
+    e.generate(
+        &[context, &book[10..20]].concat(),
+        &GenerateParams {
+            max_tokens: 1,
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
     e.context_store().unwrap().flush();
     (e, key)
 }
@@ -147,8 +251,13 @@ fn profiling_measures_quality_per_configuration() {
     let book = common::book_ids();
     let (mut e, key) = engine_with_stored_context(dir.path(), &book);
     let store = e.context_store().unwrap();
-    assert!(store.contains(&key), "the key the engine computes is the one it stored under");
-    let queries: Vec<Vec<u32>> = (0..3).map(|i| book[8600 + i * 40..8620 + i * 40].to_vec()).collect();
+    assert!(
+        store.contains(&key),
+        "the key the engine computes is the one it stored under"
+    );
+    let queries: Vec<Vec<u32>> = (0..3)
+        .map(|i| book[8600 + i * 40..8620 + i * 40].to_vec())
+        .collect();
     let q = e.profile_blocking(key, &queries, 12).unwrap();
     assert_eq!(q.len(), store.grid().len());
     assert_eq!(q[0], 1.0, "the full KV agrees with itself");
@@ -168,8 +277,17 @@ fn teacher_forced_profiling_is_the_agreement_on_the_full_kv_answer() {
     let context = &book[8000..8512];
     let (mut e, key) = engine_with_stored_context(dir.path(), &book);
     let store = e.context_store().unwrap();
-    let queries: Vec<Vec<u32>> = (0..2).map(|i| book[8600 + i * 40..8620 + i * 40].to_vec()).collect();
-    let mut p = e.start_profile_with(key, &queries, 10, pk_engine::profiler::QualityMetric::TeacherForced).unwrap();
+    let queries: Vec<Vec<u32>> = (0..2)
+        .map(|i| book[8600 + i * 40..8620 + i * 40].to_vec())
+        .collect();
+    let mut p = e
+        .start_profile_with(
+            key,
+            &queries,
+            10,
+            pk_engine::profiler::QualityMetric::TeacherForced,
+        )
+        .unwrap();
     while !p.poll(&mut e).unwrap() {
         assert!(e.has_work(), "profiling requests ended without results");
         e.step();
@@ -181,19 +299,58 @@ fn teacher_forced_profiling_is_the_agreement_on_the_full_kv_answer() {
     let full = store.load_master(&key).unwrap();
     let full_prefix = Arc::new(PrefixKv { kv: full.clone() });
     for (c, &got) in q.iter().enumerate().skip(1) {
-        let prefix = Arc::new(PrefixKv { kv: store.compress(&key, &full, c).unwrap() });
+        let prefix = Arc::new(PrefixKv {
+            kv: store.compress(&key, &full, c).unwrap(),
+        });
         let mut sum = 0.0;
         for query in &queries {
             let prompt = [context, &query[..]].concat();
-            let reference = e.generate(&prompt, &GenerateParams { max_tokens: 10, prefix_kv: Some(full_prefix.clone()), ..Default::default() }, &mut |_| {}).unwrap().token_ids;
-            let rows = e.teacher_force(&prompt, &reference, &GenerateParams { prefix_kv: Some(prefix.clone()), ..Default::default() }).unwrap();
-            let agree = rows.iter().zip(&reference).filter(|(row, &t)| row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32 == t).count();
+            let reference = e
+                .generate(
+                    &prompt,
+                    &GenerateParams {
+                        max_tokens: 10,
+                        prefix_kv: Some(full_prefix.clone()),
+                        ..Default::default()
+                    },
+                    &mut |_| {},
+                )
+                .unwrap()
+                .token_ids;
+            let rows = e
+                .teacher_force(
+                    &prompt,
+                    &reference,
+                    &GenerateParams {
+                        prefix_kv: Some(prefix.clone()),
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
+            let agree = rows
+                .iter()
+                .zip(&reference)
+                .filter(|(row, &t)| {
+                    row.iter()
+                        .enumerate()
+                        .max_by(|a, b| a.1.total_cmp(b.1))
+                        .unwrap()
+                        .0 as u32
+                        == t
+                })
+                .count();
             sum += agree as f64 / reference.len() as f64;
         }
         let want = (sum / queries.len() as f64) as f32;
-        assert!((got - want).abs() < 1e-6, "configuration {c}: profiled {got}, by hand {want}");
+        assert!(
+            (got - want).abs() < 1e-6,
+            "configuration {c}: profiled {got}, by hand {want}"
+        );
     }
-    assert!(q[1] >= 0.8, "8-bit KV predicts most of the full KV's answer tokens: {q:?}");
+    assert!(
+        q[1] >= 0.8,
+        "8-bit KV predicts most of the full KV's answer tokens: {q:?}"
+    );
     e.check_invariants();
 }
 
@@ -202,7 +359,11 @@ fn a_restarted_engine_adopts_masters_left_on_the_last_tier() {
     let dir = tempfile::tempdir().unwrap();
     let book = common::book_ids();
     let context = &book[9000..9512];
-    let params = GenerateParams { max_tokens: 8, ignore_eos: true, ..Default::default() };
+    let params = GenerateParams {
+        max_tokens: 8,
+        ignore_eos: true,
+        ..Default::default()
+    };
     let prompt = [context, &book[300..320]].concat();
     let first = {
         let mut e = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
@@ -213,7 +374,9 @@ fn a_restarted_engine_adopts_masters_left_on_the_last_tier() {
     // A new process: empty RAM, empty index, the same disk directory.
     let mut e = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
     let again = e.generate(&prompt, &params, &mut |_| {}).unwrap();
-    let load = again.context_load.expect("the master on disk is found and adopted");
+    let load = again
+        .context_load
+        .expect("the master on disk is found and adopted");
     // Adoption asks the worker to place the context, which may copy it up to RAM before
     // this load reads it: either tier is a hit on what the first engine stored.
     assert!(load.tier == "disk" || load.tier == "ram", "{}", load.tier);
@@ -222,30 +385,52 @@ fn a_restarted_engine_adopts_masters_left_on_the_last_tier() {
     let store = e.context_store().unwrap();
     store.flush();
     assert_eq!(store.stats().adopted, 1);
-    assert_eq!(store.placement_of(&e.context_key(context, None).unwrap()), Some((0, 0)), "a hit is copied up to RAM");
+    assert_eq!(
+        store.placement_of(&e.context_key(context, None).unwrap()),
+        Some((0, 0)),
+        "a hit is copied up to RAM"
+    );
 }
 
 #[test]
 fn background_requests_yield_to_waiting_user_requests() {
     let book = common::book_ids();
-    let mut e = common::engine(EngineConfig { max_running_seqs: 1, ..Default::default() });
+    let mut e = common::engine(EngineConfig {
+        max_running_seqs: 1,
+        ..Default::default()
+    });
     let (tx, rx) = std::sync::mpsc::channel();
     for (name, background) in [("profile-1", true), ("profile-2", true), ("user", false)] {
         let tx = tx.clone();
-        let params = GenerateParams { max_tokens: 2, ignore_eos: true, background, ..Default::default() };
+        let params = GenerateParams {
+            max_tokens: 2,
+            ignore_eos: true,
+            background,
+            ..Default::default()
+        };
         let sink = Box::new(move |ev: pk_engine::SeqEvent| {
             if matches!(ev, pk_engine::SeqEvent::Finished(_)) {
                 let _ = tx.send(name);
             }
             true
         });
-        e.submit(pk_engine::Request { prompt_ids: book[..32].to_vec(), params, cache_salt: None, sink }).unwrap();
+        e.submit(pk_engine::Request {
+            prompt_ids: book[..32].to_vec(),
+            params,
+            cache_salt: None,
+            sink,
+        })
+        .unwrap();
     }
     while e.has_work() {
         e.step();
     }
     let order: Vec<&str> = rx.try_iter().collect();
-    assert_eq!(order, vec!["user", "profile-1", "profile-2"], "the user's request, submitted last, is admitted first");
+    assert_eq!(
+        order,
+        vec!["user", "profile-1", "profile-2"],
+        "the user's request, submitted last, is admitted first"
+    );
 }
 
 #[test]
@@ -258,31 +443,62 @@ fn a_snapkv_grid_scores_a_context_by_its_last_queries_and_serves_it_dropped() {
     cfg.grid = Grid::parse("q8,snapkv-0.5").unwrap();
     let mut e = engine_with(cfg);
     let key = e.context_key(context, None).unwrap();
-    let params = GenerateParams { max_tokens: 4, ignore_eos: true, ..Default::default() };
-    e.generate(&[context, query].concat(), &params, &mut |_| {}).unwrap();
+    let params = GenerateParams {
+        max_tokens: 4,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    e.generate(&[context, query].concat(), &params, &mut |_| {})
+        .unwrap();
     let store = e.context_store().unwrap();
     store.flush();
-    assert!(store.is_available(&key, 2), "the offer carried the window's queries");
+    assert!(
+        store.is_available(&key, 2),
+        "the offer carried the window's queries"
+    );
 
     // The same scores from the queries a cold prefill of the context alone computes: the
     // offer's second pass over the last 64 tokens reproduces them.
     let model = e.cpu_model().unwrap();
     let c = &model.config;
-    let g = pk_model::KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: 16, num_blocks: 32 };
+    let g = pk_model::KvGeometry {
+        n_layers: c.n_layers,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        block_size_tokens: 16,
+        num_blocks: 32,
+    };
     let mut kv = pk_model::KvStore::new(g, pk_model::KvDtype::F16);
     let table: Vec<u32> = (0..32).collect();
-    let fwd = pk_model::SeqForward { tokens: context, start_position: 0, stored_start: 0, block_table: &table, logits_from: context.len(), stored_positions: &[] };
+    let fwd = pk_model::SeqForward {
+        tokens: context,
+        start_position: 0,
+        stored_start: 0,
+        block_table: &table,
+        logits_from: context.len(),
+        stored_positions: &[],
+    };
     let (_, mut captured) = model.forward_with_queries(&mut kv, &[fwd], &[64]);
-    let window = pk_evicpress::WindowQueries { n_heads: c.n_heads, positions: (448..512).collect(), data: captured.swap_remove(0) };
+    let window = pk_evicpress::WindowQueries {
+        n_heads: c.n_heads,
+        positions: (448..512).collect(),
+        data: captured.swap_remove(0),
+    };
     let master = store.load_master(&key).unwrap();
     let want = pk_evicpress::snapkv_scores(&master, &window).unwrap();
     assert_eq!(store.snapkv_scores_of(&key).unwrap(), want);
 
     // Placed with half its tokens dropped by those scores, and served from that copy.
-    let b = e.generate(&[context, &book[40..60]].concat(), &params, &mut |_| {}).unwrap();
+    let b = e
+        .generate(&[context, &book[40..60]].concat(), &params, &mut |_| {})
+        .unwrap();
     let load = b.context_load.expect("hit");
     assert_eq!(load.config, "snapkv-0.5");
     assert_eq!(b.cached_prompt_tokens, 512);
-    assert!(b.kv_stored_tokens <= 256 + 20 + 4 + 16, "{}", b.kv_stored_tokens);
+    assert!(
+        b.kv_stored_tokens <= 256 + 20 + 4 + 16,
+        "{}",
+        b.kv_stored_tokens
+    );
     e.check_invariants();
 }

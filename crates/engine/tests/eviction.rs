@@ -11,15 +11,43 @@ fn stored_tokens_stay_within_budget_for_every_policy() {
     let mut engine = common::engine(EngineConfig::default());
     let book = common::book_ids();
     let prompt = &book[1000..1600];
-    for name in ["paged-eviction", "paged-eviction:v-norm", "paged-eviction:inv-k-norm", "streaming-llm", "knorm", "keydiff", "snapkv", "h2o", "tova", "expected-attention"] {
+    for name in [
+        "paged-eviction",
+        "paged-eviction:v-norm",
+        "paged-eviction:inv-k-norm",
+        "streaming-llm",
+        "knorm",
+        "keydiff",
+        "snapkv",
+        "h2o",
+        "tova",
+        "expected-attention",
+    ] {
         let spec: PolicySpec = name.parse().unwrap();
-        let params = GenerateParams { max_tokens: 40, ignore_eos: true, kv_policy: Some(spec), kv_budget: Some(128), ..Default::default() };
+        let params = GenerateParams {
+            max_tokens: 40,
+            ignore_eos: true,
+            kv_policy: Some(spec),
+            kv_budget: Some(128),
+            ..Default::default()
+        };
         let out = engine.generate(prompt, &params, &mut |_| {}).unwrap();
         assert_eq!(out.token_ids.len(), 40, "{name}");
-        assert!(out.kv_stored_tokens <= 128 + 16, "{name}: {} stored tokens", out.kv_stored_tokens);
-        assert!(out.kv_stored_tokens >= 128, "{name}: {} stored tokens", out.kv_stored_tokens);
+        assert!(
+            out.kv_stored_tokens <= 128 + 16,
+            "{name}: {} stored tokens",
+            out.kv_stored_tokens
+        );
+        assert!(
+            out.kv_stored_tokens >= 128,
+            "{name}: {} stored tokens",
+            out.kv_stored_tokens
+        );
         engine.check_invariants();
-        assert_eq!(engine.kv_manager().pool().num_free_blocks(), engine.kv_manager().pool().num_blocks());
+        assert_eq!(
+            engine.kv_manager().pool().num_free_blocks(),
+            engine.kv_manager().pool().num_blocks()
+        );
     }
     let stats = &engine.eviction_stats["paged-eviction"];
     assert!(stats.pruned_prompt_tokens >= 3 * (600 - 128), "{stats:?}");
@@ -34,14 +62,37 @@ fn per_layer_and_per_head_selection_stay_within_budget() {
     let book = common::book_ids();
     let prompt = &book[1000..1600];
     for granularity in [KvGranularity::Layer, KvGranularity::Head] {
-        for name in ["paged-eviction", "streaming-llm", "knorm", "keydiff", "snapkv", "h2o", "tova", "expected-attention"] {
+        for name in [
+            "paged-eviction",
+            "streaming-llm",
+            "knorm",
+            "keydiff",
+            "snapkv",
+            "h2o",
+            "tova",
+            "expected-attention",
+        ] {
             let spec: PolicySpec = name.parse().unwrap();
-            let params = GenerateParams { max_tokens: 40, ignore_eos: true, kv_policy: Some(spec), kv_budget: Some(128), kv_granularity: Some(granularity), ..Default::default() };
+            let params = GenerateParams {
+                max_tokens: 40,
+                ignore_eos: true,
+                kv_policy: Some(spec),
+                kv_budget: Some(128),
+                kv_granularity: Some(granularity),
+                ..Default::default()
+            };
             let out = engine.generate(prompt, &params, &mut |_| {}).unwrap();
             assert_eq!(out.token_ids.len(), 40, "{name} {granularity}");
-            assert!((128..=128 + 16).contains(&out.kv_stored_tokens), "{name} {granularity}: {} stored tokens", out.kv_stored_tokens);
+            assert!(
+                (128..=128 + 16).contains(&out.kv_stored_tokens),
+                "{name} {granularity}: {} stored tokens",
+                out.kv_stored_tokens
+            );
             engine.check_invariants();
-            assert_eq!(engine.kv_manager().pool().num_free_blocks(), engine.kv_manager().pool().num_blocks());
+            assert_eq!(
+                engine.kv_manager().pool().num_free_blocks(),
+                engine.kv_manager().pool().num_blocks()
+            );
         }
     }
 }
@@ -55,14 +106,28 @@ fn position_based_selection_is_the_same_at_every_granularity() {
     let book = common::book_ids();
     let prompt = &book[2000..2500];
     let run = |engine: &mut pk_engine::Engine, granularity| {
-        let params = GenerateParams { max_tokens: 48, ignore_eos: true, kv_policy: Some("streaming-llm".parse().unwrap()), kv_budget: Some(96), kv_granularity: Some(granularity), ..Default::default() };
-        engine.generate(prompt, &params, &mut |_| {}).unwrap().token_ids
+        let params = GenerateParams {
+            max_tokens: 48,
+            ignore_eos: true,
+            kv_policy: Some("streaming-llm".parse().unwrap()),
+            kv_budget: Some(96),
+            kv_granularity: Some(granularity),
+            ..Default::default()
+        };
+        engine
+            .generate(prompt, &params, &mut |_| {})
+            .unwrap()
+            .token_ids
     };
     let shared = run(&mut engine, KvGranularity::Shared);
     for granularity in [KvGranularity::Layer, KvGranularity::Head] {
         assert_eq!(run(&mut engine, granularity), shared, "{granularity}");
     }
-    assert!(engine.eviction_stats["streaming-llm"].evicted_blocks >= 3 * 2, "{:?}", engine.eviction_stats);
+    assert!(
+        engine.eviction_stats["streaming-llm"].evicted_blocks >= 3 * 2,
+        "{:?}",
+        engine.eviction_stats
+    );
 }
 
 /// kvpress's protocol (`kv_keep_generated`): the prompt is pruned to the budget at prefill
@@ -75,9 +140,20 @@ fn keep_generated_prunes_the_prompt_only() {
     let prompt = &book[1000..1600];
     for name in ["snapkv", "streaming-llm", "paged-eviction"] {
         let spec: PolicySpec = name.parse().unwrap();
-        let params = GenerateParams { max_tokens: 48, ignore_eos: true, kv_policy: Some(spec), kv_budget: Some(128), kv_keep_generated: true, ..Default::default() };
+        let params = GenerateParams {
+            max_tokens: 48,
+            ignore_eos: true,
+            kv_policy: Some(spec),
+            kv_budget: Some(128),
+            kv_keep_generated: true,
+            ..Default::default()
+        };
         let out = engine.generate(prompt, &params, &mut |_| {}).unwrap();
-        assert!((128 + 47..=128 + 47 + 16).contains(&out.kv_stored_tokens), "{name}: {} stored tokens", out.kv_stored_tokens);
+        assert!(
+            (128 + 47..=128 + 47 + 16).contains(&out.kv_stored_tokens),
+            "{name}: {} stored tokens",
+            out.kv_stored_tokens
+        );
         engine.check_invariants();
     }
 }
@@ -87,9 +163,26 @@ fn budget_at_least_context_changes_nothing() {
     // With a budget above prompt + output, PagedEviction never prunes or evicts, so the
     // greedy tokens equal the full cache's exactly.
     let mut engine = common::engine(EngineConfig::default());
-    let prompt = engine.tokenizer.encode("The planets of the solar system, in order from the Sun, are", false);
-    let full = engine.generate(&prompt, &GenerateParams { max_tokens: 20, ..Default::default() }, &mut |_| {}).unwrap();
-    let params = GenerateParams { max_tokens: 20, kv_policy: Some(PolicySpec::default()), kv_budget: Some(256), ..Default::default() };
+    let prompt = engine.tokenizer.encode(
+        "The planets of the solar system, in order from the Sun, are",
+        false,
+    );
+    let full = engine
+        .generate(
+            &prompt,
+            &GenerateParams {
+                max_tokens: 20,
+                ..Default::default()
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+    let params = GenerateParams {
+        max_tokens: 20,
+        kv_policy: Some(PolicySpec::default()),
+        kv_budget: Some(256),
+        ..Default::default()
+    };
     let pe = engine.generate(&prompt, &params, &mut |_| {}).unwrap();
     assert_eq!(full.token_ids, pe.token_ids);
 }
@@ -98,13 +191,30 @@ fn budget_at_least_context_changes_nothing() {
 fn invalid_policy_settings_are_refused() {
     let mut engine = common::engine(EngineConfig::default());
     let prompt = vec![1000, 1001, 1002];
-    let too_small = GenerateParams { kv_policy: Some(PolicySpec::default()), kv_budget: Some(32), ..Default::default() };
-    let e = engine.generate(&prompt, &too_small, &mut |_| {}).unwrap_err().to_string();
+    let too_small = GenerateParams {
+        kv_policy: Some(PolicySpec::default()),
+        kv_budget: Some(32),
+        ..Default::default()
+    };
+    let e = engine
+        .generate(&prompt, &too_small, &mut |_| {})
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("budget"), "{e}");
-    let no_budget = GenerateParams { kv_policy: Some("knorm".parse().unwrap()), ..Default::default() };
-    let e = engine.generate(&prompt, &no_budget, &mut |_| {}).unwrap_err().to_string();
+    let no_budget = GenerateParams {
+        kv_policy: Some("knorm".parse().unwrap()),
+        ..Default::default()
+    };
+    let e = engine
+        .generate(&prompt, &no_budget, &mut |_| {})
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("needs a kv_budget"), "{e}");
-    assert!("nonsense".parse::<PolicySpec>().unwrap_err().to_string().contains("paged-eviction"));
+    assert!("nonsense"
+        .parse::<PolicySpec>()
+        .unwrap_err()
+        .to_string()
+        .contains("paged-eviction"));
 }
 
 #[test]
@@ -114,21 +224,36 @@ fn teacher_forcing_full_cache_matches_scoring() {
     let mut engine = common::engine(EngineConfig::default());
     let book = common::book_ids();
     let (prompt, cont) = (&book[0..200], &book[200..216]);
-    let forced = engine.teacher_force(prompt, cont, &GenerateParams::default()).unwrap();
+    let forced = engine
+        .teacher_force(prompt, cont, &GenerateParams::default())
+        .unwrap();
     assert_eq!(forced.len(), cont.len());
     let all: Vec<u32> = book[0..216].to_vec();
     let vocab = engine.model_config().vocab_size;
     let scored = engine.score(&all, 199).unwrap();
     for (i, row) in forced.iter().enumerate() {
-        assert!(row[..] == scored[i * vocab..(i + 1) * vocab], "step {i}: teacher-forced logits differ from scoring");
+        assert!(
+            row[..] == scored[i * vocab..(i + 1) * vocab],
+            "step {i}: teacher-forced logits differ from scoring"
+        );
     }
     // Under a tight budget the distributions differ but stay finite.
-    let params = GenerateParams { kv_policy: Some(PolicySpec::default()), kv_budget: Some(64), ..Default::default() };
+    let params = GenerateParams {
+        kv_policy: Some(PolicySpec::default()),
+        kv_budget: Some(64),
+        ..Default::default()
+    };
     let pruned = engine.teacher_force(prompt, cont, &params).unwrap();
     assert_eq!(pruned.len(), cont.len());
     assert!(pruned.iter().flatten().all(|v| v.is_finite()));
     // Prefill attention is exact over the full prompt (pruning only changes what is stored),
     // so the first distribution is identical; later ones see the pruned cache.
-    assert!(pruned[0] == forced[0], "the first step must use exact attention over the whole prompt");
-    assert!(pruned[1] != forced[1], "after pruning to 64 tokens the next step must differ");
+    assert!(
+        pruned[0] == forced[0],
+        "the first step must use exact attention over the whole prompt"
+    );
+    assert!(
+        pruned[1] != forced[1],
+        "after pruning to 64 tokens the next step must differ"
+    );
 }

@@ -15,7 +15,11 @@ use serde_json::Value;
 
 fn model_path() -> std::path::PathBuf {
     let p = known_model_path(&GEMMA3_270M);
-    assert!(p.exists(), "{} is missing: run `pagekeeper fetch-model --name all` first", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run `pagekeeper fetch-model --name all` first",
+        p.display()
+    );
     p
 }
 
@@ -24,7 +28,11 @@ fn golden() -> Value {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn book() -> &'static [u8] {
@@ -47,10 +55,19 @@ fn tokenizer_matches_llama_cpp() {
     let want = ids(&g["tokenizer"]["book_prefix_ids"]);
     let got = tok.encode(text, false);
     let first_diff = got.iter().zip(&want).position(|(a, b)| a != b);
-    assert_eq!((got.len(), first_diff), (want.len(), None), "book prefix: {} tokens vs llama.cpp's {}", got.len(), want.len());
+    assert_eq!(
+        (got.len(), first_diff),
+        (want.len(), None),
+        "book prefix: {} tokens vs llama.cpp's {}",
+        got.len(),
+        want.len()
+    );
     // Prompts get the BOS the model asks for.
     assert!(tok.add_bos());
-    assert_eq!(tok.encode_prompt("Hello world", false)[0], tok.bos_id().unwrap());
+    assert_eq!(
+        tok.encode_prompt("Hello world", false)[0],
+        tok.bos_id().unwrap()
+    );
 }
 
 /// llama-perplexity's protocol at n_ctx 1024 (each chunk's second half is scored, so every
@@ -61,13 +78,27 @@ fn perplexity_within_one_percent_of_llama_cpp() {
     let p = &g["perplexity"];
     let n_ctx = p["n_ctx"].as_u64().unwrap() as usize;
     let chunks = p["chunks"].as_u64().unwrap() as usize;
-    let mut engine = Engine::load(&model_path(), EngineConfig { kv_capacity_tokens: Some(n_ctx), ..Default::default() }).unwrap();
+    let mut engine = Engine::load(
+        &model_path(),
+        EngineConfig {
+            kv_capacity_tokens: Some(n_ctx),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let text = String::from_utf8_lossy(book());
     let ids = engine.tokenizer.encode(&text, false);
     let r = perplexity(&mut engine, &ids, n_ctx, Some(chunks), &mut |_, _| {}).unwrap();
     let want = p["ppl"].as_f64().unwrap();
-    eprintln!("PPL n_ctx {n_ctx} × {chunks}: ours {:.4} (running {:?}), llama.cpp {want}", r.ppl, r.running_ppl);
-    assert!((r.ppl - want).abs() / want < 0.01, "PPL {:.4} vs llama.cpp {want}", r.ppl);
+    eprintln!(
+        "PPL n_ctx {n_ctx} × {chunks}: ours {:.4} (running {:?}), llama.cpp {want}",
+        r.ppl, r.running_ppl
+    );
+    assert!(
+        (r.ppl - want).abs() / want < 0.01,
+        "PPL {:.4} vs llama.cpp {want}",
+        r.ppl
+    );
 }
 
 fn log_softmax(x: &[f32]) -> Vec<f32> {
@@ -86,7 +117,13 @@ fn greedy_continuations_agree_with_llama_cpp_up_to_near_ties() {
     let f = pk_gguf::GgufFile::open(model_path()).unwrap();
     let model = Llama::from_gguf(&f).unwrap();
     let c = &model.config;
-    let g = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: 16, num_blocks: 8 };
+    let g = KvGeometry {
+        n_layers: c.n_layers,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        block_size_tokens: 16,
+        num_blocks: 8,
+    };
     let table: Vec<u32> = (0..8).collect();
     let (mut steps, mut argmax_agree, mut worst) = (0, 0, 0f32);
     for case in golden()["greedy"].as_array().unwrap() {
@@ -96,7 +133,17 @@ fn greedy_continuations_agree_with_llama_cpp_up_to_near_ties() {
         let mut store = KvStore::new(g, KvDtype::F16);
         // One prefill of prompt + continuation; row i predicts token i + 1.
         let n = all.len() - 1;
-        let logits = model.forward(&mut store, &[SeqForward { tokens: &all[..n], start_position: 0, stored_start: 0, block_table: &table, logits_from: prompt.len() - 1, stored_positions: &[] }]);
+        let logits = model.forward(
+            &mut store,
+            &[SeqForward {
+                tokens: &all[..n],
+                start_position: 0,
+                stored_start: 0,
+                block_table: &table,
+                logits_from: prompt.len() - 1,
+                stored_positions: &[],
+            }],
+        );
         for (i, &want) in cont.iter().enumerate() {
             let lp = log_softmax(&logits[i * c.vocab_size..(i + 1) * c.vocab_size]);
             let top = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -104,11 +151,18 @@ fn greedy_continuations_agree_with_llama_cpp_up_to_near_ties() {
             worst = worst.max(gap);
             steps += 1;
             argmax_agree += (gap == 0.0) as usize;
-            assert!(gap <= NEAR_TIE_NATS, "{:?} step {i}: llama.cpp's token {want} is {gap:.3} nats below our top", case["prompt"].as_str().unwrap());
+            assert!(
+                gap <= NEAR_TIE_NATS,
+                "{:?} step {i}: llama.cpp's token {want} is {gap:.3} nats below our top",
+                case["prompt"].as_str().unwrap()
+            );
         }
     }
     eprintln!("{argmax_agree}/{steps} steps with the same argmax; largest gap {worst:.3} nats");
-    assert!(argmax_agree * 10 >= steps * 9, "only {argmax_agree} of {steps} steps agree");
+    assert!(
+        argmax_agree * 10 >= steps * 9,
+        "only {argmax_agree} of {steps} steps agree"
+    );
 }
 
 /// The engine end to end on Gemma: its chat-less greedy generation reproduces the first
@@ -117,9 +171,14 @@ fn greedy_continuations_agree_with_llama_cpp_up_to_near_ties() {
 fn engine_generates_like_llama_cpp() {
     let mut engine = Engine::load(&model_path(), EngineConfig::default()).unwrap();
     let case = &golden()["greedy"][0];
-    let prompt = engine.tokenizer.encode_prompt(case["prompt"].as_str().unwrap(), false);
+    let prompt = engine
+        .tokenizer
+        .encode_prompt(case["prompt"].as_str().unwrap(), false);
     assert_eq!(prompt, ids(&case["prompt_ids"]));
-    let params = pk_engine::GenerateParams { max_tokens: 8, ..Default::default() };
+    let params = pk_engine::GenerateParams {
+        max_tokens: 8,
+        ..Default::default()
+    };
     let out = engine.generate(&prompt, &params, &mut |_| {}).unwrap();
     assert_eq!(out.token_ids, ids(&case["continuation_ids"])[..8]);
     engine.check_invariants();
@@ -128,7 +187,10 @@ fn engine_generates_like_llama_cpp() {
 fn mean_kl(full: &[Vec<f32>], other: &[Vec<f32>]) -> f64 {
     let kl = |p: &[f32], q: &[f32]| -> f64 {
         let (lp, lq) = (log_softmax(p), log_softmax(q));
-        lp.iter().zip(&lq).map(|(&a, &b)| (a as f64).exp() * (a - b) as f64).sum()
+        lp.iter()
+            .zip(&lq)
+            .map(|(&a, &b)| (a as f64).exp() * (a - b) as f64)
+            .sum()
     };
     full.iter().zip(other).map(|(p, q)| kl(p, q)).sum::<f64>() / full.len() as f64
 }
@@ -146,13 +208,22 @@ fn eviction_keeps_local_windows_over_positions() {
     let mut ids = engine.tokenizer.encode_prompt(&text, false);
     ids.truncate(1024);
     let (prompt, cont) = ids.split_at(1024 - 32);
-    let full = engine.teacher_force(prompt, cont, &pk_engine::GenerateParams::default()).unwrap();
+    let full = engine
+        .teacher_force(prompt, cont, &pk_engine::GenerateParams::default())
+        .unwrap();
     for (policy, bound) in [("streaming-llm", 0.5), ("paged-eviction", 1.0)] {
-        let params = pk_engine::GenerateParams { kv_policy: Some(policy.parse().unwrap()), kv_budget: Some(512), ..Default::default() };
+        let params = pk_engine::GenerateParams {
+            kv_policy: Some(policy.parse().unwrap()),
+            kv_budget: Some(512),
+            ..Default::default()
+        };
         let evicted = engine.teacher_force(prompt, cont, &params).unwrap();
         let kl = mean_kl(&full, &evicted);
         eprintln!("{policy} at 512 of 1,024 tokens: mean KL {kl:.3} nats");
-        assert!(kl < bound, "{policy}: mean KL {kl:.3} nats from the full cache");
+        assert!(
+            kl < bound,
+            "{policy}: mean KL {kl:.3} nats from the full cache"
+        );
     }
     engine.check_invariants();
 }

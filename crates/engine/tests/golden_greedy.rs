@@ -19,10 +19,26 @@ fn greedy_tokens_against_llama_cpp() {
         let prompt_ids = common::ids(&p["prompt_token_ids"]);
         // The tokenizer must produce the same prompt ids from the prompt text.
         let chat = name.starts_with("chat");
-        assert_eq!(engine.tokenizer.encode(p["prompt"].as_str().unwrap(), chat), prompt_ids, "{name}: tokenization");
+        assert_eq!(
+            engine.tokenizer.encode(p["prompt"].as_str().unwrap(), chat),
+            prompt_ids,
+            "{name}: tokenization"
+        );
         let must_match = if name == "chat_capital" { 7 } else { 8 };
-        let want: Vec<u32> = common::ids(&p["greedy_token_ids"]).into_iter().take(must_match).collect();
-        let out = engine.generate(&prompt_ids, &GenerateParams { max_tokens: 8, ..Default::default() }, &mut |_| {}).unwrap();
+        let want: Vec<u32> = common::ids(&p["greedy_token_ids"])
+            .into_iter()
+            .take(must_match)
+            .collect();
+        let out = engine
+            .generate(
+                &prompt_ids,
+                &GenerateParams {
+                    max_tokens: 8,
+                    ..Default::default()
+                },
+                &mut |_| {},
+            )
+            .unwrap();
         let mut got = out.token_ids.clone();
         // llama.cpp's list ends with the end-of-generation token; ours stops before it.
         if out.finish_reason == FinishReason::Stop {
@@ -30,8 +46,16 @@ fn greedy_tokens_against_llama_cpp() {
         }
         // llama.cpp's list may be shorter than 8 (chat_sky's reference stops after 6).
         let n = want.len();
-        assert!(got.len() >= n, "{name}: {} tokens, llama.cpp's {n}", got.len());
-        assert_eq!(got[..n], want[..], "{name}: greedy tokens differ from llama.cpp's");
+        assert!(
+            got.len() >= n,
+            "{name}: {} tokens, llama.cpp's {n}",
+            got.len()
+        );
+        assert_eq!(
+            got[..n],
+            want[..],
+            "{name}: greedy tokens differ from llama.cpp's"
+        );
         assert!(!out.text.is_empty(), "{name}: empty output");
         engine.check_invariants();
     }
@@ -43,7 +67,16 @@ fn chat_answer_is_coherent() {
     // model, greedy, names Paris when asked about France in plain text.
     let mut engine = common::engine(EngineConfig::default());
     let prompt = engine.tokenizer.encode("The capital of France is", false);
-    let out = engine.generate(&prompt, &GenerateParams { max_tokens: 4, ..Default::default() }, &mut |_| {}).unwrap();
+    let out = engine
+        .generate(
+            &prompt,
+            &GenerateParams {
+                max_tokens: 4,
+                ..Default::default()
+            },
+            &mut |_| {},
+        )
+        .unwrap();
     assert!(out.text.contains("Paris"), "{:?}", out.text);
 }
 
@@ -52,7 +85,10 @@ fn prefix_cache_hit_gives_identical_greedy_output() {
     let mut engine = common::engine(EngineConfig::default());
     let golden = common::golden();
     let prompt_ids = common::ids(&golden["prompts"][0]["prompt_token_ids"]);
-    let params = GenerateParams { max_tokens: 12, ..Default::default() };
+    let params = GenerateParams {
+        max_tokens: 12,
+        ..Default::default()
+    };
     let first = engine.generate(&prompt_ids, &params, &mut |_| {}).unwrap();
     assert_eq!(first.cached_prompt_tokens, 0);
     let second = engine.generate(&prompt_ids, &params, &mut |_| {}).unwrap();
@@ -65,15 +101,33 @@ fn prefix_cache_hit_gives_identical_greedy_output() {
 #[test]
 fn streamed_text_equals_final_text_and_stop_strings_cut() {
     let mut engine = common::engine(EngineConfig::default());
-    let prompt = engine.tokenizer.encode("The planets of the solar system, in order from the Sun, are", false);
+    let prompt = engine.tokenizer.encode(
+        "The planets of the solar system, in order from the Sun, are",
+        false,
+    );
     let mut streamed = String::new();
-    let out = engine.generate(&prompt, &GenerateParams { max_tokens: 24, ..Default::default() }, &mut |s| streamed.push_str(s)).unwrap();
+    let out = engine
+        .generate(
+            &prompt,
+            &GenerateParams {
+                max_tokens: 24,
+                ..Default::default()
+            },
+            &mut |s| streamed.push_str(s),
+        )
+        .unwrap();
     assert_eq!(streamed, out.text);
     assert!(!out.text.is_empty());
     // Stopping at the first newline must cut the text before it.
     let mut streamed2 = String::new();
-    let params = GenerateParams { max_tokens: 24, stop: vec!["\n".into()], ..Default::default() };
-    let out2 = engine.generate(&prompt, &params, &mut |s| streamed2.push_str(s)).unwrap();
+    let params = GenerateParams {
+        max_tokens: 24,
+        stop: vec!["\n".into()],
+        ..Default::default()
+    };
+    let out2 = engine
+        .generate(&prompt, &params, &mut |s| streamed2.push_str(s))
+        .unwrap();
     assert_eq!(out2.finish_reason, FinishReason::Stop);
     assert!(!out2.text.contains('\n'));
     assert_eq!(streamed2, out2.text);
@@ -82,10 +136,23 @@ fn streamed_text_equals_final_text_and_stop_strings_cut() {
 
 #[test]
 fn kv_cache_exhaustion_is_an_error_not_a_panic() {
-    let mut engine = common::engine(EngineConfig { kv_capacity_tokens: Some(32), ..Default::default() });
+    let mut engine = common::engine(EngineConfig {
+        kv_capacity_tokens: Some(32),
+        ..Default::default()
+    });
     let prompt: Vec<u32> = (0..40).map(|i| 1000 + i).collect();
-    let err = engine.generate(&prompt, &GenerateParams::default(), &mut |_| {}).unwrap_err();
-    assert!(err.to_string().contains("needs 4 KV blocks of 16 tokens but the cache has only 2"), "{err}");
+    let err = engine
+        .generate(&prompt, &GenerateParams::default(), &mut |_| {})
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("needs 4 KV blocks of 16 tokens but the cache has only 2"),
+        "{err}"
+    );
     engine.check_invariants();
-    assert_eq!(engine.kv_manager().pool().num_free_blocks(), 2, "blocks of the failed request were freed");
+    assert_eq!(
+        engine.kv_manager().pool().num_free_blocks(),
+        2,
+        "blocks of the failed request were freed"
+    );
 }

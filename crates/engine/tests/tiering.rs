@@ -13,14 +13,28 @@ use pk_tiers::{DiskTier, DiskTierConfig, RamTier, Tier, TieredStore};
 fn tiered(dir: &std::path::Path) -> Arc<TieredStore> {
     let ram: Arc<dyn Tier> = Arc::new(RamTier::new(64 << 20));
     let disk: Arc<dyn Tier> = Arc::new(
-        DiskTier::open(DiskTierConfig { dir: dir.to_path_buf(), capacity_bytes: 256 << 20, name: "disk".into(), sync_writes: true, drop_page_cache: false }).unwrap(),
+        DiskTier::open(DiskTierConfig {
+            dir: dir.to_path_buf(),
+            capacity_bytes: 256 << 20,
+            name: "disk".into(),
+            sync_writes: true,
+            drop_page_cache: false,
+        })
+        .unwrap(),
     );
     // Write-through to the slowest tier: the disk copy is what survives a restart.
     Arc::new(TieredStore::new(vec![ram, disk]).with_write_through_last(true))
 }
 
 fn config(store: Arc<TieredStore>) -> EngineConfig {
-    EngineConfig { tiering: Some(TieringConfig { store, chunk_size_tokens: 256, max_pending_bytes: 64 << 20 }), ..Default::default() }
+    EngineConfig {
+        tiering: Some(TieringConfig {
+            store,
+            chunk_size_tokens: 256,
+            max_pending_bytes: 64 << 20,
+        }),
+        ..Default::default()
+    }
 }
 
 #[test]
@@ -28,7 +42,11 @@ fn stored_prompt_chunks_survive_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let book = common::book_ids();
     let prompt = &book[5000..5600];
-    let params = GenerateParams { max_tokens: 16, ignore_eos: true, ..Default::default() };
+    let params = GenerateParams {
+        max_tokens: 16,
+        ignore_eos: true,
+        ..Default::default()
+    };
 
     let store = tiered(dir.path());
     let mut first = common::engine(config(store.clone()));
@@ -36,8 +54,14 @@ fn stored_prompt_chunks_survive_a_restart() {
     assert_eq!(a.cached_prompt_tokens, 0);
     // The writer thread stores asynchronously; wait until both chunks are visible.
     let t0 = Instant::now();
-    while first.tiering_stats().unwrap().chunks_queued < 2 || store.metrics().iter().map(|m| m.bytes_written).sum::<u64>() < 2 * 256 * 23040 {
-        assert!(t0.elapsed() < Duration::from_secs(30), "chunks were not stored: {:?}", first.tiering_stats());
+    while first.tiering_stats().unwrap().chunks_queued < 2
+        || store.metrics().iter().map(|m| m.bytes_written).sum::<u64>() < 2 * 256 * 23040
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "chunks were not stored: {:?}",
+            first.tiering_stats()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     // Dropping the engine waits for its writer thread, so the disk holds every chunk.
@@ -47,9 +71,15 @@ fn stored_prompt_chunks_survive_a_restart() {
     // A new process: empty RAM tier, the same disk directory.
     let mut second = common::engine(config(tiered(dir.path())));
     let b = second.generate(prompt, &params, &mut |_| {}).unwrap();
-    assert_eq!(b.cached_prompt_tokens, 512, "two 256-token chunks must come from the disk tier");
+    assert_eq!(
+        b.cached_prompt_tokens, 512,
+        "two 256-token chunks must come from the disk tier"
+    );
     assert_eq!(second.tiering_stats().unwrap().chunks_loaded, 2);
-    assert_eq!(a.token_ids, b.token_ids, "KV loaded from disk must give the same tokens");
+    assert_eq!(
+        a.token_ids, b.token_ids,
+        "KV loaded from disk must give the same tokens"
+    );
     second.check_invariants();
 }
 
@@ -71,17 +101,30 @@ fn same_named_models_with_different_contents_never_share_tier_entries() {
     let mut changed = original.clone();
     // The last byte belongs to the last tensor's data (a weight), not to the header.
     *changed.last_mut().unwrap() ^= 0x01;
-    let (a, b, c) = (place("a", &original), place("b", &changed), place("c", &original));
+    let (a, b, c) = (
+        place("a", &original),
+        place("b", &changed),
+        place("c", &original),
+    );
     let book = common::book_ids();
     let prompt = &book[7000..7600];
-    let params = GenerateParams { max_tokens: 4, ignore_eos: true, ..Default::default() };
+    let params = GenerateParams {
+        max_tokens: 4,
+        ignore_eos: true,
+        ..Default::default()
+    };
     let run = |path: &std::path::Path| {
         let store = tiered(tier_dir.path());
         let mut e = pk_engine::Engine::load(path, config(store.clone())).unwrap();
         let out = e.generate(prompt, &params, &mut |_| {}).unwrap();
         let t0 = Instant::now();
-        while store.metrics().iter().map(|m| m.bytes_written).sum::<u64>() < 2 * 256 * 23040 && out.cached_prompt_tokens == 0 {
-            assert!(t0.elapsed() < Duration::from_secs(30), "chunks were not stored");
+        while store.metrics().iter().map(|m| m.bytes_written).sum::<u64>() < 2 * 256 * 23040
+            && out.cached_prompt_tokens == 0
+        {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "chunks were not stored"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         (out.cached_prompt_tokens, e.kv_fingerprint())
@@ -91,9 +134,15 @@ fn same_named_models_with_different_contents_never_share_tier_entries() {
     let (hits_c, fc) = run(&c);
     assert_eq!(hits_a, 0);
     assert_ne!(fa, fb, "different contents, different cache identity");
-    assert_eq!(hits_b, 0, "the changed model must not load the first model's KV");
+    assert_eq!(
+        hits_b, 0,
+        "the changed model must not load the first model's KV"
+    );
     assert_eq!(fa, fc);
-    assert_eq!(hits_c, 512, "an identical copy under another path reuses the stored chunks");
+    assert_eq!(
+        hits_c, 512,
+        "an identical copy under another path reuses the stored chunks"
+    );
 }
 
 /// A request waiting for blocks asks the tiers once, not at every engine step (with a
@@ -110,13 +159,26 @@ fn a_waiting_request_makes_one_tier_lookup() {
     let submit = |e: &mut pk_engine::Engine, prompt: &[u32], max_tokens: usize| {
         let d = done.clone();
         let sink = Box::new(move |ev: pk_engine::SeqEvent| {
-            if matches!(ev, pk_engine::SeqEvent::Finished(_) | pk_engine::SeqEvent::Error(_)) {
+            if matches!(
+                ev,
+                pk_engine::SeqEvent::Finished(_) | pk_engine::SeqEvent::Error(_)
+            ) {
                 d.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             }
             true
         });
-        let params = GenerateParams { max_tokens, ignore_eos: true, ..Default::default() };
-        e.submit(pk_engine::Request { prompt_ids: prompt.to_vec(), params, cache_salt: None, sink }).unwrap();
+        let params = GenerateParams {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        e.submit(pk_engine::Request {
+            prompt_ids: prompt.to_vec(),
+            params,
+            cache_salt: None,
+            sink,
+        })
+        .unwrap();
     };
     submit(&mut e, &book[9000..9500], 48);
     // Its prefill allocates its blocks; only then does the second request arrive.
@@ -131,7 +193,14 @@ fn a_waiting_request_makes_one_tier_lookup() {
         }
         assert!(steps < 10_000, "the requests did not finish");
     }
-    assert!(waited_steps > 10, "the second request should have waited for blocks ({waited_steps} steps)");
-    assert_eq!(e.tiering_stats().unwrap().lookups, 2, "one lookup per request over {waited_steps} waiting steps");
+    assert!(
+        waited_steps > 10,
+        "the second request should have waited for blocks ({waited_steps} steps)"
+    );
+    assert_eq!(
+        e.tiering_stats().unwrap().lookups,
+        2,
+        "one lookup per request over {waited_steps} waiting steps"
+    );
     e.check_invariants();
 }

@@ -33,7 +33,17 @@ fn cells<'a>(report: &'a Report, policy: &str) -> Cells<'a> {
         .results
         .iter()
         .filter(|r| r.policy == policy)
-        .filter_map(|r| Some(((r.task.as_str(), r.context_tokens, r.block_size, r.kv_budget?), r)))
+        .filter_map(|r| {
+            Some((
+                (
+                    r.task.as_str(),
+                    r.context_tokens,
+                    r.block_size,
+                    r.kv_budget?,
+                ),
+                r,
+            ))
+        })
         .collect()
 }
 
@@ -45,7 +55,12 @@ pub fn markdown(report: &Report, subject: &str) -> String {
     if mine.is_empty() {
         return String::new();
     }
-    let policies: BTreeSet<&str> = report.results.iter().map(|r| r.policy.as_str()).filter(|p| *p != "full").collect();
+    let policies: BTreeSet<&str> = report
+        .results
+        .iter()
+        .map(|r| r.policy.as_str())
+        .filter(|p| *p != "full")
+        .collect();
     let mut s = format!("## {subject} against each policy\n\n");
     s += &format!(
         "Generated tasks, calibrated cells only (task × length where the full cache scores ≥ 80%). \
@@ -58,9 +73,12 @@ pub fn markdown(report: &Report, subject: &str) -> String {
     for other in policies.iter().filter(|p| **p != subject) {
         let theirs = cells(report, other);
         // budget → (wins, ties, losses, Σ diff, kl diffs, kl lower count)
-        let mut by_budget: BTreeMap<u32, (usize, usize, usize, f64, Vec<f64>, usize)> = BTreeMap::new();
+        let mut by_budget: BTreeMap<u32, (usize, usize, usize, f64, Vec<f64>, usize)> =
+            BTreeMap::new();
         for (k, a) in &mine {
-            let (Some(b), Some(pm)) = (theirs.get(k), budget_permille(a)) else { continue };
+            let (Some(b), Some(pm)) = (theirs.get(k), budget_permille(a)) else {
+                continue;
+            };
             let e = by_budget.entry(pm).or_default();
             if a.task.starts_with("text-kl") {
                 if let (Some(x), Some(y)) = (a.kl_mean, b.kl_mean) {
@@ -81,10 +99,26 @@ pub fn markdown(report: &Report, subject: &str) -> String {
         }
         for (pm, (w, t, l, sum, kl, lower)) in by_budget {
             let n = w + t + l;
-            let delta = if n > 0 { format!("{:+.3}", sum / n as f64) } else { "-".into() };
-            let kl_delta = if kl.is_empty() { "-".into() } else { format!("{:+.4}", kl.iter().sum::<f64>() / kl.len() as f64) };
-            let kl_lower = if kl.is_empty() { "-".into() } else { format!("{lower}/{}", kl.len()) };
-            let _ = writeln!(s, "| {other} | {} | {n} | {w} | {t} | {l} | {delta} | {kl_delta} | {kl_lower} |", percent_label(pm));
+            let delta = if n > 0 {
+                format!("{:+.3}", sum / n as f64)
+            } else {
+                "-".into()
+            };
+            let kl_delta = if kl.is_empty() {
+                "-".into()
+            } else {
+                format!("{:+.4}", kl.iter().sum::<f64>() / kl.len() as f64)
+            };
+            let kl_lower = if kl.is_empty() {
+                "-".into()
+            } else {
+                format!("{lower}/{}", kl.len())
+            };
+            let _ = writeln!(
+                s,
+                "| {other} | {} | {n} | {w} | {t} | {l} | {delta} | {kl_delta} | {kl_lower} |",
+                percent_label(pm)
+            );
         }
     }
     s += "\n";
@@ -99,9 +133,18 @@ pub fn markdown(report: &Report, subject: &str) -> String {
 fn score_table(report: &Report, policies: &BTreeSet<&str>) -> String {
     // (task, budget) → policy → scores
     let mut groups: BTreeMap<(&str, u32), BTreeMap<&str, Vec<f64>>> = BTreeMap::new();
-    for r in report.results.iter().filter(|r| !r.task.starts_with("text-kl") && r.calibrated && r.policy != "full") {
+    for r in report
+        .results
+        .iter()
+        .filter(|r| !r.task.starts_with("text-kl") && r.calibrated && r.policy != "full")
+    {
         if let Some(pm) = budget_permille(r) {
-            groups.entry((r.task.as_str(), pm)).or_default().entry(r.policy.as_str()).or_default().push(r.score);
+            groups
+                .entry((r.task.as_str(), pm))
+                .or_default()
+                .entry(r.policy.as_str())
+                .or_default()
+                .push(r.score);
         }
     }
     if groups.is_empty() {
@@ -115,8 +158,19 @@ fn score_table(report: &Report, policies: &BTreeSet<&str>) -> String {
     s += &"---|".repeat(policies.len());
     s += "\n";
     for ((task, pm), by_policy) in &groups {
-        let means: Vec<Option<f64>> = policies.iter().map(|p| by_policy.get(p).map(|v| v.iter().sum::<f64>() / v.len() as f64)).collect();
-        let best = means.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max);
+        let means: Vec<Option<f64>> = policies
+            .iter()
+            .map(|p| {
+                by_policy
+                    .get(p)
+                    .map(|v| v.iter().sum::<f64>() / v.len() as f64)
+            })
+            .collect();
+        let best = means
+            .iter()
+            .flatten()
+            .copied()
+            .fold(f64::NEG_INFINITY, f64::max);
         let _ = write!(s, "| {task} | {} |", percent_label(*pm));
         for m in &means {
             let _ = match m {
@@ -134,15 +188,24 @@ fn score_table(report: &Report, policies: &BTreeSet<&str>) -> String {
 /// is bold.
 fn kl_table(report: &Report, policies: &BTreeSet<&str>, task: &str) -> String {
     let mut groups: BTreeMap<(usize, u32), BTreeMap<&str, f64>> = BTreeMap::new();
-    for r in report.results.iter().filter(|r| r.task == task && r.policy != "full") {
+    for r in report
+        .results
+        .iter()
+        .filter(|r| r.task == task && r.policy != "full")
+    {
         if let (Some(pm), Some(kl)) = (budget_permille(r), r.kl_mean) {
-            groups.entry((r.context_tokens, pm)).or_default().insert(r.policy.as_str(), kl);
+            groups
+                .entry((r.context_tokens, pm))
+                .or_default()
+                .insert(r.policy.as_str(), kl);
         }
     }
     if groups.is_empty() {
         return String::new();
     }
-    let mut s = format!("### {task}: mean KL(p_full ‖ p_policy), nats (lowest in bold)\n\n| length | budget |");
+    let mut s = format!(
+        "### {task}: mean KL(p_full ‖ p_policy), nats (lowest in bold)\n\n| length | budget |"
+    );
     for p in policies {
         let _ = write!(s, " {p} |");
     }
@@ -168,7 +231,14 @@ fn kl_table(report: &Report, policies: &BTreeSet<&str>, task: &str) -> String {
 mod tests {
     use super::*;
 
-    fn row(task: &str, policy: &str, budget: Option<u32>, score: f64, kl: Option<f64>, calibrated: bool) -> SummaryRow {
+    fn row(
+        task: &str,
+        policy: &str,
+        budget: Option<u32>,
+        score: f64,
+        kl: Option<f64>,
+        calibrated: bool,
+    ) -> SummaryRow {
         SummaryRow {
             task: task.into(),
             context_tokens: 1024,
@@ -196,22 +266,51 @@ mod tests {
             row("passkey", "knorm", Some(256), 0.25, None, true),
             row("niah-single", "paged-eviction", Some(256), 0.0, None, true),
             row("niah-single", "knorm", Some(256), 0.5, None, true),
-            row("kv-retrieval", "paged-eviction", Some(256), 1.0, None, false), // uncalibrated: ignored
+            row(
+                "kv-retrieval",
+                "paged-eviction",
+                Some(256),
+                1.0,
+                None,
+                false,
+            ), // uncalibrated: ignored
             row("kv-retrieval", "knorm", Some(256), 0.0, None, false),
-            row("text-kl", "paged-eviction", Some(256), 0.9, Some(0.10), true),
+            row(
+                "text-kl",
+                "paged-eviction",
+                Some(256),
+                0.9,
+                Some(0.10),
+                true,
+            ),
             row("text-kl", "knorm", Some(256), 0.9, Some(0.30), true),
         ];
-        let md = markdown(&Report { model: "m".into(), results }, "paged-eviction");
+        let md = markdown(
+            &Report {
+                model: "m".into(),
+                results,
+            },
+            "paged-eviction",
+        );
         // 25% of 1024: one win (passkey +0.5), one loss (niah -0.5), mean Δ 0; KL 0.2 lower.
-        assert!(md.contains("| knorm | 25% | 2 | 1 | 0 | 1 | +0.000 | -0.2000 | 1/1 |"), "{md}");
+        assert!(
+            md.contains("| knorm | 25% | 2 | 1 | 0 | 1 | +0.000 | -0.2000 | 1/1 |"),
+            "{md}"
+        );
         assert!(md.contains("| passkey | 25% | 0.25 | **0.75** |"), "{md}");
-        assert!(!md.contains("kv-retrieval"), "uncalibrated cells must not count: {md}");
+        assert!(
+            !md.contains("kv-retrieval"),
+            "uncalibrated cells must not count: {md}"
+        );
         assert!(md.contains("| 1024 | 25% | 0.300 | **0.100** |"), "{md}");
     }
 
     #[test]
     fn nothing_without_the_subject() {
-        let r = Report { model: "m".into(), results: vec![row("passkey", "knorm", Some(256), 0.5, None, true)] };
+        let r = Report {
+            model: "m".into(),
+            results: vec![row("passkey", "knorm", Some(256), 0.5, None, true)],
+        };
         assert_eq!(markdown(&r, "paged-eviction"), "");
     }
 }

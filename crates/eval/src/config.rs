@@ -26,7 +26,9 @@ impl Budget {
             }
             return Ok(Budget::Fraction(f / 100.0));
         }
-        s.parse::<u32>().map(Budget::Tokens).map_err(|_| format!("bad budget {s:?} (expected e.g. 25% or 512)"))
+        s.parse::<u32>()
+            .map(Budget::Tokens)
+            .map_err(|_| format!("bad budget {s:?} (expected e.g. 25% or 512)"))
     }
 
     /// Tokens for a context of `context_tokens`: fractions round down to whole blocks and
@@ -35,7 +37,9 @@ impl Budget {
     pub fn tokens(self, context_tokens: usize, block_size_tokens: u32) -> Option<u32> {
         let min = 3 * block_size_tokens;
         let t = match self {
-            Budget::Fraction(f) => (((f * context_tokens as f64) as u32) / block_size_tokens * block_size_tokens).max(min),
+            Budget::Fraction(f) => (((f * context_tokens as f64) as u32) / block_size_tokens
+                * block_size_tokens)
+                .max(min),
             Budget::Tokens(t) => t,
         };
         (t >= min && (t as usize) < context_tokens).then_some(t)
@@ -73,7 +77,10 @@ pub struct SweepConfig {
 
 /// The seeds' comparison: PagedEviction against StreamingLLM, KeyDiff and inverse key L2.
 pub fn seed_policies() -> Vec<PolicySpec> {
-    ["paged-eviction", "streaming-llm", "keydiff", "knorm"].iter().map(|p| p.parse().expect("valid policy name")).collect()
+    ["paged-eviction", "streaming-llm", "keydiff", "knorm"]
+        .iter()
+        .map(|p| p.parse().expect("valid policy name"))
+        .collect()
 }
 
 impl SweepConfig {
@@ -84,7 +91,12 @@ impl SweepConfig {
             policies: seed_policies(),
             budgets: vec![Budget::Fraction(0.25), Budget::Fraction(0.5)],
             block_sizes: vec![16],
-            tasks: vec![Task::Passkey, Task::NiahSingle, Task::KvRetrieval, Task::TextKl],
+            tasks: vec![
+                Task::Passkey,
+                Task::NiahSingle,
+                Task::KvRetrieval,
+                Task::TextKl,
+            ],
             lengths: vec![1024, 2048],
             samples: 2,
             seed: 1,
@@ -105,9 +117,22 @@ impl SweepConfig {
     /// for them with `--lengths`, `--block-sizes`, `--budgets` and `--policies`.
     pub fn full(model_path: PathBuf, out_dir: PathBuf) -> SweepConfig {
         let mut policies = seed_policies();
-        policies.extend(["paged-eviction:v-norm", "paged-eviction:inv-k-norm", "snapkv"].iter().map(|p| p.parse::<PolicySpec>().expect("valid")));
+        policies.extend(
+            [
+                "paged-eviction:v-norm",
+                "paged-eviction:inv-k-norm",
+                "snapkv",
+            ]
+            .iter()
+            .map(|p| p.parse::<PolicySpec>().expect("valid")),
+        );
         SweepConfig {
-            budgets: vec![Budget::Fraction(0.125), Budget::Fraction(0.25), Budget::Fraction(0.5), Budget::Fraction(0.75)],
+            budgets: vec![
+                Budget::Fraction(0.125),
+                Budget::Fraction(0.25),
+                Budget::Fraction(0.5),
+                Budget::Fraction(0.75),
+            ],
             block_sizes: vec![16],
             tasks: ALL_TASKS.to_vec(),
             lengths: vec![1024, 2048],
@@ -119,7 +144,11 @@ impl SweepConfig {
 
     /// The distinct token budgets for one (length, block size), in ascending order.
     pub fn budget_tokens(&self, context_tokens: usize, block_size_tokens: u32) -> Vec<u32> {
-        let mut t: Vec<u32> = self.budgets.iter().filter_map(|b| b.tokens(context_tokens, block_size_tokens)).collect();
+        let mut t: Vec<u32> = self
+            .budgets
+            .iter()
+            .filter_map(|b| b.tokens(context_tokens, block_size_tokens))
+            .collect();
         t.sort_unstable();
         t.dedup();
         t
@@ -139,7 +168,14 @@ mod tests {
         assert_eq!(Budget::Fraction(0.01).tokens(1000, 16), Some(48));
         assert_eq!(Budget::Tokens(1024).tokens(1024, 16), None);
         assert_eq!(Budget::Tokens(32).tokens(1024, 16), None);
-        let c = SweepConfig { budgets: vec![Budget::Fraction(0.25), Budget::Tokens(256), Budget::Tokens(4096)], ..SweepConfig::quick("m".into(), "o".into()) };
+        let c = SweepConfig {
+            budgets: vec![
+                Budget::Fraction(0.25),
+                Budget::Tokens(256),
+                Budget::Tokens(4096),
+            ],
+            ..SweepConfig::quick("m".into(), "o".into())
+        };
         assert_eq!(c.budget_tokens(1024, 16), vec![256]);
         assert_eq!(c.budget_tokens(2048, 16), vec![256, 512]);
     }

@@ -7,11 +7,17 @@ use std::sync::OnceLock;
 use crate::rng::SplitMix64;
 
 /// The book, as shipped in tests/fixtures (also ../shared/data).
-pub const VERNE_TEXT: &str = include_str!("../../../tests/fixtures/around-the-world-in-80-days.txt");
+pub const VERNE_TEXT: &str =
+    include_str!("../../../tests/fixtures/around-the-world-in-80-days.txt");
 
 /// RULER's noise haystack: the same five sentences, over and over.
-pub const NOISE_SENTENCES: [&str; 5] =
-    ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again."];
+pub const NOISE_SENTENCES: [&str; 5] = [
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+];
 
 /// Which filler a task's haystack is made of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,9 +30,15 @@ pub enum Filler {
 pub fn verne_body() -> &'static str {
     static BODY: OnceLock<String> = OnceLock::new();
     BODY.get_or_init(|| {
-        let start = VERNE_TEXT.find("*** START OF").and_then(|i| VERNE_TEXT[i..].find('\n').map(|j| i + j + 1)).unwrap_or(0);
+        let start = VERNE_TEXT
+            .find("*** START OF")
+            .and_then(|i| VERNE_TEXT[i..].find('\n').map(|j| i + j + 1))
+            .unwrap_or(0);
         let end = VERNE_TEXT.find("*** END OF").unwrap_or(VERNE_TEXT.len());
-        VERNE_TEXT[start..end].split_whitespace().collect::<Vec<_>>().join(" ")
+        VERNE_TEXT[start..end]
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
     })
 }
 
@@ -54,12 +66,20 @@ pub fn verne_sentences() -> &'static [String] {
 /// Consecutive filler sentences whose token counts add up to about `target_tokens` (the
 /// sum of per-sentence counts; joining with spaces changes it by a token here and there).
 /// Natural text starts at a random sentence and wraps around the book.
-pub fn sentences(filler: Filler, target_tokens: usize, rng: &mut SplitMix64, count_tokens: &dyn Fn(&str) -> usize) -> Vec<String> {
+pub fn sentences(
+    filler: Filler,
+    target_tokens: usize,
+    rng: &mut SplitMix64,
+    count_tokens: &dyn Fn(&str) -> usize,
+) -> Vec<String> {
     let mut out = Vec::new();
     let mut total = 0;
     match filler {
         Filler::Noise => {
-            let costs: Vec<usize> = NOISE_SENTENCES.iter().map(|s| count_tokens(&format!(" {s}"))).collect();
+            let costs: Vec<usize> = NOISE_SENTENCES
+                .iter()
+                .map(|s| count_tokens(&format!(" {s}")))
+                .collect();
             let mut i = 0;
             while total < target_tokens {
                 out.push(NOISE_SENTENCES[i % 5].to_string());
@@ -107,7 +127,11 @@ mod tests {
 
 /// `n_tokens` consecutive tokens of the book, starting at a random sentence (wrapping
 /// around), for teacher-forced divergence. `encode` is the model's tokenizer.
-pub fn natural_text_tokens(n_tokens: usize, rng: &mut SplitMix64, encode: &dyn Fn(&str) -> Vec<u32>) -> Vec<u32> {
+pub fn natural_text_tokens(
+    n_tokens: usize,
+    rng: &mut SplitMix64,
+    encode: &dyn Fn(&str) -> Vec<u32>,
+) -> Vec<u32> {
     let all = verne_sentences();
     let mut i = rng.below(all.len());
     let mut text = String::new();

@@ -8,7 +8,13 @@
 /// The words of `text` after normalisation.
 pub fn words(text: &str) -> Vec<String> {
     text.chars()
-        .map(|c| if c.is_alphanumeric() { c.to_ascii_lowercase() } else { ' ' })
+        .map(|c| {
+            if c.is_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                ' '
+            }
+        })
         .collect::<String>()
         .split_whitespace()
         .map(str::to_string)
@@ -28,7 +34,11 @@ pub fn match_score(answer: &str, expected: &[String]) -> f64 {
     if expected.is_empty() {
         return 1.0;
     }
-    expected.iter().filter(|e| contains_words(answer, e)).count() as f64 / expected.len() as f64
+    expected
+        .iter()
+        .filter(|e| contains_words(answer, e))
+        .count() as f64
+        / expected.len() as f64
 }
 
 /// SQuAD-style token F1 over normalised words (multiset overlap). Two empty answers agree
@@ -36,7 +46,11 @@ pub fn match_score(answer: &str, expected: &[String]) -> f64 {
 pub fn token_f1(candidate: &str, reference: &str) -> f64 {
     let (c, r) = (words(candidate), words(reference));
     if c.is_empty() || r.is_empty() {
-        return if c.is_empty() && r.is_empty() { 1.0 } else { 0.0 };
+        return if c.is_empty() && r.is_empty() {
+            1.0
+        } else {
+            0.0
+        };
     }
     let mut pool: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
     for w in &r {
@@ -56,13 +70,21 @@ pub fn token_f1(candidate: &str, reference: &str) -> f64 {
 pub fn rouge_l(candidate: &str, reference: &str) -> f64 {
     let (c, r) = (words(candidate), words(reference));
     if c.is_empty() || r.is_empty() {
-        return if c.is_empty() && r.is_empty() { 1.0 } else { 0.0 };
+        return if c.is_empty() && r.is_empty() {
+            1.0
+        } else {
+            0.0
+        };
     }
     let mut prev = vec![0usize; r.len() + 1];
     for cw in &c {
         let mut cur = vec![0usize; r.len() + 1];
         for (j, rw) in r.iter().enumerate() {
-            cur[j + 1] = if cw == rw { prev[j] + 1 } else { cur[j].max(prev[j + 1]) };
+            cur[j + 1] = if cw == rw {
+                prev[j] + 1
+            } else {
+                cur[j].max(prev[j + 1])
+            };
         }
         prev = cur;
     }
@@ -89,11 +111,24 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
 /// KL(p ‖ q) in nats from two logits rows.
 pub fn kl_divergence(p_logits: &[f32], q_logits: &[f32]) -> f64 {
     let (lp, lq) = (log_softmax(p_logits), log_softmax(q_logits));
-    lp.iter().zip(&lq).map(|(&a, &b)| a.exp() * (a - b)).sum::<f64>().max(0.0)
+    lp.iter()
+        .zip(&lq)
+        .map(|(&a, &b)| a.exp() * (a - b))
+        .sum::<f64>()
+        .max(0.0)
 }
 
 pub fn argmax(row: &[f32]) -> usize {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) }).0
+    row.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+            if v > bv {
+                (i, v)
+            } else {
+                (bi, bv)
+            }
+        })
+        .0
 }
 
 /// Divergence of a policy's teacher-forced logits from the full cache's on one text.
@@ -110,8 +145,17 @@ pub struct Divergence {
 /// Compares rows `from..` of two teacher-forced runs over `continuation` (row i predicts
 /// `continuation[i]`). The evaluation skips row 0: it comes from the exact prefill, before
 /// any pruning, so it is the same for every policy and would only dilute the mean.
-pub fn divergence(full: &[Vec<f32>], policy: &[Vec<f32>], continuation: &[u32], from: usize) -> Divergence {
-    assert_eq!(full.len(), policy.len(), "teacher-forced runs of different lengths");
+pub fn divergence(
+    full: &[Vec<f32>],
+    policy: &[Vec<f32>],
+    continuation: &[u32],
+    from: usize,
+) -> Divergence {
+    assert_eq!(
+        full.len(),
+        policy.len(),
+        "teacher-forced runs of different lengths"
+    );
     assert_eq!(full.len(), continuation.len());
     assert!(from < full.len(), "nothing to compare");
     let n = (full.len() - from) as f64;
@@ -123,7 +167,12 @@ pub fn divergence(full: &[Vec<f32>], policy: &[Vec<f32>], continuation: &[u32], 
         nll_full -= log_softmax(&full[i])[t];
         nll_policy -= log_softmax(&policy[i])[t];
     }
-    Divergence { kl_mean: kl / n, top1_agreement: agree / n, ppl_full: (nll_full / n).exp(), ppl_policy: (nll_policy / n).exp() }
+    Divergence {
+        kl_mean: kl / n,
+        top1_agreement: agree / n,
+        ppl_full: (nll_full / n).exp(),
+        ppl_policy: (nll_policy / n).exp(),
+    }
 }
 
 #[cfg(test)]
@@ -136,7 +185,10 @@ mod tests {
 
     #[test]
     fn normalisation_drops_case_and_punctuation() {
-        assert_eq!(words("The PASS key is: 12345."), ["the", "pass", "key", "is", "12345"]);
+        assert_eq!(
+            words("The PASS key is: 12345."),
+            ["the", "pass", "key", "is", "12345"]
+        );
         assert!(contains_words("the pass key is 12345.", "12345"));
         assert!(!contains_words("123456", "12345"));
         assert!(contains_words("VAR abcde, VAR fghij", "FGHIJ"));
@@ -144,7 +196,10 @@ mod tests {
 
     #[test]
     fn match_score_is_the_fraction_found() {
-        let exp: Vec<String> = ["111", "222", "333", "444"].iter().map(|s| s.to_string()).collect();
+        let exp: Vec<String> = ["111", "222", "333", "444"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         assert_eq!(match_score("111 and 333", &exp), 0.5);
         assert_eq!(match_score("111, 222, 333, 444", &exp), 1.0);
         assert_eq!(match_score("nothing", &exp), 0.0);
@@ -154,7 +209,10 @@ mod tests {
     fn token_f1_on_hand_made_strings() {
         // candidate: the cat sat (3), reference: the cat sat on the mat (6), common 3:
         // P = 1, R = 1/2, F1 = 2/3.
-        assert!(close(token_f1("The cat sat.", "the cat sat on the mat"), 2.0 / 3.0));
+        assert!(close(
+            token_f1("The cat sat.", "the cat sat on the mat"),
+            2.0 / 3.0
+        ));
         // Multiset: "the the" vs "the": common 1, P = 1/2, R = 1, F1 = 2/3.
         assert!(close(token_f1("the the", "the"), 2.0 / 3.0));
         assert_eq!(token_f1("a b", "c d"), 0.0);
@@ -166,7 +224,10 @@ mod tests {
     #[test]
     fn rouge_l_on_hand_made_strings() {
         // LCS("a b c d e", "a c e f") = "a c e" = 3; P = 3/5, R = 3/4, F = 2/3 exactly.
-        assert!(close(rouge_l("a b c d e", "a c e f"), 2.0 * 0.6 * 0.75 / 1.35));
+        assert!(close(
+            rouge_l("a b c d e", "a c e f"),
+            2.0 * 0.6 * 0.75 / 1.35
+        ));
         // Order matters for ROUGE-L but not for F1: "b a" vs "a b": LCS 1, F = 1/2.
         assert!(close(rouge_l("b a", "a b"), 0.5));
         assert!(close(token_f1("b a", "a b"), 1.0));

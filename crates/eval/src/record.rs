@@ -108,7 +108,11 @@ pub fn load(path: &Path) -> Result<HashMap<CellKey, RawResult>> {
             Ok(r) => {
                 out.insert(r.key(), r);
             }
-            Err(e) => tracing::warn!("{}:{}: skipping an unreadable line ({e})", path.display(), i + 1),
+            Err(e) => tracing::warn!(
+                "{}:{}: skipping an unreadable line ({e})",
+                path.display(),
+                i + 1
+            ),
         }
     }
     Ok(out)
@@ -119,7 +123,11 @@ pub struct Appender(std::fs::File);
 
 impl Appender {
     pub fn open(path: &Path) -> Result<Appender> {
-        let f = std::fs::OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("opening {}", path.display()))?;
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("opening {}", path.display()))?;
         Ok(Appender(f))
     }
 

@@ -56,47 +56,86 @@ pub fn summarise(model: &str, records: &[RawResult]) -> Report {
     type Key = (String, usize, u32, bool, String, Option<u32>);
     let mut groups: BTreeMap<Key, Vec<&RawResult>> = BTreeMap::new();
     for r in records {
-        groups.entry((r.task.clone(), r.context_tokens, r.block_size, r.policy != "full", r.label(), r.kv_budget)).or_default().push(r);
+        groups
+            .entry((
+                r.task.clone(),
+                r.context_tokens,
+                r.block_size,
+                r.policy != "full",
+                r.label(),
+                r.kv_budget,
+            ))
+            .or_default()
+            .push(r);
     }
     let full_score: BTreeMap<(String, usize, u32), f64> = groups
         .iter()
         .filter(|(k, _)| !k.3)
-        .map(|(k, rs)| ((k.0.clone(), k.1, k.2), mean(rs.iter().map(|r| r.score)).unwrap_or(0.0)))
+        .map(|(k, rs)| {
+            (
+                (k.0.clone(), k.1, k.2),
+                mean(rs.iter().map(|r| r.score)).unwrap_or(0.0),
+            )
+        })
         .collect();
     let results = groups
         .into_iter()
-        .map(|((task, context_tokens, block_size, _, policy, kv_budget), rs)| {
-            let full = full_score.get(&(task.clone(), context_tokens, block_size)).copied();
-            SummaryRow {
-                calibrated: full.is_some_and(|f| f >= CALIBRATION_MIN_SCORE),
-                full_score: full,
-                score: mean(rs.iter().map(|r| r.score)).unwrap_or(0.0),
-                kl_mean: mean(rs.iter().filter_map(|r| r.kl_mean)),
-                top1_agreement: mean(rs.iter().filter_map(|r| r.top1_agreement)),
-                samples: rs.len(),
-                token_f1: mean(rs.iter().filter_map(|r| r.token_f1)),
-                rouge_l: mean(rs.iter().filter_map(|r| r.rouge_l)),
-                delta_ppl: mean(rs.iter().filter_map(|r| Some(r.ppl_policy? - r.ppl_full?))),
-                kv_granularity: rs[0].kv_granularity.clone(),
-                task,
-                context_tokens,
-                policy,
-                kv_budget,
-                block_size,
-            }
-        })
+        .map(
+            |((task, context_tokens, block_size, _, policy, kv_budget), rs)| {
+                let full = full_score
+                    .get(&(task.clone(), context_tokens, block_size))
+                    .copied();
+                SummaryRow {
+                    calibrated: full.is_some_and(|f| f >= CALIBRATION_MIN_SCORE),
+                    full_score: full,
+                    score: mean(rs.iter().map(|r| r.score)).unwrap_or(0.0),
+                    kl_mean: mean(rs.iter().filter_map(|r| r.kl_mean)),
+                    top1_agreement: mean(rs.iter().filter_map(|r| r.top1_agreement)),
+                    samples: rs.len(),
+                    token_f1: mean(rs.iter().filter_map(|r| r.token_f1)),
+                    rouge_l: mean(rs.iter().filter_map(|r| r.rouge_l)),
+                    delta_ppl: mean(rs.iter().filter_map(|r| Some(r.ppl_policy? - r.ppl_full?))),
+                    kv_granularity: rs[0].kv_granularity.clone(),
+                    task,
+                    context_tokens,
+                    policy,
+                    kv_budget,
+                    block_size,
+                }
+            },
+        )
         .collect();
-    Report { model: model.to_string(), results }
+    Report {
+        model: model.to_string(),
+        results,
+    }
 }
 
 fn opt(x: Option<f64>, digits: usize) -> String {
     x.map_or_else(|| "-".to_string(), |v| format!("{v:.digits$}"))
 }
 
-const HEADER: [&str; 12] = ["task", "context", "B", "policy", "budget", "score", "F1 vs full", "ROUGE-L", "KL", "top-1", "Δppl", "n"];
+const HEADER: [&str; 12] = [
+    "task",
+    "context",
+    "B",
+    "policy",
+    "budget",
+    "score",
+    "F1 vs full",
+    "ROUGE-L",
+    "KL",
+    "top-1",
+    "Δppl",
+    "n",
+];
 
 fn cells(r: &SummaryRow) -> [String; 12] {
-    let task = if r.calibrated { r.task.clone() } else { format!("{} (uncalibrated)", r.task) };
+    let task = if r.calibrated {
+        r.task.clone()
+    } else {
+        format!("{} (uncalibrated)", r.task)
+    };
     [
         task,
         r.context_tokens.to_string(),
@@ -115,10 +154,19 @@ fn cells(r: &SummaryRow) -> [String; 12] {
 
 /// Calibration lines: the full cache's score per (task, length, block size).
 pub fn calibration_text(report: &Report) -> String {
-    let mut s = String::from("Calibration (full cache; cells below 80% say nothing about eviction):\n");
+    let mut s =
+        String::from("Calibration (full cache; cells below 80% say nothing about eviction):\n");
     for r in report.results.iter().filter(|r| r.policy == "full") {
-        let mark = if r.calibrated { "" } else { "  <- below 80%, uncalibrated" };
-        let _ = writeln!(s, "  {:<18} {:>6} tokens  B={:<3} full score {:.3}{mark}", r.task, r.context_tokens, r.block_size, r.score);
+        let mark = if r.calibrated {
+            ""
+        } else {
+            "  <- below 80%, uncalibrated"
+        };
+        let _ = writeln!(
+            s,
+            "  {:<18} {:>6} tokens  B={:<3} full score {:.3}{mark}",
+            r.task, r.context_tokens, r.block_size, r.score
+        );
     }
     s
 }
@@ -126,8 +174,25 @@ pub fn calibration_text(report: &Report) -> String {
 /// A fixed-width text table.
 pub fn table_text(report: &Report) -> String {
     let rows: Vec<[String; 12]> = report.results.iter().map(cells).collect();
-    let widths: Vec<usize> = (0..12).map(|i| rows.iter().map(|r| r[i].chars().count()).chain([HEADER[i].chars().count()]).max().unwrap_or(0)).collect();
-    let line = |c: &[String]| c.iter().zip(&widths).map(|(x, w)| format!("{x:<w$}")).collect::<Vec<_>>().join("  ").trim_end().to_string() + "\n";
+    let widths: Vec<usize> = (0..12)
+        .map(|i| {
+            rows.iter()
+                .map(|r| r[i].chars().count())
+                .chain([HEADER[i].chars().count()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |c: &[String]| {
+        c.iter()
+            .zip(&widths)
+            .map(|(x, w)| format!("{x:<w$}"))
+            .collect::<Vec<_>>()
+            .join("  ")
+            .trim_end()
+            .to_string()
+            + "\n"
+    };
     let mut s = line(&HEADER.map(String::from));
     for r in &rows {
         s += &line(r);
@@ -136,7 +201,10 @@ pub fn table_text(report: &Report) -> String {
 }
 
 pub fn markdown(report: &Report, command: &str) -> String {
-    let mut s = format!("# pagekeeper eval: {}\n\nCommand: `{command}`\n\n", report.model);
+    let mut s = format!(
+        "# pagekeeper eval: {}\n\nCommand: `{command}`\n\n",
+        report.model
+    );
     s += "Score: exact match of the expected strings (generative tasks), top-1 agreement with the full cache (text-kl). \
           F1 / ROUGE-L: the greedy answer against the full cache's. KL: mean per-token KL(p_full || p_policy), nats. \
           \"uncalibrated\": the full cache scores below 80% there.\n\n";
@@ -211,11 +279,30 @@ mod tests {
 
     #[test]
     fn summary_averages_samples_and_marks_calibration() {
-        let recs = vec![rec("knorm", Some(256), 0, 0.0), rec("full", None, 0, 1.0), rec("full", None, 1, 0.5), rec("knorm", Some(256), 1, 1.0)];
+        let recs = vec![
+            rec("knorm", Some(256), 0, 0.0),
+            rec("full", None, 0, 1.0),
+            rec("full", None, 1, 0.5),
+            rec("knorm", Some(256), 1, 1.0),
+        ];
         let r = summarise("m", &recs);
         assert_eq!(r.results.len(), 2);
-        assert_eq!((r.results[0].policy.as_str(), r.results[0].score, r.results[0].samples), ("full", 0.75, 2));
-        assert_eq!((r.results[1].policy.as_str(), r.results[1].score, r.results[1].token_f1), ("knorm", 0.5, Some(0.5)));
+        assert_eq!(
+            (
+                r.results[0].policy.as_str(),
+                r.results[0].score,
+                r.results[0].samples
+            ),
+            ("full", 0.75, 2)
+        );
+        assert_eq!(
+            (
+                r.results[1].policy.as_str(),
+                r.results[1].score,
+                r.results[1].token_f1
+            ),
+            ("knorm", 0.5, Some(0.5))
+        );
         assert!(!r.results[1].calibrated);
         assert_eq!(r.results[1].full_score, Some(0.75));
         let json = serde_json::to_value(&r).unwrap();
@@ -224,7 +311,11 @@ mod tests {
         assert!(table_text(&r).contains("passkey (uncalibrated)"));
         assert_eq!(csv(&r).lines().count(), 3);
         let md = markdown(&r, "pagekeeper eval");
-        assert!(md.contains("full score 0.750  <- below 80%") && md.contains("| passkey (uncalibrated) | 1024 | 16 | knorm | 256 | 0.500 |"), "{md}");
+        assert!(
+            md.contains("full score 0.750  <- below 80%")
+                && md.contains("| passkey (uncalibrated) | 1024 | 16 | knorm | 256 | 0.500 |"),
+            "{md}"
+        );
     }
 
     /// Rows of another granularity are their own cells, named after the policy; records
@@ -233,10 +324,25 @@ mod tests {
     fn granularities_are_separate_rows() {
         let mut head = rec("knorm", Some(256), 0, 1.0);
         head.kv_granularity = "head".into();
-        let recs = vec![rec("full", None, 0, 1.0), rec("knorm", Some(256), 0, 0.0), head];
+        let recs = vec![
+            rec("full", None, 0, 1.0),
+            rec("knorm", Some(256), 0, 0.0),
+            head,
+        ];
         let r = summarise("m", &recs);
-        let rows: Vec<(&str, &str, f64)> = r.results.iter().map(|x| (x.policy.as_str(), x.kv_granularity.as_str(), x.score)).collect();
-        assert_eq!(rows, vec![("full", "shared", 1.0), ("knorm", "shared", 0.0), ("knorm/head", "head", 1.0)]);
+        let rows: Vec<(&str, &str, f64)> = r
+            .results
+            .iter()
+            .map(|x| (x.policy.as_str(), x.kv_granularity.as_str(), x.score))
+            .collect();
+        assert_eq!(
+            rows,
+            vec![
+                ("full", "shared", 1.0),
+                ("knorm", "shared", 0.0),
+                ("knorm/head", "head", 1.0)
+            ]
+        );
         let mut old = serde_json::to_value(rec("knorm", Some(256), 0, 0.5)).unwrap();
         old.as_object_mut().unwrap().remove("kv_granularity");
         let back: RawResult = serde_json::from_value(old).unwrap();

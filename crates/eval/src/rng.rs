@@ -47,7 +47,9 @@ impl SplitMix64 {
 
 /// A stable 64-bit hash of a string (FNV-1a), for mixing names into seeds.
 pub fn hash_str(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 #[cfg(test)]
@@ -56,10 +58,23 @@ mod tests {
 
     #[test]
     fn same_seed_same_stream() {
-        let a: Vec<u64> = (0..4).map({ let mut r = SplitMix64::new(7); move |_| r.next_u64() }).collect();
-        let b: Vec<u64> = (0..4).map({ let mut r = SplitMix64::new(7); move |_| r.next_u64() }).collect();
+        let a: Vec<u64> = (0..4)
+            .map({
+                let mut r = SplitMix64::new(7);
+                move |_| r.next_u64()
+            })
+            .collect();
+        let b: Vec<u64> = (0..4)
+            .map({
+                let mut r = SplitMix64::new(7);
+                move |_| r.next_u64()
+            })
+            .collect();
         assert_eq!(a, b);
-        assert_ne!(SplitMix64::for_parts(&[1, 2]).next_u64(), SplitMix64::for_parts(&[2, 1]).next_u64());
+        assert_ne!(
+            SplitMix64::for_parts(&[1, 2]).next_u64(),
+            SplitMix64::for_parts(&[2, 1]).next_u64()
+        );
     }
 
     #[test]

@@ -16,9 +16,19 @@ pub struct RunOutput {
 }
 
 /// Runs one request to completion; no other request may be in flight.
-pub fn run(engine: &mut Engine, prompt_ids: &[u32], params: GenerateParams, cache_salt: Option<String>) -> Result<RunOutput> {
+pub fn run(
+    engine: &mut Engine,
+    prompt_ids: &[u32],
+    params: GenerateParams,
+    cache_salt: Option<String>,
+) -> Result<RunOutput> {
     let (tx, rx) = std::sync::mpsc::channel();
-    let req = Request { prompt_ids: prompt_ids.to_vec(), params, cache_salt, sink: Box::new(move |e| tx.send(e).is_ok()) };
+    let req = Request {
+        prompt_ids: prompt_ids.to_vec(),
+        params,
+        cache_salt,
+        sink: Box::new(move |e| tx.send(e).is_ok()),
+    };
     engine.submit(req).map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut logits = Vec::new();
     loop {
@@ -29,7 +39,12 @@ pub fn run(engine: &mut Engine, prompt_ids: &[u32], params: GenerateParams, cach
                 SeqEvent::Text { .. } => {}
                 SeqEvent::Error(e) => bail!("{e}"),
                 SeqEvent::Finished(o) => {
-                    return Ok(RunOutput { text: o.text, token_ids: o.token_ids, kv_stored_tokens: o.kv_stored_tokens, logits })
+                    return Ok(RunOutput {
+                        text: o.text,
+                        token_ids: o.token_ids,
+                        kv_stored_tokens: o.kv_stored_tokens,
+                        logits,
+                    })
                 }
             }
         }
@@ -40,13 +55,31 @@ pub fn run(engine: &mut Engine, prompt_ids: &[u32], params: GenerateParams, cach
 }
 
 /// Greedy generation of at most `max_tokens`.
-pub fn generate(engine: &mut Engine, prompt_ids: &[u32], max_tokens: usize, kv: KvSetting, salt: Option<String>) -> Result<RunOutput> {
-    let params = GenerateParams { max_tokens, kv_policy: kv.policy, kv_budget: kv.budget, kv_granularity: kv.granularity, ..Default::default() };
+pub fn generate(
+    engine: &mut Engine,
+    prompt_ids: &[u32],
+    max_tokens: usize,
+    kv: KvSetting,
+    salt: Option<String>,
+) -> Result<RunOutput> {
+    let params = GenerateParams {
+        max_tokens,
+        kv_policy: kv.policy,
+        kv_budget: kv.budget,
+        kv_granularity: kv.granularity,
+        ..Default::default()
+    };
     run(engine, prompt_ids, params, salt)
 }
 
 /// Teacher-forces `continuation` after `prompt_ids`; returns one logits row per token.
-pub fn teacher_force(engine: &mut Engine, prompt_ids: &[u32], continuation: &[u32], kv: KvSetting, salt: Option<String>) -> Result<RunOutput> {
+pub fn teacher_force(
+    engine: &mut Engine,
+    prompt_ids: &[u32],
+    continuation: &[u32],
+    kv: KvSetting,
+    salt: Option<String>,
+) -> Result<RunOutput> {
     let params = GenerateParams {
         max_tokens: continuation.len(),
         ignore_eos: true,
@@ -60,7 +93,11 @@ pub fn teacher_force(engine: &mut Engine, prompt_ids: &[u32], continuation: &[u3
     };
     let out = run(engine, prompt_ids, params, salt)?;
     if out.logits.len() != continuation.len() {
-        bail!("teacher forcing returned {} logits rows for {} tokens", out.logits.len(), continuation.len());
+        bail!(
+            "teacher forcing returned {} logits rows for {} tokens",
+            out.logits.len(),
+            continuation.len()
+        );
     }
     Ok(out)
 }
@@ -77,5 +114,10 @@ pub struct KvSetting {
 }
 
 impl KvSetting {
-    pub const FULL: KvSetting = KvSetting { policy: None, budget: None, keep_generated: false, granularity: None };
+    pub const FULL: KvSetting = KvSetting {
+        policy: None,
+        budget: None,
+        keep_generated: false,
+        granularity: None,
+    };
 }

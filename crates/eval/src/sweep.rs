@@ -51,15 +51,26 @@ struct Cell {
 }
 
 impl Cell {
-    const FULL: Cell = Cell { policy: None, budget: None, granularity: KvGranularity::Shared };
+    const FULL: Cell = Cell {
+        policy: None,
+        budget: None,
+        granularity: KvGranularity::Shared,
+    };
 
     fn setting(self, keep_generated: bool) -> KvSetting {
-        KvSetting { policy: self.policy, budget: self.budget, keep_generated, granularity: Some(self.granularity) }
+        KvSetting {
+            policy: self.policy,
+            budget: self.budget,
+            keep_generated,
+            granularity: Some(self.granularity),
+        }
     }
 }
 
 pub fn model_name(path: &Path) -> String {
-    path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 fn units(cfg: &SweepConfig) -> Vec<Unit> {
@@ -74,10 +85,20 @@ fn units(cfg: &SweepConfig) -> Vec<Unit> {
                     let mut cells = vec![Cell::FULL];
                     for &granularity in &cfg.granularities {
                         for p in cfg.policies.iter().filter(|p| p.evicts()) {
-                            cells.extend(budgets.iter().map(|&b| Cell { policy: Some(*p), budget: Some(b), granularity }));
+                            cells.extend(budgets.iter().map(|&b| Cell {
+                                policy: Some(*p),
+                                budget: Some(b),
+                                granularity,
+                            }));
                         }
                     }
-                    out.push(Unit { block_size, task, context_tokens, sample, cells });
+                    out.push(Unit {
+                        block_size,
+                        task,
+                        context_tokens,
+                        sample,
+                        cells,
+                    });
                 }
             }
         }
@@ -86,7 +107,11 @@ fn units(cfg: &SweepConfig) -> Vec<Unit> {
 }
 
 fn key(cfg: &SweepConfig, model: &str, u: &Unit, cell: Cell) -> CellKey {
-    let Cell { policy, budget, granularity } = cell;
+    let Cell {
+        policy,
+        budget,
+        granularity,
+    } = cell;
     CellKey {
         model: model.to_string(),
         seed: cfg.seed,
@@ -103,50 +128,118 @@ fn key(cfg: &SweepConfig, model: &str, u: &Unit, cell: Cell) -> CellKey {
 
 /// Runs what is not yet in `OUT/results.jsonl` and returns every record of the sweep.
 pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
-    std::fs::create_dir_all(&cfg.out_dir).with_context(|| format!("creating {}", cfg.out_dir.display()))?;
+    std::fs::create_dir_all(&cfg.out_dir)
+        .with_context(|| format!("creating {}", cfg.out_dir.display()))?;
     let path = cfg.out_dir.join("results.jsonl");
     let mut done = record::load(&path)?;
     let model = model_name(&cfg.model_path);
     let units = units(cfg);
     let cells_total: usize = units.iter().map(|u| u.cells.len()).sum();
-    let pending: usize = units.iter().flat_map(|u| u.cells.iter().map(move |&c| (u, c))).filter(|&(u, c)| !done.contains_key(&key(cfg, &model, u, c))).count();
-    eprintln!("eval: {cells_total} cells x samples in this sweep, {} already in {}, {pending} to run", cells_total - pending, path.display());
+    let pending: usize = units
+        .iter()
+        .flat_map(|u| u.cells.iter().map(move |&c| (u, c)))
+        .filter(|&(u, c)| !done.contains_key(&key(cfg, &model, u, c)))
+        .count();
+    eprintln!(
+        "eval: {cells_total} cells x samples in this sweep, {} already in {}, {pending} to run",
+        cells_total - pending,
+        path.display()
+    );
     let bar = progress_bar(pending as u64, cfg.progress);
     let mut out = Appender::open(&path)?;
     let mut engine: Option<Engine> = None;
     let mut reference: Option<Engine> = None;
     let max_len = cfg.lengths.iter().copied().max().unwrap_or(0);
     for u in &units {
-        if u.cells.iter().all(|&c| done.contains_key(&key(cfg, &model, u, c))) {
+        if u.cells
+            .iter()
+            .all(|&c| done.contains_key(&key(cfg, &model, u, c)))
+        {
             continue;
         }
-        if engine.as_ref().is_none_or(|e| e.config.block_size_tokens != u.block_size) {
+        if engine
+            .as_ref()
+            .is_none_or(|e| e.config.block_size_tokens != u.block_size)
+        {
             drop((engine.take(), reference.take())); // free the previous engines' KV pools first
-            // Room for the full run's cached prompt plus a policy's own run beside it.
+                                                     // Room for the full run's cached prompt plus a policy's own run beside it.
             let capacity = 2 * (max_len + cfg.continuation_tokens + 64) + 4 * u.block_size as usize;
-            let config = EngineConfig { block_size_tokens: u.block_size, kv_capacity_tokens: Some(capacity), kv_dtype: cfg.kv_dtype, ..Default::default() };
+            let config = EngineConfig {
+                block_size_tokens: u.block_size,
+                kv_capacity_tokens: Some(capacity),
+                kv_dtype: cfg.kv_dtype,
+                ..Default::default()
+            };
             // text-kl's reference is the f16 full cache whatever the sweep's dtype.
-            reference = (cfg.kv_dtype != KvDtype::F16).then(|| Engine::load(&cfg.model_path, EngineConfig { kv_dtype: KvDtype::F16, ..config.clone() })).transpose()?;
+            reference = (cfg.kv_dtype != KvDtype::F16)
+                .then(|| {
+                    Engine::load(
+                        &cfg.model_path,
+                        EngineConfig {
+                            kv_dtype: KvDtype::F16,
+                            ..config.clone()
+                        },
+                    )
+                })
+                .transpose()?;
             engine = Some(Engine::load(&cfg.model_path, config)?);
         }
         let e = engine.as_mut().expect("loaded above");
-        bar.set_message(format!("{} {} B={} #{}", u.task.name(), u.context_tokens, u.block_size, u.sample));
-        let ctx = UnitRun { cfg, model: &model, unit: u };
-        let new = if u.task.is_generative() { ctx.run_generative(e, &done, &bar)? } else { ctx.run_text_kl(e, reference.as_mut(), &done, &bar)? };
+        bar.set_message(format!(
+            "{} {} B={} #{}",
+            u.task.name(),
+            u.context_tokens,
+            u.block_size,
+            u.sample
+        ));
+        let ctx = UnitRun {
+            cfg,
+            model: &model,
+            unit: u,
+        };
+        let new = if u.task.is_generative() {
+            ctx.run_generative(e, &done, &bar)?
+        } else {
+            ctx.run_text_kl(e, reference.as_mut(), &done, &bar)?
+        };
         for r in new {
             out.append(&r)?;
             done.insert(r.key(), r);
         }
     }
     bar.finish_and_clear();
-    let records: Vec<RawResult> =
-        units.iter().flat_map(|u| u.cells.iter().filter_map(|&c| done.get(&key(cfg, &model, u, c)).cloned()).collect::<Vec<_>>()).collect();
-    Ok(SweepOutcome { model, records, cells_total, cells_run: pending })
+    let records: Vec<RawResult> = units
+        .iter()
+        .flat_map(|u| {
+            u.cells
+                .iter()
+                .filter_map(|&c| done.get(&key(cfg, &model, u, c)).cloned())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    Ok(SweepOutcome {
+        model,
+        records,
+        cells_total,
+        cells_run: pending,
+    })
 }
 
 fn progress_bar(len: u64, show: bool) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(Some(len), if show { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
-    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} cells  {elapsed_precise} ETA {eta_precise}  {msg}").expect("valid template"));
+    let bar = ProgressBar::with_draw_target(
+        Some(len),
+        if show {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
+        },
+    );
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} cells  {elapsed_precise} ETA {eta_precise}  {msg}",
+        )
+        .expect("valid template"),
+    );
     bar
 }
 
@@ -159,7 +252,11 @@ struct UnitRun<'a> {
 impl UnitRun<'_> {
     fn base(&self, cell: Cell, prompt_tokens: usize) -> RawResult {
         let u = self.unit;
-        let Cell { policy, budget, granularity } = cell;
+        let Cell {
+            policy,
+            budget,
+            granularity,
+        } = cell;
         RawResult {
             model: self.model.to_string(),
             seed: self.cfg.seed,
@@ -187,15 +284,37 @@ impl UnitRun<'_> {
         }
     }
 
-    fn pending<'u>(&'u self, done: &'u HashMap<CellKey, RawResult>) -> impl Iterator<Item = Cell> + 'u {
-        self.unit.cells.iter().copied().filter(move |&c| !done.contains_key(&key(self.cfg, self.model, self.unit, c)))
+    fn pending<'u>(
+        &'u self,
+        done: &'u HashMap<CellKey, RawResult>,
+    ) -> impl Iterator<Item = Cell> + 'u {
+        self.unit
+            .cells
+            .iter()
+            .copied()
+            .filter(move |&c| !done.contains_key(&key(self.cfg, self.model, self.unit, c)))
     }
 
-    fn run_generative(&self, e: &mut Engine, done: &HashMap<CellKey, RawResult>, bar: &ProgressBar) -> Result<Vec<RawResult>> {
+    fn run_generative(
+        &self,
+        e: &mut Engine,
+        done: &HashMap<CellKey, RawResult>,
+        bar: &ProgressBar,
+    ) -> Result<Vec<RawResult>> {
         let u = self.unit;
         let count = |s: &str| e.tokenizer.encode(s, false).len();
-        let sample = tasks::generate(u.task, u.context_tokens, self.cfg.seed, u.sample, self.cfg.samples, &count);
-        let text = e.chat_template.render(&[ChatMessage::new("user", sample.user_message.as_str())], true)? + &sample.answer_prefix;
+        let sample = tasks::generate(
+            u.task,
+            u.context_tokens,
+            self.cfg.seed,
+            u.sample,
+            self.cfg.samples,
+            &count,
+        );
+        let text = e.chat_template.render(
+            &[ChatMessage::new("user", sample.user_message.as_str())],
+            true,
+        )? + &sample.answer_prefix;
         let prompt = e.tokenizer.encode_prompt(&text, true);
         let ctx = e.model_config().context_length;
         if prompt.len() + sample.max_answer_tokens >= ctx {
@@ -216,7 +335,13 @@ impl UnitRun<'_> {
                 continue;
             };
             let t0 = Instant::now();
-            let out = runner::generate(e, &prompt, sample.max_answer_tokens, cell.setting(false), salt(spec, cell.budget))?;
+            let out = runner::generate(
+                e,
+                &prompt,
+                sample.max_answer_tokens,
+                cell.setting(false),
+                salt(spec, cell.budget),
+            )?;
             let mut r = self.base(cell, prompt.len());
             r.seconds = t0.elapsed().as_secs_f64();
             r.kv_stored_tokens = out.kv_stored_tokens;
@@ -234,11 +359,21 @@ impl UnitRun<'_> {
         let u = self.unit;
         let line = serde_json::json!({"task": u.task.name(), "context_tokens": u.context_tokens, "sample": u.sample, "seed": self.cfg.seed, "prefix": prefix, "continuation": continuation});
         let path = self.cfg.out_dir.join("text-kl-tokens.jsonl");
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path).with_context(|| format!("opening {}", path.display()))?;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
         writeln!(f, "{line}").with_context(|| format!("writing {}", path.display()))
     }
 
-    fn fill_answer(&self, r: &mut RawResult, sample: &tasks::Sample, answer: &str, full_answer: &str) {
+    fn fill_answer(
+        &self,
+        r: &mut RawResult,
+        sample: &tasks::Sample,
+        answer: &str,
+        full_answer: &str,
+    ) {
         r.score = metrics::match_score(answer, &sample.expected);
         r.depth = Some(sample.depth);
         r.expected = sample.expected.clone();
@@ -248,17 +383,35 @@ impl UnitRun<'_> {
     }
 
     /// `reference`: an f16 engine for the full-cache reference when `e` is not f16.
-    fn run_text_kl(&self, e: &mut Engine, reference: Option<&mut Engine>, done: &HashMap<CellKey, RawResult>, bar: &ProgressBar) -> Result<Vec<RawResult>> {
+    fn run_text_kl(
+        &self,
+        e: &mut Engine,
+        reference: Option<&mut Engine>,
+        done: &HashMap<CellKey, RawResult>,
+        bar: &ProgressBar,
+    ) -> Result<Vec<RawResult>> {
         let u = self.unit;
         let n_cont = self.cfg.continuation_tokens;
         if u.context_tokens <= n_cont + 16 {
             bail!("text-kl needs a context longer than the {n_cont}-token continuation");
         }
-        let mut rng = SplitMix64::for_parts(&[self.cfg.seed, hash_str("text-kl"), u.context_tokens as u64, u.sample as u64]);
-        let mut ids = filler::natural_text_tokens(u.context_tokens, &mut rng, &|s| e.tokenizer.encode(s, false));
+        let mut rng = SplitMix64::for_parts(&[
+            self.cfg.seed,
+            hash_str("text-kl"),
+            u.context_tokens as u64,
+            u.sample as u64,
+        ]);
+        let mut ids = filler::natural_text_tokens(u.context_tokens, &mut rng, &|s| {
+            e.tokenizer.encode(s, false)
+        });
         // A model that wants BOS (Gemma) gets it in place of the first token, as
         // llama-perplexity does; the length, and so every cell's budget, is unchanged.
-        if let Some(bos) = e.tokenizer.add_bos().then(|| e.tokenizer.bos_id()).flatten() {
+        if let Some(bos) = e
+            .tokenizer
+            .add_bos()
+            .then(|| e.tokenizer.bos_id())
+            .flatten()
+        {
             ids[0] = bos;
         }
         let (prefix, cont) = ids.split_at(u.context_tokens - n_cont);
@@ -276,14 +429,24 @@ impl UnitRun<'_> {
             let (logits, kv_stored_tokens) = match cell.policy {
                 Some(spec) => {
                     let keep_generated = u.task == Task::TextKlKeepContinuation;
-                    let o = runner::teacher_force(e, prefix, cont, cell.setting(keep_generated), salt(spec, cell.budget))?;
+                    let o = runner::teacher_force(
+                        e,
+                        prefix,
+                        cont,
+                        cell.setting(keep_generated),
+                        salt(spec, cell.budget),
+                    )?;
                     (o.logits, o.kv_stored_tokens)
                 }
                 None => (full.logits.clone(), full.kv_stored_tokens),
             };
             let d = metrics::divergence(&reference, &logits, cont, 1);
             let mut r = self.base(cell, prefix.len());
-            r.seconds = if cell.policy.is_none() { full_seconds } else { t0.elapsed().as_secs_f64() };
+            r.seconds = if cell.policy.is_none() {
+                full_seconds
+            } else {
+                t0.elapsed().as_secs_f64()
+            };
             r.kv_stored_tokens = kv_stored_tokens;
             r.score = d.top1_agreement;
             r.kl_mean = Some(d.kl_mean);
@@ -299,5 +462,6 @@ impl UnitRun<'_> {
 
 /// Policies that score with prompt queries must not start from a prefix-cache hit.
 fn salt(spec: PolicySpec, budget: Option<u32>) -> Option<String> {
-    (spec.build().prefill_queries() != pk_kv::QueryNeed::None).then(|| format!("eval|{spec}|{budget:?}"))
+    (spec.build().prefill_queries() != pk_kv::QueryNeed::None)
+        .then(|| format!("eval|{spec}|{budget:?}"))
 }

@@ -25,8 +25,15 @@ pub enum Task {
     TextKlKeepContinuation,
 }
 
-pub const ALL_TASKS: [Task; 7] =
-    [Task::Passkey, Task::NiahSingle, Task::NiahMultiKey, Task::NiahMultiValue, Task::KvRetrieval, Task::VariableTracking, Task::TextKl];
+pub const ALL_TASKS: [Task; 7] = [
+    Task::Passkey,
+    Task::NiahSingle,
+    Task::NiahMultiKey,
+    Task::NiahMultiValue,
+    Task::KvRetrieval,
+    Task::VariableTracking,
+    Task::TextKl,
+];
 
 impl Task {
     pub fn name(self) -> &'static str {
@@ -43,10 +50,16 @@ impl Task {
     }
 
     pub fn parse(name: &str) -> Result<Task, String> {
-        let known = ALL_TASKS.iter().copied().chain([Task::TextKlKeepContinuation]);
+        let known = ALL_TASKS
+            .iter()
+            .copied()
+            .chain([Task::TextKlKeepContinuation]);
         known.clone().find(|t| t.name() == name).ok_or_else(|| {
             let names: Vec<&str> = known.map(|t| t.name()).collect();
-            format!("unknown task {name:?} (expected one of {})", names.join(", "))
+            format!(
+                "unknown task {name:?} (expected one of {})",
+                names.join(", ")
+            )
         })
     }
 
@@ -83,10 +96,12 @@ pub struct Sample {
 const TEMPLATE_TOKENS_RESERVE: usize = 40;
 
 const ADJECTIVES: [&str; 16] = [
-    "amber", "brave", "calm", "dusty", "eager", "fancy", "gentle", "hollow", "icy", "jolly", "keen", "lucky", "misty", "noble", "quiet", "rapid",
+    "amber", "brave", "calm", "dusty", "eager", "fancy", "gentle", "hollow", "icy", "jolly",
+    "keen", "lucky", "misty", "noble", "quiet", "rapid",
 ];
 const NOUNS: [&str; 16] = [
-    "anchor", "badger", "candle", "dragon", "falcon", "garden", "harbor", "island", "jacket", "kettle", "lantern", "meadow", "otter", "pepper", "river", "tiger",
+    "anchor", "badger", "candle", "dragon", "falcon", "garden", "harbor", "island", "jacket",
+    "kettle", "lantern", "meadow", "otter", "pepper", "river", "tiger",
 ];
 
 /// Evenly swept needle depth for sample `index` of `count`: 0, …, 1 (0.5 for one sample).
@@ -100,12 +115,35 @@ pub fn depth_for(index: usize, count: usize) -> f64 {
 
 /// Generates sample `index` of `count` for a prompt of about `context_tokens` tokens.
 /// `count_tokens` measures text in the model's tokens (tests pass an approximation).
-pub fn generate(task: Task, context_tokens: usize, seed: u64, index: usize, count: usize, count_tokens: &dyn Fn(&str) -> usize) -> Sample {
-    assert!(task.is_generative(), "{} is not a generated task", task.name());
-    let mut rng = SplitMix64::for_parts(&[seed, hash_str(task.name()), context_tokens as u64, index as u64]);
+pub fn generate(
+    task: Task,
+    context_tokens: usize,
+    seed: u64,
+    index: usize,
+    count: usize,
+    count_tokens: &dyn Fn(&str) -> usize,
+) -> Sample {
+    assert!(
+        task.is_generative(),
+        "{} is not a generated task",
+        task.name()
+    );
+    let mut rng = SplitMix64::for_parts(&[
+        seed,
+        hash_str(task.name()),
+        context_tokens as u64,
+        index as u64,
+    ]);
     let depth = depth_for(index, count);
     let mut key = || format!("{}-{}", rng.pick(&ADJECTIVES), rng.pick(&NOUNS));
-    let (intro, question, answer_prefix, needles, expected, max_answer_tokens): (String, String, String, Vec<String>, Vec<String>, usize) = match task {
+    let (intro, question, answer_prefix, needles, expected, max_answer_tokens): (
+        String,
+        String,
+        String,
+        Vec<String>,
+        Vec<String>,
+        usize,
+    ) = match task {
         Task::Passkey => {
             let pass = rng.digits(5);
             (
@@ -133,7 +171,10 @@ pub fn generate(task: Task, context_tokens: usize, seed: u64, index: usize, coun
                 while keys.len() < 4 {
                     let other = format!("{}-{}", rng.pick(&ADJECTIVES), rng.pick(&NOUNS));
                     if !keys.contains(&other) {
-                        needles.push(format!("One of the special magic numbers for {other} is: {}.", rng.digits(7)));
+                        needles.push(format!(
+                            "One of the special magic numbers for {other} is: {}.",
+                            rng.digits(7)
+                        ));
                         keys.push(other);
                     }
                 }
@@ -164,13 +205,19 @@ pub fn generate(task: Task, context_tokens: usize, seed: u64, index: usize, coun
             let value = rng.digits(5);
             let mut names: Vec<String> = Vec::new();
             while names.len() < 5 {
-                let n: String = (0..5).map(|_| (b'A' + rng.below(26) as u8) as char).collect();
+                let n: String = (0..5)
+                    .map(|_| (b'A' + rng.below(26) as u8) as char)
+                    .collect();
                 if !names.contains(&n) {
                     names.push(n);
                 }
             }
             let mut needles = vec![format!("VAR {} = {value}.", names[0])];
-            needles.extend(names.windows(2).map(|w| format!("VAR {} = VAR {}.", w[1], w[0])));
+            needles.extend(
+                names
+                    .windows(2)
+                    .map(|w| format!("VAR {} = VAR {}.", w[1], w[0])),
+            );
             (
                 "Memorize and track the chain of variable assignments hidden in the following text.".into(),
                 format!("Question: Find all variables that are assigned the value {value} in the text above."),
@@ -182,22 +229,55 @@ pub fn generate(task: Task, context_tokens: usize, seed: u64, index: usize, coun
         }
         Task::TextKl | Task::TextKlKeepContinuation => unreachable!("checked above"),
     };
-    let overhead: usize = [&intro, &question, &answer_prefix].iter().map(|s| count_tokens(s)).sum::<usize>()
-        + needles.iter().map(|n| count_tokens(&format!(" {n}"))).sum::<usize>()
+    let overhead: usize = [&intro, &question, &answer_prefix]
+        .iter()
+        .map(|s| count_tokens(s))
+        .sum::<usize>()
+        + needles
+            .iter()
+            .map(|n| count_tokens(&format!(" {n}")))
+            .sum::<usize>()
         + TEMPLATE_TOKENS_RESERVE;
-    let mut hay = filler::sentences(task.filler(), context_tokens.saturating_sub(overhead), &mut rng, count_tokens);
-    insert_needles(&mut hay, needles, depth, task == Task::VariableTracking, &mut rng);
-    Sample { user_message: format!("{intro}\n\n{}\n\n{question}", hay.join(" ")), answer_prefix, expected, depth, max_answer_tokens }
+    let mut hay = filler::sentences(
+        task.filler(),
+        context_tokens.saturating_sub(overhead),
+        &mut rng,
+        count_tokens,
+    );
+    insert_needles(
+        &mut hay,
+        needles,
+        depth,
+        task == Task::VariableTracking,
+        &mut rng,
+    );
+    Sample {
+        user_message: format!("{intro}\n\n{}\n\n{question}", hay.join(" ")),
+        answer_prefix,
+        expected,
+        depth,
+        max_answer_tokens,
+    }
 }
 
 /// Puts the first needle at `depth` and the others at random places; a chain (variable
 /// tracking) keeps its order, spread from `depth` to the end.
-fn insert_needles(hay: &mut Vec<String>, needles: Vec<String>, depth: f64, ordered: bool, rng: &mut SplitMix64) {
+fn insert_needles(
+    hay: &mut Vec<String>,
+    needles: Vec<String>,
+    depth: f64,
+    ordered: bool,
+    rng: &mut SplitMix64,
+) {
     let n = hay.len();
     let first = ((depth * n as f64).round() as usize).min(n);
     let mut places: Vec<usize> = vec![first];
     for _ in 1..needles.len() {
-        places.push(if ordered { first + rng.below(n - first + 1) } else { rng.below(n + 1) });
+        places.push(if ordered {
+            first + rng.below(n - first + 1)
+        } else {
+            rng.below(n + 1)
+        });
     }
     if ordered {
         places.sort_unstable();
@@ -211,10 +291,26 @@ fn insert_needles(hay: &mut Vec<String>, needles: Vec<String>, depth: f64, order
 }
 
 /// RULER's key-value retrieval: a JSON object of random ids; the haystack is the object.
-fn kv_retrieval(context_tokens: usize, rng: &mut SplitMix64, depth: f64, count_tokens: &dyn Fn(&str) -> usize) -> Sample {
-    let id = |rng: &mut SplitMix64| format!("{:08x}-{:04x}", rng.next_u64() as u32, rng.next_u64() as u16);
+fn kv_retrieval(
+    context_tokens: usize,
+    rng: &mut SplitMix64,
+    depth: f64,
+    count_tokens: &dyn Fn(&str) -> usize,
+) -> Sample {
+    let id = |rng: &mut SplitMix64| {
+        format!(
+            "{:08x}-{:04x}",
+            rng.next_u64() as u32,
+            rng.next_u64() as u16
+        )
+    };
     let intro = "Extract the value corresponding to the specified key in the JSON object below.";
-    let pair_tokens = count_tokens(&format!("\"{}\": \"{}\", ", id(&mut rng.clone()), id(&mut rng.clone()))).max(1);
+    let pair_tokens = count_tokens(&format!(
+        "\"{}\": \"{}\", ",
+        id(&mut rng.clone()),
+        id(&mut rng.clone())
+    ))
+    .max(1);
     let overhead = count_tokens(intro) + 2 * pair_tokens + TEMPLATE_TOKENS_RESERVE + 30;
     let n_pairs = (context_tokens.saturating_sub(overhead) / pair_tokens).max(1);
     let mut pairs: Vec<(String, String)> = Vec::with_capacity(n_pairs);
@@ -226,7 +322,10 @@ fn kv_retrieval(context_tokens: usize, rng: &mut SplitMix64, depth: f64, count_t
     }
     let target = ((depth * (n_pairs - 1) as f64).round() as usize).min(n_pairs - 1);
     let (k, v) = pairs[target].clone();
-    let body: Vec<String> = pairs.iter().map(|(k, v)| format!("\"{k}\": \"{v}\"")).collect();
+    let body: Vec<String> = pairs
+        .iter()
+        .map(|(k, v)| format!("\"{k}\": \"{v}\""))
+        .collect();
     Sample {
         user_message: format!("{intro}\n\nJSON data:\n{{{}}}\n\nKey: \"{k}\"\nThe value associated with the specified key is:", body.join(", ")),
         answer_prefix: "The value associated with the specified key is:".into(),
@@ -253,10 +352,19 @@ mod tests {
                 assert_eq!(a, b, "{} is not deterministic", task.name());
                 assert!(!a.expected.is_empty());
                 for e in &a.expected {
-                    assert!(a.user_message.contains(e.as_str()), "{}: {e} not in the prompt", task.name());
+                    assert!(
+                        a.user_message.contains(e.as_str()),
+                        "{}: {e} not in the prompt",
+                        task.name()
+                    );
                 }
                 let c = generate(task, 1024, 43, index, 3, &approx_tokens);
-                assert_ne!(a.expected, c.expected, "{}: another seed gives another answer", task.name());
+                assert_ne!(
+                    a.expected,
+                    c.expected,
+                    "{}: another seed gives another answer",
+                    task.name()
+                );
             }
         }
     }
@@ -267,7 +375,11 @@ mod tests {
             for len in [512, 2048] {
                 let s = generate(task, len, 1, 0, 1, &approx_tokens);
                 let n = approx_tokens(&s.user_message) + TEMPLATE_TOKENS_RESERVE;
-                assert!(n > len * 8 / 10 && n < len * 11 / 10, "{} at {len}: {n} tokens", task.name());
+                assert!(
+                    n > len * 8 / 10 && n < len * 11 / 10,
+                    "{} at {len}: {n} tokens",
+                    task.name()
+                );
             }
         }
     }
@@ -276,7 +388,10 @@ mod tests {
     fn the_needle_sits_at_the_swept_depth() {
         let early = generate(Task::NiahSingle, 2048, 5, 0, 3, &approx_tokens);
         let late = generate(Task::NiahSingle, 2048, 5, 2, 3, &approx_tokens);
-        let at = |s: &Sample| s.user_message.find(s.expected[0].as_str()).unwrap() as f64 / s.user_message.len() as f64;
+        let at = |s: &Sample| {
+            s.user_message.find(s.expected[0].as_str()).unwrap() as f64
+                / s.user_message.len() as f64
+        };
         assert!(at(&early) < 0.1, "{}", at(&early));
         assert!(at(&late) > 0.9, "{}", at(&late));
         assert_eq!((early.depth, late.depth), (0.0, 1.0));
@@ -285,7 +400,11 @@ mod tests {
     #[test]
     fn variable_chain_stays_in_order() {
         let s = generate(Task::VariableTracking, 1024, 9, 1, 3, &approx_tokens);
-        let pos: Vec<usize> = s.expected.iter().map(|n| s.user_message.find(&format!("VAR {n} =")).unwrap()).collect();
+        let pos: Vec<usize> = s
+            .expected
+            .iter()
+            .map(|n| s.user_message.find(&format!("VAR {n} =")).unwrap())
+            .collect();
         assert!(pos.windows(2).all(|w| w[0] < w[1]), "{pos:?}");
     }
 

@@ -11,17 +11,43 @@ use pk_codec::KvContext;
 use pk_evicpress::{snapkv_scores, WindowQueries};
 
 fn main() {
-    let lengths: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().expect("a token count")).collect();
-    let lengths = if lengths.is_empty() { vec![1024, 1536, 4096] } else { lengths };
+    let lengths: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("a token count"))
+        .collect();
+    let lengths = if lengths.is_empty() {
+        vec![1024, 1536, 4096]
+    } else {
+        lengths
+    };
     let (layers, kv_heads, heads, d, window) = (30, 3, 9, 64, 64);
     let value = |i: usize| ((i.wrapping_mul(2654435761) >> 7) % 2000) as f32 / 1000.0 - 1.0;
     for n in lengths {
         let len = layers * kv_heads * n * d;
-        let ctx = KvContext::new(layers, kv_heads, d, (0..n as u32).collect(), (0..len).map(value).collect(), (0..len).map(|i| value(i + 1)).collect()).unwrap();
-        let queries = WindowQueries { n_heads: heads, positions: (n - window..n).collect(), data: (0..layers * window * heads * d).map(|i| value(i + 7)).collect() };
+        let ctx = KvContext::new(
+            layers,
+            kv_heads,
+            d,
+            (0..n as u32).collect(),
+            (0..len).map(value).collect(),
+            (0..len).map(|i| value(i + 1)).collect(),
+        )
+        .unwrap();
+        let queries = WindowQueries {
+            n_heads: heads,
+            positions: (n - window..n).collect(),
+            data: (0..layers * window * heads * d)
+                .map(|i| value(i + 7))
+                .collect(),
+        };
         let t = Instant::now();
         let scores = snapkv_scores(&ctx, &queries).unwrap();
         let s = t.elapsed().as_secs_f64();
-        println!("{n} tokens: SnapKV scores in {:.2} s ({:.0} µs per token), {} scores", s, s * 1e6 / n as f64, scores.len());
+        println!(
+            "{n} tokens: SnapKV scores in {:.2} s ({:.0} µs per token), {} scores",
+            s,
+            s * 1e6 / n as f64,
+            scores.len()
+        );
     }
 }

@@ -47,7 +47,13 @@ impl DropScore {
         self == DropScore::SnapKv
     }
 
-    pub const ALL: [DropScore; 5] = [DropScore::PagedEviction, DropScore::KNorm, DropScore::KeyDiff, DropScore::StreamingLlm, DropScore::SnapKv];
+    pub const ALL: [DropScore; 5] = [
+        DropScore::PagedEviction,
+        DropScore::KNorm,
+        DropScore::KeyDiff,
+        DropScore::StreamingLlm,
+        DropScore::SnapKv,
+    ];
 }
 
 /// One compression choice for a whole context.
@@ -55,9 +61,15 @@ impl DropScore {
 pub enum Compression {
     None,
     /// KIVI quantization with separate key and value precisions.
-    Quant { key: Precision, value: Precision },
+    Quant {
+        key: Precision,
+        value: Precision,
+    },
     /// Token dropping at `ratio`, kept tokens in f16.
-    Drop { score: DropScore, ratio: f32 },
+    Drop {
+        score: DropScore,
+        ratio: f32,
+    },
 }
 
 impl Compression {
@@ -177,7 +189,12 @@ impl Grid {
 
     /// A comma-separated list of [`Compression::parse`] names.
     pub fn parse(list: &str) -> Result<Grid, String> {
-        Grid::new(list.split(',').filter(|s| !s.trim().is_empty()).map(Compression::parse).collect::<Result<Vec<_>, _>>()?)
+        Grid::new(
+            list.split(',')
+                .filter(|s| !s.trim().is_empty())
+                .map(Compression::parse)
+                .collect::<Result<Vec<_>, _>>()?,
+        )
     }
 
     /// The default grid: quantization 8/4/2-bit and K8V4, and dropping by PagedEviction,
@@ -186,12 +203,28 @@ impl Grid {
     /// context on the store's worker thread for every new context.
     pub fn default_grid() -> Grid {
         let mut others = vec![
-            Compression::Quant { key: Precision::Q8, value: Precision::Q8 },
-            Compression::Quant { key: Precision::Q8, value: Precision::Q4 },
-            Compression::Quant { key: Precision::Q4, value: Precision::Q4 },
-            Compression::Quant { key: Precision::Q2, value: Precision::Q2 },
+            Compression::Quant {
+                key: Precision::Q8,
+                value: Precision::Q8,
+            },
+            Compression::Quant {
+                key: Precision::Q8,
+                value: Precision::Q4,
+            },
+            Compression::Quant {
+                key: Precision::Q4,
+                value: Precision::Q4,
+            },
+            Compression::Quant {
+                key: Precision::Q2,
+                value: Precision::Q2,
+            },
         ];
-        for score in [DropScore::PagedEviction, DropScore::KNorm, DropScore::KeyDiff] {
+        for score in [
+            DropScore::PagedEviction,
+            DropScore::KNorm,
+            DropScore::KeyDiff,
+        ] {
             for ratio in [0.2, 0.4, 0.5, 0.6, 0.8, 0.9] {
                 others.push(Compression::Drop { score, ratio });
             }
@@ -229,15 +262,29 @@ mod tests {
             };
             assert_eq!(Compression::parse(&name).unwrap(), *c, "{name}");
         }
-        assert_eq!(Compression::parse("drop-knorm-0.5").unwrap(), Compression::Drop { score: DropScore::KNorm, ratio: 0.5 });
+        assert_eq!(
+            Compression::parse("drop-knorm-0.5").unwrap(),
+            Compression::Drop {
+                score: DropScore::KNorm,
+                ratio: 0.5
+            }
+        );
         assert!(Compression::parse("knorm-1.5").is_err());
         assert!(Compression::parse("q3").is_err());
-        assert_eq!(Compression::parse("k8v4").unwrap().to_string(), "k8v4-0.625");
+        assert_eq!(
+            Compression::parse("k8v4").unwrap().to_string(),
+            "k8v4-0.625"
+        );
     }
 
     #[test]
     fn sizes_shrink_with_compression() {
-        let shape = KvShape { n_layers: 2, n_kv_heads: 3, head_dim: 64, n_tokens: 512 };
+        let shape = KvShape {
+            n_layers: 2,
+            n_kv_heads: 3,
+            head_dim: 64,
+            n_tokens: 512,
+        };
         let g = Grid::default_grid();
         let full = g.configs()[0].bytes(&shape);
         for c in &g.configs()[1..] {
@@ -245,6 +292,10 @@ mod tests {
         }
         let q8 = Compression::parse("q8").unwrap().bytes(&shape) as f64;
         // 8 bits plus an f16 minimum and scale per 32 elements: 9/16 of f16.
-        assert!((q8 / full as f64 - 0.5625).abs() < 0.01, "{}", q8 / full as f64);
+        assert!(
+            (q8 / full as f64 - 0.5625).abs() < 0.01,
+            "{}",
+            q8 / full as f64
+        );
     }
 }

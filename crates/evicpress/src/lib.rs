@@ -24,7 +24,9 @@ pub mod scores;
 pub mod store;
 
 pub use config::{Compression, DropScore, Grid};
-pub use scores::{snapkv_scores, WindowQueries};
 pub use model::{DecayedCount, DelayModel, QualityCurve, QualityPrior, QualitySource, TierSpec};
 pub use placement::{Item, Placer, Policy, Ranking};
-pub use store::{copy_key, ContextReport, ContextStore, LoadReport, OptionReport, StoreConfig, StoreStats};
+pub use scores::{snapkv_scores, WindowQueries};
+pub use store::{
+    copy_key, ContextReport, ContextStore, LoadReport, OptionReport, StoreConfig, StoreStats,
+};

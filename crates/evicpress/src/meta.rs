@@ -43,7 +43,9 @@ pub(crate) fn meta_key(ctx: &ChunkKey) -> ChunkKey {
 }
 
 pub(crate) fn unix_now_s() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 impl ContextMeta {
@@ -63,9 +65,13 @@ impl ContextMeta {
         if blake3::hash(json).as_bytes() != digest {
             return Err("meta entry checksum mismatch".into());
         }
-        let m: ContextMeta = serde_json::from_slice(json).map_err(|e| format!("meta entry: {e}"))?;
+        let m: ContextMeta =
+            serde_json::from_slice(json).map_err(|e| format!("meta entry: {e}"))?;
         if m.version != META_VERSION {
-            return Err(format!("meta entry version {} (expected {META_VERSION})", m.version));
+            return Err(format!(
+                "meta entry version {} (expected {META_VERSION})",
+                m.version
+            ));
         }
         if m.grid != grid {
             return Err("meta entry made for another grid".into());
@@ -87,7 +93,16 @@ mod tests {
     use super::*;
 
     fn meta() -> ContextMeta {
-        ContextMeta { version: META_VERSION, grid: vec!["none-0".into(), "q8".into()], profile: Some(vec![1.0, 0.9]), hits: 7, frequency: 3.5, saved_unix_s: 1.0e9, queries: vec![vec![1, 2, 3]], snapkv_scores: Some(vec![0.5, 0.25]) }
+        ContextMeta {
+            version: META_VERSION,
+            grid: vec!["none-0".into(), "q8".into()],
+            profile: Some(vec![1.0, 0.9]),
+            hits: 7,
+            frequency: 3.5,
+            saved_unix_s: 1.0e9,
+            queries: vec![vec![1, 2, 3]],
+            snapkv_scores: Some(vec![0.5, 0.25]),
+        }
     }
 
     #[test]
@@ -99,11 +114,17 @@ mod tests {
         let mut bad = bytes.clone();
         let last = bad.len() - 2;
         bad[last] ^= 1;
-        assert!(ContextMeta::decode(&bad, &grid).unwrap_err().contains("checksum"));
+        assert!(ContextMeta::decode(&bad, &grid)
+            .unwrap_err()
+            .contains("checksum"));
         assert!(ContextMeta::decode(&bytes[..20], &grid).is_err());
-        assert!(ContextMeta::decode(&bytes, &["none-0".to_string()]).unwrap_err().contains("grid"));
+        assert!(ContextMeta::decode(&bytes, &["none-0".to_string()])
+            .unwrap_err()
+            .contains("grid"));
         let mut wrong = meta();
         wrong.profile = Some(vec![1.0, 1.5]);
-        assert!(ContextMeta::decode(&wrong.encode(), &grid).unwrap_err().contains("profile"));
+        assert!(ContextMeta::decode(&wrong.encode(), &grid)
+            .unwrap_err()
+            .contains("profile"));
     }
 }

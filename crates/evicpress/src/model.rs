@@ -63,11 +63,17 @@ impl QualityPrior {
 
     pub fn curve(&self, grid: &Grid) -> QualityCurve {
         let by_config = if self.n_profiles > 0 && self.sum.len() == grid.len() {
-            self.sum.iter().map(|s| (s / self.n_profiles as f64) as f32).collect()
+            self.sum
+                .iter()
+                .map(|s| (s / self.n_profiles as f64) as f32)
+                .collect()
         } else {
             grid.configs().iter().map(QualityPrior::builtin).collect()
         };
-        QualityCurve { by_config, source: QualitySource::Prior }
+        QualityCurve {
+            by_config,
+            source: QualitySource::Prior,
+        }
     }
 }
 
@@ -173,9 +179,21 @@ mod tests {
         let g = Grid::parse("q4,knorm-0.5").unwrap();
         let mut p = QualityPrior::default();
         let builtin = p.curve(&g).by_config;
-        assert!(builtin.iter().zip([1.0, 0.9, 0.4]).all(|(a, b)| (a - b).abs() < 1e-6), "{builtin:?}");
-        p.add(&QualityCurve { by_config: vec![1.0, 0.8, 0.6], source: QualitySource::Profiled });
-        p.add(&QualityCurve { by_config: vec![1.0, 0.6, 0.8], source: QualitySource::Profiled });
+        assert!(
+            builtin
+                .iter()
+                .zip([1.0, 0.9, 0.4])
+                .all(|(a, b)| (a - b).abs() < 1e-6),
+            "{builtin:?}"
+        );
+        p.add(&QualityCurve {
+            by_config: vec![1.0, 0.8, 0.6],
+            source: QualitySource::Profiled,
+        });
+        p.add(&QualityCurve {
+            by_config: vec![1.0, 0.6, 0.8],
+            source: QualitySource::Profiled,
+        });
         let c = p.curve(&g);
         assert_eq!(c.source, QualitySource::Prior);
         assert!((c.by_config[1] - 0.7).abs() < 1e-6 && (c.by_config[2] - 0.7).abs() < 1e-6);

@@ -35,7 +35,10 @@ pub enum Policy {
     Lru,
     /// One configuration (a grid index) for every context, LRU demotion.
     Fixed(usize),
-    Evicpress { alpha: f64, ranking: Ranking },
+    Evicpress {
+        alpha: f64,
+        ranking: Ranking,
+    },
 }
 
 impl Policy {
@@ -83,7 +86,9 @@ impl Placer<'_> {
             Policy::Evicpress { alpha, .. } => *alpha,
             _ => 1.0,
         };
-        let ttft = self.delay.ttft_s(tier, item.bytes[config], item.kept_tokens[config]);
+        let ttft = self
+            .delay
+            .ttft_s(tier, item.bytes[config], item.kept_tokens[config]);
         utility(alpha, item.quality[config] as f64, ttft, item.frequency)
     }
 
@@ -93,13 +98,21 @@ impl Placer<'_> {
             Policy::Lru => 0,
             Policy::Fixed(c) => *c,
             Policy::Evicpress { .. } => (0..item.bytes.len())
-                .max_by(|&a, &b| self.utility(item, a, tier).total_cmp(&self.utility(item, b, tier)).then(b.cmp(&a)))
+                .max_by(|&a, &b| {
+                    self.utility(item, a, tier)
+                        .total_cmp(&self.utility(item, b, tier))
+                        .then(b.cmp(&a))
+                })
                 .unwrap_or(0),
         }
     }
 
     fn usage(items: &[Item], tier: usize) -> u64 {
-        items.iter().filter(|i| i.tier == tier).map(|i| i.bytes[i.config]).sum()
+        items
+            .iter()
+            .filter(|i| i.tier == tier)
+            .map(|i| i.bytes[i.config])
+            .sum()
     }
 
     /// Places `items[arrived]` on the fastest tier (it was just stored or hit), then
@@ -116,7 +129,9 @@ impl Placer<'_> {
             let mut usage = Self::usage(items, tier);
             let mut tier_steps = 0;
             while usage > capacity && tier_steps < MAX_STEPS_PER_TIER {
-                let Some((i, to_tier, to_config)) = self.best_option(items, tier) else { break };
+                let Some((i, to_tier, to_config)) = self.best_option(items, tier) else {
+                    break;
+                };
                 let item = &mut items[i];
                 usage -= item.bytes[item.config];
                 if to_tier == tier {
@@ -175,9 +190,18 @@ mod tests {
     use crate::model::TierSpec;
 
     fn delay(bw: [f64; 3]) -> DelayModel {
-        let tier = |name: &str, bw: f64| TierSpec { name: name.into(), capacity_bytes: 0, read_bytes_per_s: bw, access_latency_s: 0.0 };
+        let tier = |name: &str, bw: f64| TierSpec {
+            name: name.into(),
+            capacity_bytes: 0,
+            read_bytes_per_s: bw,
+            access_latency_s: 0.0,
+        };
         DelayModel {
-            tiers: vec![tier("ram", bw[0]), tier("disk", bw[1]), tier("remote", bw[2])],
+            tiers: vec![
+                tier("ram", bw[0]),
+                tier("disk", bw[1]),
+                tier("remote", bw[2]),
+            ],
             decode_s_per_byte: 0.0,
             restore_s_per_token: 0.0,
             prefill_tokens_per_s: 1000.0,
@@ -187,14 +211,26 @@ mod tests {
 
     /// Configs: none (100 bytes, q 1.0), half (50 bytes, q 0.99), tenth (10 bytes, q 0.2).
     fn item(freq: f64, last: f64) -> Item {
-        Item { bytes: vec![100, 50, 10], kept_tokens: vec![10, 10, 1], quality: vec![1.0, 0.99, 0.2], frequency: freq, last_access_s: last, tier: 2, config: 0 }
+        Item {
+            bytes: vec![100, 50, 10],
+            kept_tokens: vec![10, 10, 1],
+            quality: vec![1.0, 0.99, 0.2],
+            frequency: freq,
+            last_access_s: last,
+            tier: 2,
+            config: 0,
+        }
     }
 
     #[test]
     fn lru_demotes_the_least_recent_uncompressed() {
         let d = delay([1000.0, 100.0, 10.0]);
         let caps = [200, 100, u64::MAX];
-        let p = Placer { delay: &d, policy: &Policy::Lru, capacities_bytes: &caps };
+        let p = Placer {
+            delay: &d,
+            policy: &Policy::Lru,
+            capacities_bytes: &caps,
+        };
         let mut items = vec![item(1.0, 0.0), item(1.0, 1.0), item(1.0, 2.0)];
         for i in 0..3 {
             p.place(&mut items, Some(i));
@@ -207,8 +243,20 @@ mod tests {
     fn evicpress_compresses_where_quality_holds_and_keeps_capacity() {
         let d = delay([1000.0, 100.0, 10.0]);
         let caps = [200, 100, u64::MAX];
-        let p = Placer { delay: &d, policy: &Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop }, capacities_bytes: &caps };
-        let mut items = vec![item(1.0, 0.0), item(1.0, 1.0), item(1.0, 2.0), item(1.0, 3.0)];
+        let p = Placer {
+            delay: &d,
+            policy: &Policy::Evicpress {
+                alpha: 1.0,
+                ranking: Ranking::AbsoluteDrop,
+            },
+            capacities_bytes: &caps,
+        };
+        let mut items = vec![
+            item(1.0, 0.0),
+            item(1.0, 1.0),
+            item(1.0, 2.0),
+            item(1.0, 3.0),
+        ];
         for i in 0..4 {
             p.place(&mut items, Some(i));
         }
@@ -225,13 +273,23 @@ mod tests {
     fn equal_bandwidths_leave_nothing_to_gain() {
         let d = delay([100.0, 100.0, 100.0]);
         let caps = [100, 100, u64::MAX];
-        let p = Placer { delay: &d, policy: &Policy::Evicpress { alpha: 1.0, ranking: Ranking::DropPerByte }, capacities_bytes: &caps };
+        let p = Placer {
+            delay: &d,
+            policy: &Policy::Evicpress {
+                alpha: 1.0,
+                ranking: Ranking::DropPerByte,
+            },
+            capacities_bytes: &caps,
+        };
         let mut items = vec![item(1.0, 0.0), item(1.0, 1.0), item(1.0, 2.0)];
         for i in 0..3 {
             p.place(&mut items, Some(i));
         }
         // Moving costs nothing in delay, so the greedy demotes rather than lose quality.
-        let compressed = items.iter().filter(|i| i.config != 1 && i.config != 0).count();
+        let compressed = items
+            .iter()
+            .filter(|i| i.config != 1 && i.config != 0)
+            .count();
         assert_eq!(compressed, 0, "{items:?}");
     }
 }

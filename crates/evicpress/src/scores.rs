@@ -89,7 +89,15 @@ pub fn snapkv_scores(ctx: &KvContext, queries: &WindowQueries) -> Option<Vec<f32
     }
     let window = pk_kv::SNAPKV_WINDOW_DEFAULT as usize;
     let kernel = pk_kv::SNAPKV_KERNEL_DEFAULT as usize;
-    Some(pk_kv::snapkv_token_scores(&ContextView(ctx), &WindowView { q: queries, head_dim: ctx.head_dim }, window, kernel))
+    Some(pk_kv::snapkv_token_scores(
+        &ContextView(ctx),
+        &WindowView {
+            q: queries,
+            head_dim: ctx.head_dim,
+        },
+        window,
+        kernel,
+    ))
 }
 
 /// Scores of every stored token of `ctx` under `score` (higher = keep); `None` for a score
@@ -135,7 +143,10 @@ mod tests {
     fn scores_rank_as_the_policies_say() {
         let c = ctx(5);
         let pe = token_scores(&c, DropScore::PagedEviction).unwrap();
-        assert!(pe.windows(2).all(|w| w[0] > w[1]), "‖v‖/‖k‖ falls as ‖k‖ grows: {pe:?}");
+        assert!(
+            pe.windows(2).all(|w| w[0] > w[1]),
+            "‖v‖/‖k‖ falls as ‖k‖ grows: {pe:?}"
+        );
         let kn = token_scores(&c, DropScore::KNorm).unwrap();
         assert!(kn.windows(2).all(|w| w[0] > w[1]));
         let sl = token_scores(&c, DropScore::StreamingLlm).unwrap();
@@ -143,7 +154,10 @@ mod tests {
         // Every key points the same way: KeyDiff sees no diversity.
         let kd = token_scores(&c, DropScore::KeyDiff).unwrap();
         assert!(kd.iter().all(|s| (s + 1.0).abs() < 1e-4), "{kd:?}");
-        assert!(token_scores(&c, DropScore::SnapKv).is_none(), "SnapKV needs queries");
+        assert!(
+            token_scores(&c, DropScore::SnapKv).is_none(),
+            "SnapKV needs queries"
+        );
     }
 
     #[test]
@@ -151,8 +165,18 @@ mod tests {
         let (layers, heads, d, n) = (2, 1, 4, 40);
         let f = |i: usize| ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5;
         // Small keys everywhere but token 10's, which the window's queries point at.
-        let k: Vec<f32> = (0..layers * heads * n * d).map(|i| if (i / d) % n == 10 { 1.0 } else { 0.1 * f(i) }).collect();
-        let c = KvContext::new(layers, heads, d, (0..n as u32).collect(), k, vec![0.5; layers * heads * n * d]).unwrap();
+        let k: Vec<f32> = (0..layers * heads * n * d)
+            .map(|i| if (i / d) % n == 10 { 1.0 } else { 0.1 * f(i) })
+            .collect();
+        let c = KvContext::new(
+            layers,
+            heads,
+            d,
+            (0..n as u32).collect(),
+            k,
+            vec![0.5; layers * heads * n * d],
+        )
+        .unwrap();
         // Two query heads (GQA group of 2), two window queries, all pointing at token 10's key.
         let (n_heads, positions) = (2, vec![n - 2, n - 1]);
         let mut data = Vec::new();
@@ -163,13 +187,40 @@ mod tests {
                 }
             }
         }
-        let s = snapkv_scores(&c, &WindowQueries { n_heads, positions: positions.clone(), data: data.clone() }).unwrap();
+        let s = snapkv_scores(
+            &c,
+            &WindowQueries {
+                n_heads,
+                positions: positions.clone(),
+                data: data.clone(),
+            },
+        )
+        .unwrap();
         assert_eq!(s.len(), n);
         let best = (0..n - 2).max_by(|&a, &b| s[a].total_cmp(&s[b])).unwrap();
-        assert!((8..=12).contains(&best), "pooled around token 10, got {best}: {s:?}");
+        assert!(
+            (8..=12).contains(&best),
+            "pooled around token 10, got {best}: {s:?}"
+        );
         assert!(s[10] > 2.0 * s[25], "{s:?}");
         // Queries that do not fit the context are refused, not misread.
-        assert!(snapkv_scores(&c, &WindowQueries { n_heads, positions: vec![n], data: data[..data.len() / 2].to_vec() }).is_none());
-        assert!(snapkv_scores(&c, &WindowQueries { n_heads: 3, positions, data }).is_none());
+        assert!(snapkv_scores(
+            &c,
+            &WindowQueries {
+                n_heads,
+                positions: vec![n],
+                data: data[..data.len() / 2].to_vec()
+            }
+        )
+        .is_none());
+        assert!(snapkv_scores(
+            &c,
+            &WindowQueries {
+                n_heads: 3,
+                positions,
+                data
+            }
+        )
+        .is_none());
     }
 }

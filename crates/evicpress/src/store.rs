@@ -214,8 +214,14 @@ pub fn copy_key(ctx: &ChunkKey, config: usize) -> ChunkKey {
 
 impl ContextStore {
     pub fn new(cfg: StoreConfig) -> Result<Arc<ContextStore>, String> {
-        if cfg.tiers.is_empty() || cfg.tiers.len() != cfg.capacities_bytes.len() || cfg.tiers.len() != cfg.delay.tiers.len() {
-            return Err("EVICPRESS needs at least one tier, with one capacity and one delay entry per tier".into());
+        if cfg.tiers.is_empty()
+            || cfg.tiers.len() != cfg.capacities_bytes.len()
+            || cfg.tiers.len() != cfg.delay.tiers.len()
+        {
+            return Err(
+                "EVICPRESS needs at least one tier, with one capacity and one delay entry per tier"
+                    .into(),
+            );
         }
         if let Policy::Fixed(c) = cfg.policy {
             if c >= cfg.grid.len() {
@@ -234,7 +240,12 @@ impl ContextStore {
             max_queries: cfg.max_queries_per_context,
             max_pending_bytes: cfg.max_pending_bytes,
             pending_bytes: Arc::new(AtomicU64::new(0)),
-            state: Arc::new(Mutex::new(State { entries: HashMap::new(), prior: QualityPrior::default(), stats: StoreStats::default(), delay: cfg.delay })),
+            state: Arc::new(Mutex::new(State {
+                entries: HashMap::new(),
+                prior: QualityPrior::default(),
+                stats: StoreStats::default(),
+                delay: cfg.delay,
+            })),
             in_flight: Arc::new((Mutex::new(0), Condvar::new())),
             tx: Mutex::new(Some(tx)),
             worker: Mutex::new(None),
@@ -345,8 +356,15 @@ impl ContextStore {
     /// token, computed by the engine from the queries of the context's last tokens), which
     /// the SnapKV configurations of the grid drop by. Without them (or with a wrong count)
     /// those configurations are unavailable for this context.
-    pub fn offer_with_snapkv(&self, key: ChunkKey, kv: KvContext, snapkv_scores: Option<Vec<f32>>) -> bool {
-        let snapkv = snapkv_scores.filter(|s| s.len() == kv.n_tokens()).map(SnapKvSource::Scores);
+    pub fn offer_with_snapkv(
+        &self,
+        key: ChunkKey,
+        kv: KvContext,
+        snapkv_scores: Option<Vec<f32>>,
+    ) -> bool {
+        let snapkv = snapkv_scores
+            .filter(|s| s.len() == kv.n_tokens())
+            .map(SnapKvSource::Scores);
         self.offer_job(key, kv, snapkv)
     }
 
@@ -359,12 +377,20 @@ impl ContextStore {
 
     /// A stored context's SnapKV scores, if it has them (to offer it to another store).
     pub fn snapkv_scores_of(&self, key: &ChunkKey) -> Option<Vec<f32>> {
-        self.state.lock().unwrap().entries.get(key).and_then(|e| e.scores.get(&DropScore::SnapKv).cloned())
+        self.state
+            .lock()
+            .unwrap()
+            .entries
+            .get(key)
+            .and_then(|e| e.scores.get(&DropScore::SnapKv).cloned())
     }
 
     /// Whether the grid drops by SnapKV scores (and offers should carry them).
     pub fn wants_snapkv(&self) -> bool {
-        self.grid.configs().iter().any(|c| c.drop_score().is_some_and(DropScore::needs_queries))
+        self.grid
+            .configs()
+            .iter()
+            .any(|c| c.drop_score().is_some_and(DropScore::needs_queries))
     }
 
     fn offer_job(&self, key: ChunkKey, kv: KvContext, snapkv: Option<SnapKvSource>) -> bool {
@@ -427,7 +453,11 @@ impl ContextStore {
 
     /// Loads a context's placed copy (falling back to the master), decoded. Records the
     /// access and, if `query` is given, keeps it for background profiling.
-    pub fn load(&self, key: &ChunkKey, query: Option<&[u32]>) -> Result<(KvContext, LoadReport), String> {
+    pub fn load(
+        &self,
+        key: &ChunkKey,
+        query: Option<&[u32]>,
+    ) -> Result<(KvContext, LoadReport), String> {
         let (tier, config, save_meta) = {
             let mut st = self.state.lock().unwrap();
             let now = self.now_s();
@@ -442,7 +472,11 @@ impl ContextStore {
                 }
                 e.queries.push(q.to_vec());
             }
-            (e.item.tier, e.item.config, e.hits % SAVE_META_EVERY_HITS == 0)
+            (
+                e.item.tier,
+                e.item.config,
+                e.hits % SAVE_META_EVERY_HITS == 0,
+            )
         };
         if save_meta {
             self.send(Job::SaveMeta(*key));
@@ -461,8 +495,11 @@ impl ContextStore {
                 Ok(Some(p)) => {
                     let spare = self.spare.lock().unwrap().take();
                     match spare {
-                        Some(mut ctx) => pk_codec::decode_into(&p, &self.fingerprint, &mut ctx).map(|_| (ctx, p.len() as u64)),
-                        None => pk_codec::decode(&p, &self.fingerprint).map(|ctx| (ctx, p.len() as u64)),
+                        Some(mut ctx) => pk_codec::decode_into(&p, &self.fingerprint, &mut ctx)
+                            .map(|_| (ctx, p.len() as u64)),
+                        None => {
+                            pk_codec::decode(&p, &self.fingerprint).map(|ctx| (ctx, p.len() as u64))
+                        }
                     }
                     .map_err(|e| e.to_string())
                 }
@@ -481,12 +518,17 @@ impl ContextStore {
                         fell_back_to_master: fell_back,
                         restore_s: 0.0,
                     };
-                    metrics::counter!("pagekeeper:evicpress_hits", "tier" => report.tier.clone()).increment(1);
+                    metrics::counter!("pagekeeper:evicpress_hits", "tier" => report.tier.clone())
+                        .increment(1);
                     self.send(Job::Place(*key));
                     return Ok((ctx, report));
                 }
                 Err(e) => {
-                    tracing::warn!("EVICPRESS copy {}/{} of a context unreadable: {e}", self.tiers[t].name(), self.grid.configs()[c]);
+                    tracing::warn!(
+                        "EVICPRESS copy {}/{} of a context unreadable: {e}",
+                        self.tiers[t].name(),
+                        self.grid.configs()[c]
+                    );
                     if (t, c) == master {
                         return Err(format!("the master copy is unreadable: {e}"));
                     }
@@ -508,34 +550,58 @@ impl ContextStore {
     /// The full KV of a stored context (its master), for profiling.
     pub fn load_master(&self, key: &ChunkKey) -> Result<KvContext, String> {
         let last = self.tiers.len() - 1;
-        let p = self.tiers[last].load(&copy_key(key, 0)).map_err(|e| e.to_string())?.ok_or("master copy missing")?;
+        let p = self.tiers[last]
+            .load(&copy_key(key, 0))
+            .map_err(|e| e.to_string())?
+            .ok_or("master copy missing")?;
         pk_codec::decode(&p, &self.fingerprint).map_err(|e| e.to_string())
     }
 
     /// `full` under grid configuration `config`, through the codec (encode and decode), as a
     /// hit would see it.
-    pub fn compress(&self, key: &ChunkKey, full: &KvContext, config: usize) -> Result<KvContext, String> {
+    pub fn compress(
+        &self,
+        key: &ChunkKey,
+        full: &KvContext,
+        config: usize,
+    ) -> Result<KvContext, String> {
         let bytes = self.encode(key, full, config)?;
         pk_codec::decode(&bytes, &self.fingerprint).map_err(|e| e.to_string())
     }
 
     fn encode(&self, key: &ChunkKey, full: &KvContext, config: usize) -> Result<Vec<u8>, String> {
         let c = self.grid.configs()[config];
-        let scores = match c.drop_score() {
-            None => None,
-            Some(s) => {
-                let cached = self.state.lock().unwrap().entries.get(key).and_then(|e| e.scores.get(&s).cloned());
-                Some(cached.or_else(|| token_scores(full, s)).ok_or_else(|| format!("{c}: this context was stored without SnapKV scores"))?)
-            }
-        };
-        pk_codec::encode(full, &c.method(), scores.as_deref(), &self.fingerprint).map_err(|e| e.to_string())
+        let scores =
+            match c.drop_score() {
+                None => None,
+                Some(s) => {
+                    let cached = self
+                        .state
+                        .lock()
+                        .unwrap()
+                        .entries
+                        .get(key)
+                        .and_then(|e| e.scores.get(&s).cloned());
+                    Some(cached.or_else(|| token_scores(full, s)).ok_or_else(|| {
+                        format!("{c}: this context was stored without SnapKV scores")
+                    })?)
+                }
+            };
+        pk_codec::encode(full, &c.method(), scores.as_deref(), &self.fingerprint)
+            .map_err(|e| e.to_string())
     }
 
     /// Whether configuration `config` can be built for a stored context: every one can,
     /// but a SnapKV configuration only for a context stored with its SnapKV scores.
     pub fn is_available(&self, key: &ChunkKey, config: usize) -> bool {
         match self.grid.configs().get(config).and_then(|c| c.drop_score()) {
-            Some(s) if s.needs_queries() => self.state.lock().unwrap().entries.get(key).is_some_and(|e| e.scores.contains_key(&s)),
+            Some(s) if s.needs_queries() => self
+                .state
+                .lock()
+                .unwrap()
+                .entries
+                .get(key)
+                .is_some_and(|e| e.scores.contains_key(&s)),
             _ => config < self.grid.len(),
         }
     }
@@ -546,7 +612,9 @@ impl ContextStore {
         let mut it = e.item.clone();
         it.frequency = frequency;
         for (c, q) in self.grid.configs().iter().zip(it.quality.iter_mut()) {
-            if c.drop_score().is_some_and(|s| s.needs_queries() && !e.scores.contains_key(&s)) {
+            if c.drop_score()
+                .is_some_and(|s| s.needs_queries() && !e.scores.contains_key(&s))
+            {
                 *q = f32::NEG_INFINITY;
             }
         }
@@ -556,7 +624,21 @@ impl ContextStore {
     /// Contexts that want a (re)profile, with the queries seen for them, at most `max`.
     pub fn profiling_candidates(&self, max: usize) -> Vec<(ChunkKey, Vec<Vec<u32>>)> {
         let st = self.state.lock().unwrap();
-        let mut v: Vec<_> = st.entries.iter().filter(|(_, e)| (e.needs_profile || e.hits_since_profile >= REFRESH_PROFILE_AFTER_HITS) && !e.queries.is_empty()).map(|(k, e)| (*k, e.queries.clone(), e.freq.value_at(self.now_s(), self.half_life_s))).collect();
+        let mut v: Vec<_> = st
+            .entries
+            .iter()
+            .filter(|(_, e)| {
+                (e.needs_profile || e.hits_since_profile >= REFRESH_PROFILE_AFTER_HITS)
+                    && !e.queries.is_empty()
+            })
+            .map(|(k, e)| {
+                (
+                    *k,
+                    e.queries.clone(),
+                    e.freq.value_at(self.now_s(), self.half_life_s),
+                )
+            })
+            .collect();
         v.sort_by(|a, b| b.2.total_cmp(&a.2));
         v.into_iter().take(max).map(|(k, q, _)| (k, q)).collect()
     }
@@ -564,11 +646,18 @@ impl ContextStore {
     /// Records a measured quality curve (one value per grid configuration) and re-places.
     pub fn set_profile(&self, key: &ChunkKey, by_config: Vec<f32>) -> Result<(), String> {
         if by_config.len() != self.grid.len() {
-            return Err(format!("{} qualities for a grid of {}", by_config.len(), self.grid.len()));
+            return Err(format!(
+                "{} qualities for a grid of {}",
+                by_config.len(),
+                self.grid.len()
+            ));
         }
         {
             let mut st = self.state.lock().unwrap();
-            let curve = QualityCurve { by_config, source: QualitySource::Profiled };
+            let curve = QualityCurve {
+                by_config,
+                source: QualitySource::Profiled,
+            };
             st.prior.add(&curve);
             let e = st.entries.get_mut(key).ok_or("context not stored")?;
             e.item.quality = curve.by_config.clone();
@@ -588,7 +677,9 @@ impl ContextStore {
     pub fn record_served_quality(&self, key: &ChunkKey, quality: f64) {
         let mut st = self.state.lock().unwrap();
         let threshold = self.reprofile_threshold as f64;
-        let Some(e) = st.entries.get_mut(key) else { return };
+        let Some(e) = st.entries.get_mut(key) else {
+            return;
+        };
         let ewma = match e.served_quality {
             Some(q) => 0.7 * q + 0.3 * quality,
             None => quality,
@@ -606,7 +697,11 @@ impl ContextStore {
     pub fn explain(&self) -> Vec<ContextReport> {
         let st = self.state.lock().unwrap();
         let now = self.now_s();
-        let placer = Placer { delay: &st.delay, policy: &self.policy, capacities_bytes: &self.capacities_bytes };
+        let placer = Placer {
+            delay: &st.delay,
+            policy: &self.policy,
+            capacities_bytes: &self.capacities_bytes,
+        };
         let mut rows: Vec<ContextReport> = st
             .entries
             .iter()
@@ -656,6 +751,11 @@ impl ContextStore {
 
     /// (tier, configuration) of a stored context.
     pub fn placement_of(&self, key: &ChunkKey) -> Option<(usize, usize)> {
-        self.state.lock().unwrap().entries.get(key).map(|e| (e.item.tier, e.item.config))
+        self.state
+            .lock()
+            .unwrap()
+            .entries
+            .get(key)
+            .map(|e| (e.item.tier, e.item.config))
     }
 }

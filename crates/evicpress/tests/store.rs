@@ -5,30 +5,63 @@
 use std::sync::Arc;
 
 use pk_codec::KvContext;
-use pk_evicpress::{copy_key, ContextStore, DelayModel, Grid, Policy, Ranking, StoreConfig, TierSpec};
+use pk_evicpress::{
+    copy_key, ContextStore, DelayModel, Grid, Policy, Ranking, StoreConfig, TierSpec,
+};
 use pk_tiers::{ChunkKey, DiskTier, DiskTierConfig, Payload, RamTier, Tier};
 
 fn kv(seed: u32, n_tokens: usize) -> KvContext {
     let (layers, heads, dim) = (2, 2, 16);
     let len = layers * heads * n_tokens * dim;
-    let f = |i: usize, s: u32| (((i as u32).wrapping_mul(2654435761) ^ s) % 1000) as f32 / 500.0 - 1.0;
-    KvContext::new(layers, heads, dim, (0..n_tokens as u32).collect(), (0..len).map(|i| f(i, seed)).collect(), (0..len).map(|i| f(i, seed + 7)).collect()).unwrap()
+    let f =
+        |i: usize, s: u32| (((i as u32).wrapping_mul(2654435761) ^ s) % 1000) as f32 / 500.0 - 1.0;
+    KvContext::new(
+        layers,
+        heads,
+        dim,
+        (0..n_tokens as u32).collect(),
+        (0..len).map(|i| f(i, seed)).collect(),
+        (0..len).map(|i| f(i, seed + 7)).collect(),
+    )
+    .unwrap()
 }
 
-fn store(ram: Arc<dyn Tier>, dir: &std::path::Path, ram_bytes: u64, policy: Policy) -> Arc<ContextStore> {
+fn store(
+    ram: Arc<dyn Tier>,
+    dir: &std::path::Path,
+    ram_bytes: u64,
+    policy: Policy,
+) -> Arc<ContextStore> {
     store_with_grid(ram, dir, ram_bytes, policy, "q8,q4,knorm-0.5")
 }
 
-fn store_with_grid(ram: Arc<dyn Tier>, dir: &std::path::Path, ram_bytes: u64, policy: Policy, grid: &str) -> Arc<ContextStore> {
+fn store_with_grid(
+    ram: Arc<dyn Tier>,
+    dir: &std::path::Path,
+    ram_bytes: u64,
+    policy: Policy,
+    grid: &str,
+) -> Arc<ContextStore> {
     let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(DiskTierConfig::new(dir, 1 << 30)).unwrap());
-    let spec = |n: &str, bw: f64| TierSpec { name: n.into(), capacity_bytes: 0, read_bytes_per_s: bw, access_latency_s: 1e-4 };
+    let spec = |n: &str, bw: f64| TierSpec {
+        name: n.into(),
+        capacity_bytes: 0,
+        read_bytes_per_s: bw,
+        access_latency_s: 1e-4,
+    };
     ContextStore::new(StoreConfig {
         tiers: vec![ram, disk],
         capacities_bytes: vec![ram_bytes, u64::MAX],
         grid: Grid::parse(grid).unwrap(),
         policy,
         fingerprint: [3; 32],
-        delay: DelayModel { tiers: vec![spec("ram", 1e10), spec("disk", 1e6)], decode_s_per_byte: 0.0, restore_s_per_token: 0.0, prefill_tokens_per_s: 100.0, query_tokens: 8 },
+        delay: DelayModel {
+            tiers: vec![spec("ram", 1e10), spec("disk", 1e6)],
+            decode_s_per_byte: 0.0,
+            restore_s_per_token: 0.0,
+            prefill_tokens_per_s: 100.0,
+            query_tokens: 8,
+        },
         frequency_half_life_s: 60.0,
         reprofile_threshold: 0.1,
         max_pending_bytes: 64 << 20,
@@ -40,9 +73,18 @@ fn store_with_grid(ram: Arc<dyn Tier>, dir: &std::path::Path, ram_bytes: u64, po
 #[test]
 fn placement_respects_ram_and_loads_round_trip() {
     let dir = tempfile::tempdir().unwrap();
-    let full_bytes = pk_codec::compressed_bytes_estimate(&pk_codec::Method::None, &kv(0, 256).shape()) as u64;
+    let full_bytes =
+        pk_codec::compressed_bytes_estimate(&pk_codec::Method::None, &kv(0, 256).shape()) as u64;
     let ram_bytes = full_bytes * 2;
-    let s = store(Arc::new(RamTier::new(ram_bytes * 4)), dir.path(), ram_bytes, Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop });
+    let s = store(
+        Arc::new(RamTier::new(ram_bytes * 4)),
+        dir.path(),
+        ram_bytes,
+        Policy::Evicpress {
+            alpha: 1.0,
+            ranking: Ranking::AbsoluteDrop,
+        },
+    );
     for i in 0..6u8 {
         assert!(s.offer(ChunkKey([i; 32]), kv(i as u32, 256)));
     }
@@ -57,7 +99,12 @@ fn placement_respects_ram_and_loads_round_trip() {
         assert_eq!(got.n_original_tokens, 256);
         if report.config == "none-0" {
             let want = kv(i as u32, 256);
-            let max_err = got.k.iter().zip(&want.k).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let max_err = got
+                .k
+                .iter()
+                .zip(&want.k)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
             assert!(max_err < 1e-3, "f16 round trip error {max_err}");
         }
     }
@@ -89,12 +136,21 @@ fn a_corrupted_copy_falls_back_to_the_master() {
 #[test]
 fn served_quality_drift_asks_for_a_reprofile() {
     let dir = tempfile::tempdir().unwrap();
-    let s = store(Arc::new(RamTier::new(1 << 30)), dir.path(), 1 << 29, Policy::Lru);
+    let s = store(
+        Arc::new(RamTier::new(1 << 30)),
+        dir.path(),
+        1 << 29,
+        Policy::Lru,
+    );
     let key = ChunkKey([5; 32]);
     s.offer(key, kv(5, 64));
     s.flush();
     s.load(&key, Some(&[7, 8])).unwrap();
-    assert_eq!(s.profiling_candidates(4).len(), 1, "never profiled, with a query seen");
+    assert_eq!(
+        s.profiling_candidates(4).len(),
+        1,
+        "never profiled, with a query seen"
+    );
     s.set_profile(&key, vec![1.0, 0.9, 0.8, 0.5]).unwrap();
     assert!(s.profiling_candidates(4).is_empty());
     s.record_served_quality(&key, 0.5);
@@ -115,7 +171,15 @@ fn a_restart_adopts_the_profile_and_frequency_saved_beside_the_master() {
     let key = ChunkKey([21; 32]);
     let profile = vec![1.0, 0.93, 0.71, 0.42];
     {
-        let s = store(Arc::new(RamTier::new(1 << 30)), dir.path(), 1 << 29, Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop });
+        let s = store(
+            Arc::new(RamTier::new(1 << 30)),
+            dir.path(),
+            1 << 29,
+            Policy::Evicpress {
+                alpha: 1.0,
+                ranking: Ranking::AbsoluteDrop,
+            },
+        );
         s.offer(key, kv(21, 128));
         s.flush();
         s.set_profile(&key, profile.clone()).unwrap();
@@ -129,7 +193,15 @@ fn a_restart_adopts_the_profile_and_frequency_saved_beside_the_master() {
         assert!(s.stats().meta_saved >= 2);
     }
     // A new process on the same disk: the master is adopted with what was learnt.
-    let s = store(Arc::new(RamTier::new(1 << 30)), dir.path(), 1 << 29, Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop });
+    let s = store(
+        Arc::new(RamTier::new(1 << 30)),
+        dir.path(),
+        1 << 29,
+        Policy::Evicpress {
+            alpha: 1.0,
+            ranking: Ranking::AbsoluteDrop,
+        },
+    );
     assert_eq!(s.longest_stored(&[key]), Some(0));
     s.flush();
     assert_eq!(s.stats().meta_restored, 1);
@@ -137,17 +209,38 @@ fn a_restart_adopts_the_profile_and_frequency_saved_beside_the_master() {
     assert_eq!(row.quality_source, pk_evicpress::QualitySource::Profiled);
     assert_eq!(row.hits, 3);
     // Three accesses and the insert, barely decayed, plus the adoption itself.
-    assert!(row.frequency > 4.0 && row.frequency <= 5.0, "{}", row.frequency);
-    let q8 = row.options.iter().find(|o| o.config.starts_with("q8")).unwrap();
+    assert!(
+        row.frequency > 4.0 && row.frequency <= 5.0,
+        "{}",
+        row.frequency
+    );
+    let q8 = row
+        .options
+        .iter()
+        .find(|o| o.config.starts_with("q8"))
+        .unwrap();
     assert_eq!(q8.quality, 0.93);
-    assert_eq!(s.profiling_candidates(1).len(), 0, "a restored profile needs no new one");
+    assert_eq!(
+        s.profiling_candidates(1).len(),
+        0,
+        "a restored profile needs no new one"
+    );
 
     // A store with another grid does not trust the entry: the context starts over.
-    let other = store_with_grid(Arc::new(RamTier::new(1 << 30)), dir.path(), 1 << 29, Policy::Lru, "q8,q2");
+    let other = store_with_grid(
+        Arc::new(RamTier::new(1 << 30)),
+        dir.path(),
+        1 << 29,
+        Policy::Lru,
+        "q8,q2",
+    );
     assert_eq!(other.longest_stored(&[key]), Some(0));
     other.flush();
     assert_eq!(other.stats().meta_restored, 0);
-    assert_eq!(other.explain()[0].quality_source, pk_evicpress::QualitySource::Prior);
+    assert_eq!(
+        other.explain()[0].quality_source,
+        pk_evicpress::QualitySource::Prior
+    );
 }
 
 #[test]
@@ -158,55 +251,115 @@ fn snapkv_configurations_need_the_scores_offered_with_the_context() {
     let scores: Vec<f32> = (0..n).map(|t| if t % 2 == 0 { 1.0 } else { 0.0 }).collect();
     let (with, without) = (ChunkKey([31; 32]), ChunkKey([32; 32]));
     {
-        let s = store_with_grid(Arc::new(RamTier::new(1 << 30)), dir.path(), 1 << 29, Policy::Evicpress { alpha: 1.0, ranking: Ranking::AbsoluteDrop }, "q8,snapkv-0.4");
+        let s = store_with_grid(
+            Arc::new(RamTier::new(1 << 30)),
+            dir.path(),
+            1 << 29,
+            Policy::Evicpress {
+                alpha: 1.0,
+                ranking: Ranking::AbsoluteDrop,
+            },
+            "q8,snapkv-0.4",
+        );
         assert!(s.offer_with_snapkv(with, kv(31, n), Some(scores.clone())));
         // Scores of the wrong length are as good as none.
         assert!(s.offer_with_snapkv(without, kv(32, n), Some(vec![1.0; n - 1])));
         s.flush();
         assert!(s.is_available(&with, 2) && !s.is_available(&without, 2));
-        assert!(s.is_available(&without, 1), "other configurations stay available");
+        assert!(
+            s.is_available(&without, 1),
+            "other configurations stay available"
+        );
 
         // Dropping 40 % by these scores keeps the protected ends and the best-scored middle.
         let full = s.load_master(&with).unwrap();
         let dropped = s.compress(&with, &full, 2).unwrap();
         let kept = &dropped.positions;
-        assert_eq!(kept.len(), pk_codec::drop::n_kept_tokens(n, &pk_codec::DropSpec::new(0.4)));
-        let middle: Vec<u32> = kept.iter().copied().filter(|&p| (16..n as u32 - 16).contains(&p)).collect();
-        assert!(middle.iter().all(|p| p % 2 == 0), "kept an odd (low-scored) token: {middle:?}");
-        assert!(s.compress(&without, &full, 2).is_err(), "no scores, no SnapKV copy");
+        assert_eq!(
+            kept.len(),
+            pk_codec::drop::n_kept_tokens(n, &pk_codec::DropSpec::new(0.4))
+        );
+        let middle: Vec<u32> = kept
+            .iter()
+            .copied()
+            .filter(|&p| (16..n as u32 - 16).contains(&p))
+            .collect();
+        assert!(
+            middle.iter().all(|p| p % 2 == 0),
+            "kept an odd (low-scored) token: {middle:?}"
+        );
+        assert!(
+            s.compress(&without, &full, 2).is_err(),
+            "no scores, no SnapKV copy"
+        );
 
         // Placement never picks an unavailable configuration, even when told it is lossless.
         s.set_profile(&without, vec![1.0, 0.5, 1.0]).unwrap();
         s.set_profile(&with, vec![1.0, 0.5, 1.0]).unwrap();
         s.flush();
-        let row = |k: &ChunkKey| s.explain().into_iter().find(|r| r.key == k.to_hex()).unwrap();
-        let snap = |r: &pk_evicpress::ContextReport| r.options.iter().find(|o| o.config.starts_with("snapkv")).unwrap().quality;
+        let row = |k: &ChunkKey| {
+            s.explain()
+                .into_iter()
+                .find(|r| r.key == k.to_hex())
+                .unwrap()
+        };
+        let snap = |r: &pk_evicpress::ContextReport| {
+            r.options
+                .iter()
+                .find(|o| o.config.starts_with("snapkv"))
+                .unwrap()
+                .quality
+        };
         assert_eq!(snap(&row(&without)), f32::NEG_INFINITY);
         assert_eq!(snap(&row(&with)), 1.0);
         assert!(!row(&without).config.starts_with("snapkv"));
     }
     // After a restart the scores come back with the meta entry saved beside the master.
-    let s = store_with_grid(Arc::new(RamTier::new(1 << 30)), dir.path(), 1 << 29, Policy::Lru, "q8,snapkv-0.4");
+    let s = store_with_grid(
+        Arc::new(RamTier::new(1 << 30)),
+        dir.path(),
+        1 << 29,
+        Policy::Lru,
+        "q8,snapkv-0.4",
+    );
     assert_eq!(s.longest_stored(&[with]), Some(0));
     assert_eq!(s.longest_stored(&[without]), Some(0));
     s.flush();
     assert!(s.is_available(&with, 2));
     assert!(!s.is_available(&without, 2));
     let full = s.load_master(&with).unwrap();
-    let middle: Vec<u32> = s.compress(&with, &full, 2).unwrap().positions.into_iter().filter(|&p| (16..n as u32 - 16).contains(&p)).collect();
+    let middle: Vec<u32> = s
+        .compress(&with, &full, 2)
+        .unwrap()
+        .positions
+        .into_iter()
+        .filter(|&p| (16..n as u32 - 16).contains(&p))
+        .collect();
     assert!(middle.iter().all(|p| p % 2 == 0));
 }
 
 #[test]
 fn the_worker_computes_snapkv_scores_from_the_window_queries() {
     let dir = tempfile::tempdir().unwrap();
-    let s = store_with_grid(Arc::new(RamTier::new(1 << 30)), dir.path(), 1 << 29, Policy::Lru, "q8,snapkv-0.5");
+    let s = store_with_grid(
+        Arc::new(RamTier::new(1 << 30)),
+        dir.path(),
+        1 << 29,
+        Policy::Lru,
+        "q8,snapkv-0.5",
+    );
     assert!(s.wants_snapkv());
     let (n, c) = (96, kv(41, 96));
     // Queries of the last 8 tokens, 4 query heads (a GQA group of 2 per KV head).
     let n_heads = 4;
-    let data: Vec<f32> = (0..2 * 8 * n_heads * 16).map(|i| ((i * 7919) % 200) as f32 / 100.0 - 1.0).collect();
-    let window = pk_evicpress::WindowQueries { n_heads, positions: (n - 8..n).collect(), data };
+    let data: Vec<f32> = (0..2 * 8 * n_heads * 16)
+        .map(|i| ((i * 7919) % 200) as f32 / 100.0 - 1.0)
+        .collect();
+    let window = pk_evicpress::WindowQueries {
+        n_heads,
+        positions: (n - 8..n).collect(),
+        data,
+    };
     let want = pk_evicpress::snapkv_scores(&c, &window).unwrap();
     let key = ChunkKey([41; 32]);
     assert!(s.offer_with_window(key, c.clone(), window));
@@ -215,8 +368,17 @@ fn the_worker_computes_snapkv_scores_from_the_window_queries() {
     // The copy drops exactly what dropping by those scores drops.
     let got = s.compress(&key, &c, 2).unwrap();
     let want_kept = pk_codec::drop::select_kept_tokens(&want, &pk_codec::DropSpec::new(0.5));
-    assert_eq!(got.positions, want_kept.iter().map(|&t| t as u32).collect::<Vec<_>>());
+    assert_eq!(
+        got.positions,
+        want_kept.iter().map(|&t| t as u32).collect::<Vec<_>>()
+    );
     // A grid without SnapKV ignores the queries.
-    let plain = store_with_grid(Arc::new(RamTier::new(1 << 30)), tempfile::tempdir().unwrap().path(), 1 << 29, Policy::Lru, "q8");
+    let plain = store_with_grid(
+        Arc::new(RamTier::new(1 << 30)),
+        tempfile::tempdir().unwrap().path(),
+        1 << 29,
+        Policy::Lru,
+        "q8",
+    );
     assert!(!plain.wants_snapkv());
 }

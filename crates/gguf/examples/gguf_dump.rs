@@ -4,7 +4,9 @@ fn main() {
     let f = pk_gguf::GgufFile::open(&path).unwrap_or_else(|e| panic!("{e}"));
     for (k, v) in &f.metadata {
         match v {
-            pk_gguf::MetaValue::Array(a) => println!("{k}: array[{}] first={:?}", a.len(), a.first()),
+            pk_gguf::MetaValue::Array(a) => {
+                println!("{k}: array[{}] first={:?}", a.len(), a.first())
+            }
             pk_gguf::MetaValue::String(s) if s.len() > 200 => println!("{k}: {:?}...", &s[..200]),
             v => println!("{k}: {v:?}"),
         }

@@ -17,8 +17,16 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 /// Panics if the lengths disagree: callers derive both from a validated tensor info.
 pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) {
     let n_blocks = data.len() / ty.block_bytes();
-    assert_eq!(data.len(), n_blocks * ty.block_bytes(), "partial block in {ty} data");
-    assert_eq!(out.len(), n_blocks * ty.block_elems(), "output length mismatch for {ty}");
+    assert_eq!(
+        data.len(),
+        n_blocks * ty.block_bytes(),
+        "partial block in {ty} data"
+    );
+    assert_eq!(
+        out.len(),
+        n_blocks * ty.block_elems(),
+        "output length mismatch for {ty}"
+    );
     let bb = ty.block_bytes();
     let be = ty.block_elems();
     for (blk, y) in data.chunks_exact(bb).zip(out.chunks_exact_mut(be)) {
@@ -83,7 +91,10 @@ pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
@@ -136,7 +147,11 @@ fn q6_s(b: &[u8], y: &mut [f32]) {
     let (d0, d1) = (f16_at(b, 0), f16_at(b, 2));
     let (ql, qh) = (&b[4..20], &b[20..28]);
     for e in 0..32 {
-        let lo = if e < 16 { ql[e] & 0x0f } else { ql[e - 16] >> 4 };
+        let lo = if e < 16 {
+            ql[e] & 0x0f
+        } else {
+            ql[e - 16] >> 4
+        };
         let hi = (qh[e / 4] >> (2 * (e % 4))) & 3;
         let q = (lo | (hi << 4)) as i32 - 32;
         y[e] = if e < 16 { d0 } else { d1 } * q as f32;
@@ -215,7 +230,10 @@ mod tests {
             scales[j + 8] = 0x21; // low nibble scale 1, high nibble min 2
         }
         assert_eq!(scale_min_k4(0, &scales), (1 | 0, 10));
-        assert_eq!(scale_min_k4(4, &scales), (1 | (1 << 4), 2 | (((10u8) >> 6) << 4)));
+        assert_eq!(
+            scale_min_k4(4, &scales),
+            (1 | (1 << 4), 2 | (((10u8) >> 6) << 4))
+        );
         let mut b = vec![];
         b.extend(h(1.0));
         b.extend(h(0.5));
@@ -255,9 +273,17 @@ mod tests {
         let mut y = [0f32; 32];
         dequantize(GgmlType::Q6S, &b, &mut y);
         for j in 0..16 {
-            assert_eq!(y[j], ((j + 16 * (j % 4)) as f32 - 32.0) * 0.5, "element {j}");
+            assert_eq!(
+                y[j],
+                ((j + 16 * (j % 4)) as f32 - 32.0) * 0.5,
+                "element {j}"
+            );
             let e = 16 + j;
-            assert_eq!(y[e], ((15 - j + 16 * (e % 4)) as f32 - 32.0) * -2.0, "element {e}");
+            assert_eq!(
+                y[e],
+                ((15 - j + 16 * (e % 4)) as f32 - 32.0) * -2.0,
+                "element {e}"
+            );
         }
         assert_eq!(y[0], -16.0);
         assert_eq!(y[31], (0.0 + 48.0 - 32.0) * -2.0);

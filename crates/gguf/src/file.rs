@@ -147,7 +147,9 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn take(&mut self, n: u64) -> Result<&'a [u8]> {
-        let end = (self.pos as u64).checked_add(n).filter(|&e| e <= self.buf.len() as u64);
+        let end = (self.pos as u64)
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len() as u64);
         match end {
             Some(end) => {
                 let s = &self.buf[self.pos..end as usize];
@@ -162,7 +164,10 @@ impl<'a> Reader<'a> {
         }
     }
     fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
-        Ok(self.take(N as u64)?.try_into().expect("take returned N bytes"))
+        Ok(self
+            .take(N as u64)?
+            .try_into()
+            .expect("take returned N bytes"))
     }
     fn u8(&mut self) -> Result<u8> {
         Ok(self.array::<1>()?[0])
@@ -179,7 +184,9 @@ impl<'a> Reader<'a> {
     fn string(&mut self) -> Result<String> {
         let len = self.u64()?;
         if len > MAX_STRING_BYTES {
-            return Err(GgufError::Invalid(format!("string length {len} is implausible")));
+            return Err(GgufError::Invalid(format!(
+                "string length {len} is implausible"
+            )));
         }
         let bytes = self.take(len)?;
         // Vocabularies may contain invalid UTF-8 in principle; keep the bytes losslessly
@@ -200,7 +207,9 @@ impl<'a> Reader<'a> {
             8 => MetaValue::String(self.string()?),
             9 => {
                 if depth > 2 {
-                    return Err(GgufError::Invalid("metadata arrays nested too deeply".into()));
+                    return Err(GgufError::Invalid(
+                        "metadata arrays nested too deeply".into(),
+                    ));
                 }
                 let elem_type = self.u32()?;
                 let n = self.u64()?;
@@ -222,7 +231,11 @@ impl<'a> Reader<'a> {
             10 => MetaValue::U64(self.u64()?),
             11 => MetaValue::I64(self.u64()? as i64),
             12 => MetaValue::F64(f64::from_bits(self.u64()?)),
-            t => return Err(GgufError::Invalid(format!("unknown metadata value type {t}"))),
+            t => {
+                return Err(GgufError::Invalid(format!(
+                    "unknown metadata value type {t}"
+                )))
+            }
         })
     }
 }
@@ -231,7 +244,10 @@ impl GgufFile {
     /// Opens and parses a GGUF file, memory-mapping its tensor data.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
-        let io_err = |source| GgufError::Io { path: path.to_path_buf(), source };
+        let io_err = |source| GgufError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         let file = std::fs::File::open(path).map_err(io_err)?;
         // SAFETY: the map is read-only; the file is not expected to change while we run. A
         // concurrent truncation would be a user error we cannot defend against with mmap.
@@ -274,7 +290,9 @@ impl GgufFile {
             let name = r.string()?;
             let n_dims = r.u32()?;
             if n_dims == 0 || n_dims > MAX_DIMS {
-                return Err(GgufError::Invalid(format!("tensor {name} has {n_dims} dimensions")));
+                return Err(GgufError::Invalid(format!(
+                    "tensor {name} has {n_dims} dimensions"
+                )));
             }
             let mut dims = Vec::with_capacity(n_dims as usize);
             for _ in 0..n_dims {
@@ -289,15 +307,18 @@ impl GgufFile {
         let mut tensors = Vec::with_capacity(raw.len());
         let mut tensor_index = BTreeMap::new();
         for (name, dims, type_id, rel_offset) in raw {
-            let ggml_type = GgmlType::from_id(type_id).map_err(|type_name| GgufError::UnsupportedType {
-                type_id,
-                name: type_name,
-                tensor: name.clone(),
-            })?;
+            let ggml_type =
+                GgmlType::from_id(type_id).map_err(|type_name| GgufError::UnsupportedType {
+                    type_id,
+                    name: type_name,
+                    tensor: name.clone(),
+                })?;
             let n_elems = dims
                 .iter()
                 .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-                .ok_or_else(|| GgufError::Invalid(format!("tensor {name}: element count overflows")))?;
+                .ok_or_else(|| {
+                    GgufError::Invalid(format!("tensor {name}: element count overflows"))
+                })?;
             if dims[0] % ggml_type.block_elems() as u64 != 0 {
                 return Err(GgufError::Invalid(format!(
                     "tensor {name}: row length {} is not a multiple of the {} block size {}",
@@ -306,17 +327,37 @@ impl GgufFile {
                     ggml_type.block_elems()
                 )));
             }
-            let size_bytes = n_elems / ggml_type.block_elems() as u64 * ggml_type.block_bytes() as u64;
+            let size_bytes =
+                n_elems / ggml_type.block_elems() as u64 * ggml_type.block_bytes() as u64;
             let offset_bytes = data_start
                 .checked_add(rel_offset)
                 .ok_or_else(|| GgufError::Invalid(format!("tensor {name}: offset overflows")))?;
-            if offset_bytes.checked_add(size_bytes).is_none_or(|end| end > file_len_bytes) {
-                return Err(GgufError::Truncated { offset: offset_bytes, needed: size_bytes, file_len_bytes });
+            if offset_bytes
+                .checked_add(size_bytes)
+                .is_none_or(|end| end > file_len_bytes)
+            {
+                return Err(GgufError::Truncated {
+                    offset: offset_bytes,
+                    needed: size_bytes,
+                    file_len_bytes,
+                });
             }
             tensor_index.insert(name.clone(), tensors.len());
-            tensors.push(TensorInfo { name, dims, ggml_type, offset_bytes, size_bytes });
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                ggml_type,
+                offset_bytes,
+                size_bytes,
+            });
         }
-        Ok(GgufFile { version, metadata, tensors, tensor_index, mmap })
+        Ok(GgufFile {
+            version,
+            metadata,
+            tensors,
+            tensor_index,
+            mmap,
+        })
     }
 
     pub fn get(&self, key: &str) -> Option<&MetaValue> {
@@ -324,25 +365,53 @@ impl GgufFile {
     }
 
     pub fn get_u64(&self, key: &str) -> Result<u64> {
-        let v = self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
-        v.as_u64().ok_or_else(|| GgufError::WrongType { key: key.into(), found: v.type_name(), expected: "integer" })
+        let v = self
+            .get(key)
+            .ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
+        v.as_u64().ok_or_else(|| GgufError::WrongType {
+            key: key.into(),
+            found: v.type_name(),
+            expected: "integer",
+        })
     }
 
     pub fn get_f64(&self, key: &str) -> Result<f64> {
-        let v = self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
-        v.as_f64().ok_or_else(|| GgufError::WrongType { key: key.into(), found: v.type_name(), expected: "number" })
+        let v = self
+            .get(key)
+            .ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
+        v.as_f64().ok_or_else(|| GgufError::WrongType {
+            key: key.into(),
+            found: v.type_name(),
+            expected: "number",
+        })
     }
 
     pub fn get_str(&self, key: &str) -> Result<&str> {
-        let v = self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
-        v.as_str().ok_or_else(|| GgufError::WrongType { key: key.into(), found: v.type_name(), expected: "string" })
+        let v = self
+            .get(key)
+            .ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
+        v.as_str().ok_or_else(|| GgufError::WrongType {
+            key: key.into(),
+            found: v.type_name(),
+            expected: "string",
+        })
     }
 
     /// A string array (e.g. `tokenizer.ggml.tokens`).
     pub fn get_str_array(&self, key: &str) -> Result<Vec<&str>> {
-        let v = self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
-        let wrong = || GgufError::WrongType { key: key.into(), found: v.type_name(), expected: "string array" };
-        v.as_array().ok_or_else(wrong)?.iter().map(|e| e.as_str().ok_or_else(wrong)).collect()
+        let v = self
+            .get(key)
+            .ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
+        let wrong = || GgufError::WrongType {
+            key: key.into(),
+            found: v.type_name(),
+            expected: "string array",
+        };
+        v.as_array()
+            .ok_or_else(wrong)?
+            .iter()
+            .map(|e| e.as_str().ok_or_else(wrong))
+            .collect()
     }
 
     pub fn tensor_info(&self, name: &str) -> Result<&TensorInfo> {

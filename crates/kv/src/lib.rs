@@ -89,9 +89,9 @@ pub use block::{BlockHash, BlockId};
 pub use hash::{hash_block, hash_prefix_blocks};
 pub use manager::{CachedPrefix, KvCacheManager, NewSlots, SeqId};
 pub use policy::{
-    selection_units, KvGranularity, SelectionUnit, VALID_GRANULARITIES,
-    kv_token_scores, snapkv_token_scores, validate_budget, SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT, DenseKv, DenseQueries, EvictionPolicy, KvView,
-    PagedScore, PolicyError, PolicySpec, QueryNeed, QueryView,
+    kv_token_scores, selection_units, snapkv_token_scores, validate_budget, DenseKv, DenseQueries,
+    EvictionPolicy, KvGranularity, KvView, PagedScore, PolicyError, PolicySpec, QueryNeed,
+    QueryView, SelectionUnit, SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT, VALID_GRANULARITIES,
 };
 pub use pool::BlockPool;
 pub use table::{AppendedTokens, BlockCopy, BlockTable, Slot, TokenMove};

@@ -301,11 +301,19 @@ impl KvCacheManager {
     /// Panics if `seq` does not exist, or as `BlockTable::compact_units` does.
     #[must_use = "allocation can fail, and the returned moves must be performed"]
     #[allow(clippy::type_complexity)]
-    pub fn compact_units(&mut self, seq: SeqId, keeps: &[Vec<u32>]) -> Option<(Vec<TokenMove>, Vec<Vec<TokenMove>>)> {
+    pub fn compact_units(
+        &mut self,
+        seq: SeqId,
+        keeps: &[Vec<u32>],
+    ) -> Option<(Vec<TokenMove>, Vec<Vec<TokenMove>>)> {
         let state = Self::state_mut(&mut self.seqs, seq, "compact_units");
         let num_stored_tokens = state.table.num_stored_tokens();
         let moves = state.table.compact_units(keeps, &mut self.pool)?;
-        if state.table.num_stored_tokens() < num_stored_tokens || keeps.iter().any(|k| !k.iter().enumerate().all(|(to, &from)| from == to as u32)) {
+        if state.table.num_stored_tokens() < num_stored_tokens
+            || keeps
+                .iter()
+                .any(|k| !k.iter().enumerate().all(|(to, &from)| from == to as u32))
+        {
             Self::stop_prefix_caching(state);
         }
         Some(moves)

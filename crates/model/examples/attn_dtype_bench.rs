@@ -25,18 +25,46 @@ fn best_of(min: Duration, mut f: impl FnMut()) -> Duration {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let threads = args.iter().position(|a| a == "--threads").map(|i| args[i + 1].parse().unwrap()).unwrap_or(1);
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().unwrap();
+    let threads = args
+        .iter()
+        .position(|a| a == "--threads")
+        .map(|i| args[i + 1].parse().unwrap())
+        .unwrap_or(1);
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-    let shape = AttnShape { n_heads: 9, n_kv_heads: 3, head_dim: 64 };
+    let shape = AttnShape {
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 64,
+    };
     let bs = 16;
-    println!("threads {threads}; kernel {:?}; times are per layer", pk_model::attention::Kernel::best(64));
-    println!("{:<6} {:>7} {:>16} {:>18} {:>18}", "dtype", "context", "KV bytes/token", "decode 1 query us", "prefill 512 q us");
+    println!(
+        "threads {threads}; kernel {:?}; times are per layer",
+        pk_model::attention::Kernel::best(64)
+    );
+    println!(
+        "{:<6} {:>7} {:>16} {:>18} {:>18}",
+        "dtype", "context", "KV bytes/token", "decode 1 query us", "prefill 512 q us"
+    );
     for ctx in [512usize, 2048, 8192] {
-        let g = KvGeometry { n_layers: 1, n_kv_heads: 3, head_dim: 64, block_size_tokens: bs, num_blocks: ctx / bs };
+        let g = KvGeometry {
+            n_layers: 1,
+            n_kv_heads: 3,
+            head_dim: 64,
+            block_size_tokens: bs,
+            num_blocks: ctx / bs,
+        };
         let table: Vec<u32> = (0..(ctx / bs) as u32).rev().collect();
         let tokens: Vec<(Vec<f32>, Vec<f32>)> = (0..ctx)
-            .map(|_| ((0..192).map(|_| rng.gen_range(-1.0..1.0)).collect(), (0..192).map(|_| rng.gen_range(-1.0..1.0)).collect()))
+            .map(|_| {
+                (
+                    (0..192).map(|_| rng.gen_range(-1.0..1.0)).collect(),
+                    (0..192).map(|_| rng.gen_range(-1.0..1.0)).collect(),
+                )
+            })
             .collect();
         for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Q8, KvDtype::Q4] {
             let mut store = KvStore::new(g, dtype);
@@ -47,11 +75,24 @@ fn main() {
             for n_q in [1usize, 512] {
                 let q: Vec<f32> = (0..n_q * 576).map(|_| rng.gen_range(-1.0..1.0)).collect();
                 let mut out = vec![0f32; q.len()];
-                let seq = AttnSeq { block_table: &table, stored_start: ctx - n_q, n_queries: n_q, row_offset: 0 };
-                let t = best_of(Duration::from_millis(300), || paged_attention(&store, 0, shape, &[seq], &q, &mut out));
+                let seq = AttnSeq {
+                    block_table: &table,
+                    stored_start: ctx - n_q,
+                    n_queries: n_q,
+                    row_offset: 0,
+                };
+                let t = best_of(Duration::from_millis(300), || {
+                    paged_attention(&store, 0, shape, &[seq], &q, &mut out)
+                });
                 times.push(t.as_secs_f64() * 1e6);
             }
-            println!("{:<6} {ctx:>7} {:>16} {:>18.1} {:>18.1}", dtype.to_string(), g.bytes_per_token(dtype) * 30, times[0], times[1]);
+            println!(
+                "{:<6} {ctx:>7} {:>16} {:>18.1} {:>18.1}",
+                dtype.to_string(),
+                g.bytes_per_token(dtype) * 30,
+                times[0],
+                times[1]
+            );
         }
     }
 }

@@ -22,18 +22,32 @@ fn median(mut x: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let quiet = std::process::Command::new("../shared/tools/host-quiet").output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
+    let quiet = std::process::Command::new("../shared/tools/host-quiet")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
     println!("host-quiet: {quiet}");
     let (n_layers, n_kv_heads, hd, bs) = (30, 3, 64, 16);
     for n in [256usize, 1536] {
-        let g = KvGeometry { n_layers, n_kv_heads, head_dim: hd, block_size_tokens: bs, num_blocks: n / bs + 4 };
+        let g = KvGeometry {
+            n_layers,
+            n_kv_heads,
+            head_dim: hd,
+            block_size_tokens: bs,
+            num_blocks: n / bs + 4,
+        };
         let table: Vec<u32> = (0..n / bs).map(|b| (n / bs + 3 - b) as u32).collect();
         let len = n_layers * n_kv_heads * n * hd;
-        let k: Vec<f32> = (0..len).map(|i| ((i * 7919 % 2003) as f32 - 1000.0) / 256.0).collect();
-        let v: Vec<f32> = (0..len).map(|i| ((i * 104_729 % 1999) as f32 - 1000.0) / 512.0).collect();
+        let k: Vec<f32> = (0..len)
+            .map(|i| ((i * 7919 % 2003) as f32 - 1000.0) / 256.0)
+            .collect();
+        let v: Vec<f32> = (0..len)
+            .map(|i| ((i * 104_729 % 1999) as f32 - 1000.0) / 512.0)
+            .collect();
         let mut store = KvStore::new(g, KvDtype::F16);
         let kvd = n_kv_heads * hd;
-        let (mut old_w, mut new_w, mut old_r, mut new_r) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut old_w, mut new_w, mut old_r, mut new_r) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut kb, mut vb) = (vec![0f32; len], vec![0f32; len]);
         let (mut k2, mut v2) = (vec![0f32; len], vec![0f32; len]);
         for _ in 0..15 {
@@ -58,7 +72,8 @@ fn main() {
             KvBlocks::read_tokens(&store, &table, 0, &mut kb, &mut vb).unwrap();
             new_r.push(t.elapsed().as_secs_f64());
             let t = Instant::now();
-            let mut cache: Vec<(Option<u32>, Vec<f32>)> = vec![(None, vec![0f32; bs * hd]); 2 * n_layers * n_kv_heads];
+            let mut cache: Vec<(Option<u32>, Vec<f32>)> =
+                vec![(None, vec![0f32; bs * hd]); 2 * n_layers * n_kv_heads];
             for layer in 0..n_layers {
                 for h in 0..n_kv_heads {
                     for tok in 0..n {
@@ -74,7 +89,8 @@ fn main() {
                                 }
                                 e.0 = Some(block);
                             }
-                            out[at..at + hd].copy_from_slice(&e.1[(tok % bs) * hd..(tok % bs + 1) * hd]);
+                            out[at..at + hd]
+                                .copy_from_slice(&e.1[(tok % bs) * hd..(tok % bs + 1) * hd]);
                         }
                     }
                 }

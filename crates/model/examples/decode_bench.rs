@@ -20,27 +20,68 @@ use pk_model::{KvDtype, KvGeometry, KvStore, Llama, SeqForward};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let arg = |name: &str| args.iter().position(|a| a == name).map(|i| args[i + 1].clone());
-    let compare: Vec<usize> = arg("--compare").map(|v| v.split(',').map(|x| x.parse().unwrap()).collect()).unwrap_or_default();
-    let threads: usize = arg("--threads").map(|v| v.parse().unwrap()).unwrap_or(1).max(compare.iter().copied().max().unwrap_or(1));
-    let modes: Vec<usize> = if compare.is_empty() { vec![threads] } else { compare.clone() };
+    let arg = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .map(|i| args[i + 1].clone())
+    };
+    let compare: Vec<usize> = arg("--compare")
+        .map(|v| v.split(',').map(|x| x.parse().unwrap()).collect())
+        .unwrap_or_default();
+    let threads: usize = arg("--threads")
+        .map(|v| v.parse().unwrap())
+        .unwrap_or(1)
+        .max(compare.iter().copied().max().unwrap_or(1));
+    let modes: Vec<usize> = if compare.is_empty() {
+        vec![threads]
+    } else {
+        compare.clone()
+    };
     let reps: usize = arg("--reps").map(|v| v.parse().unwrap()).unwrap_or(3);
     let context: usize = arg("--context").map(|v| v.parse().unwrap()).unwrap_or(512);
     let decode = 128;
     // The engine sizes its store to the model's context length; so does this by default.
-    let capacity: usize = arg("--capacity").map(|v| v.parse().unwrap()).unwrap_or(8192);
-    let path = arg("--model").unwrap_or_else(|| format!("{}/.cache/pagekeeper/SmolLM2-135M-Instruct.Q4_1.gguf", std::env::var("HOME").unwrap()));
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().unwrap();
+    let capacity: usize = arg("--capacity")
+        .map(|v| v.parse().unwrap())
+        .unwrap_or(8192);
+    let path = arg("--model").unwrap_or_else(|| {
+        format!(
+            "{}/.cache/pagekeeper/SmolLM2-135M-Instruct.Q4_1.gguf",
+            std::env::var("HOME").unwrap()
+        )
+    });
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .unwrap();
     let model = Llama::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
     let c = &model.config;
     let bs = 16;
     let total = context + decode;
-    let g = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: bs, num_blocks: total.max(capacity).div_ceil(bs) };
+    let g = KvGeometry {
+        n_layers: c.n_layers,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        block_size_tokens: bs,
+        num_blocks: total.max(capacity).div_ceil(bs),
+    };
     let mut store = KvStore::new(g, KvDtype::F16);
     let table: Vec<u32> = (0..g.num_blocks as u32).collect();
-    let prompt: Vec<u32> = (0..context as u32).map(|i| 1 + (i * 7919) % 40000).collect();
+    let prompt: Vec<u32> = (0..context as u32)
+        .map(|i| 1 + (i * 7919) % 40000)
+        .collect();
     let t = Instant::now();
-    let logits = model.forward(&mut store, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: context - 1, stored_positions: &[] }]);
+    let logits = model.forward(
+        &mut store,
+        &[SeqForward {
+            tokens: &prompt,
+            start_position: 0,
+            stored_start: 0,
+            block_table: &table,
+            logits_from: context - 1,
+            stored_positions: &[],
+        }],
+    );
     let prefill = t.elapsed().as_secs_f64();
     let pool = pk_model::kernels::pool::global();
     let mut times = vec![Vec::new(); modes.len()];
@@ -52,7 +93,17 @@ fn main() {
             let m = i % modes.len();
             pool.set_active_threads(modes[m]);
             let (t, c) = (Instant::now(), cpu_seconds());
-            let l = model.forward(&mut store, &[SeqForward { tokens: &[tok], start_position: pos, stored_start: pos, block_table: &table, logits_from: 0, stored_positions: &[] }]);
+            let l = model.forward(
+                &mut store,
+                &[SeqForward {
+                    tokens: &[tok],
+                    start_position: pos,
+                    stored_start: pos,
+                    block_table: &table,
+                    logits_from: 0,
+                    stored_positions: &[],
+                }],
+            );
             times[m].push(t.elapsed().as_secs_f64());
             cpus[m] += cpu_seconds() - c;
             tok = argmax(&l);
@@ -78,11 +129,23 @@ fn main() {
         );
     }
     let (split, solo) = pool.step_counts();
-    println!("pool helper chunks: {} steps split: {split} solo: {solo}", pool.helper_chunks());
+    println!(
+        "pool helper chunks: {} steps split: {split} solo: {solo}",
+        pool.helper_chunks()
+    );
 }
 
 fn argmax(x: &[f32]) -> u32 {
-    x.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) }).0 as u32
+    x.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+            if v > bv {
+                (i, v)
+            } else {
+                (bi, bv)
+            }
+        })
+        .0 as u32
 }
 
 /// CPU time of the whole process (every thread), from `clock_gettime(CLOCK_PROCESS_CPUTIME_ID)`.

@@ -14,34 +14,86 @@ use pk_model::{KvDtype, KvGeometry, KvStore, Llama, SeqForward};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let arg = |name: &str| args.iter().position(|a| a == name).map(|i| args[i + 1].clone());
+    let arg = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .map(|i| args[i + 1].clone())
+    };
     let threads: usize = arg("--threads").map(|v| v.parse().unwrap()).unwrap_or(1);
     let context: usize = arg("--context").map(|v| v.parse().unwrap()).unwrap_or(1536);
     let query: usize = arg("--query").map(|v| v.parse().unwrap()).unwrap_or(24);
     let reps: usize = arg("--reps").map(|v| v.parse().unwrap()).unwrap_or(20);
-    let path = arg("--model").unwrap_or_else(|| format!("{}/.cache/pagekeeper/SmolLM2-135M-Instruct.Q4_1.gguf", std::env::var("HOME").unwrap()));
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().unwrap();
+    let path = arg("--model").unwrap_or_else(|| {
+        format!(
+            "{}/.cache/pagekeeper/SmolLM2-135M-Instruct.Q4_1.gguf",
+            std::env::var("HOME").unwrap()
+        )
+    });
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .unwrap();
     let model = Llama::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
     let c = &model.config;
     let bs = 16;
-    let g = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: bs, num_blocks: (context + query).div_ceil(bs) };
-    let dtype = if args.iter().any(|a| a == "--f32") { KvDtype::F32 } else { KvDtype::F16 };
+    let g = KvGeometry {
+        n_layers: c.n_layers,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        block_size_tokens: bs,
+        num_blocks: (context + query).div_ceil(bs),
+    };
+    let dtype = if args.iter().any(|a| a == "--f32") {
+        KvDtype::F32
+    } else {
+        KvDtype::F16
+    };
     let mut store = KvStore::new(g, dtype);
     let table: Vec<u32> = (0..g.num_blocks as u32).collect();
-    let prompt: Vec<u32> = (0..context as u32).map(|i| 1 + (i * 7919) % 40000).collect();
-    model.forward(&mut store, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: context, stored_positions: &[] }]);
+    let prompt: Vec<u32> = (0..context as u32)
+        .map(|i| 1 + (i * 7919) % 40000)
+        .collect();
+    model.forward(
+        &mut store,
+        &[SeqForward {
+            tokens: &prompt,
+            start_position: 0,
+            stored_start: 0,
+            block_table: &table,
+            logits_from: context,
+            stored_positions: &[],
+        }],
+    );
     let q_ids: Vec<u32> = (0..query as u32).map(|i| 100 + i * 13).collect();
-    let fwd = SeqForward { tokens: &q_ids, start_position: context, stored_start: context, block_table: &table, logits_from: query - 1, stored_positions: &[] };
+    let fwd = SeqForward {
+        tokens: &q_ids,
+        start_position: context,
+        stored_start: context,
+        block_table: &table,
+        logits_from: query - 1,
+        stored_positions: &[],
+    };
     let mut hit = Vec::new();
     for _ in 0..reps {
         let t = Instant::now();
         std::hint::black_box(model.forward(&mut store, &[fwd]));
         hit.push(t.elapsed().as_secs_f64());
     }
-    let shape = AttnShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
-    let q: Vec<f32> = (0..query * c.n_heads * c.head_dim).map(|i| ((i * 2654435761usize) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let shape = AttnShape {
+        n_heads: c.n_heads,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+    };
+    let q: Vec<f32> = (0..query * c.n_heads * c.head_dim)
+        .map(|i| ((i * 2654435761usize) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
     let mut out = vec![0f32; q.len()];
-    let seq = AttnSeq { block_table: &table, stored_start: context, n_queries: query, row_offset: 0 };
+    let seq = AttnSeq {
+        block_table: &table,
+        stored_start: context,
+        n_queries: query,
+        row_offset: 0,
+    };
     let mut attn = Vec::new();
     for _ in 0..reps {
         let t = Instant::now();
@@ -55,7 +107,10 @@ fn main() {
         v[v.len() / 2]
     };
     let (h, a) = (med(&mut hit), med(&mut attn));
-    let flops = 4.0 * (query * c.n_heads * c.head_dim) as f64 * (context as f64 + query as f64 / 2.0) * c.n_layers as f64;
+    let flops = 4.0
+        * (query * c.n_heads * c.head_dim) as f64
+        * (context as f64 + query as f64 / 2.0)
+        * c.n_layers as f64;
     println!(
         "threads {threads} context {context} query {query}: forward {:.2} ms (median of {reps}) | attention {:.2} ms ({:.0} GFLOP/s, {:.0} % of the forward) | rest {:.2} ms",
         h * 1e3,

@@ -20,7 +20,8 @@ fn random_matrix(rng: &mut impl Rng, ty: GgmlType, rows: usize, cols: usize) -> 
     for blk in data.chunks_exact_mut(ty.block_bytes()) {
         blk[0..2].copy_from_slice(&half::f16::from_f32(rng.gen_range(0.001..0.01)).to_le_bytes());
         if ty == GgmlType::Q4_1 {
-            blk[2..4].copy_from_slice(&half::f16::from_f32(rng.gen_range(-0.01..0.0)).to_le_bytes());
+            blk[2..4]
+                .copy_from_slice(&half::f16::from_f32(rng.gen_range(-0.01..0.0)).to_le_bytes());
         }
     }
     QMatrix::new(ty, rows, cols, data)
@@ -41,11 +42,24 @@ fn best_of(min: Duration, mut f: impl FnMut()) -> Duration {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let threads = args.iter().position(|a| a == "--threads").map(|i| args[i + 1].parse().unwrap()).unwrap_or(1);
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().unwrap();
+    let threads = args
+        .iter()
+        .position(|a| a == "--threads")
+        .map(|i| args[i + 1].parse().unwrap())
+        .unwrap_or(1);
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     println!("threads {threads}");
-    let shapes = [("q/o 576->576", GgmlType::Q4_1, 576, 576), ("k/v 576->192", GgmlType::Q4_1, 192, 576), ("gate/up 576->1536", GgmlType::Q4_1, 1536, 576), ("down 1536->576", GgmlType::Q4_1, 576, 1536), ("head 576->49152", GgmlType::Q8_0, 49152, 576)];
+    let shapes = [
+        ("q/o 576->576", GgmlType::Q4_1, 576, 576),
+        ("k/v 576->192", GgmlType::Q4_1, 192, 576),
+        ("gate/up 576->1536", GgmlType::Q4_1, 1536, 576),
+        ("down 1536->576", GgmlType::Q4_1, 576, 1536),
+        ("head 576->49152", GgmlType::Q8_0, 49152, 576),
+    ];
     for (name, ty, rows, cols) in shapes {
         let w = random_matrix(&mut rng, ty, rows, cols);
         for n in [1usize, 512] {
@@ -56,13 +70,24 @@ fn main() {
             let mut out = vec![0f32; n * rows];
             let t = best_of(Duration::from_millis(300), || matmul(&w, &x, n, &mut out));
             let gflops = 2.0 * (rows * cols * n) as f64 / t.as_secs_f64() / 1e9;
-            println!("matmul {name:<18} {ty:?} n={n:<4} {:>9.1} us {gflops:>7.1} GFLOP/s", t.as_secs_f64() * 1e6);
+            println!(
+                "matmul {name:<18} {ty:?} n={n:<4} {:>9.1} us {gflops:>7.1} GFLOP/s",
+                t.as_secs_f64() * 1e6
+            );
         }
     }
     // One decode token's matmuls over the whole model: 30 layers of 7 Q4_1 matrices plus the
     // Q8_0 head (96.6 MB), far more than the 32 MB L3, so this streams weights from DRAM as
     // real decode does (the per-shape numbers above run from cache).
-    let layer_shapes = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)];
+    let layer_shapes = [
+        (576, 576),
+        (192, 576),
+        (192, 576),
+        (576, 576),
+        (1536, 576),
+        (1536, 576),
+        (576, 1536),
+    ];
     let mut mats: Vec<QMatrix> = Vec::new();
     for _ in 0..30 {
         for (rows, cols) in layer_shapes {
@@ -74,27 +99,48 @@ fn main() {
         place_in_arena(&mut mats.iter_mut().collect::<Vec<_>>());
     }
     let bytes: usize = mats.iter().map(|m| m.rows * m.row_bytes()).sum();
-    let xs: Vec<Vec<f32>> = mats.iter().map(|m| (0..m.cols).map(|_| rng.gen_range(-1.0..1.0)).collect()).collect();
+    let xs: Vec<Vec<f32>> = mats
+        .iter()
+        .map(|m| (0..m.cols).map(|_| rng.gen_range(-1.0..1.0)).collect())
+        .collect();
     let mut outs: Vec<Vec<f32>> = mats.iter().map(|m| vec![0f32; m.rows]).collect();
     let t = best_of(Duration::from_millis(1500), || {
         for ((m, x), o) in mats.iter().zip(&xs).zip(outs.iter_mut()) {
             matmul(m, x, 1, o);
         }
     });
-    println!("decode stream: all matmuls of one token ({:.1} MB) {:>8.0} us {:>6.1} GB/s", bytes as f64 / 1e6, t.as_secs_f64() * 1e6, bytes as f64 / t.as_secs_f64() / 1e9);
+    println!(
+        "decode stream: all matmuls of one token ({:.1} MB) {:>8.0} us {:>6.1} GB/s",
+        bytes as f64 / 1e6,
+        t.as_secs_f64() * 1e6,
+        bytes as f64 / t.as_secs_f64() / 1e9
+    );
     let head = mats.last().unwrap();
     let (hx, ho) = (&xs[xs.len() - 1], outs.last_mut().unwrap());
     let t = best_of(Duration::from_millis(300), || matmul(head, hx, 1, ho));
-    println!("decode stream: head alone (from L3) {:>8.0} us", t.as_secs_f64() * 1e6);
+    println!(
+        "decode stream: head alone (from L3) {:>8.0} us",
+        t.as_secs_f64() * 1e6
+    );
     if args.iter().any(|a| a == "--stream-only") {
         return;
     }
 
     // SmolLM2-135M attention: 9 query heads, 3 KV heads, head_dim 64, 16-token blocks, f16.
-    let shape = AttnShape { n_heads: 9, n_kv_heads: 3, head_dim: 64 };
+    let shape = AttnShape {
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 64,
+    };
     for ctx in [512usize, 2048] {
         let bs = 16;
-        let g = KvGeometry { n_layers: 1, n_kv_heads: 3, head_dim: 64, block_size_tokens: bs, num_blocks: ctx / bs };
+        let g = KvGeometry {
+            n_layers: 1,
+            n_kv_heads: 3,
+            head_dim: 64,
+            block_size_tokens: bs,
+            num_blocks: ctx / bs,
+        };
         let mut store = KvStore::new(g, KvDtype::F16);
         let table: Vec<u32> = (0..(ctx / bs) as u32).collect();
         for t in 0..ctx {
@@ -104,9 +150,19 @@ fn main() {
         for n_q in [ctx, 1] {
             let q: Vec<f32> = (0..n_q * 576).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let mut out = vec![0f32; q.len()];
-            let seq = AttnSeq { block_table: &table, stored_start: ctx - n_q, n_queries: n_q, row_offset: 0 };
-            let t = best_of(Duration::from_millis(300), || paged_attention(&store, 0, shape, &[seq], &q, &mut out));
-            println!("attention ctx={ctx:<5} queries={n_q:<5} {:>10.1} us per layer", t.as_secs_f64() * 1e6);
+            let seq = AttnSeq {
+                block_table: &table,
+                stored_start: ctx - n_q,
+                n_queries: n_q,
+                row_offset: 0,
+            };
+            let t = best_of(Duration::from_millis(300), || {
+                paged_attention(&store, 0, shape, &[seq], &q, &mut out)
+            });
+            println!(
+                "attention ctx={ctx:<5} queries={n_q:<5} {:>10.1} us per layer",
+                t.as_secs_f64() * 1e6
+            );
         }
     }
 }

@@ -11,7 +11,12 @@ use std::time::Instant;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let arg = |name: &str, d: f64| args.iter().position(|a| a == name).map(|i| args[i + 1].parse().unwrap()).unwrap_or(d);
+    let arg = |name: &str, d: f64| {
+        args.iter()
+            .position(|a| a == name)
+            .map(|i| args[i + 1].parse().unwrap())
+            .unwrap_or(d)
+    };
     let threads = arg("--threads", 2.0) as usize;
     let chunks = arg("--chunks", 16.0) as usize;
     let work_us = arg("--work-us", 2.0);
@@ -19,7 +24,10 @@ fn main() {
     let gap_us = arg("--gap-us", 0.0);
     // 0: alternate 1 and N threads region by region; 1: all regions at N threads.
     let only_n = arg("--only-n", 0.0) as usize == 1;
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().unwrap();
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .unwrap();
     let pool = pk_model::kernels::pool::global();
     // Calibrate a spin of work_us.
     let t = Instant::now();
@@ -62,7 +70,15 @@ fn main() {
         }
         t.sort_by(|a, b| a.partial_cmp(b).unwrap());
         let mean = t.iter().sum::<f64>() / t.len() as f64;
-        println!("threads {n}: region median {:.1} us, mean {:.1} us, p90 {:.1} us", t[t.len() / 2], mean, t[t.len() * 9 / 10]);
+        println!(
+            "threads {n}: region median {:.1} us, mean {:.1} us, p90 {:.1} us",
+            t[t.len() / 2],
+            mean,
+            t[t.len() * 9 / 10]
+        );
     }
-    println!("helper share {:.1} % of chunks (counted lazily)", 100.0 * helper as f64 / (chunks * times[1].len()) as f64);
+    println!(
+        "helper share {:.1} % of chunks (counted lazily)",
+        100.0 * helper as f64 / (chunks * times[1].len()) as f64
+    );
 }

@@ -18,8 +18,12 @@ fn best_gbs(buf: &HugeBuf, threads: usize, passes: usize) -> f64 {
         let t0 = Instant::now();
         let part = buf.len() / threads;
         let sums: u64 = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..threads).map(|i| s.spawn(move || fast_sum(&buf[i * part..(i + 1) * part]))).collect();
-            hs.into_iter().map(|h| h.join().unwrap()).fold(0, u64::wrapping_add)
+            let hs: Vec<_> = (0..threads)
+                .map(|i| s.spawn(move || fast_sum(&buf[i * part..(i + 1) * part])))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .fold(0, u64::wrapping_add)
         });
         std::hint::black_box(sums);
         best = best.min(t0.elapsed());
@@ -40,12 +44,18 @@ fn fast_sum(b: &[u8]) -> u64 {
 }
 
 fn main() {
-    let mib: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(1024);
+    let mib: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(1024);
     let mut buf = HugeBuf::zeroed(mib << 20);
     for (i, v) in buf.iter_mut().enumerate() {
         *v = i as u8;
     }
     for threads in [1, 2] {
-        println!("stream read {mib} MiB, {threads} thread(s): {:.1} GB/s (best of 5)", best_gbs(&buf, threads, 5));
+        println!(
+            "stream read {mib} MiB, {threads} thread(s): {:.1} GB/s (best of 5)",
+            best_gbs(&buf, threads, 5)
+        );
     }
 }

@@ -11,9 +11,9 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use crate::kernels::dot_f32;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::{attn, attn512, attn512q};
-use crate::kernels::dot_f32;
 use crate::kv_store::{KvStore, LayerKv};
 
 /// One sequence's share of an attention call.
@@ -107,7 +107,15 @@ pub fn paged_attention(
     q: &[f32],
     out: &mut [f32],
 ) {
-    paged_attention_with(Kernel::best(shape.head_dim), store, layer, shape, seqs, q, out)
+    paged_attention_with(
+        Kernel::best(shape.head_dim),
+        store,
+        layer,
+        shape,
+        seqs,
+        q,
+        out,
+    )
 }
 
 /// [`paged_attention`] with a chosen kernel (tests and benchmarks compare them).
@@ -129,21 +137,63 @@ pub fn paged_attention_with(
 /// turned the window, which is over positions, into the first stored index inside it (the
 /// two differ once tokens were evicted; see `Llama::forward`). The AVX-512 kernel takes a
 /// range of keys; quantised K/V and CPUs without it take the portable kernel.
-pub fn paged_attention_window(store: &KvStore, layer: usize, shape: AttnShape, seqs: &[AttnSeq], q: &[f32], out: &mut [f32], first_visible: &[usize]) {
-    paged_attention_window_with(Kernel::best(shape.head_dim), store, layer, shape, seqs, q, out, first_visible)
+pub fn paged_attention_window(
+    store: &KvStore,
+    layer: usize,
+    shape: AttnShape,
+    seqs: &[AttnSeq],
+    q: &[f32],
+    out: &mut [f32],
+    first_visible: &[usize],
+) {
+    paged_attention_window_with(
+        Kernel::best(shape.head_dim),
+        store,
+        layer,
+        shape,
+        seqs,
+        q,
+        out,
+        first_visible,
+    )
 }
 
 /// [`paged_attention_window`] with a chosen kernel (tests compare them).
 #[allow(clippy::too_many_arguments)]
-pub fn paged_attention_window_with(kernel: Kernel, store: &KvStore, layer: usize, shape: AttnShape, seqs: &[AttnSeq], q: &[f32], out: &mut [f32], first_visible: &[usize]) {
+pub fn paged_attention_window_with(
+    kernel: Kernel,
+    store: &KvStore,
+    layer: usize,
+    shape: AttnShape,
+    seqs: &[AttnSeq],
+    q: &[f32],
+    out: &mut [f32],
+    first_visible: &[usize],
+) {
     for s in seqs {
         for i in 0..s.n_queries {
-            assert!(first_visible[s.row_offset + i] <= s.stored_start + i, "a window must hold the query's own token");
+            assert!(
+                first_visible[s.row_offset + i] <= s.stored_start + i,
+                "a window must hold the query's own token"
+            );
         }
     }
     let quant = matches!(store.layer(layer), LayerKv::Quant { .. });
-    let kernel = if kernel == Kernel::Avx512 && !quant { Kernel::Avx512 } else { Kernel::Scalar };
-    attention_impl(kernel, store, layer, shape, seqs, q, out, Some(first_visible))
+    let kernel = if kernel == Kernel::Avx512 && !quant {
+        Kernel::Avx512
+    } else {
+        Kernel::Scalar
+    };
+    attention_impl(
+        kernel,
+        store,
+        layer,
+        shape,
+        seqs,
+        q,
+        out,
+        Some(first_visible),
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -158,12 +208,22 @@ fn attention_impl(
     first_visible: Option<&[usize]>,
 ) {
     let q_dim = shape.n_heads * shape.head_dim;
-    let n_rows: usize = seqs.iter().map(|s| s.row_offset + s.n_queries).max().unwrap_or(0);
-    assert!(q.len() >= n_rows * q_dim && out.len() >= n_rows * q_dim, "q/out shorter than the rows");
+    let n_rows: usize = seqs
+        .iter()
+        .map(|s| s.row_offset + s.n_queries)
+        .max()
+        .unwrap_or(0);
+    assert!(
+        q.len() >= n_rows * q_dim && out.len() >= n_rows * q_dim,
+        "q/out shorter than the rows"
+    );
     for s in seqs {
         if s.n_queries > 0 {
             let last = s.stored_start + s.n_queries - 1;
-            assert!(last / store.geometry.block_size_tokens < s.block_table.len(), "block table shorter than stored tokens");
+            assert!(
+                last / store.geometry.block_size_tokens < s.block_table.len(),
+                "block table shorter than stored tokens"
+            );
         }
     }
     let kernel = match kernel {
@@ -171,21 +231,42 @@ fn attention_impl(
         k => k,
     };
     let group = shape.n_heads / shape.n_kv_heads;
-    let row_keys: usize = seqs.iter().map(|s| s.n_queries * group * shape.n_kv_heads * (s.stored_start + s.n_queries)).sum();
+    let row_keys: usize = seqs
+        .iter()
+        .map(|s| s.n_queries * group * shape.n_kv_heads * (s.stored_start + s.n_queries))
+        .sum();
     let ptr = OutPtr(out.as_mut_ptr());
     TASKS.with_borrow_mut(|tasks| {
         tasks.clear();
         for (si, s) in seqs.iter().enumerate() {
             for kv_head in 0..shape.n_kv_heads {
                 for t0 in (0..s.n_queries).step_by(QUERY_TILE_TOKENS) {
-                    tasks.push(Task { seq: si, kv_head, t0, t1: (t0 + QUERY_TILE_TOKENS).min(s.n_queries) });
+                    tasks.push(Task {
+                        seq: si,
+                        kv_head,
+                        t0,
+                        t1: (t0 + QUERY_TILE_TOKENS).min(s.n_queries),
+                    });
                 }
             }
         }
         // SAFETY (both branches): tasks write disjoint (row, head) slices of `out`, whose
         // length was checked above; block tables were checked to cover every visible key.
-        let run = |t: &Task| unsafe { attend_task(kernel, store, layer, shape, &seqs[t.seq], t, q, ptr, first_visible) };
-        if rayon::current_num_threads() > 1 && tasks.len() > 1 && row_keys >= MIN_PARALLEL_ROW_KEYS {
+        let run = |t: &Task| unsafe {
+            attend_task(
+                kernel,
+                store,
+                layer,
+                shape,
+                &seqs[t.seq],
+                t,
+                q,
+                ptr,
+                first_visible,
+            )
+        };
+        if rayon::current_num_threads() > 1 && tasks.len() > 1 && row_keys >= MIN_PARALLEL_ROW_KEYS
+        {
             tasks.par_iter().for_each(run);
         } else {
             tasks.iter().for_each(run);
@@ -198,8 +279,21 @@ fn attention_impl(
 /// # Safety
 /// `out` must hold every row of `s`, and no other task may write this (tile, KV head).
 #[allow(clippy::too_many_arguments)]
-unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: AttnShape, s: &AttnSeq, t: &Task, q: &[f32], out: OutPtr, first_visible: Option<&[usize]>) {
-    debug_assert!(first_visible.is_none() || kernel != Kernel::Avx2, "windows run on the AVX-512 or the portable kernel");
+unsafe fn attend_task(
+    kernel: Kernel,
+    store: &KvStore,
+    layer: usize,
+    shape: AttnShape,
+    s: &AttnSeq,
+    t: &Task,
+    q: &[f32],
+    out: OutPtr,
+    first_visible: Option<&[usize]>,
+) {
+    debug_assert!(
+        first_visible.is_none() || kernel != Kernel::Avx2,
+        "windows run on the AVX-512 or the portable kernel"
+    );
     let hd = shape.head_dim;
     let group = shape.n_heads / shape.n_kv_heads;
     let q_dim = shape.n_heads * hd;
@@ -208,25 +302,52 @@ unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: Attn
     if kernel == Kernel::Avx512 {
         let (k, v, f16, quant) = match store.layer(layer) {
             LayerKv::F16 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, true, None),
-            LayerKv::F32 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, false, None),
+            LayerKv::F32 { k, v } => (
+                k.as_ptr() as *const u8,
+                v.as_ptr() as *const u8,
+                false,
+                None,
+            ),
             LayerKv::Quant { k, v, layout } => (k.as_ptr(), v.as_ptr(), false, Some(layout)),
         };
         let g = &store.geometry;
-        let mut kv = attn512::HeadKv { k, v, f16, block_table: s.block_table, n_kv_heads: g.n_kv_heads, kv_head: t.kv_head, block_size: g.block_size_tokens, head_dim: hd, prefetch: true };
-        debug_assert!(quant.is_some() || store.head_offset(1, 0) == g.n_kv_heads * g.block_size_tokens * hd);
+        let mut kv = attn512::HeadKv {
+            k,
+            v,
+            f16,
+            block_table: s.block_table,
+            n_kv_heads: g.n_kv_heads,
+            kv_head: t.kv_head,
+            block_size: g.block_size_tokens,
+            head_dim: hd,
+            prefetch: true,
+        };
+        debug_assert!(
+            quant.is_some() || store.head_offset(1, 0) == g.n_kv_heads * g.block_size_tokens * hd
+        );
         let scale = 1.0 / (hd as f32).sqrt();
         let attend = |kv: &attn512::HeadKv, rows: &[attn512::Row]| match &quant {
             None => attn512::attend(kv, rows, scale),
             Some(layout) => attn512q::attend(kv, layout, rows, scale),
         };
         let max_rows = attn512::max_rows(hd);
-        let mut rows = [attn512::Row { q: std::ptr::null(), out: std::ptr::null_mut(), first_visible: 0, n_visible: 0 }; 4];
+        let mut rows = [attn512::Row {
+            q: std::ptr::null(),
+            out: std::ptr::null_mut(),
+            first_visible: 0,
+            n_visible: 0,
+        }; 4];
         let mut n = 0;
         for tok in t.t0..t.t1 {
             for g in 0..group {
                 let n_visible = s.stored_start + tok + 1;
                 let first = first_visible.map_or(0, |f| f[s.row_offset + tok]);
-                rows[n] = attn512::Row { q: q.as_ptr().add(at(tok, g)), out: out.0.add(at(tok, g)), first_visible: first, n_visible };
+                rows[n] = attn512::Row {
+                    q: q.as_ptr().add(at(tok, g)),
+                    out: out.0.add(at(tok, g)),
+                    first_visible: first,
+                    n_visible,
+                };
                 n += 1;
                 if n == max_rows {
                     attend(&kv, &rows[..n]);
@@ -240,7 +361,18 @@ unsafe fn attend_task(kernel: Kernel, store: &KvStore, layer: usize, shape: Attn
         }
         return;
     }
-    let res = attend_tile(kernel == Kernel::Avx2, store, layer, shape, s, t.kv_head, t.t0, t.t1, q, first_visible);
+    let res = attend_tile(
+        kernel == Kernel::Avx2,
+        store,
+        layer,
+        shape,
+        s,
+        t.kv_head,
+        t.t0,
+        t.t1,
+        q,
+        first_visible,
+    );
     for (ti, tok) in (t.t0..t.t1).enumerate() {
         for g in 0..group {
             let src = &res[(ti * group + g) * hd..(ti * group + g + 1) * hd];
@@ -457,9 +589,23 @@ mod tests {
     #[test]
     fn windowed_attention_matches_naive_over_the_last_tokens() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        for (n_heads, n_kv, hd, bs, n_tokens, n_q, w) in [(4usize, 1usize, 256usize, 4usize, 23usize, 23usize, 5usize), (4, 1, 256, 16, 90, 90, 37), (4, 2, 64, 16, 130, 40, 50), (4, 2, 128, 32, 100, 100, 17), (4, 2, 8, 4, 40, 9, 7), (4, 2, 8, 16, 40, 40, 16), (2, 1, 8, 4, 12, 12, 100)] {
+        for (n_heads, n_kv, hd, bs, n_tokens, n_q, w) in [
+            (4usize, 1usize, 256usize, 4usize, 23usize, 23usize, 5usize),
+            (4, 1, 256, 16, 90, 90, 37),
+            (4, 2, 64, 16, 130, 40, 50),
+            (4, 2, 128, 32, 100, 100, 17),
+            (4, 2, 8, 4, 40, 9, 7),
+            (4, 2, 8, 16, 40, 40, 16),
+            (2, 1, 8, 4, 12, 12, 100),
+        ] {
             let num_blocks = n_tokens.div_ceil(bs) + 1;
-            let g = KvGeometry { n_layers: 1, n_kv_heads: n_kv, head_dim: hd, block_size_tokens: bs, num_blocks };
+            let g = KvGeometry {
+                n_layers: 1,
+                n_kv_heads: n_kv,
+                head_dim: hd,
+                block_size_tokens: bs,
+                num_blocks,
+            };
             let mut store = KvStore::new(g, KvDtype::F32);
             let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
             let mut ks = vec![vec![vec![0f32; hd]; n_tokens]; n_kv];
@@ -475,9 +621,20 @@ mod tests {
             }
             let q_dim = n_heads * hd;
             let q: Vec<f32> = (0..n_q * q_dim).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let shape = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd };
-            let seq = AttnSeq { block_table: &table, stored_start: n_tokens - n_q, n_queries: n_q, row_offset: 0 };
-            let first: Vec<usize> = (0..n_q).map(|i| (n_tokens - n_q + i + 1).saturating_sub(w)).collect();
+            let shape = AttnShape {
+                n_heads,
+                n_kv_heads: n_kv,
+                head_dim: hd,
+            };
+            let seq = AttnSeq {
+                block_table: &table,
+                stored_start: n_tokens - n_q,
+                n_queries: n_q,
+                row_offset: 0,
+            };
+            let first: Vec<usize> = (0..n_q)
+                .map(|i| (n_tokens - n_q + i + 1).saturating_sub(w))
+                .collect();
             for kernel in kernels(hd) {
                 let mut out = vec![0f32; n_q * q_dim];
                 paged_attention_window_with(kernel, &store, 0, shape, &[seq], &q, &mut out, &first);
@@ -486,17 +643,43 @@ mod tests {
                     let lo = end.saturating_sub(w);
                     for h in 0..n_heads {
                         let kvh = h / (n_heads / n_kv);
-                        let want = naive(&q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd], &ks[kvh][lo..end], &vs[kvh][lo..end], hd);
+                        let want = naive(
+                            &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd],
+                            &ks[kvh][lo..end],
+                            &vs[kvh][lo..end],
+                            hd,
+                        );
                         let got = &out[i * q_dim + h * hd..i * q_dim + (h + 1) * hd];
                         for (a, b) in got.iter().zip(&want) {
-                            assert!((a - b).abs() < 1e-4, "{kernel:?} hd {hd} w {w} row {i} head {h}: {a} vs {b}");
+                            assert!(
+                                (a - b).abs() < 1e-4,
+                                "{kernel:?} hd {hd} w {w} row {i} head {h}: {a} vs {b}"
+                            );
                         }
                     }
                     // The row alone (a decode step) has the same bits as in the batch.
-                    let one = AttnSeq { block_table: &table, stored_start: end - 1, n_queries: 1, row_offset: 0 };
+                    let one = AttnSeq {
+                        block_table: &table,
+                        stored_start: end - 1,
+                        n_queries: 1,
+                        row_offset: 0,
+                    };
                     let mut o1 = vec![0f32; q_dim];
-                    paged_attention_window_with(kernel, &store, 0, shape, &[one], &q[i * q_dim..(i + 1) * q_dim], &mut o1, &first[i..i + 1]);
-                    assert_eq!(o1, out[i * q_dim..(i + 1) * q_dim], "{kernel:?} row {i} alone vs batched");
+                    paged_attention_window_with(
+                        kernel,
+                        &store,
+                        0,
+                        shape,
+                        &[one],
+                        &q[i * q_dim..(i + 1) * q_dim],
+                        &mut o1,
+                        &first[i..i + 1],
+                    );
+                    assert_eq!(
+                        o1,
+                        out[i * q_dim..(i + 1) * q_dim],
+                        "{kernel:?} row {i} alone vs batched"
+                    );
                 }
             }
         }
@@ -504,7 +687,15 @@ mod tests {
 
     /// Checks every kernel against naive attention, then that each query row has the same
     /// bits computed alone (as in a decode step) as in the whole batch (as in prefill).
-    fn check_paged(dtype: KvDtype, n_heads: usize, n_kv: usize, hd: usize, bs: usize, n_tokens: usize, n_q: usize) {
+    fn check_paged(
+        dtype: KvDtype,
+        n_heads: usize,
+        n_kv: usize,
+        hd: usize,
+        bs: usize,
+        n_tokens: usize,
+        n_q: usize,
+    ) {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let num_blocks = n_tokens.div_ceil(bs) + 3;
         let g = KvGeometry {
@@ -518,7 +709,11 @@ mod tests {
         // Values exactly representable in the store, so the reference sees what it holds.
         let value = |rng: &mut rand::rngs::StdRng| {
             let x: f32 = rng.gen_range(-1.0..1.0);
-            if dtype == KvDtype::F16 { half::f16::from_f32(x).to_f32() } else { x }
+            if dtype == KvDtype::F16 {
+                half::f16::from_f32(x).to_f32()
+            } else {
+                x
+            }
         };
         let mut table: Vec<u32> = (0..num_blocks as u32).collect();
         table.reverse();
@@ -590,14 +785,35 @@ mod tests {
                     }
                 }
             }
-            let shape = AttnShape { n_heads, n_kv_heads: n_kv, head_dim: hd };
+            let shape = AttnShape {
+                n_heads,
+                n_kv_heads: n_kv,
+                head_dim: hd,
+            };
             let q_dim = n_heads * hd;
             for i in 0..n_q {
-                let alone = AttnSeq { block_table: &table, stored_start: start + i, n_queries: 1, row_offset: 0 };
+                let alone = AttnSeq {
+                    block_table: &table,
+                    stored_start: start + i,
+                    n_queries: 1,
+                    row_offset: 0,
+                };
                 let mut one = vec![0f32; q_dim];
-                paged_attention_with(kernel, &store, 0, shape, &[alone], &q[i * q_dim..(i + 1) * q_dim], &mut one);
+                paged_attention_with(
+                    kernel,
+                    &store,
+                    0,
+                    shape,
+                    &[alone],
+                    &q[i * q_dim..(i + 1) * q_dim],
+                    &mut one,
+                );
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&one), bits(&out[i * q_dim..(i + 1) * q_dim]), "{dtype:?} {kernel:?} bs {bs}: token {i} alone differs");
+                assert_eq!(
+                    bits(&one),
+                    bits(&out[i * q_dim..(i + 1) * q_dim]),
+                    "{dtype:?} {kernel:?} bs {bs}: token {i} alone differs"
+                );
             }
         }
     }

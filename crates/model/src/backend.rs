@@ -34,7 +34,10 @@ pub struct BackendError {
 
 impl BackendError {
     pub fn new(backend: &str, message: impl std::fmt::Display) -> BackendError {
-        BackendError { backend: backend.to_string(), message: message.to_string() }
+        BackendError {
+            backend: backend.to_string(),
+            message: message.to_string(),
+        }
     }
 }
 
@@ -62,14 +65,29 @@ pub trait KvBlocks {
     /// Writes consecutive tokens of one KV head into one block from `slot0` on (`k_rows` and
     /// `v_rows` are `[token][head_dim]`); `scratch` is reused across calls by the caller.
     #[allow(clippy::too_many_arguments)]
-    fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>);
+    fn write_head_rows(
+        &mut self,
+        layer: usize,
+        block: u32,
+        kv_head: usize,
+        slot0: usize,
+        k_rows: &[f32],
+        v_rows: &[f32],
+        scratch: &mut Vec<f16>,
+    );
     /// Copies one token slot to another in every layer and KV head (prefill compaction).
     fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize));
     /// Copies one token slot to another in `layers` and `kv_heads` only (eviction at `layer`
     /// or `head` granularity moves each unit's tokens separately). The default reads the
     /// source block's rows of each (layer, KV head) and writes one row; the CPU store
     /// copies bytes in place.
-    fn copy_slot_in(&mut self, layers: std::ops::Range<usize>, kv_heads: std::ops::Range<usize>, src: (u32, usize), dst: (u32, usize)) {
+    fn copy_slot_in(
+        &mut self,
+        layers: std::ops::Range<usize>,
+        kv_heads: std::ops::Range<usize>,
+        src: (u32, usize),
+        dst: (u32, usize),
+    ) {
         let hd = self.geometry().head_dim;
         let (mut k, mut v) = (vec![0f32; (src.1 + 1) * hd], vec![0f32; (src.1 + 1) * hd]);
         let mut scratch = Vec::new();
@@ -78,7 +96,15 @@ pub trait KvBlocks {
                 self.read_k(layer, src.0, h, &mut k);
                 self.read_v(layer, src.0, h, &mut v);
                 let row = src.1 * hd..(src.1 + 1) * hd;
-                self.write_head_rows(layer, dst.0, h, dst.1, &k[row.clone()], &v[row], &mut scratch);
+                self.write_head_rows(
+                    layer,
+                    dst.0,
+                    h,
+                    dst.1,
+                    &k[row.clone()],
+                    &v[row],
+                    &mut scratch,
+                );
             }
         }
     }
@@ -95,10 +121,21 @@ pub trait KvBlocks {
         let mut scratch = Vec::new();
         for lh in 0..g.n_layers * g.n_kv_heads {
             let (layer, h) = (lh / g.n_kv_heads, lh % g.n_kv_heads);
-            let (ks, vs) = (&k[lh * n * hd..(lh + 1) * n * hd], &v[lh * n * hd..(lh + 1) * n * hd]);
+            let (ks, vs) = (
+                &k[lh * n * hd..(lh + 1) * n * hd],
+                &v[lh * n * hd..(lh + 1) * n * hd],
+            );
             for (t0, t1) in block_runs(first, n, bs) {
                 let rows = (t0 - first) * hd..(t1 - first) * hd;
-                self.write_head_rows(layer, table[t0 / bs], h, t0 % bs, &ks[rows.clone()], &vs[rows], &mut scratch);
+                self.write_head_rows(
+                    layer,
+                    table[t0 / bs],
+                    h,
+                    t0 % bs,
+                    &ks[rows.clone()],
+                    &vs[rows],
+                    &mut scratch,
+                );
             }
         }
     }
@@ -107,7 +144,13 @@ pub trait KvBlocks {
     /// (layer, KV head) at a time. Unlike the single-block reads this one reports a device
     /// failure: its result is kept (tiers, the context store), so it must never be zeros
     /// standing in for data.
-    fn read_tokens(&self, table: &[u32], first: usize, k: &mut [f32], v: &mut [f32]) -> Result<(), BackendError> {
+    fn read_tokens(
+        &self,
+        table: &[u32],
+        first: usize,
+        k: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<(), BackendError> {
         let g = self.geometry();
         let n = token_range_len(&g, table, first, k.len(), v.len());
         let (hd, bs) = (g.head_dim, g.block_size_tokens);
@@ -135,16 +178,33 @@ pub trait KvBlocks {
 /// The number of tokens in a `write_tokens`/`read_tokens` range whose K and V hold
 /// `k_len` and `v_len` floats; panics unless both are whole tokens of every layer and head
 /// and the table covers the range (the engine's block manager guarantees both).
-pub fn token_range_len(g: &KvGeometry, table: &[u32], first: usize, k_len: usize, v_len: usize) -> usize {
+pub fn token_range_len(
+    g: &KvGeometry,
+    table: &[u32],
+    first: usize,
+    k_len: usize,
+    v_len: usize,
+) -> usize {
     let per_token = g.n_layers * g.n_kv_heads * g.head_dim;
     let n = k_len / per_token;
-    assert!(k_len == n * per_token && v_len == k_len, "K and V must hold whole tokens of every layer and KV head");
-    assert!((first + n).div_ceil(g.block_size_tokens) <= table.len(), "the block table does not cover stored tokens {first}..{}", first + n);
+    assert!(
+        k_len == n * per_token && v_len == k_len,
+        "K and V must hold whole tokens of every layer and KV head"
+    );
+    assert!(
+        (first + n).div_ceil(g.block_size_tokens) <= table.len(),
+        "the block table does not cover stored tokens {first}..{}",
+        first + n
+    );
     n
 }
 
 /// The maximal runs `[t0, t1)` of `first..first + n` that lie in one block each.
-pub fn block_runs(first: usize, n: usize, block_size_tokens: usize) -> impl Iterator<Item = (usize, usize)> {
+pub fn block_runs(
+    first: usize,
+    n: usize,
+    block_size_tokens: usize,
+) -> impl Iterator<Item = (usize, usize)> {
     let end = first + n;
     let mut t = first;
     std::iter::from_fn(move || {
@@ -169,10 +229,15 @@ pub trait Backend: Send {
     /// the requested logits rows (`vocab_size` floats each, in order) and, per sequence, the
     /// post-RoPE queries of its last `capture_last[i]` new tokens (`[layer][token][n_heads *
     /// head_dim]`; a missing entry means none), with `Llama::forward_with_queries`'s contract.
-    fn forward_with_queries(&mut self, seqs: &[SeqForward], capture_last: &[usize]) -> Result<(Vec<f32>, Vec<Vec<f32>>), BackendError>;
+    fn forward_with_queries(
+        &mut self,
+        seqs: &[SeqForward],
+        capture_last: &[usize],
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>), BackendError>;
     /// `forward_with_queries` without queries.
     fn forward(&mut self, seqs: &[SeqForward]) -> Result<Vec<f32>, BackendError> {
-        self.forward_with_queries(seqs, &[]).map(|(logits, _)| logits)
+        self.forward_with_queries(seqs, &[])
+            .map(|(logits, _)| logits)
     }
     /// The CPU model, for callers that run it outside the pool (benchmarks of the codecs).
     fn cpu_model(&self) -> Option<&Llama> {
@@ -199,17 +264,38 @@ impl KvBlocks for KvStore {
     fn write_token(&mut self, layer: usize, block: u32, slot: usize, k: &[f32], v: &[f32]) {
         KvStore::write_token(self, layer, block, slot, k, v)
     }
-    fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>) {
+    fn write_head_rows(
+        &mut self,
+        layer: usize,
+        block: u32,
+        kv_head: usize,
+        slot0: usize,
+        k_rows: &[f32],
+        v_rows: &[f32],
+        scratch: &mut Vec<f16>,
+    ) {
         KvStore::write_head_rows(self, layer, block, kv_head, slot0, k_rows, v_rows, scratch)
     }
     fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
         KvStore::copy_slot(self, src, dst)
     }
-    fn copy_slot_in(&mut self, layers: std::ops::Range<usize>, kv_heads: std::ops::Range<usize>, src: (u32, usize), dst: (u32, usize)) {
+    fn copy_slot_in(
+        &mut self,
+        layers: std::ops::Range<usize>,
+        kv_heads: std::ops::Range<usize>,
+        src: (u32, usize),
+        dst: (u32, usize),
+    ) {
         KvStore::copy_slot_in(self, layers, kv_heads, src, dst)
     }
     /// Converts straight from the store into the caller's rows (no block buffer between).
-    fn read_tokens(&self, table: &[u32], first: usize, k: &mut [f32], v: &mut [f32]) -> Result<(), BackendError> {
+    fn read_tokens(
+        &self,
+        table: &[u32],
+        first: usize,
+        k: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<(), BackendError> {
         let g = self.geometry;
         let n = token_range_len(&g, table, first, k.len(), v.len());
         let (hd, bs) = (g.head_dim, g.block_size_tokens);
@@ -241,10 +327,14 @@ impl CpuBackend {
     pub fn new(model: Llama, geometry: KvGeometry, dtype: KvDtype) -> CpuBackend {
         let c = &model.config;
         assert!(
-            (geometry.n_layers, geometry.n_kv_heads, geometry.head_dim) == (c.n_layers, c.n_kv_heads, c.head_dim),
+            (geometry.n_layers, geometry.n_kv_heads, geometry.head_dim)
+                == (c.n_layers, c.n_kv_heads, c.head_dim),
             "KV geometry {geometry:?} does not match the model"
         );
-        CpuBackend { store: KvStore::new(geometry, dtype), model }
+        CpuBackend {
+            store: KvStore::new(geometry, dtype),
+            model,
+        }
     }
 }
 
@@ -261,8 +351,14 @@ impl Backend for CpuBackend {
     fn kv_mut(&mut self) -> &mut dyn KvBlocks {
         &mut self.store
     }
-    fn forward_with_queries(&mut self, seqs: &[SeqForward], capture_last: &[usize]) -> Result<(Vec<f32>, Vec<Vec<f32>>), BackendError> {
-        Ok(self.model.forward_with_queries(&mut self.store, seqs, capture_last))
+    fn forward_with_queries(
+        &mut self,
+        seqs: &[SeqForward],
+        capture_last: &[usize],
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>), BackendError> {
+        Ok(self
+            .model
+            .forward_with_queries(&mut self.store, seqs, capture_last))
     }
     fn cpu_model(&self) -> Option<&Llama> {
         Some(&self.model)
@@ -293,8 +389,18 @@ impl KvBlocks for BlockOpsOnly {
     fn write_token(&mut self, layer: usize, block: u32, slot: usize, k: &[f32], v: &[f32]) {
         self.0.write_token(layer, block, slot, k, v)
     }
-    fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>) {
-        self.0.write_head_rows(layer, block, kv_head, slot0, k_rows, v_rows, scratch)
+    fn write_head_rows(
+        &mut self,
+        layer: usize,
+        block: u32,
+        kv_head: usize,
+        slot0: usize,
+        k_rows: &[f32],
+        v_rows: &[f32],
+        scratch: &mut Vec<f16>,
+    ) {
+        self.0
+            .write_head_rows(layer, block, kv_head, slot0, k_rows, v_rows, scratch)
     }
     fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
         self.0.copy_slot(src, dst)
@@ -314,14 +420,31 @@ mod tests {
         let mut cfg = ModelConfig::dummy("smollm2-135m").unwrap();
         cfg.n_layers = 2;
         cfg.vocab_size = 512;
-        let g = KvGeometry { n_layers: 2, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim, block_size_tokens: 16, num_blocks: 4 };
+        let g = KvGeometry {
+            n_layers: 2,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size_tokens: 16,
+            num_blocks: 4,
+        };
         let weights = || Weights::random(&cfg, GgmlType::Q4_1, 3);
         let direct = Llama::new(cfg.clone(), weights());
         let mut store = KvStore::new(g, KvDtype::F16);
-        let mut backend: Box<dyn Backend> = Box::new(CpuBackend::new(Llama::new(cfg.clone(), weights()), g, KvDtype::F16));
+        let mut backend: Box<dyn Backend> = Box::new(CpuBackend::new(
+            Llama::new(cfg.clone(), weights()),
+            g,
+            KvDtype::F16,
+        ));
         let table = [2u32, 0, 3];
         let prompt: Vec<u32> = (0..40).map(|i| (i * 13 + 1) % 512).collect();
-        let seq = [SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: 38, stored_positions: &[] }];
+        let seq = [SeqForward {
+            tokens: &prompt,
+            start_position: 0,
+            stored_start: 0,
+            block_table: &table,
+            logits_from: 38,
+            stored_positions: &[],
+        }];
         let want = direct.forward_with_queries(&mut store, &seq, &[3]);
         let got = backend.forward_with_queries(&seq, &[3]).unwrap();
         assert_eq!(want, got);
@@ -344,13 +467,23 @@ mod tests {
     /// dtype, for ranges that start and end inside blocks and cross several.
     #[test]
     fn token_ranges_match_per_token_writes_and_block_reads() {
-        let g = KvGeometry { n_layers: 2, n_kv_heads: 3, head_dim: 32, block_size_tokens: 4, num_blocks: 8 };
+        let g = KvGeometry {
+            n_layers: 2,
+            n_kv_heads: 3,
+            head_dim: 32,
+            block_size_tokens: 4,
+            num_blocks: 8,
+        };
         let table = [5u32, 1, 7, 0, 3];
         let per_token = g.n_layers * g.n_kv_heads * g.head_dim;
         for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Q8, KvDtype::Q4] {
             for (first, n) in [(0usize, 20usize), (3, 9), (5, 2), (8, 4), (7, 0)] {
-                let k: Vec<f32> = (0..n * per_token).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
-                let v: Vec<f32> = (0..n * per_token).map(|i| ((i * 53 % 89) as f32 - 44.0) / 13.0).collect();
+                let k: Vec<f32> = (0..n * per_token)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+                    .collect();
+                let v: Vec<f32> = (0..n * per_token)
+                    .map(|i| ((i * 53 % 89) as f32 - 44.0) / 13.0)
+                    .collect();
                 let (mut bulk, mut single) = (KvStore::new(g, dtype), KvStore::new(g, dtype));
                 KvBlocks::write_tokens(&mut bulk, &table, first, &k, &v);
                 let kvd = g.n_kv_heads * g.head_dim;
@@ -359,8 +492,10 @@ mod tests {
                     for layer in 0..g.n_layers {
                         for h in 0..g.n_kv_heads {
                             let at = ((layer * g.n_kv_heads + h) * n + t) * g.head_dim;
-                            kt[h * g.head_dim..(h + 1) * g.head_dim].copy_from_slice(&k[at..at + g.head_dim]);
-                            vt[h * g.head_dim..(h + 1) * g.head_dim].copy_from_slice(&v[at..at + g.head_dim]);
+                            kt[h * g.head_dim..(h + 1) * g.head_dim]
+                                .copy_from_slice(&k[at..at + g.head_dim]);
+                            vt[h * g.head_dim..(h + 1) * g.head_dim]
+                                .copy_from_slice(&v[at..at + g.head_dim]);
                         }
                         let s = first + t;
                         single.write_token(layer, table[s / 4], s % 4, &kt, &vt);
@@ -372,10 +507,16 @@ mod tests {
                         for h in 0..g.n_kv_heads {
                             bulk.read_k(layer, block, h, &mut a);
                             single.read_k(layer, block, h, &mut b);
-                            assert_eq!(a, b, "{dtype} K layer {layer} block {block} head {h} for {first}+{n}");
+                            assert_eq!(
+                                a, b,
+                                "{dtype} K layer {layer} block {block} head {h} for {first}+{n}"
+                            );
                             bulk.read_v(layer, block, h, &mut a);
                             single.read_v(layer, block, h, &mut b);
-                            assert_eq!(a, b, "{dtype} V layer {layer} block {block} head {h} for {first}+{n}");
+                            assert_eq!(
+                                a, b,
+                                "{dtype} V layer {layer} block {block} head {h} for {first}+{n}"
+                            );
                         }
                     }
                 }
@@ -387,8 +528,14 @@ mod tests {
                 let (mut kd, mut vd) = (vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
                 let mut defaults = BlockOpsOnly(KvStore::new(g, dtype));
                 defaults.write_tokens(&table, first, &k, &v);
-                defaults.read_tokens(&table, first, &mut kd, &mut vd).unwrap();
-                assert_eq!((&kd, &vd), (&kb, &vb), "{dtype}: default read_tokens for {first}+{n}");
+                defaults
+                    .read_tokens(&table, first, &mut kd, &mut vd)
+                    .unwrap();
+                assert_eq!(
+                    (&kd, &vd),
+                    (&kb, &vb),
+                    "{dtype}: default read_tokens for {first}+{n}"
+                );
                 if dtype == KvDtype::F32 {
                     assert_eq!((&kb, &vb), (&k, &v));
                 }
@@ -413,12 +560,22 @@ mod tests {
     /// dtype; the store's byte copy and the trait's default (read rows, write a row) agree.
     #[test]
     fn copy_slot_in_touches_only_its_layers_and_heads() {
-        let g = KvGeometry { n_layers: 3, n_kv_heads: 2, head_dim: 32, block_size_tokens: 4, num_blocks: 4 };
+        let g = KvGeometry {
+            n_layers: 3,
+            n_kv_heads: 2,
+            head_dim: 32,
+            block_size_tokens: 4,
+            num_blocks: 4,
+        };
         let table = [2u32, 0, 3, 1];
         let n = 16;
         let per_token = g.n_layers * g.n_kv_heads * g.head_dim;
-        let k: Vec<f32> = (0..n * per_token).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
-        let v: Vec<f32> = (0..n * per_token).map(|i| ((i * 53 % 89) as f32 - 44.0) / 13.0).collect();
+        let k: Vec<f32> = (0..n * per_token)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+            .collect();
+        let v: Vec<f32> = (0..n * per_token)
+            .map(|i| ((i * 53 % 89) as f32 - 44.0) / 13.0)
+            .collect();
         for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Q8, KvDtype::Q4] {
             let filled = || {
                 let mut store = KvStore::new(g, dtype);
@@ -428,7 +585,11 @@ mod tests {
             let (mut fast, before, mut slow) = (filled(), filled(), BlockOpsOnly(filled()));
             fast.copy_slot_in(1..2, 1..2, (3, 2), (2, 1));
             slow.copy_slot_in(1..2, 1..2, (3, 2), (2, 1));
-            let (mut a, mut b, mut c) = (vec![0f32; 4 * g.head_dim], vec![0f32; 4 * g.head_dim], vec![0f32; 4 * g.head_dim]);
+            let (mut a, mut b, mut c) = (
+                vec![0f32; 4 * g.head_dim],
+                vec![0f32; 4 * g.head_dim],
+                vec![0f32; 4 * g.head_dim],
+            );
             for layer in 0..3 {
                 for h in 0..2 {
                     for &block in &table {
@@ -441,9 +602,16 @@ mod tests {
                                 let mut src = vec![0f32; 4 * g.head_dim];
                                 read(&before, layer, 3, h, &mut src);
                                 assert_eq!(a[32..64], src[64..96], "{dtype}: the moved row");
-                                assert_eq!((&a[..32], &a[64..]), (&c[..32], &c[64..]), "{dtype}: the other rows");
+                                assert_eq!(
+                                    (&a[..32], &a[64..]),
+                                    (&c[..32], &c[64..]),
+                                    "{dtype}: the other rows"
+                                );
                             } else {
-                                assert_eq!(a, c, "{dtype}: layer {layer} head {h} block {block} untouched");
+                                assert_eq!(
+                                    a, c,
+                                    "{dtype}: layer {layer} head {h} block {block} untouched"
+                                );
                             }
                         }
                     }
@@ -454,7 +622,10 @@ mod tests {
 
     #[test]
     fn block_runs_split_a_range_at_block_boundaries() {
-        assert_eq!(block_runs(3, 9, 4).collect::<Vec<_>>(), vec![(3, 4), (4, 8), (8, 12)]);
+        assert_eq!(
+            block_runs(3, 9, 4).collect::<Vec<_>>(),
+            vec![(3, 4), (4, 8), (8, 12)]
+        );
         assert_eq!(block_runs(8, 4, 4).collect::<Vec<_>>(), vec![(8, 12)]);
         assert_eq!(block_runs(5, 0, 4).count(), 0);
     }

@@ -1,6 +1,6 @@
 //! Model hyper-parameters read from GGUF metadata (`{arch}.*` keys).
 
-use pk_gguf::{GgufFile, GgufError};
+use pk_gguf::{GgufError, GgufFile};
 
 use crate::ModelError;
 
@@ -89,7 +89,9 @@ impl ModelConfig {
             name: f.get_str("general.name").unwrap_or("unnamed").to_string(),
             n_layers: f.get_u64(&key("block_count"))? as usize,
             n_heads,
-            n_kv_heads: f.get_u64(&key("attention.head_count_kv")).unwrap_or(n_heads as u64) as usize,
+            n_kv_heads: f
+                .get_u64(&key("attention.head_count_kv"))
+                .unwrap_or(n_heads as u64) as usize,
             head_dim,
             d_model,
             d_ff: f.get_u64(&key("feed_forward_length"))? as usize,
@@ -97,7 +99,9 @@ impl ModelConfig {
             context_length: f.get_u64(&key("context_length"))? as usize,
             rope_theta: f.get_f64(&key("rope.freq_base")).unwrap_or(10000.0) as f32,
             rope_style: RopeStyle::Normal,
-            rms_eps: f.get_f64(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5) as f32,
+            rms_eps: f
+                .get_f64(&key("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-5) as f32,
             extras: ArchExtras::default(),
             arch: arch.clone(),
         };
@@ -106,8 +110,12 @@ impl ModelConfig {
             // NEOX RoPE (its converter does not permute Q/K as it does for Llama).
             cfg.rope_style = RopeStyle::Neox;
             cfg.extras.qkv_bias = true;
-            if f.get_str(&key("rope.scaling.type")).is_ok_and(|t| t != "none") {
-                return Err(ModelError::BadConfig("qwen2 with RoPE scaling (YaRN beyond 32K) is not supported".into()));
+            if f.get_str(&key("rope.scaling.type"))
+                .is_ok_and(|t| t != "none")
+            {
+                return Err(ModelError::BadConfig(
+                    "qwen2 with RoPE scaling (YaRN beyond 32K) is not supported".into(),
+                ));
             }
         }
         if cfg.arch == "gemma3" {
@@ -127,7 +135,9 @@ impl ModelConfig {
                 qkv_bias: false,
             };
             if f.get_str(&key("rope.scaling.type")).is_ok() {
-                return Err(ModelError::BadConfig("gemma3 with RoPE scaling (the 4B and larger models) is not supported".into()));
+                return Err(ModelError::BadConfig(
+                    "gemma3 with RoPE scaling (the 4B and larger models) is not supported".into(),
+                ));
             }
         }
         cfg.validate()?;
@@ -140,10 +150,16 @@ impl ModelConfig {
             return bad(format!("zero-sized dimension in {self:?}"));
         }
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
-            return bad(format!("{} heads not divisible by {} KV heads", self.n_heads, self.n_kv_heads));
+            return bad(format!(
+                "{} heads not divisible by {} KV heads",
+                self.n_heads, self.n_kv_heads
+            ));
         }
         if !self.head_dim.is_multiple_of(2) {
-            return bad(format!("head_dim {} is odd; RoPE needs pairs", self.head_dim));
+            return bad(format!(
+                "head_dim {} is odd; RoPE needs pairs",
+                self.head_dim
+            ));
         }
         Ok(())
     }
@@ -151,7 +167,10 @@ impl ModelConfig {
     /// The attention window of layer `layer`: `Some(tokens)` for a local layer, `None` for a
     /// global one (every layer of a Llama).
     pub fn layer_window(&self, layer: usize) -> Option<usize> {
-        self.extras.sliding_window.filter(|w| !(layer + 1).is_multiple_of(w.global_every)).map(|w| w.window_tokens)
+        self.extras
+            .sliding_window
+            .filter(|w| !(layer + 1).is_multiple_of(w.global_every))
+            .map(|w| w.window_tokens)
     }
 
     /// Query heads per KV head (the GQA group size).

@@ -87,7 +87,9 @@ pub fn q6_k_to_q6s(data: &[u8]) -> Vec<u8> {
                 out.extend_from_slice(&f16::from_f32(d * (*s as i8) as f32).to_le_bytes());
             }
             out.extend((0..16).map(|i| (q[i] & 0x0f) | ((q[16 + i] & 0x0f) << 4)));
-            out.extend((0..8).map(|j| (0..4).fold(0u8, |acc, i| acc | ((q[4 * j + i] >> 4) << (2 * i)))));
+            out.extend(
+                (0..8).map(|j| (0..4).fold(0u8, |acc, i| acc | ((q[4 * j + i] >> 4) << (2 * i)))),
+            );
         }
     }
     out
@@ -105,7 +107,10 @@ mod tests {
         let mut data = vec![0u8; n_blocks * ty.block_bytes()];
         rng.fill(&mut data[..]);
         for b in data.chunks_exact_mut(ty.block_bytes()) {
-            let mut h = |at: usize| b[at..at + 2].copy_from_slice(&f16::from_f32(rng.gen_range(0.0005f32..0.01)).to_le_bytes());
+            let mut h = |at: usize| {
+                b[at..at + 2]
+                    .copy_from_slice(&f16::from_f32(rng.gen_range(0.0005f32..0.01)).to_le_bytes())
+            };
             match ty {
                 GgmlType::Q4K => {
                     h(0);
@@ -129,10 +134,16 @@ mod tests {
     fn q4_k_converts_to_q4_1_up_to_scale_rounding() {
         let data = random_blocks(GgmlType::Q4K, 12, 1);
         let n = 12 * QK_K;
-        let (want, got) = (dq(GgmlType::Q4K, &data, n), dq(GgmlType::Q4_1, &q4_k_to_q4_1(&data), n));
+        let (want, got) = (
+            dq(GgmlType::Q4K, &data, n),
+            dq(GgmlType::Q4_1, &q4_k_to_q4_1(&data), n),
+        );
         for (i, (a, b)) in want.iter().zip(&got).enumerate() {
             // |d·sc|·15 + |dmin·m| ≤ 0.01·63·16 ≈ 10, rounded at 2⁻¹¹ relative.
-            assert!((a - b).abs() <= 1e-2 * 16.0 * 63.0 * 2f32.powi(-11) + 1e-6, "value {i}: {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 1e-2 * 16.0 * 63.0 * 2f32.powi(-11) + 1e-6,
+                "value {i}: {a} vs {b}"
+            );
         }
         // With power-of-two super-block scales the products are exact in f16, and so is
         // every converted value: any misplaced nibble would show.
@@ -141,7 +152,10 @@ mod tests {
             b[0..2].copy_from_slice(&f16::from_f32(2f32.powi(-9)).to_le_bytes());
             b[2..4].copy_from_slice(&f16::from_f32(2f32.powi(-8)).to_le_bytes());
         }
-        assert_eq!(dq(GgmlType::Q4K, &exact, n), dq(GgmlType::Q4_1, &q4_k_to_q4_1(&exact), n));
+        assert_eq!(
+            dq(GgmlType::Q4K, &exact, n),
+            dq(GgmlType::Q4_1, &q4_k_to_q4_1(&exact), n)
+        );
     }
 
     /// Q6_K → Q6S keeps every quant: each value moves by no more than the f16 rounding of
@@ -150,10 +164,16 @@ mod tests {
     fn q6_k_converts_to_q6s_up_to_scale_rounding() {
         let data = random_blocks(GgmlType::Q6K, 12, 2);
         let n = 12 * QK_K;
-        let (want, got) = (dq(GgmlType::Q6K, &data, n), dq(GgmlType::Q6S, &q6_k_to_q6s(&data), n));
+        let (want, got) = (
+            dq(GgmlType::Q6K, &data, n),
+            dq(GgmlType::Q6S, &q6_k_to_q6s(&data), n),
+        );
         for (i, (a, b)) in want.iter().zip(&got).enumerate() {
             // |d·sc·(q − 32)| ≤ 0.01·128·32, rounded at 2⁻¹¹ relative (2⁻¹² plus margin).
-            assert!((a - b).abs() <= a.abs() * 2f32.powi(-11) + 1e-6, "value {i}: {a} vs {b}");
+            assert!(
+                (a - b).abs() <= a.abs() * 2f32.powi(-11) + 1e-6,
+                "value {i}: {a} vs {b}"
+            );
         }
         // With a power-of-two super-block scale and sub-scales of at most 11 bits the
         // products are exact in f16, and so is every converted value: any misplaced quant or
@@ -169,6 +189,9 @@ mod tests {
         let want = dq(GgmlType::Q6K, &exact, n);
         assert!(want.iter().any(|&v| v != 0.0));
         assert_eq!(want, dq(GgmlType::Q6S, &q6_k_to_q6s(&exact), n));
-        assert_eq!(convert(GgmlType::Q6K, &exact), Some((GgmlType::Q6S, q6_k_to_q6s(&exact))));
+        assert_eq!(
+            convert(GgmlType::Q6K, &exact),
+            Some((GgmlType::Q6S, q6_k_to_q6s(&exact)))
+        );
     }
 }

@@ -40,7 +40,9 @@ impl KvDtype {
         match self {
             KvDtype::F16 => 2 * head_dim,
             KvDtype::F32 => 4 * head_dim,
-            KvDtype::Q8 | KvDtype::Q4 => QLayout::new(self.quant_bits().unwrap(), head_dim, 1).bytes_per_token(),
+            KvDtype::Q8 | KvDtype::Q4 => {
+                QLayout::new(self.quant_bits().unwrap(), head_dim, 1).bytes_per_token()
+            }
         }
     }
     pub fn parse(s: &str) -> Option<KvDtype> {
@@ -157,10 +159,20 @@ impl KvGeometry {
 
 /// One layer's K and V storage, borrowed by the attention kernels (layout in the module doc).
 pub(crate) enum LayerKv<'a> {
-    F16 { k: &'a [f16], v: &'a [f16] },
-    F32 { k: &'a [f32], v: &'a [f32] },
+    F16 {
+        k: &'a [f16],
+        v: &'a [f16],
+    },
+    F32 {
+        k: &'a [f32],
+        v: &'a [f32],
+    },
     /// `head_bytes` per `(block, kv_head)` region, laid out as `layout` says.
-    Quant { k: &'a [u8], v: &'a [u8], layout: QLayout },
+    Quant {
+        k: &'a [u8],
+        v: &'a [u8],
+        layout: QLayout,
+    },
 }
 
 /// Storage of one layer: elements for f16/f32, or quantised head regions.
@@ -181,21 +193,36 @@ impl KvStore {
     /// Panics if `dtype` is quantised and `head_dim` is not a multiple of 32.
     pub fn new(geometry: KvGeometry, dtype: KvDtype) -> KvStore {
         let n = geometry.num_blocks * geometry.block_elems();
-        let qlayout = dtype.quant_bits().map(|bits| QLayout::new(bits, geometry.head_dim, geometry.block_size_tokens));
+        let qlayout = dtype
+            .quant_bits()
+            .map(|bits| QLayout::new(bits, geometry.head_dim, geometry.block_size_tokens));
         let layers = (0..geometry.n_layers)
             .map(|_| match qlayout {
-                None => LayerBufs::Elems { k: Buf::new(dtype, n), v: Buf::new(dtype, n) },
+                None => LayerBufs::Elems {
+                    k: Buf::new(dtype, n),
+                    v: Buf::new(dtype, n),
+                },
                 Some(q) => {
                     let bytes = geometry.num_blocks * geometry.n_kv_heads * q.head_bytes();
-                    LayerBufs::Quant { k: vec![0; bytes], v: vec![0; bytes] }
+                    LayerBufs::Quant {
+                        k: vec![0; bytes],
+                        v: vec![0; bytes],
+                    }
                 }
             })
             .collect();
-        KvStore { geometry, dtype, layers, qlayout }
+        KvStore {
+            geometry,
+            dtype,
+            layers,
+            qlayout,
+        }
     }
 
     pub fn capacity_bytes(&self) -> usize {
-        self.geometry.num_blocks * self.geometry.block_size_tokens * self.geometry.bytes_per_token(self.dtype)
+        self.geometry.num_blocks
+            * self.geometry.block_size_tokens
+            * self.geometry.bytes_per_token(self.dtype)
     }
 
     /// Byte offset of `(block, kv_head)`'s region in a quantised layer.
@@ -224,13 +251,21 @@ impl KvStore {
             let (kh, vh) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
             if let Some(q) = self.qlayout {
                 let at = self.q_offset(&q, block, h);
-                let LayerBufs::Quant { k: kb, v: vb } = &mut self.layers[layer] else { unreachable!() };
+                let LayerBufs::Quant { k: kb, v: vb } = &mut self.layers[layer] else {
+                    unreachable!()
+                };
                 q.write_k(&mut kb[at..at + q.head_bytes()], slot, kh);
                 q.write_v(&mut vb[at..at + q.head_bytes()], slot, vh);
                 continue;
             }
-            let (k_at, v_at, bs) = (self.k_offset(block, h, slot, 0), self.offset(block, h, slot), self.geometry.block_size_tokens);
-            let LayerBufs::Elems { k: kb, v: vb } = &mut self.layers[layer] else { unreachable!() };
+            let (k_at, v_at, bs) = (
+                self.k_offset(block, h, slot, 0),
+                self.offset(block, h, slot),
+                self.geometry.block_size_tokens,
+            );
+            let LayerBufs::Elems { k: kb, v: vb } = &mut self.layers[layer] else {
+                unreachable!()
+            };
             for (d, &x) in kh.iter().enumerate() {
                 kb.set(k_at + d * bs, x);
             }
@@ -241,21 +276,48 @@ impl KvStore {
     /// Writes consecutive tokens of one KV head into one block, starting at `slot0`:
     /// `k_rows` and `v_rows` are `[token][head_dim]`. The bulk form of `write_token` for
     /// restoring a stored context, where per-token calls cost more than the copy itself.
-    pub fn write_head_rows(&mut self, layer: usize, block: u32, kv_head: usize, slot0: usize, k_rows: &[f32], v_rows: &[f32], scratch: &mut Vec<f16>) {
+    pub fn write_head_rows(
+        &mut self,
+        layer: usize,
+        block: u32,
+        kv_head: usize,
+        slot0: usize,
+        k_rows: &[f32],
+        v_rows: &[f32],
+        scratch: &mut Vec<f16>,
+    ) {
         let (hd, bs) = (self.geometry.head_dim, self.geometry.block_size_tokens);
         let n = k_rows.len() / hd;
-        assert!(k_rows.len() == n * hd && v_rows.len() == n * hd && slot0 + n <= bs, "rows must fill whole tokens of one block");
+        assert!(
+            k_rows.len() == n * hd && v_rows.len() == n * hd && slot0 + n <= bs,
+            "rows must fill whole tokens of one block"
+        );
         if let Some(q) = self.qlayout {
             let at = self.q_offset(&q, block, kv_head);
-            let LayerBufs::Quant { k: kb, v: vb } = &mut self.layers[layer] else { unreachable!() };
+            let LayerBufs::Quant { k: kb, v: vb } = &mut self.layers[layer] else {
+                unreachable!()
+            };
             for t in 0..n {
-                q.write_k(&mut kb[at..at + q.head_bytes()], slot0 + t, &k_rows[t * hd..(t + 1) * hd]);
-                q.write_v(&mut vb[at..at + q.head_bytes()], slot0 + t, &v_rows[t * hd..(t + 1) * hd]);
+                q.write_k(
+                    &mut kb[at..at + q.head_bytes()],
+                    slot0 + t,
+                    &k_rows[t * hd..(t + 1) * hd],
+                );
+                q.write_v(
+                    &mut vb[at..at + q.head_bytes()],
+                    slot0 + t,
+                    &v_rows[t * hd..(t + 1) * hd],
+                );
             }
             return;
         }
-        let (k_base, v_at) = (self.k_offset(block, kv_head, 0, 0), self.offset(block, kv_head, slot0));
-        let LayerBufs::Elems { k: kb, v: vb } = &mut self.layers[layer] else { unreachable!() };
+        let (k_base, v_at) = (
+            self.k_offset(block, kv_head, 0, 0),
+            self.offset(block, kv_head, slot0),
+        );
+        let LayerBufs::Elems { k: kb, v: vb } = &mut self.layers[layer] else {
+            unreachable!()
+        };
         vb.write(v_at, v_rows);
         match kb {
             Buf::F16(b) => {
@@ -289,10 +351,20 @@ impl KvStore {
 
     /// Reads slots `slot0..slot0 + out.len() / head_dim` of one KV head of a block's K as
     /// f32 rows.
-    pub fn read_k_rows(&self, layer: usize, block: u32, kv_head: usize, slot0: usize, out: &mut [f32]) {
+    pub fn read_k_rows(
+        &self,
+        layer: usize,
+        block: u32,
+        kv_head: usize,
+        slot0: usize,
+        out: &mut [f32],
+    ) {
         let (hd, bs) = (self.geometry.head_dim, self.geometry.block_size_tokens);
         let n = out.len() / hd;
-        assert!(out.len() == n * hd && slot0 + n <= bs, "rows must be whole tokens of one block");
+        assert!(
+            out.len() == n * hd && slot0 + n <= bs,
+            "rows must be whole tokens of one block"
+        );
         match &self.layers[layer] {
             LayerBufs::Elems { k, .. } => {
                 // K is transposed within a block (`[head_dim][slot]`): convert a span of
@@ -327,13 +399,23 @@ impl KvStore {
 
     /// Reads one KV head of a block's K transposed, as f32: `out[d * stride + slot]` for every
     /// slot of the block (`stride ≥ block_size_tokens`; padding lanes are left as they are).
-    pub fn read_k_transposed(&self, layer: usize, block: u32, kv_head: usize, stride: usize, out: &mut [f32]) {
+    pub fn read_k_transposed(
+        &self,
+        layer: usize,
+        block: u32,
+        kv_head: usize,
+        stride: usize,
+        out: &mut [f32],
+    ) {
         let bs = self.geometry.block_size_tokens;
         debug_assert!(stride >= bs && out.len() >= self.geometry.head_dim * stride);
         match &self.layers[layer] {
             LayerBufs::Elems { k, .. } => {
                 for d in 0..self.geometry.head_dim {
-                    k.read(self.k_offset(block, kv_head, 0, d), &mut out[d * stride..d * stride + bs]);
+                    k.read(
+                        self.k_offset(block, kv_head, 0, d),
+                        &mut out[d * stride..d * stride + bs],
+                    );
                 }
             }
             LayerBufs::Quant { k, .. } => {
@@ -351,9 +433,19 @@ impl KvStore {
     /// The raw storage of one layer, for the attention kernels.
     pub(crate) fn layer(&self, layer: usize) -> LayerKv<'_> {
         match &self.layers[layer] {
-            LayerBufs::Elems { k: Buf::F16(k), v: Buf::F16(v) } => LayerKv::F16 { k, v },
-            LayerBufs::Elems { k: Buf::F32(k), v: Buf::F32(v) } => LayerKv::F32 { k, v },
-            LayerBufs::Quant { k, v } => LayerKv::Quant { k, v, layout: self.qlayout.expect("quantised store") },
+            LayerBufs::Elems {
+                k: Buf::F16(k),
+                v: Buf::F16(v),
+            } => LayerKv::F16 { k, v },
+            LayerBufs::Elems {
+                k: Buf::F32(k),
+                v: Buf::F32(v),
+            } => LayerKv::F32 { k, v },
+            LayerBufs::Quant { k, v } => LayerKv::Quant {
+                k,
+                v,
+                layout: self.qlayout.expect("quantised store"),
+            },
             _ => unreachable!("K and V share a dtype"),
         }
     }
@@ -371,9 +463,19 @@ impl KvStore {
     }
 
     /// Reads slots `slot0..slot0 + out.len() / head_dim` of one KV head of a block's V.
-    pub fn read_v_rows(&self, layer: usize, block: u32, kv_head: usize, slot0: usize, out: &mut [f32]) {
+    pub fn read_v_rows(
+        &self,
+        layer: usize,
+        block: u32,
+        kv_head: usize,
+        slot0: usize,
+        out: &mut [f32],
+    ) {
         let (hd, bs) = (self.geometry.head_dim, self.geometry.block_size_tokens);
-        assert!(out.len().is_multiple_of(hd) && slot0 + out.len() / hd <= bs, "rows must be whole tokens of one block");
+        assert!(
+            out.len().is_multiple_of(hd) && slot0 + out.len() / hd <= bs,
+            "rows must be whole tokens of one block"
+        );
         match &self.layers[layer] {
             LayerBufs::Elems { v, .. } => v.read(self.offset(block, kv_head, slot0), out),
             LayerBufs::Quant { v, .. } => {
@@ -389,18 +491,34 @@ impl KvStore {
     /// Copies one token slot to another in every layer and KV head (prefill compaction).
     /// Quantised tokens are copied as bytes: they are never re-quantised.
     pub fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
-        self.copy_slot_in(0..self.geometry.n_layers, 0..self.geometry.n_kv_heads, src, dst)
+        self.copy_slot_in(
+            0..self.geometry.n_layers,
+            0..self.geometry.n_kv_heads,
+            src,
+            dst,
+        )
     }
 
     /// Copies one token slot to another in `layers` and `kv_heads` only (eviction that
     /// chooses tokens per layer or per KV head moves each unit's tokens separately).
-    pub fn copy_slot_in(&mut self, layers: std::ops::Range<usize>, kv_heads: std::ops::Range<usize>, src: (u32, usize), dst: (u32, usize)) {
+    pub fn copy_slot_in(
+        &mut self,
+        layers: std::ops::Range<usize>,
+        kv_heads: std::ops::Range<usize>,
+        src: (u32, usize),
+        dst: (u32, usize),
+    ) {
         let hd = self.geometry.head_dim;
         let bs = self.geometry.block_size_tokens;
         for h in kv_heads {
             let (vs, vd) = (self.offset(src.0, h, src.1), self.offset(dst.0, h, dst.1));
-            let (ks, kd) = (self.k_offset(src.0, h, src.1, 0), self.k_offset(dst.0, h, dst.1, 0));
-            let q_regions = self.qlayout.map(|q| (q, self.q_offset(&q, src.0, h), self.q_offset(&q, dst.0, h)));
+            let (ks, kd) = (
+                self.k_offset(src.0, h, src.1, 0),
+                self.k_offset(dst.0, h, dst.1, 0),
+            );
+            let q_regions = self
+                .qlayout
+                .map(|q| (q, self.q_offset(&q, src.0, h), self.q_offset(&q, dst.0, h)));
             for layer in self.layers[layers.clone()].iter_mut() {
                 match (layer, q_regions) {
                     (LayerBufs::Elems { k, v }, _) => {
@@ -421,7 +539,9 @@ impl KvStore {
     pub fn copy_block(&mut self, src: u32, dst: u32) {
         let n = self.geometry.block_elems();
         let (s, d) = (src as usize * n, dst as usize * n);
-        let qn = self.qlayout.map_or(0, |q| self.geometry.n_kv_heads * q.head_bytes());
+        let qn = self
+            .qlayout
+            .map_or(0, |q| self.geometry.n_kv_heads * q.head_bytes());
         for layer in self.layers.iter_mut() {
             match layer {
                 LayerBufs::Elems { k, v } => {
@@ -444,7 +564,13 @@ mod tests {
 
     #[test]
     fn write_read_copy_roundtrip() {
-        let g = KvGeometry { n_layers: 2, n_kv_heads: 2, head_dim: 4, block_size_tokens: 4, num_blocks: 3 };
+        let g = KvGeometry {
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 4,
+            block_size_tokens: 4,
+            num_blocks: 3,
+        };
         for dtype in [KvDtype::F16, KvDtype::F32] {
             let mut s = KvStore::new(g, dtype);
             let k: Vec<f32> = (0..8).map(|i| i as f32).collect();
@@ -463,7 +589,10 @@ mod tests {
             assert_eq!(&out[12..16], &[4.0, 5.0, 6.0, 7.0]);
             let mut kt = vec![0f32; 4 * 8];
             s.read_k_transposed(1, 1, 1, 8, &mut kt);
-            assert_eq!([kt[3], kt[8 + 3], kt[16 + 3], kt[24 + 3]], [4.0, 5.0, 6.0, 7.0]);
+            assert_eq!(
+                [kt[3], kt[8 + 3], kt[16 + 3], kt[24 + 3]],
+                [4.0, 5.0, 6.0, 7.0]
+            );
         }
     }
 
@@ -472,7 +601,13 @@ mod tests {
     fn head_rows_match_token_writes() {
         use rand::{Rng, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-        let g = KvGeometry { n_layers: 2, n_kv_heads: 3, head_dim: 64, block_size_tokens: 16, num_blocks: 4 };
+        let g = KvGeometry {
+            n_layers: 2,
+            n_kv_heads: 3,
+            head_dim: 64,
+            block_size_tokens: 16,
+            num_blocks: 4,
+        };
         for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Q8, KvDtype::Q4] {
             let (mut a, mut b) = (KvStore::new(g, dtype), KvStore::new(g, dtype));
             let n = 11;
@@ -480,11 +615,21 @@ mod tests {
             let k: Vec<f32> = (0..n * kvd).map(|_| rng.gen_range(-3.0..3.0)).collect();
             let v: Vec<f32> = (0..n * kvd).map(|_| rng.gen_range(-3.0..3.0)).collect();
             for t in 0..n {
-                a.write_token(1, 2, 3 + t, &k[t * kvd..(t + 1) * kvd], &v[t * kvd..(t + 1) * kvd]);
+                a.write_token(
+                    1,
+                    2,
+                    3 + t,
+                    &k[t * kvd..(t + 1) * kvd],
+                    &v[t * kvd..(t + 1) * kvd],
+                );
             }
             let mut scratch = Vec::new();
             for h in 0..g.n_kv_heads {
-                let rows = |x: &[f32]| (0..n).flat_map(|t| x[t * kvd + h * 64..t * kvd + (h + 1) * 64].to_vec()).collect::<Vec<f32>>();
+                let rows = |x: &[f32]| {
+                    (0..n)
+                        .flat_map(|t| x[t * kvd + h * 64..t * kvd + (h + 1) * 64].to_vec())
+                        .collect::<Vec<f32>>()
+                };
                 b.write_head_rows(1, 2, h, 3, &rows(&k), &rows(&v), &mut scratch);
             }
             let (mut x, mut y) = (vec![0f32; 16 * 64], vec![0f32; 16 * 64]);
@@ -505,7 +650,13 @@ mod tests {
     fn quantised_write_read_copy() {
         use rand::{Rng, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-        let g = KvGeometry { n_layers: 2, n_kv_heads: 2, head_dim: 64, block_size_tokens: 8, num_blocks: 4 };
+        let g = KvGeometry {
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 64,
+            block_size_tokens: 8,
+            num_blocks: 4,
+        };
         // Largest error for |x| < 2: half a step for q8, a whole step for q4 (kv_quant's tests).
         for (dtype, max_err) in [(KvDtype::Q8, 1.0 / 127.0), (KvDtype::Q4, 2.0 / 8.0)] {
             let mut s = KvStore::new(g, dtype);
@@ -517,8 +668,14 @@ mod tests {
             s.read_k(1, 2, 1, &mut ko);
             s.read_v(1, 2, 1, &mut vo);
             for d in 0..64 {
-                assert!((ko[5 * 64 + d] - k[64 + d]).abs() <= max_err * 1.01, "{dtype} K d {d}");
-                assert!((vo[5 * 64 + d] - v[64 + d]).abs() <= max_err * 1.01, "{dtype} V d {d}");
+                assert!(
+                    (ko[5 * 64 + d] - k[64 + d]).abs() <= max_err * 1.01,
+                    "{dtype} K d {d}"
+                );
+                assert!(
+                    (vo[5 * 64 + d] - v[64 + d]).abs() <= max_err * 1.01,
+                    "{dtype} V d {d}"
+                );
             }
             let mut kt = vec![0f32; 64 * 16];
             s.read_k_transposed(1, 2, 1, 16, &mut kt);
@@ -534,7 +691,13 @@ mod tests {
             s.read_v(1, 3, 1, &mut v2);
             assert_eq!((k2, v2), (ko, vo));
         }
-        assert_eq!(g.bytes_per_token(KvDtype::Q8) * 64, g.bytes_per_token(KvDtype::F16) * 34);
-        assert_eq!(g.bytes_per_token(KvDtype::Q4) * 64, g.bytes_per_token(KvDtype::F16) * 18);
+        assert_eq!(
+            g.bytes_per_token(KvDtype::Q8) * 64,
+            g.bytes_per_token(KvDtype::F16) * 34
+        );
+        assert_eq!(
+            g.bytes_per_token(KvDtype::Q4) * 64,
+            g.bytes_per_token(KvDtype::F16) * 18
+        );
     }
 }

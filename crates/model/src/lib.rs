@@ -7,8 +7,8 @@
 pub mod attention;
 pub mod backend;
 pub mod config;
-pub mod kquant;
 pub mod kernels;
+pub mod kquant;
 pub mod kv_store;
 pub mod llama;
 pub mod weights;

@@ -16,7 +16,10 @@ use pk_gguf::GgufFile;
 
 use crate::attention::{paged_attention, paged_attention_window, AttnSeq, AttnShape};
 use crate::config::{ModelConfig, RopeStyle};
-use crate::kernels::{add_in_place, gelu_mul_in_place, matmul, matmul_multi, rmsnorm, rmsnorm_rows_in_place, silu_mul_in_place, split_attention};
+use crate::kernels::{
+    add_in_place, gelu_mul_in_place, matmul, matmul_multi, rmsnorm, rmsnorm_rows_in_place,
+    silu_mul_in_place, split_attention,
+};
 use crate::kv_store::KvStore;
 use crate::weights::Weights;
 use crate::ModelError;
@@ -49,8 +52,14 @@ impl SeqForward<'_> {
             // Stored index = position: the window counts stored tokens.
             return (self.stored_start + i + 1).saturating_sub(window);
         }
-        assert_eq!(self.stored_positions.len(), self.stored_start, "a position for every stored token");
-        let old = self.stored_positions.partition_point(|&p| (p as usize) < lo_pos);
+        assert_eq!(
+            self.stored_positions.len(),
+            self.stored_start,
+            "a position for every stored token"
+        );
+        let old = self
+            .stored_positions
+            .partition_point(|&p| (p as usize) < lo_pos);
         if old < self.stored_start {
             old
         } else {
@@ -110,10 +119,24 @@ impl Llama {
 
     pub fn new(config: ModelConfig, weights: Weights) -> Llama {
         let hd = config.head_dim;
-        let freqs = |theta: f32| (0..hd / 2).map(|i| theta.powf(-2.0 * i as f32 / hd as f32)).collect::<Vec<f32>>();
+        let freqs = |theta: f32| {
+            (0..hd / 2)
+                .map(|i| theta.powf(-2.0 * i as f32 / hd as f32))
+                .collect::<Vec<f32>>()
+        };
         let inv_freq = freqs(config.rope_theta);
-        let inv_freq_local = config.extras.sliding_window.map(|w| freqs(w.rope_theta_local)).unwrap_or_default();
-        Llama { config, weights, inv_freq, inv_freq_local, scratch: Mutex::new(Scratch::default()) }
+        let inv_freq_local = config
+            .extras
+            .sliding_window
+            .map(|w| freqs(w.rope_theta_local))
+            .unwrap_or_default();
+        Llama {
+            config,
+            weights,
+            inv_freq,
+            inv_freq_local,
+            scratch: Mutex::new(Scratch::default()),
+        }
     }
 
     /// Runs the new tokens of every sequence through the model, writing their K/V into
@@ -125,14 +148,20 @@ impl Llama {
     /// Like `forward`, and also returns, per sequence, the post-RoPE queries of its last
     /// `capture_last[i]` new tokens (`[layer][token][n_heads * head_dim]`), which
     /// attention-based eviction policies score with. A missing entry means none.
-    pub fn forward_with_queries(&self, store: &mut KvStore, seqs: &[SeqForward], capture_last: &[usize]) -> (Vec<f32>, Vec<Vec<f32>>) {
+    pub fn forward_with_queries(
+        &self,
+        store: &mut KvStore,
+        seqs: &[SeqForward],
+        capture_last: &[usize],
+    ) -> (Vec<f32>, Vec<Vec<f32>>) {
         let c = &self.config;
         let (d, qd, kvd) = (c.d_model, c.q_dim(), c.kv_dim());
         let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         let bs = store.geometry.block_size_tokens;
 
         // A decode step: the pool times it and chooses whether to split it (see `Pool::step`).
-        let _step = (n <= crate::kernels::pool::DECODE_MAX_TOKENS).then(|| crate::kernels::pool::global().step(n));
+        let _step = (n <= crate::kernels::pool::DECODE_MAX_TOKENS)
+            .then(|| crate::kernels::pool::global().step(n));
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let sc = &mut *guard;
         let x = sized(&mut sc.x, n * d);
@@ -152,13 +181,21 @@ impl Llama {
         // Sliding-window layers: each row's first visible stored index (the same for every
         // such layer).
         let first_visible: Vec<usize> = match c.extras.sliding_window {
-            Some(w) => seqs.iter().flat_map(|s| (0..s.tokens.len()).map(move |i| s.first_visible(i, w.window_tokens))).collect(),
+            Some(w) => seqs
+                .iter()
+                .flat_map(|s| (0..s.tokens.len()).map(move |i| s.first_visible(i, w.window_tokens)))
+                .collect(),
             None => Vec::new(),
         };
         let mut attn_seqs = Vec::with_capacity(seqs.len());
         let mut row = 0;
         for s in seqs {
-            attn_seqs.push(AttnSeq { block_table: s.block_table, stored_start: s.stored_start, n_queries: s.tokens.len(), row_offset: row });
+            attn_seqs.push(AttnSeq {
+                block_table: s.block_table,
+                stored_start: s.stored_start,
+                n_queries: s.tokens.len(),
+                row_offset: row,
+            });
             row += s.tokens.len();
         }
         // RoPE angles once per row, not once per layer and head.
@@ -172,10 +209,16 @@ impl Llama {
                 }
             }
         };
-        let (rope_cos, rope_sin) = (sized(&mut sc.rope_cos, n * half), sized(&mut sc.rope_sin, n * half));
+        let (rope_cos, rope_sin) = (
+            sized(&mut sc.rope_cos, n * half),
+            sized(&mut sc.rope_sin, n * half),
+        );
         angles(&self.inv_freq, rope_cos, rope_sin);
         let has_local = !self.inv_freq_local.is_empty();
-        let (rope_cos_local, rope_sin_local) = (sized(&mut sc.rope_cos_local, if has_local { n * half } else { 0 }), sized(&mut sc.rope_sin_local, if has_local { n * half } else { 0 }));
+        let (rope_cos_local, rope_sin_local) = (
+            sized(&mut sc.rope_cos_local, if has_local { n * half } else { 0 }),
+            sized(&mut sc.rope_sin_local, if has_local { n * half } else { 0 }),
+        );
         if has_local {
             angles(&self.inv_freq_local, rope_cos_local, rope_sin_local);
         }
@@ -189,17 +232,32 @@ impl Llama {
         let proj = sized(&mut sc.proj, n * d);
         let gate = sized(&mut sc.gate, n * c.d_ff);
         let up = sized(&mut sc.up, n * c.d_ff);
-        let shape = AttnShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
+        let shape = AttnShape {
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+        };
 
         for (li, lw) in self.weights.layers.iter().enumerate() {
             for r in 0..n {
-                rmsnorm(&x[r * d..(r + 1) * d], &lw.attn_norm, c.rms_eps, &mut h[r * d..(r + 1) * d]);
+                rmsnorm(
+                    &x[r * d..(r + 1) * d],
+                    &lw.attn_norm,
+                    c.rms_eps,
+                    &mut h[r * d..(r + 1) * d],
+                );
             }
             // One pass: the normed input is quantised once for Q, K and V.
-            matmul_multi(&[&lw.wq, &lw.wk, &lw.wv], h, n, &mut [&mut *q, &mut *k, &mut *v]);
+            matmul_multi(
+                &[&lw.wq, &lw.wk, &lw.wv],
+                h,
+                n,
+                &mut [&mut *q, &mut *k, &mut *v],
+            );
             for (out, bias) in [(&mut *q, &lw.bq), (&mut *k, &lw.bk), (&mut *v, &lw.bv)] {
                 if let Some(b) = bias {
-                    out.chunks_exact_mut(b.len()).for_each(|row| add_in_place(row, b));
+                    out.chunks_exact_mut(b.len())
+                        .for_each(|row| add_in_place(row, b));
                 }
             }
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
@@ -207,9 +265,16 @@ impl Llama {
                 rmsnorm_rows_in_place(k, kn, c.rms_eps);
             }
             let window = c.layer_window(li);
-            let (layer_cos, layer_sin): (&[f32], &[f32]) = if window.is_some() && has_local { (rope_cos_local, rope_sin_local) } else { (rope_cos, rope_sin) };
+            let (layer_cos, layer_sin): (&[f32], &[f32]) = if window.is_some() && has_local {
+                (rope_cos_local, rope_sin_local)
+            } else {
+                (rope_cos, rope_sin)
+            };
             for r in 0..n {
-                let (cos, sin) = (&layer_cos[r * half..(r + 1) * half], &layer_sin[r * half..(r + 1) * half]);
+                let (cos, sin) = (
+                    &layer_cos[r * half..(r + 1) * half],
+                    &layer_sin[r * half..(r + 1) * half],
+                );
                 self.rope(&mut q[r * qd..(r + 1) * qd], cos, sin);
                 self.rope(&mut k[r * kvd..(r + 1) * kvd], cos, sin);
             }
@@ -224,7 +289,13 @@ impl Llama {
                 for i in 0..s.tokens.len() {
                     let idx = s.stored_start + i;
                     let r = a.row_offset + i;
-                    store.write_token(li, s.block_table[idx / bs], idx % bs, &k[r * kvd..(r + 1) * kvd], &v[r * kvd..(r + 1) * kvd]);
+                    store.write_token(
+                        li,
+                        s.block_table[idx / bs],
+                        idx % bs,
+                        &k[r * kvd..(r + 1) * kvd],
+                        &v[r * kvd..(r + 1) * kvd],
+                    );
                 }
             }
             // Decode steps spread attention over the decode pool (same bits, see
@@ -238,7 +309,12 @@ impl Llama {
             self.residual_add(x, proj, lw.post_attn_norm.as_deref(), h);
 
             for r in 0..n {
-                rmsnorm(&x[r * d..(r + 1) * d], &lw.ffn_norm, c.rms_eps, &mut h[r * d..(r + 1) * d]);
+                rmsnorm(
+                    &x[r * d..(r + 1) * d],
+                    &lw.ffn_norm,
+                    c.rms_eps,
+                    &mut h[r * d..(r + 1) * d],
+                );
             }
             matmul_multi(&[&lw.w_gate, &lw.w_up], h, n, &mut [&mut *gate, &mut *up]);
             if c.extras.gelu {
@@ -258,7 +334,12 @@ impl Llama {
                 let r = a.row_offset + i;
                 let at = sel.len();
                 sel.resize(at + d, 0.0);
-                rmsnorm(&x[r * d..(r + 1) * d], &self.weights.output_norm, c.rms_eps, &mut sel[at..]);
+                rmsnorm(
+                    &x[r * d..(r + 1) * d],
+                    &self.weights.output_norm,
+                    c.rms_eps,
+                    &mut sel[at..],
+                );
             }
         }
         let n_out = sel.len() / d;
@@ -315,11 +396,29 @@ mod tests {
     #[test]
     fn first_visible_follows_positions() {
         let table = [0u32];
-        let plain = SeqForward { tokens: &[1, 2, 3], start_position: 10, stored_start: 10, block_table: &table, ..Default::default() };
-        assert_eq!((0..3).map(|i| plain.first_visible(i, 4)).collect::<Vec<_>>(), [7, 8, 9]);
+        let plain = SeqForward {
+            tokens: &[1, 2, 3],
+            start_position: 10,
+            stored_start: 10,
+            block_table: &table,
+            ..Default::default()
+        };
+        assert_eq!(
+            (0..3)
+                .map(|i| plain.first_visible(i, 4))
+                .collect::<Vec<_>>(),
+            [7, 8, 9]
+        );
         // Stored tokens at positions 0, 1, 5, 8, 9 (others evicted); new tokens at 10, 11, 12.
         let pos = [0u32, 1, 5, 8, 9];
-        let evicted = SeqForward { tokens: &[1, 2, 3], start_position: 10, stored_start: 5, block_table: &table, stored_positions: &pos, ..Default::default() };
+        let evicted = SeqForward {
+            tokens: &[1, 2, 3],
+            start_position: 10,
+            stored_start: 5,
+            block_table: &table,
+            stored_positions: &pos,
+            ..Default::default()
+        };
         // Window 4 at position 10 covers positions 7..=10: stored 8 and 9 (indices 3, 4).
         assert_eq!(evicted.first_visible(0, 4), 3);
         // Window 6 at position 12 covers 7..=12: still from index 3.
@@ -341,17 +440,43 @@ mod tests {
         cfg.vocab_size = 4096;
         let model = Llama::new(cfg.clone(), Weights::random(&cfg, GgmlType::Q4_1, 7));
         let pool = crate::kernels::pool::global();
-        let g = KvGeometry { n_layers: cfg.n_layers, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim, block_size_tokens: 16, num_blocks: 8 };
+        let g = KvGeometry {
+            n_layers: cfg.n_layers,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size_tokens: 16,
+            num_blocks: 8,
+        };
         let table: Vec<u32> = (0..8).collect();
         let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 4096).collect();
         let run = |threads: usize| {
             pool.set_active_threads(threads);
             let mut store = KvStore::new(g, KvDtype::F16);
-            model.forward(&mut store, &[SeqForward { tokens: &prompt[..30], start_position: 0, stored_start: 0, block_table: &table, logits_from: 30, stored_positions: &[] }]);
+            model.forward(
+                &mut store,
+                &[SeqForward {
+                    tokens: &prompt[..30],
+                    start_position: 0,
+                    stored_start: 0,
+                    block_table: &table,
+                    logits_from: 30,
+                    stored_positions: &[],
+                }],
+            );
             let mut out = Vec::new();
             for (i, &t) in prompt[30..].iter().enumerate() {
                 let pos = 30 + i;
-                let l = model.forward(&mut store, &[SeqForward { tokens: &[t], start_position: pos, stored_start: pos, block_table: &table, logits_from: 0, stored_positions: &[] }]);
+                let l = model.forward(
+                    &mut store,
+                    &[SeqForward {
+                        tokens: &[t],
+                        start_position: pos,
+                        stored_start: pos,
+                        block_table: &table,
+                        logits_from: 0,
+                        stored_positions: &[],
+                    }],
+                );
                 out.extend(l.iter().map(|v| v.to_bits()));
             }
             out
@@ -364,7 +489,17 @@ mod tests {
         pool.set_active_threads(pool.threads());
         assert_eq!(one, all);
         let mut store = KvStore::new(g, KvDtype::F16);
-        let whole = model.forward(&mut store, &[SeqForward { tokens: &prompt, start_position: 0, stored_start: 0, block_table: &table, logits_from: 30, stored_positions: &[] }]);
+        let whole = model.forward(
+            &mut store,
+            &[SeqForward {
+                tokens: &prompt,
+                start_position: 0,
+                stored_start: 0,
+                block_table: &table,
+                logits_from: 30,
+                stored_positions: &[],
+            }],
+        );
         assert_eq!(one, whole.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
     }
 }

@@ -59,13 +59,41 @@ impl Weights {
                     w_gate: matrix(f, &p("ffn_gate"), cfg.d_ff, cfg.d_model)?,
                     w_up: matrix(f, &p("ffn_up"), cfg.d_ff, cfg.d_model)?,
                     w_down: matrix(f, &p("ffn_down"), cfg.d_model, cfg.d_ff)?,
-                    q_norm: cfg.extras.qk_norm.then(|| vector(f, &p("attn_q_norm"), cfg.head_dim)).transpose()?,
-                    k_norm: cfg.extras.qk_norm.then(|| vector(f, &p("attn_k_norm"), cfg.head_dim)).transpose()?,
-                    post_attn_norm: cfg.extras.post_norms.then(|| vector(f, &p("post_attention_norm"), cfg.d_model)).transpose()?,
-                    post_ffn_norm: cfg.extras.post_norms.then(|| vector(f, &p("post_ffw_norm"), cfg.d_model)).transpose()?,
-                    bq: cfg.extras.qkv_bias.then(|| vector(f, &format!("blk.{i}.attn_q.bias"), cfg.q_dim())).transpose()?,
-                    bk: cfg.extras.qkv_bias.then(|| vector(f, &format!("blk.{i}.attn_k.bias"), cfg.kv_dim())).transpose()?,
-                    bv: cfg.extras.qkv_bias.then(|| vector(f, &format!("blk.{i}.attn_v.bias"), cfg.kv_dim())).transpose()?,
+                    q_norm: cfg
+                        .extras
+                        .qk_norm
+                        .then(|| vector(f, &p("attn_q_norm"), cfg.head_dim))
+                        .transpose()?,
+                    k_norm: cfg
+                        .extras
+                        .qk_norm
+                        .then(|| vector(f, &p("attn_k_norm"), cfg.head_dim))
+                        .transpose()?,
+                    post_attn_norm: cfg
+                        .extras
+                        .post_norms
+                        .then(|| vector(f, &p("post_attention_norm"), cfg.d_model))
+                        .transpose()?,
+                    post_ffn_norm: cfg
+                        .extras
+                        .post_norms
+                        .then(|| vector(f, &p("post_ffw_norm"), cfg.d_model))
+                        .transpose()?,
+                    bq: cfg
+                        .extras
+                        .qkv_bias
+                        .then(|| vector(f, &format!("blk.{i}.attn_q.bias"), cfg.q_dim()))
+                        .transpose()?,
+                    bk: cfg
+                        .extras
+                        .qkv_bias
+                        .then(|| vector(f, &format!("blk.{i}.attn_k.bias"), cfg.kv_dim()))
+                        .transpose()?,
+                    bv: cfg
+                        .extras
+                        .qkv_bias
+                        .then(|| vector(f, &format!("blk.{i}.attn_v.bias"), cfg.kv_dim()))
+                        .transpose()?,
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
@@ -89,7 +117,15 @@ impl Weights {
     fn place_in_arena(&mut self) {
         let mut mats: Vec<&mut QMatrix> = Vec::new();
         for l in &mut self.layers {
-            mats.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down]);
+            mats.extend([
+                &mut l.wq,
+                &mut l.wk,
+                &mut l.wv,
+                &mut l.wo,
+                &mut l.w_gate,
+                &mut l.w_up,
+                &mut l.w_down,
+            ]);
         }
         mats.extend(self.output.as_mut());
         mats.push(&mut self.token_embd);
@@ -121,7 +157,12 @@ impl Weights {
                 bv: cfg.extras.qkv_bias.then(|| vec![0.01; cfg.kv_dim()]),
             })
             .collect();
-        let mut w = Weights { token_embd: m(cfg.vocab_size, cfg.d_model), layers, output_norm: vec![1.0; cfg.d_model], output: None };
+        let mut w = Weights {
+            token_embd: m(cfg.vocab_size, cfg.d_model),
+            layers,
+            output_norm: vec![1.0; cfg.d_model],
+            output: None,
+        };
         w.place_in_arena();
         w
     }
@@ -138,14 +179,22 @@ fn matrix(f: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<QMatrix,
     // K-quants run as the integer kernels' formats (see `kquant`).
     match crate::kquant::convert(info.ggml_type, f.tensor_data(info)) {
         Some((ty, data)) => Ok(QMatrix::new(ty, rows, cols, data)),
-        None => Ok(QMatrix::new(info.ggml_type, rows, cols, f.tensor_data(info).to_vec())),
+        None => Ok(QMatrix::new(
+            info.ggml_type,
+            rows,
+            cols,
+            f.tensor_data(info).to_vec(),
+        )),
     }
 }
 
 fn vector(f: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
     let info = f.tensor_info(name)?;
     if info.n_elems() as usize != len {
-        return Err(ModelError::BadConfig(format!("tensor {name} has {} elements, expected {len}", info.n_elems())));
+        return Err(ModelError::BadConfig(format!(
+            "tensor {name} has {} elements, expected {len}",
+            info.n_elems()
+        )));
     }
     let mut out = vec![0f32; len];
     dequantize(info.ggml_type, f.tensor_data(info), &mut out);
@@ -155,17 +204,27 @@ fn vector(f: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, ModelError> 
 /// Random blocks whose scale fields are valid small f16 values (random bytes there would
 /// make NaNs and infinities, which run at different speeds on some CPUs).
 fn random_matrix(rng: &mut impl Rng, ty: GgmlType, rows: usize, cols: usize) -> QMatrix {
-    let row_bytes = ty.row_bytes(cols).expect("dummy shapes are block multiples");
+    let row_bytes = ty
+        .row_bytes(cols)
+        .expect("dummy shapes are block multiples");
     let mut data = vec![0u8; rows * row_bytes];
     rng.fill(&mut data[..]);
-    let scale = |rng: &mut dyn rand::RngCore| half::f16::from_f32(rng.gen_range(0.001f32..0.01)).to_le_bytes();
+    let scale = |rng: &mut dyn rand::RngCore| {
+        half::f16::from_f32(rng.gen_range(0.001f32..0.01)).to_le_bytes()
+    };
     let bb = ty.block_bytes();
     for blk in data.chunks_exact_mut(bb) {
         match ty {
             GgmlType::F32 => blk.copy_from_slice(&rng.gen_range(-0.05f32..0.05).to_le_bytes()),
-            GgmlType::F16 => blk.copy_from_slice(&half::f16::from_f32(rng.gen_range(-0.05..0.05)).to_le_bytes()),
-            GgmlType::BF16 => blk.copy_from_slice(&half::bf16::from_f32(rng.gen_range(-0.05..0.05)).to_le_bytes()),
-            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => blk[0..2].copy_from_slice(&scale(rng)),
+            GgmlType::F16 => {
+                blk.copy_from_slice(&half::f16::from_f32(rng.gen_range(-0.05..0.05)).to_le_bytes())
+            }
+            GgmlType::BF16 => {
+                blk.copy_from_slice(&half::bf16::from_f32(rng.gen_range(-0.05..0.05)).to_le_bytes())
+            }
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => {
+                blk[0..2].copy_from_slice(&scale(rng))
+            }
             GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q6S => {
                 blk[0..2].copy_from_slice(&scale(rng));
                 blk[2..4].copy_from_slice(&scale(rng));

@@ -27,9 +27,15 @@ use pk_model::{KvDtype, KvGeometry, KvStore, Llama, SeqForward};
 fn model_path(file: &str) -> std::path::PathBuf {
     let home = std::env::var_os("PAGEKEEPER_HOME")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/pagekeeper"));
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/pagekeeper")
+        });
     let p = home.join(file);
-    assert!(p.exists(), "{} is missing: run `pagekeeper fetch-model --name all` first", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run `pagekeeper fetch-model --name all` first",
+        p.display()
+    );
     p
 }
 
@@ -40,7 +46,11 @@ fn log_softmax(x: &[f32]) -> Vec<f32> {
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 /// What one prompt measured: the largest |Δ log-prob| over llama.cpp's top-5 at any step,
@@ -56,7 +66,10 @@ struct PromptReport {
 /// Teacher-forces every prompt of `fixture` through `model_file` in one forward call per
 /// prompt (prompt and forced tokens as one batch; a deliberately non-contiguous block table).
 fn teacher_forced(model_file: &str, fixture_file: &str) -> Vec<PromptReport> {
-    let path = format!("{}/../../tests/fixtures/{fixture_file}", env!("CARGO_MANIFEST_DIR"));
+    let path = format!(
+        "{}/../../tests/fixtures/{fixture_file}",
+        env!("CARGO_MANIFEST_DIR")
+    );
     let fixture = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
     let f = pk_gguf::GgufFile::open(model_path(model_file)).unwrap();
     let model = Llama::from_gguf(&f).unwrap();
@@ -73,10 +86,26 @@ fn teacher_forced(model_file: &str, fixture_file: &str) -> Vec<PromptReport> {
         let bs = 16;
         let num_blocks = tokens.len().div_ceil(bs);
         // llama.cpp's default cache is f16, so ours is too.
-        let geometry = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, block_size_tokens: bs, num_blocks };
+        let geometry = KvGeometry {
+            n_layers: c.n_layers,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            block_size_tokens: bs,
+            num_blocks,
+        };
         let mut store = KvStore::new(geometry, KvDtype::F16);
         let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
-        let logits = model.forward(&mut store, &[SeqForward { tokens: &tokens, start_position: 0, stored_start: 0, block_table: &table, logits_from: prompt.len() - 1, stored_positions: &[] }]);
+        let logits = model.forward(
+            &mut store,
+            &[SeqForward {
+                tokens: &tokens,
+                start_position: 0,
+                stored_start: 0,
+                block_table: &table,
+                logits_from: prompt.len() - 1,
+                stored_positions: &[],
+            }],
+        );
         let (mut max_abs, mut sum_abs, mut n) = (0f32, 0f32, 0usize);
         let mut flips = Vec::new();
         for (step, want) in steps.iter().enumerate() {
@@ -88,13 +117,20 @@ fn teacher_forced(model_file: &str, fixture_file: &str) -> Vec<PromptReport> {
                 sum_abs += d;
                 n += 1;
             }
-            let ours = (0..lp.len()).max_by(|&a, &b| lp[a].total_cmp(&lp[b])).unwrap();
+            let ours = (0..lp.len())
+                .max_by(|&a, &b| lp[a].total_cmp(&lp[b]))
+                .unwrap();
             let theirs = greedy[step] as usize;
             if ours != theirs {
                 flips.push((step, lp[ours] - lp[theirs]));
             }
         }
-        let r = PromptReport { name, max_abs_delta: max_abs, mean_abs_delta: sum_abs / n as f32, flips };
+        let r = PromptReport {
+            name,
+            max_abs_delta: max_abs,
+            mean_abs_delta: sum_abs / n as f32,
+            flips,
+        };
         // Printed so that re-measuring the bounds needs only `--nocapture`.
         eprintln!("{model_file} {}: {} steps, top-5 |Δ logprob| max {:.3} mean {:.4}, argmax differs at {:?}", r.name, steps.len(), r.max_abs_delta, r.mean_abs_delta, r.flips);
         reports.push(r);
@@ -106,8 +142,18 @@ fn teacher_forced(model_file: &str, fixture_file: &str) -> Vec<PromptReport> {
 /// the mean, and allows an argmax difference only at a near-tie (gap below `tie_nats`).
 fn check(reports: &[PromptReport], max_bound: f32, mean_bound: f32, tie_nats: f32) {
     for r in reports {
-        assert!(r.max_abs_delta < max_bound, "{}: top-5 log-prob differs from llama.cpp's by {} (bound {max_bound})", r.name, r.max_abs_delta);
-        assert!(r.mean_abs_delta < mean_bound, "{}: mean top-5 difference {} (bound {mean_bound})", r.name, r.mean_abs_delta);
+        assert!(
+            r.max_abs_delta < max_bound,
+            "{}: top-5 log-prob differs from llama.cpp's by {} (bound {max_bound})",
+            r.name,
+            r.max_abs_delta
+        );
+        assert!(
+            r.mean_abs_delta < mean_bound,
+            "{}: mean top-5 difference {} (bound {mean_bound})",
+            r.name,
+            r.mean_abs_delta
+        );
         for &(step, gap) in &r.flips {
             assert!(gap < tie_nats, "{}: step {step}: llama.cpp's greedy token is {gap} nats below our argmax (not a near-tie)", r.name);
         }
@@ -122,12 +168,18 @@ fn smollm2_teacher_forced_top5_match_llama_cpp() {
 
 #[test]
 fn qwen25_coder_05b_teacher_forced_top5_match_llama_cpp() {
-    let reports = teacher_forced("Qwen2.5-Coder-0.5B-Instruct.gguf", "qwen2.5-coder-0.5b-greedy.json");
+    let reports = teacher_forced(
+        "Qwen2.5-Coder-0.5B-Instruct.gguf",
+        "qwen2.5-coder-0.5b-greedy.json",
+    );
     check(&reports, 0.4, 0.1, 0.25);
 }
 
 #[test]
 fn qwen25_coder_15b_teacher_forced_top5_match_llama_cpp() {
-    let reports = teacher_forced("Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf", "qwen2.5-coder-1.5b-greedy.json");
+    let reports = teacher_forced(
+        "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
+        "qwen2.5-coder-1.5b-greedy.json",
+    );
     check(&reports, 0.7, 0.1, 0.1);
 }

@@ -50,7 +50,11 @@ impl Liveness {
 fn run_guarded(liveness: &Liveness, body: impl FnOnce()) {
     if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
         liveness.set(EngineState::Dead);
-        let msg = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_default();
+        let msg = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
         tracing::error!("the engine thread panicked ({msg}); every request now gets 503");
     }
 }
@@ -91,13 +95,27 @@ impl EngineHandle {
     }
 
     /// Starts a thread running `body` with the command receiver, under [`run_guarded`].
-    fn spawn_with(body: impl FnOnce(mpsc::Receiver<Command>, &Liveness, &std::sync::OnceLock<Arc<pk_evicpress::ContextStore>>) + Send + 'static) -> EngineHandle {
+    fn spawn_with(
+        body: impl FnOnce(
+                mpsc::Receiver<Command>,
+                &Liveness,
+                &std::sync::OnceLock<Arc<pk_evicpress::ContextStore>>,
+            ) + Send
+            + 'static,
+    ) -> EngineHandle {
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE_LEN);
         let liveness = Arc::new(Liveness::default());
         let contexts = Arc::new(std::sync::OnceLock::new());
         let (l, c) = (liveness.clone(), contexts.clone());
-        std::thread::Builder::new().name("engine".into()).spawn(move || run_guarded(&l, || body(rx, &l, &c))).expect("spawning the engine thread");
-        EngineHandle { tx, liveness, contexts }
+        std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || run_guarded(&l, || body(rx, &l, &c)))
+            .expect("spawning the engine thread");
+        EngineHandle {
+            tx,
+            liveness,
+            contexts,
+        }
     }
 
     pub fn state(&self) -> EngineState {
@@ -106,10 +124,12 @@ impl EngineHandle {
 
     pub async fn submit(&self, req: Request) -> Result<(), SubmitError> {
         let (reply, rx) = oneshot::channel();
-        self.tx.try_send(Command::Submit(req, reply)).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => SubmitError::QueueFull(COMMAND_QUEUE_LEN),
-            mpsc::error::TrySendError::Closed(_) => SubmitError::Stopped,
-        })?;
+        self.tx
+            .try_send(Command::Submit(req, reply))
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => SubmitError::QueueFull(COMMAND_QUEUE_LEN),
+                mpsc::error::TrySendError::Closed(_) => SubmitError::Stopped,
+            })?;
         rx.await.unwrap_or(Err(SubmitError::Stopped))
     }
 }
@@ -179,12 +199,22 @@ fn handle(engine: &mut Engine, cmd: Command) {
 }
 
 /// Publishes gauges and the counters' increments since the last call.
-fn publish(engine: &Engine, model: &str, last: &mut EngineStats, last_eviction: &mut std::collections::BTreeMap<String, pk_engine::EvictionStats>) {
+fn publish(
+    engine: &Engine,
+    model: &str,
+    last: &mut EngineStats,
+    last_eviction: &mut std::collections::BTreeMap<String, pk_engine::EvictionStats>,
+) {
     for (policy, now) in &engine.eviction_stats {
         let before = last_eviction.entry(policy.clone()).or_default();
-        let labels = [("model_name", model.to_string()), ("policy", policy.clone())];
-        metrics::counter!("pagekeeper:kv_evicted_blocks", &labels).increment(now.evicted_blocks - before.evicted_blocks);
-        metrics::counter!("pagekeeper:kv_pruned_prompt_tokens", &labels).increment(now.pruned_prompt_tokens - before.pruned_prompt_tokens);
+        let labels = [
+            ("model_name", model.to_string()),
+            ("policy", policy.clone()),
+        ];
+        metrics::counter!("pagekeeper:kv_evicted_blocks", &labels)
+            .increment(now.evicted_blocks - before.evicted_blocks);
+        metrics::counter!("pagekeeper:kv_pruned_prompt_tokens", &labels)
+            .increment(now.pruned_prompt_tokens - before.pruned_prompt_tokens);
         *before = now.clone();
     }
     let labels = [("model_name", model.to_string())];
@@ -192,11 +222,15 @@ fn publish(engine: &Engine, model: &str, last: &mut EngineStats, last_eviction: 
     metrics::gauge!("vllm:num_requests_waiting", &labels).set(engine.num_waiting() as f64);
     metrics::gauge!("vllm:kv_cache_usage_perc", &labels).set(engine.kv_manager().usage());
     let s = &engine.stats;
-    metrics::counter!("vllm:prompt_tokens", &labels).increment(s.prompt_tokens - last.prompt_tokens);
-    metrics::counter!("vllm:generation_tokens", &labels).increment(s.generation_tokens - last.generation_tokens);
+    metrics::counter!("vllm:prompt_tokens", &labels)
+        .increment(s.prompt_tokens - last.prompt_tokens);
+    metrics::counter!("vllm:generation_tokens", &labels)
+        .increment(s.generation_tokens - last.generation_tokens);
     metrics::counter!("vllm:num_preemptions", &labels).increment(s.preemptions - last.preemptions);
-    metrics::counter!("vllm:prefix_cache_queries", &labels).increment(s.prefix_queries_tokens - last.prefix_queries_tokens);
-    metrics::counter!("vllm:prefix_cache_hits", &labels).increment(s.prefix_hits_tokens - last.prefix_hits_tokens);
+    metrics::counter!("vllm:prefix_cache_queries", &labels)
+        .increment(s.prefix_queries_tokens - last.prefix_queries_tokens);
+    metrics::counter!("vllm:prefix_cache_hits", &labels)
+        .increment(s.prefix_hits_tokens - last.prefix_hits_tokens);
     *last = s.clone();
 }
 
@@ -219,7 +253,12 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert_eq!(h.state(), EngineState::Dead);
-        let req = Request { prompt_ids: vec![1], params: Default::default(), cache_salt: None, sink: Box::new(|_| true) };
+        let req = Request {
+            prompt_ids: vec![1],
+            params: Default::default(),
+            cache_salt: None,
+            sink: Box::new(|_| true),
+        };
         assert!(matches!(h.submit(req).await, Err(SubmitError::Stopped)));
     }
 }

@@ -11,14 +11,19 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::Stream;
-use pk_engine::{FinishReason, GenerateParams, Request, RequestError, RequestOutput, SamplingParams, SeqEvent, SubmitError};
+use pk_engine::{
+    FinishReason, GenerateParams, Request, RequestError, RequestOutput, SamplingParams, SeqEvent,
+    SubmitError,
+};
 
 use crate::engine_thread::EngineState;
 use pk_tokenizer::ChatMessage;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::openai::{ChatRequest, CommonParams, CompletionRequest, ErrorBody, ErrorDetail, PromptField, Usage};
+use crate::openai::{
+    ChatRequest, CommonParams, CompletionRequest, ErrorBody, ErrorDetail, PromptField, Usage,
+};
 use crate::AppState;
 
 pub struct ApiError {
@@ -29,10 +34,18 @@ pub struct ApiError {
 
 impl ApiError {
     fn bad(message: impl Into<String>) -> ApiError {
-        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), param: None }
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param: None,
+        }
     }
     fn param(param: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), param: Some(param.to_string()) }
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param: Some(param.to_string()),
+        }
     }
 }
 
@@ -52,12 +65,20 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let kind = self.error_type();
         let body = ErrorBody {
-            error: ErrorDetail { message: self.message, kind: kind.into(), param: self.param, code: Some(self.status.as_u16()) },
+            error: ErrorDetail {
+                message: self.message,
+                kind: kind.into(),
+                param: self.param,
+                code: Some(self.status.as_u16()),
+            },
         };
         let mut response = (self.status, Json(body)).into_response();
         if self.status == StatusCode::TOO_MANY_REQUESTS {
             // The queue drains in about a step; clients that honour it back off that long.
-            response.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
         }
         response
     }
@@ -65,7 +86,11 @@ impl IntoResponse for ApiError {
 
 /// Unknown paths: an OpenAI-style JSON 404, not an empty body.
 pub async fn not_found(uri: axum::http::Uri) -> ApiError {
-    ApiError { status: StatusCode::NOT_FOUND, message: format!("no route for {}", uri.path()), param: None }
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: format!("no route for {}", uri.path()),
+        param: None,
+    }
 }
 
 impl From<JsonRejection> for ApiError {
@@ -76,16 +101,27 @@ impl From<JsonRejection> for ApiError {
             StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNSUPPORTED_MEDIA_TYPE => r.status(),
             _ => StatusCode::BAD_REQUEST,
         };
-        ApiError { status, message: format!("malformed request body: {}", r.body_text()), param: None }
+        ApiError {
+            status,
+            message: format!("malformed request body: {}", r.body_text()),
+            param: None,
+        }
     }
 }
 
 fn now_unix() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 fn new_id(prefix: &str) -> String {
-    format!("{prefix}-{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>())
+    format!(
+        "{prefix}-{:016x}{:016x}",
+        rand::random::<u64>(),
+        rand::random::<u64>()
+    )
 }
 
 fn finish_str(r: FinishReason) -> &'static str {
@@ -96,11 +132,19 @@ fn finish_str(r: FinishReason) -> &'static str {
 }
 
 fn check_ready(state: &AppState) -> Result<(), ApiError> {
-    let unavailable = |m: &str| Err(ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: m.into(), param: None });
+    let unavailable = |m: &str| {
+        Err(ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: m.into(),
+            param: None,
+        })
+    };
     match state.engine.state() {
         EngineState::Ready => Ok(()),
         EngineState::Loading => unavailable("the model is still loading"),
-        EngineState::Dead => unavailable("the engine has stopped after an internal error; restart the server"),
+        EngineState::Dead => {
+            unavailable("the engine has stopped after an internal error; restart the server")
+        }
     }
 }
 
@@ -111,36 +155,71 @@ fn request_error(e: &RequestError) -> ApiError {
         RequestError::CacheFull(_) => StatusCode::SERVICE_UNAVAILABLE,
         RequestError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
     };
-    ApiError { status, message: e.to_string(), param: None }
+    ApiError {
+        status,
+        message: e.to_string(),
+        param: None,
+    }
 }
 
 /// Turns the shared request fields into engine parameters, validating every one.
 /// `prompt_param` names the prompt's field in errors (`prompt` or `messages`).
-fn generate_params(c: &CommonParams, prompt_param: &'static str, prompt_tokens: usize, default_max_tokens: Option<usize>, state: &AppState) -> Result<GenerateParams, ApiError> {
+fn generate_params(
+    c: &CommonParams,
+    prompt_param: &'static str,
+    prompt_tokens: usize,
+    default_max_tokens: Option<usize>,
+    state: &AppState,
+) -> Result<GenerateParams, ApiError> {
     if let Some(m) = &c.model {
         if m != &state.model_name {
-            return Err(ApiError { status: StatusCode::NOT_FOUND, message: format!("the model `{m}` does not exist; this server serves `{}`", state.model_name), param: Some("model".into()) });
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!(
+                    "the model `{m}` does not exist; this server serves `{}`",
+                    state.model_name
+                ),
+                param: Some("model".into()),
+            });
         }
     }
     if let Some((name, message)) = crate::openai::unsupported_field(&c.other) {
-        return Err(ApiError { status: StatusCode::BAD_REQUEST, message, param: Some(name) });
+        return Err(ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message,
+            param: Some(name),
+        });
     }
     if let Some(n) = c.n {
         if n != 1 {
-            return Err(ApiError::param("n", format!("only n = 1 is supported, got {n}")));
+            return Err(ApiError::param(
+                "n",
+                format!("only n = 1 is supported, got {n}"),
+            ));
         }
     }
     let kv_policy = match &c.kv_policy {
-        Some(p) => Some(p.parse::<pk_kv::PolicySpec>().map_err(|e| ApiError::param("kv_policy", e.to_string()))?),
+        Some(p) => Some(
+            p.parse::<pk_kv::PolicySpec>()
+                .map_err(|e| ApiError::param("kv_policy", e.to_string()))?,
+        ),
         None => None,
     };
     let kv_budget = match c.kv_budget {
-        Some(b) if b <= 0 || b > u32::MAX as i64 => return Err(ApiError::param("kv_budget", format!("kv_budget must be a positive number of tokens, got {b}"))),
+        Some(b) if b <= 0 || b > u32::MAX as i64 => {
+            return Err(ApiError::param(
+                "kv_budget",
+                format!("kv_budget must be a positive number of tokens, got {b}"),
+            ))
+        }
         Some(b) => Some(b as u32),
         None => None,
     };
     let kv_granularity = match &c.kv_granularity {
-        Some(g) => Some(g.parse::<pk_kv::KvGranularity>().map_err(|e| ApiError::param("kv_granularity", e.to_string()))?),
+        Some(g) => Some(
+            g.parse::<pk_kv::KvGranularity>()
+                .map_err(|e| ApiError::param("kv_granularity", e.to_string()))?,
+        ),
         None => None,
     };
     let limit = state.limits.max_total_tokens;
@@ -148,7 +227,12 @@ fn generate_params(c: &CommonParams, prompt_param: &'static str, prompt_tokens: 
         return Err(ApiError::param(prompt_param, format!("This model's maximum context length is {limit} tokens. However, your prompt has {prompt_tokens} tokens.")));
     }
     let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
-        Some(m) if m < 1 => return Err(ApiError::param("max_tokens", format!("max_tokens must be at least 1, got {m}"))),
+        Some(m) if m < 1 => {
+            return Err(ApiError::param(
+                "max_tokens",
+                format!("max_tokens must be at least 1, got {m}"),
+            ))
+        }
         Some(m) => m as usize,
         None => default_max_tokens.unwrap_or(limit - prompt_tokens),
     };
@@ -162,18 +246,37 @@ fn generate_params(c: &CommonParams, prompt_param: &'static str, prompt_tokens: 
         temperature: c.temperature.unwrap_or(1.0),
         top_k: match c.top_k {
             None | Some(-1) => 0,
-            Some(k) if k < 0 => return Err(ApiError::param("top_k", format!("top_k must be -1 or >= 0, got {k}"))),
+            Some(k) if k < 0 => {
+                return Err(ApiError::param(
+                    "top_k",
+                    format!("top_k must be -1 or >= 0, got {k}"),
+                ))
+            }
             Some(k) => k as usize,
         },
         top_p: c.top_p.unwrap_or(1.0),
         seed: c.seed.map(|s| s as u64),
     };
-    sampling.validate().map_err(|e| ApiError::param(e.param, e.message))?;
+    sampling
+        .validate()
+        .map_err(|e| ApiError::param(e.param, e.message))?;
     let stop = c.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     if stop.len() > 16 {
-        return Err(ApiError::param("stop", "at most 16 stop strings are supported"));
+        return Err(ApiError::param(
+            "stop",
+            "at most 16 stop strings are supported",
+        ));
     }
-    Ok(GenerateParams { sampling, max_tokens, stop, ignore_eos: c.ignore_eos, kv_policy, kv_budget, kv_granularity, ..Default::default() })
+    Ok(GenerateParams {
+        sampling,
+        max_tokens,
+        stop,
+        ignore_eos: c.ignore_eos,
+        kv_policy,
+        kv_budget,
+        kv_granularity,
+        ..Default::default()
+    })
 }
 
 struct Submitted {
@@ -181,13 +284,31 @@ struct Submitted {
     prompt_tokens: usize,
 }
 
-async fn submit(state: &AppState, prompt_ids: Vec<u32>, params: GenerateParams, cache_salt: Option<String>) -> Result<Submitted, ApiError> {
+async fn submit(
+    state: &AppState,
+    prompt_ids: Vec<u32>,
+    params: GenerateParams,
+    cache_salt: Option<String>,
+) -> Result<Submitted, ApiError> {
     let (tx, rx) = mpsc::unbounded_channel();
     let prompt_tokens = prompt_ids.len();
-    let req = Request { prompt_ids, params, cache_salt, sink: Box::new(move |e| tx.send(e).is_ok()) };
+    let req = Request {
+        prompt_ids,
+        params,
+        cache_salt,
+        sink: Box::new(move |e| tx.send(e).is_ok()),
+    };
     state.engine.submit(req).await.map_err(|e| match e {
-        SubmitError::QueueFull(_) => ApiError { status: StatusCode::TOO_MANY_REQUESTS, message: e.to_string(), param: None },
-        SubmitError::Stopped => ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: e.to_string(), param: None },
+        SubmitError::QueueFull(_) => ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: e.to_string(),
+            param: None,
+        },
+        SubmitError::Stopped => ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: e.to_string(),
+            param: None,
+        },
         SubmitError::Invalid(m) => ApiError::bad(m),
         SubmitError::InvalidParam { param, message } => ApiError::param(param, message),
     })?;
@@ -197,10 +318,13 @@ async fn submit(state: &AppState, prompt_ids: Vec<u32>, params: GenerateParams, 
 fn record_latencies(model: &str, o: &RequestOutput) {
     let labels = [("model_name", model.to_string())];
     let first = o.first_token_at.unwrap_or(o.finished_at);
-    metrics::histogram!("vllm:time_to_first_token_seconds", &labels).record(first.duration_since(o.arrival).as_secs_f64());
-    metrics::histogram!("vllm:e2e_request_latency_seconds", &labels).record(o.finished_at.duration_since(o.arrival).as_secs_f64());
+    metrics::histogram!("vllm:time_to_first_token_seconds", &labels)
+        .record(first.duration_since(o.arrival).as_secs_f64());
+    metrics::histogram!("vllm:e2e_request_latency_seconds", &labels)
+        .record(o.finished_at.duration_since(o.arrival).as_secs_f64());
     if o.token_ids.len() > 1 {
-        let itl = o.finished_at.duration_since(first).as_secs_f64() / (o.token_ids.len() - 1) as f64;
+        let itl =
+            o.finished_at.duration_since(first).as_secs_f64() / (o.token_ids.len() - 1) as f64;
         metrics::histogram!("vllm:inter_token_latency_seconds", &labels).record(itl);
     }
 }
@@ -217,7 +341,11 @@ async fn collect(mut s: Submitted, model: &str) -> Result<RequestOutput, ApiErro
             SeqEvent::Error(e) => return Err(request_error(&e)),
         }
     }
-    Err(ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: "the engine dropped the request".into(), param: None })
+    Err(ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        message: "the engine dropped the request".into(),
+        param: None,
+    })
 }
 
 /// What differs between the two endpoints' stream chunks.
@@ -227,7 +355,15 @@ enum Kind {
     Chat,
 }
 
-fn chunk(kind: Kind, id: &str, created: u64, model: &str, text: Option<&str>, finish: Option<&str>, first: bool) -> Value {
+fn chunk(
+    kind: Kind,
+    id: &str,
+    created: u64,
+    model: &str,
+    text: Option<&str>,
+    finish: Option<&str>,
+    first: bool,
+) -> Value {
     match kind {
         Kind::Completion => json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
@@ -249,7 +385,12 @@ fn chunk(kind: Kind, id: &str, created: u64, model: &str, text: Option<&str>, fi
     }
 }
 
-fn stream_response(kind: Kind, s: Submitted, model: String, include_usage: bool) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+fn stream_response(
+    kind: Kind,
+    s: Submitted,
+    model: String,
+    include_usage: bool,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let id = new_id(match kind {
         Kind::Completion => "cmpl",
         Kind::Chat => "chatcmpl",
@@ -260,7 +401,12 @@ fn stream_response(kind: Kind, s: Submitted, model: String, include_usage: bool)
     let stream = async_stream(move |yield_| async move {
         let mut first = true;
         if let Kind::Chat = kind {
-            if !yield_(Event::default().data(chunk(kind, &id, created, &model, Some(""), None, true).to_string())).await {
+            if !yield_(
+                Event::default()
+                    .data(chunk(kind, &id, created, &model, Some(""), None, true).to_string()),
+            )
+            .await
+            {
                 return;
             }
             first = false;
@@ -270,7 +416,11 @@ fn stream_response(kind: Kind, s: Submitted, model: String, include_usage: bool)
                 SeqEvent::Logits(_) => {}
                 SeqEvent::Text { text, .. } => {
                     if !text.is_empty() {
-                        if !yield_(Event::default().data(chunk(kind, &id, created, &model, Some(&text), None, first).to_string())).await {
+                        if !yield_(Event::default().data(
+                            chunk(kind, &id, created, &model, Some(&text), None, first).to_string(),
+                        ))
+                        .await
+                        {
                             return;
                         }
                         first = false;
@@ -283,13 +433,17 @@ fn stream_response(kind: Kind, s: Submitted, model: String, include_usage: bool)
                         Kind::Completion => Some(""),
                         Kind::Chat => None,
                     };
-                    yield_(Event::default().data(chunk(kind, &id, created, &model, text, Some(fin), first).to_string())).await;
+                    yield_(Event::default().data(
+                        chunk(kind, &id, created, &model, text, Some(fin), first).to_string(),
+                    ))
+                    .await;
                     if include_usage {
                         let obj = match kind {
                             Kind::Completion => "text_completion",
                             Kind::Chat => "chat.completion.chunk",
                         };
-                        let usage = Usage::new(prompt_tokens, o.token_ids.len(), o.cached_prompt_tokens);
+                        let usage =
+                            Usage::new(prompt_tokens, o.token_ids.len(), o.cached_prompt_tokens);
                         let v = json!({"id": id, "object": obj, "created": created, "model": model, "choices": [], "usage": usage});
                         yield_(Event::default().data(v.to_string())).await;
                     }
@@ -319,12 +473,13 @@ where
 {
     // Bounded: a slow client applies back-pressure instead of buffering without limit.
     let (tx, rx) = mpsc::channel::<Event>(64);
-    let send: Box<dyn Fn(Event) -> futures::future::BoxFuture<'static, bool> + Send + Sync> = Box::new(move |e| {
-        let tx = tx.clone();
-        // `false` once the client is gone: the caller then stops, dropping the request's
-        // event receiver, and the engine aborts the sequence at its next token.
-        Box::pin(async move { tx.send(e).await.is_ok() })
-    });
+    let send: Box<dyn Fn(Event) -> futures::future::BoxFuture<'static, bool> + Send + Sync> =
+        Box::new(move |e| {
+            let tx = tx.clone();
+            // `false` once the client is gone: the caller then stops, dropping the request's
+            // event receiver, and the engine aborts the sequence at its next token.
+            Box::pin(async move { tx.send(e).await.is_ok() })
+        });
     tokio::spawn(f(send));
     tokio_stream::wrappers::ReceiverStream::new(rx).map_ok()
 }
@@ -336,7 +491,10 @@ trait MapOk: Stream<Item = Event> + Sized {
 }
 impl<S: Stream<Item = Event>> MapOk for S {}
 
-pub async fn completions(State(state): State<Arc<AppState>>, body: Result<Json<CompletionRequest>, JsonRejection>) -> Result<Response, ApiError> {
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    body: Result<Json<CompletionRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
     check_ready(&state)?;
     let Json(req) = body?;
     if req.echo {
@@ -346,16 +504,28 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Result<Json<C
         PromptField::Text(t) => state.tokenizer.encode_prompt(t, true),
         PromptField::Tokens(ids) => ids.clone(),
         PromptField::TextBatch(v) if v.len() == 1 => state.tokenizer.encode_prompt(&v[0], true),
-        PromptField::TextBatch(_) => return Err(ApiError::param("prompt", "only one prompt per request is supported")),
+        PromptField::TextBatch(_) => {
+            return Err(ApiError::param(
+                "prompt",
+                "only one prompt per request is supported",
+            ))
+        }
     };
     if prompt_ids.is_empty() {
         return Err(ApiError::param("prompt", "the prompt is empty"));
     }
     let params = generate_params(&req.common, "prompt", prompt_ids.len(), Some(16), &state)?;
-    let include_usage = req.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let include_usage = req
+        .common
+        .stream_options
+        .as_ref()
+        .is_some_and(|o| o.include_usage);
     let s = submit(&state, prompt_ids, params, req.common.cache_salt.clone()).await?;
     if req.common.stream {
-        return Ok(stream_response(Kind::Completion, s, state.model_name.clone(), include_usage).into_response());
+        return Ok(
+            stream_response(Kind::Completion, s, state.model_name.clone(), include_usage)
+                .into_response(),
+        );
     }
     let prompt_tokens = s.prompt_tokens;
     let o = collect(s, &state.model_name).await?;
@@ -374,44 +544,86 @@ fn message_text(content: &Option<Value>) -> Result<String, ApiError> {
         Some(Value::Array(parts)) => {
             let mut out = String::new();
             for p in parts {
-                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
                     (Some("text"), Some(t)) => out.push_str(t),
-                    _ => return Err(ApiError::param("messages", "only text content parts are supported")),
+                    _ => {
+                        return Err(ApiError::param(
+                            "messages",
+                            "only text content parts are supported",
+                        ))
+                    }
                 }
             }
             Ok(out)
         }
-        Some(_) => Err(ApiError::param("messages", "message content must be a string or a list of text parts")),
+        Some(_) => Err(ApiError::param(
+            "messages",
+            "message content must be a string or a list of text parts",
+        )),
     }
 }
 
-pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Result<Json<ChatRequest>, JsonRejection>) -> Result<Response, ApiError> {
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    body: Result<Json<ChatRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
     check_ready(&state)?;
     let Json(req) = body?;
     if req.messages.is_empty() {
         return Err(ApiError::param("messages", "messages must not be empty"));
     }
     if req.messages.len() > state.limits.max_messages {
-        return Err(ApiError::param("messages", format!("at most {} messages are supported", state.limits.max_messages)));
+        return Err(ApiError::param(
+            "messages",
+            format!(
+                "at most {} messages are supported",
+                state.limits.max_messages
+            ),
+        ));
     }
     let mut msgs = Vec::with_capacity(req.messages.len());
     for m in &req.messages {
-        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {
-            return Err(ApiError::param("messages", format!("unsupported role {:?}", m.role)));
+        if !matches!(
+            m.role.as_str(),
+            "system" | "user" | "assistant" | "developer"
+        ) {
+            return Err(ApiError::param(
+                "messages",
+                format!("unsupported role {:?}", m.role),
+            ));
         }
         if let Some((name, message)) = crate::openai::unsupported_field(&m.other) {
-            return Err(ApiError::param("messages", format!("message field {message}; `{name}`")));
+            return Err(ApiError::param(
+                "messages",
+                format!("message field {message}; `{name}`"),
+            ));
         }
-        let role = if m.role == "developer" { "system" } else { m.role.as_str() };
+        let role = if m.role == "developer" {
+            "system"
+        } else {
+            m.role.as_str()
+        };
         msgs.push(ChatMessage::new(role, &message_text(&m.content)?));
     }
-    let prompt = state.chat_template.render(&msgs, true).map_err(|e| ApiError::param("messages", format!("chat template failed: {e}")))?;
+    let prompt = state
+        .chat_template
+        .render(&msgs, true)
+        .map_err(|e| ApiError::param("messages", format!("chat template failed: {e}")))?;
     let prompt_ids = state.tokenizer.encode_prompt(&prompt, true);
     let params = generate_params(&req.common, "messages", prompt_ids.len(), None, &state)?;
-    let include_usage = req.common.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let include_usage = req
+        .common
+        .stream_options
+        .as_ref()
+        .is_some_and(|o| o.include_usage);
     let s = submit(&state, prompt_ids, params, req.common.cache_salt.clone()).await?;
     if req.common.stream {
-        return Ok(stream_response(Kind::Chat, s, state.model_name.clone(), include_usage).into_response());
+        return Ok(
+            stream_response(Kind::Chat, s, state.model_name.clone(), include_usage).into_response(),
+        );
     }
     let prompt_tokens = s.prompt_tokens;
     let o = collect(s, &state.model_name).await?;
@@ -439,7 +651,11 @@ pub async fn health(State(state): State<Arc<AppState>>) -> Response {
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    ([("content-type", "text/plain; version=0.0.4")], state.metrics.render()).into_response()
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
 }
 
 /// `GET /v1/kv/contexts`: every context in the EVICPRESS store, where it lives and why

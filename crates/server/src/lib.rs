@@ -41,8 +41,12 @@ pub struct AppState {
 
 /// Installs the global Prometheus recorder (once per process).
 pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
-    const LATENCY_BUCKETS_S: &[f64] = &[0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
-    Ok(PrometheusBuilder::new().set_buckets(LATENCY_BUCKETS_S)?.install_recorder()?)
+    const LATENCY_BUCKETS_S: &[f64] = &[
+        0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    ];
+    Ok(PrometheusBuilder::new()
+        .set_buckets(LATENCY_BUCKETS_S)?
+        .install_recorder()?)
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -67,14 +71,15 @@ pub const DRAIN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(3
 async fn shutdown_signal() {
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!("cannot listen for SIGTERM ({e}); only Ctrl-C drains");
-                let _ = tokio::signal::ctrl_c().await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!("cannot listen for SIGTERM ({e}); only Ctrl-C drains");
+                    let _ = tokio::signal::ctrl_c().await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = term.recv() => {}
             _ = tokio::signal::ctrl_c() => {}
@@ -89,11 +94,18 @@ async fn shutdown_signal() {
 pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!("listening on http://{}", listener.local_addr()?);
-    eprintln!("pagekeeper: serving {} on http://{}", state.model_name, listener.local_addr()?);
+    eprintln!(
+        "pagekeeper: serving {} on http://{}",
+        state.model_name,
+        listener.local_addr()?
+    );
     let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
     let server = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
         shutdown_signal().await;
-        eprintln!("pagekeeper: shutting down; draining running requests (at most {} s)", DRAIN_DEADLINE.as_secs());
+        eprintln!(
+            "pagekeeper: shutting down; draining running requests (at most {} s)",
+            DRAIN_DEADLINE.as_secs()
+        );
         let _ = signalled_tx.send(());
     });
     let deadline = async move {

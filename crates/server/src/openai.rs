@@ -84,10 +84,17 @@ pub fn unsupported_field(other: &serde_json::Map<String, Value>) -> Option<(Stri
 fn is_no_op(name: &str, value: &Value) -> bool {
     match value {
         Value::Null | Value::Bool(false) => true,
-        Value::Number(n) => n.as_f64() == Some(0.0) || (name == "best_of" && n.as_f64() == Some(1.0)),
+        Value::Number(n) => {
+            n.as_f64() == Some(0.0) || (name == "best_of" && n.as_f64() == Some(1.0))
+        }
         Value::String(s) => s.is_empty() || name == "user",
         Value::Array(a) => a.is_empty(),
-        Value::Object(o) => o.is_empty() || (name == "response_format" && o.get("type").and_then(Value::as_str) == Some("text") && o.len() == 1),
+        Value::Object(o) => {
+            o.is_empty()
+                || (name == "response_format"
+                    && o.get("type").and_then(Value::as_str) == Some("text")
+                    && o.len() == 1)
+        }
         Value::Bool(true) => false,
     }
 }
@@ -162,7 +169,10 @@ mod tests {
     use super::*;
 
     fn fields(json: &str) -> serde_json::Map<String, Value> {
-        serde_json::from_str::<ChatRequest>(json).unwrap().common.other
+        serde_json::from_str::<ChatRequest>(json)
+            .unwrap()
+            .common
+            .other
     }
 
     /// Known fields land in their places; the others are refused by name unless their
@@ -171,23 +181,43 @@ mod tests {
     fn fields_that_ask_for_something_are_refused_by_name() {
         let base = r#""messages": [{"role": "user", "content": "hi"}], "temperature": 0"#;
         assert!(fields(&format!("{{{base}}}")).is_empty());
-        for no_op in [r#""logprobs": false"#, r#""presence_penalty": 0"#, r#""user": "alice""#, r#""tools": []"#, r#""best_of": 1"#, r#""response_format": {"type": "text"}"#, r#""logit_bias": {}"#] {
-            assert_eq!(unsupported_field(&fields(&format!("{{{base}, {no_op}}}"))), None, "{no_op}");
+        for no_op in [
+            r#""logprobs": false"#,
+            r#""presence_penalty": 0"#,
+            r#""user": "alice""#,
+            r#""tools": []"#,
+            r#""best_of": 1"#,
+            r#""response_format": {"type": "text"}"#,
+            r#""logit_bias": {}"#,
+        ] {
+            assert_eq!(
+                unsupported_field(&fields(&format!("{{{base}, {no_op}}}"))),
+                None,
+                "{no_op}"
+            );
         }
         for (asks, name) in [
             (r#""logprobs": true"#, "logprobs"),
             (r#""top_logprobs": 5"#, "top_logprobs"),
             (r#""presence_penalty": 0.5"#, "presence_penalty"),
-            (r#""response_format": {"type": "json_object"}"#, "response_format"),
+            (
+                r#""response_format": {"type": "json_object"}"#,
+                "response_format",
+            ),
             (r#""tools": [{"type": "function"}]"#, "tools"),
             (r#""logit_bias": {"50256": -100}"#, "logit_bias"),
             (r#""frobnicate": 1"#, "frobnicate"),
         ] {
-            let (field, message) = unsupported_field(&fields(&format!("{{{base}, {asks}}}"))).expect(asks);
+            let (field, message) =
+                unsupported_field(&fields(&format!("{{{base}, {asks}}}"))).expect(asks);
             assert_eq!(field, name);
             assert!(message.contains(name), "{message}");
         }
-        let msg: ChatMessageIn = serde_json::from_str(r#"{"role": "user", "content": "hi", "name": "bob"}"#).unwrap();
-        assert_eq!(unsupported_field(&msg.other).map(|f| f.0), Some("name".to_string()));
+        let msg: ChatMessageIn =
+            serde_json::from_str(r#"{"role": "user", "content": "hi", "name": "bob"}"#).unwrap();
+        assert_eq!(
+            unsupported_field(&msg.other).map(|f| f.0),
+            Some("name".to_string())
+        );
     }
 }

@@ -132,7 +132,12 @@ impl Harness<'_> {
                         let want: Vec<_> = expected.iter().map(|&v| key(v)).collect();
                         prop_assert_eq!(got, want, "step {}: victims of storing {}", step, k);
                         for (v, &n) in victims.iter().zip(&expected) {
-                            prop_assert_eq!(&v.payload[..], &self.payload(n)[..], "victim {} bytes", n);
+                            prop_assert_eq!(
+                                &v.payload[..],
+                                &self.payload(n)[..],
+                                "victim {} bytes",
+                                n
+                            );
                         }
                     } else {
                         prop_assert!(victims.is_empty());
@@ -141,16 +146,33 @@ impl Harness<'_> {
                 Op::Load(k) => {
                     let got = t.load(&key(k)).unwrap();
                     if model.touch(k) {
-                        prop_assert_eq!(got.as_deref(), Some(&self.payload(k)[..]), "step {}: load {}", step, k);
+                        prop_assert_eq!(
+                            got.as_deref(),
+                            Some(&self.payload(k)[..]),
+                            "step {}: load {}",
+                            step,
+                            k
+                        );
                     } else {
-                        prop_assert!(got.is_none(), "step {}: {} was never stored or is gone", step, k);
+                        prop_assert!(
+                            got.is_none(),
+                            "step {}: {} was never stored or is gone",
+                            step,
+                            k
+                        );
                     }
                 }
                 Op::Contains(k) => {
                     prop_assert_eq!(t.contains(&key(k)).unwrap(), model.position(k).is_some());
                 }
                 Op::Delete(k) => {
-                    prop_assert_eq!(t.delete(&key(k)).unwrap(), model.delete(k), "step {}: delete {}", step, k);
+                    prop_assert_eq!(
+                        t.delete(&key(k)).unwrap(),
+                        model.delete(k),
+                        "step {}: delete {}",
+                        step,
+                        k
+                    );
                 }
                 Op::Reopen if reopen_supported => {
                     // The old handle is dropped first, as a restarted process would.
@@ -160,17 +182,34 @@ impl Harness<'_> {
                 Op::Reopen => {}
             }
             let t = tier.as_ref().unwrap();
-            prop_assert!(t.usage_bytes() <= capacity_bytes, "step {}: over capacity", step);
-            prop_assert_eq!(t.usage_bytes(), model.usage_bytes(), "step {}: usage after {:?}", step, op);
+            prop_assert!(
+                t.usage_bytes() <= capacity_bytes,
+                "step {}: over capacity",
+                step
+            );
+            prop_assert_eq!(
+                t.usage_bytes(),
+                model.usage_bytes(),
+                "step {}: usage after {:?}",
+                step,
+                op
+            );
             let present = t.contains_many(&all_keys).unwrap();
-            let expected: Vec<bool> = (0..KEY_SPACE).map(|k| model.position(k).is_some()).collect();
+            let expected: Vec<bool> = (0..KEY_SPACE)
+                .map(|k| model.position(k).is_some())
+                .collect();
             prop_assert_eq!(present, expected, "step {}: contents after {:?}", step, op);
         }
         // Everything still acknowledged is readable, byte for byte.
         let t = tier.as_ref().unwrap();
         for &(k, _) in &model.entries.clone() {
             let got = t.load(&key(k)).unwrap();
-            prop_assert_eq!(got.as_deref(), Some(&self.payload(k)[..]), "final load {}", k);
+            prop_assert_eq!(
+                got.as_deref(),
+                Some(&self.payload(k)[..]),
+                "final load {}",
+                k
+            );
         }
         Ok(())
     }

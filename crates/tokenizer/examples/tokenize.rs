@@ -12,7 +12,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let tokenizer = pk_tokenizer::Tokenizer::from_gguf(&file)?;
     eprintln!("loaded {tokenizer:?} in {:?}", started.elapsed());
     for id in tokenizer.encode(&text, true) {
-        println!("{id:>7} {:?}", String::from_utf8_lossy(tokenizer.token_bytes(id)));
+        println!(
+            "{id:>7} {:?}",
+            String::from_utf8_lossy(tokenizer.token_bytes(id))
+        );
     }
     Ok(())
 }

@@ -49,16 +49,26 @@ struct Symbol {
 
 impl BpeModel {
     /// Builds the model from merge strings (`"Ġ t"`) in rank order.
-    pub fn new(vocab: &Vocab, merges: &[&str], pre: PreTokenizer) -> Result<BpeModel, TokenizerError> {
+    pub fn new(
+        vocab: &Vocab,
+        merges: &[&str],
+        pre: PreTokenizer,
+    ) -> Result<BpeModel, TokenizerError> {
         let mut byte_tokens = [NO_TOKEN; 256];
         for (b, slot) in byte_tokens.iter_mut().enumerate() {
-            *slot = vocab.id(byte_to_char(b as u8).encode_utf8(&mut [0; 4])).unwrap_or(NO_TOKEN);
+            *slot = vocab
+                .id(byte_to_char(b as u8).encode_utf8(&mut [0; 4]))
+                .unwrap_or(NO_TOKEN);
         }
         let mut table = HashMap::with_capacity(merges.len());
         for (rank, merge) in merges.iter().enumerate() {
             // llama.cpp splits at the first space after the first character, so a merge
             // whose left part starts with a space still parses.
-            let split = merge.char_indices().skip(1).find(|&(_, c)| c == ' ').map(|(i, _)| i);
+            let split = merge
+                .char_indices()
+                .skip(1)
+                .find(|&(_, c)| c == ' ')
+                .map(|(i, _)| i);
             let Some(split) = split else {
                 return Err(TokenizerError::InvalidMetadata {
                     key: "tokenizer.ggml.merges",
@@ -67,13 +77,23 @@ impl BpeModel {
             };
             let (left, right) = (&merge[..split], &merge[split + 1..]);
             let joined = format!("{left}{right}");
-            if let (Some(l), Some(r), Some(result)) = (vocab.id(left), vocab.id(right), vocab.id(&joined)) {
+            if let (Some(l), Some(r), Some(result)) =
+                (vocab.id(left), vocab.id(right), vocab.id(&joined))
+            {
                 // The first (lowest-rank) entry wins if a pair is listed twice.
-                table.entry((l, r)).or_insert(Merge { rank: rank as u32, result });
+                table.entry((l, r)).or_insert(Merge {
+                    rank: rank as u32,
+                    result,
+                });
             }
         }
         let ignore_merges = pre.kind() == crate::pretokenize::PreTokenizerKind::Llama3;
-        Ok(BpeModel { merges: table, byte_tokens, pre, ignore_merges })
+        Ok(BpeModel {
+            merges: table,
+            byte_tokens,
+            pre,
+            ignore_merges,
+        })
     }
 
     pub fn pre_tokenizer(&self) -> &PreTokenizer {
@@ -81,7 +101,13 @@ impl BpeModel {
     }
 
     /// Encodes plain text (no special tokens) and appends the ids to `out`.
-    pub fn encode<'t>(&self, vocab: &Vocab, text: &'t str, cache: &mut WordCache<'t>, out: &mut Vec<u32>) {
+    pub fn encode<'t>(
+        &self,
+        vocab: &Vocab,
+        text: &'t str,
+        cache: &mut WordCache<'t>,
+        out: &mut Vec<u32>,
+    ) {
         self.pre.split(text, &mut |word| {
             if let Some(&(start, len)) = cache.index.get(word) {
                 out.extend_from_slice(&cache.ids[start..start + len]);
@@ -126,7 +152,11 @@ impl BpeModel {
             if !l.alive || !r.alive || l.next != Some(right) {
                 continue;
             }
-            let Some(merge) = self.merges.get(&(l.token, r.token)).filter(|m| m.rank == rank) else {
+            let Some(merge) = self
+                .merges
+                .get(&(l.token, r.token))
+                .filter(|m| m.rank == rank)
+            else {
                 continue;
             };
             symbols[left].token = merge.result;
@@ -158,7 +188,10 @@ impl BpeModel {
         right: usize,
         queue: &mut BinaryHeap<Reverse<(u32, usize, usize)>>,
     ) {
-        if let Some(m) = self.merges.get(&(symbols[left].token, symbols[right].token)) {
+        if let Some(m) = self
+            .merges
+            .get(&(symbols[left].token, symbols[right].token))
+        {
             queue.push(Reverse((m.rank, left, right)));
         }
     }
@@ -185,7 +218,8 @@ mod tests {
     }
 
     fn encode(vocab: &Vocab, merges: &[&str], text: &str) -> Vec<u32> {
-        let model = BpeModel::new(vocab, merges, PreTokenizer::new(PreTokenizerKind::Gpt2)).unwrap();
+        let model =
+            BpeModel::new(vocab, merges, PreTokenizer::new(PreTokenizerKind::Gpt2)).unwrap();
         let mut out = Vec::new();
         model.encode(vocab, text, &mut WordCache::default(), &mut out);
         out

@@ -96,6 +96,9 @@ mod tests {
         let distinct: std::collections::HashSet<char> = (0..=255u8).map(byte_to_char).collect();
         assert_eq!(distinct.len(), 256);
         assert_eq!(char_to_byte('€'), None);
-        assert_eq!(decode_token_text(&encode_bytes("héllo\r\n".as_bytes())), "héllo\r\n".as_bytes());
+        assert_eq!(
+            decode_token_text(&encode_bytes("héllo\r\n".as_bytes())),
+            "héllo\r\n".as_bytes()
+        );
     }
 }

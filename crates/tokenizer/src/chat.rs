@@ -55,7 +55,12 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into(), tool_calls: None, tool_call_id: None }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+        }
     }
 
     /// The message as the template sees it: tool-call arguments given as JSON text are
@@ -64,9 +69,14 @@ impl ChatMessage {
         let mut m = self.clone();
         if let Some(serde_json::Value::Array(calls)) = &mut m.tool_calls {
             for call in calls.iter_mut() {
-                let args = call.get_mut("function").and_then(|f| f.get_mut("arguments"));
+                let args = call
+                    .get_mut("function")
+                    .and_then(|f| f.get_mut("arguments"));
                 if let Some(a) = args {
-                    if let Some(parsed) = a.as_str().and_then(|t| serde_json::from_str::<serde_json::Value>(t).ok()) {
+                    if let Some(parsed) = a
+                        .as_str()
+                        .and_then(|t| serde_json::from_str::<serde_json::Value>(t).ok())
+                    {
                         *a = parsed;
                     }
                 }
@@ -86,14 +96,21 @@ pub struct ChatTemplate {
 
 impl ChatTemplate {
     /// Compiles `source` (a Jinja template) with the given `bos_token` / `eos_token` texts.
-    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate, TokenizerError> {
+    pub fn new(
+        source: &str,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<ChatTemplate, TokenizerError> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson_like_python);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
-            .map_err(|source| TokenizerError::Template { stage: "compile", source })?;
+            .map_err(|source| TokenizerError::Template {
+                stage: "compile",
+                source,
+            })?;
         Ok(ChatTemplate {
             env,
             source: source.to_string(),
@@ -107,18 +124,28 @@ impl ChatTemplate {
         let tokens = f.get_str_array("tokenizer.ggml.tokens")?;
         let source = match f.get("tokenizer.chat_template") {
             Some(_) => f.get_str("tokenizer.chat_template")?,
-            None if tokens.contains(&"<start_of_turn>") && tokens.contains(&"<end_of_turn>") => GEMMA_TEMPLATE,
+            None if tokens.contains(&"<start_of_turn>") && tokens.contains(&"<end_of_turn>") => {
+                GEMMA_TEMPLATE
+            }
             None => CHATML_TEMPLATE,
         };
         let text_of = |key: &str| -> Result<&str, TokenizerError> {
             Ok(optional_id(f, key, tokens.len())?.map_or("", |id| tokens[id as usize]))
         };
-        ChatTemplate::new(source, text_of("tokenizer.ggml.bos_token_id")?, text_of("tokenizer.ggml.eos_token_id")?)
+        ChatTemplate::new(
+            source,
+            text_of("tokenizer.ggml.bos_token_id")?,
+            text_of("tokenizer.ggml.eos_token_id")?,
+        )
     }
 
     /// Renders a conversation. With `add_generation_prompt` the result ends with the
     /// header of an assistant turn, ready for generation.
-    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
         self.render_with_tools(messages, None, add_generation_prompt)
     }
 
@@ -126,8 +153,16 @@ impl ChatTemplate {
     /// "function", "function": {"name", "description", "parameters"}}]`), which templates
     /// that know tools (Qwen2.5's) write into the system turn. `None` or an empty list
     /// renders as [`ChatTemplate::render`].
-    pub fn render_with_tools(&self, messages: &[ChatMessage], tools: Option<&[serde_json::Value]>, add_generation_prompt: bool) -> Result<String, TokenizerError> {
-        let render_error = |source| TokenizerError::Template { stage: "render", source };
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let render_error = |source| TokenizerError::Template {
+            stage: "render",
+            source,
+        };
         let template = self.env.get_template(TEMPLATE_NAME).map_err(render_error)?;
         let messages: Vec<ChatMessage> = messages.iter().map(ChatMessage::for_template).collect();
         let tools = tools.filter(|t| !t.is_empty());
@@ -166,7 +201,8 @@ impl std::fmt::Debug for ChatTemplate {
 /// `", "` and `": "` and whose keys keep their order (minijinja's own filter writes compact
 /// JSON, which would change the prompt's tokens against HF's rendering).
 fn tojson_like_python(value: minijinja::Value) -> Result<minijinja::Value, minijinja::Error> {
-    let json = serde_json::to_value(&value).map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = String::new();
     write_python_json(&json, &mut out);
     Ok(minijinja::Value::from_safe_string(out))
@@ -216,7 +252,10 @@ mod tests {
     fn chatml_fallback() {
         let t = ChatTemplate::new(CHATML_TEMPLATE, "", "").unwrap();
         let out = t.render(&[ChatMessage::new("user", "hi")], true).unwrap();
-        assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+        assert_eq!(
+            out,
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
         let out = t.render(&[ChatMessage::new("user", "hi")], false).unwrap();
         assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n");
     }
@@ -227,12 +266,22 @@ mod tests {
     #[test]
     fn gemma_fallback() {
         let t = ChatTemplate::new(GEMMA_TEMPLATE, "<bos>", "<eos>").unwrap();
-        let msgs = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", " hi "), ChatMessage::new("assistant", "Hello."), ChatMessage::new("user", "Bye")];
+        let msgs = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", " hi "),
+            ChatMessage::new("assistant", "Hello."),
+            ChatMessage::new("user", "Bye"),
+        ];
         let out = t.render(&msgs, true).unwrap();
         assert_eq!(out, "<bos><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n");
         let out = t.render(&[ChatMessage::new("user", "x")], false).unwrap();
         assert_eq!(out, "<bos><start_of_turn>user\nx<end_of_turn>\n");
-        let err = t.render(&[ChatMessage::new("user", "a"), ChatMessage::new("user", "b")], true).unwrap_err();
+        let err = t
+            .render(
+                &[ChatMessage::new("user", "a"), ChatMessage::new("user", "b")],
+                true,
+            )
+            .unwrap_err();
         assert!(err.to_string().contains("alternate"), "{err}");
     }
 
@@ -244,7 +293,9 @@ mod tests {
         let t = ChatTemplate::new(src, "", "").unwrap();
         let tool: serde_json::Value = serde_json::from_str(r#"{"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": ["x", "é"]}}}"#).unwrap();
         let mut m = ChatMessage::new("assistant", "");
-        m.tool_calls = Some(serde_json::json!([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"z\": 2, \"y\": \"q\"}"}}]));
+        m.tool_calls = Some(
+            serde_json::json!([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"z\": 2, \"y\": \"q\"}"}}]),
+        );
         let out = t.render_with_tools(&[m], Some(&[tool]), false).unwrap();
         assert_eq!(out, "{\"type\": \"function\", \"function\": {\"name\": \"f\", \"parameters\": {\"b\": 1, \"a\": [\"x\", \"é\"]}}}\n{\"z\": 2, \"y\": \"q\"}");
     }
@@ -253,14 +304,28 @@ mod tests {
     fn bos_eos_and_block_trimming_like_hf() {
         let src = "{{ bos_token }}{% for m in messages %}\n  {{ m.content }}{{ eos_token }}\n{% endfor %}";
         let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
-        let out = t.render(&[ChatMessage::new("user", "a"), ChatMessage::new("user", "b")], false).unwrap();
+        let out = t
+            .render(
+                &[ChatMessage::new("user", "a"), ChatMessage::new("user", "b")],
+                false,
+            )
+            .unwrap();
         assert_eq!(out, "<s>  a</s>\n  b</s>\n");
     }
 
     #[test]
     fn template_errors_are_values() {
         let err = ChatTemplate::new("{% for %}", "", "").unwrap_err();
-        assert!(matches!(err, TokenizerError::Template { stage: "compile", .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                TokenizerError::Template {
+                    stage: "compile",
+                    ..
+                }
+            ),
+            "{err}"
+        );
         let t = ChatTemplate::new("{{ raise_exception('roles must alternate') }}", "", "").unwrap();
         let err = t.render(&[], true).unwrap_err();
         assert!(err.to_string().contains("roles must alternate"), "{err}");

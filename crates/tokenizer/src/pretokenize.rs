@@ -46,9 +46,8 @@ impl PreTokenizerKind {
     /// Maps a `tokenizer.ggml.pre` value to its rules, following llama.cpp's grouping.
     pub fn from_pre(pre: &str) -> PreTokenizerKind {
         match pre {
-            "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" | "exaone" | "minerva-7b" => {
-                PreTokenizerKind::DigitsThenGpt2
-            }
+            "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" | "exaone"
+            | "minerva-7b" => PreTokenizerKind::DigitsThenGpt2,
             "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => PreTokenizerKind::Llama3,
             "qwen2" | "deepseek-r1-qwen" => PreTokenizerKind::Qwen2,
             _ => PreTokenizerKind::Gpt2,
@@ -74,7 +73,11 @@ impl PreTokenizer {
         // The patterns are constants checked by the unit tests, so compilation cannot fail
         // on user input.
         let compile = |p: &str| Regex::new(p).expect("built-in pre-tokenizer regex compiles");
-        PreTokenizer { kind, digits: digits.map(compile), main: compile(main) }
+        PreTokenizer {
+            kind,
+            digits: digits.map(compile),
+            main: compile(main),
+        }
     }
 
     pub fn kind(&self) -> PreTokenizerKind {
@@ -125,7 +128,11 @@ impl PreTokenizer {
         if end == seg.len() || !word.chars().all(char::is_whitespace) {
             return end;
         }
-        if matches!(self.kind, PreTokenizerKind::Llama3 | PreTokenizerKind::Qwen2) && word.contains(['\r', '\n']) {
+        if matches!(
+            self.kind,
+            PreTokenizerKind::Llama3 | PreTokenizerKind::Qwen2
+        ) && word.contains(['\r', '\n'])
+        {
             return end;
         }
         match word.char_indices().next_back() {
@@ -149,7 +156,10 @@ mod tests {
     #[test]
     fn gpt2_words() {
         use PreTokenizerKind::Gpt2;
-        assert_eq!(words(Gpt2, "Hello world's  end"), ["Hello", " world", "'s", " ", " end"]);
+        assert_eq!(
+            words(Gpt2, "Hello world's  end"),
+            ["Hello", " world", "'s", " ", " end"]
+        );
         assert_eq!(words(Gpt2, "a\n\nb"), ["a", "\n", "\n", "b"]);
         assert_eq!(words(Gpt2, "x   "), ["x", "   "]);
         assert_eq!(words(Gpt2, "in 1872, at"), ["in", " 1872", ",", " at"]);
@@ -159,7 +169,10 @@ mod tests {
     #[test]
     fn smollm_splits_every_digit() {
         use PreTokenizerKind::DigitsThenGpt2;
-        assert_eq!(words(DigitsThenGpt2, "in 1872, at"), ["in", " ", "1", "8", "7", "2", ",", " at"]);
+        assert_eq!(
+            words(DigitsThenGpt2, "in 1872, at"),
+            ["in", " ", "1", "8", "7", "2", ",", " at"]
+        );
         // The whitespace run ends its segment (a digit follows), so it is not shortened.
         assert_eq!(words(DigitsThenGpt2, "a  1"), ["a", "  ", "1"]);
     }
@@ -174,16 +187,31 @@ mod tests {
     #[test]
     fn qwen2_words() {
         use PreTokenizerKind::Qwen2;
-        assert_eq!(words(Qwen2, "12345 don'T"), ["1", "2", "3", "4", "5", " don", "'T"]);
+        assert_eq!(
+            words(Qwen2, "12345 don'T"),
+            ["1", "2", "3", "4", "5", " don", "'T"]
+        );
         assert_eq!(words(Qwen2, "a  \n\n  b"), ["a", "  \n\n", " ", " b"]);
-        assert_eq!(words(Qwen2, "fn main() {\n    x"), ["fn", " main", "()", " {\n", "   ", " x"]);
+        assert_eq!(
+            words(Qwen2, "fn main() {\n    x"),
+            ["fn", " main", "()", " {\n", "   ", " x"]
+        );
     }
 
     #[test]
     fn pre_names() {
         assert_eq!(PreTokenizerKind::from_pre("qwen2"), PreTokenizerKind::Qwen2);
-        assert_eq!(PreTokenizerKind::from_pre("smollm"), PreTokenizerKind::DigitsThenGpt2);
-        assert_eq!(PreTokenizerKind::from_pre("llama-bpe"), PreTokenizerKind::Llama3);
-        assert_eq!(PreTokenizerKind::from_pre("something-new"), PreTokenizerKind::Gpt2);
+        assert_eq!(
+            PreTokenizerKind::from_pre("smollm"),
+            PreTokenizerKind::DigitsThenGpt2
+        );
+        assert_eq!(
+            PreTokenizerKind::from_pre("llama-bpe"),
+            PreTokenizerKind::Llama3
+        );
+        assert_eq!(
+            PreTokenizerKind::from_pre("something-new"),
+            PreTokenizerKind::Gpt2
+        );
     }
 }

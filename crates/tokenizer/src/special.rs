@@ -40,17 +40,31 @@ impl SpecialMatcher {
         let mut ids = Vec::new();
         let mut always = Vec::new();
         for (id, (text, ty)) in vocab.texts.iter().zip(&vocab.types).enumerate() {
-            let special = matches!(ty, TokenType::Control | TokenType::Unknown | TokenType::UserDefined);
+            let special = matches!(
+                ty,
+                TokenType::Control | TokenType::Unknown | TokenType::UserDefined
+            );
             if special && !text.is_empty() {
                 ids.push(id as u32);
                 always.push(*ty == TokenType::UserDefined);
             }
         }
-        let patterns: Vec<&str> = ids.iter().map(|&id| vocab.texts[id as usize].as_str()).collect();
+        let patterns: Vec<&str> = ids
+            .iter()
+            .map(|&id| vocab.texts[id as usize].as_str())
+            .collect();
         // Building only fails for automata beyond aho-corasick's size limits; without an
         // automaton the text is simply not split, which is the safe degradation.
-        let automaton = if patterns.is_empty() { None } else { AhoCorasick::new(&patterns).ok() };
-        SpecialMatcher { automaton, ids, always }
+        let automaton = if patterns.is_empty() {
+            None
+        } else {
+            AhoCorasick::new(&patterns).ok()
+        };
+        SpecialMatcher {
+            automaton,
+            ids,
+            always,
+        }
     }
 
     /// Splits `text` into raw-text fragments and special tokens, in order.
@@ -69,7 +83,10 @@ impl SpecialMatcher {
         // Accepted matches keyed by start; they never overlap one another.
         let mut accepted: BTreeMap<usize, (usize, u32)> = BTreeMap::new();
         for (_, id, start, end) in candidates {
-            let overlaps_before = accepted.range(..end).next_back().is_some_and(|(_, &(e, _))| e > start);
+            let overlaps_before = accepted
+                .range(..end)
+                .next_back()
+                .is_some_and(|(_, &(e, _))| e > start);
             if !overlaps_before {
                 accepted.insert(start, (end, id));
             }
@@ -104,7 +121,12 @@ mod tests {
     #[test]
     fn longest_token_wins_and_text_between_is_kept() {
         use TokenType::*;
-        let v = vocab(&[("<a>", Control), ("<a><b>", Control), ("<b>", Control), ("x", Normal)]);
+        let v = vocab(&[
+            ("<a>", Control),
+            ("<a><b>", Control),
+            ("<b>", Control),
+            ("x", Normal),
+        ]);
         let m = SpecialMatcher::new(&v);
         let text = "x<a><b>y<b><a>";
         assert_eq!(
@@ -125,7 +147,10 @@ mod tests {
         use TokenType::*;
         let v = vocab(&[("<c>", Control), ("<u>", UserDefined)]);
         let m = SpecialMatcher::new(&v);
-        assert_eq!(m.split("<c><u>", false), vec![Fragment::Text(0..3), Fragment::Token(1)]);
+        assert_eq!(
+            m.split("<c><u>", false),
+            vec![Fragment::Text(0..3), Fragment::Token(1)]
+        );
     }
 
     #[test]
@@ -134,6 +159,9 @@ mod tests {
         let v = vocab(&[("aa", Control)]);
         let m = SpecialMatcher::new(&v);
         // Like repeated `str::find`: matches at 0 and 2, the trailing `a` stays text.
-        assert_eq!(m.split("aaaaa", true), vec![Fragment::Token(0), Fragment::Token(0), Fragment::Text(4..5)]);
+        assert_eq!(
+            m.split("aaaaa", true),
+            vec![Fragment::Token(0), Fragment::Token(0), Fragment::Text(4..5)]
+        );
     }
 }

@@ -47,7 +47,9 @@ impl PartialOrd for Bigram {
 }
 impl Ord for Bigram {
     fn cmp(&self, other: &Self) -> Ordering {
-        self.score.total_cmp(&other.score).then_with(|| other.left.cmp(&self.left))
+        self.score
+            .total_cmp(&other.score)
+            .then_with(|| other.left.cmp(&self.left))
     }
 }
 
@@ -142,7 +144,12 @@ fn try_add_bigram(
     let (l, r) = (symbols[left], symbols[right]);
     let len = l.len + r.len;
     if let Some(id) = vocab.id(&text[l.start..l.start + len]) {
-        queue.push(Bigram { score: vocab.score(id), left, right, len });
+        queue.push(Bigram {
+            score: vocab.score(id),
+            left,
+            right,
+            len,
+        });
     }
 }
 
@@ -153,8 +160,16 @@ mod tests {
 
     fn vocab(tokens: &[(&str, f32)]) -> Vocab {
         let texts: Vec<String> = tokens.iter().map(|(t, _)| t.to_string()).collect();
-        let types =
-            texts.iter().map(|t| if t.starts_with("<0x") { TokenType::Byte } else { TokenType::Normal }).collect();
+        let types = texts
+            .iter()
+            .map(|t| {
+                if t.starts_with("<0x") {
+                    TokenType::Byte
+                } else {
+                    TokenType::Normal
+                }
+            })
+            .collect();
         Vocab::new(texts, types, tokens.iter().map(|(_, s)| *s).collect()).unwrap()
     }
 

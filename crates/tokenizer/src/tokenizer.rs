@@ -73,7 +73,11 @@ impl Tokenizer {
         let (default_bos, default_eos, default_unk) = match model_name {
             "gpt2" => (Some(11), Some(11), None),
             "llama" => (Some(1), Some(2), Some(0)),
-            other => return Err(TokenizerError::UnsupportedModel { model: other.to_string() }),
+            other => {
+                return Err(TokenizerError::UnsupportedModel {
+                    model: other.to_string(),
+                })
+            }
         };
         let vocab = Vocab::from_gguf(f)?;
         let n = vocab.len();
@@ -84,11 +88,12 @@ impl Tokenizer {
             }
         };
         let bos = id_or("tokenizer.ggml.bos_token_id", default_bos)?;
-        let eos =
-            id_or("tokenizer.ggml.eos_token_id", default_eos)?.ok_or_else(|| TokenizerError::InvalidMetadata {
+        let eos = id_or("tokenizer.ggml.eos_token_id", default_eos)?.ok_or_else(|| {
+            TokenizerError::InvalidMetadata {
                 key: "tokenizer.ggml.eos_token_id",
                 reason: format!("missing or outside the vocabulary of {n} tokens"),
-            })?;
+            }
+        })?;
         let unk = id_or("tokenizer.ggml.unknown_token_id", default_unk)?;
 
         let (model, default_add_bos) = if model_name == "gpt2" {
@@ -113,15 +118,29 @@ impl Tokenizer {
         eog.dedup();
 
         let add_bos = optional_bool(f, "tokenizer.ggml.add_bos_token")?.unwrap_or(default_add_bos);
-        let add_space_prefix =
-            matches!(model, Model::Spm(_)) && optional_bool(f, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
-        Ok(Tokenizer::assemble(vocab, model, bos, eos, eog, add_bos, add_space_prefix))
+        let add_space_prefix = matches!(model, Model::Spm(_))
+            && optional_bool(f, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+        Ok(Tokenizer::assemble(
+            vocab,
+            model,
+            bos,
+            eos,
+            eog,
+            add_bos,
+            add_space_prefix,
+        ))
     }
 
     /// Builds a byte-level BPE tokenizer from parts; used by tests with hand-made vocabularies.
     #[cfg(test)]
-    pub(crate) fn bpe_for_tests(vocab: Vocab, merges: &[&str], pre: PreTokenizerKind, eos: u32) -> Tokenizer {
-        let bpe = BpeModel::new(&vocab, merges, PreTokenizer::new(pre)).expect("test merges are valid");
+    pub(crate) fn bpe_for_tests(
+        vocab: Vocab,
+        merges: &[&str],
+        pre: PreTokenizerKind,
+        eos: u32,
+    ) -> Tokenizer {
+        let bpe =
+            BpeModel::new(&vocab, merges, PreTokenizer::new(pre)).expect("test merges are valid");
         Tokenizer::assemble(vocab, Model::Bpe(bpe), None, eos, vec![eos], false, false)
     }
 
@@ -144,13 +163,28 @@ impl Tokenizer {
                     pieces.extend_from_slice(text.as_bytes())
                 }
                 (_, TokenType::Unused) => {}
-                (Model::Bpe(_), TokenType::Normal | TokenType::Byte) => pieces.extend(decode_token_text(text)),
+                (Model::Bpe(_), TokenType::Normal | TokenType::Byte) => {
+                    pieces.extend(decode_token_text(text))
+                }
                 (Model::Spm(_), TokenType::Byte) => pieces.extend(parse_byte_token(text)),
-                (Model::Spm(_), TokenType::Normal) => pieces.extend_from_slice(text.replace(SPACE, " ").as_bytes()),
+                (Model::Spm(_), TokenType::Normal) => {
+                    pieces.extend_from_slice(text.replace(SPACE, " ").as_bytes())
+                }
             }
             offsets.push(pieces.len());
         }
-        Tokenizer { vocab, model, special, pieces, offsets, bos, eos, eog, add_bos, add_space_prefix }
+        Tokenizer {
+            vocab,
+            model,
+            special,
+            pieces,
+            offsets,
+            bos,
+            eos,
+            eog,
+            add_bos,
+            add_space_prefix,
+        }
     }
 
     /// Encodes a prompt: [`Tokenizer::encode`], with BOS first when the model wants one
@@ -159,7 +193,9 @@ impl Tokenizer {
     pub fn encode_prompt(&self, text: &str, parse_special: bool) -> Vec<u32> {
         let ids = self.encode(text, parse_special);
         match self.bos {
-            Some(bos) if self.add_bos() && ids.first() != Some(&bos) => std::iter::once(bos).chain(ids).collect(),
+            Some(bos) if self.add_bos() && ids.first() != Some(&bos) => {
+                std::iter::once(bos).chain(ids).collect()
+            }
             _ => ids,
         }
     }
@@ -177,7 +213,9 @@ impl Tokenizer {
                 let mut cache = WordCache::default();
                 for fragment in fragments {
                     match fragment {
-                        Fragment::Text(range) => bpe.encode(&self.vocab, &text[range], &mut cache, &mut out),
+                        Fragment::Text(range) => {
+                            bpe.encode(&self.vocab, &text[range], &mut cache, &mut out)
+                        }
                         Fragment::Token(id) => out.push(id),
                     }
                 }
@@ -329,7 +367,10 @@ mod tests {
         let t = tiny();
         assert_eq!(t.encode("<|start|>ab\n<|end|>", true), vec![1, 6, 5, 0]);
         let plain = t.encode("<|end|>", false);
-        assert!(!plain.contains(&0), "control text must not become the control token: {plain:?}");
+        assert!(
+            !plain.contains(&0),
+            "control text must not become the control token: {plain:?}"
+        );
         // The letters e, n and d have no tokens in this vocabulary, so they are dropped.
         assert_eq!(t.decode(&plain), "<||>");
     }

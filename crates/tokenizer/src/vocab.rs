@@ -52,7 +52,11 @@ pub(crate) struct Vocab {
 impl Vocab {
     /// Builds a vocabulary from texts and types. When a text occurs twice the later id
     /// wins, as in llama.cpp's `token_to_id` map.
-    pub fn new(texts: Vec<String>, types: Vec<TokenType>, scores: Vec<f32>) -> Result<Vocab, TokenizerError> {
+    pub fn new(
+        texts: Vec<String>,
+        types: Vec<TokenType>,
+        scores: Vec<f32>,
+    ) -> Result<Vocab, TokenizerError> {
         if u32::try_from(texts.len()).is_err() {
             return Err(TokenizerError::InvalidMetadata {
                 key: "tokenizer.ggml.tokens",
@@ -71,16 +75,32 @@ impl Vocab {
                 reason: format!("{} scores for {} tokens", scores.len(), texts.len()),
             });
         }
-        let ids = texts.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        Ok(Vocab { texts, types, scores, ids })
+        let ids = texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        Ok(Vocab {
+            texts,
+            types,
+            scores,
+            ids,
+        })
     }
 
     /// Reads `tokenizer.ggml.tokens`, `.token_type` (all normal when absent) and `.scores`.
     pub fn from_gguf(f: &GgufFile) -> Result<Vocab, TokenizerError> {
-        let texts: Vec<String> = f.get_str_array("tokenizer.ggml.tokens")?.into_iter().map(String::from).collect();
+        let texts: Vec<String> = f
+            .get_str_array("tokenizer.ggml.tokens")?
+            .into_iter()
+            .map(String::from)
+            .collect();
         let types = match f.get("tokenizer.ggml.token_type") {
             None => vec![TokenType::Normal; texts.len()],
-            Some(v) => int_array(v, "tokenizer.ggml.token_type")?.into_iter().map(TokenType::from_gguf).collect(),
+            Some(v) => int_array(v, "tokenizer.ggml.token_type")?
+                .into_iter()
+                .map(TokenType::from_gguf)
+                .collect(),
         };
         let scores = match f.get("tokenizer.ggml.scores") {
             None => Vec::new(),
@@ -107,22 +127,39 @@ impl Vocab {
 }
 
 fn int_array(v: &MetaValue, key: &'static str) -> Result<Vec<i64>, TokenizerError> {
-    let invalid = |reason: &str| TokenizerError::InvalidMetadata { key, reason: reason.to_string() };
+    let invalid = |reason: &str| TokenizerError::InvalidMetadata {
+        key,
+        reason: reason.to_string(),
+    };
     v.as_array()
         .ok_or_else(|| invalid("expected an array of integers"))?
         .iter()
-        .map(|e| e.as_i64().ok_or_else(|| invalid("expected an array of integers")))
+        .map(|e| {
+            e.as_i64()
+                .ok_or_else(|| invalid("expected an array of integers"))
+        })
         .collect()
 }
 
 fn float_array(v: &MetaValue, key: &'static str) -> Result<Vec<f32>, TokenizerError> {
-    let invalid = || TokenizerError::InvalidMetadata { key, reason: "expected an array of numbers".into() };
-    v.as_array().ok_or_else(invalid)?.iter().map(|e| e.as_f64().map(|x| x as f32).ok_or_else(invalid)).collect()
+    let invalid = || TokenizerError::InvalidMetadata {
+        key,
+        reason: "expected an array of numbers".into(),
+    };
+    v.as_array()
+        .ok_or_else(invalid)?
+        .iter()
+        .map(|e| e.as_f64().map(|x| x as f32).ok_or_else(invalid))
+        .collect()
 }
 
 /// Reads an optional token-id key. A value outside the vocabulary (GGUF writers store -1
 /// as `u32::MAX` to mean "none") is treated as absent, as llama.cpp does.
-pub(crate) fn optional_id(f: &GgufFile, key: &str, n_vocab: usize) -> Result<Option<u32>, TokenizerError> {
+pub(crate) fn optional_id(
+    f: &GgufFile,
+    key: &str,
+    n_vocab: usize,
+) -> Result<Option<u32>, TokenizerError> {
     if f.get(key).is_none() {
         return Ok(None);
     }
@@ -131,7 +168,10 @@ pub(crate) fn optional_id(f: &GgufFile, key: &str, n_vocab: usize) -> Result<Opt
 }
 
 /// Reads an optional boolean key.
-pub(crate) fn optional_bool(f: &GgufFile, key: &'static str) -> Result<Option<bool>, TokenizerError> {
+pub(crate) fn optional_bool(
+    f: &GgufFile,
+    key: &'static str,
+) -> Result<Option<bool>, TokenizerError> {
     match f.get(key) {
         None => Ok(None),
         Some(MetaValue::Bool(b)) => Ok(Some(*b)),

@@ -23,7 +23,10 @@ fn default_system_prompt_is_inserted() {
 #[test]
 fn explicit_system_prompt_replaces_the_default() {
     let template = ChatTemplate::from_gguf(common::gguf()).expect("template compiles");
-    let messages = [ChatMessage::new("system", "Answer in French."), ChatMessage::new("user", "Hi")];
+    let messages = [
+        ChatMessage::new("system", "Answer in French."),
+        ChatMessage::new("user", "Hi"),
+    ];
     let rendered = template.render(&messages, true).expect("template renders");
     assert_eq!(
         rendered,
@@ -38,7 +41,11 @@ fn rendered_prompt_tokenizes_to_golden_ids() {
     let template = ChatTemplate::from_gguf(common::gguf()).expect("template compiles");
     let messages = [ChatMessage::new("user", "What is the capital of France?")];
     let rendered = template.render(&messages, true).expect("template renders");
-    let want = common::golden_prompts().into_iter().find(|(n, _, _)| n == "chat_capital").unwrap().2;
+    let want = common::golden_prompts()
+        .into_iter()
+        .find(|(n, _, _)| n == "chat_capital")
+        .unwrap()
+        .2;
     let tok = common::tokenizer();
     common::assert_same_ids("chat_capital", tok, &tok.encode(&rendered, true), &want);
 }

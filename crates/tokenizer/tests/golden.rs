@@ -23,10 +23,21 @@ fn book_matches_llama_cpp() {
     let elapsed = started.elapsed();
     assert_same_ids("around-the-world-in-80-days.txt", tok, &got, &want);
     // The requirement is "well under a second"; the bound leaves room for slow CI machines.
-    eprintln!("encoded {} bytes into {} ids in {elapsed:?}", text.len(), got.len());
-    assert!(elapsed.as_secs_f64() < 1.0, "encoding the book took {elapsed:?}");
+    eprintln!(
+        "encoded {} bytes into {} ids in {elapsed:?}",
+        text.len(),
+        got.len()
+    );
+    assert!(
+        elapsed.as_secs_f64() < 1.0,
+        "encoding the book took {elapsed:?}"
+    );
 
-    assert_eq!(tok.decode(&got), text, "decode(encode(book)) must give the book back");
+    assert_eq!(
+        tok.decode(&got),
+        text,
+        "decode(encode(book)) must give the book back"
+    );
 }
 
 #[test]
@@ -45,7 +56,9 @@ fn golden_prompts_match_llama_cpp() {
 #[test]
 fn special_tokens_need_parse_special() {
     let tok = tokenizer();
-    let im_start = tok.token_id("<|im_start|>").expect("SmolLM2 has <|im_start|>");
+    let im_start = tok
+        .token_id("<|im_start|>")
+        .expect("SmolLM2 has <|im_start|>");
     assert_eq!(tok.encode("<|im_start|>user", true)[0], im_start);
     let plain = tok.encode("<|im_start|>user", false);
     assert!(!plain.contains(&im_start), "{plain:?}");
@@ -56,7 +69,10 @@ fn special_tokens_need_parse_special() {
 fn smollm2_metadata() {
     let tok = tokenizer();
     assert_eq!(tok.vocab_size(), 49_152);
-    assert_eq!(tok.kind(), pk_tokenizer::TokenizerKind::ByteLevelBpe(pk_tokenizer::PreTokenizerKind::DigitsThenGpt2));
+    assert_eq!(
+        tok.kind(),
+        pk_tokenizer::TokenizerKind::ByteLevelBpe(pk_tokenizer::PreTokenizerKind::DigitsThenGpt2)
+    );
     assert_eq!(tok.bos_id(), Some(1));
     assert_eq!(tok.eos_id(), 2);
     assert!(!tok.add_bos());
@@ -76,7 +92,10 @@ fn streaming_decode_equals_batch_decode() {
     let mut out = String::new();
     for &id in &ids {
         let piece = stream.push(tok, id);
-        assert!(!piece.contains('\u{FFFD}'), "partial character leaked: {piece:?}");
+        assert!(
+            !piece.contains('\u{FFFD}'),
+            "partial character leaked: {piece:?}"
+        );
         out.push_str(&piece);
     }
     out.push_str(&stream.finish());
@@ -86,7 +105,16 @@ fn streaming_decode_equals_batch_decode() {
 #[test]
 fn odd_inputs_do_not_panic() {
     let tok = tokenizer();
-    for text in ["", " ", "\n\n\n", "    x", "<|im_start|><|im_start|>", "<|im_", "\u{0}\u{FEFF}", "1234567890"] {
+    for text in [
+        "",
+        " ",
+        "\n\n\n",
+        "    x",
+        "<|im_start|><|im_start|>",
+        "<|im_",
+        "\u{0}\u{FEFF}",
+        "1234567890",
+    ] {
         let ids = tok.encode(text, true);
         assert_eq!(tok.decode(&ids), text);
     }

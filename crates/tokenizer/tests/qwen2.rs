@@ -15,18 +15,35 @@ const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixture
 fn model(file: &str) -> GgufFile {
     let home = match std::env::var_os("PAGEKEEPER_HOME") {
         Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/pagekeeper"),
+        None => {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/pagekeeper")
+        }
     };
     let path = home.join(file);
-    assert!(path.exists(), "{} is missing: run `pagekeeper fetch-model --name all` first", path.display());
+    assert!(
+        path.exists(),
+        "{} is missing: run `pagekeeper fetch-model --name all` first",
+        path.display()
+    );
     GgufFile::open(&path).unwrap()
 }
 
-const MODELS: &[(&str, &str)] = &[("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct.gguf"), ("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf")];
+const MODELS: &[(&str, &str)] = &[
+    ("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct.gguf"),
+    (
+        "qwen2.5-coder-1.5b",
+        "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
+    ),
+];
 
 fn reference_ids(short: &str, what: &str) -> Vec<u32> {
     let v = common::json(&format!("{FIXTURES}/{short}-{what}-token-ids.json"));
-    v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn check_corpus(what: &str, text_file: &str) {
@@ -36,7 +53,11 @@ fn check_corpus(what: &str, text_file: &str) {
         let want = reference_ids(short, what);
         let got = tok.encode(&text, false);
         common::assert_same_ids(&format!("{short} {what}"), &tok, &got, &want);
-        assert_eq!(tok.decode(&got), text, "{short}: decode(encode(text)) == text");
+        assert_eq!(
+            tok.decode(&got),
+            text,
+            "{short}: decode(encode(text)) == text"
+        );
     }
 }
 
@@ -76,7 +97,9 @@ fn chat_template_renders_tools_and_tool_messages() {
     assert_eq!(plain, "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
     let tool: serde_json::Value = serde_json::from_str(r#"{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}"#).unwrap();
     let mut call = ChatMessage::new("assistant", "");
-    call.tool_calls = Some(serde_json::json!([{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]));
+    call.tool_calls = Some(
+        serde_json::json!([{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]),
+    );
     let mut answer = ChatMessage::new("tool", "18 C, sunny");
     answer.tool_call_id = Some("call_1".into());
     let msgs = [ChatMessage::new("user", "Weather in Paris?"), call, answer];

@@ -61,7 +61,8 @@ fn write_gguf(name: &str, kvs: Vec<(&str, Value)>) -> PathBuf {
             }
         }
     }
-    let path = std::env::temp_dir().join(format!("pk-tokenizer-{}-{name}.gguf", std::process::id()));
+    let path =
+        std::env::temp_dir().join(format!("pk-tokenizer-{}-{name}.gguf", std::process::id()));
     std::fs::write(&path, out).expect("temp dir is writable");
     path
 }
@@ -122,13 +123,18 @@ fn spm_gguf(name: &str, add_space_prefix: bool) -> GgufFile {
             ("tokenizer.ggml.bos_token_id", Value::U32(2)),
             ("tokenizer.ggml.eos_token_id", Value::U32(1)),
             ("tokenizer.ggml.unknown_token_id", Value::U32(3)),
-            ("tokenizer.ggml.add_space_prefix", Value::Bool(add_space_prefix)),
+            (
+                "tokenizer.ggml.add_space_prefix",
+                Value::Bool(add_space_prefix),
+            ),
         ],
     ))
 }
 
 fn pieces(tok: &Tokenizer, ids: &[u32]) -> Vec<String> {
-    ids.iter().map(|&id| tok.token_text(id).unwrap().to_string()).collect()
+    ids.iter()
+        .map(|&id| tok.token_text(id).unwrap().to_string())
+        .collect()
 }
 
 #[test]
@@ -137,7 +143,11 @@ fn sentencepiece_merges_by_score_with_space_prefix() {
     assert_eq!(tok.kind(), TokenizerKind::SentencePiece);
     let ids = tok.encode("hello world", false);
     assert_eq!(pieces(&tok, &ids), ["▁hello", "▁world"]);
-    assert_eq!(tok.decode(&ids), "hello world", "the added prefix space is removed again");
+    assert_eq!(
+        tok.decode(&ids),
+        "hello world",
+        "the added prefix space is removed again"
+    );
     // A space prefix is also added after a special token, as llama.cpp does.
     let ids = tok.encode("<start_of_turn>hello", true);
     assert_eq!(pieces(&tok, &ids), ["<start_of_turn>", "▁hello"]);
@@ -152,7 +162,11 @@ fn sentencepiece_without_prefix_and_byte_fallback() {
     let ids = tok.encode("hello world", false);
     assert_eq!(pieces(&tok, &ids), ["hello", "▁world"]);
     let ids = tok.encode("hé<b>", false);
-    assert_eq!(pieces(&tok, &ids), ["h", "<0xC3>", "<0xA9>", "<b>"], "user-defined <b> always matches");
+    assert_eq!(
+        pieces(&tok, &ids),
+        ["h", "<0xC3>", "<0xA9>", "<b>"],
+        "user-defined <b> always matches"
+    );
     assert_eq!(tok.decode(&ids), "hé<b>");
     assert_eq!(tok.token_bytes(tok.token_id("<0x0A>").unwrap()), b"\n");
 }
@@ -163,11 +177,25 @@ fn sentencepiece_without_prefix_and_byte_fallback() {
 fn template_fallback_follows_the_vocabulary_and_uses_gguf_bos() {
     let f = spm_gguf("spm-template", false);
     let template = ChatTemplate::from_gguf(&f).unwrap();
-    let out = template.render(&[ChatMessage::new("user", "hi")], true).unwrap();
-    assert_eq!(out, "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n");
-    let gemma_like =
-        ChatTemplate::new("{{ bos_token }}{{ messages[0].content }}{{ eos_token }}", "<bos>", "<eos>").unwrap();
-    assert_eq!(gemma_like.render(&[ChatMessage::new("user", "x")], false).unwrap(), "<bos>x<eos>");
+    let out = template
+        .render(&[ChatMessage::new("user", "hi")], true)
+        .unwrap();
+    assert_eq!(
+        out,
+        "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+    );
+    let gemma_like = ChatTemplate::new(
+        "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}",
+        "<bos>",
+        "<eos>",
+    )
+    .unwrap();
+    assert_eq!(
+        gemma_like
+            .render(&[ChatMessage::new("user", "x")], false)
+            .unwrap(),
+        "<bos>x<eos>"
+    );
 }
 
 #[test]
@@ -176,11 +204,17 @@ fn unsupported_model_is_named_in_the_error() {
         "bert",
         vec![
             ("tokenizer.ggml.model", Value::Str("bert")),
-            ("tokenizer.ggml.tokens", Value::StrArray(vec!["[CLS]".into()])),
+            (
+                "tokenizer.ggml.tokens",
+                Value::StrArray(vec!["[CLS]".into()]),
+            ),
         ],
     ));
     let err = Tokenizer::from_gguf(&f).unwrap_err();
-    assert!(matches!(&err, TokenizerError::UnsupportedModel { model } if model == "bert"), "{err}");
+    assert!(
+        matches!(&err, TokenizerError::UnsupportedModel { model } if model == "bert"),
+        "{err}"
+    );
     assert!(err.to_string().contains("\"bert\""), "{err}");
 }
 
@@ -201,21 +235,36 @@ fn inconsistent_metadata_is_an_error() {
         "short-types",
         vec![
             ("tokenizer.ggml.model", Value::Str("gpt2")),
-            ("tokenizer.ggml.tokens", Value::StrArray(vec!["a".into(), "b".into()])),
+            (
+                "tokenizer.ggml.tokens",
+                Value::StrArray(vec!["a".into(), "b".into()]),
+            ),
             ("tokenizer.ggml.token_type", Value::I32Array(vec![1])),
             ("tokenizer.ggml.merges", Value::StrArray(vec![])),
             ("tokenizer.ggml.eos_token_id", Value::U32(0)),
         ],
     ));
     let err = Tokenizer::from_gguf(&short_types).unwrap_err();
-    assert!(matches!(err, TokenizerError::InvalidMetadata { key: "tokenizer.ggml.token_type", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            TokenizerError::InvalidMetadata {
+                key: "tokenizer.ggml.token_type",
+                ..
+            }
+        ),
+        "{err}"
+    );
 
     // No EOS key, and llama.cpp's default (11) is outside this two-token vocabulary.
     let no_eos = open(&write_gguf(
         "no-eos",
         vec![
             ("tokenizer.ggml.model", Value::Str("gpt2")),
-            ("tokenizer.ggml.tokens", Value::StrArray(vec!["a".into(), "b".into()])),
+            (
+                "tokenizer.ggml.tokens",
+                Value::StrArray(vec!["a".into(), "b".into()]),
+            ),
             ("tokenizer.ggml.merges", Value::StrArray(vec!["a b".into()])),
         ],
     ));

@@ -21,7 +21,13 @@ use super::workload::Request;
 use super::RunRow;
 
 /// Mean TTFT (queueing included) of `rows`' requests arriving at `rate_per_s`.
-pub fn queued_ttft_mean(trace: &[Request], trace_rate_per_s: f64, rate_per_s: f64, ttft_s: &[f64], service_s: &[f64]) -> f64 {
+pub fn queued_ttft_mean(
+    trace: &[Request],
+    trace_rate_per_s: f64,
+    rate_per_s: f64,
+    ttft_s: &[f64],
+    service_s: &[f64],
+) -> f64 {
     let scale = trace_rate_per_s / rate_per_s;
     let mut free_at = 0.0f64;
     let mut out = Vec::with_capacity(trace.len());
@@ -35,7 +41,13 @@ pub fn queued_ttft_mean(trace: &[Request], trace_rate_per_s: f64, rate_per_s: f6
 }
 
 /// The highest rate (bisection) at which the mean queued TTFT stays within `target_s`.
-pub fn max_rate_within(trace: &[Request], trace_rate_per_s: f64, ttft_s: &[f64], service_s: &[f64], target_s: f64) -> f64 {
+pub fn max_rate_within(
+    trace: &[Request],
+    trace_rate_per_s: f64,
+    ttft_s: &[f64],
+    service_s: &[f64],
+    target_s: f64,
+) -> f64 {
     let (mut lo, mut hi) = (1e-3, 1e3);
     if queued_ttft_mean(trace, trace_rate_per_s, lo, ttft_s, service_s) > target_s {
         return 0.0;
@@ -74,7 +86,10 @@ pub struct UnderLoad {
 }
 
 pub fn under_load(rows: &[RunRow], trace: &[Request], trace_rate_per_s: f64) -> Option<UnderLoad> {
-    let real: Vec<&RunRow> = rows.iter().filter(|r| r.source == "real" && r.service_s.len() == trace.len()).collect();
+    let real: Vec<&RunRow> = rows
+        .iter()
+        .filter(|r| r.source == "real" && r.service_s.len() == trace.len())
+        .collect();
     let lru = real.iter().find(|r| r.policy == "lru")?;
     let capacity_per_s = 1.0 / mean(&lru.service_s).max(1e-9);
     let loads = vec![0.5, 0.7, 0.9];
@@ -87,11 +102,27 @@ pub fn under_load(rows: &[RunRow], trace: &[Request], trace_rate_per_s: f64) -> 
             alpha: r.alpha,
             quality: r.quality,
             service_mean_s: mean(&r.service_s),
-            ttft_mean_s: rates_per_s.iter().map(|&rate| queued_ttft_mean(trace, trace_rate_per_s, rate, &r.ttft_s, &r.service_s)).collect(),
-            max_rate_per_s: max_rate_within(trace, trace_rate_per_s, &r.ttft_s, &r.service_s, target_s),
+            ttft_mean_s: rates_per_s
+                .iter()
+                .map(|&rate| {
+                    queued_ttft_mean(trace, trace_rate_per_s, rate, &r.ttft_s, &r.service_s)
+                })
+                .collect(),
+            max_rate_per_s: max_rate_within(
+                trace,
+                trace_rate_per_s,
+                &r.ttft_s,
+                &r.service_s,
+                target_s,
+            ),
         })
         .collect();
-    Some(UnderLoad { loads, rates_per_s, target_s, rows: out })
+    Some(UnderLoad {
+        loads,
+        rates_per_s,
+        target_s,
+        rows: out,
+    })
 }
 
 /// One request's outcome in a loaded run.
@@ -105,9 +136,16 @@ pub struct LoadedResult {
 
 /// Serves `prompts` (one per trace entry) arriving at `arrivals_s` in real time; returns
 /// each request's TTFT (arrival to first token) and answer, in trace order.
-pub fn serve_loaded(e: &mut Engine, prompts: &[Vec<u32>], arrivals_s: &[f64], answer_tokens: usize) -> Result<Vec<LoadedResult>> {
+pub fn serve_loaded(
+    e: &mut Engine,
+    prompts: &[Vec<u32>],
+    arrivals_s: &[f64],
+    answer_tokens: usize,
+) -> Result<Vec<LoadedResult>> {
     type Slot = Arc<Mutex<Option<(Instant, Option<pk_evicpress::LoadReport>, Vec<u32>)>>>;
-    let slots: Vec<Slot> = (0..prompts.len()).map(|_| Arc::new(Mutex::new(None))).collect();
+    let slots: Vec<Slot> = (0..prompts.len())
+        .map(|_| Arc::new(Mutex::new(None)))
+        .collect();
     let t0 = Instant::now();
     let (mut next, mut finished) = (0, 0);
     while finished < prompts.len() {
@@ -121,18 +159,32 @@ pub fn serve_loaded(e: &mut Engine, prompts: &[Vec<u32>], arrivals_s: &[f64], an
                 }
                 true
             });
-            let params = GenerateParams { max_tokens: answer_tokens, ..Default::default() };
-            e.submit(EngineRequest { prompt_ids: prompts[next].clone(), params, cache_salt: None, sink }).map_err(|err| anyhow::anyhow!("{err}"))?;
+            let params = GenerateParams {
+                max_tokens: answer_tokens,
+                ..Default::default()
+            };
+            e.submit(EngineRequest {
+                prompt_ids: prompts[next].clone(),
+                params,
+                cache_salt: None,
+                sink,
+            })
+            .map_err(|err| anyhow::anyhow!("{err}"))?;
             next += 1;
         }
         if e.has_work() {
             e.step();
         } else if next < prompts.len() {
-            std::thread::sleep(Duration::from_secs_f64((arrivals_s[next] - t0.elapsed().as_secs_f64()).clamp(0.0, 0.05)));
+            std::thread::sleep(Duration::from_secs_f64(
+                (arrivals_s[next] - t0.elapsed().as_secs_f64()).clamp(0.0, 0.05),
+            ));
         }
         finished = slots.iter().filter(|s| s.lock().unwrap().is_some()).count();
         if next == prompts.len() && !e.has_work() && finished < prompts.len() {
-            anyhow::bail!("{} requests ended without a result", prompts.len() - finished);
+            anyhow::bail!(
+                "{} requests ended without a result",
+                prompts.len() - finished
+            );
         }
     }
     Ok(slots
@@ -140,7 +192,12 @@ pub fn serve_loaded(e: &mut Engine, prompts: &[Vec<u32>], arrivals_s: &[f64], an
         .zip(arrivals_s)
         .map(|(s, &a)| {
             let (first, load, token_ids) = s.lock().unwrap().take().expect("finished");
-            LoadedResult { ttft_s: first.duration_since(t0).as_secs_f64() - a, config: load.as_ref().map(|l| l.config.clone()), tier: load.map(|l| l.tier), token_ids }
+            LoadedResult {
+                ttft_s: first.duration_since(t0).as_secs_f64() - a,
+                config: load.as_ref().map(|l| l.config.clone()),
+                tier: load.map(|l| l.tier),
+                token_ids,
+            }
         })
         .collect())
 }
@@ -155,8 +212,29 @@ mod tests {
     fn loaded_serving_gives_the_answers_of_unloaded_serving() {
         let path = pk_engine::model_store::resolve_model(None, false).unwrap();
         let mut e = Engine::load(&path, pk_engine::EngineConfig::default()).unwrap();
-        let prompts: Vec<Vec<u32>> = ["The capital of France is", "One, two, three,", "Water boils at a temperature of"].iter().map(|t| e.tokenizer.encode(t, true)).collect();
-        let alone: Vec<Vec<u32>> = prompts.iter().map(|p| e.generate(p, &GenerateParams { max_tokens: 6, ..Default::default() }, &mut |_| {}).unwrap().token_ids).collect();
+        let prompts: Vec<Vec<u32>> = [
+            "The capital of France is",
+            "One, two, three,",
+            "Water boils at a temperature of",
+        ]
+        .iter()
+        .map(|t| e.tokenizer.encode(t, true))
+        .collect();
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| {
+                e.generate(
+                    p,
+                    &GenerateParams {
+                        max_tokens: 6,
+                        ..Default::default()
+                    },
+                    &mut |_| {},
+                )
+                .unwrap()
+                .token_ids
+            })
+            .collect();
         let loaded = serve_loaded(&mut e, &prompts, &[0.0, 0.0, 0.02], 6).unwrap();
         for (got, want) in loaded.iter().zip(&alone) {
             assert_eq!(&got.token_ids, want);
@@ -167,12 +245,20 @@ mod tests {
 
     #[test]
     fn a_busy_server_queues_and_an_idle_one_does_not() {
-        let trace: Vec<Request> = (0..4).map(|i| Request { context: 0, query: 0, arrival_s: i as f64 }).collect();
+        let trace: Vec<Request> = (0..4)
+            .map(|i| Request {
+                context: 0,
+                query: 0,
+                arrival_s: i as f64,
+            })
+            .collect();
         let ttft = [0.1; 4];
         // One request per second, each taking 0.5 s: nobody waits.
         assert!((queued_ttft_mean(&trace, 1.0, 1.0, &ttft, &[0.5; 4]) - 0.1).abs() < 1e-12);
         // Four per second: arrivals 0.25 s apart, 0.5 s of work each: waits 0, .25, .5, .75.
-        assert!((queued_ttft_mean(&trace, 1.0, 4.0, &ttft, &[0.5; 4]) - (0.1 + 0.375)).abs() < 1e-12);
+        assert!(
+            (queued_ttft_mean(&trace, 1.0, 4.0, &ttft, &[0.5; 4]) - (0.1 + 0.375)).abs() < 1e-12
+        );
         let r = max_rate_within(&trace, 1.0, &ttft, &[0.5; 4], 0.1 + 1e-9);
         assert!((1.9..=2.0 + 1e-6).contains(&r), "{r}");
     }

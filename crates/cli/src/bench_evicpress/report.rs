@@ -15,7 +15,10 @@ use super::{row_of, EvicpressArgs, RunRow};
 
 /// `../shared/tools/host-quiet`'s figure when the tool exists (this machine), else a note.
 pub fn host_quiet() -> String {
-    for p in ["../shared/tools/host-quiet", "/work/shared/tools/host-quiet"] {
+    for p in [
+        "../shared/tools/host-quiet",
+        "/work/shared/tools/host-quiet",
+    ] {
         if let Ok(o) = std::process::Command::new(p).output() {
             return String::from_utf8_lossy(&o.stdout).trim().to_string();
         }
@@ -40,16 +43,47 @@ pub struct Validation {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn sim_row(label: &str, alpha: Option<f64>, scenario: &str, ram_fraction: f64, contexts: &[SimContext], trace: &[Request], delay: &DelayModel, caps: &[u64], policy: Option<&Policy>, full: &[f64]) -> RunRow {
+fn sim_row(
+    label: &str,
+    alpha: Option<f64>,
+    scenario: &str,
+    ram_fraction: f64,
+    contexts: &[SimContext],
+    trace: &[Request],
+    delay: &DelayModel,
+    caps: &[u64],
+    policy: Option<&Policy>,
+    full: &[f64],
+) -> RunRow {
     let r = simulate(contexts, trace, delay, caps, policy, 60.0, full);
-    let mut row = row_of(label, alpha, "sim", scenario, ram_fraction, &r.ttft_s, &r.quality, &r.task, r.hits_per_tier);
+    let mut row = row_of(
+        label,
+        alpha,
+        "sim",
+        scenario,
+        ram_fraction,
+        &r.ttft_s,
+        &r.quality,
+        &r.task,
+        r.hits_per_tier,
+    );
     row.quality_f1 = Some(super::sim::mean(&r.f1));
     row
 }
 
 /// Adds the simulator's rows to `rows` and returns its validation against the real rows.
 #[allow(clippy::too_many_arguments)]
-pub fn sweeps(a: &EvicpressArgs, grid: &Grid, contexts: &[SimContext], trace: &[Request], delay: &DelayModel, working_set: u64, full: &[f64], real: &[(String, Option<f64>, Policy)], rows: &mut Vec<RunRow>) -> Vec<Validation> {
+pub fn sweeps(
+    a: &EvicpressArgs,
+    grid: &Grid,
+    contexts: &[SimContext],
+    trace: &[Request],
+    delay: &DelayModel,
+    working_set: u64,
+    full: &[f64],
+    real: &[(String, Option<f64>, Policy)],
+    rows: &mut Vec<RunRow>,
+) -> Vec<Validation> {
     let caps = |ram_fraction: f64| -> Vec<u64> {
         let mut c = vec![(ram_fraction * working_set as f64) as u64];
         if delay.tiers.len() == 3 {
@@ -62,8 +96,22 @@ pub fn sweeps(a: &EvicpressArgs, grid: &Grid, contexts: &[SimContext], trace: &[
     // Validation: the real runs' policies, simulated.
     let mut validation = Vec::new();
     for (name, alpha, policy) in real {
-        let s = sim_row(name, *alpha, "base", a.ram_fraction, contexts, trace, delay, &base_caps, Some(policy), full);
-        if let Some(r) = rows.iter().find(|r| r.source == "real" && &r.policy == name && r.alpha == *alpha) {
+        let s = sim_row(
+            name,
+            *alpha,
+            "base",
+            a.ram_fraction,
+            contexts,
+            trace,
+            delay,
+            &base_caps,
+            Some(policy),
+            full,
+        );
+        if let Some(r) = rows
+            .iter()
+            .find(|r| r.source == "real" && &r.policy == name && r.alpha == *alpha)
+        {
             validation.push(Validation {
                 policy: name.clone(),
                 alpha: *alpha,
@@ -75,18 +123,84 @@ pub fn sweeps(a: &EvicpressArgs, grid: &Grid, contexts: &[SimContext], trace: &[
             });
         }
     }
-    let add = |rows: &mut Vec<RunRow>, scenario: &str, ram_fraction: f64, trace: &[Request], delay: &DelayModel, every_fixed: bool| {
+    let add = |rows: &mut Vec<RunRow>,
+               scenario: &str,
+               ram_fraction: f64,
+               trace: &[Request],
+               delay: &DelayModel,
+               every_fixed: bool| {
         let caps = caps(ram_fraction);
-        rows.push(sim_row("full-prefill", None, scenario, ram_fraction, contexts, trace, delay, &caps, None, full));
-        rows.push(sim_row("lru", None, scenario, ram_fraction, contexts, trace, delay, &caps, Some(&Policy::Lru), full));
+        rows.push(sim_row(
+            "full-prefill",
+            None,
+            scenario,
+            ram_fraction,
+            contexts,
+            trace,
+            delay,
+            &caps,
+            None,
+            full,
+        ));
+        rows.push(sim_row(
+            "lru",
+            None,
+            scenario,
+            ram_fraction,
+            contexts,
+            trace,
+            delay,
+            &caps,
+            Some(&Policy::Lru),
+            full,
+        ));
         if every_fixed {
             for (i, c) in grid.configs().iter().enumerate().skip(1) {
-                rows.push(sim_row(&format!("fixed-{c}"), None, scenario, ram_fraction, contexts, trace, delay, &caps, Some(&Policy::Fixed(i)), full));
+                rows.push(sim_row(
+                    &format!("fixed-{c}"),
+                    None,
+                    scenario,
+                    ram_fraction,
+                    contexts,
+                    trace,
+                    delay,
+                    &caps,
+                    Some(&Policy::Fixed(i)),
+                    full,
+                ));
             }
         }
         for alpha in ALPHAS {
-            rows.push(sim_row("evicpress", Some(alpha), scenario, ram_fraction, contexts, trace, delay, &caps, Some(&Policy::Evicpress { alpha, ranking: Ranking::AbsoluteDrop }), full));
-            let mut per_byte = sim_row("evicpress", Some(alpha), &format!("{scenario}/per-byte"), ram_fraction, contexts, trace, delay, &caps, Some(&Policy::Evicpress { alpha, ranking: Ranking::DropPerByte }), full);
+            rows.push(sim_row(
+                "evicpress",
+                Some(alpha),
+                scenario,
+                ram_fraction,
+                contexts,
+                trace,
+                delay,
+                &caps,
+                Some(&Policy::Evicpress {
+                    alpha,
+                    ranking: Ranking::AbsoluteDrop,
+                }),
+                full,
+            ));
+            let mut per_byte = sim_row(
+                "evicpress",
+                Some(alpha),
+                &format!("{scenario}/per-byte"),
+                ram_fraction,
+                contexts,
+                trace,
+                delay,
+                &caps,
+                Some(&Policy::Evicpress {
+                    alpha,
+                    ranking: Ranking::DropPerByte,
+                }),
+                full,
+            );
             per_byte.scenario = format!("{scenario}/per-byte");
             rows.push(per_byte);
         }
@@ -118,7 +232,15 @@ pub fn sweeps(a: &EvicpressArgs, grid: &Grid, contexts: &[SimContext], trace: &[
     }
     free.decode_s_per_byte = 0.0;
     add(rows, FREE_LOAD, a.ram_fraction, trace, &free, false);
-    let drift = workload::trace(contexts.len(), trace.iter().map(|r| r.query).max().unwrap_or(0) + 1, trace.len(), a.zipf, a.rate, true, a.seed);
+    let drift = workload::trace(
+        contexts.len(),
+        trace.iter().map(|r| r.query).max().unwrap_or(0) + 1,
+        trace.len(),
+        a.zipf,
+        a.rate,
+        true,
+        a.seed,
+    );
     add(rows, "drift", a.ram_fraction, &drift, delay, false);
     validation
 }
@@ -170,16 +292,35 @@ impl Metric {
     }
 }
 
-pub fn headline(rows: &[RunRow], source: &str, scenario: &str, tolerance: f64, metric: Metric) -> Option<Headline> {
-    fn of<'a>(rows: &'a [RunRow], source: &'a str, scenario: &'a str, p: &'a str) -> impl Iterator<Item = &'a RunRow> + 'a {
-        rows.iter().filter(move |r| r.source == source && r.scenario == scenario && r.policy.starts_with(p))
+pub fn headline(
+    rows: &[RunRow],
+    source: &str,
+    scenario: &str,
+    tolerance: f64,
+    metric: Metric,
+) -> Option<Headline> {
+    fn of<'a>(
+        rows: &'a [RunRow],
+        source: &'a str,
+        scenario: &'a str,
+        p: &'a str,
+    ) -> impl Iterator<Item = &'a RunRow> + 'a {
+        rows.iter().filter(move |r| {
+            r.source == source && r.scenario == scenario && r.policy.starts_with(p)
+        })
     }
     let of = |p: &'static str| of(rows, source, scenario, p);
     let lru = of("lru").next()?;
     let full = of("full-prefill").next();
     let m = |r: &RunRow| metric.of(r);
-    let best = of("evicpress").filter(|r| m(r) >= (1.0 - tolerance) * m(lru)).min_by(|a, b| a.ttft_mean_s.total_cmp(&b.ttft_mean_s));
-    let fixed = best.and_then(|b| of("fixed-").filter(|r| m(r) >= m(b) - 1e-9).min_by(|a, c| a.ttft_mean_s.total_cmp(&c.ttft_mean_s)));
+    let best = of("evicpress")
+        .filter(|r| m(r) >= (1.0 - tolerance) * m(lru))
+        .min_by(|a, b| a.ttft_mean_s.total_cmp(&b.ttft_mean_s));
+    let fixed = best.and_then(|b| {
+        of("fixed-")
+            .filter(|r| m(r) >= m(b) - 1e-9)
+            .min_by(|a, c| a.ttft_mean_s.total_cmp(&c.ttft_mean_s))
+    });
     Some(Headline {
         source: source.into(),
         scenario: scenario.into(),
@@ -193,34 +334,69 @@ pub fn headline(rows: &[RunRow], source: &str, scenario: &str, tolerance: f64, m
         speedup_vs_lru: best.map(|b| lru.ttft_mean_s / b.ttft_mean_s),
         speedup_vs_full_prefill: best.zip(full).map(|(b, f)| f.ttft_mean_s / b.ttft_mean_s),
         fixed_at_equal_quality: fixed.map(|f| f.policy.clone()),
-        speedup_vs_fixed_at_equal_quality: best.zip(fixed).map(|(b, f)| f.ttft_mean_s / b.ttft_mean_s),
+        speedup_vs_fixed_at_equal_quality: best
+            .zip(fixed)
+            .map(|(b, f)| f.ttft_mean_s / b.ttft_mean_s),
     })
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn write(a: &EvicpressArgs, grid: &Grid, rows: &[RunRow], validation: &[Validation], under_load: Option<&super::load::UnderLoad>, delay: &DelayModel, setup: &serde_json::Value, quiet: &str, wall_s: f64) -> Result<serde_json::Value> {
-    let scenarios: Vec<String> = rows.iter().map(|r| r.scenario.clone()).fold(Vec::new(), |mut v, s| {
-        if !v.contains(&s) {
-            v.push(s)
-        }
-        v
-    });
+pub fn write(
+    a: &EvicpressArgs,
+    grid: &Grid,
+    rows: &[RunRow],
+    validation: &[Validation],
+    under_load: Option<&super::load::UnderLoad>,
+    delay: &DelayModel,
+    setup: &serde_json::Value,
+    quiet: &str,
+    wall_s: f64,
+) -> Result<serde_json::Value> {
+    let scenarios: Vec<String> =
+        rows.iter()
+            .map(|r| r.scenario.clone())
+            .fold(Vec::new(), |mut v, s| {
+                if !v.contains(&s) {
+                    v.push(s)
+                }
+                v
+            });
     // The bar (3 % quality loss), and 5 % to show the trade-off when 3 % is not met.
     let mut headlines = Vec::new();
-    let metrics: &[Metric] = if a.quality_metric == pk_engine::profiler::QualityMetric::AnswerF1 { &[Metric::Quality, Metric::Task] } else { &[Metric::Quality, Metric::F1, Metric::Task] };
+    let metrics: &[Metric] = if a.quality_metric == pk_engine::profiler::QualityMetric::AnswerF1 {
+        &[Metric::Quality, Metric::Task]
+    } else {
+        &[Metric::Quality, Metric::F1, Metric::Task]
+    };
     for &metric in metrics {
         for tolerance in [0.03, 0.05] {
-            for scenario in scenarios.iter().filter(|sc| rows.iter().any(|r| r.source == "real" && &r.scenario == *sc)) {
+            for scenario in scenarios.iter().filter(|sc| {
+                rows.iter()
+                    .any(|r| r.source == "real" && &r.scenario == *sc)
+            }) {
                 headlines.extend(headline(rows, "real", scenario, tolerance, metric));
             }
-            headlines.extend(scenarios.iter().filter_map(|s| headline(rows, "sim", s, tolerance, metric)));
+            headlines.extend(
+                scenarios
+                    .iter()
+                    .filter_map(|s| headline(rows, "sim", s, tolerance, metric)),
+            );
         }
     }
-    let lru_of = |scenario: &str| rows.iter().find(|r| r.source == "sim" && r.scenario == scenario && r.policy == "lru").map(|r| r.ttft_mean_s);
+    let lru_of = |scenario: &str| {
+        rows.iter()
+            .find(|r| r.source == "sim" && r.scenario == scenario && r.policy == "lru")
+            .map(|r| r.ttft_mean_s)
+    };
     let ceiling = lru_of("base").zip(lru_of(FREE_LOAD));
     let ceiling_json = ceiling.map(|(base, free)| serde_json::json!({ "lru_ttft_mean_s": base, "lru_free_load_ttft_mean_s": free, "max_speedup_keeping_every_token": base / free.max(1e-9) }));
     let summary = serde_json::json!({ "ceiling": ceiling_json, "headlines": headlines, "validation": validation, "under_load": under_load, "delay_model": delay, "setup": setup, "wall_s": wall_s });
-    std::fs::write(a.out.join("results.json"), serde_json::to_string_pretty(&serde_json::json!({ "runs": rows, "summary": summary, "host_quiet": quiet }))?)?;
+    std::fs::write(
+        a.out.join("results.json"),
+        serde_json::to_string_pretty(
+            &serde_json::json!({ "runs": rows, "summary": summary, "host_quiet": quiet }),
+        )?,
+    )?;
 
     let mut md = String::new();
     let preset = if a.full { "--full" } else { "--quick" };
@@ -232,19 +408,47 @@ pub fn write(a: &EvicpressArgs, grid: &Grid, rows: &[RunRow], validation: &[Vali
     if a.redis.is_some() {
         flags.push_str(" --redis URL");
     }
-    flags.push_str(&format!(" --profile-metric {} --quality-metric {} --ram-fraction {} --zipf {} --seed {}", a.profile_metric, a.quality_metric, a.ram_fraction, a.zipf, a.seed));
+    flags.push_str(&format!(
+        " --profile-metric {} --quality-metric {} --ram-fraction {} --zipf {} --seed {}",
+        a.profile_metric, a.quality_metric, a.ram_fraction, a.zipf, a.seed
+    ));
     if a.loaded_repeats > 1 {
         flags.push_str(&format!(" --loaded-repeats {}", a.loaded_repeats));
     }
     md.push_str(&format!("# EVICPRESS benchmark ({preset})\n\nCommand: `pagekeeper bench evicpress {preset}{flags} --out {}`; host-quiet: `{quiet}`; wall time {:.0} s.\n\n", a.out.display(), wall_s));
     md.push_str(&format!("Tiers: {} with RAM holding {:.0}% of the working set ({:.1} MB of f16 masters); delay model fitted to the real loads: {}.\n\n", delay.tiers.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(" → "), 100.0 * a.ram_fraction, setup["working_set_bytes"].as_f64().unwrap_or(0.0) / 1e6,
         delay.tiers.iter().map(|t| format!("{} {:.0} MB/s", t.name, t.read_bytes_per_s / 1e6)).collect::<Vec<_>>().join(", ")));
-    md.push_str(&format!("Grid: {}.\n\n", grid.configs().iter().map(|c| c.to_string()).collect::<Vec<_>>().join(", ")));
-    md.push_str(&format!("Profiles scored by `{}`; reported quality by `{}`.\n\n", a.profile_metric, a.quality_metric));
+    md.push_str(&format!(
+        "Grid: {}.\n\n",
+        grid.configs()
+            .iter()
+            .map(|c| c.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    md.push_str(&format!(
+        "Profiles scored by `{}`; reported quality by `{}`.\n\n",
+        a.profile_metric, a.quality_metric
+    ));
     md.push_str("## Headlines\n\n`quality`: the bench's quality metric (`f1` is the token-F1 of the answer against the full-KV answer; `teacher-forced`, the share of the full-KV answer's tokens the served KV ranks first). `f1`: token-F1 when the quality metric is another. `task`: the ground-truth score (the answer's first number is the asked code), the measure of the paper's \"quality drop\".\n\n| source | scenario | metric | loss ≤ | LRU TTFT s | LRU score | EVICPRESS α | EVICPRESS TTFT s | score | vs LRU | vs full prefill | fixed at ≥ equal score | vs fixed |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     let f = |x: Option<f64>, d: usize| x.map_or("–".to_string(), |v| format!("{v:.d$}"));
     for h in &headlines {
-        md.push_str(&format!("| {} | {} | {} | {:.0}% | {:.3} | {:.3} | {} | {} | {} | {}× | {}× | {} | {}× |\n", h.source, h.scenario, h.metric, 100.0 * h.quality_tolerance, h.lru_ttft_mean_s, h.lru_quality, f(h.evicpress_alpha, 2), f(h.evicpress_ttft_mean_s, 3), f(h.evicpress_quality, 3), f(h.speedup_vs_lru, 2), f(h.speedup_vs_full_prefill, 1), h.fixed_at_equal_quality.clone().unwrap_or("–".into()), f(h.speedup_vs_fixed_at_equal_quality, 2)));
+        md.push_str(&format!(
+            "| {} | {} | {} | {:.0}% | {:.3} | {:.3} | {} | {} | {} | {}× | {}× | {} | {}× |\n",
+            h.source,
+            h.scenario,
+            h.metric,
+            100.0 * h.quality_tolerance,
+            h.lru_ttft_mean_s,
+            h.lru_quality,
+            f(h.evicpress_alpha, 2),
+            f(h.evicpress_ttft_mean_s, 3),
+            f(h.evicpress_quality, 3),
+            f(h.speedup_vs_lru, 2),
+            f(h.speedup_vs_full_prefill, 1),
+            h.fixed_at_equal_quality.clone().unwrap_or("–".into()),
+            f(h.speedup_vs_fixed_at_equal_quality, 2)
+        ));
     }
     if let Some((base, free)) = ceiling {
         md.push_str(&format!(
@@ -257,21 +461,67 @@ pub fn write(a: &EvicpressArgs, grid: &Grid, rows: &[RunRow], validation: &[Vali
         md.push_str(&format!("\n## Under load (real runs' service times replayed through one FIFO server; see load.rs)\n\nLoads are fractions of LRU's capacity ({}); the last column is the highest request rate whose mean TTFT stays within {:.3} s (twice LRU's unloaded mean).\n\n| policy | α | quality | service s | {} | max rate /s | vs LRU |\n|---|---|---|---|{}---|---|\n",
             u.rates_per_s.iter().map(|r| format!("{r:.2}/s")).collect::<Vec<_>>().join(", "), u.target_s,
             u.loads.iter().map(|l| format!("TTFT s at {:.0}%", 100.0 * l)).collect::<Vec<_>>().join(" | "), "---|".repeat(u.loads.len())));
-        let lru_rate = u.rows.iter().find(|r| r.policy == "lru").map_or(f64::NAN, |r| r.max_rate_per_s);
+        let lru_rate = u
+            .rows
+            .iter()
+            .find(|r| r.policy == "lru")
+            .map_or(f64::NAN, |r| r.max_rate_per_s);
         for r in &u.rows {
-            md.push_str(&format!("| {} | {} | {:.3} | {:.3} | {} | {:.2} | {:.2}× |\n", r.policy, f(r.alpha, 2), r.quality, r.service_mean_s, r.ttft_mean_s.iter().map(|t| format!("{t:.3}")).collect::<Vec<_>>().join(" | "), r.max_rate_per_s, r.max_rate_per_s / lru_rate));
+            md.push_str(&format!(
+                "| {} | {} | {:.3} | {:.3} | {} | {:.2} | {:.2}× |\n",
+                r.policy,
+                f(r.alpha, 2),
+                r.quality,
+                r.service_mean_s,
+                r.ttft_mean_s
+                    .iter()
+                    .map(|t| format!("{t:.3}"))
+                    .collect::<Vec<_>>()
+                    .join(" | "),
+                r.max_rate_per_s,
+                r.max_rate_per_s / lru_rate
+            ));
         }
     }
     md.push_str("\n## Simulator validation (same trace, same policies)\n\n| policy | α | real TTFT s | sim TTFT s | error | real quality | sim quality |\n|---|---|---|---|---|---|---|\n");
     for v in validation {
-        md.push_str(&format!("| {} | {} | {:.3} | {:.3} | {:+.1}% | {:.3} | {:.3} |\n", v.policy, f(v.alpha, 2), v.real_ttft_mean_s, v.sim_ttft_mean_s, v.ttft_error_pct, v.real_quality, v.sim_quality));
+        md.push_str(&format!(
+            "| {} | {} | {:.3} | {:.3} | {:+.1}% | {:.3} | {:.3} |\n",
+            v.policy,
+            f(v.alpha, 2),
+            v.real_ttft_mean_s,
+            v.sim_ttft_mean_s,
+            v.ttft_error_pct,
+            v.real_quality,
+            v.sim_quality
+        ));
     }
     md.push_str("\n## All runs\n\n| source | scenario | policy | α | TTFT mean | p50 | p95 | quality | f1 | task | hits per tier | bytes moved | placement ms (mean/max) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for r in rows {
         let hits: BTreeMap<_, _> = r.hits_per_tier.clone();
-        md.push_str(&format!("| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {} | {} | {} | {} |\n", r.source, r.scenario, r.policy, f(r.alpha, 2), r.ttft_mean_s, r.ttft_p50_s, r.ttft_p95_s, r.quality, f(r.quality_f1, 3), f(r.task_score, 3),
-            hits.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(" "), r.bytes_moved.map_or("–".into(), |b| format!("{:.0} MB", b as f64 / 1e6)),
-            match (r.placement_cpu_ms_mean, r.placement_cpu_ms_max) { (Some(m), Some(x)) => format!("{m:.2}/{x:.2}"), _ => "–".into() }));
+        md.push_str(&format!(
+            "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {} | {} | {} | {} |\n",
+            r.source,
+            r.scenario,
+            r.policy,
+            f(r.alpha, 2),
+            r.ttft_mean_s,
+            r.ttft_p50_s,
+            r.ttft_p95_s,
+            r.quality,
+            f(r.quality_f1, 3),
+            f(r.task_score, 3),
+            hits.iter()
+                .map(|(k, v)| format!("{k}:{v}"))
+                .collect::<Vec<_>>()
+                .join(" "),
+            r.bytes_moved
+                .map_or("–".into(), |b| format!("{:.0} MB", b as f64 / 1e6)),
+            match (r.placement_cpu_ms_mean, r.placement_cpu_ms_max) {
+                (Some(m), Some(x)) => format!("{m:.2}/{x:.2}"),
+                _ => "–".into(),
+            }
+        ));
     }
     std::fs::write(a.out.join("REPORT.md"), md)?;
     plot(rows, &a.out.join("quality_vs_ttft.png"), Metric::Quality)?;
@@ -281,54 +531,133 @@ pub fn write(a: &EvicpressArgs, grid: &Grid, rows: &[RunRow], validation: &[Vali
 
 fn plot(rows: &[RunRow], path: &Path, metric: Metric) -> Result<()> {
     static FONT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let ok = *FONT.get_or_init(|| plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, include_bytes!("../../../eval/assets/DejaVuSans.ttf")).is_ok());
+    let ok = *FONT.get_or_init(|| {
+        plotters::style::register_font(
+            "sans-serif",
+            plotters::style::FontStyle::Normal,
+            include_bytes!("../../../eval/assets/DejaVuSans.ttf"),
+        )
+        .is_ok()
+    });
     if !ok {
         return Err(anyhow!("the embedded font does not parse"));
     }
-    let base: Vec<&RunRow> = rows.iter().filter(|r| r.scenario == "base" && r.source == "sim").collect();
-    let max_ttft = base.iter().map(|r| r.ttft_mean_s).filter(|t| t.is_finite()).fold(0.0f64, f64::max).max(1e-3);
-    let min_ttft = base.iter().map(|r| r.ttft_mean_s).filter(|t| t.is_finite() && *t > 0.0).fold(f64::MAX, f64::min).min(max_ttft);
+    let base: Vec<&RunRow> = rows
+        .iter()
+        .filter(|r| r.scenario == "base" && r.source == "sim")
+        .collect();
+    let max_ttft = base
+        .iter()
+        .map(|r| r.ttft_mean_s)
+        .filter(|t| t.is_finite())
+        .fold(0.0f64, f64::max)
+        .max(1e-3);
+    let min_ttft = base
+        .iter()
+        .map(|r| r.ttft_mean_s)
+        .filter(|t| t.is_finite() && *t > 0.0)
+        .fold(f64::MAX, f64::min)
+        .min(max_ttft);
     let (w, h) = (900u32, 600u32);
     let mut pixels = vec![0u8; (w * h * 3) as usize];
     {
-    let root = BitMapBackend::with_buffer(&mut pixels, (w, h)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(format!("{} vs TTFT (simulated, base scenario; crosses: real runs)", if matches!(metric, Metric::Task) { "Task score" } else { "Quality" }), ("sans-serif", 20))
-        .margin(15)
-        .x_label_area_size(45)
-        .y_label_area_size(55)
-        .build_cartesian_2d((min_ttft * 0.7..max_ttft * 1.4).log_scale(), 0.0..1.05)
-        .map_err(|e| anyhow!("{e}"))?;
-    let y_desc = match metric {
-        Metric::Quality => "quality (the bench's metric vs full KV)",
-        Metric::F1 => "token-F1 vs full KV",
-        Metric::Task => "task score (ground truth)",
-    };
-    chart.configure_mesh().x_desc("mean TTFT (s, log)").y_desc(y_desc).label_style(("sans-serif", 14)).draw().map_err(|e| anyhow!("{e}"))?;
-    let curve = |pred: &dyn Fn(&RunRow) -> bool| {
-        let mut pts: Vec<(f64, f64)> = base.iter().filter(|r| pred(r)).map(|r| (r.ttft_mean_s, metric.of(r))).collect();
-        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        pts
-    };
-    let series: [(&str, RGBColor, Vec<(f64, f64)>); 3] = [
-        ("EVICPRESS (α sweep)", RGBColor(214, 39, 40), curve(&|r| r.policy == "evicpress")),
-        ("fixed config + LRU", RGBColor(31, 119, 180), curve(&|r| r.policy.starts_with("fixed-"))),
-        ("LRU / full prefill", RGBColor(44, 160, 44), curve(&|r| r.policy == "lru" || r.policy == "full-prefill")),
-    ];
-    for (label, colour, pts) in series {
-        let c = colour;
-        // Fixed configurations are separate points, not a curve: only EVICPRESS's α sweep
-        // and the LRU / full-prefill pair are joined.
-        let line = if label.starts_with("fixed") { Vec::new() } else { pts.clone() };
-        chart.draw_series(LineSeries::new(line, c.stroke_width(2))).map_err(|e| anyhow!("{e}"))?
-            .label(label).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
-        chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled()))).map_err(|e| anyhow!("{e}"))?;
-    }
-    let real: Vec<(f64, f64)> = rows.iter().filter(|r| r.source == "real").map(|r| (r.ttft_mean_s, metric.of(r))).collect();
-    chart.draw_series(real.iter().map(|&p| Cross::new(p, 7, BLACK.stroke_width(2)))).map_err(|e| anyhow!("{e}"))?;
-    chart.configure_series_labels().position(SeriesLabelPosition::LowerRight).background_style(WHITE.mix(0.8)).border_style(BLACK).label_font(("sans-serif", 14)).draw().map_err(|e| anyhow!("{e}"))?;
-    root.present().map_err(|e| anyhow!("{e}"))?;
+        let root = BitMapBackend::with_buffer(&mut pixels, (w, h)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                format!(
+                    "{} vs TTFT (simulated, base scenario; crosses: real runs)",
+                    if matches!(metric, Metric::Task) {
+                        "Task score"
+                    } else {
+                        "Quality"
+                    }
+                ),
+                ("sans-serif", 20),
+            )
+            .margin(15)
+            .x_label_area_size(45)
+            .y_label_area_size(55)
+            .build_cartesian_2d((min_ttft * 0.7..max_ttft * 1.4).log_scale(), 0.0..1.05)
+            .map_err(|e| anyhow!("{e}"))?;
+        let y_desc = match metric {
+            Metric::Quality => "quality (the bench's metric vs full KV)",
+            Metric::F1 => "token-F1 vs full KV",
+            Metric::Task => "task score (ground truth)",
+        };
+        chart
+            .configure_mesh()
+            .x_desc("mean TTFT (s, log)")
+            .y_desc(y_desc)
+            .label_style(("sans-serif", 14))
+            .draw()
+            .map_err(|e| anyhow!("{e}"))?;
+        let curve = |pred: &dyn Fn(&RunRow) -> bool| {
+            let mut pts: Vec<(f64, f64)> = base
+                .iter()
+                .filter(|r| pred(r))
+                .map(|r| (r.ttft_mean_s, metric.of(r)))
+                .collect();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            pts
+        };
+        let series: [(&str, RGBColor, Vec<(f64, f64)>); 3] = [
+            (
+                "EVICPRESS (α sweep)",
+                RGBColor(214, 39, 40),
+                curve(&|r| r.policy == "evicpress"),
+            ),
+            (
+                "fixed config + LRU",
+                RGBColor(31, 119, 180),
+                curve(&|r| r.policy.starts_with("fixed-")),
+            ),
+            (
+                "LRU / full prefill",
+                RGBColor(44, 160, 44),
+                curve(&|r| r.policy == "lru" || r.policy == "full-prefill"),
+            ),
+        ];
+        for (label, colour, pts) in series {
+            let c = colour;
+            // Fixed configurations are separate points, not a curve: only EVICPRESS's α sweep
+            // and the LRU / full-prefill pair are joined.
+            let line = if label.starts_with("fixed") {
+                Vec::new()
+            } else {
+                pts.clone()
+            };
+            chart
+                .draw_series(LineSeries::new(line, c.stroke_width(2)))
+                .map_err(|e| anyhow!("{e}"))?
+                .label(label)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                });
+            chart
+                .draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))
+                .map_err(|e| anyhow!("{e}"))?;
+        }
+        let real: Vec<(f64, f64)> = rows
+            .iter()
+            .filter(|r| r.source == "real")
+            .map(|r| (r.ttft_mean_s, metric.of(r)))
+            .collect();
+        chart
+            .draw_series(
+                real.iter()
+                    .map(|&p| Cross::new(p, 7, BLACK.stroke_width(2))),
+            )
+            .map_err(|e| anyhow!("{e}"))?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 14))
+            .draw()
+            .map_err(|e| anyhow!("{e}"))?;
+        root.present().map_err(|e| anyhow!("{e}"))?;
     }
     // plotters' bitmap backend without its image feature: encode the RGB buffer ourselves.
     let file = std::io::BufWriter::new(std::fs::File::create(path)?);

@@ -34,8 +34,22 @@ pub struct SimResult {
 
 /// Replays `trace` with contexts inserted in order at the start (warm store), as the
 /// real runs do. `full_prefill_s[c]` is used by the `None` policy (no reuse).
-pub fn simulate(contexts: &[SimContext], trace: &[Request], delay: &DelayModel, capacities_bytes: &[u64], policy: Option<&Policy>, half_life_s: f64, full_prefill_s: &[f64]) -> SimResult {
-    let mut out = SimResult { ttft_s: Vec::new(), quality: Vec::new(), task: Vec::new(), f1: Vec::new(), hits_per_tier: BTreeMap::new() };
+pub fn simulate(
+    contexts: &[SimContext],
+    trace: &[Request],
+    delay: &DelayModel,
+    capacities_bytes: &[u64],
+    policy: Option<&Policy>,
+    half_life_s: f64,
+    full_prefill_s: &[f64],
+) -> SimResult {
+    let mut out = SimResult {
+        ttft_s: Vec::new(),
+        quality: Vec::new(),
+        task: Vec::new(),
+        f1: Vec::new(),
+        hits_per_tier: BTreeMap::new(),
+    };
     let Some(policy) = policy else {
         for r in trace {
             out.ttft_s.push(full_prefill_s[r.context]);
@@ -46,12 +60,24 @@ pub fn simulate(contexts: &[SimContext], trace: &[Request], delay: &DelayModel, 
         return out;
     };
     let last = capacities_bytes.len() - 1;
-    let placer = Placer { delay, policy, capacities_bytes };
+    let placer = Placer {
+        delay,
+        policy,
+        capacities_bytes,
+    };
     let mut items: Vec<Item> = Vec::new();
     let mut freq = vec![DecayedCount::default(); contexts.len()];
     for (i, c) in contexts.iter().enumerate() {
         freq[i].bump(0.0, half_life_s);
-        items.push(Item { bytes: c.bytes.clone(), kept_tokens: c.kept_tokens.clone(), quality: c.profile_quality.clone(), frequency: 1.0, last_access_s: 0.0, tier: last, config: 0 });
+        items.push(Item {
+            bytes: c.bytes.clone(),
+            kept_tokens: c.kept_tokens.clone(),
+            quality: c.profile_quality.clone(),
+            frequency: 1.0,
+            last_access_s: 0.0,
+            tier: last,
+            config: 0,
+        });
         placer.place(&mut items, Some(i));
     }
     for i in 0..contexts.len() {
@@ -60,11 +86,16 @@ pub fn simulate(contexts: &[SimContext], trace: &[Request], delay: &DelayModel, 
     for r in trace {
         let now = r.arrival_s;
         let it = &items[r.context];
-        out.ttft_s.push(delay.ttft_s(it.tier, it.bytes[it.config], it.kept_tokens[it.config]));
-        out.quality.push(contexts[r.context].test_quality[it.config] as f64);
-        out.task.push(contexts[r.context].test_task[it.config] as f64);
+        out.ttft_s
+            .push(delay.ttft_s(it.tier, it.bytes[it.config], it.kept_tokens[it.config]));
+        out.quality
+            .push(contexts[r.context].test_quality[it.config] as f64);
+        out.task
+            .push(contexts[r.context].test_task[it.config] as f64);
         out.f1.push(contexts[r.context].test_f1[it.config] as f64);
-        *out.hits_per_tier.entry(delay.tiers[it.tier].name.clone()).or_default() += 1;
+        *out.hits_per_tier
+            .entry(delay.tiers[it.tier].name.clone())
+            .or_default() += 1;
         freq[r.context].bump(now, half_life_s);
         for (k, item) in items.iter_mut().enumerate() {
             item.frequency = freq[k].value_at(now, half_life_s).max(1e-9);

@@ -32,7 +32,11 @@ pub struct Context {
 
 /// The task's score of one answer: 1 when the first number in it is the asked code.
 pub fn task_score(answer: &str, gold: &str) -> f64 {
-    let digits: String = answer.chars().skip_while(|c| !c.is_ascii_digit()).take_while(|c| c.is_ascii_digit()).collect();
+    let digits: String = answer
+        .chars()
+        .skip_while(|c| !c.is_ascii_digit())
+        .take_while(|c| c.is_ascii_digit())
+        .collect();
     f64::from(u8::from(digits == gold))
 }
 
@@ -47,13 +51,18 @@ pub struct WorkloadSpec {
 }
 
 fn name(rng: &mut SplitMix64) -> String {
-    const SYL: [&str; 16] = ["va", "lo", "mi", "ter", "sa", "no", "ri", "ku", "del", "pa", "zo", "ne", "tor", "bi", "fa", "ul"];
+    const SYL: [&str; 16] = [
+        "va", "lo", "mi", "ter", "sa", "no", "ri", "ku", "del", "pa", "zo", "ne", "tor", "bi",
+        "fa", "ul",
+    ];
     let mut s = String::new();
     for _ in 0..3 {
         s.push_str(SYL[rng.below(SYL.len())]);
     }
     let mut c = s.chars();
-    c.next().map(|f| f.to_uppercase().collect::<String>() + c.as_str()).unwrap_or_default()
+    c.next()
+        .map(|f| f.to_uppercase().collect::<String>() + c.as_str())
+        .unwrap_or_default()
 }
 
 fn question(name: &str) -> String {
@@ -76,7 +85,9 @@ pub fn contexts(tok: &Tokenizer, spec: &WorkloadSpec) -> Vec<Context> {
             Kind::Mixed => n_tokens / 24,
         }
         .max(spec.profile_queries + spec.test_queries);
-        let facts: Vec<(String, String)> = (0..n_facts).map(|_| (name(&mut rng), rng.digits(5))).collect();
+        let facts: Vec<(String, String)> = (0..n_facts)
+            .map(|_| (name(&mut rng), rng.digits(5)))
+            .collect();
         let fact = |f: &(String, String)| format!("The code for {} is {}. ", f.0, f.1);
         let mut text = String::new();
         let mut start = rng.below(sentences.len().saturating_sub(2000).max(1));
@@ -85,7 +96,11 @@ pub fn contexts(tok: &Tokenizer, spec: &WorkloadSpec) -> Vec<Context> {
             Kind::Narrative | Kind::Mixed => {
                 // Spread the facts over the first 80 % of the context (a Verne sentence is
                 // about 30 tokens), so that every planted fact survives the cut.
-                let prose_per_fact = if kind == Kind::Narrative { (n_tokens * 4 / 5 / (n_facts * 30)).max(1) } else { 2 };
+                let prose_per_fact = if kind == Kind::Narrative {
+                    (n_tokens * 4 / 5 / (n_facts * 30)).max(1)
+                } else {
+                    2
+                };
                 for f in &facts {
                     for _ in 0..prose_per_fact {
                         text.push_str(&sentences[start % sentences.len()]);
@@ -106,13 +121,19 @@ pub fn contexts(tok: &Tokenizer, spec: &WorkloadSpec) -> Vec<Context> {
         tokens.truncate(n_tokens);
         // Only facts that survived the cut are asked about: their names appear in the text.
         let kept_text = tok.decode(&tokens);
-        let askable: Vec<&(String, String)> = facts.iter().filter(|f| kept_text.contains(&format!("The code for {} is {}", f.0, f.1))).collect();
+        let askable: Vec<&(String, String)> = facts
+            .iter()
+            .filter(|f| kept_text.contains(&format!("The code for {} is {}", f.0, f.1)))
+            .collect();
         let mut order: Vec<usize> = (0..askable.len()).collect();
         for j in (1..order.len()).rev() {
             order.swap(j, rng.below(j + 1));
         }
         if askable.len() < spec.profile_queries + spec.test_queries {
-            tracing::warn!("context {i}: only {} facts survived the cut; profiling and test questions overlap", askable.len());
+            tracing::warn!(
+                "context {i}: only {} facts survived the cut; profiling and test questions overlap",
+                askable.len()
+            );
         }
         let fact_of = |j: usize| askable[order[j % order.len().max(1)]];
         let q = |j: usize| tok.encode(&question(&fact_of(j).0), false);
@@ -122,7 +143,9 @@ pub fn contexts(tok: &Tokenizer, spec: &WorkloadSpec) -> Vec<Context> {
             tokens,
             profile_queries: (0..n_p).map(q).collect(),
             test_queries: (n_p..n_p + spec.test_queries).map(q).collect(),
-            test_answers: (n_p..n_p + spec.test_queries).map(|j| fact_of(j).1.clone()).collect(),
+            test_answers: (n_p..n_p + spec.test_queries)
+                .map(|j| fact_of(j).1.clone())
+                .collect(),
         });
     }
     out
@@ -149,7 +172,15 @@ pub struct Request {
 
 /// `n` requests over `n_contexts` contexts: Zipf(s) popularity over a seeded random ranking,
 /// Poisson arrivals at `rate_per_s`, and with `drift` a new ranking for the second half.
-pub fn trace(n_contexts: usize, n_tests: usize, n: usize, zipf_s: f64, rate_per_s: f64, drift: bool, seed: u64) -> Vec<Request> {
+pub fn trace(
+    n_contexts: usize,
+    n_tests: usize,
+    n: usize,
+    zipf_s: f64,
+    rate_per_s: f64,
+    drift: bool,
+    seed: u64,
+) -> Vec<Request> {
     let mut rng = SplitMix64::for_parts(&[seed, 0x7ace]);
     let ranking = |rng: &mut SplitMix64| {
         let mut r: Vec<usize> = (0..n_contexts).collect();
@@ -158,7 +189,9 @@ pub fn trace(n_contexts: usize, n_tests: usize, n: usize, zipf_s: f64, rate_per_
         }
         r
     };
-    let weights: Vec<f64> = (1..=n_contexts).map(|k| 1.0 / (k as f64).powf(zipf_s)).collect();
+    let weights: Vec<f64> = (1..=n_contexts)
+        .map(|k| 1.0 / (k as f64).powf(zipf_s))
+        .collect();
     let total: f64 = weights.iter().sum();
     let mut rank = ranking(&mut rng);
     let mut t = 0.0;
@@ -175,7 +208,11 @@ pub fn trace(n_contexts: usize, n_tests: usize, n: usize, zipf_s: f64, rate_per_
                 k += 1;
             }
             t += -(1.0 - uniform(&mut rng)).ln() / rate_per_s;
-            Request { context: rank[k], query: rng.below(n_tests.max(1)), arrival_s: t }
+            Request {
+                context: rank[k],
+                query: rng.below(n_tests.max(1)),
+                arrival_s: t,
+            }
         })
         .collect()
 }

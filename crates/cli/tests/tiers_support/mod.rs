@@ -22,7 +22,11 @@ pub const CHUNK_TOKENS: usize = 64;
 pub const POOL_TOKENS: usize = 640;
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 pub fn model_path() -> PathBuf {
@@ -30,7 +34,11 @@ pub fn model_path() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/pagekeeper"));
     let p = home.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(p.exists(), "{} is missing: run `pagekeeper fetch-model` first", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run `pagekeeper fetch-model` first",
+        p.display()
+    );
     p
 }
 
@@ -49,21 +57,36 @@ impl Api {
     /// A completion of one token; returns (prompt_tokens, cached_tokens), or the failure.
     pub fn complete(&self, prompt: &str) -> Result<(usize, usize), String> {
         let body = serde_json::json!({"prompt": prompt, "max_tokens": 1, "temperature": 0.0});
-        let response = self.client.post(self.url("/v1/completions")).json(&body).send().map_err(|e| e.to_string())?;
+        let response = self
+            .client
+            .post(self.url("/v1/completions"))
+            .json(&body)
+            .send()
+            .map_err(|e| e.to_string())?;
         let status = response.status();
         let text = response.text().map_err(|e| e.to_string())?;
         if !status.is_success() {
             return Err(format!("HTTP {status}: {text}"));
         }
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{e}: {text}"))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("{e}: {text}"))?;
         let usage = &v["usage"];
-        let prompt_tokens = usage["prompt_tokens"].as_u64().ok_or_else(|| format!("no usage: {text}"))? as usize;
-        let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) as usize;
+        let prompt_tokens = usage["prompt_tokens"]
+            .as_u64()
+            .ok_or_else(|| format!("no usage: {text}"))? as usize;
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0) as usize;
         Ok((prompt_tokens, cached))
     }
 
     pub fn metrics(&self) -> String {
-        self.client.get(self.url("/metrics")).send().unwrap().text().unwrap()
+        self.client
+            .get(self.url("/metrics"))
+            .send()
+            .unwrap()
+            .text()
+            .unwrap()
     }
 
     /// A tier metric (e.g. `pagekeeper_tier_hits_total`) for `tier`; 0 until first counted.
@@ -92,20 +115,39 @@ impl Server {
         let port = free_port();
         let pool = POOL_TOKENS.to_string();
         let child = Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
-            .args(["serve", "--port", &port.to_string(), "--threads", "2", "--kv-capacity-tokens", &pool, "--max-model-len", &pool])
+            .args([
+                "serve",
+                "--port",
+                &port.to_string(),
+                "--threads",
+                "2",
+                "--kv-capacity-tokens",
+                &pool,
+                "--max-model-len",
+                &pool,
+            ])
             .args(["--tier-chunk-tokens", &CHUNK_TOKENS.to_string()])
             .args(extra)
             .arg("--model")
             .arg(model_path())
             // The outage test makes the tiers warn on every request; keep the test log short
             // unless the caller asks for more.
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into()),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("starting pagekeeper serve");
-        let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
-        let mut server = Server { api: Api { port, client }, child: Some(child) };
+        let client = reqwest::blocking::Client::builder()
+            .timeout(Duration::from_secs(120))
+            .build()
+            .unwrap();
+        let mut server = Server {
+            api: Api { port, client },
+            child: Some(child),
+        };
         let started = Instant::now();
         loop {
             if let Ok(r) = server.api.client.get(server.url("/health")).send() {
@@ -116,7 +158,10 @@ impl Server {
             if let Some(status) = server.child.as_mut().unwrap().try_wait().unwrap() {
                 panic!("pagekeeper serve exited during start-up: {status}");
             }
-            assert!(started.elapsed() < Duration::from_secs(120), "server did not become healthy");
+            assert!(
+                started.elapsed() < Duration::from_secs(120),
+                "server did not become healthy"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
         server
@@ -150,8 +195,9 @@ pub fn tier_counter(metrics: &str, name: &str, tier: &str) -> f64 {
 /// so no two prompts share a first chunk.
 pub fn prompt(seed: u64) -> String {
     const WORDS: &[&str] = &[
-        "river", "lantern", "copper", "meadow", "signal", "harbor", "violet", "engine", "saddle", "quartz", "marble", "falcon", "timber",
-        "canyon", "velvet", "orchard", "pepper", "glacier", "tunnel", "ember", "compass", "willow", "anchor", "cobalt", "thistle", "beacon",
+        "river", "lantern", "copper", "meadow", "signal", "harbor", "violet", "engine", "saddle",
+        "quartz", "marble", "falcon", "timber", "canyon", "velvet", "orchard", "pepper", "glacier",
+        "tunnel", "ember", "compass", "willow", "anchor", "cobalt", "thistle", "beacon",
     ];
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut out = format!("Record {seed}:");
@@ -174,14 +220,20 @@ pub fn stored_chunks(prompt_tokens: usize) -> usize {
 pub fn wait_until(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
     let started = Instant::now();
     while !done() {
-        assert!(started.elapsed() < within, "timed out after {within:?} waiting for {what}");
+        assert!(
+            started.elapsed() < within,
+            "timed out after {within:?} waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
 
 /// A unique Redis key prefix per test run, so runs against a shared server never meet.
 pub fn unique_prefix(test: &str) -> String {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
     format!("pke2e:{test}:{}:{nanos}:", std::process::id())
 }
 
@@ -199,7 +251,12 @@ impl Redis {
                 if let Err(e) = ping(&url, Duration::from_secs(3)) {
                     panic!("{REDIS_ENV}={url} is set but Redis is unreachable there: {e}. Start redis-server (see .ci/run) or unset {REDIS_ENV}.");
                 }
-                Redis { url, port: 0, child: None, dir: None }
+                Redis {
+                    url,
+                    port: 0,
+                    child: None,
+                    dir: None,
+                }
             }
             Err(_) => Redis::private(),
         }
@@ -207,7 +264,12 @@ impl Redis {
 
     pub fn private() -> Redis {
         let port = free_port();
-        let mut redis = Redis { url: format!("redis://127.0.0.1:{port}"), port, child: None, dir: Some(tempfile::tempdir().unwrap()) };
+        let mut redis = Redis {
+            url: format!("redis://127.0.0.1:{port}"),
+            port,
+            child: None,
+            dir: Some(tempfile::tempdir().unwrap()),
+        };
         redis.start();
         redis
     }
@@ -221,30 +283,56 @@ impl Redis {
             .find(|p| p.is_file())
             .unwrap_or_else(|| panic!("redis-server not found on PATH: install it (apt-get install -y redis-server); the Redis tier tests need a real server"));
         let child = Command::new(binary)
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .arg("--dir")
-            .arg(self.dir.as_ref().expect("only private servers are started").path())
+            .arg(
+                self.dir
+                    .as_ref()
+                    .expect("only private servers are started")
+                    .path(),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("spawn redis-server");
         self.child = Some(child);
         if let Err(e) = ping(&self.url, Duration::from_secs(5)) {
-            panic!("redis-server started on port {} but does not answer: {e}", self.port);
+            panic!(
+                "redis-server started on port {} but does not answer: {e}",
+                self.port
+            );
         }
     }
 
     /// SIGKILL: an outage, not a clean shutdown.
     pub fn stop(&mut self) {
-        let mut child = self.child.take().expect("only a running private server can be stopped");
+        let mut child = self
+            .child
+            .take()
+            .expect("only a running private server can be stopped");
         child.kill().unwrap();
         child.wait().unwrap();
     }
 
     /// Committed (visible) entries under `prefix`.
     pub fn entries(&self, prefix: &str) -> usize {
-        let mut conn = redis::Client::open(self.url.as_str()).unwrap().get_connection_with_timeout(Duration::from_secs(2)).unwrap();
-        let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{prefix}m:*")).query(&mut conn).unwrap();
+        let mut conn = redis::Client::open(self.url.as_str())
+            .unwrap()
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .unwrap();
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{prefix}m:*"))
+            .query(&mut conn)
+            .unwrap();
         keys.len()
     }
 }
@@ -262,7 +350,9 @@ fn ping(url: &str, within: Duration) -> Result<(), String> {
     let deadline = Instant::now() + within;
     let client = redis::Client::open(url).map_err(|e| e.to_string())?;
     loop {
-        let attempt = client.get_connection_with_timeout(Duration::from_millis(500)).and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
+        let attempt = client
+            .get_connection_with_timeout(Duration::from_millis(500))
+            .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
         match attempt {
             Ok(_) => return Ok(()),
             Err(e) if Instant::now() >= deadline => return Err(e.to_string()),

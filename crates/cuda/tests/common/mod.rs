@@ -22,15 +22,27 @@ pub fn uniform(rng: &mut impl Rng, n: usize, scale: f32) -> Vec<f32> {
 /// f32 values as act_t bits (what the GEMM and the kernels' act_t outputs hold).
 pub fn to_act(act: ActDtype, x: &[f32]) -> Vec<u16> {
     match act {
-        ActDtype::F16 => x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect(),
-        ActDtype::Bf16 => x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect(),
+        ActDtype::F16 => x
+            .iter()
+            .map(|&v| half::f16::from_f32(v).to_bits())
+            .collect(),
+        ActDtype::Bf16 => x
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect(),
     }
 }
 
 pub fn from_act(act: ActDtype, x: &[u16]) -> Vec<f32> {
     match act {
-        ActDtype::F16 => x.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect(),
-        ActDtype::Bf16 => x.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect(),
+        ActDtype::F16 => x
+            .iter()
+            .map(|&b| half::f16::from_bits(b).to_f32())
+            .collect(),
+        ActDtype::Bf16 => x
+            .iter()
+            .map(|&b| half::bf16::from_bits(b).to_f32())
+            .collect(),
     }
 }
 
@@ -54,5 +66,10 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], abs: f32, rel: f32) {
         }
     }
     let (i, e) = worst;
-    assert!(e <= 0.0, "{what}: element {i}: got {} want {} (beyond tolerance by {e})", got[i], want[i]);
+    assert!(
+        e <= 0.0,
+        "{what}: element {i}: got {} want {} (beyond tolerance by {e})",
+        got[i],
+        want[i]
+    );
 }

@@ -14,7 +14,12 @@ use crate::request::{Request, RequestOutput, SeqEvent};
 impl Engine {
     /// Runs one request to completion (no other requests may be in flight), calling
     /// `on_text` with each piece of final text.
-    pub fn generate(&mut self, prompt_ids: &[u32], params: &GenerateParams, on_text: &mut dyn FnMut(&str)) -> Result<GenerateOutput> {
+    pub fn generate(
+        &mut self,
+        prompt_ids: &[u32],
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<GenerateOutput> {
         let (tx, rx) = std::sync::mpsc::channel();
         let req = Request {
             prompt_ids: prompt_ids.to_vec(),
@@ -59,7 +64,12 @@ impl Engine {
     /// returns the logits before each continuation token (`continuation.len()` rows): row i
     /// is the distribution the model predicted for `continuation[i]`. No other requests may
     /// be in flight.
-    pub fn teacher_force(&mut self, prompt: &[u32], continuation: &[u32], params: &GenerateParams) -> Result<Vec<Vec<f32>>> {
+    pub fn teacher_force(
+        &mut self,
+        prompt: &[u32],
+        continuation: &[u32],
+        params: &GenerateParams,
+    ) -> Result<Vec<Vec<f32>>> {
         let (tx, rx) = std::sync::mpsc::channel();
         let mut p = params.clone();
         p.forced_tokens = continuation.to_vec();
@@ -67,7 +77,12 @@ impl Engine {
         p.ignore_eos = true;
         p.stop.clear();
         p.return_logits = true;
-        let req = Request { prompt_ids: prompt.to_vec(), params: p, cache_salt: None, sink: Box::new(move |e| tx.send(e).is_ok()) };
+        let req = Request {
+            prompt_ids: prompt.to_vec(),
+            params: p,
+            cache_salt: None,
+            sink: Box::new(move |e| tx.send(e).is_ok()),
+        };
         self.submit(req).map_err(|e| anyhow::anyhow!("{e}"))?;
         let mut rows = Vec::with_capacity(continuation.len());
         loop {
@@ -101,12 +116,22 @@ impl Engine {
         while done < tokens.len() {
             let end = (done + chunk).min(tokens.len());
             let Some(slots) = self.kv.allocate_slots(seq, (end - done) as u32) else {
-                result = Err(anyhow::anyhow!("KV cache is full: {} tokens do not fit", tokens.len()));
+                result = Err(anyhow::anyhow!(
+                    "KV cache is full: {} tokens do not fit",
+                    tokens.len()
+                ));
                 break;
             };
             let table = eviction::table_of(&self.kv, seq);
             let from = logits_from.clamp(done, end) - done;
-            let fwd = SeqForward { tokens: &tokens[done..end], start_position: slots.first_position as usize, stored_start: done, block_table: &table, logits_from: from, stored_positions: &[] };
+            let fwd = SeqForward {
+                tokens: &tokens[done..end],
+                start_position: slots.first_position as usize,
+                stored_start: done,
+                block_table: &table,
+                logits_from: from,
+                stored_positions: &[],
+            };
             match self.backend.forward(&[fwd]) {
                 Ok(rows) => logits.extend(rows),
                 Err(e) => {

@@ -16,7 +16,8 @@ impl ContextStore {
             ContextMeta {
                 version: META_VERSION,
                 grid: self.grid_names(),
-                profile: (e.quality.source == QualitySource::Profiled).then(|| e.quality.by_config.clone()),
+                profile: (e.quality.source == QualitySource::Profiled)
+                    .then(|| e.quality.by_config.clone()),
                 hits: e.hits,
                 frequency: e.freq.value_at(self.now_s(), self.half_life_s),
                 saved_unix_s: unix_now_s(),
@@ -57,11 +58,16 @@ impl ContextStore {
         };
         let mut st = self.state.lock().unwrap();
         let now = self.now_s();
-        let curve = meta.profile.map(|by_config| QualityCurve { by_config, source: QualitySource::Profiled });
+        let curve = meta.profile.map(|by_config| QualityCurve {
+            by_config,
+            source: QualitySource::Profiled,
+        });
         if let Some(c) = &curve {
             st.prior.add(c);
         }
-        let Some(e) = st.entries.get_mut(key) else { return };
+        let Some(e) = st.entries.get_mut(key) else {
+            return;
+        };
         if let Some(c) = curve {
             e.item.quality = c.by_config.clone();
             e.quality = c;
@@ -73,7 +79,12 @@ impl ContextStore {
         e.hits += meta.hits;
         e.queries = meta.queries.into_iter().take(self.max_queries).collect();
         if let Some(s) = meta.snapkv_scores.filter(|s| s.len() == e.n_tokens) {
-            if self.grid.configs().iter().any(|c| c.drop_score() == Some(DropScore::SnapKv)) {
+            if self
+                .grid
+                .configs()
+                .iter()
+                .any(|c| c.drop_score() == Some(DropScore::SnapKv))
+            {
                 e.scores.insert(DropScore::SnapKv, s);
             }
         }

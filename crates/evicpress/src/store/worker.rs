@@ -21,7 +21,9 @@ pub(super) fn worker_loop(rx: Receiver<Job>, store: std::sync::Weak<ContextStore
                 let bytes = ((kv.k.len() + kv.v.len()) * 4 + SnapKvSource::bytes(&snapkv)) as u64;
                 let snapkv = match snapkv {
                     Some(SnapKvSource::Scores(s)) => Some(s),
-                    Some(SnapKvSource::Window(w)) if !store.contains(&key) => snapkv_scores(&kv, &w),
+                    Some(SnapKvSource::Window(w)) if !store.contains(&key) => {
+                        snapkv_scores(&kv, &w)
+                    }
                     _ => None,
                 };
                 if let Err(e) = store.insert(key, &kv, snapkv) {
@@ -38,13 +40,21 @@ pub(super) fn worker_loop(rx: Receiver<Job>, store: std::sync::Weak<ContextStore
 
 impl ContextStore {
     /// Worker: writes the master, registers the context, places it.
-    pub(super) fn insert(&self, key: ChunkKey, kv: &KvContext, snapkv: Option<Vec<f32>>) -> Result<(), String> {
+    pub(super) fn insert(
+        &self,
+        key: ChunkKey,
+        kv: &KvContext,
+        snapkv: Option<Vec<f32>>,
+    ) -> Result<(), String> {
         if self.contains(&key) {
             return Ok(());
         }
         let last = self.tiers.len() - 1;
-        let master = pk_codec::encode(kv, &pk_codec::Method::None, None, &self.fingerprint).map_err(|e| e.to_string())?;
-        self.tiers[last].store(&copy_key(&key, 0), &Payload::from(master)).map_err(|e| e.to_string())?;
+        let master = pk_codec::encode(kv, &pk_codec::Method::None, None, &self.fingerprint)
+            .map_err(|e| e.to_string())?;
+        self.tiers[last]
+            .store(&copy_key(&key, 0), &Payload::from(master))
+            .map_err(|e| e.to_string())?;
         self.register(key, kv, snapkv);
         self.state.lock().unwrap().stats.inserted += 1;
         self.place(key, Some(kv));
@@ -56,9 +66,20 @@ impl ContextStore {
     pub(super) fn register(&self, key: ChunkKey, kv: &KvContext, snapkv: Option<Vec<f32>>) {
         let last = self.tiers.len() - 1;
         let shape = kv.shape();
-        let mut scores: HashMap<DropScore, Vec<f32>> = self.grid.configs().iter().filter_map(|c| c.drop_score()).filter_map(|s| Some((s, token_scores(kv, s)?))).collect();
+        let mut scores: HashMap<DropScore, Vec<f32>> = self
+            .grid
+            .configs()
+            .iter()
+            .filter_map(|c| c.drop_score())
+            .filter_map(|s| Some((s, token_scores(kv, s)?)))
+            .collect();
         if let Some(s) = snapkv.filter(|s| s.len() == kv.n_tokens()) {
-            if self.grid.configs().iter().any(|c| c.drop_score() == Some(DropScore::SnapKv)) {
+            if self
+                .grid
+                .configs()
+                .iter()
+                .any(|c| c.drop_score() == Some(DropScore::SnapKv))
+            {
                 scores.insert(DropScore::SnapKv, s);
             }
         }
@@ -69,18 +90,42 @@ impl ContextStore {
             let mut freq = DecayedCount::default();
             freq.bump(now, self.half_life_s);
             let item = Item {
-                bytes: self.grid.configs().iter().map(|c| c.bytes(&shape)).collect(),
-                kept_tokens: self.grid.configs().iter().map(|c| match c.method().drop_spec() {
-                    Some(d) => pk_codec::drop::n_kept_tokens(shape.n_tokens, &d),
-                    None => shape.n_tokens,
-                }).collect(),
+                bytes: self
+                    .grid
+                    .configs()
+                    .iter()
+                    .map(|c| c.bytes(&shape))
+                    .collect(),
+                kept_tokens: self
+                    .grid
+                    .configs()
+                    .iter()
+                    .map(|c| match c.method().drop_spec() {
+                        Some(d) => pk_codec::drop::n_kept_tokens(shape.n_tokens, &d),
+                        None => shape.n_tokens,
+                    })
+                    .collect(),
                 quality: quality.by_config.clone(),
                 frequency: 1.0,
                 last_access_s: now,
                 tier: last,
                 config: 0,
             };
-            st.entries.insert(key, Entry { n_tokens: kv.n_tokens(), item, quality, freq, served_quality: None, hits: 0, scores, queries: Vec::new(), needs_profile: true, hits_since_profile: 0 });
+            st.entries.insert(
+                key,
+                Entry {
+                    n_tokens: kv.n_tokens(),
+                    item,
+                    quality,
+                    freq,
+                    served_quality: None,
+                    hits: 0,
+                    scores,
+                    queries: Vec::new(),
+                    needs_profile: true,
+                    hits_since_profile: 0,
+                },
+            );
         }
     }
 
@@ -91,25 +136,43 @@ impl ContextStore {
             let mut st = self.state.lock().unwrap();
             let now = self.now_s();
             let keys: Vec<ChunkKey> = st.entries.keys().copied().collect();
-            let Some(arrived) = keys.iter().position(|k| *k == key) else { return };
-            let mut items: Vec<Item> = keys.iter().map(|k| {
-                let e = &st.entries[k];
-                self.placement_item(e, e.freq.value_at(now, self.half_life_s).max(1e-9))
-            }).collect();
+            let Some(arrived) = keys.iter().position(|k| *k == key) else {
+                return;
+            };
+            let mut items: Vec<Item> = keys
+                .iter()
+                .map(|k| {
+                    let e = &st.entries[k];
+                    self.placement_item(e, e.freq.value_at(now, self.half_life_s).max(1e-9))
+                })
+                .collect();
             let before: Vec<(usize, usize)> = items.iter().map(|i| (i.tier, i.config)).collect();
-            let placer = Placer { delay: &st.delay, policy: &self.policy, capacities_bytes: &self.capacities_bytes };
+            let placer = Placer {
+                delay: &st.delay,
+                policy: &self.policy,
+                capacities_bytes: &self.capacities_bytes,
+            };
             placer.place(&mut items, Some(arrived));
             let cpu_s = cpu0.elapsed().as_secs_f64();
             st.stats.placement_decisions += 1;
             st.stats.placement_cpu_s_total += cpu_s;
             st.stats.placement_cpu_s_max = st.stats.placement_cpu_s_max.max(cpu_s);
-            (keys, before, items.iter().map(|i| (i.tier, i.config)).collect::<Vec<_>>())
+            (
+                keys,
+                before,
+                items.iter().map(|i| (i.tier, i.config)).collect::<Vec<_>>(),
+            )
         };
         // Demotions and compressions first (they free room), the arrival last.
         let mut order: Vec<usize> = (0..keys.len()).filter(|&i| before[i] != after[i]).collect();
         order.sort_by_key(|&i| keys[i] == key);
         for i in order {
-            if let Err(e) = self.execute_move(&keys[i], before[i], after[i], if keys[i] == key { full } else { None }) {
+            if let Err(e) = self.execute_move(
+                &keys[i],
+                before[i],
+                after[i],
+                if keys[i] == key { full } else { None },
+            ) {
                 tracing::warn!("EVICPRESS: moving a context failed: {e}");
             }
         }
@@ -117,14 +180,27 @@ impl ContextStore {
     }
 
     /// Worker: makes copy `to` of a context exist, points the index at it, deletes `from`.
-    pub(super) fn execute_move(&self, key: &ChunkKey, from: (usize, usize), to: (usize, usize), full: Option<&KvContext>) -> Result<(), String> {
+    pub(super) fn execute_move(
+        &self,
+        key: &ChunkKey,
+        from: (usize, usize),
+        to: (usize, usize),
+        full: Option<&KvContext>,
+    ) -> Result<(), String> {
         let last = self.tiers.len() - 1;
         let is_master = |p: (usize, usize)| p == (last, 0);
         let mut moved = 0u64;
         if !is_master(to) {
             // A copy of the same configuration can be moved as bytes; others are re-encoded
             // from the full KV (the master, unless the caller still holds it).
-            let existing = if from.1 == to.1 { self.tiers[from.0].load(&copy_key(key, from.1)).ok().flatten() } else { None };
+            let existing = if from.1 == to.1 {
+                self.tiers[from.0]
+                    .load(&copy_key(key, from.1))
+                    .ok()
+                    .flatten()
+            } else {
+                None
+            };
             let payload = match existing {
                 Some(p) => p,
                 None => {
@@ -140,9 +216,15 @@ impl ContextStore {
                 }
             };
             moved = payload.len() as u64;
-            let evicted = self.tiers[to.0].store(&copy_key(key, to.1), &payload).map_err(|e| e.to_string())?;
+            let evicted = self.tiers[to.0]
+                .store(&copy_key(key, to.1), &payload)
+                .map_err(|e| e.to_string())?;
             if !evicted.is_empty() {
-                tracing::warn!("EVICPRESS: tier {} evicted {} entries on its own; give it more slack", self.tiers[to.0].name(), evicted.len());
+                tracing::warn!(
+                    "EVICPRESS: tier {} evicted {} entries on its own; give it more slack",
+                    self.tiers[to.0].name(),
+                    evicted.len()
+                );
             }
         }
         {

@@ -195,9 +195,19 @@ impl TokenScorer for SnapKvScorer {
 /// SnapKV policy ranks prompt tokens by, for callers that keep the ranking rather than one
 /// selection (a stored context compressed at several ratios later, when its queries are
 /// gone). Panics if `queries` is empty.
-pub fn snapkv_token_scores(kv: &dyn KvView, queries: &dyn QueryView, window: usize, kernel: usize) -> Vec<f32> {
+pub fn snapkv_token_scores(
+    kv: &dyn KvView,
+    queries: &dyn QueryView,
+    window: usize,
+    kernel: usize,
+) -> Vec<f32> {
     let mut out = Vec::new();
-    SnapKvScorer { window, kernel, avg_pool: false }.score(kv, Some(queries), 0..kv.n_tokens(), &mut out);
+    SnapKvScorer {
+        window,
+        kernel,
+        avg_pool: false,
+    }
+    .score(kv, Some(queries), 0..kv.n_tokens(), &mut out);
     out
 }
 

@@ -30,7 +30,11 @@ pub enum KvGranularity {
 pub const VALID_GRANULARITIES: &str = "shared, layer, head";
 
 impl KvGranularity {
-    pub const ALL: [KvGranularity; 3] = [KvGranularity::Shared, KvGranularity::Layer, KvGranularity::Head];
+    pub const ALL: [KvGranularity; 3] = [
+        KvGranularity::Shared,
+        KvGranularity::Layer,
+        KvGranularity::Head,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -50,7 +54,12 @@ impl fmt::Display for KvGranularity {
 impl FromStr for KvGranularity {
     type Err = super::PolicyError;
     fn from_str(text: &str) -> Result<Self, super::PolicyError> {
-        KvGranularity::ALL.into_iter().find(|g| g.name() == text.trim()).ok_or_else(|| super::PolicyError::UnknownGranularity { name: text.to_string() })
+        KvGranularity::ALL
+            .into_iter()
+            .find(|g| g.name() == text.trim())
+            .ok_or_else(|| super::PolicyError::UnknownGranularity {
+                name: text.to_string(),
+            })
     }
 }
 
@@ -66,19 +75,36 @@ pub struct SelectionUnit {
 /// `windowed(layer)` says whether a layer has a sliding window. Windowed layers form one
 /// unit of their own at every granularity except `shared` (where one unit holds all).
 /// Every (layer, KV head) is in exactly one unit.
-pub fn selection_units(granularity: KvGranularity, n_layers: usize, n_kv_heads: usize, windowed: impl Fn(usize) -> bool) -> Vec<SelectionUnit> {
+pub fn selection_units(
+    granularity: KvGranularity,
+    n_layers: usize,
+    n_kv_heads: usize,
+    windowed: impl Fn(usize) -> bool,
+) -> Vec<SelectionUnit> {
     if granularity == KvGranularity::Shared {
-        return vec![SelectionUnit { layers: (0..n_layers).collect(), kv_head: None }];
+        return vec![SelectionUnit {
+            layers: (0..n_layers).collect(),
+            kv_head: None,
+        }];
     }
     let windowed_layers: Vec<usize> = (0..n_layers).filter(|&l| windowed(l)).collect();
     let mut units = Vec::new();
     if !windowed_layers.is_empty() {
-        units.push(SelectionUnit { layers: windowed_layers, kv_head: None });
+        units.push(SelectionUnit {
+            layers: windowed_layers,
+            kv_head: None,
+        });
     }
     for layer in (0..n_layers).filter(|&l| !windowed(l)) {
         match granularity {
-            KvGranularity::Layer => units.push(SelectionUnit { layers: vec![layer], kv_head: None }),
-            _ => units.extend((0..n_kv_heads).map(|h| SelectionUnit { layers: vec![layer], kv_head: Some(h) })),
+            KvGranularity::Layer => units.push(SelectionUnit {
+                layers: vec![layer],
+                kv_head: None,
+            }),
+            _ => units.extend((0..n_kv_heads).map(|h| SelectionUnit {
+                layers: vec![layer],
+                kv_head: Some(h),
+            })),
         }
     }
     units
@@ -93,8 +119,14 @@ mod tests {
         for g in KvGranularity::ALL {
             assert_eq!(g.name().parse::<KvGranularity>().unwrap(), g);
         }
-        let err = "per-token".parse::<KvGranularity>().unwrap_err().to_string();
-        assert!(err.contains("per-token") && err.contains(VALID_GRANULARITIES), "{err}");
+        let err = "per-token"
+            .parse::<KvGranularity>()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("per-token") && err.contains(VALID_GRANULARITIES),
+            "{err}"
+        );
     }
 
     #[test]
@@ -112,11 +144,23 @@ mod tests {
                 }
             }
             assert!(seen.iter().all(|s| *s == [1, 1]), "{g}: {seen:?}");
-            let windowed_units = units.iter().filter(|u| u.layers.iter().any(|&l| l % 6 != 5)).count();
+            let windowed_units = units
+                .iter()
+                .filter(|u| u.layers.iter().any(|&l| l % 6 != 5))
+                .count();
             assert_eq!(windowed_units, 1, "{g}: windowed layers choose together");
         }
-        assert_eq!(selection_units(KvGranularity::Layer, 30, 3, |_| false).len(), 30);
-        assert_eq!(selection_units(KvGranularity::Head, 30, 3, |_| false).len(), 90);
-        assert_eq!(selection_units(KvGranularity::Shared, 30, 3, |_| false).len(), 1);
+        assert_eq!(
+            selection_units(KvGranularity::Layer, 30, 3, |_| false).len(),
+            30
+        );
+        assert_eq!(
+            selection_units(KvGranularity::Head, 30, 3, |_| false).len(),
+            90
+        );
+        assert_eq!(
+            selection_units(KvGranularity::Shared, 30, 3, |_| false).len(),
+            1
+        );
     }
 }

@@ -70,8 +70,8 @@ mod spec;
 mod view;
 
 pub use attention::snapkv_token_scores;
-pub use scorers::kv_token_scores;
 pub use granularity::{selection_units, KvGranularity, SelectionUnit, VALID_GRANULARITIES};
+pub use scorers::kv_token_scores;
 pub use spec::{PagedScore, PolicySpec, SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT};
 pub use view::{DenseKv, DenseQueries, KvView, QueryView};
 
@@ -204,7 +204,11 @@ impl fmt::Display for PolicyError {
                 "unknown KV eviction policy `{name}`; valid policies: {}",
                 spec::VALID_POLICIES
             ),
-            PolicyError::UnknownGranularity { name } => write!(f, "unknown KV eviction granularity `{name}`; valid: {}", granularity::VALID_GRANULARITIES),
+            PolicyError::UnknownGranularity { name } => write!(
+                f,
+                "unknown KV eviction granularity `{name}`; valid: {}",
+                granularity::VALID_GRANULARITIES
+            ),
             PolicyError::InvalidOption {
                 policy,
                 option,

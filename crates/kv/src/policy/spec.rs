@@ -324,18 +324,48 @@ fn apply_option(
                 n_sink_tokens: Some(n),
             })
         }
-        (PolicySpec::SnapKv { kernel_tokens, avg_pool, .. }, "window", Some(v)) => {
-            number(Some(v)).map(|n| PolicySpec::SnapKv {
-                window_tokens: n,
+        (
+            PolicySpec::SnapKv {
                 kernel_tokens,
                 avg_pool,
-            })
-        }
-        (PolicySpec::SnapKv { window_tokens, kernel_tokens, .. }, "pool", Some(v)) => match v {
-            "max" | "avg" => Ok(PolicySpec::SnapKv { window_tokens, kernel_tokens, avg_pool: v == "avg" }),
-            _ => Err(PolicyError::InvalidOption { policy, option: option.to_string(), valid }),
+                ..
+            },
+            "window",
+            Some(v),
+        ) => number(Some(v)).map(|n| PolicySpec::SnapKv {
+            window_tokens: n,
+            kernel_tokens,
+            avg_pool,
+        }),
+        (
+            PolicySpec::SnapKv {
+                window_tokens,
+                kernel_tokens,
+                ..
+            },
+            "pool",
+            Some(v),
+        ) => match v {
+            "max" | "avg" => Ok(PolicySpec::SnapKv {
+                window_tokens,
+                kernel_tokens,
+                avg_pool: v == "avg",
+            }),
+            _ => Err(PolicyError::InvalidOption {
+                policy,
+                option: option.to_string(),
+                valid,
+            }),
         },
-        (PolicySpec::SnapKv { window_tokens, avg_pool, .. }, "kernel", Some(v)) => match number(Some(v)) {
+        (
+            PolicySpec::SnapKv {
+                window_tokens,
+                avg_pool,
+                ..
+            },
+            "kernel",
+            Some(v),
+        ) => match number(Some(v)) {
             Ok(n) if n % 2 == 1 => Ok(PolicySpec::SnapKv {
                 window_tokens,
                 kernel_tokens: n,

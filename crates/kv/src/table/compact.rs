@@ -107,10 +107,19 @@ impl BlockTable {
     /// that is not stored.
     #[must_use = "allocation can fail, and the returned moves must be performed"]
     #[allow(clippy::type_complexity)]
-    pub fn compact_units(&mut self, keeps: &[Vec<u32>], pool: &mut BlockPool) -> Option<(Vec<TokenMove>, Vec<Vec<TokenMove>>)> {
+    pub fn compact_units(
+        &mut self,
+        keeps: &[Vec<u32>],
+        pool: &mut BlockPool,
+    ) -> Option<(Vec<TokenMove>, Vec<Vec<TokenMove>>)> {
         let n = keeps.first().map_or(0, |k| k.len()) as u32;
         for (unit, keep) in keeps.iter().enumerate() {
-            assert_eq!(keep.len() as u32, n, "BlockTable::compact_units: unit {unit} keeps {} tokens, unit 0 keeps {n}", keep.len());
+            assert_eq!(
+                keep.len() as u32,
+                n,
+                "BlockTable::compact_units: unit {unit} keeps {} tokens, unit 0 keeps {n}",
+                keep.len()
+            );
             for pair in keep.windows(2) {
                 assert!(pair[0] < pair[1], "BlockTable::compact_units: unit {unit}'s keep list is not strictly increasing ({} then {})", pair[0], pair[1]);
             }
@@ -126,7 +135,12 @@ impl BlockTable {
                 keep.iter()
                     .enumerate()
                     .filter(|&(to, &from)| from != to as u32)
-                    .map(|(to, &from)| TokenMove { from_stored_index: from, to_stored_index: to as u32, src: old_slots[from as usize], dst: self.slot(to as u32) })
+                    .map(|(to, &from)| TokenMove {
+                        from_stored_index: from,
+                        to_stored_index: to as u32,
+                        src: old_slots[from as usize],
+                        dst: self.slot(to as u32),
+                    })
                     .collect()
             })
             .collect();

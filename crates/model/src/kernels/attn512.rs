@@ -109,7 +109,11 @@ pub unsafe fn attend(kv: &HeadKv, rows: &[Row], scale: f32) {
 const GROUP_CHUNKS: usize = 4;
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(kv: &HeadKv, rows: &[Row; R], scale: f32) {
+unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(
+    kv: &HeadKv,
+    rows: &[Row; R],
+    scale: f32,
+) {
     let hd = HD16 * 16;
     let bs = kv.block_size;
     let esz = if F16 { 2 } else { 4 };
@@ -125,7 +129,9 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(kv: &HeadKv
         };
         ($p:expr, $i:expr) => {
             if F16 {
-                _mm512_cvtph_ps(_mm256_loadu_si256(($p as *const i16).add($i) as *const __m256i))
+                _mm512_cvtph_ps(_mm256_loadu_si256(
+                    ($p as *const i16).add($i) as *const __m256i
+                ))
             } else {
                 _mm512_loadu_ps(($p as *const f32).add($i))
             }
@@ -157,7 +163,9 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(kv: &HeadKv
 
     let n_blocks = n_max.div_ceil(bs);
     let block_bytes = bs * hd * esz;
-    let block_at = |b: usize| (*kv.block_table.get_unchecked(b) as usize * kv.n_kv_heads + kv.kv_head) * block_bytes;
+    let block_at = |b: usize| {
+        (*kv.block_table.get_unchecked(b) as usize * kv.n_kv_heads + kv.kv_head) * block_bytes
+    };
     let chunks_per_block = bs.div_ceil(16);
     let n_chunks = n_blocks * chunks_per_block;
     let mut c = (first_min / bs) * chunks_per_block + (first_min % bs) / 16;
@@ -198,7 +206,10 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(kv: &HeadKv
                 }
             }
             for r in 0..R {
-                _mm512_storeu_ps(sp[r][n_group].as_mut_ptr(), _mm512_mul_ps(_mm512_add_ps(s0[r], s1[r]), scale_v));
+                _mm512_storeu_ps(
+                    sp[r][n_group].as_mut_ptr(),
+                    _mm512_mul_ps(_mm512_add_ps(s0[r], s1[r]), scale_v),
+                );
             }
             bases[n_group] = b * bs + c0;
             widths[n_group] = w;
@@ -223,7 +234,8 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(kv: &HeadKv
                 let s = _mm512_loadu_ps(sp[r][g].as_ptr());
                 let m_new = m[r].max(_mm512_mask_reduce_max_ps(vmask, s));
                 let cr = _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[r] - m_new)));
-                let pv = _mm512_maskz_mov_ps(vmask, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+                let pv =
+                    _mm512_maskz_mov_ps(vmask, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
                 l[r] = l[r] * cr + hsum(pv);
                 corr[r][g] = cr;
                 _mm512_storeu_ps(sp[r][g].as_mut_ptr(), pv);
@@ -274,18 +286,31 @@ pub(crate) unsafe fn hsum(v: __m512) -> f32 {
 /// within about 2 ulp; `exp(0)` is exactly 1 and inputs below -87.3 give about 1e-38.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
 pub(crate) unsafe fn exp512(x: __m512) -> __m512 {
-    let x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.376_26)), _mm512_set1_ps(-87.336_55));
-    let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(_mm512_fmadd_ps(
-        x,
-        _mm512_set1_ps(std::f32::consts::LOG2_E),
-        _mm512_set1_ps(0.5),
-    ));
+    let x = _mm512_max_ps(
+        _mm512_min_ps(x, _mm512_set1_ps(88.376_26)),
+        _mm512_set1_ps(-87.336_55),
+    );
+    let fx =
+        _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(_mm512_fmadd_ps(
+            x,
+            _mm512_set1_ps(std::f32::consts::LOG2_E),
+            _mm512_set1_ps(0.5),
+        ));
     let x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693_359_4), x);
     let x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.121_944_4e-4), x);
     let mut y = _mm512_set1_ps(1.987_569_1e-4);
-    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
         y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(c));
     }
-    let y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0));
+    let y = _mm512_add_ps(
+        _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x),
+        _mm512_set1_ps(1.0),
+    );
     _mm512_scalef_ps(y, fx)
 }

@@ -46,7 +46,12 @@ pub unsafe fn attend(kv: &HeadKv, layout: &QLayout, rows: &[Row], scale: f32) {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-unsafe fn kernel<const HD16: usize, const R: usize, const Q4: bool>(kv: &HeadKv, lay: &QLayout, rows: &[Row; R], scale: f32) {
+unsafe fn kernel<const HD16: usize, const R: usize, const Q4: bool>(
+    kv: &HeadKv,
+    lay: &QLayout,
+    rows: &[Row; R],
+    scale: f32,
+) {
     let hd = HD16 * 16;
     let n_groups = hd / GROUP;
     let bs = kv.block_size;
@@ -94,11 +99,16 @@ unsafe fn kernel<const HD16: usize, const R: usize, const Q4: bool>(kv: &HeadKv,
     let mut acc = [[_mm512_setzero_ps(); HD16]; R];
     // Softmax weights times V's scales, per row and group (at most 4 groups: hd ≤ 128).
     let mut pg = [[[0f32; 16]; 8]; R];
-    debug_assert!(rows.iter().all(|r| r.first_visible == 0), "windows over quantised K/V take the portable kernel");
+    debug_assert!(
+        rows.iter().all(|r| r.first_visible == 0),
+        "windows over quantised K/V take the portable kernel"
+    );
     let n_max = rows.iter().map(|r| r.n_visible).max().unwrap_or(0);
 
     let n_blocks = n_max.div_ceil(bs);
-    let block_at = |b: usize| (*kv.block_table.get_unchecked(b) as usize * kv.n_kv_heads + kv.kv_head) * head_bytes;
+    let block_at = |b: usize| {
+        (*kv.block_table.get_unchecked(b) as usize * kv.n_kv_heads + kv.kv_head) * head_bytes
+    };
     for b in 0..n_blocks {
         if kv.prefetch {
             for ahead in if b == 0 { 1..3 } else { 2..3 } {
@@ -113,7 +123,10 @@ unsafe fn kernel<const HD16: usize, const R: usize, const Q4: bool>(kv: &HeadKv,
         }
         let off = block_at(b);
         let (kb, vb) = (kv.k.add(off), kv.v.add(off));
-        let (k_scales, v_scales) = (kb.add(scales_at) as *const u16, vb.add(scales_at) as *const u16);
+        let (k_scales, v_scales) = (
+            kb.add(scales_at) as *const u16,
+            vb.add(scales_at) as *const u16,
+        );
         let mut c0 = 0;
         while c0 < bs && b * bs + c0 < n_max {
             let base = b * bs + c0;
@@ -128,14 +141,20 @@ unsafe fn kernel<const HD16: usize, const R: usize, const Q4: bool>(kv: &HeadKv,
                     let (k0, k1) = if Q4 {
                         q4!(bytes16!(kb.add((d / 2) * bs + c0), wmask))
                     } else {
-                        (q8!(bytes16!(kb.add(d * bs + c0), wmask)), q8!(bytes16!(kb.add((d + 1) * bs + c0), wmask)))
+                        (
+                            q8!(bytes16!(kb.add(d * bs + c0), wmask)),
+                            q8!(bytes16!(kb.add((d + 1) * bs + c0), wmask)),
+                        )
                     };
                     for r in 0..R {
                         s0[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r][d]), k0, s0[r]);
                         s1[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r][d + 1]), k1, s1[r]);
                     }
                 }
-                let sg = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(wmask, k_scales.add(g * bs + c0) as *const i16));
+                let sg = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                    wmask,
+                    k_scales.add(g * bs + c0) as *const i16,
+                ));
                 for r in 0..R {
                     s[r] = _mm512_fmadd_ps(_mm512_add_ps(s0[r], s1[r]), sg, s[r]);
                 }
@@ -153,13 +172,17 @@ unsafe fn kernel<const HD16: usize, const R: usize, const Q4: bool>(kv: &HeadKv,
                 let sc = _mm512_mul_ps(s[r], scale_v);
                 let m_new = m[r].max(_mm512_mask_reduce_max_ps(vmask, sc));
                 let corr = exp512(_mm512_set1_ps(m[r] - m_new));
-                let pv = _mm512_maskz_mov_ps(vmask, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+                let pv =
+                    _mm512_maskz_mov_ps(vmask, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
                 l[r] = l[r] * _mm512_cvtss_f32(corr) + hsum(pv);
                 for a in acc[r].iter_mut() {
                     *a = _mm512_mul_ps(*a, corr);
                 }
                 for (g, pgg) in pg[r][..n_groups].iter_mut().enumerate() {
-                    let sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(wmask, v_scales.add(g * bs + c0) as *const i16));
+                    let sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                        wmask,
+                        v_scales.add(g * bs + c0) as *const i16,
+                    ));
                     _mm512_storeu_ps(pgg.as_mut_ptr(), _mm512_mul_ps(pv, sv));
                 }
                 m[r] = m_new;

@@ -36,7 +36,9 @@ impl HugeBuf {
         let layout = Layout::from_size_align(size, HUGE_PAGE).expect("buffer size overflows");
         // SAFETY: `layout` has a non-zero size.
         let ptr = unsafe { alloc(layout) };
-        let Some(ptr) = NonNull::new(ptr) else { handle_alloc_error(layout) };
+        let Some(ptr) = NonNull::new(ptr) else {
+            handle_alloc_error(layout)
+        };
         advise_huge(ptr.as_ptr(), size);
         // SAFETY: the allocation is `size` bytes long; zeroing it faults the pages in, now
         // after the advice.

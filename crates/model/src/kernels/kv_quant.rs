@@ -40,7 +40,11 @@ pub enum QuantBits {
 pub fn quantize_q8(x: &[f32], codes: &mut [i8]) -> f16 {
     let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
     let scale = f16::from_f32(amax / 127.0);
-    let inv = if scale.to_f32() > 0.0 { 1.0 / scale.to_f32() } else { 0.0 };
+    let inv = if scale.to_f32() > 0.0 {
+        1.0 / scale.to_f32()
+    } else {
+        0.0
+    };
     for (c, &v) in codes.iter_mut().zip(x) {
         *c = (v * inv).round().clamp(-127.0, 127.0) as i8;
     }
@@ -51,9 +55,15 @@ pub fn quantize_q8(x: &[f32], codes: &mut [i8]) -> f16 {
 /// `q4_0`: the element of largest magnitude maps to code 0 (−8 · scale) exactly, which uses
 /// the asymmetric range's extra level on the side that needs it.
 pub fn quantize_q4(x: &[f32], codes: &mut [u8]) -> f16 {
-    let extreme = x.iter().fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+    let extreme = x
+        .iter()
+        .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
     let scale = f16::from_f32(extreme / -8.0);
-    let inv = if scale.to_f32() != 0.0 { 1.0 / scale.to_f32() } else { 0.0 };
+    let inv = if scale.to_f32() != 0.0 {
+        1.0 / scale.to_f32()
+    } else {
+        0.0
+    };
     for (c, &v) in codes.iter_mut().zip(x) {
         *c = (v * inv + 8.5).clamp(0.0, 15.0) as u8;
     }
@@ -71,8 +81,15 @@ pub struct QLayout {
 impl QLayout {
     /// `head_dim` must be a multiple of [`GROUP`].
     pub fn new(bits: QuantBits, head_dim: usize, block_size: usize) -> QLayout {
-        assert!(head_dim.is_multiple_of(GROUP) && head_dim > 0, "quantised KV needs head_dim a multiple of {GROUP}, got {head_dim}");
-        QLayout { bits, head_dim, block_size }
+        assert!(
+            head_dim.is_multiple_of(GROUP) && head_dim > 0,
+            "quantised KV needs head_dim a multiple of {GROUP}, got {head_dim}"
+        );
+        QLayout {
+            bits,
+            head_dim,
+            block_size,
+        }
     }
 
     pub fn groups(&self) -> usize {
@@ -176,7 +193,11 @@ impl QLayout {
             QuantBits::Q8 => scale * (head[d * bs + slot] as i8) as f32,
             QuantBits::Q4 => {
                 let byte = head[(d / 2) * bs + slot];
-                let code = if d.is_multiple_of(2) { byte & 15 } else { byte >> 4 };
+                let code = if d.is_multiple_of(2) {
+                    byte & 15
+                } else {
+                    byte >> 4
+                };
                 scale * (code as i32 - 8) as f32
             }
         }
@@ -208,7 +229,14 @@ impl QLayout {
     /// Copies one token from `(src head region, src_slot)` to `(dst, dst_slot)` within one
     /// layer's buffer (`src`/`dst` are the regions' byte offsets in `buf`): K's quants and
     /// scales are strided by the block size, so this is a loop of small copies.
-    pub fn copy_k_slot(&self, buf: &mut [u8], src: usize, src_slot: usize, dst: usize, dst_slot: usize) {
+    pub fn copy_k_slot(
+        &self,
+        buf: &mut [u8],
+        src: usize,
+        src_slot: usize,
+        dst: usize,
+        dst_slot: usize,
+    ) {
         let bs = self.block_size;
         let rows = match self.bits {
             QuantBits::Q8 => self.head_dim,
@@ -220,17 +248,37 @@ impl QLayout {
         self.copy_scales(buf, src, src_slot, dst, dst_slot);
     }
 
-    fn copy_scales(&self, buf: &mut [u8], src: usize, src_slot: usize, dst: usize, dst_slot: usize) {
+    fn copy_scales(
+        &self,
+        buf: &mut [u8],
+        src: usize,
+        src_slot: usize,
+        dst: usize,
+        dst_slot: usize,
+    ) {
         for g in 0..self.groups() {
-            let (s, d) = (src + self.scale_at(g, src_slot), dst + self.scale_at(g, dst_slot));
+            let (s, d) = (
+                src + self.scale_at(g, src_slot),
+                dst + self.scale_at(g, dst_slot),
+            );
             buf.copy_within(s..s + 2, d);
         }
     }
 
     /// [`Self::copy_k_slot`] for V, whose token rows of quants are contiguous.
-    pub fn copy_v_slot(&self, buf: &mut [u8], src: usize, src_slot: usize, dst: usize, dst_slot: usize) {
+    pub fn copy_v_slot(
+        &self,
+        buf: &mut [u8],
+        src: usize,
+        src_slot: usize,
+        dst: usize,
+        dst_slot: usize,
+    ) {
         let qb = self.quant_bytes_per_token();
-        buf.copy_within(src + src_slot * qb..src + (src_slot + 1) * qb, dst + dst_slot * qb);
+        buf.copy_within(
+            src + src_slot * qb..src + (src_slot + 1) * qb,
+            dst + dst_slot * qb,
+        );
         self.copy_scales(buf, src, src_slot, dst, dst_slot);
     }
 }
@@ -260,7 +308,11 @@ mod tests {
                 let mut vo = vec![0f32; 64];
                 lay.read_v(&vh, slot, &mut vo);
                 for g in 0..2 {
-                    let amax = |x: &[f32]| x[g * 32..(g + 1) * 32].iter().fold(0f32, |a, &b| a.max(b.abs()));
+                    let amax = |x: &[f32]| {
+                        x[g * 32..(g + 1) * 32]
+                            .iter()
+                            .fold(0f32, |a, &b| a.max(b.abs()))
+                    };
                     // Half a quantisation step, plus the f16 rounding of the scale; q4's
                     // range is [-8, 7] steps with the extreme at -8, so a value near the
                     // opposite extreme clamps to 7 steps: up to one whole step off.
@@ -270,7 +322,10 @@ mod tests {
                     };
                     let (tk, tv) = (tol(amax(k)) * 1.01 + 1e-6, tol(amax(v)) * 1.01 + 1e-6);
                     for d in g * 32..(g + 1) * 32 {
-                        assert!((lay.k_elem(&kh, slot, d) - k[d]).abs() <= tk, "{bits:?} K slot {slot} d {d}");
+                        assert!(
+                            (lay.k_elem(&kh, slot, d) - k[d]).abs() <= tk,
+                            "{bits:?} K slot {slot} d {d}"
+                        );
                         assert!((vo[d] - v[d]).abs() <= tv, "{bits:?} V slot {slot} d {d}");
                     }
                 }
@@ -284,11 +339,19 @@ mod tests {
         for bits in [QuantBits::Q8, QuantBits::Q4] {
             let lay = QLayout::new(bits, 32, 4);
             let (mut kh, mut vh) = (vec![0u8; lay.head_bytes()], vec![0u8; lay.head_bytes()]);
-            let x: Vec<f32> = (0..32).map(|i| match bits {
-                // Element 0 sets the scale to 31.75 / 127 = 0.25.
-                QuantBits::Q8 => if i == 0 { -127.0 * 0.25 } else { (i as f32 - 16.0) * 0.25 },
-                QuantBits::Q4 => ((i % 16) as f32 - 8.0) * 0.5,
-            }).collect();
+            let x: Vec<f32> = (0..32)
+                .map(|i| match bits {
+                    // Element 0 sets the scale to 31.75 / 127 = 0.25.
+                    QuantBits::Q8 => {
+                        if i == 0 {
+                            -127.0 * 0.25
+                        } else {
+                            (i as f32 - 16.0) * 0.25
+                        }
+                    }
+                    QuantBits::Q4 => ((i % 16) as f32 - 8.0) * 0.5,
+                })
+                .collect();
             lay.write_k(&mut kh, 2, &x);
             lay.write_v(&mut vh, 1, &x);
             let mut vo = vec![0f32; 32];
@@ -303,7 +366,10 @@ mod tests {
     fn zero_group_has_zero_scale_and_reads_zero() {
         for bits in [QuantBits::Q8, QuantBits::Q4] {
             let lay = QLayout::new(bits, 32, 2);
-            let (mut kh, mut vh) = (vec![0xA5u8; lay.head_bytes()], vec![0xA5u8; lay.head_bytes()]);
+            let (mut kh, mut vh) = (
+                vec![0xA5u8; lay.head_bytes()],
+                vec![0xA5u8; lay.head_bytes()],
+            );
             lay.write_k(&mut kh, 0, &[0.0; 32]);
             lay.write_v(&mut vh, 0, &[0.0; 32]);
             let mut vo = vec![1f32; 32];

@@ -39,13 +39,20 @@ enum Storage {
 
 impl QMatrix {
     pub fn new(ty: GgmlType, rows: usize, cols: usize, data: Vec<u8>) -> QMatrix {
-        let row_bytes = ty.row_bytes(cols).expect("row length is a whole number of blocks");
+        let row_bytes = ty
+            .row_bytes(cols)
+            .expect("row length is a whole number of blocks");
         assert_eq!(data.len(), rows * row_bytes, "weight data size");
         let storage = match Packed::new(ty, rows, cols, &data) {
             Some(p) => Storage::Packed(p),
             None => Storage::Gguf(data),
         };
-        QMatrix { ty, rows, cols, storage }
+        QMatrix {
+            ty,
+            rows,
+            cols,
+            storage,
+        }
     }
 
     pub fn row_bytes(&self) -> usize {
@@ -147,7 +154,16 @@ pub fn matmul(w: &QMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) {
 /// matrix, and all matrices' row groups form one parallel region instead of one each.
 pub fn matmul_multi(ws: &[&QMatrix], x: &[f32], n_tokens: usize, outs: &mut [&mut [f32]]) {
     assert_eq!(ws.len(), outs.len());
-    let packed: Option<Vec<&Packed>> = ws.iter().map(|w| if let Storage::Packed(p) = &w.storage { Some(p) } else { None }).collect();
+    let packed: Option<Vec<&Packed>> = ws
+        .iter()
+        .map(|w| {
+            if let Storage::Packed(p) = &w.storage {
+                Some(p)
+            } else {
+                None
+            }
+        })
+        .collect();
     #[cfg(target_arch = "x86_64")]
     if let (Some(isa), Some(packed)) = (x86::detect(), packed) {
         for ((w, o), p) in ws.iter().zip(outs.iter()).zip(&packed) {
@@ -156,7 +172,11 @@ pub fn matmul_multi(ws: &[&QMatrix], x: &[f32], n_tokens: usize, outs: &mut [&mu
         }
         let mut acts = ACTS.take();
         acts.quantize(x);
-        let jobs: Vec<(&Packed, OutPtr)> = packed.iter().zip(outs.iter_mut()).map(|(p, o)| (*p, OutPtr(o.as_mut_ptr()))).collect();
+        let jobs: Vec<(&Packed, OutPtr)> = packed
+            .iter()
+            .zip(outs.iter_mut())
+            .map(|(p, o)| (*p, OutPtr(o.as_mut_ptr())))
+            .collect();
         gemm_jobs(isa, &jobs, &acts, n_tokens);
         ACTS.set(acts);
         return;
@@ -178,34 +198,79 @@ fn gemm_packed(isa: x86::Isa, p: &Packed, acts: &Q8Acts, n_tokens: usize, out: &
 /// into contiguous ranges of the concatenated groups, so tasks balance across matrices.
 #[cfg(target_arch = "x86_64")]
 fn gemm_jobs(isa: x86::Isa, jobs: &[(&Packed, OutPtr)], acts: &Q8Acts, n_tokens: usize) {
-    let groups: Vec<usize> = jobs.iter().map(|(p, _)| p.rows.div_ceil(GROUP_ROWS)).collect();
+    let groups: Vec<usize> = jobs
+        .iter()
+        .map(|(p, _)| p.rows.div_ceil(GROUP_ROWS))
+        .collect();
     let n_groups: usize = groups.iter().sum();
-    let units: usize = jobs.iter().zip(&groups).map(|((p, _), g)| g * p.blocks_per_row * n_tokens).sum();
+    let units: usize = jobs
+        .iter()
+        .zip(&groups)
+        .map(|((p, _), g)| g * p.blocks_per_row * n_tokens)
+        .sum();
     // Decode-sized calls belong to the pool whatever its thread count (at 1 it runs the
     // chunks inline), so that its thread count alone decides how decode is spread.
     let pool = super::pool::global();
     if n_tokens <= POOL_MAX_TOKENS {
-        let n_chunks = if pool.active_threads() > 1 { (units / POOL_CHUNK_UNITS).clamp(1, n_groups.min(super::pool::MAX_CHUNKS)) } else { 1 };
+        let n_chunks = if pool.active_threads() > 1 {
+            (units / POOL_CHUNK_UNITS).clamp(1, n_groups.min(super::pool::MAX_CHUNKS))
+        } else {
+            1
+        };
         let groups_per_chunk = n_groups.div_ceil(n_chunks);
-        let run = |chunk: usize| run_groups(isa, jobs, &groups, acts, n_tokens, chunk * groups_per_chunk, ((chunk + 1) * groups_per_chunk).min(n_groups));
+        let run = |chunk: usize| {
+            run_groups(
+                isa,
+                jobs,
+                &groups,
+                acts,
+                n_tokens,
+                chunk * groups_per_chunk,
+                ((chunk + 1) * groups_per_chunk).min(n_groups),
+            )
+        };
         pool.run(n_groups.div_ceil(groups_per_chunk), &run);
         return;
     }
     let threads = rayon::current_num_threads();
-    let n_tasks = if threads == 1 { 1 } else { (units / MIN_TASK_UNITS).clamp(1, n_groups) };
+    let n_tasks = if threads == 1 {
+        1
+    } else {
+        (units / MIN_TASK_UNITS).clamp(1, n_groups)
+    };
     let groups_per_task = n_groups.div_ceil(n_tasks);
-    let run = |task: usize| run_groups(isa, jobs, &groups, acts, n_tokens, task * groups_per_task, ((task + 1) * groups_per_task).min(n_groups));
+    let run = |task: usize| {
+        run_groups(
+            isa,
+            jobs,
+            &groups,
+            acts,
+            n_tokens,
+            task * groups_per_task,
+            ((task + 1) * groups_per_task).min(n_groups),
+        )
+    };
     if n_tasks == 1 {
         run(0);
     } else {
-        (0..n_groups.div_ceil(groups_per_task)).into_par_iter().for_each(run);
+        (0..n_groups.div_ceil(groups_per_task))
+            .into_par_iter()
+            .for_each(run);
     }
 }
 
 /// Computes global row groups `g0..g1` of the concatenated jobs, mapping each to (job, group
 /// within it).
 #[cfg(target_arch = "x86_64")]
-fn run_groups(isa: x86::Isa, jobs: &[(&Packed, OutPtr)], groups: &[usize], acts: &Q8Acts, n_tokens: usize, g0: usize, g1: usize) {
+fn run_groups(
+    isa: x86::Isa,
+    jobs: &[(&Packed, OutPtr)],
+    groups: &[usize],
+    acts: &Q8Acts,
+    n_tokens: usize,
+    g0: usize,
+    g1: usize,
+) {
     let mut base = 0;
     for ((p, ptr), &ng) in jobs.iter().zip(groups) {
         let (lo, hi) = (g0.max(base), g1.min(base + ng));
@@ -319,12 +384,24 @@ mod tests {
     #[test]
     fn simd_matches_scalar_reference_exactly() {
         let Some(best) = x86::detect() else { return };
-        let isas = if best == x86::Isa::Avx512Vnni { vec![x86::Isa::Avx2, best] } else { vec![best] };
+        let isas = if best == x86::Isa::Avx512Vnni {
+            vec![x86::Isa::Avx2, best]
+        } else {
+            vec![best]
+        };
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q6S] {
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q8_0,
+            GgmlType::Q6S,
+        ] {
             let (rows, cols) = (19, 128);
             let w = random_weights(&mut rng, ty, rows, cols);
-            let Storage::Packed(p) = &w.storage else { panic!("{ty:?} is not packed") };
+            let Storage::Packed(p) = &w.storage else {
+                panic!("{ty:?} is not packed")
+            };
             for n in [1, 3, 4, 6, 9] {
                 let mut x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
                 x[cols / 2] = -250.0;
@@ -335,11 +412,19 @@ mod tests {
                 for &isa in &isas {
                     let mut got = vec![f32::NAN; n * rows];
                     gemm_packed(isa, p, &acts, n, &mut got);
-                    assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{ty:?} {isa:?} n={n}");
+                    assert_eq!(
+                        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "{ty:?} {isa:?} n={n}"
+                    );
                 }
                 // Together with another matrix through `matmul_multi`: the same bits.
                 let w2 = random_weights(&mut rng, GgmlType::Q4_1, 24, cols);
-                let (mut got, mut got2, mut want2) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * 24], vec![0f32; n * 24]);
+                let (mut got, mut got2, mut want2) = (
+                    vec![f32::NAN; n * rows],
+                    vec![f32::NAN; n * 24],
+                    vec![0f32; n * 24],
+                );
                 matmul_multi(&[&w2, &w], &x, n, &mut [&mut got2, &mut got]);
                 matmul_q8_scalar(&w2, &acts, n, &mut want2);
                 assert_eq!(got, want, "{ty:?} multi n={n}");
@@ -348,7 +433,11 @@ mod tests {
                 for t in 0..n {
                     let mut one = vec![0f32; rows];
                     matmul(&w, &x[t * cols..(t + 1) * cols], 1, &mut one);
-                    assert_eq!(one, want[t * rows..(t + 1) * rows], "{ty:?} token {t} alone");
+                    assert_eq!(
+                        one,
+                        want[t * rows..(t + 1) * rows],
+                        "{ty:?} token {t} alone"
+                    );
                 }
             }
         }
@@ -374,12 +463,21 @@ mod tests {
                 for t in 0..n {
                     // |Σ w·δx| ≤ Σ|w|·(step/2), step = block amax/127 (plus f16 rounding of d and s).
                     let xt = &x[t * cols..(t + 1) * cols];
-                    let tol: f32 = row.chunks(32).zip(xt.chunks(32)).map(|(wb, xb)| {
-                        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-                        wb.iter().map(|v| v.abs()).sum::<f32>() * amax / 127.0 * 0.51 + 2e-3 * amax
-                    }).sum::<f32>() + 1e-4;
+                    let tol: f32 = row
+                        .chunks(32)
+                        .zip(xt.chunks(32))
+                        .map(|(wb, xb)| {
+                            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+                            wb.iter().map(|v| v.abs()).sum::<f32>() * amax / 127.0 * 0.51
+                                + 2e-3 * amax
+                        })
+                        .sum::<f32>()
+                        + 1e-4;
                     let (g, e) = (got[t * rows + r], want[t * rows + r]);
-                    assert!((g - e).abs() <= tol, "{ty:?} row {r} token {t}: {g} vs {e} (tol {tol})");
+                    assert!(
+                        (g - e).abs() <= tol,
+                        "{ty:?} row {r} token {t}: {g} vs {e} (tol {tol})"
+                    );
                 }
             }
         }

@@ -5,22 +5,27 @@
 //! so faster kernels can replace slow ones without the model code changing.
 
 pub mod attn;
-pub mod kv_quant;
 #[cfg(target_arch = "x86_64")]
 pub mod attn512;
 #[cfg(target_arch = "x86_64")]
 pub mod attn512q;
 pub mod hugebuf;
+pub mod kv_quant;
 mod matmul;
 mod ops;
 mod pack;
 pub mod pool;
-mod split_attn;
 mod q8;
+mod split_attn;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use matmul::{matmul, matmul_multi, matmul_q8_scalar, matmul_reference, place_in_arena, QMatrix};
-pub use ops::{add_in_place, dot_f32, gelu_mul_in_place, rmsnorm, rmsnorm_rows_in_place, silu_mul_in_place, softmax_in_place};
+pub use matmul::{
+    matmul, matmul_multi, matmul_q8_scalar, matmul_reference, place_in_arena, QMatrix,
+};
+pub use ops::{
+    add_in_place, dot_f32, gelu_mul_in_place, rmsnorm, rmsnorm_rows_in_place, silu_mul_in_place,
+    softmax_in_place,
+};
 pub use q8::Q8Acts;
 pub use split_attn::split_attention;

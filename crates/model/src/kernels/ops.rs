@@ -84,13 +84,24 @@ fn gelu_scalar(x: f32) -> f32 {
 unsafe fn gelu_mul_avx512(gate: &mut [f32], up: &[f32]) {
     use std::arch::x86_64::*;
     let n16 = gate.len() / 16 * 16;
-    let (c, a, m2, one) = (_mm512_set1_ps(SQRT_2_OVER_PI), _mm512_set1_ps(GELU_COEF_A), _mm512_set1_ps(-2.0), _mm512_set1_ps(1.0));
+    let (c, a, m2, one) = (
+        _mm512_set1_ps(SQRT_2_OVER_PI),
+        _mm512_set1_ps(GELU_COEF_A),
+        _mm512_set1_ps(-2.0),
+        _mm512_set1_ps(1.0),
+    );
     for i in (0..n16).step_by(16) {
         let x = _mm512_loadu_ps(gate.as_ptr().add(i));
-        let u = _mm512_mul_ps(_mm512_mul_ps(c, x), _mm512_fmadd_ps(_mm512_mul_ps(a, x), x, one));
+        let u = _mm512_mul_ps(
+            _mm512_mul_ps(c, x),
+            _mm512_fmadd_ps(_mm512_mul_ps(a, x), x, one),
+        );
         let e = super::attn512::exp512(_mm512_mul_ps(m2, u));
         let g = _mm512_div_ps(x, _mm512_add_ps(one, e));
-        _mm512_storeu_ps(gate.as_mut_ptr().add(i), _mm512_mul_ps(g, _mm512_loadu_ps(up.as_ptr().add(i))));
+        _mm512_storeu_ps(
+            gate.as_mut_ptr().add(i),
+            _mm512_mul_ps(g, _mm512_loadu_ps(up.as_ptr().add(i))),
+        );
     }
     for i in n16..gate.len() {
         gate[i] = gelu_scalar(gate[i]) * up[i];
@@ -127,14 +138,28 @@ mod gelu_tests {
     /// `e^(−2u)` over- or underflows.
     #[test]
     fn gelu_matches_the_tanh_form() {
-        let xs: Vec<f32> = (-4000..4000).map(|i| i as f32 / 200.0).chain([-100.0, -50.0, 50.0, 100.0, 0.0, -0.0]).collect();
-        let up: Vec<f32> = xs.iter().enumerate().map(|(i, _)| 0.5 + (i % 7) as f32 / 7.0).collect();
+        let xs: Vec<f32> = (-4000..4000)
+            .map(|i| i as f32 / 200.0)
+            .chain([-100.0, -50.0, 50.0, 100.0, 0.0, -0.0])
+            .collect();
+        let up: Vec<f32> = xs
+            .iter()
+            .enumerate()
+            .map(|(i, _)| 0.5 + (i % 7) as f32 / 7.0)
+            .collect();
         let mut g = xs.clone();
         gelu_mul_in_place(&mut g, &up);
         for ((&x, &u), &got) in xs.iter().zip(&up).zip(&g) {
-            let want = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh()) * u;
-            assert!((got - want).abs() <= 2e-6 * want.abs().max(1.0), "x {x}: {got} vs {want}");
-            assert!((gelu_scalar(x) * u - want).abs() <= 2e-6 * want.abs().max(1.0), "scalar x {x}");
+            let want =
+                0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh()) * u;
+            assert!(
+                (got - want).abs() <= 2e-6 * want.abs().max(1.0),
+                "x {x}: {got} vs {want}"
+            );
+            assert!(
+                (gelu_scalar(x) * u - want).abs() <= 2e-6 * want.abs().max(1.0),
+                "scalar x {x}"
+            );
         }
     }
 }

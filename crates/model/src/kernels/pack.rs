@@ -124,7 +124,12 @@ impl Packed {
                 pack_block(ty, src, dst, lane);
             }
         }
-        Some(Packed { ty, rows, blocks_per_row: bpr, data: Bytes::Own(data) })
+        Some(Packed {
+            ty,
+            rows,
+            blocks_per_row: bpr,
+            data: Bytes::Own(data),
+        })
     }
 
     /// All group blocks, group after group.
@@ -144,7 +149,12 @@ impl Packed {
 
     /// Writes row `r`'s original GGUF bytes into `out` (`blocks_per_row × block_bytes`).
     pub fn row_gguf(&self, r: usize, out: &mut [u8]) {
-        let (g, lane, gbb, sbb) = (r / GROUP_ROWS, r % GROUP_ROWS, self.group_block_bytes(), self.ty.block_bytes());
+        let (g, lane, gbb, sbb) = (
+            r / GROUP_ROWS,
+            r % GROUP_ROWS,
+            self.group_block_bytes(),
+            self.ty.block_bytes(),
+        );
         for b in 0..self.blocks_per_row {
             let src = &self.data()[(g * self.blocks_per_row + b) * gbb..][..gbb];
             unpack_block(self.ty, src, &mut out[b * sbb..(b + 1) * sbb], lane);
@@ -179,7 +189,9 @@ fn pack_block(ty: GgmlType, src: &[u8], dst: &mut [u8], lane: usize) {
             }
             let qh = u32::from_le_bytes([src[2], src[3], src[4], src[5]]);
             for i in 0..4 {
-                dst[Q5_HIGH_AT + 4 * lane + i] = (0..8).fold(0u8, |acc, j| acc | ((((qh >> q5_element(j, i)) & 1) as u8) << j));
+                dst[Q5_HIGH_AT + 4 * lane + i] = (0..8).fold(0u8, |acc, j| {
+                    acc | ((((qh >> q5_element(j, i)) & 1) as u8) << j)
+                });
             }
         }
         GgmlType::Q6S => {
@@ -193,7 +205,9 @@ fn pack_block(ty: GgmlType, src: &[u8], dst: &mut [u8], lane: usize) {
             let qh = &src[20..28];
             for (h, at) in [Q6_HIGH_AT, Q6_HIGH_AT + 32].into_iter().enumerate() {
                 for i in 0..4 {
-                    dst[at + 4 * lane + i] = (0..4).fold(0u8, |acc, j| acc | (((qh[4 * h + j] >> (2 * i)) & 3) << (2 * j)));
+                    dst[at + 4 * lane + i] = (0..4).fold(0u8, |acc, j| {
+                        acc | (((qh[4 * h + j] >> (2 * i)) & 3) << (2 * j))
+                    });
                 }
             }
         }
@@ -229,7 +243,8 @@ fn unpack_block(ty: GgmlType, src: &[u8], dst: &mut [u8], lane: usize) {
                 (16, 2)
             };
             for k in 0..4 {
-                dst[qs_at + 4 * k..qs_at + 4 * k + 4].copy_from_slice(&src[at + 32 * k + 4 * lane..][..4]);
+                dst[qs_at + 4 * k..qs_at + 4 * k + 4]
+                    .copy_from_slice(&src[at + 32 * k + 4 * lane..][..4]);
             }
         }
         GgmlType::Q8_0 => {
@@ -257,7 +272,9 @@ fn unpack_block(ty: GgmlType, src: &[u8], dst: &mut [u8], lane: usize) {
             }
             for (h, at) in [Q6_HIGH_AT, Q6_HIGH_AT + 32].into_iter().enumerate() {
                 for j in 0..4 {
-                    dst[20 + 4 * h + j] = (0..4).fold(0u8, |acc, i| acc | (((src[at + 4 * lane + i] >> (2 * j)) & 3) << (2 * i)));
+                    dst[20 + 4 * h + j] = (0..4).fold(0u8, |acc, i| {
+                        acc | (((src[at + 4 * lane + i] >> (2 * j)) & 3) << (2 * i))
+                    });
                 }
             }
         }
@@ -273,8 +290,18 @@ mod tests {
     #[test]
     fn pack_roundtrips_every_row_exactly() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q6S] {
-            assert_eq!(group_block_bytes(ty), Some(GROUP_ROWS * ty.block_bytes()), "{ty:?}");
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+            GgmlType::Q5_0,
+            GgmlType::Q6S,
+        ] {
+            assert_eq!(
+                group_block_bytes(ty),
+                Some(GROUP_ROWS * ty.block_bytes()),
+                "{ty:?}"
+            );
             let (rows, cols) = (19, 96);
             let mut gguf = vec![0u8; rows * ty.row_bytes(cols).unwrap()];
             rng.fill(&mut gguf[..]);
@@ -291,7 +318,11 @@ mod tests {
     #[test]
     fn arena_keeps_every_matrix_exact() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(12);
-        let shapes = [(GgmlType::Q4_1, 19, 96), (GgmlType::Q8_0, 8, 64), (GgmlType::Q4_0, 3, 32)];
+        let shapes = [
+            (GgmlType::Q4_1, 19, 96),
+            (GgmlType::Q8_0, 8, 64),
+            (GgmlType::Q4_0, 3, 32),
+        ];
         let mut mats: Vec<Packed> = shapes
             .iter()
             .map(|&(ty, rows, cols)| {

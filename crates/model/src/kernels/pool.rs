@@ -49,8 +49,16 @@ const YIELD_US: u64 = 200;
 fn tune() -> (Duration, Duration) {
     static T: OnceLock<(Duration, Duration)> = OnceLock::new();
     *T.get_or_init(|| {
-        let v = |k: &str, d: u64| std::env::var(k).ok().and_then(|s| s.parse().ok()).unwrap_or(d);
-        (Duration::from_micros(v("PK_POOL_SPIN_US", SPIN_US)), Duration::from_micros(v("PK_POOL_YIELD_US", YIELD_US)))
+        let v = |k: &str, d: u64| {
+            std::env::var(k)
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(d)
+        };
+        (
+            Duration::from_micros(v("PK_POOL_SPIN_US", SPIN_US)),
+            Duration::from_micros(v("PK_POOL_YIELD_US", YIELD_US)),
+        )
     })
 }
 
@@ -147,7 +155,15 @@ fn median(v: &[f64]) -> f64 {
 
 impl Tuner {
     fn new(enabled: bool) -> Tuner {
-        Tuner { samples: [Vec::new(), Vec::new()], steps: 0, next_probe: 0, gap: MIN_GAP, last_best: 1, enabled, pending: None }
+        Tuner {
+            samples: [Vec::new(), Vec::new()],
+            steps: 0,
+            next_probe: 0,
+            gap: MIN_GAP,
+            last_best: 1,
+            enabled,
+            pending: None,
+        }
     }
 
     fn choose(&mut self) -> usize {
@@ -196,7 +212,11 @@ impl Drop for Step<'_> {
         }
         let forward = self.t0.elapsed().as_secs_f64();
         self.pool.solo_now.store(false, Relaxed);
-        self.pool.tuner.lock().unwrap_or_else(|e| e.into_inner()).pending = Some((self.mode, self.t0, self.tokens, forward));
+        self.pool
+            .tuner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pending = Some((self.mode, self.t0, self.tokens, forward));
     }
 }
 
@@ -226,7 +246,9 @@ impl Pool {
             done: Padded(AtomicU32::new(0)),
             helper_done: AtomicU64::new(0),
             job: UnsafeCell::new(std::ptr::null::<fn(usize)>() as Job),
-            sleeping: (1..threads).map(|_| Padded(AtomicBool::new(false))).collect(),
+            sleeping: (1..threads)
+                .map(|_| Padded(AtomicBool::new(false)))
+                .collect(),
             caller_waiting: AtomicBool::new(false),
             caller: Mutex::new(None),
             caller_cpu: AtomicI32::new(-1),
@@ -236,7 +258,12 @@ impl Pool {
         let helpers = (1..threads)
             .map(|i| {
                 let sh = Arc::clone(&shared);
-                thread::Builder::new().name(format!("pk-decode-{i}")).spawn(move || helper_loop(&sh, i - 1)).expect("spawning a decode helper").thread().clone()
+                thread::Builder::new()
+                    .name(format!("pk-decode-{i}"))
+                    .spawn(move || helper_loop(&sh, i - 1))
+                    .expect("spawning a decode helper")
+                    .thread()
+                    .clone()
             })
             .collect();
         Pool {
@@ -248,7 +275,9 @@ impl Pool {
             solo_steps: AtomicU64::new(0),
             solo_now: AtomicBool::new(false),
             // `PK_POOL_TUNE=0` starts with tuning off, so benchmarks can time the split itself.
-            tuner: Mutex::new(Tuner::new(std::env::var("PK_POOL_TUNE").map_or(true, |v| v != "0"))),
+            tuner: Mutex::new(Tuner::new(
+                std::env::var("PK_POOL_TUNE").map_or(true, |v| v != "0"),
+            )),
             busy: Mutex::new(()),
         }
     }
@@ -277,7 +306,10 @@ impl Pool {
 
     /// Decode steps run split over the pool and run inline, since start-up.
     pub fn step_counts(&self) -> (u64, u64) {
-        (self.split_steps.load(Relaxed), self.solo_steps.load(Relaxed))
+        (
+            self.split_steps.load(Relaxed),
+            self.solo_steps.load(Relaxed),
+        )
     }
 
     /// Starts a decode step of `tokens` tokens (the forward pass calls this when its matmuls
@@ -289,7 +321,12 @@ impl Pool {
     /// way a step runs never changes its results.
     pub fn step(&self, tokens: usize) -> Step<'_> {
         if self.active_threads() == 1 {
-            return Step { pool: self, mode: usize::MAX, tokens, t0: Instant::now() };
+            return Step {
+                pool: self,
+                mode: usize::MAX,
+                tokens,
+                t0: Instant::now(),
+            };
         }
         let mode = {
             let mut tuner = self.tuner.lock().unwrap_or_else(|e| e.into_inner());
@@ -299,7 +336,11 @@ impl Pool {
             // something else (a new request, idle), so then the forward pass alone counts.
             if let Some((m, t0, tokens, forward)) = tuner.pending.take() {
                 let cycle = t0.elapsed().as_secs_f64();
-                let cost = if cycle <= 2.0 * forward { cycle } else { forward };
+                let cost = if cycle <= 2.0 * forward {
+                    cycle
+                } else {
+                    forward
+                };
                 tuner.record(m, cost / tokens.max(1) as f64);
             }
             tuner.choose()
@@ -307,7 +348,12 @@ impl Pool {
         self.solo_now.store(mode == 0, Relaxed);
         self.shared.hold.store(mode == 0, Relaxed);
         [&self.solo_steps, &self.split_steps][mode].fetch_add(1, Relaxed);
-        Step { pool: self, mode, tokens, t0: Instant::now() }
+        Step {
+            pool: self,
+            mode,
+            tokens,
+            t0: Instant::now(),
+        }
     }
 
     /// Chunks the helpers have computed since start-up.
@@ -338,13 +384,21 @@ impl Pool {
         // SAFETY: no helper holds a claimed chunk (the previous region finished all of its
         // chunks before `run` returned), so none reads `job` now. The erased lifetime is
         // sound because `run` does not return before every claimed chunk is done.
-        unsafe { *sh.job.get() = std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), Job>(f as *const _) };
+        unsafe {
+            *sh.job.get() =
+                std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), Job>(f as *const _)
+        };
         sh.done.0.store(0, Relaxed);
         sh.caller_cpu.store(affinity::current_cpu(), Relaxed);
         let e = epoch(sh.word.0.load(Relaxed)).wrapping_add(1);
         let w0 = (e as u64) << 32 | (n as u64) << 16;
         sh.word.0.store(w0, SeqCst);
-        for (h, s) in self.helpers.iter().zip(&sh.sleeping).take(self.active_threads() - 1) {
+        for (h, s) in self
+            .helpers
+            .iter()
+            .zip(&sh.sleeping)
+            .take(self.active_threads() - 1)
+        {
             if s.0.load(SeqCst) && s.0.swap(false, SeqCst) {
                 h.unpark();
             }
@@ -446,7 +500,9 @@ fn helper_loop(sh: &Shared, me: usize) {
             let job = unsafe { &**sh.job.get() };
             job(i);
             mine += 1;
-            if sh.done.0.fetch_add(1, SeqCst) + 1 == n as u32 && sh.caller_waiting.swap(false, SeqCst) {
+            if sh.done.0.fetch_add(1, SeqCst) + 1 == n as u32
+                && sh.caller_waiting.swap(false, SeqCst)
+            {
                 // The caller may already have moved on (it polls `done` too); a spurious
                 // unpark only makes one of its later parks return early, and it re-checks.
                 if let Some(t) = sh.caller.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
@@ -472,7 +528,14 @@ impl Drop for Pool {
 /// (benchmarks: prefill on rayon's threads, decode on N).
 pub fn global() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
-    POOL.get_or_init(|| Pool::new(std::env::var("PK_DECODE_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or_else(rayon::current_num_threads)))
+    POOL.get_or_init(|| {
+        Pool::new(
+            std::env::var("PK_DECODE_THREADS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(rayon::current_num_threads),
+        )
+    })
 }
 
 /// Keeps a helper off the caller's CPU.
@@ -518,8 +581,12 @@ mod affinity {
             {
                 let mut mask = [0u64; sys::WORDS];
                 // SAFETY: `mask` is `WORDS` words long, as the size says.
-                let ok = unsafe { sys::sched_getaffinity(0, sys::WORDS * 8, mask.as_mut_ptr()) } == 0;
-                Spread { allowed: ok.then_some(mask), excluded: -1 }
+                let ok =
+                    unsafe { sys::sched_getaffinity(0, sys::WORDS * 8, mask.as_mut_ptr()) } == 0;
+                Spread {
+                    allowed: ok.then_some(mask),
+                    excluded: -1,
+                }
             }
             #[cfg(not(target_os = "linux"))]
             Spread { excluded: -1 }
@@ -530,7 +597,11 @@ mod affinity {
             #[cfg(target_os = "linux")]
             {
                 let Some(allowed) = self.allowed else { return };
-                if caller_cpu < 0 || caller_cpu == self.excluded || current_cpu() != caller_cpu || caller_cpu as usize >= sys::WORDS * 64 {
+                if caller_cpu < 0
+                    || caller_cpu == self.excluded
+                    || current_cpu() != caller_cpu
+                    || caller_cpu as usize >= sys::WORDS * 64
+                {
                     return;
                 }
                 let mut mask = allowed;
@@ -574,7 +645,10 @@ mod tests {
                         std::hint::black_box((0..200).sum::<usize>());
                     }
                 });
-                assert!(hits.iter().all(|h| h.load(Relaxed) == 1), "threads {threads} round {round}");
+                assert!(
+                    hits.iter().all(|h| h.load(Relaxed) == 1),
+                    "threads {threads} round {round}"
+                );
                 if round % 500 == 0 {
                     thread::sleep(Duration::from_millis(2));
                 }
@@ -588,9 +662,11 @@ mod tests {
     fn nested_and_concurrent_regions_run_inline() {
         let pool = Arc::new(Pool::new(2));
         let total = AtomicUsize::new(0);
-        pool.run(4, &|_| pool.run(5, &|_| {
-            total.fetch_add(1, Relaxed);
-        }));
+        pool.run(4, &|_| {
+            pool.run(5, &|_| {
+                total.fetch_add(1, Relaxed);
+            })
+        });
         assert_eq!(total.load(Relaxed), 20);
         let handles: Vec<_> = (0..3)
             .map(|_| {

@@ -36,7 +36,16 @@ impl Q8Acts {
         if super::x86::has_avx512() {
             self.resize(x.len());
             // SAFETY: AVX-512 F/BW/VL checked; every buffer was sized for `x`.
-            unsafe { super::x86::quantize_avx512(x, &mut self.d, &mut self.s, &mut self.sum, &mut self.sum_lo, &mut self.qs) };
+            unsafe {
+                super::x86::quantize_avx512(
+                    x,
+                    &mut self.d,
+                    &mut self.s,
+                    &mut self.sum,
+                    &mut self.sum_lo,
+                    &mut self.qs,
+                )
+            };
             return;
         }
         self.quantize_scalar(x);
@@ -107,7 +116,8 @@ pub fn dot_q4_1(w: &[u8], a: &Q8Acts, b0: usize) -> f32 {
         let qa = &a.qs[(b0 + i) * QK..(b0 + i + 1) * QK];
         let mut isum = 0i32;
         for j in 0..16 {
-            isum += (blk[4 + j] & 0x0f) as i32 * qa[j] as i32 + (blk[4 + j] >> 4) as i32 * qa[j + 16] as i32;
+            isum += (blk[4 + j] & 0x0f) as i32 * qa[j] as i32
+                + (blk[4 + j] >> 4) as i32 * qa[j + 16] as i32;
         }
         sum += d * a.d[b0 + i] * isum as f32 + m * a.s[b0 + i];
     }
@@ -120,7 +130,8 @@ pub fn dot_q4_0(w: &[u8], a: &Q8Acts, b0: usize) -> f32 {
         let qa = &a.qs[(b0 + i) * QK..(b0 + i + 1) * QK];
         let mut isum = 0i32;
         for j in 0..16 {
-            isum += ((blk[2 + j] & 0x0f) as i32 - 8) * qa[j] as i32 + ((blk[2 + j] >> 4) as i32 - 8) * qa[j + 16] as i32;
+            isum += ((blk[2 + j] & 0x0f) as i32 - 8) * qa[j] as i32
+                + ((blk[2 + j] >> 4) as i32 - 8) * qa[j + 16] as i32;
         }
         sum += f16_at(blk, 0) * a.d[b0 + i] * isum as f32;
     }
@@ -167,7 +178,11 @@ pub fn dot_q6s(w: &[u8], a: &Q8Acts, b0: usize) -> f32 {
         let (ql, qh) = (&blk[4..20], &blk[20..28]);
         let qa = &a.qs[(b0 + i) * QK..(b0 + i + 1) * QK];
         let q = |e: usize| {
-            let lo = if e < 16 { ql[e] & 0x0f } else { ql[e - 16] >> 4 };
+            let lo = if e < 16 {
+                ql[e] & 0x0f
+            } else {
+                ql[e - 16] >> 4
+            };
             (lo | (((qh[e / 4] >> (2 * (e % 4))) & 3) << 4)) as i32 - 32
         };
         let (mut ilo, mut ihi) = (0i32, 0i32);
@@ -207,14 +222,36 @@ mod rounding_tests {
         assert_eq!(a.qs, b.qs);
         assert_eq!(a.sum, b.sum);
         assert_eq!(a.sum_lo, b.sum_lo);
-        assert_eq!(b.sum_lo[0], b.qs[..16].iter().map(|&q| q as i32).sum::<i32>());
-        assert_eq!(a.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
-        assert_eq!(a.s.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.s.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        assert_eq!(
+            b.sum_lo[0],
+            b.qs[..16].iter().map(|&q| q as i32).sum::<i32>()
+        );
+        assert_eq!(
+            a.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            b.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            a.s.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            b.s.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
     }
 
     #[test]
     fn round_half_away_equals_roundf() {
-        let mut xs = vec![0.5f32, -0.5, 1.5, -1.5, 2.5, 0.49999997, -0.49999997, 126.5, -127.0, 127.49998, 0.0, -0.0];
+        let mut xs = vec![
+            0.5f32,
+            -0.5,
+            1.5,
+            -1.5,
+            2.5,
+            0.49999997,
+            -0.49999997,
+            126.5,
+            -127.0,
+            127.49998,
+            0.0,
+            -0.0,
+        ];
         let mut x = -130.0f32;
         while x < 130.0 {
             xs.push(x);

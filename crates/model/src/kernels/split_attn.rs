@@ -25,7 +25,14 @@ pub const MAX_SPLIT_ROWS: usize = pool::DECODE_MAX_TOKENS;
 /// (sequence, KV head) pairs spread over the decode pool, and returns `true`; or returns
 /// `false` without touching `out` when this path does not apply (no AVX-512 kernel for this
 /// head size, too many rows, or a single pair) and the caller should use `paged_attention`.
-pub fn split_attention(store: &KvStore, layer: usize, shape: AttnShape, seqs: &[AttnSeq], q: &[f32], out: &mut [f32]) -> bool {
+pub fn split_attention(
+    store: &KvStore,
+    layer: usize,
+    shape: AttnShape,
+    seqs: &[AttnSeq],
+    q: &[f32],
+    out: &mut [f32],
+) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         let pool = pool::global();
@@ -47,23 +54,46 @@ pub fn split_attention(store: &KvStore, layer: usize, shape: AttnShape, seqs: &[
 }
 
 #[cfg(target_arch = "x86_64")]
-fn split_with(pool: &pool::Pool, store: &KvStore, layer: usize, shape: AttnShape, seqs: &[AttnSeq], q: &[f32], out: &mut [f32]) {
+fn split_with(
+    pool: &pool::Pool,
+    store: &KvStore,
+    layer: usize,
+    shape: AttnShape,
+    seqs: &[AttnSeq],
+    q: &[f32],
+    out: &mut [f32],
+) {
     let (hd, nkv) = (shape.head_dim, shape.n_kv_heads);
     let group = shape.n_heads / nkv;
     let q_dim = shape.n_heads * hd;
     let g = &store.geometry;
     // The same bounds `paged_attention` checks: every row fits in q/out, and every block
     // table covers its visible keys.
-    let n_rows: usize = seqs.iter().map(|s| s.row_offset + s.n_queries).max().unwrap_or(0);
-    assert!(q.len() >= n_rows * q_dim && out.len() >= n_rows * q_dim, "q/out shorter than the rows");
+    let n_rows: usize = seqs
+        .iter()
+        .map(|s| s.row_offset + s.n_queries)
+        .max()
+        .unwrap_or(0);
+    assert!(
+        q.len() >= n_rows * q_dim && out.len() >= n_rows * q_dim,
+        "q/out shorter than the rows"
+    );
     for s in seqs {
         if s.n_queries > 0 {
-            assert!((s.stored_start + s.n_queries - 1) / g.block_size_tokens < s.block_table.len(), "block table shorter than stored tokens");
+            assert!(
+                (s.stored_start + s.n_queries - 1) / g.block_size_tokens < s.block_table.len(),
+                "block table shorter than stored tokens"
+            );
         }
     }
     let (k, v, f16, quant) = match store.layer(layer) {
         LayerKv::F16 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, true, None),
-        LayerKv::F32 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, false, None),
+        LayerKv::F32 { k, v } => (
+            k.as_ptr() as *const u8,
+            v.as_ptr() as *const u8,
+            false,
+            None,
+        ),
         LayerKv::Quant { k, v, layout } => (k.as_ptr(), v.as_ptr(), false, Some(layout)),
     };
     #[derive(Clone, Copy)]
@@ -78,9 +108,24 @@ fn split_with(pool: &pool::Pool, store: &KvStore, layer: usize, shape: AttnShape
         #[allow(clippy::redundant_locals)]
         let ptrs = ptrs;
         let (s, kv_head) = (&seqs[i / nkv], i % nkv);
-        let mut kv = attn512::HeadKv { k: ptrs.0, v: ptrs.1, f16, block_table: s.block_table, n_kv_heads: g.n_kv_heads, kv_head, block_size: g.block_size_tokens, head_dim: hd, prefetch: true };
+        let mut kv = attn512::HeadKv {
+            k: ptrs.0,
+            v: ptrs.1,
+            f16,
+            block_table: s.block_table,
+            n_kv_heads: g.n_kv_heads,
+            kv_head,
+            block_size: g.block_size_tokens,
+            head_dim: hd,
+            prefetch: true,
+        };
         let at = |tok: usize, gi: usize| (s.row_offset + tok) * q_dim + (kv_head * group + gi) * hd;
-        let mut rows = [attn512::Row { q: std::ptr::null(), out: std::ptr::null_mut(), first_visible: 0, n_visible: 0 }; 4];
+        let mut rows = [attn512::Row {
+            q: std::ptr::null(),
+            out: std::ptr::null_mut(),
+            first_visible: 0,
+            n_visible: 0,
+        }; 4];
         let mut n = 0;
         // SAFETY: `Kernel::best` chose AVX-512 for this head size; rows point into q/out,
         // whose lengths were checked above; the block table covers every row's visible keys;
@@ -94,7 +139,14 @@ fn split_with(pool: &pool::Pool, store: &KvStore, layer: usize, shape: AttnShape
         for tok in 0..s.n_queries {
             for gi in 0..group {
                 // SAFETY: in bounds of q/out (checked above).
-                rows[n] = unsafe { attn512::Row { q: q.as_ptr().add(at(tok, gi)), out: ptrs.2.add(at(tok, gi)), first_visible: 0, n_visible: s.stored_start + tok + 1 } };
+                rows[n] = unsafe {
+                    attn512::Row {
+                        q: q.as_ptr().add(at(tok, gi)),
+                        out: ptrs.2.add(at(tok, gi)),
+                        first_visible: 0,
+                        n_visible: s.stored_start + tok + 1,
+                    }
+                };
                 n += 1;
                 if n == max_rows {
                     attend(&kv, &rows[..n]);
@@ -121,13 +173,23 @@ mod tests {
     /// over f16, f32 and quantised stores, at 2 and 3 threads.
     #[test]
     fn equals_paged_attention_bit_for_bit() {
-        let shape = AttnShape { n_heads: 9, n_kv_heads: 3, head_dim: 64 };
+        let shape = AttnShape {
+            n_heads: 9,
+            n_kv_heads: 3,
+            head_dim: 64,
+        };
         if Kernel::best(shape.head_dim) != Kernel::Avx512 {
             return;
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Q8, KvDtype::Q4] {
-            let g = KvGeometry { n_layers: 1, n_kv_heads: 3, head_dim: 64, block_size_tokens: 16, num_blocks: 40 };
+            let g = KvGeometry {
+                n_layers: 1,
+                n_kv_heads: 3,
+                head_dim: 64,
+                block_size_tokens: 16,
+                num_blocks: 40,
+            };
             let mut store = KvStore::new(g, dtype);
             let kvd = 3 * 64;
             for b in 0..40u32 {
@@ -140,8 +202,18 @@ mod tests {
             let t1: Vec<u32> = (0..20).rev().collect();
             let t2: Vec<u32> = (20..40).collect();
             let seqs = [
-                AttnSeq { block_table: &t1, stored_start: 300, n_queries: 1, row_offset: 0 },
-                AttnSeq { block_table: &t2, stored_start: 17, n_queries: 3, row_offset: 1 },
+                AttnSeq {
+                    block_table: &t1,
+                    stored_start: 300,
+                    n_queries: 1,
+                    row_offset: 0,
+                },
+                AttnSeq {
+                    block_table: &t2,
+                    stored_start: 17,
+                    n_queries: 3,
+                    row_offset: 1,
+                },
             ];
             let q: Vec<f32> = (0..4 * 9 * 64).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let mut want = vec![0f32; q.len()];
@@ -153,7 +225,11 @@ mod tests {
                     split_with(&pool, &store, 0, shape, single, &q, &mut got);
                     let rows: usize = single.iter().map(|s| s.n_queries).sum();
                     let n = rows * 9 * 64;
-                    assert_eq!(got[..n].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want[..n].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{dtype:?} threads {threads}");
+                    assert_eq!(
+                        got[..n].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        want[..n].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "{dtype:?} threads {threads}"
+                    );
                 }
             }
         }

@@ -37,8 +37,12 @@ pub enum Isa {
 pub fn detect() -> Option<Isa> {
     static ISA: OnceLock<Option<Isa>> = OnceLock::new();
     *ISA.get_or_init(|| {
-        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
-        let vnni = is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512bw");
+        let avx2 = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        let vnni = is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512bw");
         match (avx2, vnni) {
             (true, true) => Some(Isa::Avx512Vnni),
             (true, false) => Some(Isa::Avx2),
@@ -50,7 +54,11 @@ pub fn detect() -> Option<Isa> {
 /// Whether the AVX-512 activation quantiser runs on this CPU.
 pub fn has_avx512() -> bool {
     static YES: OnceLock<bool> = OnceLock::new();
-    *YES.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl"))
+    *YES.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+    })
 }
 
 /// [`Q8Acts::quantize_scalar`] with 16 lanes at a time, bit-exact: the block maximum of
@@ -62,10 +70,27 @@ pub fn has_avx512() -> bool {
 /// The CPU must have AVX-512 F/BW/VL ([`has_avx512`]); `x.len()` is a multiple of 32 and
 /// `d`, `s`, `sum`, `sum_lo` hold `x.len() / 32` entries, `qs` `x.len()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-pub unsafe fn quantize_avx512(x: &[f32], d: &mut [f32], s: &mut [f32], sum: &mut [i32], sum_lo: &mut [i32], qs: &mut [i8]) {
+pub unsafe fn quantize_avx512(
+    x: &[f32],
+    d: &mut [f32],
+    s: &mut [f32],
+    sum: &mut [i32],
+    sum_lo: &mut [i32],
+    qs: &mut [i8],
+) {
     let n_blocks = x.len() / QK;
-    assert!(d.len() >= n_blocks && s.len() >= n_blocks && sum.len() >= n_blocks && sum_lo.len() >= n_blocks && qs.len() >= x.len());
-    let (half, mhalf, one) = (_mm512_set1_ps(0.5), _mm512_set1_ps(-0.5), _mm512_set1_epi32(1));
+    assert!(
+        d.len() >= n_blocks
+            && s.len() >= n_blocks
+            && sum.len() >= n_blocks
+            && sum_lo.len() >= n_blocks
+            && qs.len() >= x.len()
+    );
+    let (half, mhalf, one) = (
+        _mm512_set1_ps(0.5),
+        _mm512_set1_ps(-0.5),
+        _mm512_set1_epi32(1),
+    );
     for b in 0..n_blocks {
         let p = x.as_ptr().add(b * QK);
         let (v0, v1) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
@@ -79,7 +104,8 @@ pub unsafe fn quantize_avx512(x: &[f32], d: &mut [f32], s: &mut [f32], sum: &mut
                 let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
                 let frac = _mm512_sub_ps(y, t);
                 let r = _mm512_cvttps_epi32(t);
-                let r = _mm512_mask_add_epi32(r, _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half), r, one);
+                let r =
+                    _mm512_mask_add_epi32(r, _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half), r, one);
                 _mm512_mask_sub_epi32(r, _mm512_cmp_ps_mask::<_CMP_LE_OQ>(frac, mhalf), r, one)
             }};
         }
@@ -112,14 +138,32 @@ const TILE_TOKENS: usize = 4;
 /// `isa` must be supported by this CPU, `acts` must hold at least `t1` tokens of
 /// `p.blocks_per_row` blocks, and `out` must be valid for those writes (no other thread
 /// writing the same rows).
-pub unsafe fn gemm_group(isa: Isa, p: &Packed, g: usize, acts: &Q8Acts, t0: usize, t1: usize, out: *mut f32, out_stride: usize) {
+pub unsafe fn gemm_group(
+    isa: Isa,
+    p: &Packed,
+    g: usize,
+    acts: &Q8Acts,
+    t0: usize,
+    t1: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
     let lanes = (p.rows - g * GROUP_ROWS).min(GROUP_ROWS);
-    let args = (p.group(g).as_ptr(), p.blocks_per_row, acts, out.add(g * GROUP_ROWS), out_stride, lanes);
+    let args = (
+        p.group(g).as_ptr(),
+        p.blocks_per_row,
+        acts,
+        out.add(g * GROUP_ROWS),
+        out_stride,
+        lanes,
+    );
     macro_rules! run {
         ($m:ident, $fmt:expr) => {{
             let mut t = t0;
             while t + TILE_TOKENS <= t1 {
-                $m::tile::<{ $fmt }, TILE_TOKENS>(args.0, args.1, args.2, t, args.3, args.4, args.5);
+                $m::tile::<{ $fmt }, TILE_TOKENS>(
+                    args.0, args.1, args.2, t, args.3, args.4, args.5,
+                );
                 t += TILE_TOKENS;
             }
             while t < t1 {
@@ -160,13 +204,24 @@ macro_rules! isa_module {
                 if $vnni {
                     _mm256_dpbusd_epi32(acc, w, a)
                 } else {
-                    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)))
+                    _mm256_add_epi32(
+                        acc,
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)),
+                    )
                 }
             }
 
             /// See [`super::gemm_group`]; `NT` tokens from `t0`, `lanes` valid rows.
             #[target_feature(enable = $features)]
-            pub unsafe fn tile<const FMT: u8, const NT: usize>(group: *const u8, bpr: usize, acts: &Q8Acts, t0: usize, out: *mut f32, out_stride: usize, lanes: usize) {
+            pub unsafe fn tile<const FMT: u8, const NT: usize>(
+                group: *const u8,
+                bpr: usize,
+                acts: &Q8Acts,
+                t0: usize,
+                out: *mut f32,
+                out_stride: usize,
+                lanes: usize,
+            ) {
                 let gbb = match FMT {
                     Q4_0 => 16 + 128,
                     Q4_1 => 32 + 128,
@@ -183,13 +238,23 @@ macro_rules! isa_module {
                     _ => 0,
                 };
                 let low4 = _mm256_set1_epi8(0x0f);
-                let (qs, ad, asum, as_, asum_lo) = (acts.qs.as_ptr(), acts.d.as_ptr(), acts.sum.as_ptr(), acts.s.as_ptr(), acts.sum_lo.as_ptr());
+                let (qs, ad, asum, as_, asum_lo) = (
+                    acts.qs.as_ptr(),
+                    acts.d.as_ptr(),
+                    acts.sum.as_ptr(),
+                    acts.s.as_ptr(),
+                    acts.sum_lo.as_ptr(),
+                );
                 let mut acc = [_mm256_setzero_ps(); NT];
                 for b in 0..bpr {
                     let gb = group.add(b * gbb);
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
                     // Q4_1's mins, or Q6S's second scales (elements 16..32).
-                    let m = if FMT == Q4_1 || FMT == Q6S { _mm256_cvtph_ps(_mm_loadu_si128(gb.add(16) as *const __m128i)) } else { _mm256_setzero_ps() };
+                    let m = if FMT == Q4_1 || FMT == Q6S {
+                        _mm256_cvtph_ps(_mm_loadu_si128(gb.add(16) as *const __m128i))
+                    } else {
+                        _mm256_setzero_ps()
+                    };
                     // v[k]: 4 quants (elements 4k..4k+4) of each of the 8 rows.
                     let mut v = [_mm256_setzero_si256(); 8];
                     if FMT == Q4_0 || FMT == Q4_1 || FMT == Q5_0 || FMT == Q6S {
@@ -203,28 +268,63 @@ macro_rules! isa_module {
                             // Bit j of the high-bit vector is vector j's fifth bit (see
                             // `pack`): move it to bit 4. The 16-bit shifts carry bits across
                             // bytes only into positions the 0x10 mask clears.
-                            let h = _mm256_loadu_si256(gb.add(super::super::pack::Q5_HIGH_AT) as *const __m256i);
+                            let h = _mm256_loadu_si256(
+                                gb.add(super::super::pack::Q5_HIGH_AT) as *const __m256i
+                            );
                             let bit4 = _mm256_set1_epi8(0x10);
-                            v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
-                            v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
-                            v[2] = _mm256_or_si256(v[2], _mm256_and_si256(_mm256_slli_epi16(h, 2), bit4));
-                            v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_slli_epi16(h, 1), bit4));
+                            v[0] = _mm256_or_si256(
+                                v[0],
+                                _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4),
+                            );
+                            v[1] = _mm256_or_si256(
+                                v[1],
+                                _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4),
+                            );
+                            v[2] = _mm256_or_si256(
+                                v[2],
+                                _mm256_and_si256(_mm256_slli_epi16(h, 2), bit4),
+                            );
+                            v[3] = _mm256_or_si256(
+                                v[3],
+                                _mm256_and_si256(_mm256_slli_epi16(h, 1), bit4),
+                            );
                             v[4] = _mm256_or_si256(v[4], _mm256_and_si256(h, bit4));
-                            v[5] = _mm256_or_si256(v[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), bit4));
-                            v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4));
-                            v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4));
+                            v[5] = _mm256_or_si256(
+                                v[5],
+                                _mm256_and_si256(_mm256_srli_epi16(h, 1), bit4),
+                            );
+                            v[6] = _mm256_or_si256(
+                                v[6],
+                                _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4),
+                            );
+                            v[7] = _mm256_or_si256(
+                                v[7],
+                                _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4),
+                            );
                         }
                         if FMT == Q6S {
                             // Bits 2j..2j+2 of H0 (H1) are vector j's (4 + j's) two high bits
                             // (see `pack`): move them to bits 4..6. The 16-bit shifts carry
                             // bits across bytes only into positions the 0x30 mask clears.
                             let hi2 = _mm256_set1_epi8(0x30);
-                            for (h, at) in [(0, super::super::pack::Q6_HIGH_AT), (4, super::super::pack::Q6_HIGH_AT + 32)] {
+                            for (h, at) in [
+                                (0, super::super::pack::Q6_HIGH_AT),
+                                (4, super::super::pack::Q6_HIGH_AT + 32),
+                            ] {
                                 let hv = _mm256_loadu_si256(gb.add(at) as *const __m256i);
-                                v[h] = _mm256_or_si256(v[h], _mm256_and_si256(_mm256_slli_epi16(hv, 4), hi2));
-                                v[h + 1] = _mm256_or_si256(v[h + 1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), hi2));
+                                v[h] = _mm256_or_si256(
+                                    v[h],
+                                    _mm256_and_si256(_mm256_slli_epi16(hv, 4), hi2),
+                                );
+                                v[h + 1] = _mm256_or_si256(
+                                    v[h + 1],
+                                    _mm256_and_si256(_mm256_slli_epi16(hv, 2), hi2),
+                                );
                                 v[h + 2] = _mm256_or_si256(v[h + 2], _mm256_and_si256(hv, hi2));
-                                v[h + 3] = _mm256_or_si256(v[h + 3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), hi2));
+                                v[h + 3] = _mm256_or_si256(
+                                    v[h + 3],
+                                    _mm256_and_si256(_mm256_srli_epi16(hv, 2), hi2),
+                                );
                             }
                         }
                     } else {
@@ -247,21 +347,38 @@ macro_rules! isa_module {
                             // Two scales a block: one integer sum per half (NOTE 1).
                             let mut i = [_mm256_setzero_si256(); 4];
                             for k in 0..8 {
-                                let ak = _mm256_set1_epi32((a.add(4 * k) as *const i32).read_unaligned());
+                                let ak = _mm256_set1_epi32(
+                                    (a.add(4 * k) as *const i32).read_unaligned(),
+                                );
                                 i[2 * (k / 4) + k % 2] = dot4(i[2 * (k / 4) + k % 2], v[k], ak);
                             }
                             let (slo, s) = (*asum_lo.add(ab), *asum.add(ab));
-                            let ilo = _mm256_sub_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_set1_epi32(offset * slo));
-                            let ihi = _mm256_sub_epi32(_mm256_add_epi32(i[2], i[3]), _mm256_set1_epi32(offset * (s - slo)));
+                            let ilo = _mm256_sub_epi32(
+                                _mm256_add_epi32(i[0], i[1]),
+                                _mm256_set1_epi32(offset * slo),
+                            );
+                            let ihi = _mm256_sub_epi32(
+                                _mm256_add_epi32(i[2], i[3]),
+                                _mm256_set1_epi32(offset * (s - slo)),
+                            );
                             let da = _mm256_set1_ps(*ad.add(ab));
-                            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(ilo)));
-                            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_mul_ps(m, da), _mm256_cvtepi32_ps(ihi)));
+                            acc[j] = _mm256_add_ps(
+                                acc[j],
+                                _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(ilo)),
+                            );
+                            acc[j] = _mm256_add_ps(
+                                acc[j],
+                                _mm256_mul_ps(_mm256_mul_ps(m, da), _mm256_cvtepi32_ps(ihi)),
+                            );
                             continue;
                         }
                         let (mut i0, mut i1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
                         for k in (0..8).step_by(2) {
-                            let mut a0 = _mm256_set1_epi32((a.add(4 * k) as *const i32).read_unaligned());
-                            let mut a1 = _mm256_set1_epi32((a.add(4 * k + 4) as *const i32).read_unaligned());
+                            let mut a0 =
+                                _mm256_set1_epi32((a.add(4 * k) as *const i32).read_unaligned());
+                            let mut a1 = _mm256_set1_epi32(
+                                (a.add(4 * k + 4) as *const i32).read_unaligned(),
+                            );
                             if FMT == Q8_0 && !$vnni {
                                 a0 = _mm256_sign_epi8(a0, sign[k]);
                                 a1 = _mm256_sign_epi8(a1, sign[k + 1]);
@@ -271,7 +388,8 @@ macro_rules! isa_module {
                         }
                         let mut isum = _mm256_add_epi32(i0, i1);
                         if offset != 0 {
-                            isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset * *asum.add(ab)));
+                            isum =
+                                _mm256_sub_epi32(isum, _mm256_set1_epi32(offset * *asum.add(ab)));
                         }
                         // The reference's `(d_w * d_a) * isum [+ m_w * s_a]`, unfused (NOTE 1).
                         let scale = _mm256_mul_ps(d, _mm256_set1_ps(*ad.add(ab)));
@@ -298,4 +416,8 @@ macro_rules! isa_module {
 }
 
 isa_module!(avx2, "avx2,fma,f16c", false);
-isa_module!(vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", true);
+isa_module!(
+    vnni,
+    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
+    true
+);

@@ -13,16 +13,27 @@ use pk_gguf::GgufFile;
 use pk_tokenizer::Tokenizer;
 
 pub const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-pub const BOOK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/around-the-world-in-80-days.txt");
-pub const BOOK_IDS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/eighty-days-token-ids.json");
-pub const GREEDY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/smollm2-greedy.json");
+pub const BOOK: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../tests/fixtures/around-the-world-in-80-days.txt"
+);
+pub const BOOK_IDS: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../tests/fixtures/eighty-days-token-ids.json"
+);
+pub const GREEDY: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../tests/fixtures/smollm2-greedy.json"
+);
 
 /// `$PAGEKEEPER_HOME/SmolLM2-135M-Instruct.Q4_1.gguf`, with `PAGEKEEPER_HOME` defaulting to
 /// `~/.cache/pagekeeper`.
 pub fn model_path() -> PathBuf {
     let home = match std::env::var_os("PAGEKEEPER_HOME") {
         Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/pagekeeper"),
+        None => {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/pagekeeper")
+        }
     };
     home.join(MODEL_FILE)
 }
@@ -57,15 +68,24 @@ pub fn json(path: &str) -> serde_json::Value {
 /// `(name, prompt, prompt_token_ids)` for each prompt in `smollm2-greedy.json`.
 pub fn golden_prompts() -> Vec<(String, String, Vec<u32>)> {
     let fixture = json(GREEDY);
-    let prompts = fixture["prompts"].as_array().expect("`prompts` is an array");
+    let prompts = fixture["prompts"]
+        .as_array()
+        .expect("`prompts` is an array");
     prompts
         .iter()
         .map(|p| {
-            let ids = p["prompt_token_ids"].as_array().expect("`prompt_token_ids` is an array");
+            let ids = p["prompt_token_ids"]
+                .as_array()
+                .expect("`prompt_token_ids` is an array");
             (
                 p["name"].as_str().expect("`name` is a string").to_string(),
-                p["prompt"].as_str().expect("`prompt` is a string").to_string(),
-                ids.iter().map(|v| v.as_u64().expect("ids are integers") as u32).collect(),
+                p["prompt"]
+                    .as_str()
+                    .expect("`prompt` is a string")
+                    .to_string(),
+                ids.iter()
+                    .map(|v| v.as_u64().expect("ids are integers") as u32)
+                    .collect(),
             )
         })
         .collect()
