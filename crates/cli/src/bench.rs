@@ -357,6 +357,7 @@ pub fn perf(a: PerfArgs) -> Result<()> {
             kv_granularity: a.kv.granularity()?,
             ..Default::default()
         };
+        engine.stats.kv_bytes_peak = 0;
         let out = engine.generate(&prompt, &params, &mut |_| {})?;
         let decoded = out.token_ids.len().saturating_sub(1);
         let mut run = serde_json::json!({
@@ -364,7 +365,12 @@ pub fn perf(a: PerfArgs) -> Result<()> {
             "prefill_tok_s": ctx as f64 / out.prefill_seconds,
             "decode_tokens": out.token_ids.len(),
             "decode_tok_s": decoded as f64 / out.decode_seconds.max(1e-9),
-            "kv_bytes": out.kv_stored_tokens * kv_bytes_per_token,
+            // The blocks the sequence held at its end (window groups' included), and the
+            // most the pool held at once during the run.
+            "kv_bytes": out.kv_bytes,
+            "kv_bytes_peak": engine.stats.kv_bytes_peak,
+            "kv_bytes_one_table": out.kv_stored_tokens * kv_bytes_per_token,
+            "kv_cache_groups": engine.kv_manager().window_spec().map_or(1, |w| 1 + w.num_groups),
             "peak_rss_bytes": peak_rss_bytes(),
         });
         // llama.cpp right after ours on the same prompt, so both see the same host load.

@@ -130,6 +130,7 @@ fn prefix_kv(engine: &Engine, tokens: &[u32]) -> Result<KvContext> {
             block_table: &table,
             logits_from: tokens.len(),
             stored_positions: &[],
+            window_tables: &[],
         }],
     );
     let (n, hd) = (tokens.len(), g.head_dim);
@@ -207,7 +208,11 @@ pub fn run(a: CodecsArgs) -> Result<()> {
     }
     let t_start = Instant::now();
     let total = a.prefix_tokens + a.continuation_tokens;
-    let mut engine = a.model.engine(Some(total + 64))?;
+    // Stored contexts are loaded through `prefix_kv`, which writes every layer of every
+    // token: one block table for all layers.
+    let mut model = a.model.clone();
+    model.disable_hybrid_kv_cache_manager = true;
+    let mut engine = model.engine(Some(total + 64))?;
     let book = engine
         .tokenizer
         .encode(pk_eval::filler::verne_body(), false);

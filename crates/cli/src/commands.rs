@@ -26,6 +26,11 @@ pub struct ModelArgs {
     /// bytes) or q4 (4.5 bits: 28 %), quantised per token in groups of 32.
     #[arg(long, default_value = "f16")]
     pub kv_dtype: String,
+    /// Keep one block table for every layer, as before KV cache groups: sliding-window
+    /// layers (Gemma 3) then keep every token's K/V instead of releasing the blocks behind
+    /// their window (vLLM's flag of the same name). Tiers turn groups off by themselves.
+    #[arg(long)]
+    pub disable_hybrid_kv_cache_manager: bool,
     #[command(flatten)]
     pub tiers: TierArgs,
     /// A TOML file of settings (model, threads, tiers) below flags and env; see
@@ -67,6 +72,7 @@ impl ModelArgs {
             kv_capacity_tokens,
             tiering: args.tiers.build()?,
             contexts: args.tiers.build_contexts()?,
+            hybrid_kv_cache: !args.disable_hybrid_kv_cache_manager,
             ..Default::default()
         };
         crate::gpu::engine(device, &path, config)

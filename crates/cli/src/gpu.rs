@@ -147,6 +147,7 @@ mod imp {
                 block_table: table,
                 logits_from: first,
                 stored_positions: &[],
+                window_tables: &[],
             };
             Ok(model.forward(&gpu, &mut pool, &[seq])?)
         };
@@ -296,6 +297,7 @@ mod imp {
                         block_table: &tables[s],
                         logits_from: ctx - 1,
                         stored_positions: &[],
+                        window_tables: &[],
                     };
                     next.push(model.forward_argmax(&gpu, &mut pool, &[seq])?[0]);
                 }
@@ -315,6 +317,7 @@ mod imp {
                             block_table: &tables[s],
                             logits_from: 0,
                             stored_positions: &[],
+                            window_tables: &[],
                         })
                         .collect();
                     let t = Instant::now();

@@ -125,6 +125,7 @@ mod tests {
             block_table: table,
             logits_from: 0,
             stored_positions: &[],
+            window_tables: &[],
         }
     }
 

@@ -635,6 +635,7 @@ mod tests {
             block_table: &[],
             logits_from: 0,
             stored_positions: &[],
+            window_tables: &[],
         });
         // Sequence 1 asks for more than it has; sequence 2 has no entry.
         let (rows, counts) = capture_rows(&seqs, &[2, 4]);

@@ -206,6 +206,7 @@ fn forward_with_queries_matches_the_cpu_backend() {
             block_table: &ta,
             logits_from: 39,
             stored_positions: &[],
+            window_tables: &[],
         },
         SeqForward {
             tokens: &b,
@@ -214,6 +215,7 @@ fn forward_with_queries_matches_the_cpu_backend() {
             block_table: &tb,
             logits_from: 20,
             stored_positions: &[],
+            window_tables: &[],
         },
     ];
     // Sequence 0 captures its last 3 queries, sequence 1 its last one (a missing entry: none

@@ -85,6 +85,7 @@ fn run(act: ActDtype, abs: f32, graphs: bool) {
             block_table: &ta,
             logits_from: 0,
             stored_positions: &[],
+            window_tables: &[],
         }],
         "prefill",
     );
@@ -98,6 +99,7 @@ fn run(act: ActDtype, abs: f32, graphs: bool) {
                 block_table: &ta,
                 logits_from: 0,
                 stored_positions: &[],
+                window_tables: &[],
             },
             SeqForward {
                 tokens: &other,
@@ -106,6 +108,7 @@ fn run(act: ActDtype, abs: f32, graphs: bool) {
                 block_table: &tb,
                 logits_from: 19,
                 stored_positions: &[],
+                window_tables: &[],
             },
         ],
         "decode + prompt",
@@ -121,6 +124,7 @@ fn run(act: ActDtype, abs: f32, graphs: bool) {
             block_table: &compacted,
             logits_from: 0,
             stored_positions: &[],
+            window_tables: &[],
         }],
         "decode after eviction",
     );
@@ -135,6 +139,7 @@ fn run(act: ActDtype, abs: f32, graphs: bool) {
                 block_table: &compacted,
                 logits_from: 0,
                 stored_positions: &[],
+                window_tables: &[],
             }],
             "decode",
         );
@@ -192,6 +197,7 @@ fn random_weights_are_made_on_the_device_and_run() {
         block_table: &table,
         logits_from: 0,
         stored_positions: &[],
+        window_tables: &[],
     };
     assert!(model.forward(&gpu, &mut pool, &[empty]).unwrap().is_empty());
     assert!(model
@@ -210,6 +216,7 @@ fn random_weights_are_made_on_the_device_and_run() {
                 block_table: &table,
                 logits_from: 0,
                 stored_positions: &[],
+                window_tables: &[],
             }],
         )
         .unwrap();

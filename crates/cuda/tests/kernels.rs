@@ -479,6 +479,7 @@ fn attention_case(
             block_table: ta,
             logits_from: 0,
             stored_positions: &[],
+            window_tables: &[],
         },
         SeqForward {
             tokens: &qb,
@@ -487,6 +488,7 @@ fn attention_case(
             block_table: tb,
             logits_from: 0,
             stored_positions: &[],
+            window_tables: &[],
         },
         SeqForward {
             tokens: &qc,
@@ -495,6 +497,7 @@ fn attention_case(
             block_table: tc,
             logits_from: 0,
             stored_positions: &[],
+            window_tables: &[],
         },
     ];
     let kvd = n_kv_heads * head_dim;

@@ -193,6 +193,7 @@ pub(crate) fn window_queries(
         block_table: &table,
         logits_from: w,
         stored_positions: &[],
+        window_tables: &[],
     };
     match backend.forward_with_queries(&[fwd], &[w]) {
         Ok((_, mut captured)) if !captured.is_empty() => Some(WindowQueries {

@@ -70,6 +70,12 @@ pub struct EngineConfig {
     /// automatic prefix caching; on by default). Benchmarks of the tiers turn it off so
     /// that every reuse is a load.
     pub enable_prefix_caching: bool,
+    /// Give a model's sliding-window layers KV cache groups of their own, whose blocks
+    /// behind the window are released (vLLM's hybrid KV cache manager; on by default).
+    /// It applies to CPU models with both global and windowed layers (Gemma 3) and is
+    /// off whenever stored KV is reused across requests (`tiering`, `contexts`), which
+    /// stores every layer of every token, as vLLM turns it off under a KV connector.
+    pub hybrid_kv_cache: bool,
 }
 
 impl std::fmt::Debug for TieringConfig {
@@ -117,6 +123,7 @@ impl Default for EngineConfig {
             tiering: None,
             contexts: None,
             enable_prefix_caching: true,
+            hybrid_kv_cache: true,
         }
     }
 }
@@ -193,6 +200,9 @@ pub struct GenerateOutput {
     pub prefill_seconds: f64,
     pub decode_seconds: f64,
     pub kv_stored_tokens: usize,
+    /// Bytes of the KV blocks the sequence held when it finished (its main table's and
+    /// its window groups'), shared blocks included.
+    pub kv_bytes: usize,
     /// Where a stored context came from (EVICPRESS store), if one was loaded.
     pub context_load: Option<pk_evicpress::LoadReport>,
 }
@@ -223,6 +233,8 @@ pub struct EngineStats {
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub steps: u64,
+    /// The most bytes of KV blocks in use at once (after a step's allocation).
+    pub kv_bytes_peak: usize,
 }
 
 pub struct Engine {
@@ -351,7 +363,9 @@ impl Engine {
             backend.kv().capacity_bytes() as f64 / (1 << 20) as f64,
             config.kv_dtype
         );
-        let kv = KvCacheManager::new(num_blocks as u32, bs as u32);
+        let (backend, window) = Engine::kv_cache_groups(backend, &config)?;
+        let num_blocks = backend.kv().geometry().num_blocks;
+        let kv = KvCacheManager::with_windows(num_blocks as u32, bs as u32, window);
         // Backends compute K/V with different arithmetic (the GPU's f16 GEMMs against the
         // CPU's 8-bit activations), so blocks and stored chunks are never shared between
         // them: a sequence's bits must not depend on where its prefix was computed.
@@ -394,6 +408,49 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
         })
+    }
+
+    /// Sets up KV cache groups when the model and settings allow (see
+    /// `EngineConfig::hybrid_kv_cache`): the pool is rebuilt with blocks of the group size,
+    /// as many as keep its bytes, and the manager gets the window groups.
+    fn kv_cache_groups(
+        mut backend: Box<dyn Backend>,
+        config: &EngineConfig,
+    ) -> Result<(Box<dyn Backend>, Option<pk_kv::WindowSpec>)> {
+        let wanted = config.hybrid_kv_cache && config.tiering.is_none() && config.contexts.is_none();
+        let Some(layout) = backend.config().kv_group_layout().filter(|_| wanted) else {
+            return Ok((backend, None));
+        };
+        let g = backend.kv().geometry();
+        let num_blocks = g.num_blocks * g.n_layers / layout.layers_per_block;
+        if let Err(e) = backend.use_kv_groups(&layout, num_blocks) {
+            tracing::info!("one KV cache group: {e}");
+            return Ok((backend, None));
+        }
+        tracing::info!(
+            "KV cache groups: {} full-attention layers and {} window groups of up to {} layers ({} tokens), {num_blocks} blocks of {} layers",
+            layout.layers_per_block,
+            layout.num_window_groups,
+            layout.layers_per_block,
+            layout.window_tokens,
+            layout.layers_per_block
+        );
+        let window = pk_kv::WindowSpec {
+            num_groups: layout.num_window_groups as u32,
+            window_tokens: layout.window_tokens as u32,
+        };
+        Ok((backend, Some(window)))
+    }
+
+    /// Bytes of one KV block (every layer slot, K and V).
+    pub fn kv_block_bytes(&self) -> usize {
+        self.backend.kv().capacity_bytes() / self.kv.pool().num_blocks() as usize
+    }
+
+    /// Bytes of the KV pool's blocks in use by sequences now (cached free blocks are free).
+    pub fn kv_bytes_in_use(&self) -> usize {
+        let pool = self.kv.pool();
+        (pool.num_blocks() - pool.num_free_blocks()) as usize * self.kv_block_bytes()
     }
 
     pub fn kv_manager(&self) -> &KvCacheManager {
@@ -508,6 +565,12 @@ impl Engine {
         }
         let eviction = self.eviction_for(&req.params)?;
         if let Some(p) = &req.params.prefix_kv {
+            if self.kv.window_spec().is_some() {
+                return Err(SubmitError::InvalidParam {
+                    param: "prefix_kv".into(),
+                    message: "prefix_kv writes every layer of every token, but this engine keeps sliding-window layers in KV cache groups of their own; build it with hybrid_kv_cache off".into(),
+                });
+            }
             let g = self.backend.kv().geometry();
             if p.n_tokens() >= req.prompt_ids.len()
                 || p.kv
@@ -592,9 +655,17 @@ impl Engine {
             .kv_granularity
             .unwrap_or(self.config.default_kv_granularity);
         let c = self.backend.config();
-        let units = pk_kv::selection_units(granularity, c.n_layers, c.n_kv_heads, |layer| {
+        let mut units = pk_kv::selection_units(granularity, c.n_layers, c.n_kv_heads, |layer| {
             c.layer_window(layer).is_some()
         });
+        if self.kv.window_spec().is_some() {
+            // Windowed layers have tables of their own, bounded already: eviction chooses
+            // for the full-attention layers only.
+            for unit in &mut units {
+                unit.layers.retain(|&layer| c.layer_window(layer).is_none());
+            }
+            units.retain(|unit| !unit.layers.is_empty());
+        }
         let mut ev = SeqEviction::new(spec, budget, granularity, units);
         ev.keep_generated = p.kv_keep_generated;
         Ok(Some(ev))
@@ -605,8 +676,12 @@ impl Engine {
     }
 
     /// Blocks needed to compute `n_tokens` more tokens, plus one block of headroom for decode.
+    /// With window groups, their blocks while the sequence computes are added.
     fn blocks_for(&self, n_tokens: usize) -> usize {
-        n_tokens.div_ceil(self.config.block_size_tokens as usize) + 1
+        let window = self
+            .kv
+            .window_blocks_bound(n_tokens as u64, self.config.max_batch_tokens as u64);
+        n_tokens.div_ceil(self.config.block_size_tokens as usize) + 1 + window as usize
     }
 
     /// Moves waiting requests into the running set while blocks and slots allow.
@@ -914,6 +989,7 @@ impl Engine {
         if plan.is_empty() {
             return 0;
         }
+        self.stats.kv_bytes_peak = self.stats.kv_bytes_peak.max(self.kv_bytes_in_use());
         let n_tokens = self.run_plan(&plan);
         self.stats.steps += 1;
         n_tokens
@@ -972,6 +1048,10 @@ impl Engine {
             .iter()
             .map(|(seq, _, _)| eviction::table_of(&self.kv, *seq))
             .collect();
+        let window_tables: Vec<Vec<Vec<u32>>> = plan
+            .iter()
+            .map(|(seq, _, _)| self.kv.window_tables(*seq).map(<[_]>::to_vec).unwrap_or_default())
+            .collect();
         let mut fwd = Vec::with_capacity(plan.len());
         let mut capture = Vec::with_capacity(plan.len());
         for (k, &(seq, from, to)) in plan.iter().enumerate() {
@@ -986,6 +1066,7 @@ impl Engine {
                 block_table: &tables[k],
                 logits_from: if wants_logits { n - 1 } else { n },
                 stored_positions: s.stored_positions.as_deref().unwrap_or(&[]),
+                window_tables: &window_tables[k],
             });
             capture.push(match &s.eviction {
                 Some(ev) if !ev.initialised && to == s.all_ids.len() => {
@@ -1064,6 +1145,7 @@ impl Engine {
             .kv
             .block_table(seq)
             .map_or(0, |t| t.num_stored_tokens() as usize);
+        s.kv_blocks = held_blocks(&self.kv, seq);
         if s.context.inexact {
             return finished;
         }
@@ -1148,6 +1230,7 @@ impl Engine {
             );
         }
         s.kv_stored_tokens = stored_now(&self.kv);
+        s.kv_blocks = held_blocks(&self.kv, seq);
         finished
     }
 
@@ -1219,4 +1302,9 @@ pub fn model_content_id(path: &Path) -> Result<String> {
     h.update_reader(&mut f)
         .with_context(|| format!("reading {}", path.display()))?;
     Ok(format!("blake3:{}", h.finalize().to_hex()))
+}
+
+/// Blocks `seq` holds: its main table's and its window groups'.
+fn held_blocks(kv: &KvCacheManager, seq: SeqId) -> usize {
+    kv.block_table(seq).map_or(0, |t| t.num_blocks()) + kv.num_window_blocks(seq)
 }

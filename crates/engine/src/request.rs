@@ -62,6 +62,8 @@ pub struct RequestOutput {
     /// Tokens the sequence held in the KV cache when it finished (≤ budget + one block
     /// under an evicting policy).
     pub kv_stored_tokens: usize,
+    /// KV blocks the sequence held when it finished (main table and window groups).
+    pub kv_blocks: usize,
     /// Where the prompt's stored context came from (EVICPRESS store), if it was loaded.
     pub context_load: Option<pk_evicpress::LoadReport>,
 }

@@ -33,6 +33,8 @@ pub(crate) struct SeqState {
     pub stored_positions: Option<Vec<u32>>,
     /// Stored tokens after the last step, for the final report.
     pub kv_stored_tokens: usize,
+    /// Blocks held after the last step (main table and window groups).
+    pub kv_blocks: usize,
     /// Chunk keys of the prompt for the tiers, and the next chunk not yet in them.
     pub tier_keys: Vec<pk_tiers::ChunkKey>,
     pub tier_next_chunk: usize,
@@ -70,6 +72,7 @@ impl SeqState {
             eviction: None,
             stored_positions: None,
             kv_stored_tokens: 0,
+            kv_blocks: 0,
             tier_keys: Vec::new(),
             tier_next_chunk: 0,
             tier_probe: None,
@@ -163,6 +166,7 @@ impl SeqState {
             finished_at: Instant::now(),
             num_preemptions: self.preemptions,
             kv_stored_tokens: self.kv_stored_tokens,
+            kv_blocks: self.kv_blocks,
             context_load: self.context.load.clone(),
         }
     }

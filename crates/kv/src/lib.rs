@@ -17,6 +17,8 @@
 //! - `pool`: `BlockPool` — ref counts, free queue, prefix-cache index.
 //! - `table`: `BlockTable` — one sequence's blocks, token addressing, eviction, fork;
 //!   `table/compact.rs`: prefill compaction and truncation (`TokenMove`).
+//! - `window`: sliding-window KV cache groups (position-indexed tables that release the
+//!   blocks behind the window), held by the manager beside each main table.
 //! - `manager`: `KvCacheManager` — the facade the scheduler uses.
 //! - `policy`: eviction policies (`EvictionPolicy`, `PolicySpec`): PagedEviction and the
 //!   baselines, reading K/V through the `KvView`/`QueryView` traits, never tensors.
@@ -76,6 +78,13 @@
 //! layout, pushed when a block fills, removed at the same index as `remove_block`. A block
 //! is scored once, so decode costs one block score per B tokens plus a minimum over at
 //! most budget / B blocks. Policies never name block 0 (sinks) or the newest full block.
+//!
+//! NOTE 12: Window groups (`window`). A manager built `with_windows` gives every sequence,
+//! besides its main table, one table per window group, indexed by position; all hold the
+//! same positions as the main table's `next_position`. Entries wholly behind the window of
+//! the next token to be appended are released (and only those), so a window table holds at
+//! most `window / B + 1` blocks plus one step's. Eviction never touches them. Ref counts
+//! (NOTE 8) count window entries too; no block is in two tables of one sequence.
 
 pub mod block;
 mod free_queue;
@@ -84,6 +93,7 @@ pub mod manager;
 pub mod policy;
 pub mod pool;
 pub mod table;
+pub mod window;
 
 pub use block::{BlockHash, BlockId};
 pub use hash::{hash_block, hash_prefix_blocks};
@@ -95,3 +105,4 @@ pub use policy::{
 };
 pub use pool::BlockPool;
 pub use table::{AppendedTokens, BlockCopy, BlockTable, Slot, TokenMove};
+pub use window::{window_block_hash, WindowSpec, RELEASED};

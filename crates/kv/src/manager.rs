@@ -24,6 +24,7 @@ use crate::block::{BlockHash, BlockId};
 use crate::hash::hash_block;
 use crate::pool::BlockPool;
 use crate::table::{BlockCopy, BlockTable, Slot, TokenMove};
+use crate::window::{window_block_hash, WindowSpec, WindowTables};
 
 /// Identifies one sequence (one request, or one branch of a forked request).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
@@ -77,11 +78,15 @@ struct SeqState {
     /// over a pruned context and sit at table indices that no longer equal their logical
     /// block index, so they must never be found by a full-context prefix lookup.
     prefix_cacheable: bool,
+    /// The sliding-window groups' tables, when the manager has window groups.
+    windows: Option<WindowTables>,
 }
 
 #[derive(Debug)]
 pub struct KvCacheManager {
     pool: BlockPool,
+    /// Sliding-window groups every sequence holds besides its main table (`crate::window`).
+    window: Option<WindowSpec>,
     /// Ordered so that iteration (invariant checks, debugging) is deterministic.
     seqs: BTreeMap<SeqId, SeqState>,
 }
@@ -89,10 +94,57 @@ pub struct KvCacheManager {
 impl KvCacheManager {
     /// A manager over a fresh pool; see `BlockPool::new` for the limits.
     pub fn new(num_blocks: u32, block_size_tokens: u32) -> Self {
+        KvCacheManager::with_windows(num_blocks, block_size_tokens, None)
+    }
+
+    /// A manager whose sequences also hold `window.num_groups` sliding-window tables
+    /// (`crate::window`), all in one pool of `num_blocks` blocks.
+    ///
+    /// Panics if `window` has no groups or a zero window.
+    pub fn with_windows(
+        num_blocks: u32,
+        block_size_tokens: u32,
+        window: Option<WindowSpec>,
+    ) -> Self {
+        if let Some(w) = window {
+            assert!(w.num_groups > 0 && w.window_tokens > 0, "empty window groups {w:?}");
+        }
         KvCacheManager {
             pool: BlockPool::new(num_blocks, block_size_tokens),
+            window,
             seqs: BTreeMap::new(),
         }
+    }
+
+    /// The sliding-window groups, if the manager has them.
+    pub fn window_spec(&self) -> Option<WindowSpec> {
+        self.window
+    }
+
+    /// `seq`'s window tables (one per group, indexed by position block; released entries
+    /// are `window::RELEASED`), or `None` without window groups or such a sequence.
+    pub fn window_tables(&self, seq: SeqId) -> Option<&[Vec<u32>]> {
+        self.seqs.get(&seq)?.windows.as_ref().map(|w| w.tables())
+    }
+
+    /// Blocks `seq`'s window tables hold now, over all groups (0 without them).
+    pub fn num_window_blocks(&self, seq: SeqId) -> usize {
+        self.seqs
+            .get(&seq)
+            .and_then(|s| s.windows.as_ref())
+            .map_or(0, |w| w.num_held_blocks())
+    }
+
+    /// Window-group blocks a sequence holds at most while computing `num_tokens` positions
+    /// in steps of at most `max_step_tokens` (0 without window groups): each group keeps
+    /// the window before a step plus the step's own positions.
+    pub fn window_blocks_bound(&self, num_tokens: u64, max_step_tokens: u64) -> u64 {
+        let Some(w) = self.window else { return 0 };
+        let bs = self.block_size_tokens() as u64;
+        let per_group = num_tokens
+            .div_ceil(bs)
+            .min((w.window_tokens as u64 + max_step_tokens).div_ceil(bs) + 1);
+        per_group * w.num_groups as u64
     }
 
     /// Read-only pool access, for metrics (`usage`, `num_free_blocks`, …) and tests.
@@ -138,7 +190,32 @@ impl KvCacheManager {
             prefix.block_ids.push(block_id);
             prefix.block_hashes.push(block_hash);
         }
+        let usable = self.window_usable_blocks(&prefix.block_hashes);
+        prefix.block_ids.truncate(usable);
+        prefix.block_hashes.truncate(usable);
         prefix
+    }
+
+    /// The longest prefix (in blocks) of cached main blocks `main_hashes` that the window
+    /// groups can serve: every group still caches the blocks its first new token sees.
+    fn window_usable_blocks(&self, main_hashes: &[BlockHash]) -> usize {
+        let Some(w) = self.window else {
+            return main_hashes.len();
+        };
+        let bs = self.block_size_tokens();
+        let mut best = 0;
+        let mut run = 0usize; // cached window blocks ending at the current block
+        for (k, main) in main_hashes.iter().enumerate() {
+            let cached = (0..w.num_groups)
+                .all(|g| self.pool.cached_block(&window_block_hash(main, g)).is_some());
+            run = if cached { run + 1 } else { 0 };
+            let num_blocks = k + 1;
+            let first = w.first_visible_block(num_blocks as u64 * bs as u64, bs) as usize;
+            if run >= num_blocks - first {
+                best = num_blocks;
+            }
+        }
+        best
     }
 
     /// Starts sequence `seq` with the cached blocks of `prefix`, taking a reference to
@@ -157,8 +234,19 @@ impl KvCacheManager {
             self.block_size_tokens(),
             "add_sequence: prefix from another pool"
         );
-        let mut block_ids = Vec::with_capacity(prefix.block_hashes.len());
-        for block_hash in &prefix.block_hashes {
+        // With window groups the usable prefix is decided before any reference is taken,
+        // from what is cached now; without them each lookup below decides.
+        let num_main_cached = prefix
+            .block_hashes
+            .iter()
+            .take_while(|h| self.pool.cached_block(h).is_some())
+            .count();
+        let usable = match self.window {
+            Some(_) => self.window_usable_blocks(&prefix.block_hashes[..num_main_cached]),
+            None => prefix.block_hashes.len(),
+        };
+        let mut block_ids = Vec::with_capacity(usable);
+        for block_hash in &prefix.block_hashes[..usable] {
             // The hash, not the remembered id, is what proves the contents: if the block
             // was reallocated and another block cached under the same hash, that one is
             // just as good.
@@ -168,13 +256,32 @@ impl KvCacheManager {
             block_ids.push(block_id);
         }
         let block_hashes = prefix.block_hashes[..block_ids.len()].to_vec();
+        let num_blocks = block_ids.len();
         let table = BlockTable::from_cached_blocks(self.block_size_tokens(), block_ids);
         let num_cached_tokens = table.num_stored_tokens();
+        let windows = self.window.map(|w| {
+            let bs = self.block_size_tokens();
+            let first = (w.first_visible_block(num_cached_tokens as u64, bs) as usize).min(num_blocks);
+            let adopted = (0..w.num_groups)
+                .map(|g| {
+                    block_hashes[first..]
+                        .iter()
+                        .map(|h| {
+                            self.pool
+                                .lookup_cached(&window_block_hash(h, g))
+                                .expect("checked cached above")
+                        })
+                        .collect()
+                })
+                .collect();
+            WindowTables::from_cached(num_blocks, first, adopted, bs)
+        });
         let state = SeqState {
             table,
             block_hashes,
             extra: prefix.extra.clone(),
             prefix_cacheable: true,
+            windows,
         };
         self.seqs.insert(seq, state);
         num_cached_tokens
@@ -187,6 +294,20 @@ impl KvCacheManager {
     #[must_use = "allocation can fail; check for None"]
     pub fn allocate_slots(&mut self, seq: SeqId, num_new_tokens: u32) -> Option<NewSlots> {
         let state = Self::state_mut(&mut self.seqs, seq, "allocate_slots");
+        if let (Some(windows), Some(spec)) = (state.windows.as_mut(), self.window.as_ref()) {
+            // Blocks behind the first new token's window are released first, even when
+            // the allocation then fails: no later token can see them.
+            windows.release_behind(spec, state.table.next_position(), &mut self.pool);
+            let bs = self.pool.block_size_tokens();
+            let needed = state.table.num_new_blocks_needed(num_new_tokens)
+                + windows.num_new_blocks_needed(num_new_tokens, bs);
+            if needed > self.pool.num_free_blocks() as u64 {
+                return None;
+            }
+            windows
+                .append(num_new_tokens, &mut self.pool)
+                .expect("checked free blocks");
+        }
         let appended = state.table.append_tokens(num_new_tokens, &mut self.pool)?;
         let slots = state.table.slots(appended.stored_range()).collect();
         Some(NewSlots {
@@ -225,6 +346,9 @@ impl KvCacheManager {
                 .cache_block(state.table.block_ids()[block_index], block_hash);
             state.block_hashes.push(block_hash);
         }
+        if let Some(windows) = state.windows.as_mut() {
+            windows.cache_full_blocks(&state.block_hashes, block_size_tokens as u32, &mut self.pool);
+        }
     }
 
     /// Ends `seq`, releasing its blocks (cached ones stay revivable until reallocated).
@@ -234,32 +358,55 @@ impl KvCacheManager {
             return false;
         };
         state.table.free_all(&mut self.pool);
+        if let Some(windows) = state.windows.as_mut() {
+            windows.free_all(&mut self.pool);
+        }
         true
     }
 
     /// Starts `child` as a copy of `parent`, sharing its full blocks. Returns:
     /// - `None`: no free block for the copy-on-write of a partial last block; nothing changed;
-    /// - `Some(None)`: forked, nothing to copy;
-    /// - `Some(Some(copy))`: forked; the caller must copy `copy.num_tokens` slots of K/V
-    ///   from `copy.src` to `copy.dst` before either sequence writes again.
+    /// - `Some(copies)`: forked; for each copy the caller must copy `copy.num_tokens` slots
+    ///   of K/V from `copy.src` to `copy.dst` (every layer slot of the block) before either
+    ///   sequence writes again. At most one per table: the main one, then each window
+    ///   group's.
     ///
     /// Panics if `parent` does not exist or `child` does.
     #[must_use = "allocation can fail, and a returned BlockCopy must be performed"]
-    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Option<Option<BlockCopy>> {
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Option<Vec<BlockCopy>> {
         assert!(
             !self.seqs.contains_key(&child),
             "fork: child {child:?} already exists"
         );
+        let bs = self.block_size_tokens();
         let parent_state = Self::state_mut(&mut self.seqs, parent, "fork");
+        // Both forks below allocate only for partial blocks; check their sum first so
+        // that neither needs undoing.
+        let partial = |n: u64| u64::from(!n.is_multiple_of(bs as u64));
+        let needed = partial(parent_state.table.num_stored_tokens() as u64)
+            + parent_state.windows.as_ref().map_or(0, |w| {
+                partial(w.num_positions()) * w.tables().len() as u64
+            });
+        if needed > self.pool.num_free_blocks() as u64 {
+            return None;
+        }
         let (child_table, copy) = parent_state.table.fork(&mut self.pool)?;
+        let mut copies: Vec<BlockCopy> = copy.into_iter().collect();
+        let windows = parent_state.windows.as_ref().map(|w| {
+            let (child_windows, window_copies) =
+                w.fork(bs, &mut self.pool).expect("checked free blocks");
+            copies.extend(window_copies);
+            child_windows
+        });
         let child_state = SeqState {
             table: child_table,
             block_hashes: parent_state.block_hashes.clone(),
             extra: parent_state.extra.clone(),
             prefix_cacheable: parent_state.prefix_cacheable,
+            windows,
         };
         self.seqs.insert(child, child_state);
-        Some(copy)
+        Some(copies)
     }
 
     /// Evicts the full block at `index` of `seq`'s table (see `BlockTable::remove_block`)
@@ -378,6 +525,30 @@ impl KvCacheManager {
             );
             for block_id in table.block_ids() {
                 num_refs_by_block[block_id.index()] += 1;
+            }
+            match (&state.windows, &self.window) {
+                (Some(windows), Some(spec)) => {
+                    windows.check_invariants(spec, block_size_tokens);
+                    assert_eq!(
+                        windows.num_positions(),
+                        table.next_position(),
+                        "manager: {seq:?}'s windows hold other positions than its table"
+                    );
+                    let mut held: Vec<BlockId> = windows.held_blocks().collect();
+                    held.extend(table.block_ids());
+                    held.sort_unstable();
+                    held.dedup();
+                    assert_eq!(
+                        held.len(),
+                        table.num_blocks() + windows.num_held_blocks(),
+                        "manager: {seq:?} lists a block in two tables"
+                    );
+                    for block_id in windows.held_blocks() {
+                        num_refs_by_block[block_id.index()] += 1;
+                    }
+                }
+                (None, None) => {}
+                _ => panic!("manager: {seq:?} has windows unlike the manager"),
             }
             if state.prefix_cacheable {
                 self.check_prefix_hashes(*seq, state);

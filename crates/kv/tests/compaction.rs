@@ -149,7 +149,7 @@ fn failed_compaction_changes_nothing() {
     let mut manager = KvCacheManager::new(3, B);
     let prompt: Vec<u32> = (0..8).collect();
     prefill(&mut manager, SeqId(1), &prompt);
-    assert_eq!(manager.fork(SeqId(1), SeqId(2)), Some(None));
+    assert_eq!(manager.fork(SeqId(1), SeqId(2)), Some(vec![]));
     prefill(&mut manager, SeqId(3), &[9, 9, 9]);
     // Both of SeqId(1)'s blocks are shared with SeqId(2) and would need private copies,
     // but no block is free, so the compaction fails as a value.

@@ -256,11 +256,11 @@ fn fork_with_copy_on_write_then_diverge() {
     let copy = manager.fork(SeqId(1), SeqId(2)).unwrap();
     assert_eq!(
         copy,
-        Some(BlockCopy {
+        vec![BlockCopy {
             src: BlockId(1),
             dst: BlockId(2),
             num_tokens: 2
-        })
+        }]
     );
     assert_eq!(
         manager.block_table(SeqId(2)).unwrap().block_ids(),

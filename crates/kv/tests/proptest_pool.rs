@@ -399,7 +399,8 @@ fn fork(manager: &mut KvCacheManager, model: &mut Model, seq_index: usize) {
     for block_id in &child.block_ids {
         model.owners_by_block[block_id.index()] += 1;
     }
-    match copy {
+    assert!(copy.len() <= 1, "one table, at most one copy");
+    match copy.into_iter().next() {
         None => assert_eq!(num_partial_tokens, 0, "a partial block must be copied"),
         Some(BlockCopy {
             src,

@@ -80,6 +80,7 @@ fn main() {
             block_table: &table,
             logits_from: context - 1,
             stored_positions: &[],
+            window_tables: &[],
         }],
     );
     let prefill = t.elapsed().as_secs_f64();
@@ -102,6 +103,7 @@ fn main() {
                     block_table: &table,
                     logits_from: 0,
                     stored_positions: &[],
+                    window_tables: &[],
                 }],
             );
             times[m].push(t.elapsed().as_secs_f64());

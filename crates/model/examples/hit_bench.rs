@@ -62,6 +62,7 @@ fn main() {
             block_table: &table,
             logits_from: context,
             stored_positions: &[],
+            window_tables: &[],
         }],
     );
     let q_ids: Vec<u32> = (0..query as u32).map(|i| 100 + i * 13).collect();
@@ -72,6 +73,7 @@ fn main() {
         block_table: &table,
         logits_from: query - 1,
         stored_positions: &[],
+        window_tables: &[],
     };
     let mut hit = Vec::new();
     for _ in 0..reps {

@@ -235,6 +235,21 @@ pub trait Backend: Send {
         capture_last: &[usize],
     ) -> Result<(Vec<f32>, Vec<Vec<f32>>), BackendError>;
     /// `forward_with_queries` without queries.
+    /// Rebuilds the (still unused) KV pool for the KV cache groups of `layout`: `num_blocks`
+    /// blocks of `layout.layers_per_block` layers each, every layer in its group's slot.
+    /// A backend that keeps one block table for all layers says so as an error, and the
+    /// engine then runs with one group.
+    fn use_kv_groups(
+        &mut self,
+        layout: &crate::config::KvGroupLayout,
+        num_blocks: usize,
+    ) -> Result<(), BackendError> {
+        let _ = (layout, num_blocks);
+        Err(BackendError::new(
+            self.name(),
+            "this backend reads one block table for every layer (no KV cache groups)",
+        ))
+    }
     fn forward(&mut self, seqs: &[SeqForward]) -> Result<Vec<f32>, BackendError> {
         self.forward_with_queries(seqs, &[])
             .map(|(logits, _)| logits)
@@ -360,6 +375,20 @@ impl Backend for CpuBackend {
             .model
             .forward_with_queries(&mut self.store, seqs, capture_last))
     }
+    fn use_kv_groups(
+        &mut self,
+        layout: &crate::config::KvGroupLayout,
+        num_blocks: usize,
+    ) -> Result<(), BackendError> {
+        let geometry = KvGeometry {
+            num_blocks,
+            ..self.store.geometry
+        };
+        // The old store's pages were never written (the engine calls this before any
+        // sequence), so dropping it returns only address space.
+        self.store = KvStore::grouped(geometry, self.store.dtype, layout.clone());
+        Ok(())
+    }
     fn cpu_model(&self) -> Option<&Llama> {
         Some(&self.model)
     }
@@ -444,6 +473,7 @@ mod tests {
             block_table: &table,
             logits_from: 38,
             stored_positions: &[],
+            window_tables: &[],
         }];
         let want = direct.forward_with_queries(&mut store, &seq, &[3]);
         let got = backend.forward_with_queries(&seq, &[3]).unwrap();

@@ -173,6 +173,14 @@ impl ModelConfig {
             .map(|w| w.window_tokens)
     }
 
+    /// How layers share block tables when sliding-window layers get KV cache groups of
+    /// their own (vLLM's hybrid KV cache manager): `None` unless the model has both global
+    /// and windowed layers, all windows of one size.
+    pub fn kv_group_layout(&self) -> Option<KvGroupLayout> {
+        let windows: Vec<Option<usize>> = (0..self.n_layers).map(|l| self.layer_window(l)).collect();
+        KvGroupLayout::for_windows(&windows)
+    }
+
     /// Query heads per KV head (the GQA group size).
     pub fn group_size(&self) -> usize {
         self.n_heads / self.n_kv_heads
@@ -212,5 +220,86 @@ impl ModelConfig {
             rms_eps: 1e-5,
             extras: ArchExtras::default(),
         })
+    }
+}
+
+/// Layers grouped into KV cache groups (vLLM v1's hybrid allocator). Group 0 holds the
+/// full-attention layers and uses the sequence's main block table; every other group holds
+/// up to as many sliding-window layers and has a table of its own, indexed by position,
+/// whose blocks wholly behind the window are freed. All groups have the same number of
+/// layers per block (`layers_per_block`, the number of full-attention layers), so one pool
+/// of equal-sized blocks serves them all: a block belongs to one group at a time and holds
+/// that group's layers in its `layers_per_block` layer slots.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvGroupLayout {
+    /// Per layer: its group (0: full attention; 1..: sliding-window groups).
+    pub layer_group: Vec<usize>,
+    /// Per layer: the layer slot of a block that holds it.
+    pub layer_slot: Vec<usize>,
+    pub layers_per_block: usize,
+    pub num_window_groups: usize,
+    pub window_tokens: usize,
+}
+
+impl KvGroupLayout {
+    /// The layout for layers with these windows (`None`: full attention), or `None` when
+    /// one table serves every layer anyway (no windowed or no full-attention layer, or
+    /// windows of different sizes).
+    pub fn for_windows(windows: &[Option<usize>]) -> Option<KvGroupLayout> {
+        let full: Vec<usize> = (0..windows.len()).filter(|&l| windows[l].is_none()).collect();
+        let local: Vec<usize> = (0..windows.len()).filter(|&l| windows[l].is_some()).collect();
+        let window_tokens = windows[*local.first()?]?;
+        if full.is_empty() || local.iter().any(|&l| windows[l] != Some(window_tokens)) {
+            return None;
+        }
+        let per_block = full.len();
+        let (mut layer_group, mut layer_slot) = (vec![0; windows.len()], vec![0; windows.len()]);
+        for (i, &l) in full.iter().enumerate() {
+            layer_slot[l] = i;
+        }
+        for (j, &l) in local.iter().enumerate() {
+            layer_group[l] = 1 + j / per_block;
+            layer_slot[l] = j % per_block;
+        }
+        Some(KvGroupLayout {
+            layer_group,
+            layer_slot,
+            layers_per_block: per_block,
+            num_window_groups: local.len().div_ceil(per_block),
+            window_tokens,
+        })
+    }
+
+    /// Number of groups, the full-attention group included.
+    pub fn num_groups(&self) -> usize {
+        1 + self.num_window_groups
+    }
+}
+
+#[cfg(test)]
+mod layout_tests {
+    use super::KvGroupLayout;
+
+    #[test]
+    fn gemma3_layers_form_one_global_and_five_window_groups_of_three() {
+        // Gemma-3-270M: 18 layers, every 6th global, windows of 512.
+        let windows: Vec<Option<usize>> = (0..18)
+            .map(|l| (!(l + 1usize).is_multiple_of(6)).then_some(512))
+            .collect();
+        let g = KvGroupLayout::for_windows(&windows).unwrap();
+        assert_eq!((g.layers_per_block, g.num_window_groups, g.num_groups()), (3, 5, 6));
+        assert_eq!((g.layer_group[5], g.layer_slot[5]), (0, 0));
+        assert_eq!((g.layer_group[17], g.layer_slot[17]), (0, 2));
+        assert_eq!((g.layer_group[0], g.layer_slot[0]), (1, 0));
+        assert_eq!((g.layer_group[16], g.layer_slot[16]), (5, 2));
+        // Every (group, slot) holds exactly one layer.
+        let mut seen: Vec<(usize, usize)> = (0..18).map(|l| (g.layer_group[l], g.layer_slot[l])).collect();
+        seen.sort();
+        seen.dedup();
+        assert_eq!(seen.len(), 18);
+        // One table serves all layers of a Llama, or of an all-windowed model.
+        assert_eq!(KvGroupLayout::for_windows(&[None; 4]), None);
+        assert_eq!(KvGroupLayout::for_windows(&[Some(8); 4]), None);
+        assert_eq!(KvGroupLayout::for_windows(&[None, Some(8), Some(4)]), None);
     }
 }

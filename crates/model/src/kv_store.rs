@@ -21,6 +21,7 @@
 
 use half::f16;
 
+use crate::config::KvGroupLayout;
 use crate::kernels::kv_quant::{QLayout, QuantBits};
 
 /// Element type of the live KV cache.
@@ -184,7 +185,13 @@ enum LayerBufs {
 pub struct KvStore {
     pub geometry: KvGeometry,
     pub dtype: KvDtype,
+    /// One per layer slot of a block: `geometry.n_layers` without KV cache groups,
+    /// `layers_per_block` with them.
     layers: Vec<LayerBufs>,
+    /// Per model layer: the index into `layers` holding it.
+    layer_slot: Vec<usize>,
+    /// The KV cache groups the pool's blocks serve (`None`: one table for every layer).
+    grouping: Option<KvGroupLayout>,
     /// The block format when `dtype` is quantised.
     qlayout: Option<QLayout>,
 }
@@ -192,11 +199,31 @@ pub struct KvStore {
 impl KvStore {
     /// Panics if `dtype` is quantised and `head_dim` is not a multiple of 32.
     pub fn new(geometry: KvGeometry, dtype: KvDtype) -> KvStore {
+        KvStore::with_layer_slots(geometry, dtype, None)
+    }
+
+    /// A store whose blocks serve the KV cache groups of `layout`: each block holds
+    /// `layout.layers_per_block` layers, and a layer is read and written in the slot the
+    /// layout gives it, through the block ids of its own group's table.
+    pub fn grouped(geometry: KvGeometry, dtype: KvDtype, layout: KvGroupLayout) -> KvStore {
+        assert_eq!(layout.layer_slot.len(), geometry.n_layers, "a slot for every layer");
+        KvStore::with_layer_slots(geometry, dtype, Some(layout))
+    }
+
+    fn with_layer_slots(
+        geometry: KvGeometry,
+        dtype: KvDtype,
+        grouping: Option<KvGroupLayout>,
+    ) -> KvStore {
+        let (n_slots, layer_slot) = match &grouping {
+            Some(g) => (g.layers_per_block, g.layer_slot.clone()),
+            None => (geometry.n_layers, (0..geometry.n_layers).collect()),
+        };
         let n = geometry.num_blocks * geometry.block_elems();
         let qlayout = dtype
             .quant_bits()
             .map(|bits| QLayout::new(bits, geometry.head_dim, geometry.block_size_tokens));
-        let layers = (0..geometry.n_layers)
+        let layers = (0..n_slots)
             .map(|_| match qlayout {
                 None => LayerBufs::Elems {
                     k: Buf::new(dtype, n),
@@ -215,14 +242,30 @@ impl KvStore {
             geometry,
             dtype,
             layers,
+            layer_slot,
+            grouping,
             qlayout,
         }
     }
 
+    /// The KV cache groups this store's blocks serve, if any.
+    pub fn grouping(&self) -> Option<&KvGroupLayout> {
+        self.grouping.as_ref()
+    }
+
+    /// Layers one block holds: every layer without groups, `layers_per_block` with them.
+    pub fn layers_per_block(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Bytes of one block (K and V of every layer slot, scales included).
+    pub fn block_bytes(&self) -> usize {
+        let g = &self.geometry;
+        2 * self.layers.len() * g.n_kv_heads * g.block_size_tokens * self.dtype.bytes_per_head_token(g.head_dim)
+    }
+
     pub fn capacity_bytes(&self) -> usize {
-        self.geometry.num_blocks
-            * self.geometry.block_size_tokens
-            * self.geometry.bytes_per_token(self.dtype)
+        self.geometry.num_blocks * self.block_bytes()
     }
 
     /// Byte offset of `(block, kv_head)`'s region in a quantised layer.
@@ -251,7 +294,7 @@ impl KvStore {
             let (kh, vh) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
             if let Some(q) = self.qlayout {
                 let at = self.q_offset(&q, block, h);
-                let LayerBufs::Quant { k: kb, v: vb } = &mut self.layers[layer] else {
+                let LayerBufs::Quant { k: kb, v: vb } = &mut self.layers[self.layer_slot[layer]] else {
                     unreachable!()
                 };
                 q.write_k(&mut kb[at..at + q.head_bytes()], slot, kh);
@@ -263,7 +306,7 @@ impl KvStore {
                 self.offset(block, h, slot),
                 self.geometry.block_size_tokens,
             );
-            let LayerBufs::Elems { k: kb, v: vb } = &mut self.layers[layer] else {
+            let LayerBufs::Elems { k: kb, v: vb } = &mut self.layers[self.layer_slot[layer]] else {
                 unreachable!()
             };
             for (d, &x) in kh.iter().enumerate() {
@@ -294,7 +337,7 @@ impl KvStore {
         );
         if let Some(q) = self.qlayout {
             let at = self.q_offset(&q, block, kv_head);
-            let LayerBufs::Quant { k: kb, v: vb } = &mut self.layers[layer] else {
+            let LayerBufs::Quant { k: kb, v: vb } = &mut self.layers[self.layer_slot[layer]] else {
                 unreachable!()
             };
             for t in 0..n {
@@ -315,7 +358,7 @@ impl KvStore {
             self.k_offset(block, kv_head, 0, 0),
             self.offset(block, kv_head, slot0),
         );
-        let LayerBufs::Elems { k: kb, v: vb } = &mut self.layers[layer] else {
+        let LayerBufs::Elems { k: kb, v: vb } = &mut self.layers[self.layer_slot[layer]] else {
             unreachable!()
         };
         vb.write(v_at, v_rows);
@@ -365,7 +408,7 @@ impl KvStore {
             out.len() == n * hd && slot0 + n <= bs,
             "rows must be whole tokens of one block"
         );
-        match &self.layers[layer] {
+        match &self.layers[self.layer_slot[layer]] {
             LayerBufs::Elems { k, .. } => {
                 // K is transposed within a block (`[head_dim][slot]`): convert a span of
                 // whole dimensions in one bulk call (F16C), then transpose the wanted slots
@@ -409,7 +452,7 @@ impl KvStore {
     ) {
         let bs = self.geometry.block_size_tokens;
         debug_assert!(stride >= bs && out.len() >= self.geometry.head_dim * stride);
-        match &self.layers[layer] {
+        match &self.layers[self.layer_slot[layer]] {
             LayerBufs::Elems { k, .. } => {
                 for d in 0..self.geometry.head_dim {
                     k.read(
@@ -432,7 +475,7 @@ impl KvStore {
 
     /// The raw storage of one layer, for the attention kernels.
     pub(crate) fn layer(&self, layer: usize) -> LayerKv<'_> {
-        match &self.layers[layer] {
+        match &self.layers[self.layer_slot[layer]] {
             LayerBufs::Elems {
                 k: Buf::F16(k),
                 v: Buf::F16(v),
@@ -476,7 +519,7 @@ impl KvStore {
             out.len().is_multiple_of(hd) && slot0 + out.len() / hd <= bs,
             "rows must be whole tokens of one block"
         );
-        match &self.layers[layer] {
+        match &self.layers[self.layer_slot[layer]] {
             LayerBufs::Elems { v, .. } => v.read(self.offset(block, kv_head, slot0), out),
             LayerBufs::Quant { v, .. } => {
                 let q = self.qlayout.expect("quantised store");
@@ -491,12 +534,8 @@ impl KvStore {
     /// Copies one token slot to another in every layer and KV head (prefill compaction).
     /// Quantised tokens are copied as bytes: they are never re-quantised.
     pub fn copy_slot(&mut self, src: (u32, usize), dst: (u32, usize)) {
-        self.copy_slot_in(
-            0..self.geometry.n_layers,
-            0..self.geometry.n_kv_heads,
-            src,
-            dst,
-        )
+        let all_slots: Vec<usize> = (0..self.layers.len()).collect();
+        self.copy_slot_in_slots(&all_slots, 0..self.geometry.n_kv_heads, src, dst)
     }
 
     /// Copies one token slot to another in `layers` and `kv_heads` only (eviction that
@@ -504,6 +543,21 @@ impl KvStore {
     pub fn copy_slot_in(
         &mut self,
         layers: std::ops::Range<usize>,
+        kv_heads: std::ops::Range<usize>,
+        src: (u32, usize),
+        dst: (u32, usize),
+    ) {
+        // With KV cache groups several layers share a slot index (in blocks of different
+        // groups); a block belongs to one group, so each slot is copied once.
+        let mut slots: Vec<usize> = layers.map(|l| self.layer_slot[l]).collect();
+        slots.sort_unstable();
+        slots.dedup();
+        self.copy_slot_in_slots(&slots, kv_heads, src, dst)
+    }
+
+    fn copy_slot_in_slots(
+        &mut self,
+        slots: &[usize],
         kv_heads: std::ops::Range<usize>,
         src: (u32, usize),
         dst: (u32, usize),
@@ -519,8 +573,8 @@ impl KvStore {
             let q_regions = self
                 .qlayout
                 .map(|q| (q, self.q_offset(&q, src.0, h), self.q_offset(&q, dst.0, h)));
-            for layer in self.layers[layers.clone()].iter_mut() {
-                match (layer, q_regions) {
+            for &slot in slots {
+                match (&mut self.layers[slot], q_regions) {
                     (LayerBufs::Elems { k, v }, _) => {
                         v.copy_within(vs, vd, hd);
                         k.copy_strided(ks, kd, hd, bs);

@@ -14,7 +14,7 @@ pub mod llama;
 pub mod weights;
 
 pub use backend::{block_runs, token_range_len, Backend, BackendError, CpuBackend, KvBlocks};
-pub use config::{ArchExtras, ModelConfig, RopeStyle, SlidingWindow};
+pub use config::{ArchExtras, KvGroupLayout, ModelConfig, RopeStyle, SlidingWindow};
 pub use kv_store::{KvDtype, KvGeometry, KvStore};
 pub use llama::{Llama, SeqForward};
 

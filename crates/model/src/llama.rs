@@ -40,6 +40,10 @@ pub struct SeqForward<'a> {
     /// differ from stored indices; empty means stored index = position. Only sliding-window
     /// layers read them (their window is over positions; see `first_visible`).
     pub stored_positions: &'a [u32],
+    /// With KV cache groups (`KvStore::grouped`): per sliding-window group, its block
+    /// table, indexed by position (entry `p / B` holds position `p`; entries wholly behind
+    /// the window may name freed blocks and are never read). Empty without groups.
+    pub window_tables: &'a [Vec<u32>],
 }
 
 impl SeqForward<'_> {
@@ -178,14 +182,24 @@ impl Llama {
                 positions.push(s.start_position + i);
             }
         }
+        // With KV cache groups, windowed layers read their group's own table, indexed by
+        // position, so a row's first visible index is a position.
+        let grouping = store.grouping().cloned();
         // Sliding-window layers: each row's first visible stored index (the same for every
         // such layer).
-        let first_visible: Vec<usize> = match c.extras.sliding_window {
-            Some(w) => seqs
+        let first_visible: Vec<usize> = match (c.extras.sliding_window, &grouping) {
+            (Some(w), None) => seqs
                 .iter()
                 .flat_map(|s| (0..s.tokens.len()).map(move |i| s.first_visible(i, w.window_tokens)))
                 .collect(),
-            None => Vec::new(),
+            (Some(w), Some(_)) => seqs
+                .iter()
+                .flat_map(|s| {
+                    (0..s.tokens.len())
+                        .map(move |i| (s.start_position + i + 1).saturating_sub(w.window_tokens))
+                })
+                .collect(),
+            (None, _) => Vec::new(),
         };
         let mut attn_seqs = Vec::with_capacity(seqs.len());
         let mut row = 0;
@@ -198,6 +212,22 @@ impl Llama {
             });
             row += s.tokens.len();
         }
+        let window_attn_seqs: Vec<Vec<AttnSeq>> = (0..grouping.as_ref().map_or(0, |g| g.num_window_groups))
+            .map(|g| {
+                seqs.iter()
+                    .zip(&attn_seqs)
+                    .map(|(s, a)| {
+                        assert_eq!(s.window_tables.len(), grouping.as_ref().unwrap().num_window_groups, "a table per window group");
+                        AttnSeq {
+                            block_table: &s.window_tables[g],
+                            stored_start: s.start_position,
+                            n_queries: a.n_queries,
+                            row_offset: a.row_offset,
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
         // RoPE angles once per row, not once per layer and head.
         let half = c.head_dim / 2;
         let angles = |inv_freq: &[f32], cos_out: &mut [f32], sin_out: &mut [f32]| {
@@ -285,13 +315,20 @@ impl Llama {
                     captured[si].extend_from_slice(&q[first * qd..(first + want) * qd]);
                 }
             }
-            for (s, a) in seqs.iter().zip(&attn_seqs) {
-                for i in 0..s.tokens.len() {
-                    let idx = s.stored_start + i;
+            // The layer's group: 0 (the main table, stored indices) or a window group (its
+            // own table, positions).
+            let group = grouping.as_ref().map_or(0, |g| g.layer_group[li]);
+            let layer_seqs = match group {
+                0 => &attn_seqs,
+                g => &window_attn_seqs[g - 1],
+            };
+            for a in layer_seqs.iter() {
+                for i in 0..a.n_queries {
+                    let idx = a.stored_start + i;
                     let r = a.row_offset + i;
                     store.write_token(
                         li,
-                        s.block_table[idx / bs],
+                        a.block_table[idx / bs],
                         idx % bs,
                         &k[r * kvd..(r + 1) * kvd],
                         &v[r * kvd..(r + 1) * kvd],
@@ -301,7 +338,7 @@ impl Llama {
             // Decode steps spread attention over the decode pool (same bits, see
             // `kernels::split_attn`); everything else takes the general path.
             if window.is_some() {
-                paged_attention_window(store, li, shape, &attn_seqs, q, attn, &first_visible);
+                paged_attention_window(store, li, shape, layer_seqs, q, attn, &first_visible);
             } else if !split_attention(store, li, shape, &attn_seqs, q, attn) {
                 paged_attention(store, li, shape, &attn_seqs, q, attn);
             }
@@ -417,6 +454,7 @@ mod tests {
             stored_start: 5,
             block_table: &table,
             stored_positions: &pos,
+            window_tables: &[],
             ..Default::default()
         };
         // Window 4 at position 10 covers positions 7..=10: stored 8 and 9 (indices 3, 4).
@@ -461,6 +499,7 @@ mod tests {
                     block_table: &table,
                     logits_from: 30,
                     stored_positions: &[],
+                    window_tables: &[],
                 }],
             );
             let mut out = Vec::new();
@@ -475,6 +514,7 @@ mod tests {
                         block_table: &table,
                         logits_from: 0,
                         stored_positions: &[],
+                        window_tables: &[],
                     }],
                 );
                 out.extend(l.iter().map(|v| v.to_bits()));
@@ -498,6 +538,7 @@ mod tests {
                 block_table: &table,
                 logits_from: 30,
                 stored_positions: &[],
+                window_tables: &[],
             }],
         );
         assert_eq!(one, whole.iter().map(|v| v.to_bits()).collect::<Vec<_>>());

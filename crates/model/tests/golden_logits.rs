@@ -104,6 +104,7 @@ fn teacher_forced(model_file: &str, fixture_file: &str) -> Vec<PromptReport> {
                 block_table: &table,
                 logits_from: prompt.len() - 1,
                 stored_positions: &[],
+                window_tables: &[],
             }],
         );
         let (mut max_abs, mut sum_abs, mut n) = (0f32, 0f32, 0usize);

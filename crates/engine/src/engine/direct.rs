@@ -36,7 +36,7 @@ impl Engine {
                     SeqEvent::Text { text, .. } => on_text(&text),
                     SeqEvent::Logits(_) => {}
                     SeqEvent::Error(e) => bail!("{e}"),
-                    SeqEvent::Finished(o) => return Ok(Self::to_generate_output(o, t0)),
+                    SeqEvent::Finished(o) => return Ok(self.to_generate_output(o, t0)),
                 }
             }
             if !self.has_work() {
@@ -45,7 +45,7 @@ impl Engine {
         }
     }
 
-    fn to_generate_output(o: RequestOutput, t0: Instant) -> GenerateOutput {
+    fn to_generate_output(&self, o: RequestOutput, t0: Instant) -> GenerateOutput {
         let first = o.first_token_at.unwrap_or(o.finished_at);
         GenerateOutput {
             token_ids: o.token_ids,
@@ -56,6 +56,7 @@ impl Engine {
             prefill_seconds: first.duration_since(t0).as_secs_f64(),
             decode_seconds: o.finished_at.duration_since(first).as_secs_f64(),
             kv_stored_tokens: o.kv_stored_tokens,
+            kv_bytes: o.kv_blocks * self.kv_block_bytes(),
             context_load: o.context_load,
         }
     }
@@ -123,6 +124,7 @@ impl Engine {
                 break;
             };
             let table = eviction::table_of(&self.kv, seq);
+            let window_tables = self.kv.window_tables(seq).map(<[_]>::to_vec).unwrap_or_default();
             let from = logits_from.clamp(done, end) - done;
             let fwd = SeqForward {
                 tokens: &tokens[done..end],
@@ -131,6 +133,7 @@ impl Engine {
                 block_table: &table,
                 logits_from: from,
                 stored_positions: &[],
+                window_tables: &window_tables,
             };
             match self.backend.forward(&[fwd]) {
                 Ok(rows) => logits.extend(rows),
