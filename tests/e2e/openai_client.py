@@ -79,6 +79,62 @@ ev = client.completions.create(model=model, prompt=long_prompt, max_tokens=8, te
                                extra_body={"kv_policy": "snapkv", "kv_budget": 128, "kv_granularity": "head"})
 assert ev.usage.completion_tokens == 8 or ev.choices[0].finish_reason == "stop", ev
 
+# logprobs: the chosen token's and 5 alternatives', in OpenAI's shape; greedy picks the most
+# likely, the alternatives' probabilities sum to at most 1, and the streamed values are the
+# same as the non-streamed ones.
+lp = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=6, temperature=0,
+    logprobs=True, top_logprobs=5,
+)
+content = lp.choices[0].logprobs.content
+assert len(content) == lp.usage.completion_tokens, (len(content), lp.usage)
+assert "".join(t.token for t in content) == lp.choices[0].message.content
+for t in content:
+    assert len(t.top_logprobs) == 5, t
+    assert t.logprob <= 0 and t.top_logprobs[0].logprob == t.logprob and t.top_logprobs[0].token == t.token, t
+    assert sum(2.718281828 ** a.logprob for a in t.top_logprobs) <= 1 + 1e-5, t
+    assert all(x.logprob >= y.logprob for x, y in zip(t.top_logprobs, t.top_logprobs[1:])), t
+    assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+streamed = []
+for ch in client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=6, temperature=0,
+    logprobs=True, top_logprobs=5, stream=True,
+):
+    for c in ch.choices:
+        if c.logprobs and c.logprobs.content:
+            streamed.extend(c.logprobs.content)
+assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content], (streamed, content)
+# Completions: logprobs=N gives the legacy parallel lists with text offsets.
+clp = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=3)
+l = clp.choices[0].logprobs
+assert len(l.tokens) == len(l.token_logprobs) == len(l.top_logprobs) == len(l.text_offset) == clp.usage.completion_tokens, l
+assert "".join(l.tokens) == clp.choices[0].text and l.text_offset[0] == 0
+assert all(len(t) <= 3 and max(t.values()) == lp_ for t, lp_ in zip(l.top_logprobs, l.token_logprobs)), l
+
+# Sampling controls change the output as defined: a logit bias of +100 makes its token the
+# greedy choice, with a logprob of about 0 (logprobs are of the processed logits); min_tokens
+# makes a request that would stop early generate; penalties change a repetitive answer.
+forced = []
+for tid in ("1000", "1001"):
+    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                  logprobs=1, logit_bias={tid: 100})
+    assert r.choices[0].logprobs.token_logprobs[0] > -0.01, r
+    forced.append(r.choices[0].logprobs.tokens[0])
+unbiased = client.completions.create(model=model, prompt="The capital of France is", max_tokens=1, temperature=0, logprobs=1)
+assert len({forced[0], forced[1], unbiased.choices[0].logprobs.tokens[0]}) == 3, (forced, unbiased)
+pen = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello five times."}], max_tokens=24, temperature=0,
+                                     presence_penalty=1.5, frequency_penalty=1.0, extra_body={"repetition_penalty": 1.3, "min_p": 0.05})
+plain = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello five times."}], max_tokens=24, temperature=0)
+assert pen.choices[0].message.content != plain.choices[0].message.content, (pen, plain)
+# SmolLM2's end-of-generation tokens (<|endoftext|> 0, <|im_end|> 2) biased up end a reply at
+# once; min_tokens bans them for its first tokens, then the bias ends it.
+eos = {"0": 100, "2": 100}
+short = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=16, temperature=0, logit_bias=eos)
+assert short.usage.completion_tokens == 0 and short.choices[0].finish_reason == "stop", short
+longer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=16, temperature=0, logit_bias=eos,
+                                        extra_body={"min_tokens": 5})
+assert longer.usage.completion_tokens == 5 and longer.choices[0].finish_reason == "stop", longer
+
 # Concurrent requests are batched and all complete.
 def one(i):
     r = client.completions.create(model=model, prompt=f"Number {i} is", max_tokens=8, temperature=0)
@@ -95,9 +151,14 @@ for kwargs, needle in [
     (dict(extra_body={"kv_policy": "paged-eviction", "kv_budget": 8}), "budget"),
     (dict(extra_body={"kv_policy": "knorm", "kv_budget": 128, "kv_granularity": "token"}), "granularity"),
     # Never a 200 that ignores a field: what is not built yet is refused by name.
-    (dict(logprobs=True, top_logprobs=5), "logprobs"),
-    (dict(presence_penalty=0.5), "presence_penalty"),
     (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(top_logprobs=5), "top_logprobs"),  # without logprobs: true
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(logit_bias={"notanid": 1}), "logit_bias"),
+    (dict(logit_bias={"10": 101}), "logit_bias"),
+    (dict(extra_body={"min_tokens": 9}), "min_tokens"),  # more than max_tokens
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate"),
 ]:
     try:

@@ -352,6 +352,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             top_k: a.top_k,
             top_p: a.top_p,
             seed: a.seed,
+            ..Default::default()
         },
         max_tokens: a.max_tokens,
         stop: a.stop.clone(),

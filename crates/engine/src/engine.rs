@@ -159,7 +159,17 @@ pub struct GenerateParams {
     /// Background work (EVICPRESS profiling): admitted after every waiting request that is
     /// not background, so that idle-time work never delays a user's request in the queue.
     pub background: bool,
+    /// End-of-generation tokens cannot be sampled before this many tokens are generated
+    /// (vLLM's `min_tokens`).
+    pub min_tokens: usize,
+    /// Report each generated token's log-probability and this many most likely
+    /// alternatives (`Some(0)`: the token's alone); at most `MAX_LOGPROBS`.
+    pub logprobs: Option<usize>,
 }
+
+/// The most alternatives per token `GenerateParams::logprobs` may ask for (OpenAI's
+/// `top_logprobs` limit).
+pub const MAX_LOGPROBS: usize = 20;
 
 impl Default for GenerateParams {
     fn default() -> Self {
@@ -176,6 +186,8 @@ impl Default for GenerateParams {
             return_logits: false,
             prefix_kv: None,
             background: false,
+            min_tokens: 0,
+            logprobs: None,
         }
     }
 }
@@ -203,6 +215,8 @@ pub struct GenerateOutput {
     /// Bytes of the KV blocks the sequence held when it finished (its main table's and
     /// its window groups'), shared blocks included.
     pub kv_bytes: usize,
+    /// Per generated token, with `GenerateParams::logprobs`.
+    pub logprobs: Vec<crate::sampler::TokenLogprob>,
     /// Where a stored context came from (EVICPRESS store), if one was loaded.
     pub context_load: Option<pk_evicpress::LoadReport>,
 }
@@ -417,7 +431,8 @@ impl Engine {
         mut backend: Box<dyn Backend>,
         config: &EngineConfig,
     ) -> Result<(Box<dyn Backend>, Option<pk_kv::WindowSpec>)> {
-        let wanted = config.hybrid_kv_cache && config.tiering.is_none() && config.contexts.is_none();
+        let wanted =
+            config.hybrid_kv_cache && config.tiering.is_none() && config.contexts.is_none();
         let Some(layout) = backend.config().kv_group_layout().filter(|_| wanted) else {
             return Ok((backend, None));
         };
@@ -547,6 +562,34 @@ impl Engine {
                 param: e.param,
                 message: e.message,
             })?;
+        let vocab = self.backend.config().vocab_size;
+        if let Some((id, _)) = req
+            .params
+            .sampling
+            .logit_bias
+            .iter()
+            .find(|(id, _)| *id as usize >= vocab)
+        {
+            return Err(SubmitError::InvalidParam {
+                param: "logit_bias",
+                message: format!("logit_bias names token {id}, outside the vocabulary of {vocab}"),
+            });
+        }
+        if req.params.logprobs.is_some_and(|n| n > MAX_LOGPROBS) {
+            return Err(SubmitError::InvalidParam {
+                param: "top_logprobs",
+                message: format!("at most {MAX_LOGPROBS} alternatives per token"),
+            });
+        }
+        if req.params.min_tokens > req.params.max_tokens {
+            return Err(SubmitError::InvalidParam {
+                param: "min_tokens",
+                message: format!(
+                    "min_tokens {} exceeds max_tokens {}",
+                    req.params.min_tokens, req.params.max_tokens
+                ),
+            });
+        }
         let ctx = self.backend.config().context_length;
         if req.prompt_ids.len() >= ctx {
             return Err(SubmitError::Invalid(format!(
@@ -1050,7 +1093,12 @@ impl Engine {
             .collect();
         let window_tables: Vec<Vec<Vec<u32>>> = plan
             .iter()
-            .map(|(seq, _, _)| self.kv.window_tables(*seq).map(<[_]>::to_vec).unwrap_or_default())
+            .map(|(seq, _, _)| {
+                self.kv
+                    .window_tables(*seq)
+                    .map(<[_]>::to_vec)
+                    .unwrap_or_default()
+            })
             .collect();
         let mut fwd = Vec::with_capacity(plan.len());
         let mut capture = Vec::with_capacity(plan.len());

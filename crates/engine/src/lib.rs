@@ -18,8 +18,9 @@ pub mod tiering;
 pub use contexts::{kv_fingerprint, ContextReuseConfig, ContextReuseStats, PrefixKv};
 pub use engine::{
     Engine, EngineConfig, EngineStats, FinishReason, GenerateOutput, GenerateParams, SubmitError,
+    MAX_LOGPROBS,
 };
 pub use eviction::EvictionStats;
 pub use request::{Request, RequestError, RequestOutput, SeqEvent};
-pub use sampler::{Sampler, SamplingParams};
+pub use sampler::{Sampler, SamplingParams, TokenLogprob};
 pub use tiering::{TieringConfig, TieringStats};

@@ -13,6 +13,8 @@ pub enum SeqEvent {
     Text {
         text: String,
         token_ids: Vec<u32>,
+        /// One per id in `token_ids` with `GenerateParams::logprobs`, else empty.
+        logprobs: Vec<crate::sampler::TokenLogprob>,
     },
     /// The full logits of a step (only with `GenerateParams::return_logits`).
     Logits(Vec<f32>),
@@ -64,6 +66,8 @@ pub struct RequestOutput {
     pub kv_stored_tokens: usize,
     /// KV blocks the sequence held when it finished (main table and window groups).
     pub kv_blocks: usize,
+    /// Per generated token, with `GenerateParams::logprobs`.
+    pub logprobs: Vec<crate::sampler::TokenLogprob>,
     /// Where the prompt's stored context came from (EVICPRESS store), if it was loaded.
     pub context_load: Option<pk_evicpress::LoadReport>,
 }

@@ -9,7 +9,7 @@ use crate::contexts::SeqContext;
 use crate::engine::FinishReason;
 use crate::eviction::SeqEviction;
 use crate::request::{Request, RequestOutput, SeqEvent};
-use crate::sampler::Sampler;
+use crate::sampler::{process_logits, token_logprob, Sampler, TokenHistory, TokenLogprob};
 use crate::stop::StopMatcher;
 
 pub(crate) struct SeqState {
@@ -44,6 +44,12 @@ pub(crate) struct SeqState {
     /// What the sequence got from (or will give to) the context store.
     pub context: SeqContext,
     sampler: Sampler,
+    /// Generated-token counts (and the prompt's ids) for the logits processors.
+    history: TokenHistory,
+    /// Every generated token's log-probabilities (with `logprobs`), and those not yet
+    /// reported with a `Text` event.
+    logprobs: Vec<TokenLogprob>,
+    unreported_logprobs: Vec<TokenLogprob>,
     decoder: StreamDecoder,
     stop: StopMatcher,
     /// Generated ids not yet reported with a `Text` event.
@@ -59,6 +65,9 @@ impl SeqState {
         SeqState {
             n_prompt: all_ids.len(),
             sampler: Sampler::new(req.params.sampling.clone()),
+            history: TokenHistory::new(&all_ids, &req.params.sampling),
+            logprobs: Vec::new(),
+            unreported_logprobs: Vec::new(),
             stop: StopMatcher::new(&req.params.stop),
             decoder: StreamDecoder::new(),
             req,
@@ -110,25 +119,46 @@ impl SeqState {
             self.aborted = true;
             return true;
         }
-        let id = match self.req.params.forced_tokens.get(self.generated()) {
+        let params = &self.req.params;
+        // Logits processors work on a copy, made only when one is active.
+        let banned = match self.generated() < params.min_tokens && !params.ignore_eos {
+            true => tokenizer.eog_ids(),
+            false => &[],
+        };
+        let processed: std::borrow::Cow<[f32]> =
+            if params.sampling.processes_logits() || !banned.is_empty() {
+                let mut l = logits.to_vec();
+                process_logits(&mut l, &params.sampling, &self.history, banned);
+                std::borrow::Cow::Owned(l)
+            } else {
+                std::borrow::Cow::Borrowed(logits)
+            };
+        let id = match params.forced_tokens.get(self.generated()) {
             Some(&forced) => forced,
-            None => self.sampler.sample(logits),
+            None => self.sampler.sample(&processed),
         };
         self.first_token_at.get_or_insert_with(Instant::now);
-        let params = &self.req.params;
         if !params.ignore_eos && tokenizer.is_eog(id) {
             self.finish_reason = Some(FinishReason::Stop);
             return true;
         }
+        if let Some(n_top) = params.logprobs {
+            let lp = token_logprob(&processed, id, n_top);
+            self.logprobs.push(lp.clone());
+            self.unreported_logprobs.push(lp);
+        }
+        self.history.push_output(id);
         self.all_ids.push(id);
         self.unreported_ids.push(id);
         let piece = self.decoder.push(tokenizer, id);
         let (text, hit) = self.stop.push(&piece);
         if !text.is_empty() || hit {
             let ids = std::mem::take(&mut self.unreported_ids);
+            let logprobs = std::mem::take(&mut self.unreported_logprobs);
             if !(self.req.sink)(SeqEvent::Text {
                 text,
                 token_ids: ids,
+                logprobs,
             }) {
                 self.aborted = true;
                 return true;
@@ -153,6 +183,7 @@ impl SeqState {
             (self.req.sink)(SeqEvent::Text {
                 text: tail,
                 token_ids: ids,
+                logprobs: std::mem::take(&mut self.unreported_logprobs),
             });
         }
         RequestOutput {
@@ -167,6 +198,7 @@ impl SeqState {
             num_preemptions: self.preemptions,
             kv_stored_tokens: self.kv_stored_tokens,
             kv_blocks: self.kv_blocks,
+            logprobs: self.logprobs.clone(),
             context_load: self.context.load.clone(),
         }
     }

@@ -251,7 +251,9 @@ fn kv_cache_groups_release_window_blocks_and_change_no_token() {
         ids.truncate(1200);
         let out = engine.generate(&ids, params, &mut |_| {}).unwrap();
         engine.check_invariants();
-        let forced = engine.teacher_force(&ids[..1100], &ids[1100..1116], params).unwrap();
+        let forced = engine
+            .teacher_force(&ids[..1100], &ids[1100..1116], params)
+            .unwrap();
         engine.check_invariants();
         (out, forced)
     };

@@ -107,7 +107,10 @@ impl KvCacheManager {
         window: Option<WindowSpec>,
     ) -> Self {
         if let Some(w) = window {
-            assert!(w.num_groups > 0 && w.window_tokens > 0, "empty window groups {w:?}");
+            assert!(
+                w.num_groups > 0 && w.window_tokens > 0,
+                "empty window groups {w:?}"
+            );
         }
         KvCacheManager {
             pool: BlockPool::new(num_blocks, block_size_tokens),
@@ -206,8 +209,11 @@ impl KvCacheManager {
         let mut best = 0;
         let mut run = 0usize; // cached window blocks ending at the current block
         for (k, main) in main_hashes.iter().enumerate() {
-            let cached = (0..w.num_groups)
-                .all(|g| self.pool.cached_block(&window_block_hash(main, g)).is_some());
+            let cached = (0..w.num_groups).all(|g| {
+                self.pool
+                    .cached_block(&window_block_hash(main, g))
+                    .is_some()
+            });
             run = if cached { run + 1 } else { 0 };
             let num_blocks = k + 1;
             let first = w.first_visible_block(num_blocks as u64 * bs as u64, bs) as usize;
@@ -261,7 +267,8 @@ impl KvCacheManager {
         let num_cached_tokens = table.num_stored_tokens();
         let windows = self.window.map(|w| {
             let bs = self.block_size_tokens();
-            let first = (w.first_visible_block(num_cached_tokens as u64, bs) as usize).min(num_blocks);
+            let first =
+                (w.first_visible_block(num_cached_tokens as u64, bs) as usize).min(num_blocks);
             let adopted = (0..w.num_groups)
                 .map(|g| {
                     block_hashes[first..]
@@ -347,7 +354,11 @@ impl KvCacheManager {
             state.block_hashes.push(block_hash);
         }
         if let Some(windows) = state.windows.as_mut() {
-            windows.cache_full_blocks(&state.block_hashes, block_size_tokens as u32, &mut self.pool);
+            windows.cache_full_blocks(
+                &state.block_hashes,
+                block_size_tokens as u32,
+                &mut self.pool,
+            );
         }
     }
 
@@ -384,9 +395,10 @@ impl KvCacheManager {
         // that neither needs undoing.
         let partial = |n: u64| u64::from(!n.is_multiple_of(bs as u64));
         let needed = partial(parent_state.table.num_stored_tokens() as u64)
-            + parent_state.windows.as_ref().map_or(0, |w| {
-                partial(w.num_positions()) * w.tables().len() as u64
-            });
+            + parent_state
+                .windows
+                .as_ref()
+                .map_or(0, |w| partial(w.num_positions()) * w.tables().len() as u64);
         if needed > self.pool.num_free_blocks() as u64 {
             return None;
         }

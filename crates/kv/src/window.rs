@@ -133,7 +133,8 @@ impl WindowTables {
 
     /// New blocks (over all groups) that appending `num_new_tokens` positions allocates.
     pub(crate) fn num_new_blocks_needed(&self, num_new_tokens: u32, block_size_tokens: u32) -> u64 {
-        let blocks_after = (self.num_positions + num_new_tokens as u64).div_ceil(block_size_tokens as u64);
+        let blocks_after =
+            (self.num_positions + num_new_tokens as u64).div_ceil(block_size_tokens as u64);
         (blocks_after - self.len() as u64) * self.tables.len() as u64
     }
 
@@ -163,7 +164,10 @@ impl WindowTables {
         let upto = num_full.min(main_hashes.len());
         for k in self.num_registered.max(self.num_released)..upto {
             for (g, table) in self.tables.iter().enumerate() {
-                pool.cache_block(BlockId(table[k]), window_block_hash(&main_hashes[k], g as u32));
+                pool.cache_block(
+                    BlockId(table[k]),
+                    window_block_hash(&main_hashes[k], g as u32),
+                );
             }
         }
         self.num_registered = self.num_registered.max(upto);
@@ -233,9 +237,17 @@ impl WindowTables {
     /// Panics unless the tables agree with their counters.
     pub(crate) fn check_invariants(&self, spec: &WindowSpec, block_size_tokens: u32) {
         let num_blocks = self.num_positions.div_ceil(block_size_tokens as u64) as usize;
-        assert_eq!(self.tables.len(), spec.num_groups as usize, "window: a table per group");
+        assert_eq!(
+            self.tables.len(),
+            spec.num_groups as usize,
+            "window: a table per group"
+        );
         for table in &self.tables {
-            assert_eq!(table.len(), num_blocks, "window: a block per position block");
+            assert_eq!(
+                table.len(),
+                num_blocks,
+                "window: a block per position block"
+            );
             assert!(
                 table[..self.num_released].iter().all(|&b| b == RELEASED)
                     && table[self.num_released..].iter().all(|&b| b != RELEASED),

@@ -52,7 +52,10 @@ fn window_tables_stay_bounded_and_release_only_blocks_behind_the_window() {
                 }
             }
         }
-        assert!(manager.num_window_blocks(seq) <= 2 * 4, "bounded window blocks");
+        assert!(
+            manager.num_window_blocks(seq) <= 2 * 4,
+            "bounded window blocks"
+        );
     }
     // The main table holds every token; the windows a few blocks each.
     assert_eq!(manager.block_table(seq).unwrap().num_blocks(), 25);
@@ -116,11 +119,21 @@ fn a_prefix_is_cut_to_the_length_whose_window_blocks_are_cached() {
     manager.free(SeqId(1));
     manager.check_invariants();
     // The whole prompt: its next token (position 40) sees blocks 8 and 9: a full hit.
-    assert_eq!(manager.get_computed_prefix(&prompt, b"m").num_cached_tokens(), 40);
+    assert_eq!(
+        manager
+            .get_computed_prefix(&prompt, b"m")
+            .num_cached_tokens(),
+        40
+    );
     // A shorter prompt sharing 24 tokens: after any k blocks its next token would need
     // window blocks that were released uncached, so nothing is usable.
     let shorter: Vec<u32> = prompt[..25].to_vec();
-    assert_eq!(manager.get_computed_prefix(&shorter, b"m").num_cached_tokens(), 0);
+    assert_eq!(
+        manager
+            .get_computed_prefix(&shorter, b"m")
+            .num_cached_tokens(),
+        0
+    );
     assert_eq!(start(&mut manager, SeqId(2), &shorter), 0);
     assert_eq!(start(&mut manager, SeqId(3), &prompt), 40);
     manager.check_invariants();

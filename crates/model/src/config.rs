@@ -177,7 +177,8 @@ impl ModelConfig {
     /// their own (vLLM's hybrid KV cache manager): `None` unless the model has both global
     /// and windowed layers, all windows of one size.
     pub fn kv_group_layout(&self) -> Option<KvGroupLayout> {
-        let windows: Vec<Option<usize>> = (0..self.n_layers).map(|l| self.layer_window(l)).collect();
+        let windows: Vec<Option<usize>> =
+            (0..self.n_layers).map(|l| self.layer_window(l)).collect();
         KvGroupLayout::for_windows(&windows)
     }
 
@@ -246,8 +247,12 @@ impl KvGroupLayout {
     /// one table serves every layer anyway (no windowed or no full-attention layer, or
     /// windows of different sizes).
     pub fn for_windows(windows: &[Option<usize>]) -> Option<KvGroupLayout> {
-        let full: Vec<usize> = (0..windows.len()).filter(|&l| windows[l].is_none()).collect();
-        let local: Vec<usize> = (0..windows.len()).filter(|&l| windows[l].is_some()).collect();
+        let full: Vec<usize> = (0..windows.len())
+            .filter(|&l| windows[l].is_none())
+            .collect();
+        let local: Vec<usize> = (0..windows.len())
+            .filter(|&l| windows[l].is_some())
+            .collect();
         let window_tokens = windows[*local.first()?]?;
         if full.is_empty() || local.iter().any(|&l| windows[l] != Some(window_tokens)) {
             return None;
@@ -287,13 +292,18 @@ mod layout_tests {
             .map(|l| (!(l + 1usize).is_multiple_of(6)).then_some(512))
             .collect();
         let g = KvGroupLayout::for_windows(&windows).unwrap();
-        assert_eq!((g.layers_per_block, g.num_window_groups, g.num_groups()), (3, 5, 6));
+        assert_eq!(
+            (g.layers_per_block, g.num_window_groups, g.num_groups()),
+            (3, 5, 6)
+        );
         assert_eq!((g.layer_group[5], g.layer_slot[5]), (0, 0));
         assert_eq!((g.layer_group[17], g.layer_slot[17]), (0, 2));
         assert_eq!((g.layer_group[0], g.layer_slot[0]), (1, 0));
         assert_eq!((g.layer_group[16], g.layer_slot[16]), (5, 2));
         // Every (group, slot) holds exactly one layer.
-        let mut seen: Vec<(usize, usize)> = (0..18).map(|l| (g.layer_group[l], g.layer_slot[l])).collect();
+        let mut seen: Vec<(usize, usize)> = (0..18)
+            .map(|l| (g.layer_group[l], g.layer_slot[l]))
+            .collect();
         seen.sort();
         seen.dedup();
         assert_eq!(seen.len(), 18);

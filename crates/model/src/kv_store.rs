@@ -206,7 +206,11 @@ impl KvStore {
     /// `layout.layers_per_block` layers, and a layer is read and written in the slot the
     /// layout gives it, through the block ids of its own group's table.
     pub fn grouped(geometry: KvGeometry, dtype: KvDtype, layout: KvGroupLayout) -> KvStore {
-        assert_eq!(layout.layer_slot.len(), geometry.n_layers, "a slot for every layer");
+        assert_eq!(
+            layout.layer_slot.len(),
+            geometry.n_layers,
+            "a slot for every layer"
+        );
         KvStore::with_layer_slots(geometry, dtype, Some(layout))
     }
 
@@ -261,7 +265,10 @@ impl KvStore {
     /// Bytes of one block (K and V of every layer slot, scales included).
     pub fn block_bytes(&self) -> usize {
         let g = &self.geometry;
-        2 * self.layers.len() * g.n_kv_heads * g.block_size_tokens * self.dtype.bytes_per_head_token(g.head_dim)
+        2 * self.layers.len()
+            * g.n_kv_heads
+            * g.block_size_tokens
+            * self.dtype.bytes_per_head_token(g.head_dim)
     }
 
     pub fn capacity_bytes(&self) -> usize {
@@ -294,7 +301,8 @@ impl KvStore {
             let (kh, vh) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
             if let Some(q) = self.qlayout {
                 let at = self.q_offset(&q, block, h);
-                let LayerBufs::Quant { k: kb, v: vb } = &mut self.layers[self.layer_slot[layer]] else {
+                let LayerBufs::Quant { k: kb, v: vb } = &mut self.layers[self.layer_slot[layer]]
+                else {
                     unreachable!()
                 };
                 q.write_k(&mut kb[at..at + q.head_bytes()], slot, kh);

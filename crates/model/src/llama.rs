@@ -212,22 +212,27 @@ impl Llama {
             });
             row += s.tokens.len();
         }
-        let window_attn_seqs: Vec<Vec<AttnSeq>> = (0..grouping.as_ref().map_or(0, |g| g.num_window_groups))
-            .map(|g| {
-                seqs.iter()
-                    .zip(&attn_seqs)
-                    .map(|(s, a)| {
-                        assert_eq!(s.window_tables.len(), grouping.as_ref().unwrap().num_window_groups, "a table per window group");
-                        AttnSeq {
-                            block_table: &s.window_tables[g],
-                            stored_start: s.start_position,
-                            n_queries: a.n_queries,
-                            row_offset: a.row_offset,
-                        }
-                    })
-                    .collect()
-            })
-            .collect();
+        let window_attn_seqs: Vec<Vec<AttnSeq>> =
+            (0..grouping.as_ref().map_or(0, |g| g.num_window_groups))
+                .map(|g| {
+                    seqs.iter()
+                        .zip(&attn_seqs)
+                        .map(|(s, a)| {
+                            assert_eq!(
+                                s.window_tables.len(),
+                                grouping.as_ref().unwrap().num_window_groups,
+                                "a table per window group"
+                            );
+                            AttnSeq {
+                                block_table: &s.window_tables[g],
+                                stored_start: s.start_position,
+                                n_queries: a.n_queries,
+                                row_offset: a.row_offset,
+                            }
+                        })
+                        .collect()
+                })
+                .collect();
         // RoPE angles once per row, not once per layer and head.
         let half = c.head_dim / 2;
         let angles = |inv_freq: &[f32], cos_out: &mut [f32], sin_out: &mut [f32]| {

@@ -242,6 +242,25 @@ fn generate_params(
             format!("This model's maximum context length is {limit} tokens. However, you requested {} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion).", prompt_tokens + max_tokens),
         ));
     }
+    let logit_bias = match &c.logit_bias {
+        Some(map) => {
+            if map.len() > 300 {
+                return Err(ApiError::param("logit_bias", "at most 300 biased tokens"));
+            }
+            let mut v = Vec::with_capacity(map.len());
+            for (id, &bias) in map {
+                let id: u32 = id.parse().map_err(|_| {
+                    ApiError::param(
+                        "logit_bias",
+                        format!("logit_bias keys are token ids, got {id:?}"),
+                    )
+                })?;
+                v.push((id, bias));
+            }
+            v
+        }
+        None => Vec::new(),
+    };
     let sampling = SamplingParams {
         temperature: c.temperature.unwrap_or(1.0),
         top_k: match c.top_k {
@@ -255,11 +274,27 @@ fn generate_params(
             Some(k) => k as usize,
         },
         top_p: c.top_p.unwrap_or(1.0),
+        min_p: c.min_p.unwrap_or(0.0),
         seed: c.seed.map(|s| s as u64),
+        presence_penalty: c.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
+        repetition_penalty: c.repetition_penalty.unwrap_or(1.0),
+        logit_bias,
     };
     sampling
         .validate()
         .map_err(|e| ApiError::param(e.param, e.message))?;
+    let logprobs = requested_logprobs(c, prompt_param)?;
+    let min_tokens = match c.min_tokens {
+        None => 0,
+        Some(m) if m < 0 || m as usize > max_tokens => {
+            return Err(ApiError::param(
+                "min_tokens",
+                format!("min_tokens must be in [0, max_tokens = {max_tokens}], got {m}"),
+            ))
+        }
+        Some(m) => m as usize,
+    };
     let stop = c.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     if stop.len() > 16 {
         return Err(ApiError::param(
@@ -275,8 +310,50 @@ fn generate_params(
         kv_policy,
         kv_budget,
         kv_granularity,
+        min_tokens,
+        logprobs,
         ..Default::default()
     })
+}
+
+/// The alternatives per token a request asks for (`None`: no logprobs), in the endpoint's
+/// own form: chat's `logprobs: true` with `top_logprobs`, completions' `logprobs: N`.
+fn requested_logprobs(c: &CommonParams, prompt_param: &str) -> Result<Option<usize>, ApiError> {
+    let max = pk_engine::MAX_LOGPROBS as i64;
+    let chat = prompt_param == "messages";
+    match (&c.logprobs, chat) {
+        (None | Some(Value::Null) | Some(Value::Bool(false)), true) => match c.top_logprobs {
+            None | Some(0) => Ok(None),
+            Some(_) => Err(ApiError::param(
+                "top_logprobs",
+                "top_logprobs needs logprobs: true",
+            )),
+        },
+        (Some(Value::Bool(true)), true) => match c.top_logprobs {
+            None => Ok(Some(0)),
+            Some(n) if (0..=max).contains(&n) => Ok(Some(n as usize)),
+            Some(n) => Err(ApiError::param(
+                "top_logprobs",
+                format!("top_logprobs must be in [0, {max}], got {n}"),
+            )),
+        },
+        (Some(v), true) => Err(ApiError::param(
+            "logprobs",
+            format!("logprobs is a boolean on /v1/chat/completions, got {v}"),
+        )),
+        (_, false) if c.top_logprobs.is_some() => Err(ApiError::param(
+            "top_logprobs",
+            "top_logprobs is a chat field; /v1/completions takes logprobs: N",
+        )),
+        (None | Some(Value::Null), false) => Ok(None),
+        (Some(v), false) => match v.as_i64() {
+            Some(n) if (0..=max).contains(&n) => Ok(Some(n as usize)),
+            _ => Err(ApiError::param(
+                "logprobs",
+                format!("logprobs must be an integer in [0, {max}] on /v1/completions, got {v}"),
+            )),
+        },
+    }
 }
 
 struct Submitted {
@@ -363,11 +440,12 @@ fn chunk(
     text: Option<&str>,
     finish: Option<&str>,
     first: bool,
+    logprobs: Value,
 ) -> Value {
     match kind {
         Kind::Completion => json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}],
         }),
         Kind::Chat => {
             let mut delta = serde_json::Map::new();
@@ -379,8 +457,30 @@ fn chunk(
             }
             json!({
                 "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
             })
+        }
+    }
+}
+
+/// Renders streamed tokens' logprobs (`None` when the request asked for none): chat's
+/// shape, or completions' with text offsets continuing across chunks.
+struct StreamLogprobs {
+    tokenizer: Arc<pk_tokenizer::Tokenizer>,
+    kind: Kind,
+    text_offset: usize,
+}
+
+impl StreamLogprobs {
+    fn render(this: &mut Option<StreamLogprobs>, tokens: &[pk_engine::TokenLogprob]) -> Value {
+        let Some(l) = this else { return Value::Null };
+        match l.kind {
+            Kind::Chat => crate::logprobs::chat(&l.tokenizer, tokens),
+            Kind::Completion => {
+                let v = crate::logprobs::completion(&l.tokenizer, tokens, l.text_offset);
+                l.text_offset += crate::logprobs::text_len(&l.tokenizer, tokens);
+                v
+            }
         }
     }
 }
@@ -390,7 +490,13 @@ fn stream_response(
     s: Submitted,
     model: String,
     include_usage: bool,
+    logprobs: Option<Arc<pk_tokenizer::Tokenizer>>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let mut logprobs = logprobs.map(|tokenizer| StreamLogprobs {
+        tokenizer,
+        kind,
+        text_offset: 0,
+    });
     let id = new_id(match kind {
         Kind::Completion => "cmpl",
         Kind::Chat => "chatcmpl",
@@ -402,8 +508,19 @@ fn stream_response(
         let mut first = true;
         if let Kind::Chat = kind {
             if !yield_(
-                Event::default()
-                    .data(chunk(kind, &id, created, &model, Some(""), None, true).to_string()),
+                Event::default().data(
+                    chunk(
+                        kind,
+                        &id,
+                        created,
+                        &model,
+                        Some(""),
+                        None,
+                        true,
+                        Value::Null,
+                    )
+                    .to_string(),
+                ),
             )
             .await
             {
@@ -411,14 +528,26 @@ fn stream_response(
             }
             first = false;
         }
+        // Logprobs of tokens whose text is still held back ride with the next text.
+        let mut pending: Vec<pk_engine::TokenLogprob> = Vec::new();
         while let Some(ev) = rx.recv().await {
             match ev {
                 SeqEvent::Logits(_) => {}
-                SeqEvent::Text { text, .. } => {
+                SeqEvent::Text {
+                    text,
+                    logprobs: token_logprobs,
+                    ..
+                } => {
+                    pending.extend(token_logprobs);
                     if !text.is_empty() {
-                        if !yield_(Event::default().data(
-                            chunk(kind, &id, created, &model, Some(&text), None, first).to_string(),
-                        ))
+                        let lp =
+                            StreamLogprobs::render(&mut logprobs, &std::mem::take(&mut pending));
+                        if !yield_(
+                            Event::default().data(
+                                chunk(kind, &id, created, &model, Some(&text), None, first, lp)
+                                    .to_string(),
+                            ),
+                        )
                         .await
                         {
                             return;
@@ -433,8 +562,14 @@ fn stream_response(
                         Kind::Completion => Some(""),
                         Kind::Chat => None,
                     };
+                    let lp = match pending.is_empty() {
+                        true => Value::Null,
+                        false => {
+                            StreamLogprobs::render(&mut logprobs, &std::mem::take(&mut pending))
+                        }
+                    };
                     yield_(Event::default().data(
-                        chunk(kind, &id, created, &model, text, Some(fin), first).to_string(),
+                        chunk(kind, &id, created, &model, text, Some(fin), first, lp).to_string(),
                     ))
                     .await;
                     if include_usage {
@@ -515,6 +650,7 @@ pub async fn completions(
         return Err(ApiError::param("prompt", "the prompt is empty"));
     }
     let params = generate_params(&req.common, "prompt", prompt_ids.len(), Some(16), &state)?;
+    let wants_logprobs = params.logprobs.is_some();
     let include_usage = req
         .common
         .stream_options
@@ -522,16 +658,23 @@ pub async fn completions(
         .is_some_and(|o| o.include_usage);
     let s = submit(&state, prompt_ids, params, req.common.cache_salt.clone()).await?;
     if req.common.stream {
-        return Ok(
-            stream_response(Kind::Completion, s, state.model_name.clone(), include_usage)
-                .into_response(),
-        );
+        return Ok(stream_response(
+            Kind::Completion,
+            s,
+            state.model_name.clone(),
+            include_usage,
+            wants_logprobs.then(|| state.tokenizer.clone()),
+        )
+        .into_response());
     }
     let prompt_tokens = s.prompt_tokens;
     let o = collect(s, &state.model_name).await?;
     Ok(Json(json!({
         "id": new_id("cmpl"), "object": "text_completion", "created": now_unix(), "model": state.model_name,
-        "choices": [{"index": 0, "text": o.text, "logprobs": null, "finish_reason": finish_str(o.finish_reason)}],
+        "choices": [{"index": 0, "text": o.text, "logprobs": match wants_logprobs {
+            true => crate::logprobs::completion(&state.tokenizer, &o.logprobs, 0),
+            false => Value::Null,
+        }, "finish_reason": finish_str(o.finish_reason)}],
         "usage": Usage::new(prompt_tokens, o.token_ids.len(), o.cached_prompt_tokens),
     }))
     .into_response())
@@ -614,6 +757,7 @@ pub async fn chat_completions(
         .map_err(|e| ApiError::param("messages", format!("chat template failed: {e}")))?;
     let prompt_ids = state.tokenizer.encode_prompt(&prompt, true);
     let params = generate_params(&req.common, "messages", prompt_ids.len(), None, &state)?;
+    let wants_logprobs = params.logprobs.is_some();
     let include_usage = req
         .common
         .stream_options
@@ -621,15 +765,23 @@ pub async fn chat_completions(
         .is_some_and(|o| o.include_usage);
     let s = submit(&state, prompt_ids, params, req.common.cache_salt.clone()).await?;
     if req.common.stream {
-        return Ok(
-            stream_response(Kind::Chat, s, state.model_name.clone(), include_usage).into_response(),
-        );
+        return Ok(stream_response(
+            Kind::Chat,
+            s,
+            state.model_name.clone(),
+            include_usage,
+            wants_logprobs.then(|| state.tokenizer.clone()),
+        )
+        .into_response());
     }
     let prompt_tokens = s.prompt_tokens;
     let o = collect(s, &state.model_name).await?;
     Ok(Json(json!({
         "id": new_id("chatcmpl"), "object": "chat.completion", "created": now_unix(), "model": state.model_name,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text}, "logprobs": null, "finish_reason": finish_str(o.finish_reason)}],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text}, "logprobs": match wants_logprobs {
+            true => crate::logprobs::chat(&state.tokenizer, &o.logprobs),
+            false => Value::Null,
+        }, "finish_reason": finish_str(o.finish_reason)}],
         "usage": Usage::new(prompt_tokens, o.token_ids.len(), o.cached_prompt_tokens),
     }))
     .into_response())

@@ -7,6 +7,7 @@
 
 mod engine_thread;
 mod handlers;
+mod logprobs;
 pub mod openai;
 
 use std::net::SocketAddr;

@@ -58,6 +58,20 @@ pub struct CommonParams {
     pub kv_budget: Option<i64>,
     pub kv_granularity: Option<String>,
     pub cache_salt: Option<String>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    /// vLLM's extension.
+    pub repetition_penalty: Option<f32>,
+    /// Token id (as a string, OpenAI's form) → bias in [-100, 100].
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// vLLM's extension.
+    pub min_p: Option<f32>,
+    /// vLLM's extension: end-of-generation tokens are banned before this many tokens.
+    pub min_tokens: Option<i64>,
+    /// Chat: a bool; completions: the number of alternatives (0–20).
+    pub logprobs: Option<Value>,
+    /// Chat only: alternatives per token (0–20), with `logprobs: true`.
+    pub top_logprobs: Option<i64>,
     /// Every other field of the body. None is silently ignored: the handlers refuse each
     /// one whose value asks for something (`unsupported_field`), and accept only values
     /// that mean the default (null, false, 0, empty) and `user` (an end-user id for the
@@ -72,8 +86,8 @@ pub fn unsupported_field(other: &serde_json::Map<String, Value>) -> Option<(Stri
     other.iter().find(|(name, value)| !is_no_op(name, value)).map(|(name, value)| {
         let known = matches!(
             name.as_str(),
-            "logprobs" | "top_logprobs" | "response_format" | "tools" | "tool_choice" | "parallel_tool_calls" | "functions" | "function_call"
-                | "presence_penalty" | "frequency_penalty" | "repetition_penalty" | "logit_bias" | "suffix" | "best_of" | "min_p" | "min_tokens"
+            "response_format" | "tools" | "tool_choice" | "parallel_tool_calls" | "functions" | "function_call"
+                | "suffix" | "best_of"
                 | "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar" | "prompt_logprobs"
         );
         let why = if known { "is not supported by this server yet" } else { "is not a field this server knows" };
@@ -197,15 +211,12 @@ mod tests {
             );
         }
         for (asks, name) in [
-            (r#""logprobs": true"#, "logprobs"),
-            (r#""top_logprobs": 5"#, "top_logprobs"),
-            (r#""presence_penalty": 0.5"#, "presence_penalty"),
             (
                 r#""response_format": {"type": "json_object"}"#,
                 "response_format",
             ),
             (r#""tools": [{"type": "function"}]"#, "tools"),
-            (r#""logit_bias": {"50256": -100}"#, "logit_bias"),
+            (r#""suffix": "x""#, "suffix"),
             (r#""frobnicate": 1"#, "frobnicate"),
         ] {
             let (field, message) =

@@ -57,6 +57,7 @@ impl Engine {
             decode_seconds: o.finished_at.duration_since(first).as_secs_f64(),
             kv_stored_tokens: o.kv_stored_tokens,
             kv_bytes: o.kv_blocks * self.kv_block_bytes(),
+            logprobs: o.logprobs,
             context_load: o.context_load,
         }
     }
@@ -124,7 +125,11 @@ impl Engine {
                 break;
             };
             let table = eviction::table_of(&self.kv, seq);
-            let window_tables = self.kv.window_tables(seq).map(<[_]>::to_vec).unwrap_or_default();
+            let window_tables = self
+                .kv
+                .window_tables(seq)
+                .map(<[_]>::to_vec)
+                .unwrap_or_default();
             let from = logits_from.clamp(done, end) - done;
             let fwd = SeqForward {
                 tokens: &tokens[done..end],
