@@ -135,6 +135,27 @@ longer = client.chat.completions.create(model=model, messages=[{"role": "user", 
                                         extra_body={"min_tokens": 5})
 assert longer.usage.completion_tokens == 5 and longer.choices[0].finish_reason == "stop", longer
 
+# n = 3: three choices from one prompt, counted once in the usage; greedy choices agree,
+# seeded sampled ones differ; streamed choices arrive by index, each with its finish.
+q = [{"role": "user", "content": "What is the capital of France?"}]
+three = client.chat.completions.create(model=model, messages=q, max_tokens=8, temperature=0, n=3)
+assert [c.index for c in three.choices] == [0, 1, 2], three
+assert three.usage.prompt_tokens == 37, three.usage
+single = client.chat.completions.create(model=model, messages=q, max_tokens=8, temperature=0)
+assert three.usage.completion_tokens == 3 * single.usage.completion_tokens, (three.usage, single.usage)
+assert len({c.message.content for c in three.choices}) == 1, three
+sampled = client.completions.create(model=model, prompt="My favourite animal is the", max_tokens=12, temperature=1.0, seed=5, n=3)
+assert len({c.text for c in sampled.choices}) == 3, sampled
+assert sampled.usage.completion_tokens == 36 or any(c.finish_reason == "stop" for c in sampled.choices), sampled.usage
+by_index, finishes = {}, {}
+for ch in client.chat.completions.create(model=model, messages=q, max_tokens=8, temperature=0, n=2, stream=True):
+    for c in ch.choices:
+        by_index.setdefault(c.index, []).append(c.delta.content or "")
+        if c.finish_reason:
+            finishes[c.index] = c.finish_reason
+assert sorted(by_index) == [0, 1] and sorted(finishes) == [0, 1], (by_index, finishes)
+assert "".join(by_index[0]) == "".join(by_index[1]) == three.choices[0].message.content, by_index
+
 # Concurrent requests are batched and all complete.
 def one(i):
     r = client.completions.create(model=model, prompt=f"Number {i} is", max_tokens=8, temperature=0)

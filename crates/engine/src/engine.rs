@@ -162,6 +162,9 @@ pub struct GenerateParams {
     /// End-of-generation tokens cannot be sampled before this many tokens are generated
     /// (vLLM's `min_tokens`).
     pub min_tokens: usize,
+    /// Choices to generate from one prompt (OpenAI's `n`): the prompt is computed once and
+    /// its blocks forked (copy-on-write) into `n` sequences. At most `MAX_CHOICES`.
+    pub n: usize,
     /// Report each generated token's log-probability and this many most likely
     /// alternatives (`Some(0)`: the token's alone); at most `MAX_LOGPROBS`.
     pub logprobs: Option<usize>,
@@ -170,6 +173,9 @@ pub struct GenerateParams {
 /// The most alternatives per token `GenerateParams::logprobs` may ask for (OpenAI's
 /// `top_logprobs` limit).
 pub const MAX_LOGPROBS: usize = 20;
+
+/// The most choices one request may ask for (`GenerateParams::n`).
+pub const MAX_CHOICES: usize = 16;
 
 impl Default for GenerateParams {
     fn default() -> Self {
@@ -188,6 +194,7 @@ impl Default for GenerateParams {
             background: false,
             min_tokens: 0,
             logprobs: None,
+            n: 1,
         }
     }
 }
@@ -580,6 +587,30 @@ impl Engine {
                 param: "top_logprobs",
                 message: format!("at most {MAX_LOGPROBS} alternatives per token"),
             });
+        }
+        let n = req.params.n;
+        if n == 0 || n > MAX_CHOICES {
+            return Err(SubmitError::InvalidParam {
+                param: "n",
+                message: format!("n must be in [1, {MAX_CHOICES}], got {n}"),
+            });
+        }
+        if n > 1 {
+            let p = &req.params;
+            let clash = [
+                (!p.forced_tokens.is_empty(), "forced tokens"),
+                (p.return_logits, "returned logits"),
+                (p.prefix_kv.is_some(), "prefix_kv"),
+                (p.kv_policy.as_ref().is_some_and(|s| s.evicts()) || p.kv_budget.is_some(), "an evicting kv_policy or a kv_budget (choices share the prompt's blocks, which eviction rewrites)"),
+            ]
+            .into_iter()
+            .find(|c| c.0);
+            if let Some((_, what)) = clash {
+                return Err(SubmitError::InvalidParam {
+                    param: "n",
+                    message: format!("n > 1 cannot be combined with {what}"),
+                });
+            }
         }
         if req.params.min_tokens > req.params.max_tokens {
             return Err(SubmitError::InvalidParam {
@@ -1162,6 +1193,11 @@ impl Engine {
         queries: Option<Vec<f32>>,
     ) -> bool {
         let ctx = self.backend.config().context_length;
+        if let Some(l) = logits {
+            if self.running[i].choices_to_fork > 0 {
+                self.fork_choices(i, to, l);
+            }
+        }
         let s = &mut self.running[i];
         let seq = s.seq.expect("running");
         let was_prefill = s.is_prefilling();
@@ -1312,6 +1348,42 @@ impl Engine {
                     self.backend.kv(),
                     seq,
                 );
+            }
+        }
+    }
+
+    /// Starts choices 1..n of `running[i]`'s request (`n > 1`) once its prompt is computed
+    /// (`to` tokens): each forks the prompt's blocks (copy-on-write of the partial last
+    /// one), so the prompt runs once, and samples its first token from the same `logits`.
+    /// A choice with no free block for its copies waits at the queue's head and recomputes
+    /// its prompt (from the prefix cache where it can).
+    fn fork_choices(&mut self, i: usize, to: usize, logits: &[f32]) {
+        let ctx = self.backend.config().context_length;
+        let n_more = std::mem::take(&mut self.running[i].choices_to_fork);
+        let parent = self.running[i].seq.expect("running");
+        for index in 1..=n_more {
+            let mut child = self.running[i].new_choice(index);
+            let child_seq = self.new_seq_id();
+            let Some(copies) = self.kv.fork(parent, child_seq) else {
+                child.num_computed = 0;
+                self.waiting.push_front(child);
+                continue;
+            };
+            for copy in copies {
+                for slot in 0..copy.num_tokens as usize {
+                    self.backend
+                        .kv_mut()
+                        .copy_slot((copy.src.0, slot), (copy.dst.0, slot));
+                }
+            }
+            child.seq = Some(child_seq);
+            // The parent's progress is applied after its forks; the prompt is in.
+            child.num_computed = to;
+            self.stats.generation_tokens += 1;
+            if child.sample_and_emit(logits, &self.tokenizer, ctx) || child.aborted {
+                self.finish(child);
+            } else {
+                self.running.push(child);
             }
         }
     }

@@ -18,7 +18,7 @@ pub mod tiering;
 pub use contexts::{kv_fingerprint, ContextReuseConfig, ContextReuseStats, PrefixKv};
 pub use engine::{
     Engine, EngineConfig, EngineStats, FinishReason, GenerateOutput, GenerateParams, SubmitError,
-    MAX_LOGPROBS,
+    MAX_CHOICES, MAX_LOGPROBS,
 };
 pub use eviction::EvictionStats;
 pub use request::{Request, RequestError, RequestOutput, SeqEvent};

@@ -5,12 +5,15 @@ use std::time::Instant;
 use crate::engine::{FinishReason, GenerateParams};
 
 /// What the engine reports about a request, in order: zero or more `Text`, then exactly
-/// one `Finished` or `Error`.
+/// one `Finished` or `Error` — per choice when the request asks for `n > 1` (events of
+/// different choices interleave; an `Error` ends the whole request).
 #[derive(Debug, Clone)]
 pub enum SeqEvent {
     /// Newly final text and the token ids that produced it (ids may arrive before their
     /// text when a character spans tokens or a stop string might be starting).
     Text {
+        /// Which of the request's `n` choices (0 unless `n > 1`).
+        choice: usize,
         text: String,
         token_ids: Vec<u32>,
         /// One per id in `token_ids` with `GenerateParams::logprobs`, else empty.
@@ -52,6 +55,8 @@ pub struct Request {
 
 #[derive(Debug, Clone)]
 pub struct RequestOutput {
+    /// Which of the request's `n` choices this is; each sends its own `Finished`.
+    pub choice: usize,
     pub token_ids: Vec<u32>,
     pub text: String,
     pub finish_reason: FinishReason,

@@ -1,5 +1,6 @@
 //! Per-request state inside the scheduler: tokens, progress, sampling and text streaming.
 
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use pk_kv::SeqId;
@@ -8,7 +9,7 @@ use pk_tokenizer::{StreamDecoder, Tokenizer};
 use crate::contexts::SeqContext;
 use crate::engine::FinishReason;
 use crate::eviction::SeqEviction;
-use crate::request::{Request, RequestOutput, SeqEvent};
+use crate::request::{EventSink, Request, RequestOutput, SeqEvent};
 use crate::sampler::{process_logits, token_logprob, Sampler, TokenHistory, TokenLogprob};
 use crate::stop::StopMatcher;
 
@@ -55,6 +56,12 @@ pub(crate) struct SeqState {
     /// Generated ids not yet reported with a `Text` event.
     unreported_ids: Vec<u32>,
     arrival: Instant,
+    /// Which of the request's `n` choices this sequence is (0 for the first).
+    pub choice: usize,
+    /// Sibling choices still to fork from this one when its first token is sampled.
+    pub choices_to_fork: usize,
+    /// The request's sink once siblings share it.
+    shared_sink: Option<Arc<Mutex<EventSink>>>,
     first_token_at: Option<Instant>,
     finish_reason: Option<FinishReason>,
 }
@@ -62,6 +69,7 @@ pub(crate) struct SeqState {
 impl SeqState {
     pub fn new(req: Request, namespace: Vec<u8>) -> SeqState {
         let all_ids = req.prompt_ids.clone();
+        let req_n_minus_1 = req.params.n.saturating_sub(1);
         SeqState {
             n_prompt: all_ids.len(),
             sampler: Sampler::new(req.params.sampling.clone()),
@@ -88,9 +96,46 @@ impl SeqState {
             context: SeqContext::default(),
             unreported_ids: Vec::new(),
             arrival: Instant::now(),
+            choice: 0,
+            choices_to_fork: req_n_minus_1,
+            shared_sink: None,
             first_token_at: None,
             finish_reason: None,
         }
+    }
+
+    /// Choice `index` of an `n > 1` request, forked from this one (choice 0) once its
+    /// prompt is in and before its first token is sampled: the same tokens and progress, a
+    /// sampler of its own (seed + index), and the request's sink shared. The caller gives
+    /// it a block table (a fork of this one's, or none: it then recomputes the prompt).
+    pub fn new_choice(&mut self, index: usize) -> SeqState {
+        let shared = match &self.shared_sink {
+            Some(shared) => shared.clone(),
+            None => {
+                let sink = std::mem::replace(&mut self.req.sink, Box::new(|_| true));
+                let shared = Arc::new(Mutex::new(sink));
+                self.req.sink = forward_to(shared.clone());
+                self.shared_sink = Some(shared.clone());
+                shared
+            }
+        };
+        let mut params = self.req.params.clone();
+        params.sampling.seed = params.sampling.seed.map(|s| s.wrapping_add(index as u64));
+        params.n = 1;
+        let req = Request {
+            prompt_ids: self.req.prompt_ids.clone(),
+            params,
+            cache_salt: self.req.cache_salt.clone(),
+            sink: forward_to(shared),
+        };
+        let mut child = SeqState::new(req, self.namespace.clone());
+        child.choice = index;
+        child.shared_sink = self.shared_sink.clone();
+        child.all_ids = self.all_ids.clone();
+        child.num_computed = self.num_computed;
+        child.cached_prompt_tokens = self.cached_prompt_tokens;
+        child.arrival = self.arrival;
+        child
     }
 
     /// More than one token to compute: a prompt (or, after preemption, a recompute).
@@ -156,6 +201,7 @@ impl SeqState {
             let ids = std::mem::take(&mut self.unreported_ids);
             let logprobs = std::mem::take(&mut self.unreported_logprobs);
             if !(self.req.sink)(SeqEvent::Text {
+                choice: self.choice,
                 text,
                 token_ids: ids,
                 logprobs,
@@ -181,6 +227,7 @@ impl SeqState {
         if !tail.is_empty() || !self.unreported_ids.is_empty() {
             let ids = std::mem::take(&mut self.unreported_ids);
             (self.req.sink)(SeqEvent::Text {
+                choice: self.choice,
                 text: tail,
                 token_ids: ids,
                 logprobs: std::mem::take(&mut self.unreported_logprobs),
@@ -193,6 +240,7 @@ impl SeqState {
             prompt_tokens: self.n_prompt,
             cached_prompt_tokens: self.cached_prompt_tokens,
             arrival: self.arrival,
+            choice: self.choice,
             first_token_at: self.first_token_at,
             finished_at: Instant::now(),
             num_preemptions: self.preemptions,
@@ -202,4 +250,12 @@ impl SeqState {
             context_load: self.context.load.clone(),
         }
     }
+}
+
+/// A sink that hands events to a sink shared by a request's choices.
+fn forward_to(shared: Arc<Mutex<EventSink>>) -> EventSink {
+    Box::new(move |event| {
+        let mut sink = shared.lock().unwrap_or_else(|e| e.into_inner());
+        (*sink)(event)
+    })
 }

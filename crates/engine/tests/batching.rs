@@ -184,3 +184,109 @@ fn prompt_chunks_beside_decodes_are_capped() {
     assert_eq!(a, alone(&book[0..20]));
     assert_eq!(b, alone(&book[100..400]));
 }
+
+/// `n > 1`: the prompt runs once and its blocks are forked into the choices, which sample
+/// on their own. Greedy choices are identical to one greedy request; sampled ones with a
+/// seed differ from each other and repeat with the same seed; a KV cache too small for the
+/// forks' copies makes a choice wait and recompute instead of failing.
+#[test]
+fn n_choices_fork_one_computed_prompt() {
+    let run = |engine: &mut pk_engine::Engine, params: &GenerateParams, prompt: &[u32]| {
+        let (tx, rx) = mpsc::channel();
+        engine
+            .submit(Request {
+                prompt_ids: prompt.to_vec(),
+                params: params.clone(),
+                cache_salt: None,
+                sink: Box::new(move |e| tx.send(e).is_ok()),
+            })
+            .unwrap();
+        while engine.has_work() {
+            engine.step();
+            engine.check_invariants();
+        }
+        let mut texts = vec![Vec::new(); params.n];
+        let mut outs = Vec::new();
+        for ev in rx.try_iter() {
+            match ev {
+                SeqEvent::Text {
+                    choice, token_ids, ..
+                } => texts[choice].extend(token_ids),
+                SeqEvent::Finished(o) => outs.push(o),
+                SeqEvent::Logits(_) => {}
+                SeqEvent::Error(e) => panic!("{e}"),
+            }
+        }
+        outs.sort_by_key(|o| o.choice);
+        assert_eq!(outs.len(), params.n, "one Finished per choice");
+        for (o, t) in outs.iter().zip(&texts) {
+            assert_eq!(&o.token_ids, t);
+        }
+        texts
+    };
+    let mut engine = common::engine(EngineConfig {
+        enable_prefix_caching: false,
+        ..Default::default()
+    });
+    let prompt = prompts(&engine)[1].clone();
+    let greedy = GenerateParams {
+        max_tokens: 12,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let one = run(&mut engine, &greedy, &prompt);
+    let before = engine.stats.prompt_tokens;
+    let three = run(
+        &mut engine,
+        &GenerateParams {
+            n: 3,
+            ..greedy.clone()
+        },
+        &prompt,
+    );
+    assert_eq!(
+        engine.stats.prompt_tokens - before,
+        prompt.len() as u64,
+        "the prompt ran once for three choices"
+    );
+    assert!(
+        three.iter().all(|t| *t == one[0]),
+        "greedy choices are the greedy answer"
+    );
+    let sampled = GenerateParams {
+        n: 3,
+        sampling: pk_engine::SamplingParams {
+            temperature: 1.0,
+            seed: Some(11),
+            ..Default::default()
+        },
+        ..greedy.clone()
+    };
+    let a = run(&mut engine, &sampled, &prompt);
+    assert!(a[0] != a[1] && a[1] != a[2], "{a:?}");
+    assert_eq!(
+        run(&mut engine, &sampled, &prompt),
+        a,
+        "seeded choices repeat"
+    );
+    // Room for one sequence and a little: the forks' copy-on-write cannot all fit, so
+    // choices wait, recompute and still finish.
+    let mut small = common::engine(EngineConfig {
+        kv_capacity_tokens: Some(prompt.len() + 40),
+        enable_prefix_caching: false,
+        ..Default::default()
+    });
+    let cramped = run(
+        &mut small,
+        &GenerateParams {
+            n: 3,
+            ..greedy.clone()
+        },
+        &prompt,
+    );
+    assert!(cramped.iter().all(|t| *t == one[0]));
+    assert_eq!(
+        small.kv_manager().pool().num_free_blocks(),
+        small.kv_manager().pool().num_blocks()
+    );
+}

@@ -190,14 +190,16 @@ fn generate_params(
             param: Some(name),
         });
     }
-    if let Some(n) = c.n {
-        if n != 1 {
+    let n = match c.n {
+        None => 1,
+        Some(n) if (1..=pk_engine::MAX_CHOICES as i64).contains(&n) => n as usize,
+        Some(n) => {
             return Err(ApiError::param(
                 "n",
-                format!("only n = 1 is supported, got {n}"),
-            ));
+                format!("n must be in [1, {}], got {n}", pk_engine::MAX_CHOICES),
+            ))
         }
-    }
+    };
     let kv_policy = match &c.kv_policy {
         Some(p) => Some(
             p.parse::<pk_kv::PolicySpec>()
@@ -312,6 +314,7 @@ fn generate_params(
         kv_granularity,
         min_tokens,
         logprobs,
+        n,
         ..Default::default()
     })
 }
@@ -359,6 +362,8 @@ fn requested_logprobs(c: &CommonParams, prompt_param: &str) -> Result<Option<usi
 struct Submitted {
     rx: mpsc::UnboundedReceiver<SeqEvent>,
     prompt_tokens: usize,
+    /// Choices the request asked for; each ends with its own `Finished`.
+    n: usize,
 }
 
 async fn submit(
@@ -369,6 +374,7 @@ async fn submit(
 ) -> Result<Submitted, ApiError> {
     let (tx, rx) = mpsc::unbounded_channel();
     let prompt_tokens = prompt_ids.len();
+    let n = params.n;
     let req = Request {
         prompt_ids,
         params,
@@ -389,7 +395,21 @@ async fn submit(
         SubmitError::Invalid(m) => ApiError::bad(m),
         SubmitError::InvalidParam { param, message } => ApiError::param(param, message),
     })?;
-    Ok(Submitted { rx, prompt_tokens })
+    Ok(Submitted {
+        rx,
+        prompt_tokens,
+        n,
+    })
+}
+
+/// Usage of a request's choices: the prompt counted once (it ran once), every choice's
+/// tokens, and the first choice's cached prompt tokens (the others share its blocks).
+fn usage_of(prompt_tokens: usize, outputs: &[RequestOutput]) -> Usage {
+    Usage::new(
+        prompt_tokens,
+        outputs.iter().map(|o| o.token_ids.len()).sum(),
+        outputs.first().map_or(0, |o| o.cached_prompt_tokens),
+    )
 }
 
 fn record_latencies(model: &str, o: &RequestOutput) {
@@ -406,14 +426,19 @@ fn record_latencies(model: &str, o: &RequestOutput) {
     }
 }
 
-/// Waits for a request's result (non-streaming responses).
-async fn collect(mut s: Submitted, model: &str) -> Result<RequestOutput, ApiError> {
+/// Waits for a request's results (non-streaming responses): one per choice, in order.
+async fn collect(mut s: Submitted, model: &str) -> Result<Vec<RequestOutput>, ApiError> {
+    let mut outputs = Vec::with_capacity(s.n);
     while let Some(ev) = s.rx.recv().await {
         match ev {
             SeqEvent::Text { .. } | SeqEvent::Logits(_) => {}
             SeqEvent::Finished(o) => {
                 record_latencies(model, &o);
-                return Ok(o);
+                outputs.push(o);
+                if outputs.len() == s.n {
+                    outputs.sort_by_key(|o| o.choice);
+                    return Ok(outputs);
+                }
             }
             SeqEvent::Error(e) => return Err(request_error(&e)),
         }
@@ -432,8 +457,10 @@ enum Kind {
     Chat,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn chunk(
     kind: Kind,
+    index: usize,
     id: &str,
     created: u64,
     model: &str,
@@ -445,7 +472,7 @@ fn chunk(
     match kind {
         Kind::Completion => json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}],
+            "choices": [{"index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}],
         }),
         Kind::Chat => {
             let mut delta = serde_json::Map::new();
@@ -457,28 +484,34 @@ fn chunk(
             }
             json!({
                 "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
             })
         }
     }
 }
 
 /// Renders streamed tokens' logprobs (`None` when the request asked for none): chat's
-/// shape, or completions' with text offsets continuing across chunks.
+/// shape, or completions' with text offsets continuing across a choice's chunks.
 struct StreamLogprobs {
     tokenizer: Arc<pk_tokenizer::Tokenizer>,
     kind: Kind,
-    text_offset: usize,
+    /// Per choice.
+    text_offsets: Vec<usize>,
 }
 
 impl StreamLogprobs {
-    fn render(this: &mut Option<StreamLogprobs>, tokens: &[pk_engine::TokenLogprob]) -> Value {
+    fn render(
+        this: &mut Option<StreamLogprobs>,
+        choice: usize,
+        tokens: &[pk_engine::TokenLogprob],
+    ) -> Value {
         let Some(l) = this else { return Value::Null };
         match l.kind {
             Kind::Chat => crate::logprobs::chat(&l.tokenizer, tokens),
             Kind::Completion => {
-                let v = crate::logprobs::completion(&l.tokenizer, tokens, l.text_offset);
-                l.text_offset += crate::logprobs::text_len(&l.tokenizer, tokens);
+                let offset = &mut l.text_offsets[choice];
+                let v = crate::logprobs::completion(&l.tokenizer, tokens, *offset);
+                *offset += crate::logprobs::text_len(&l.tokenizer, tokens);
                 v
             }
         }
@@ -492,10 +525,11 @@ fn stream_response(
     include_usage: bool,
     logprobs: Option<Arc<pk_tokenizer::Tokenizer>>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let n = s.n;
     let mut logprobs = logprobs.map(|tokenizer| StreamLogprobs {
         tokenizer,
         kind,
-        text_offset: 0,
+        text_offsets: vec![0; n],
     });
     let id = new_id(match kind {
         Kind::Completion => "cmpl",
@@ -505,54 +539,56 @@ fn stream_response(
     let prompt_tokens = s.prompt_tokens;
     let mut rx = s.rx;
     let stream = async_stream(move |yield_| async move {
-        let mut first = true;
+        // Chat streams open every choice with its role.
         if let Kind::Chat = kind {
-            if !yield_(
-                Event::default().data(
-                    chunk(
-                        kind,
-                        &id,
-                        created,
-                        &model,
-                        Some(""),
-                        None,
-                        true,
-                        Value::Null,
-                    )
-                    .to_string(),
-                ),
-            )
-            .await
-            {
-                return;
+            for index in 0..n {
+                let c = chunk(
+                    kind,
+                    index,
+                    &id,
+                    created,
+                    &model,
+                    Some(""),
+                    None,
+                    true,
+                    Value::Null,
+                );
+                if !yield_(Event::default().data(c.to_string())).await {
+                    return;
+                }
             }
-            first = false;
         }
-        // Logprobs of tokens whose text is still held back ride with the next text.
-        let mut pending: Vec<pk_engine::TokenLogprob> = Vec::new();
+        // Per choice: logprobs of tokens whose text is still held back ride with its next
+        // text.
+        let mut pending: Vec<Vec<pk_engine::TokenLogprob>> = vec![Vec::new(); n];
+        let mut outputs: Vec<RequestOutput> = Vec::with_capacity(n);
         while let Some(ev) = rx.recv().await {
             match ev {
                 SeqEvent::Logits(_) => {}
                 SeqEvent::Text {
+                    choice,
                     text,
                     logprobs: token_logprobs,
                     ..
                 } => {
-                    pending.extend(token_logprobs);
+                    pending[choice].extend(token_logprobs);
                     if !text.is_empty() {
-                        let lp =
-                            StreamLogprobs::render(&mut logprobs, &std::mem::take(&mut pending));
-                        if !yield_(
-                            Event::default().data(
-                                chunk(kind, &id, created, &model, Some(&text), None, first, lp)
-                                    .to_string(),
-                            ),
-                        )
-                        .await
-                        {
+                        let tokens = std::mem::take(&mut pending[choice]);
+                        let lp = StreamLogprobs::render(&mut logprobs, choice, &tokens);
+                        let c = chunk(
+                            kind,
+                            choice,
+                            &id,
+                            created,
+                            &model,
+                            Some(&text),
+                            None,
+                            false,
+                            lp,
+                        );
+                        if !yield_(Event::default().data(c.to_string())).await {
                             return;
                         }
-                        first = false;
                     }
                 }
                 SeqEvent::Finished(o) => {
@@ -562,23 +598,36 @@ fn stream_response(
                         Kind::Completion => Some(""),
                         Kind::Chat => None,
                     };
-                    let lp = match pending.is_empty() {
+                    let tokens = std::mem::take(&mut pending[o.choice]);
+                    let lp = match tokens.is_empty() {
                         true => Value::Null,
-                        false => {
-                            StreamLogprobs::render(&mut logprobs, &std::mem::take(&mut pending))
-                        }
+                        false => StreamLogprobs::render(&mut logprobs, o.choice, &tokens),
                     };
-                    yield_(Event::default().data(
-                        chunk(kind, &id, created, &model, text, Some(fin), first, lp).to_string(),
-                    ))
-                    .await;
+                    let c = chunk(
+                        kind,
+                        o.choice,
+                        &id,
+                        created,
+                        &model,
+                        text,
+                        Some(fin),
+                        false,
+                        lp,
+                    );
+                    if !yield_(Event::default().data(c.to_string())).await {
+                        return;
+                    }
+                    outputs.push(o);
+                    if outputs.len() < n {
+                        continue;
+                    }
                     if include_usage {
                         let obj = match kind {
                             Kind::Completion => "text_completion",
                             Kind::Chat => "chat.completion.chunk",
                         };
-                        let usage =
-                            Usage::new(prompt_tokens, o.token_ids.len(), o.cached_prompt_tokens);
+                        outputs.sort_by_key(|o| o.choice);
+                        let usage = usage_of(prompt_tokens, &outputs);
                         let v = json!({"id": id, "object": obj, "created": created, "model": model, "choices": [], "usage": usage});
                         yield_(Event::default().data(v.to_string())).await;
                     }
@@ -668,14 +717,20 @@ pub async fn completions(
         .into_response());
     }
     let prompt_tokens = s.prompt_tokens;
-    let o = collect(s, &state.model_name).await?;
+    let outputs = collect(s, &state.model_name).await?;
+    let choices: Vec<Value> = outputs
+        .iter()
+        .map(|o| {
+            json!({"index": o.choice, "text": o.text, "logprobs": match wants_logprobs {
+                true => crate::logprobs::completion(&state.tokenizer, &o.logprobs, 0),
+                false => Value::Null,
+            }, "finish_reason": finish_str(o.finish_reason)})
+        })
+        .collect();
     Ok(Json(json!({
         "id": new_id("cmpl"), "object": "text_completion", "created": now_unix(), "model": state.model_name,
-        "choices": [{"index": 0, "text": o.text, "logprobs": match wants_logprobs {
-            true => crate::logprobs::completion(&state.tokenizer, &o.logprobs, 0),
-            false => Value::Null,
-        }, "finish_reason": finish_str(o.finish_reason)}],
-        "usage": Usage::new(prompt_tokens, o.token_ids.len(), o.cached_prompt_tokens),
+        "choices": choices,
+        "usage": usage_of(prompt_tokens, &outputs),
     }))
     .into_response())
 }
@@ -775,14 +830,20 @@ pub async fn chat_completions(
         .into_response());
     }
     let prompt_tokens = s.prompt_tokens;
-    let o = collect(s, &state.model_name).await?;
+    let outputs = collect(s, &state.model_name).await?;
+    let choices: Vec<Value> = outputs
+        .iter()
+        .map(|o| {
+            json!({"index": o.choice, "message": {"role": "assistant", "content": o.text}, "logprobs": match wants_logprobs {
+                true => crate::logprobs::chat(&state.tokenizer, &o.logprobs),
+                false => Value::Null,
+            }, "finish_reason": finish_str(o.finish_reason)})
+        })
+        .collect();
     Ok(Json(json!({
         "id": new_id("chatcmpl"), "object": "chat.completion", "created": now_unix(), "model": state.model_name,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text}, "logprobs": match wants_logprobs {
-            true => crate::logprobs::chat(&state.tokenizer, &o.logprobs),
-            false => Value::Null,
-        }, "finish_reason": finish_str(o.finish_reason)}],
-        "usage": Usage::new(prompt_tokens, o.token_ids.len(), o.cached_prompt_tokens),
+        "choices": choices,
+        "usage": usage_of(prompt_tokens, &outputs),
     }))
     .into_response())
 }

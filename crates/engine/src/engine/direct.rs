@@ -20,6 +20,9 @@ impl Engine {
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str),
     ) -> Result<GenerateOutput> {
+        if params.n > 1 {
+            bail!("generate() returns one choice; submit requests with n > 1 instead");
+        }
         let (tx, rx) = std::sync::mpsc::channel();
         let req = Request {
             prompt_ids: prompt_ids.to_vec(),
