@@ -156,6 +156,88 @@ for ch in client.chat.completions.create(model=model, messages=q, max_tokens=8, 
 assert sorted(by_index) == [0, 1] and sorted(finishes) == [0, 1], (by_index, finishes)
 assert "".join(by_index[0]) == "".join(by_index[1]) == three.choices[0].message.content, by_index
 
+# Structured output: 20 prompts of different kinds, each with a JSON schema; every answer
+# parses and validates, whatever the (small) model would have said.
+def validate(v, schema, path="$"):
+    t = schema.get("type")
+    kinds = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+    if t == "integer":
+        assert isinstance(v, int) and not isinstance(v, bool), (path, v)
+    elif t == "number":
+        assert isinstance(v, (int, float)) and not isinstance(v, bool), (path, v)
+    elif t:
+        assert isinstance(v, kinds[t]), (path, v, t)
+    if "enum" in schema:
+        assert v in schema["enum"], (path, v)
+    if "minimum" in schema:
+        assert v >= schema["minimum"], (path, v)
+    if "maximum" in schema:
+        assert v <= schema["maximum"], (path, v)
+    if "maxLength" in schema:
+        assert len(v) <= schema["maxLength"], (path, v)
+    if t == "object":
+        for k in schema.get("required", []):
+            assert k in v, (path, k, v)
+        props = schema.get("properties", {})
+        if schema.get("additionalProperties") is False:
+            assert set(v) <= set(props), (path, v)
+        for k, sub in props.items():
+            if k in v:
+                validate(v[k], sub, f"{path}.{k}")
+    if t == "array":
+        assert schema.get("minItems", 0) <= len(v) <= schema.get("maxItems", 10**9), (path, v)
+        for i, x in enumerate(v):
+            validate(x, schema["items"], f"{path}[{i}]")
+
+S = lambda n=24: {"type": "string", "maxLength": n}
+def obj(props, required=None):
+    return {"type": "object", "properties": props, "required": list(required if required is not None else props), "additionalProperties": False}
+cases = [
+    ("Describe a person named Alice who is 30.", obj({"name": S(), "age": {"type": "integer", "minimum": 0, "maximum": 150}})),
+    ("What is the weather in Paris?", obj({"city": S(), "temperature_c": {"type": "number"}, "sunny": {"type": "boolean"}})),
+    ("List three fruits.", obj({"fruits": {"type": "array", "items": S(16), "minItems": 3, "maxItems": 3}})),
+    ("Is the sky blue? Answer yes or no.", obj({"answer": {"type": "string", "enum": ["yes", "no"]}})),
+    ("Give a book title and its author.", obj({"title": S(40), "author": S()})),
+    ("Rate the movie Titanic from 1 to 5.", obj({"rating": {"type": "integer", "minimum": 1, "maximum": 5}, "reason": S(60)})),
+    ("Convert 3 km to metres.", obj({"metres": {"type": "number"}})),
+    ("Name a colour and its hex code.", obj({"colour": S(), "hex": {"type": "string", "maxLength": 7}})),
+    ("What is 2 + 2?", obj({"result": {"type": "integer"}})),
+    ("Describe a cat.", obj({"name": S(), "legs": {"type": "integer", "minimum": 0, "maximum": 8}, "indoor": {"type": "boolean"}})),
+    ("Give me a to-do list with two items.", obj({"todo": {"type": "array", "items": obj({"task": S(30), "done": {"type": "boolean"}}), "minItems": 2, "maxItems": 2}})),
+    ("Which planet is largest?", obj({"planet": {"type": "string", "enum": ["Mercury", "Venus", "Earth", "Mars", "Jupiter", "Saturn", "Uranus", "Neptune"]}})),
+    ("Write a short greeting.", obj({"greeting": S(40)})),
+    ("Give the coordinates of London.", obj({"lat": {"type": "number", "minimum": -90, "maximum": 90}, "lon": {"type": "number", "minimum": -180, "maximum": 180}})),
+    ("Classify the sentiment of: I love this!", obj({"sentiment": {"type": "string", "enum": ["positive", "negative", "neutral"]}, "confidence": {"type": "number", "minimum": 0, "maximum": 1}})),
+    ("Summarise: The cat sat on the mat.", obj({"summary": S(50), "words": {"type": "integer", "minimum": 0, "maximum": 100}})),
+    ("Make an address.", obj({"street": S(), "city": S(), "zip": S(10), "country": S(20)})),
+    ("Give a recipe name and up to three ingredients.", obj({"recipe": S(30), "ingredients": {"type": "array", "items": S(16), "maxItems": 3}})),
+    ("Tell me about the number seven.", obj({"number": {"type": "integer"}, "prime": {"type": "boolean"}, "name": S(10)})),
+    ("Nested: a company with a CEO.", obj({"company": S(), "ceo": obj({"name": S(), "age": {"type": "integer", "minimum": 18, "maximum": 99}})})),
+]
+for i, (prompt, schema) in enumerate(cases):
+    kwargs = dict(response_format={"type": "json_schema", "json_schema": {"name": f"case{i}", "schema": schema, "strict": True}})
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=160, temperature=0, **kwargs)
+    assert r.choices[0].finish_reason == "stop", (prompt, r)
+    validate(json.loads(r.choices[0].message.content), schema)
+# json_object: any JSON object; guided_choice and guided_regex (vLLM's).
+r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Describe Paris."}], max_tokens=200, temperature=0,
+                                   response_format={"type": "json_object"})
+assert isinstance(json.loads(r.choices[0].message.content), dict), r
+r = client.completions.create(model=model, prompt="The best season is", max_tokens=8, temperature=0, extra_body={"guided_choice": ["spring", "summer", "autumn", "winter"]})
+assert r.choices[0].text in ("spring", "summer", "autumn", "winter"), r
+r = client.completions.create(model=model, prompt="A phone number:", max_tokens=20, temperature=0, extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})
+import re as _re
+assert _re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].text), r
+for bad, param in [({"response_format": {"type": "json_schema"}}, "response_format"),
+                   ({"response_format": {"type": "xml"}}, "response_format"),
+                   ({"guided_regex": "(unclosed"}, "guided_regex"),
+                   ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice")]:
+    try:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_body=bad)
+        raise AssertionError(f"expected a 400 for {bad}")
+    except openai.BadRequestError as e:
+        assert e.body.get("param") == param, (bad, e.body)
+
 # Concurrent requests are batched and all complete.
 def one(i):
     r = client.completions.create(model=model, prompt=f"Number {i} is", max_tokens=8, temperature=0)
@@ -172,7 +254,6 @@ for kwargs, needle in [
     (dict(extra_body={"kv_policy": "paged-eviction", "kv_budget": 8}), "budget"),
     (dict(extra_body={"kv_policy": "knorm", "kv_budget": 128, "kv_granularity": "token"}), "granularity"),
     # Never a 200 that ignores a field: what is not built yet is refused by name.
-    (dict(response_format={"type": "json_object"}), "response_format"),
     (dict(top_logprobs=5), "top_logprobs"),  # without logprobs: true
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(presence_penalty=2.5), "presence_penalty"),

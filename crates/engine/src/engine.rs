@@ -162,6 +162,10 @@ pub struct GenerateParams {
     /// End-of-generation tokens cannot be sampled before this many tokens are generated
     /// (vLLM's `min_tokens`).
     pub min_tokens: usize,
+    /// Constrain the output to a grammar (structured output): every sampled token keeps
+    /// the text a prefix of the grammar's language, and the text ends only where it is
+    /// complete.
+    pub grammar: Option<crate::grammar::Grammar>,
     /// Choices to generate from one prompt (OpenAI's `n`): the prompt is computed once and
     /// its blocks forked (copy-on-write) into `n` sequences. At most `MAX_CHOICES`.
     pub n: usize,
@@ -195,6 +199,7 @@ impl Default for GenerateParams {
             min_tokens: 0,
             logprobs: None,
             n: 1,
+            grammar: None,
         }
     }
 }
@@ -256,6 +261,9 @@ pub struct EngineStats {
     pub steps: u64,
     /// The most bytes of KV blocks in use at once (after a step's allocation).
     pub kv_bytes_peak: usize,
+    /// Token masks computed for grammars (structured output), and their time.
+    pub grammar_masks: u64,
+    pub grammar_mask_seconds: f64,
 }
 
 pub struct Engine {
@@ -280,6 +288,8 @@ pub struct Engine {
     waiting: VecDeque<SeqState>,
     /// In admission order; preemption takes from the back.
     running: Vec<SeqState>,
+    /// Built on the first request with a grammar (the token trie costs a moment).
+    grammar: Option<crate::grammar::GrammarCompiler>,
 }
 
 impl Engine {
@@ -428,6 +438,7 @@ impl Engine {
             contexts,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            grammar: None,
         })
     }
 
@@ -547,6 +558,39 @@ impl Engine {
 
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// A matcher for a request's grammar (compiled now, so that a bad one is refused at
+    /// submission, naming its field).
+    fn grammar_matcher(
+        &mut self,
+        g: &crate::grammar::Grammar,
+        p: &GenerateParams,
+    ) -> Result<llguidance::Matcher, SubmitError> {
+        let invalid = |message: String| SubmitError::InvalidParam {
+            param: g.param,
+            message,
+        };
+        if !p.forced_tokens.is_empty() || p.ignore_eos {
+            return Err(invalid(
+                "a grammar cannot constrain forced tokens or run past end-of-generation (ignore_eos)".into(),
+            ));
+        }
+        if self.grammar.is_none() {
+            let t0 = std::time::Instant::now();
+            let compiler =
+                crate::grammar::GrammarCompiler::new(std::sync::Arc::new(self.tokenizer.clone()))
+                    .map_err(|e| invalid(format!("the grammar engine could not start: {e}")))?;
+            tracing::info!(
+                "grammar engine ready in {:.2} s",
+                t0.elapsed().as_secs_f64()
+            );
+            self.grammar = Some(compiler);
+        }
+        let compiler = self.grammar.as_ref().expect("built above");
+        compiler
+            .matcher(&g.spec)
+            .map_err(|e| invalid(format!("{} cannot be compiled: {e}", g.param)))
     }
 
     fn new_seq_id(&mut self) -> SeqId {
@@ -676,9 +720,14 @@ impl Engine {
             namespace.extend_from_slice(b"|salt|");
             namespace.extend_from_slice(salt.as_bytes());
         }
+        let matcher = match &req.params.grammar {
+            Some(g) => Some(self.grammar_matcher(g, &req.params)?),
+            None => None,
+        };
         let background = req.params.background;
         let mut state = SeqState::new(req, namespace);
         state.eviction = eviction;
+        state.matcher = matcher;
         let at = if background {
             self.waiting.len()
         } else {
@@ -1392,6 +1441,8 @@ impl Engine {
         if let Some(seq) = s.seq.take() {
             self.kv.free(seq);
         }
+        self.stats.grammar_masks += s.grammar_masks;
+        self.stats.grammar_mask_seconds += s.grammar_mask_seconds;
         if s.aborted {
             return;
         }

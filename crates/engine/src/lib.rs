@@ -6,6 +6,7 @@
 pub mod contexts;
 pub mod engine;
 pub mod eviction;
+pub mod grammar;
 pub mod model_store;
 pub mod perplexity;
 pub mod profiler;
@@ -21,6 +22,7 @@ pub use engine::{
     MAX_CHOICES, MAX_LOGPROBS,
 };
 pub use eviction::EvictionStats;
+pub use grammar::{Grammar, GrammarSpec};
 pub use request::{Request, RequestError, RequestOutput, SeqEvent};
 pub use sampler::{Sampler, SamplingParams, TokenLogprob};
 pub use tiering::{TieringConfig, TieringStats};

@@ -60,6 +60,11 @@ pub(crate) struct SeqState {
     pub choice: usize,
     /// Sibling choices still to fork from this one when its first token is sampled.
     pub choices_to_fork: usize,
+    /// The request's grammar, advanced by every generated token (structured output).
+    pub matcher: Option<llguidance::Matcher>,
+    /// Masks computed for the grammar and their time, for the engine's stats.
+    pub grammar_masks: u64,
+    pub grammar_mask_seconds: f64,
     /// The request's sink once siblings share it.
     shared_sink: Option<Arc<Mutex<EventSink>>>,
     first_token_at: Option<Instant>,
@@ -99,6 +104,9 @@ impl SeqState {
             choice: 0,
             choices_to_fork: req_n_minus_1,
             shared_sink: None,
+            matcher: None,
+            grammar_masks: 0,
+            grammar_mask_seconds: 0.0,
             first_token_at: None,
             finish_reason: None,
         }
@@ -131,6 +139,7 @@ impl SeqState {
         let mut child = SeqState::new(req, self.namespace.clone());
         child.choice = index;
         child.shared_sink = self.shared_sink.clone();
+        child.matcher = self.matcher.as_ref().map(|m| m.deep_clone());
         child.all_ids = self.all_ids.clone();
         child.num_computed = self.num_computed;
         child.cached_prompt_tokens = self.cached_prompt_tokens;
@@ -171,9 +180,22 @@ impl SeqState {
             false => &[],
         };
         let processed: std::borrow::Cow<[f32]> =
-            if params.sampling.processes_logits() || !banned.is_empty() {
+            if params.sampling.processes_logits() || !banned.is_empty() || self.matcher.is_some() {
                 let mut l = logits.to_vec();
                 process_logits(&mut l, &params.sampling, &self.history, banned);
+                if let Some(m) = self.matcher.as_mut() {
+                    let t0 = Instant::now();
+                    let masked = crate::grammar::mask_logits(m, &mut l);
+                    self.grammar_masks += 1;
+                    self.grammar_mask_seconds += t0.elapsed().as_secs_f64();
+                    if let Err(e) = masked {
+                        // The grammar cannot continue (an engine limit): end here rather than
+                        // emit text outside it.
+                        tracing::warn!("grammar stopped the sequence: {e}");
+                        self.finish_reason = Some(FinishReason::Stop);
+                        return true;
+                    }
+                }
                 std::borrow::Cow::Owned(l)
             } else {
                 std::borrow::Cow::Borrowed(logits)
@@ -191,6 +213,13 @@ impl SeqState {
             let lp = token_logprob(&processed, id, n_top);
             self.logprobs.push(lp.clone());
             self.unreported_logprobs.push(lp);
+        }
+        if let Some(m) = self.matcher.as_mut() {
+            if let Err(e) = m.consume_token(id) {
+                tracing::warn!("grammar refused token {id}: {e}");
+                self.finish_reason = Some(FinishReason::Stop);
+                return true;
+            }
         }
         self.history.push_output(id);
         self.all_ids.push(id);

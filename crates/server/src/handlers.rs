@@ -315,8 +315,90 @@ fn generate_params(
         min_tokens,
         logprobs,
         n,
+        grammar: requested_grammar(c)?,
         ..Default::default()
     })
+}
+
+/// The grammar a request constrains its output to: OpenAI's `response_format` or one of
+/// vLLM's `guided_*` fields (at most one of them).
+fn requested_grammar(c: &CommonParams) -> Result<Option<pk_engine::Grammar>, ApiError> {
+    use pk_engine::{Grammar, GrammarSpec};
+    let mut found: Vec<Grammar> = Vec::new();
+    if let Some(rf) = &c.response_format {
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some("json_object") => found.push(Grammar {
+                spec: GrammarSpec::JsonObject,
+                param: "response_format",
+            }),
+            Some("json_schema") => {
+                let Some(schema) = rf.pointer("/json_schema/schema").filter(|s| s.is_object())
+                else {
+                    return Err(ApiError::param(
+                        "response_format",
+                        "response_format json_schema needs json_schema.schema, an object",
+                    ));
+                };
+                found.push(Grammar {
+                    spec: GrammarSpec::JsonSchema(schema.clone()),
+                    param: "response_format",
+                });
+            }
+            _ => {
+                return Err(ApiError::param(
+                    "response_format",
+                    format!(
+                        "response_format type must be text, json_object or json_schema, got {rf}"
+                    ),
+                ))
+            }
+        }
+    }
+    if let Some(schema) = &c.guided_json {
+        let schema = match schema {
+            // vLLM accepts the schema as a JSON string too.
+            Value::String(s) => serde_json::from_str(s).map_err(|e| {
+                ApiError::param("guided_json", format!("guided_json is not JSON: {e}"))
+            })?,
+            v => v.clone(),
+        };
+        found.push(Grammar {
+            spec: GrammarSpec::JsonSchema(schema),
+            param: "guided_json",
+        });
+    }
+    if let Some(rx) = &c.guided_regex {
+        found.push(Grammar {
+            spec: GrammarSpec::Regex(rx.clone()),
+            param: "guided_regex",
+        });
+    }
+    if let Some(choices) = &c.guided_choice {
+        if choices.is_empty() {
+            return Err(ApiError::param("guided_choice", "guided_choice is empty"));
+        }
+        found.push(Grammar {
+            spec: GrammarSpec::Choice(choices.clone()),
+            param: "guided_choice",
+        });
+    }
+    if let Some(lark) = &c.guided_grammar {
+        found.push(Grammar {
+            spec: GrammarSpec::Lark(lark.clone()),
+            param: "guided_grammar",
+        });
+    }
+    match found.len() {
+        0 | 1 => Ok(found.pop()),
+        _ => Err(ApiError::param(
+            found[1].param,
+            format!(
+                "{} and {} both constrain the output; give one",
+                found[0].param, found[1].param
+            ),
+        )),
+    }
 }
 
 /// The alternatives per token a request asks for (`None`: no logprobs), in the endpoint's

@@ -72,6 +72,13 @@ pub struct CommonParams {
     pub logprobs: Option<Value>,
     /// Chat only: alternatives per token (0–20), with `logprobs: true`.
     pub top_logprobs: Option<i64>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": …}}`.
+    pub response_format: Option<Value>,
+    /// vLLM's structured-output extensions.
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
     /// Every other field of the body. None is silently ignored: the handlers refuse each
     /// one whose value asks for something (`unsupported_field`), and accept only values
     /// that mean the default (null, false, 0, empty) and `user` (an end-user id for the
@@ -86,9 +93,8 @@ pub fn unsupported_field(other: &serde_json::Map<String, Value>) -> Option<(Stri
     other.iter().find(|(name, value)| !is_no_op(name, value)).map(|(name, value)| {
         let known = matches!(
             name.as_str(),
-            "response_format" | "tools" | "tool_choice" | "parallel_tool_calls" | "functions" | "function_call"
-                | "suffix" | "best_of"
-                | "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar" | "prompt_logprobs"
+            "tools" | "tool_choice" | "parallel_tool_calls" | "functions" | "function_call"
+                | "suffix" | "best_of" | "prompt_logprobs"
         );
         let why = if known { "is not supported by this server yet" } else { "is not a field this server knows" };
         (name.clone(), format!("`{name}` = {value} {why}; remove it (a request is never answered with a field ignored)"))
@@ -201,7 +207,6 @@ mod tests {
             r#""user": "alice""#,
             r#""tools": []"#,
             r#""best_of": 1"#,
-            r#""response_format": {"type": "text"}"#,
             r#""logit_bias": {}"#,
         ] {
             assert_eq!(
@@ -211,10 +216,6 @@ mod tests {
             );
         }
         for (asks, name) in [
-            (
-                r#""response_format": {"type": "json_object"}"#,
-                "response_format",
-            ),
             (r#""tools": [{"type": "function"}]"#, "tools"),
             (r#""suffix": "x""#, "suffix"),
             (r#""frobnicate": 1"#, "frobnicate"),

@@ -30,6 +30,7 @@ struct Merge {
     result: u32,
 }
 
+#[derive(Clone)]
 pub(crate) struct BpeModel {
     merges: HashMap<(u32, u32), Merge>,
     byte_tokens: [u32; 256],

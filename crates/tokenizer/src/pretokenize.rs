@@ -56,6 +56,7 @@ impl PreTokenizerKind {
 }
 
 /// A compiled pre-tokenizer.
+#[derive(Clone)]
 pub(crate) struct PreTokenizer {
     kind: PreTokenizerKind,
     digits: Option<Regex>,

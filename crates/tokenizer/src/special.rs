@@ -27,6 +27,7 @@ pub(crate) enum Fragment {
     Token(u32),
 }
 
+#[derive(Clone)]
 pub(crate) struct SpecialMatcher {
     automaton: Option<AhoCorasick>,
     /// Token id of each automaton pattern.

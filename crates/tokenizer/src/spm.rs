@@ -13,6 +13,7 @@ use crate::vocab::Vocab;
 /// The character SentencePiece uses for a space.
 pub(crate) const SPACE: char = '\u{2581}';
 
+#[derive(Clone)]
 pub(crate) struct SpmModel {
     byte_tokens: [Option<u32>; 256],
     unk: Option<u32>,

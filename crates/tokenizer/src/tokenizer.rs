@@ -45,12 +45,14 @@ pub enum TokenizerKind {
 
 // One `Model` exists per tokenizer, so the size difference between variants costs nothing.
 #[allow(clippy::large_enum_variant)]
+#[derive(Clone)]
 enum Model {
     Bpe(BpeModel),
     Spm(SpmModel),
 }
 
 /// A tokenizer for one model's vocabulary. Cheap to share: `&Tokenizer` is all any method needs.
+#[derive(Clone)]
 pub struct Tokenizer {
     vocab: Vocab,
     model: Model,

@@ -41,6 +41,7 @@ impl TokenType {
 }
 
 /// Token texts and attributes, indexed by id.
+#[derive(Clone)]
 pub(crate) struct Vocab {
     pub texts: Vec<String>,
     pub types: Vec<TokenType>,

@@ -1,0 +1,99 @@
+//! The cost of structured output: the same greedy chat request with and without a JSON
+//! schema grammar, side by side, on the default model (or `--model PATH` as the first
+//! argument). Prints the grammar engine's start-up time, the mean time of one token mask,
+//! and decode speed with and without the mask.
+//!
+//!     cargo run --release -p pk-engine --example grammar_bench [MODEL.gguf] [ROUNDS]
+
+use std::time::Instant;
+
+use pk_engine::{Engine, EngineConfig, GenerateParams, Grammar, GrammarSpec};
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let model = match args.get(1) {
+        Some(p) => std::path::PathBuf::from(p),
+        None => pk_engine::model_store::resolve_model(None, true)?,
+    };
+    let rounds: usize = args.get(2).map_or(Ok(3), |r| r.parse())?;
+    let mut engine = Engine::load(&model, EngineConfig::default())?;
+    let msgs = [pk_tokenizer::ChatMessage::new(
+        "user",
+        "Describe a fictional city: its name, population, country and three landmarks.",
+    )];
+    let prompt = engine
+        .tokenizer
+        .encode_prompt(&engine.chat_template.render(&msgs, true)?, true);
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "population": {"type": "integer"},
+            "country": {"type": "string"},
+            "landmarks": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+            "notes": {"type": "string"}
+        },
+        "required": ["name", "population", "country", "landmarks", "notes"]
+    });
+    let plain = GenerateParams {
+        max_tokens: 96,
+        ..Default::default()
+    };
+    let constrained = GenerateParams {
+        grammar: Some(Grammar {
+            spec: GrammarSpec::JsonSchema(schema),
+            param: "response_format",
+        }),
+        ..plain.clone()
+    };
+    // The first grammar request builds the token trie.
+    let t0 = Instant::now();
+    engine.generate(
+        &prompt,
+        &GenerateParams {
+            max_tokens: 1,
+            ..constrained.clone()
+        },
+        &mut |_| {},
+    )?;
+    println!(
+        "grammar engine start-up + 1 token: {:.3} s",
+        t0.elapsed().as_secs_f64()
+    );
+    for round in 0..rounds {
+        let mut rates = Vec::new();
+        for params in [&plain, &constrained] {
+            let (masks, mask_s) = (
+                engine.stats.grammar_masks,
+                engine.stats.grammar_mask_seconds,
+            );
+            let out = engine.generate(&prompt, params, &mut |_| {})?;
+            let n = out.token_ids.len();
+            let masks = engine.stats.grammar_masks - masks;
+            let mask_s = engine.stats.grammar_mask_seconds - mask_s;
+            rates.push(n.saturating_sub(1) as f64 / out.decode_seconds.max(1e-9));
+            println!(
+                "round {round} {:>11}: {n} tokens, decode {:.1} tok/s{}",
+                if params.grammar.is_some() {
+                    "json schema"
+                } else {
+                    "plain"
+                },
+                rates.last().unwrap(),
+                if masks > 0 {
+                    format!(
+                        ", {masks} masks, {:.1} µs per mask",
+                        1e6 * mask_s / masks as f64
+                    )
+                } else {
+                    String::new()
+                }
+            );
+        }
+        println!(
+            "round {round} decode with / without the grammar: {:.2}x",
+            rates[1] / rates[0]
+        );
+    }
+    Ok(())
+}
