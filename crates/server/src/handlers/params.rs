@@ -1,0 +1,283 @@
+//! Request fields to engine parameters: sampling, penalties, logprobs, grammars, limits;
+//! every field is checked here and a bad one is a 400 naming it.
+
+use super::*;
+
+/// Turns the shared request fields into engine parameters, validating every one.
+/// `prompt_param` names the prompt's field in errors (`prompt` or `messages`).
+pub(super) fn generate_params(
+    c: &CommonParams,
+    prompt_param: &'static str,
+    prompt_tokens: usize,
+    default_max_tokens: Option<usize>,
+    state: &AppState,
+) -> Result<GenerateParams, ApiError> {
+    if let Some(m) = &c.model {
+        if m != &state.model_name {
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!(
+                    "the model `{m}` does not exist; this server serves `{}`",
+                    state.model_name
+                ),
+                param: Some("model".into()),
+            });
+        }
+    }
+    if let Some((name, message)) = crate::openai::unsupported_field(&c.other) {
+        return Err(ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message,
+            param: Some(name),
+        });
+    }
+    let n = match c.n {
+        None => 1,
+        Some(n) if (1..=pk_engine::MAX_CHOICES as i64).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(ApiError::param(
+                "n",
+                format!("n must be in [1, {}], got {n}", pk_engine::MAX_CHOICES),
+            ))
+        }
+    };
+    let kv_policy = match &c.kv_policy {
+        Some(p) => Some(
+            p.parse::<pk_kv::PolicySpec>()
+                .map_err(|e| ApiError::param("kv_policy", e.to_string()))?,
+        ),
+        None => None,
+    };
+    let kv_budget = match c.kv_budget {
+        Some(b) if b <= 0 || b > u32::MAX as i64 => {
+            return Err(ApiError::param(
+                "kv_budget",
+                format!("kv_budget must be a positive number of tokens, got {b}"),
+            ))
+        }
+        Some(b) => Some(b as u32),
+        None => None,
+    };
+    let kv_granularity = match &c.kv_granularity {
+        Some(g) => Some(
+            g.parse::<pk_kv::KvGranularity>()
+                .map_err(|e| ApiError::param("kv_granularity", e.to_string()))?,
+        ),
+        None => None,
+    };
+    let limit = state.limits.max_total_tokens;
+    if prompt_tokens >= limit {
+        return Err(ApiError::param(prompt_param, format!("This model's maximum context length is {limit} tokens. However, your prompt has {prompt_tokens} tokens.")));
+    }
+    let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
+        Some(m) if m < 1 => {
+            return Err(ApiError::param(
+                "max_tokens",
+                format!("max_tokens must be at least 1, got {m}"),
+            ))
+        }
+        Some(m) => m as usize,
+        None => default_max_tokens.unwrap_or(limit - prompt_tokens),
+    };
+    if prompt_tokens + max_tokens > limit {
+        return Err(ApiError::param(
+            "max_tokens",
+            format!("This model's maximum context length is {limit} tokens. However, you requested {} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion).", prompt_tokens + max_tokens),
+        ));
+    }
+    let logit_bias = match &c.logit_bias {
+        Some(map) => {
+            if map.len() > 300 {
+                return Err(ApiError::param("logit_bias", "at most 300 biased tokens"));
+            }
+            let mut v = Vec::with_capacity(map.len());
+            for (id, &bias) in map {
+                let id: u32 = id.parse().map_err(|_| {
+                    ApiError::param(
+                        "logit_bias",
+                        format!("logit_bias keys are token ids, got {id:?}"),
+                    )
+                })?;
+                v.push((id, bias));
+            }
+            v
+        }
+        None => Vec::new(),
+    };
+    let sampling = SamplingParams {
+        temperature: c.temperature.unwrap_or(1.0),
+        top_k: match c.top_k {
+            None | Some(-1) => 0,
+            Some(k) if k < 0 => {
+                return Err(ApiError::param(
+                    "top_k",
+                    format!("top_k must be -1 or >= 0, got {k}"),
+                ))
+            }
+            Some(k) => k as usize,
+        },
+        top_p: c.top_p.unwrap_or(1.0),
+        min_p: c.min_p.unwrap_or(0.0),
+        seed: c.seed.map(|s| s as u64),
+        presence_penalty: c.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
+        repetition_penalty: c.repetition_penalty.unwrap_or(1.0),
+        logit_bias,
+    };
+    sampling
+        .validate()
+        .map_err(|e| ApiError::param(e.param, e.message))?;
+    let logprobs = requested_logprobs(c, prompt_param)?;
+    let min_tokens = match c.min_tokens {
+        None => 0,
+        Some(m) if m < 0 || m as usize > max_tokens => {
+            return Err(ApiError::param(
+                "min_tokens",
+                format!("min_tokens must be in [0, max_tokens = {max_tokens}], got {m}"),
+            ))
+        }
+        Some(m) => m as usize,
+    };
+    let stop = c.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
+    if stop.len() > 16 {
+        return Err(ApiError::param(
+            "stop",
+            "at most 16 stop strings are supported",
+        ));
+    }
+    Ok(GenerateParams {
+        sampling,
+        max_tokens,
+        stop,
+        ignore_eos: c.ignore_eos,
+        kv_policy,
+        kv_budget,
+        kv_granularity,
+        min_tokens,
+        logprobs,
+        n,
+        grammar: requested_grammar(c)?,
+        ..Default::default()
+    })
+}
+
+/// The grammar a request constrains its output to: OpenAI's `response_format` or one of
+/// vLLM's `guided_*` fields (at most one of them).
+fn requested_grammar(c: &CommonParams) -> Result<Option<pk_engine::Grammar>, ApiError> {
+    use pk_engine::{Grammar, GrammarSpec};
+    let mut found: Vec<Grammar> = Vec::new();
+    if let Some(rf) = &c.response_format {
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some("json_object") => found.push(Grammar {
+                spec: GrammarSpec::JsonObject,
+                param: "response_format",
+            }),
+            Some("json_schema") => {
+                let Some(schema) = rf.pointer("/json_schema/schema").filter(|s| s.is_object())
+                else {
+                    return Err(ApiError::param(
+                        "response_format",
+                        "response_format json_schema needs json_schema.schema, an object",
+                    ));
+                };
+                found.push(Grammar {
+                    spec: GrammarSpec::JsonSchema(schema.clone()),
+                    param: "response_format",
+                });
+            }
+            _ => {
+                return Err(ApiError::param(
+                    "response_format",
+                    format!(
+                        "response_format type must be text, json_object or json_schema, got {rf}"
+                    ),
+                ))
+            }
+        }
+    }
+    if let Some(schema) = &c.guided_json {
+        let schema = match schema {
+            // vLLM accepts the schema as a JSON string too.
+            Value::String(s) => serde_json::from_str(s).map_err(|e| {
+                ApiError::param("guided_json", format!("guided_json is not JSON: {e}"))
+            })?,
+            v => v.clone(),
+        };
+        found.push(Grammar {
+            spec: GrammarSpec::JsonSchema(schema),
+            param: "guided_json",
+        });
+    }
+    if let Some(rx) = &c.guided_regex {
+        found.push(Grammar {
+            spec: GrammarSpec::Regex(rx.clone()),
+            param: "guided_regex",
+        });
+    }
+    if let Some(choices) = &c.guided_choice {
+        if choices.is_empty() {
+            return Err(ApiError::param("guided_choice", "guided_choice is empty"));
+        }
+        found.push(Grammar {
+            spec: GrammarSpec::Choice(choices.clone()),
+            param: "guided_choice",
+        });
+    }
+    if let Some(lark) = &c.guided_grammar {
+        found.push(Grammar {
+            spec: GrammarSpec::Lark(lark.clone()),
+            param: "guided_grammar",
+        });
+    }
+    match found.len() {
+        0 | 1 => Ok(found.pop()),
+        _ => Err(ApiError::param(
+            found[1].param,
+            format!(
+                "{} and {} both constrain the output; give one",
+                found[0].param, found[1].param
+            ),
+        )),
+    }
+}
+
+/// The alternatives per token a request asks for (`None`: no logprobs), in the endpoint's
+/// own form: chat's `logprobs: true` with `top_logprobs`, completions' `logprobs: N`.
+fn requested_logprobs(c: &CommonParams, prompt_param: &str) -> Result<Option<usize>, ApiError> {
+    let max = pk_engine::MAX_LOGPROBS as i64;
+    let chat = prompt_param == "messages";
+    match (&c.logprobs, chat) {
+        (None | Some(Value::Null) | Some(Value::Bool(false)), true) => match c.top_logprobs {
+            None | Some(0) => Ok(None),
+            Some(_) => Err(ApiError::param(
+                "top_logprobs",
+                "top_logprobs needs logprobs: true",
+            )),
+        },
+        (Some(Value::Bool(true)), true) => match c.top_logprobs {
+            None => Ok(Some(0)),
+            Some(n) if (0..=max).contains(&n) => Ok(Some(n as usize)),
+            Some(n) => Err(ApiError::param(
+                "top_logprobs",
+                format!("top_logprobs must be in [0, {max}], got {n}"),
+            )),
+        },
+        (Some(v), true) => Err(ApiError::param(
+            "logprobs",
+            format!("logprobs is a boolean on /v1/chat/completions, got {v}"),
+        )),
+        (_, false) if c.top_logprobs.is_some() => Err(ApiError::param(
+            "top_logprobs",
+            "top_logprobs is a chat field; /v1/completions takes logprobs: N",
+        )),
+        (None | Some(Value::Null), false) => Ok(None),
+        (Some(v), false) => match v.as_i64() {
+            Some(n) if (0..=max).contains(&n) => Ok(Some(n as usize)),
+            _ => Err(ApiError::param(
+                "logprobs",
+                format!("logprobs must be an integer in [0, {max}] on /v1/completions, got {v}"),
+            )),
+        },
+    }
+}
