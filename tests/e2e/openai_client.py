@@ -238,6 +238,30 @@ for bad, param in [({"response_format": {"type": "json_schema"}}, "response_form
     except openai.BadRequestError as e:
         assert e.body.get("param") == param, (bad, e.body)
 
+# Completions: echo puts the prompt before the text (streamed too); a list of prompts gives
+# prompts x n choices numbered prompt-major, with the prompts' tokens summed in the usage.
+e = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, temperature=0, echo=True)
+plain4 = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, temperature=0)
+assert e.choices[0].text == "Once upon a time" + plain4.choices[0].text, (e, plain4)
+streamed_echo = "".join(c.choices[0].text for c in client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, temperature=0, echo=True, stream=True) if c.choices)
+assert streamed_echo == e.choices[0].text, streamed_echo
+batch = client.completions.create(model=model, prompt=["Once upon a time", "The quick brown fox"], max_tokens=4, temperature=0, n=2)
+assert [c.index for c in batch.choices] == [0, 1, 2, 3], batch
+assert batch.choices[0].text == batch.choices[1].text == plain4.choices[0].text, batch
+single_fox = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=4, temperature=0)
+assert batch.choices[2].text == single_fox.choices[0].text, (batch, single_fox)
+assert batch.usage.prompt_tokens == plain4.usage.prompt_tokens + single_fox.usage.prompt_tokens, batch.usage
+ids_batch = client.completions.create(model=model, prompt=[[504, 3458, 253], [504, 2365]], max_tokens=2, temperature=0)
+assert len(ids_batch.choices) == 2 and ids_batch.usage.prompt_tokens == 5, ids_batch
+for kwargs, param in [(dict(suffix="return x"), "suffix"),  # SmolLM2 has no FIM tokens
+                      (dict(echo=True, logprobs=2), "echo"),
+                      (dict(best_of=3), "best_of")]:
+    try:
+        client.completions.create(model=model, prompt="def f(x):", max_tokens=4, **kwargs)
+        raise AssertionError(f"expected a 400 for {kwargs}")
+    except openai.BadRequestError as err:
+        assert err.body.get("param") == param, (kwargs, err.body)
+
 # Concurrent requests are batched and all complete.
 def one(i):
     r = client.completions.create(model=model, prompt=f"Number {i} is", max_tokens=8, temperature=0)

@@ -206,3 +206,27 @@ fn long_prompt_recalls_a_fact_from_its_start() {
     );
     e.check_invariants();
 }
+
+/// Fill-in-the-middle as the server builds it for `suffix` (`<|fim_prefix|>` prefix
+/// `<|fim_suffix|>` suffix `<|fim_middle|>`): Qwen2.5-Coder writes the missing middle.
+#[test]
+fn fill_in_the_middle_with_qwens_fim_tokens() {
+    let mut e = engine(&QWEN25_CODER_05B, EngineConfig::default());
+    let t = &e.tokenizer;
+    let fim: Vec<u32> = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
+        .iter()
+        .map(|s| t.token_id(s).expect("Qwen2.5-Coder has FIM tokens"))
+        .collect();
+    let mut prompt = vec![fim[0]];
+    prompt.extend(t.encode("def add(a, b):\n    return ", false));
+    prompt.push(fim[1]);
+    prompt.extend(t.encode("\n\nprint(add(1, 2))  # 3\n", false));
+    prompt.push(fim[2]);
+    let params = GenerateParams {
+        max_tokens: 8,
+        ..Default::default()
+    };
+    let out = e.generate(&prompt, &params, &mut |_| {}).unwrap();
+    eprintln!("middle: {:?}", out.text);
+    assert!(out.text.trim_start().starts_with("a + b"), "{:?}", out.text);
+}

@@ -29,6 +29,7 @@ pub enum PromptField {
     Text(String),
     Tokens(Vec<u32>),
     TextBatch(Vec<String>),
+    TokensBatch(Vec<Vec<u32>>),
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -94,7 +95,7 @@ pub fn unsupported_field(other: &serde_json::Map<String, Value>) -> Option<(Stri
         let known = matches!(
             name.as_str(),
             "tools" | "tool_choice" | "parallel_tool_calls" | "functions" | "function_call"
-                | "suffix" | "best_of" | "prompt_logprobs"
+                | "best_of" | "prompt_logprobs"
         );
         let why = if known { "is not supported by this server yet" } else { "is not a field this server knows" };
         (name.clone(), format!("`{name}` = {value} {why}; remove it (a request is never answered with a field ignored)"))
@@ -124,6 +125,8 @@ pub struct CompletionRequest {
     pub prompt: PromptField,
     #[serde(default)]
     pub echo: bool,
+    /// Text after the completion: fill-in-the-middle with the model's FIM tokens.
+    pub suffix: Option<String>,
     #[serde(flatten)]
     pub common: CommonParams,
 }
@@ -217,7 +220,7 @@ mod tests {
         }
         for (asks, name) in [
             (r#""tools": [{"type": "function"}]"#, "tools"),
-            (r#""suffix": "x""#, "suffix"),
+            (r#""best_of": 3"#, "best_of"),
             (r#""frobnicate": 1"#, "frobnicate"),
         ] {
             let (field, message) =

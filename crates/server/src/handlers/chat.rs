@@ -93,6 +93,7 @@ pub async fn chat_completions(
             state.model_name.clone(),
             include_usage,
             wants_logprobs.then(|| state.tokenizer.clone()),
+            Vec::new(),
         )
         .into_response());
     }

@@ -1,6 +1,96 @@
-//! `POST /v1/completions`.
+//! `POST /v1/completions`: one prompt or a list (text or token ids), `n` choices each,
+//! `echo` (the prompt before each choice's text) and `suffix` (fill-in-the-middle where
+//! the vocabulary has FIM tokens).
 
 use super::*;
+use pk_tokenizer::Tokenizer;
+
+/// The most prompts one request may list.
+const MAX_PROMPTS: usize = 16;
+/// The most choices (prompts × n) one request may ask for.
+const MAX_TOTAL_CHOICES: usize = 64;
+
+/// Qwen2.5-Coder's (and StarCoder's) fill-in-the-middle tokens.
+const FIM_TOKENS: [&str; 3] = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"];
+
+/// The request's prompts as (token ids, text for `echo`).
+fn prompts(
+    req: &CompletionRequest,
+    tokenizer: &Tokenizer,
+) -> Result<Vec<(Vec<u32>, String)>, ApiError> {
+    let texts: Vec<String> = match &req.prompt {
+        PromptField::Text(t) => vec![t.clone()],
+        PromptField::TextBatch(v) => v.clone(),
+        PromptField::Tokens(ids) => return token_prompts(req, tokenizer, vec![ids.clone()]),
+        PromptField::TokensBatch(v) => return token_prompts(req, tokenizer, v.clone()),
+    };
+    check_count(texts.len())?;
+    let suffix = req.suffix.as_deref().filter(|s| !s.is_empty());
+    let fim = match suffix {
+        Some(_) => Some(fim_tokens(tokenizer)?),
+        None => None,
+    };
+    Ok(texts
+        .into_iter()
+        .map(|text| {
+            let ids = match (suffix, &fim) {
+                (Some(suffix), Some([pre, suf, mid])) => {
+                    let mut ids = vec![*pre];
+                    ids.extend(tokenizer.encode(&text, false));
+                    ids.push(*suf);
+                    ids.extend(tokenizer.encode(suffix, false));
+                    ids.push(*mid);
+                    ids
+                }
+                _ => tokenizer.encode_prompt(&text, true),
+            };
+            (ids, text)
+        })
+        .collect())
+}
+
+fn token_prompts(
+    req: &CompletionRequest,
+    tokenizer: &Tokenizer,
+    prompts: Vec<Vec<u32>>,
+) -> Result<Vec<(Vec<u32>, String)>, ApiError> {
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::param(
+            "suffix",
+            "suffix needs a text prompt (token-id prompts cannot be wrapped in FIM tokens)",
+        ));
+    }
+    check_count(prompts.len())?;
+    Ok(prompts
+        .into_iter()
+        .map(|ids| {
+            let text = tokenizer.decode(&ids);
+            (ids, text)
+        })
+        .collect())
+}
+
+fn check_count(n: usize) -> Result<(), ApiError> {
+    match n {
+        0 => Err(ApiError::param("prompt", "the prompt list is empty")),
+        n if n > MAX_PROMPTS => Err(ApiError::param(
+            "prompt",
+            format!("at most {MAX_PROMPTS} prompts per request, got {n}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn fim_tokens(tokenizer: &Tokenizer) -> Result<[u32; 3], ApiError> {
+    let ids: Vec<Option<u32>> = FIM_TOKENS.iter().map(|t| tokenizer.token_id(t)).collect();
+    match ids[..] {
+        [Some(a), Some(b), Some(c)] => Ok([a, b, c]),
+        _ => Err(ApiError::param(
+            "suffix",
+            "suffix (fill-in-the-middle) needs a model whose vocabulary has <|fim_prefix|>, <|fim_suffix|> and <|fim_middle|> (e.g. Qwen2.5-Coder); this one has not",
+        )),
+    }
+}
 
 pub async fn completions(
     State(state): State<Arc<AppState>>,
@@ -8,31 +98,48 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     check_ready(&state)?;
     let Json(req) = body?;
-    if req.echo {
-        return Err(ApiError::param("echo", "echo is not supported"));
-    }
-    let prompt_ids = match &req.prompt {
-        PromptField::Text(t) => state.tokenizer.encode_prompt(t, true),
-        PromptField::Tokens(ids) => ids.clone(),
-        PromptField::TextBatch(v) if v.len() == 1 => state.tokenizer.encode_prompt(&v[0], true),
-        PromptField::TextBatch(_) => {
-            return Err(ApiError::param(
-                "prompt",
-                "only one prompt per request is supported",
-            ))
-        }
-    };
-    if prompt_ids.is_empty() {
+    let prompts = prompts(&req, &state.tokenizer)?;
+    if prompts.iter().any(|(ids, _)| ids.is_empty()) {
         return Err(ApiError::param("prompt", "the prompt is empty"));
     }
-    let params = generate_params(&req.common, "prompt", prompt_ids.len(), Some(16), &state)?;
-    let wants_logprobs = params.logprobs.is_some();
+    let mut subs = Vec::with_capacity(prompts.len());
+    let mut echo_texts = Vec::new();
+    let mut wants_logprobs = false;
+    for (ids, text) in prompts.iter() {
+        let params = generate_params(&req.common, "prompt", ids.len(), Some(16), &state)?;
+        if req.echo && params.logprobs.is_some() {
+            return Err(ApiError::param(
+                "echo",
+                "echo with logprobs would need the prompt's logprobs, which this server does not compute",
+            ));
+        }
+        if prompts.len() * params.n > MAX_TOTAL_CHOICES {
+            return Err(ApiError::param(
+                "n",
+                format!("prompts × n may be at most {MAX_TOTAL_CHOICES}"),
+            ));
+        }
+        wants_logprobs = params.logprobs.is_some();
+        echo_texts.extend(std::iter::repeat_n(
+            if req.echo {
+                text.clone()
+            } else {
+                String::new()
+            },
+            params.n,
+        ));
+        subs.push((ids.clone(), params));
+    }
+    let mut submitted = Vec::with_capacity(subs.len());
+    for (ids, params) in subs {
+        submitted.push(submit(&state, ids, params, req.common.cache_salt.clone()).await?);
+    }
+    let s = merge(submitted);
     let include_usage = req
         .common
         .stream_options
         .as_ref()
         .is_some_and(|o| o.include_usage);
-    let s = submit(&state, prompt_ids, params, req.common.cache_salt.clone()).await?;
     if req.common.stream {
         return Ok(stream_response(
             Kind::Completion,
@@ -40,6 +147,7 @@ pub async fn completions(
             state.model_name.clone(),
             include_usage,
             wants_logprobs.then(|| state.tokenizer.clone()),
+            echo_texts,
         )
         .into_response());
     }
@@ -48,7 +156,8 @@ pub async fn completions(
     let choices: Vec<Value> = outputs
         .iter()
         .map(|o| {
-            json!({"index": o.choice, "text": o.text, "logprobs": match wants_logprobs {
+            let text = format!("{}{}", echo_texts[o.choice], o.text);
+            json!({"index": o.choice, "text": text, "logprobs": match wants_logprobs {
                 true => crate::logprobs::completion(&state.tokenizer, &o.logprobs, 0),
                 false => Value::Null,
             }, "finish_reason": finish_str(o.finish_reason)})
@@ -60,4 +169,40 @@ pub async fn completions(
         "usage": usage_of(prompt_tokens, &outputs),
     }))
     .into_response())
+}
+
+/// One stream of events for several submitted prompts: prompt i's choice j becomes choice
+/// `i × n + j` (OpenAI's numbering), and the prompt tokens add up.
+fn merge(mut subs: Vec<Submitted>) -> Submitted {
+    if subs.len() == 1 {
+        return subs.pop().expect("one");
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut offset = 0;
+    let mut prompt_tokens = 0;
+    for s in subs {
+        let (n, tx) = (s.n, tx.clone());
+        prompt_tokens += s.prompt_tokens;
+        let mut sub_rx = s.rx;
+        // Forwarding stops when the merged receiver is gone (client gone); dropping each
+        // sub-receiver then aborts that prompt's sequences at their next token.
+        tokio::spawn(async move {
+            while let Some(mut ev) = sub_rx.recv().await {
+                match &mut ev {
+                    SeqEvent::Text { choice, .. } => *choice += offset,
+                    SeqEvent::Finished(o) => o.choice += offset,
+                    _ => {}
+                }
+                if tx.send(ev).is_err() {
+                    break;
+                }
+            }
+        });
+        offset += n;
+    }
+    Submitted {
+        rx,
+        prompt_tokens,
+        n: offset,
+    }
 }

@@ -76,6 +76,7 @@ pub(super) fn stream_response(
     model: String,
     include_usage: bool,
     logprobs: Option<Arc<pk_tokenizer::Tokenizer>>,
+    echo: Vec<String>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let n = s.n;
     let mut logprobs = logprobs.map(|tokenizer| StreamLogprobs {
@@ -108,6 +109,23 @@ pub(super) fn stream_response(
                 if !yield_(Event::default().data(c.to_string())).await {
                     return;
                 }
+            }
+        }
+        // `echo`: each choice's prompt text first.
+        for (index, text) in echo.iter().enumerate().filter(|(_, t)| !t.is_empty()) {
+            let c = chunk(
+                kind,
+                index,
+                &id,
+                created,
+                &model,
+                Some(text),
+                None,
+                false,
+                Value::Null,
+            );
+            if !yield_(Event::default().data(c.to_string())).await {
+                return;
             }
         }
         // Per choice: logprobs of tokens whose text is still held back ride with its next
