@@ -262,6 +262,48 @@ for kwargs, param in [(dict(suffix="return x"), "suffix"),  # SmolLM2 has no FIM
     except openai.BadRequestError as err:
         assert err.body.get("param") == param, (kwargs, err.body)
 
+# Tools: a named tool_choice always yields a call of that function whose arguments validate
+# against its parameters (grammar-constrained), streamed as a tool_calls delta too; required
+# picks one of the tools; a tool message answering the call is accepted. SmolLM2's template
+# cannot describe tools, so tool_choice auto is refused for it by name.
+weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+           "parameters": obj({"city": S(30), "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}})}}
+clock = {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
+         "parameters": obj({"timezone": S(30)})}}
+ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+named = client.chat.completions.create(model=model, messages=ask, max_tokens=80, temperature=0, tools=[weather, clock],
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+call = named.choices[0].message.tool_calls[0]
+assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather", named
+validate(json.loads(call.function.arguments), weather["function"]["parameters"])
+req = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What time is it in Tokyo?"}], max_tokens=80,
+                                     temperature=0, tools=[weather, clock], tool_choice="required", parallel_tool_calls=False)
+calls = req.choices[0].message.tool_calls
+assert len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time"), req
+params_of = {"get_weather": weather, "get_time": clock}[calls[0].function.name]["function"]["parameters"]
+validate(json.loads(calls[0].function.arguments), params_of)
+deltas, finish = [], None
+for ch in client.chat.completions.create(model=model, messages=ask, max_tokens=80, temperature=0, tools=[weather],
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True):
+    for c in ch.choices:
+        deltas.extend(c.delta.tool_calls or [])
+        finish = c.finish_reason or finish
+assert finish == "tool_calls" and deltas[0].function.name == "get_weather", deltas
+assert json.loads(deltas[0].function.arguments) == json.loads(call.function.arguments), (deltas, call)
+answered = ask + [{"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+                  {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+final = client.chat.completions.create(model=model, messages=answered, max_tokens=8, temperature=0, tools=[weather], tool_choice="none")
+assert final.choices[0].message.content is not None and not final.choices[0].message.tool_calls, final
+for kwargs, param in [(dict(tools=[weather], tool_choice="auto"), "tool_choice"),
+                      (dict(tool_choice="required"), "tool_choice"),
+                      (dict(tools=[weather], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+                      (dict(tools=[{"type": "function", "function": {"name": "bad name"}}], tool_choice="required"), "tools")]:
+    try:
+        client.chat.completions.create(model=model, messages=ask, max_tokens=4, **kwargs)
+        raise AssertionError(f"expected a 400 for {kwargs}")
+    except openai.BadRequestError as err:
+        assert err.body.get("param") == param, (kwargs, err.body)
+
 # Concurrent requests are batched and all complete.
 def one(i):
     r = client.completions.create(model=model, prompt=f"Number {i} is", max_tokens=8, temperature=0)

@@ -26,6 +26,7 @@ use crate::openai::{
 };
 use crate::AppState;
 
+#[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
     message: String,
@@ -166,6 +167,7 @@ mod chat;
 mod completions;
 mod params;
 mod stream;
+mod tools;
 
 pub use chat::chat_completions;
 pub use completions::completions;

@@ -94,7 +94,7 @@ pub fn unsupported_field(other: &serde_json::Map<String, Value>) -> Option<(Stri
     other.iter().find(|(name, value)| !is_no_op(name, value)).map(|(name, value)| {
         let known = matches!(
             name.as_str(),
-            "tools" | "tool_choice" | "parallel_tool_calls" | "functions" | "function_call"
+            "functions" | "function_call"
                 | "best_of" | "prompt_logprobs"
         );
         let why = if known { "is not supported by this server yet" } else { "is not a field this server knows" };
@@ -136,6 +136,10 @@ pub struct ChatMessageIn {
     pub role: String,
     /// A string, or a list of content parts of which only `{"type": "text"}` is supported.
     pub content: Option<Value>,
+    /// An assistant turn's calls (OpenAI's shape), given back in later requests.
+    pub tool_calls: Option<Value>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
     /// Other message fields (`name`, `tool_calls`, …): refused unless no-ops, as for the body.
     #[serde(flatten)]
     pub other: serde_json::Map<String, Value>,
@@ -144,6 +148,11 @@ pub struct ChatMessageIn {
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {
     pub messages: Vec<ChatMessageIn>,
+    /// `[{"type": "function", "function": {"name", "description", "parameters"}}]`.
+    pub tools: Option<Vec<Value>>,
+    /// `"none" | "auto" | "required" | {"type": "function", "function": {"name"}}`.
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub common: CommonParams,
 }
@@ -208,7 +217,6 @@ mod tests {
             r#""logprobs": false"#,
             r#""presence_penalty": 0"#,
             r#""user": "alice""#,
-            r#""tools": []"#,
             r#""best_of": 1"#,
             r#""logit_bias": {}"#,
         ] {
@@ -219,7 +227,7 @@ mod tests {
             );
         }
         for (asks, name) in [
-            (r#""tools": [{"type": "function"}]"#, "tools"),
+            (r#""functions": [{"name": "f"}]"#, "functions"),
             (r#""best_of": 3"#, "best_of"),
             (r#""frobnicate": 1"#, "frobnicate"),
         ] {
