@@ -2,8 +2,11 @@
 //! several client concurrencies, measured over real HTTP with streaming responses.
 //!
 //! It starts `pagekeeper serve` as a child process (so the numbers include HTTP, SSE and
-//! the engine thread exactly as users run them), then for each concurrency level runs
-//! that many client threads, each sending streaming completions back to back.
+//! the engine thread exactly as users run them), a fresh one per concurrency level (so each
+//! level's peaks are its own), then runs that many client threads, each sending streaming
+//! completions back to back. Beside throughput and latency it reports what the KV pool
+//! went through: the most blocks in use and sequences running at once (the server's peak
+//! gauges), preemptions, and requests that failed.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -37,6 +40,21 @@ pub struct ServeBenchArgs {
     /// Passed to the server (`serve --max-prefill-tokens-while-decoding`); its default if unset.
     #[arg(long)]
     pub max_prefill_tokens_while_decoding: Option<usize>,
+    /// Sent with every request (`kv_policy`), e.g. paged-eviction.
+    #[arg(long)]
+    pub kv_policy: Option<String>,
+    /// Sent with every request (`kv_budget`, tokens kept per sequence).
+    #[arg(long)]
+    pub kv_budget: Option<u32>,
+    /// The server's KV pool in tokens (`serve --kv-capacity-tokens`); its default if unset.
+    #[arg(long)]
+    pub kv_capacity_tokens: Option<usize>,
+    /// The server's live KV precision (`serve --kv-dtype`); its default if unset.
+    #[arg(long)]
+    pub kv_dtype: Option<String>,
+    /// The server's limit on running sequences.
+    #[arg(long, default_value_t = 64)]
+    pub max_running_seqs: usize,
 }
 
 struct Server(Child);
@@ -68,12 +86,18 @@ fn one_request(
     http: &reqwest::blocking::Client,
     url: &str,
     prompt: &str,
-    max_tokens: usize,
+    a: &ServeBenchArgs,
 ) -> Result<Sample> {
-    let body = serde_json::json!({
-        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true,
+    let mut body = serde_json::json!({
+        "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0, "stream": true,
         "ignore_eos": true, "stream_options": {"include_usage": true},
     });
+    if let Some(p) = &a.kv_policy {
+        body["kv_policy"] = serde_json::json!(p);
+    }
+    if let Some(b) = a.kv_budget {
+        body["kv_budget"] = serde_json::json!(b);
+    }
     let t0 = Instant::now();
     let resp = http.post(url).json(&body).send()?.error_for_status()?;
     let mut first = None;
@@ -89,6 +113,9 @@ fn one_request(
             break;
         }
         let v: serde_json::Value = serde_json::from_str(data)?;
+        if let Some(e) = v.get("error") {
+            bail!("the stream ended with an error: {e}");
+        }
         if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
             completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as usize;
         }
@@ -113,7 +140,12 @@ fn one_request(
     })
 }
 
-pub fn run(a: ServeBenchArgs) -> Result<()> {
+/// Starts `pagekeeper serve` with the bench's settings and waits until it is healthy.
+fn start_server(
+    a: &ServeBenchArgs,
+    http: &reqwest::blocking::Client,
+    base: &str,
+) -> Result<Server> {
     let exe = std::env::current_exe()?;
     let mut cmd = Command::new(exe);
     cmd.args([
@@ -121,7 +153,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         "--port",
         &a.port.to_string(),
         "--max-running-seqs",
-        "64",
+        &a.max_running_seqs.to_string(),
     ]);
     if let Some(m) = &a.model {
         cmd.arg("--model").arg(m);
@@ -132,16 +164,18 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     if let Some(n) = a.max_prefill_tokens_while_decoding {
         cmd.args(["--max-prefill-tokens-while-decoding", &n.to_string()]);
     }
-    let _server = Server(
+    if let Some(n) = a.kv_capacity_tokens {
+        cmd.args(["--kv-capacity-tokens", &n.to_string()]);
+    }
+    if let Some(d) = &a.kv_dtype {
+        cmd.args(["--kv-dtype", d]);
+    }
+    let server = Server(
         cmd.stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .context("starting the server")?,
     );
-    let base = format!("http://127.0.0.1:{}", a.port);
-    let http = reqwest::blocking::Client::builder()
-        .timeout(Duration::from_secs(600))
-        .build()?;
     let t0 = Instant::now();
     while http
         .get(format!("{base}/health"))
@@ -150,20 +184,43 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         .unwrap_or(0)
         != 200
     {
-        if t0.elapsed() > Duration::from_secs(120) {
+        if t0.elapsed() > Duration::from_secs(180) {
             bail!("the server did not become healthy");
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+    Ok(server)
+}
+
+/// The value of a metric in the Prometheus text (its first series), 0 if absent.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+pub fn run(a: ServeBenchArgs) -> Result<()> {
+    let base = format!("http://127.0.0.1:{}", a.port);
+    let http = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(1800))
+        .build()?;
     let book = include_str!("../../../tests/fixtures/around-the-world-in-80-days.txt");
     let words: Vec<&str> = book.split_whitespace().collect();
     // About 1.3 tokens per word in this text.
     let prompt_words = (a.prompt_tokens as f64 / 1.3) as usize;
+    if prompt_words + 1 >= words.len() {
+        bail!(
+            "--prompt-tokens {} is longer than the bundled book",
+            a.prompt_tokens
+        );
+    }
     let url = format!("{base}/v1/completions");
     let mut levels = Vec::new();
     if !a.json {
         println!(
-            "{:>6} {:>8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "{:>6} {:>8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}",
             "conc",
             "requests",
             "decode t/s",
@@ -171,14 +228,19 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
             "TTFT p99",
             "ITL p50",
             "ITL p99",
-            "E2E p50"
+            "E2E p50",
+            "peak blk",
+            "max run",
+            "preempt",
+            "failed"
         );
     }
     for &conc in &a.concurrency {
+        let server = start_server(&a, &http, &base)?;
         let n_requests = a.requests.unwrap_or((2 * conc).max(8));
         let next = std::sync::atomic::AtomicUsize::new(0);
         let start = Instant::now();
-        let samples: Vec<Sample> = std::thread::scope(|s| {
+        let results: Vec<Result<Sample>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..conc)
                 .map(|_| {
                     s.spawn(|| {
@@ -192,7 +254,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
                             // not flatter TTFT.
                             let at = ((i + 1000 * conc) * 997) % (words.len() - prompt_words);
                             let prompt = words[at..at + prompt_words].join(" ");
-                            out.push(one_request(&http, &url, &prompt, a.max_tokens));
+                            out.push(one_request(&http, &url, &prompt, &a));
                         }
                         out
                     })
@@ -201,9 +263,22 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
             handles
                 .into_iter()
                 .flat_map(|h| h.join().expect("client thread"))
-                .collect::<Result<Vec<_>>>()
-        })?;
+                .collect()
+        });
         let wall = start.elapsed().as_secs_f64();
+        let metrics = http.get(format!("{base}/metrics")).send()?.text()?;
+        drop(server);
+        let failed: Vec<String> = results
+            .iter()
+            .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
+            .collect();
+        if let Some(e) = failed.first() {
+            eprintln!(
+                "{} of {n_requests} requests failed; the first: {e}",
+                failed.len()
+            );
+        }
+        let samples: Vec<Sample> = results.into_iter().filter_map(Result::ok).collect();
         let tokens: usize = samples.iter().map(|s| s.completion_tokens).sum();
         let mut ttft: Vec<f64> = samples.iter().map(|s| s.ttft_s).collect();
         let mut itl: Vec<f64> = samples
@@ -214,16 +289,22 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         for v in [&mut ttft, &mut itl, &mut e2e] {
             v.sort_by(f64::total_cmp);
         }
+        let peak_blocks = metric(&metrics, "pagekeeper:kv_blocks_in_use_peak");
+        let max_running = metric(&metrics, "pagekeeper:num_requests_running_peak");
+        let preemptions = metric(&metrics, "vllm:num_preemptions_total")
+            .max(metric(&metrics, "vllm:num_preemptions"));
         let level = serde_json::json!({
             "concurrency": conc, "requests": n_requests, "completion_tokens": tokens, "wall_s": wall,
             "decode_tok_s": tokens as f64 / wall,
             "ttft_p50_s": percentile(&ttft, 0.5), "ttft_p99_s": percentile(&ttft, 0.99),
             "itl_p50_s": percentile(&itl, 0.5), "itl_p99_s": percentile(&itl, 0.99),
             "e2e_p50_s": percentile(&e2e, 0.5),
+            "peak_kv_blocks": peak_blocks, "kv_blocks_total": metric(&metrics, "pagekeeper:kv_blocks_total"),
+            "preemptions": preemptions, "failed": failed.len(), "max_running_seqs": max_running,
         });
         if !a.json {
             println!(
-                "{:>6} {:>8} {:>12.1} {:>9.3}s {:>9.3}s {:>9.4}s {:>9.4}s {:>9.2}s",
+                "{:>6} {:>8} {:>12.1} {:>9.3}s {:>9.3}s {:>9.4}s {:>9.4}s {:>9.2}s {:>10} {:>8} {:>8} {:>7}",
                 conc,
                 n_requests,
                 tokens as f64 / wall,
@@ -231,7 +312,11 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
                 percentile(&ttft, 0.99),
                 percentile(&itl, 0.5),
                 percentile(&itl, 0.99),
-                percentile(&e2e, 0.5)
+                percentile(&e2e, 0.5),
+                peak_blocks,
+                max_running,
+                preemptions,
+                failed.len()
             );
         }
         levels.push(level);
@@ -239,7 +324,12 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            serde_json::json!({"max_tokens": a.max_tokens, "prompt_tokens": a.prompt_tokens, "levels": levels})
+            serde_json::json!({
+                "max_tokens": a.max_tokens, "prompt_tokens": a.prompt_tokens,
+                "kv_policy": a.kv_policy, "kv_budget": a.kv_budget,
+                "kv_capacity_tokens": a.kv_capacity_tokens, "kv_dtype": a.kv_dtype,
+                "levels": levels,
+            })
         );
     }
     Ok(())

@@ -261,6 +261,8 @@ pub struct EngineStats {
     pub steps: u64,
     /// The most bytes of KV blocks in use at once (after a step's allocation).
     pub kv_bytes_peak: usize,
+    /// The most sequences running in one step.
+    pub max_running_seqs: usize,
     /// Token masks computed for grammars (structured output), and their time.
     pub grammar_masks: u64,
     pub grammar_mask_seconds: f64,
@@ -1113,6 +1115,7 @@ impl Engine {
             return 0;
         }
         self.stats.kv_bytes_peak = self.stats.kv_bytes_peak.max(self.kv_bytes_in_use());
+        self.stats.max_running_seqs = self.stats.max_running_seqs.max(self.running.len());
         let n_tokens = self.run_plan(&plan);
         self.stats.steps += 1;
         n_tokens

@@ -222,6 +222,15 @@ fn publish(
     metrics::gauge!("vllm:num_requests_waiting", &labels).set(engine.num_waiting() as f64);
     metrics::gauge!("vllm:kv_cache_usage_perc", &labels).set(engine.kv_manager().usage());
     let s = &engine.stats;
+    // Peaks since the server started (what load tests read): blocks are the pool's unit,
+    // whatever their layer count.
+    let pool = engine.kv_manager().pool();
+    metrics::gauge!("pagekeeper:kv_blocks_total", &labels).set(pool.num_blocks() as f64);
+    metrics::gauge!("pagekeeper:kv_blocks_in_use", &labels)
+        .set((pool.num_blocks() - pool.num_free_blocks()) as f64);
+    metrics::gauge!("pagekeeper:kv_blocks_in_use_peak", &labels)
+        .set((s.kv_bytes_peak / engine.kv_block_bytes().max(1)) as f64);
+    metrics::gauge!("pagekeeper:num_requests_running_peak", &labels).set(s.max_running_seqs as f64);
     metrics::counter!("vllm:prompt_tokens", &labels)
         .increment(s.prompt_tokens - last.prompt_tokens);
     metrics::counter!("vllm:generation_tokens", &labels)

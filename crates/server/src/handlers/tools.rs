@@ -155,12 +155,14 @@ pub(super) fn parse(
             "none" => ToolChoice::None,
             "auto" => ToolChoice::Auto,
             "required" => ToolChoice::Required,
-            other => return Err(ApiError::param(
-                "tool_choice",
-                format!(
+            other => {
+                return Err(ApiError::param(
+                    "tool_choice",
+                    format!(
                     "tool_choice must be none, auto, required or a named function, got {other:?}"
                 ),
-            )),
+                ))
+            }
         },
         Some(v) => match v.pointer("/function/name").and_then(Value::as_str) {
             Some(name) if names.contains(name) => ToolChoice::Named(name.to_string()),
