@@ -1081,7 +1081,8 @@ impl Engine {
                 pending.min(budget).min(prefill_left)
             } else {
                 pending.min(budget)
-            };
+            }
+            .min(self.running[i].max_chunk());
             if take == 0 {
                 continue;
             }
@@ -1200,7 +1201,9 @@ impl Engine {
                 window_tables: &window_tables[k],
             });
             capture.push(match &s.eviction {
-                Some(ev) if !ev.initialised && to == s.all_ids.len() => {
+                // An evicting sequence's prompt ends at `n_prompt` (a recompute replays
+                // its generated tokens afterwards, see `SeqState::max_chunk`).
+                Some(ev) if !ev.initialised && to == s.n_prompt => {
                     ev.policy().prefill_queries().count(to - from)
                 }
                 Some(ev)

@@ -147,9 +147,25 @@ impl SeqState {
         child
     }
 
-    /// More than one token to compute: a prompt (or, after preemption, a recompute).
+    /// More than one token to compute: a prompt (or, after preemption, a recompute). An
+    /// evicting sequence's recompute is a prefill of its prompt only; its generated tokens
+    /// are then replayed one per step, as decode (`max_chunk`), so that every eviction
+    /// happens over the same cache as the first time.
     pub fn is_prefilling(&self) -> bool {
+        if self.eviction.is_some() {
+            return self.num_computed < self.n_prompt;
+        }
         self.all_ids.len() - self.num_computed > 1 || self.num_computed < self.n_prompt
+    }
+
+    /// The most tokens the next chunk may compute: an evicting sequence's prompt ends its
+    /// prefill chunk (its selection runs there), and its replayed tokens go one at a time.
+    pub fn max_chunk(&self) -> usize {
+        match (&self.eviction, self.num_computed < self.n_prompt) {
+            (None, _) => usize::MAX,
+            (Some(_), true) => self.n_prompt - self.num_computed,
+            (Some(_), false) => 1,
+        }
     }
 
     /// Absolute (RoPE) position of `all_ids[i]`.

@@ -290,3 +290,41 @@ fn n_choices_fork_one_computed_prompt() {
         small.kv_manager().pool().num_blocks()
     );
 }
+
+/// Preemption under eviction: a preempted evicting sequence recomputes to the same tokens
+/// as when it ran unpreempted: its prompt is prefilled and pruned as before, then its
+/// generated tokens are replayed one per step, so every decode eviction sees the same cache
+/// (recomputing prompt and output as one prompt re-chose the kept tokens: measured, the
+/// tokens diverged after the preemption). Checked for a key/value scorer and for an
+/// attention scorer per KV head, which captures queries at prefill and decode.
+#[test]
+fn preempted_evicting_sequences_recompute_the_same_tokens() {
+    for (policy, granularity) in [("paged-eviction", "shared"), ("snapkv", "head")] {
+        let params = GenerateParams {
+            max_tokens: 96,
+            ignore_eos: true,
+            kv_policy: Some(policy.parse().unwrap()),
+            kv_budget: Some(48),
+            kv_granularity: Some(granularity.parse().unwrap()),
+            ..Default::default()
+        };
+        let mut single = common::engine(EngineConfig::default());
+        let ps = prompts(&single);
+        let alone: Vec<Vec<u32>> = ps
+            .iter()
+            .map(|p| single.generate(p, &params, &mut |_| {}).unwrap().token_ids)
+            .collect();
+        let tight = EngineConfig {
+            kv_capacity_tokens: Some(10 * 16),
+            ..Default::default()
+        };
+        let (preempted, preemptions) = run_batched(tight, &ps, &params);
+        assert!(
+            preemptions > 0,
+            "{policy}: expected preemptions with a tight KV cache"
+        );
+        for (i, (got, want)) in preempted.iter().zip(&alone).enumerate() {
+            assert_eq!(got, want, "{policy}/{granularity}, prompt {i}");
+        }
+    }
+}
