@@ -68,6 +68,6 @@ fn bench_serve_reports_the_pool_per_level() {
             running >= 1.0 && running <= l["concurrency"].as_f64().unwrap(),
             "{l}"
         );
-        assert!(l["preemptions"].as_f64().unwrap() >= 0.0);
+        assert!(l["preemptions"].is_number(), "{l}");
     }
 }

@@ -61,7 +61,7 @@ impl GrammarSpec {
 /// JSON in Python's `json.dumps` layout (", " and ": ", no other whitespace) unless the
 /// schema sets llguidance's own options: with flexible whitespace a small model can emit
 /// newlines until `max_tokens` runs out (measured: SmolLM2 on `json_object`).
-fn compact(mut schema: serde_json::Value) -> serde_json::Value {
+pub fn compact(mut schema: serde_json::Value) -> serde_json::Value {
     if let Some(obj) = schema.as_object_mut() {
         obj.entry("x-guidance").or_insert_with(|| {
             serde_json::json!({

@@ -55,6 +55,7 @@ pub async fn chat_completions(
         params.grammar = Some(g);
     }
     let tools_active = tools.as_ref().is_some_and(|t| t.active());
+    let parallel_calls = tools.as_ref().is_none_or(|t| t.parallel);
     let wants_logprobs = params.logprobs.is_some();
     let include_usage = req
         .common
@@ -78,7 +79,7 @@ pub async fn chat_completions(
     let choices: Vec<(Value, &'static str)> = outputs
         .iter()
         .map(|o| {
-            let (message, finish) = reply(o, tools_active);
+            let (message, finish) = reply(o, tools_active, parallel_calls);
             let lp = match wants_logprobs {
                 true => crate::logprobs::chat(&state.tokenizer, &o.logprobs),
                 false => Value::Null,
@@ -190,13 +191,18 @@ fn render(
     state.chat_template.render(&msgs, true).map_err(failed)
 }
 
-/// One choice's message and finish reason; with tools, its calls parsed out of the text.
-fn reply(o: &RequestOutput, tools_active: bool) -> (Value, &'static str) {
+/// One choice's message and finish reason; with tools, its calls parsed out of the text
+/// (only the first without `parallel_tool_calls`: `auto` is not grammar-constrained, so
+/// the model may have written more).
+fn reply(o: &RequestOutput, tools_active: bool, parallel_calls: bool) -> (Value, &'static str) {
     let finish = finish_str(o.finish_reason);
     if !tools_active {
         return (json!({"role": "assistant", "content": o.text}), finish);
     }
-    let (content, calls) = super::tools::parse_calls(&o.text);
+    let (content, mut calls) = super::tools::parse_calls(&o.text);
+    if !parallel_calls {
+        calls.truncate(1);
+    }
     if calls.is_empty() {
         return (json!({"role": "assistant", "content": o.text}), finish);
     }

@@ -61,10 +61,7 @@ impl Tools {
                 })
             })
             .collect();
-        let schema = json!({
-            "anyOf": variants,
-            "x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "},
-        });
+        let schema = pk_engine::grammar::compact(json!({ "anyOf": variants }));
         let calls = if self.parallel {
             "call (\"\\n\" call)*"
         } else {
