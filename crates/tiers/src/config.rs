@@ -123,14 +123,14 @@ impl TierConfig {
             input: value.to_owned(),
             reason,
         };
-        if value.starts_with("redis+cluster://") {
-            return Err(bad("Redis Cluster (redis+cluster://) is not supported yet; use a single redis:// server".into()));
-        }
         if !(value.starts_with("redis://")
+            || value.starts_with("redis+cluster://")
             || value.starts_with("rediss://")
             || value.starts_with("redis+unix://"))
         {
-            return Err(bad("expected a redis:// URL".into()));
+            return Err(bad(
+                "expected a redis:// URL or redis+cluster://host:port,host:port,…".into(),
+            ));
         }
         let (base, query) = value.split_once('?').unwrap_or((value, ""));
         let (mut capacity_bytes, mut key_prefix) = (None, None);
@@ -149,7 +149,11 @@ impl TierConfig {
                 }
             }
         }
-        redis::Client::open(base).map_err(|e| bad(e.to_string()))?;
+        if base.starts_with("redis+cluster://") {
+            crate::redis_link::cluster_seed_urls("redis", base).map_err(|e| bad(e.to_string()))?;
+        } else {
+            redis::Client::open(base).map_err(|e| bad(e.to_string()))?;
+        }
         Ok(TierConfig::Redis {
             url: base.to_owned(),
             capacity_bytes,
@@ -250,10 +254,18 @@ mod tests {
                 key_prefix: Some("team:".into())
             })
         );
-        let cluster = TierConfig::parse("--tier-redis", "redis+cluster://h:7000")
+        assert_eq!(
+            TierConfig::parse("--tier-redis", "redis+cluster://h:7000,h:7001?prefix=team:"),
+            Ok(TierConfig::Redis {
+                url: "redis+cluster://h:7000,h:7001".into(),
+                capacity_bytes: None,
+                key_prefix: Some("team:".into())
+            })
+        );
+        let cluster = TierConfig::parse("--tier-redis", "redis+cluster://h")
             .unwrap_err()
             .to_string();
-        assert!(cluster.contains("not supported yet"), "{cluster}");
+        assert!(cluster.contains("host:port"), "{cluster}");
         assert!(TierConfig::parse("--tier-redis", "http://h").is_err());
         assert!(TierConfig::parse("--tier-redis", "redis://h:1?ttl=5").is_err());
         assert!(matches!(

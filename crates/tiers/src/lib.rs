@@ -30,6 +30,7 @@ mod disk_format;
 pub mod key;
 mod lru;
 pub mod ram;
+mod redis_link;
 mod redis_scripts;
 pub mod redis_tier;
 pub mod store;

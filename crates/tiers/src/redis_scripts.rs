@@ -15,8 +15,10 @@
 //! committed entries. Configure Redis's own `maxmemory` above the tier's capacity as a
 //! backstop: if Redis evicts a payload itself, the reader finds metadata without a payload,
 //! treats it as corrupt, and `DROP`s it.
-//! NOTE 3: scripts touch keys they derive from `P` instead of declaring them in KEYS, which
-//! is fine on a single Redis and one reason `redis+cluster://` is not supported yet.
+//! NOTE 3: scripts touch keys they derive from `P` instead of declaring them all in KEYS
+//! (LRU victims cannot be known beforehand). KEYS[1] is `P lru`, which routes the call on a
+//! cluster; on a cluster `P` carries a hash tag, so every key a script touches lives in that
+//! one slot (`redis_link.rs`, NOTE 1).
 
 /// ARGV: prefix, capacity_bytes, then (hex, payload_len, meta) triples.
 /// Returns {committed, evicted, usage_bytes}.

@@ -1,5 +1,7 @@
-//! The Redis tier: how several pagekeeper servers share KV chunks. Key layout, the
-//! payload-before-metadata protocol and the LRU capacity policy are in `redis_scripts.rs`.
+//! The Redis tier: how several pagekeeper servers share KV chunks, on one Redis server
+//! (`redis://`) or a Redis Cluster (`redis+cluster://host:port,…`, see `redis_link.rs`). Key
+//! layout, the payload-before-metadata protocol and the LRU capacity policy are in
+//! `redis_scripts.rs`.
 //!
 //! NOTE 1 (bounded): every socket read and write has a timeout, connects have a timeout, and
 //! a pipeline never carries more than `max_in_flight_bytes` of payload (a batch is split),
@@ -7,28 +9,34 @@
 //! NOTE 2 (outages): any error drops the connection; the next call reconnects. After a failed
 //! connect, calls fail at once with `Unavailable` until `reconnect_backoff` has passed, so a
 //! dead Redis costs callers microseconds, not a connect timeout each. Callers treat errors as
-//! misses and recompute.
+//! misses and recompute. On a cluster, a dead master fails the calls that touch it until its
+//! replica is promoted; the reconnect after that reads the new slot map and hits resume.
 //! NOTE 3 (concurrency): one connection behind a mutex; tiers are driven by one background
 //! thread, so a pool would buy nothing yet.
+//! NOTE 4 (shards): keys live in shards, each a key prefix with its own LRU and usage
+//! counter. A single server has one shard (the configured prefix, the layout of every earlier
+//! version); a cluster has `cluster_shards`, one hash tag each (NOTE 1 of `redis_link.rs`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use redis::{Connection, RedisResult};
+use redis::{Cmd, RedisResult};
 
-use crate::redis_scripts;
+use crate::redis_link::{cluster_shard_prefixes, Link, Script, Target, Timeouts};
 use crate::tier::{BandwidthEstimate, BandwidthMeter, Evicted, Payload, Tier};
 use crate::{ChunkKey, TierError};
 
 #[derive(Clone, Debug)]
 pub struct RedisTierConfig {
-    /// `redis://[user:pass@]host:port[/db]`.
+    /// `redis://[user:pass@]host:port[/db]`, or `redis+cluster://[user:pass@]host:port,…`
+    /// (seed nodes of a Redis Cluster).
     pub url: String,
     pub name: String,
     /// Namespace of every key; servers that should share chunks use the same prefix.
     pub key_prefix: String,
     /// Payload bytes kept before LRU eviction; `u64::MAX` leaves it to Redis's `maxmemory`.
+    /// On a cluster each shard holds `capacity_bytes / cluster_shards`.
     pub capacity_bytes: u64,
     pub connect_timeout: Duration,
     pub io_timeout: Duration,
@@ -36,6 +44,9 @@ pub struct RedisTierConfig {
     pub max_in_flight_bytes: u64,
     /// Lifetime of a payload whose metadata was never written (the writer died).
     pub pending_ttl_s: u64,
+    /// Shards on a cluster (NOTE 4); ignored on a single server. Servers sharing a cluster
+    /// must agree on it.
+    pub cluster_shards: usize,
 }
 
 impl RedisTierConfig {
@@ -52,6 +63,9 @@ impl RedisTierConfig {
             // MB/s, 16-64 MiB ones about 250 MB/s, so batches stay small.
             max_in_flight_bytes: 4 << 20,
             pending_ttl_s: 60,
+            // Sixteen spread over three to a few dozen masters evenly enough, and keep a
+            // shard's share of a capacity of a few GiB above a chunk's few MB.
+            cluster_shards: 16,
         }
     }
 }
@@ -67,24 +81,22 @@ pub struct RedisStats {
     pub corrupt_entries: u64,
 }
 
-struct Conn {
-    conn: Connection,
-    commit_sha: String,
-    touch_sha: String,
-    drop_sha: String,
-}
-
 #[derive(Default)]
 struct ConnSlot {
-    conn: Option<Conn>,
+    link: Option<Link>,
     retry_at: Option<Instant>,
 }
 
 pub struct RedisTier {
     config: RedisTierConfig,
-    client: redis::Client,
+    target: Target,
+    timeouts: Timeouts,
+    /// Key prefix of each shard (NOTE 4).
+    shard_prefixes: Vec<String>,
+    shard_capacity_bytes: u64,
     slot: Mutex<ConnSlot>,
-    usage_bytes: AtomicU64,
+    /// Last usage each shard's scripts reported (other servers change them too).
+    shard_usage_bytes: Vec<AtomicU64>,
     meter: BandwidthMeter,
     pipelines_sent: AtomicU64,
     max_pipeline_payload_bytes: AtomicU64,
@@ -101,22 +113,37 @@ impl RedisTier {
             tier: config.name.clone(),
             reason,
         };
-        if config.url.starts_with("redis+cluster://") {
-            return Err(invalid(format!(
-                "{}: Redis Cluster is not supported yet; use a single redis:// server",
-                config.url
-            )));
-        }
         if config.max_in_flight_bytes == 0 {
             return Err(invalid("max_in_flight_bytes must be positive".into()));
         }
-        let client = redis::Client::open(config.url.as_str())
-            .map_err(|e| invalid(format!("bad URL {}: {e}", config.url)))?;
+        let timeouts = Timeouts {
+            connect: config.connect_timeout,
+            io: config.io_timeout,
+        };
+        let target = Target::open(&config.name, &config.url, &timeouts)?;
+        let shard_prefixes = if target.is_cluster() {
+            if config.key_prefix.contains(['{', '}']) {
+                return Err(invalid(format!(
+                    "key prefix {:?}: braces would be read as a cluster hash tag and pin every key to one slot",
+                    config.key_prefix
+                )));
+            }
+            if config.cluster_shards == 0 || config.cluster_shards > 16_384 {
+                return Err(invalid("cluster_shards must be in 1..=16384".into()));
+            }
+            cluster_shard_prefixes(&config.key_prefix, config.cluster_shards)
+        } else {
+            vec![config.key_prefix.clone()]
+        };
+        let shard_capacity_bytes = config.capacity_bytes / shard_prefixes.len() as u64;
         Ok(RedisTier {
+            shard_usage_bytes: shard_prefixes.iter().map(|_| AtomicU64::new(0)).collect(),
+            shard_prefixes,
+            shard_capacity_bytes,
             config,
-            client,
+            target,
+            timeouts,
             slot: Mutex::new(ConnSlot::default()),
-            usage_bytes: AtomicU64::new(0),
             meter: BandwidthMeter::default(),
             pipelines_sent: AtomicU64::new(0),
             max_pipeline_payload_bytes: AtomicU64::new(0),
@@ -130,6 +157,16 @@ impl RedisTier {
         &self.config
     }
 
+    /// Whether this tier is on a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.target.is_cluster()
+    }
+
+    /// The key prefix of every shard (one on a single server).
+    pub fn shard_prefixes(&self) -> &[String] {
+        &self.shard_prefixes
+    }
+
     pub fn stats(&self) -> RedisStats {
         RedisStats {
             pipelines_sent: self.pipelines_sent.load(Ordering::Relaxed),
@@ -140,52 +177,50 @@ impl RedisTier {
         }
     }
 
-    /// Reads the shared usage counter (other servers change it too).
+    /// Reads the shared usage counters (other servers change them too).
     pub fn refresh_usage_bytes(&self) -> Result<u64, TierError> {
-        let key = self.usage_key();
-        let used: Option<u64> =
-            self.with_conn(|c| redis::cmd("GET").arg(&key).query(&mut c.conn))?;
-        self.usage_bytes.store(used.unwrap_or(0), Ordering::Relaxed);
-        Ok(used.unwrap_or(0))
+        let cmds = self
+            .shard_prefixes
+            .iter()
+            .map(|p| {
+                let mut c = redis::cmd("GET");
+                c.arg(format!("{p}usage"));
+                (c, false)
+            })
+            .collect();
+        let used: Vec<Option<u64>> = self.with_link(|link| link.pipeline(cmds))?;
+        for (shard, used) in used.into_iter().enumerate() {
+            self.shard_usage_bytes[shard].store(used.unwrap_or(0), Ordering::Relaxed);
+        }
+        Ok(self.usage_bytes())
+    }
+
+    /// The shard of a key: its first eight bytes (a BLAKE3 hash, so uniform) modulo shards.
+    fn shard_of(&self, key: &ChunkKey) -> usize {
+        let head = u64::from_le_bytes(key.0[..8].try_into().unwrap());
+        (head % self.shard_prefixes.len() as u64) as usize
     }
 
     fn data_key(&self, key: &ChunkKey) -> String {
-        format!("{}d:{key}", self.config.key_prefix)
+        format!("{}d:{key}", self.shard_prefixes[self.shard_of(key)])
     }
 
     fn meta_key(&self, key: &ChunkKey) -> String {
-        format!("{}m:{key}", self.config.key_prefix)
+        format!("{}m:{key}", self.shard_prefixes[self.shard_of(key)])
     }
 
-    fn usage_key(&self) -> String {
-        format!("{}usage", self.config.key_prefix)
-    }
-
-    fn connect(&self) -> RedisResult<Conn> {
-        let mut conn = self
-            .client
-            .get_connection_with_timeout(self.config.connect_timeout)?;
-        conn.set_read_timeout(Some(self.config.io_timeout))?;
-        conn.set_write_timeout(Some(self.config.io_timeout))?;
-        // Loaded on every connect: a restarted Redis has an empty script cache.
-        let mut load = |src: &str| -> RedisResult<String> {
-            redis::cmd("SCRIPT").arg("LOAD").arg(src).query(&mut conn)
-        };
-        let commit_sha = load(redis_scripts::COMMIT)?;
-        let touch_sha = load(redis_scripts::TOUCH)?;
-        let drop_sha = load(redis_scripts::DROP)?;
-        Ok(Conn {
-            conn,
-            commit_sha,
-            touch_sha,
-            drop_sha,
-        })
+    /// A script call on `shard`: the shard's LRU key routes it, its prefix is ARGV[1].
+    fn script(&self, link: &Link, script: Script, shard: usize) -> Cmd {
+        let prefix = &self.shard_prefixes[shard];
+        let mut cmd = link.script(script, &format!("{prefix}lru"));
+        cmd.arg(prefix);
+        cmd
     }
 
     /// Runs `op` on a live connection, connecting first if needed (NOTE 2).
-    fn with_conn<T>(&self, op: impl FnOnce(&mut Conn) -> RedisResult<T>) -> Result<T, TierError> {
+    fn with_link<T>(&self, op: impl FnOnce(&mut Link) -> RedisResult<T>) -> Result<T, TierError> {
         let mut slot = self.slot.lock().unwrap();
-        if slot.conn.is_none() {
+        if slot.link.is_none() {
             let now = Instant::now();
             if let Some(retry_at) = slot.retry_at.filter(|at| now < *at) {
                 return Err(TierError::Unavailable {
@@ -197,9 +232,9 @@ impl RedisTier {
                     ),
                 });
             }
-            match self.connect() {
-                Ok(conn) => {
-                    slot.conn = Some(conn);
+            match self.target.connect(&self.timeouts) {
+                Ok(link) => {
+                    slot.link = Some(link);
                     slot.retry_at = None;
                     self.connects.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(tier = %self.config.name, url = %self.config.url, "connected to redis");
@@ -214,11 +249,11 @@ impl RedisTier {
                 }
             }
         }
-        let result = op(slot.conn.as_mut().unwrap());
+        let result = op(slot.link.as_mut().unwrap());
         if let Err(e) = &result {
             // Whatever went wrong, the connection may hold a half-read reply: start afresh.
             tracing::warn!(tier = %self.config.name, error = %e, "redis operation failed; dropping the connection");
-            slot.conn = None;
+            slot.link = None;
         }
         result.map_err(|source| TierError::Redis {
             tier: self.config.name.clone(),
@@ -232,11 +267,12 @@ impl RedisTier {
             .fetch_max(payload_bytes, Ordering::Relaxed);
     }
 
-    /// Only the capacity limits an entry's size. An entry above `max_in_flight_bytes` travels
-    /// in a pipeline of its own (NOTE 1): refusing it would make the default 256-token chunk
-    /// of even a small model (5.9 MB for SmolLM2-135M at f16) impossible to store.
+    /// Only a shard's capacity limits an entry's size. An entry above `max_in_flight_bytes`
+    /// travels in a pipeline of its own (NOTE 1): refusing it would make the default
+    /// 256-token chunk of even a small model (5.9 MB for SmolLM2-135M at f16) impossible to
+    /// store.
     fn too_large(&self, size_bytes: u64) -> Option<TierError> {
-        let limit_bytes = self.config.capacity_bytes;
+        let limit_bytes = self.shard_capacity_bytes;
         (size_bytes > limit_bytes).then(|| TierError::TooLarge {
             tier: self.config.name.clone(),
             size_bytes,
@@ -244,34 +280,56 @@ impl RedisTier {
         })
     }
 
-    /// One pipeline: every payload (pending), then one COMMIT that makes them visible.
+    /// Shards in `keys`' order of first appearance, each with the indices of its keys.
+    fn group_by_shard<'k>(
+        &self,
+        keys: impl Iterator<Item = &'k ChunkKey>,
+    ) -> Vec<(usize, Vec<usize>)> {
+        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (i, key) in keys.enumerate() {
+            let shard = self.shard_of(key);
+            match groups.iter_mut().find(|(s, _)| *s == shard) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((shard, vec![i])),
+            }
+        }
+        groups
+    }
+
+    /// One pipeline: every payload (pending), then one COMMIT per shard that makes them
+    /// visible.
     fn store_batch(&self, batch: &[(ChunkKey, Payload)]) -> Result<(), TierError> {
         let batch_bytes: u64 = batch.iter().map(|(_, p)| p.len() as u64).sum();
-        let (committed, evicted, used): (u64, u64, u64) = self.with_conn(|c| {
-            let mut pipe = redis::pipe();
+        let groups = self.group_by_shard(batch.iter().map(|(k, _)| k));
+        let results: Vec<(u64, u64, u64)> = self.with_link(|link| {
+            let mut cmds = Vec::with_capacity(batch.len() + groups.len());
             for (key, payload) in batch {
-                pipe.cmd("SET")
-                    .arg(self.data_key(key))
+                let mut set = redis::cmd("SET");
+                set.arg(self.data_key(key))
                     .arg(&payload[..])
                     .arg("EX")
-                    .arg(self.config.pending_ttl_s)
-                    .ignore();
+                    .arg(self.config.pending_ttl_s);
+                cmds.push((set, true));
             }
-            let commit = pipe
-                .cmd("EVALSHA")
-                .arg(&c.commit_sha)
-                .arg(0)
-                .arg(&self.config.key_prefix)
-                .arg(self.config.capacity_bytes);
-            for (key, payload) in batch {
-                let meta = format!("v1 {} {}", payload.len(), crc32c::crc32c(payload));
-                commit.arg(key.to_hex()).arg(payload.len()).arg(meta);
+            for (shard, members) in &groups {
+                let mut commit = self.script(link, Script::Commit, *shard);
+                commit.arg(self.shard_capacity_bytes);
+                for &i in members {
+                    let (key, payload) = &batch[i];
+                    let meta = format!("v1 {} {}", payload.len(), crc32c::crc32c(payload));
+                    commit.arg(key.to_hex()).arg(payload.len()).arg(meta);
+                }
+                cmds.push((commit, false));
             }
-            let (result,): ((u64, u64, u64),) = pipe.query(&mut c.conn)?;
-            Ok(result)
+            link.pipeline(cmds)
         })?;
         self.note_pipeline(batch_bytes);
-        self.usage_bytes.store(used, Ordering::Relaxed);
+        let (mut committed, mut evicted) = (0, 0);
+        for ((shard, _), (c, e, used)) in groups.iter().zip(results) {
+            committed += c;
+            evicted += e;
+            self.shard_usage_bytes[*shard].store(used, Ordering::Relaxed);
+        }
         if committed < batch.len() as u64 {
             tracing::warn!(tier = %self.config.name, committed, sent = batch.len(), "payloads vanished before commit (redis maxmemory?)");
         }
@@ -281,16 +339,26 @@ impl RedisTier {
         Ok(())
     }
 
-    fn drop_entries(&self, hexes: &[String]) -> Result<u64, TierError> {
-        let (deleted, used): (u64, u64) = self.with_conn(|c| {
-            let mut cmd = redis::cmd("EVALSHA");
-            cmd.arg(&c.drop_sha)
-                .arg(0)
-                .arg(&self.config.key_prefix)
-                .arg(hexes);
-            cmd.query(&mut c.conn)
+    fn drop_entries(&self, keys: &[ChunkKey]) -> Result<u64, TierError> {
+        let groups = self.group_by_shard(keys.iter());
+        let results: Vec<(u64, u64)> = self.with_link(|link| {
+            let cmds = groups
+                .iter()
+                .map(|(shard, members)| {
+                    let mut drop = self.script(link, Script::Drop, *shard);
+                    for &i in members {
+                        drop.arg(keys[i].to_hex());
+                    }
+                    (drop, false)
+                })
+                .collect();
+            link.pipeline(cmds)
         })?;
-        self.usage_bytes.store(used, Ordering::Relaxed);
+        let mut deleted = 0;
+        for ((shard, _), (d, used)) in groups.iter().zip(results) {
+            deleted += d;
+            self.shard_usage_bytes[*shard].store(used, Ordering::Relaxed);
+        }
         Ok(deleted)
     }
 }
@@ -360,43 +428,49 @@ impl Tier for RedisTier {
     fn load_many(&self, keys: &[ChunkKey]) -> Result<Vec<Option<Payload>>, TierError> {
         let started = Instant::now();
         // Round trip 1: metadata, small, tells which keys are visible and how big they are.
-        let metas: Vec<Option<Vec<u8>>> = self.with_conn(|c| {
-            let mut pipe = redis::pipe();
-            for key in keys {
-                pipe.cmd("GET").arg(self.meta_key(key));
-            }
-            pipe.query(&mut c.conn)
+        let metas: Vec<Option<Vec<u8>>> = self.with_link(|link| {
+            let cmds = keys
+                .iter()
+                .map(|key| {
+                    let mut get = redis::cmd("GET");
+                    get.arg(self.meta_key(key));
+                    (get, false)
+                })
+                .collect();
+            link.pipeline(cmds)
         })?;
         let mut out: Vec<Option<Payload>> = vec![None; keys.len()];
-        let mut corrupt: Vec<String> = Vec::new();
+        let mut corrupt: Vec<ChunkKey> = Vec::new();
         let mut hits: Vec<(usize, u64, u32)> = Vec::new();
         for (i, meta) in metas.iter().enumerate() {
             match meta.as_deref().map(parse_meta) {
                 None => {}
                 Some(Some((len, crc))) => hits.push((i, len, crc)),
-                Some(None) => corrupt.push(keys[i].to_hex()),
+                Some(None) => corrupt.push(keys[i]),
             }
         }
-        // Round trips 2..: payloads, at most `max_in_flight_bytes` per pipeline.
+        // Round trips 2..: payloads, at most `max_in_flight_bytes` per pipeline, each led by
+        // one TOUCH per shard that refreshes the LRU.
         let mut bytes_read = 0u64;
         let sizes_bytes: Vec<u64> = hits.iter().map(|h| h.1).collect();
         for range in batches(&sizes_bytes, self.config.max_in_flight_bytes) {
             let batch = &hits[range];
-            let datas: Vec<Option<Vec<u8>>> = self.with_conn(|c| {
-                let mut pipe = redis::pipe();
-                let touch = pipe
-                    .cmd("EVALSHA")
-                    .arg(&c.touch_sha)
-                    .arg(0)
-                    .arg(&self.config.key_prefix);
-                for &(i, _, _) in batch {
-                    touch.arg(keys[i].to_hex());
+            let groups = self.group_by_shard(batch.iter().map(|&(i, _, _)| &keys[i]));
+            let datas: Vec<Option<Vec<u8>>> = self.with_link(|link| {
+                let mut cmds = Vec::with_capacity(groups.len() + batch.len());
+                for (shard, members) in &groups {
+                    let mut touch = self.script(link, Script::Touch, *shard);
+                    for &m in members {
+                        touch.arg(keys[batch[m].0].to_hex());
+                    }
+                    cmds.push((touch, true));
                 }
-                pipe.ignore();
                 for &(i, _, _) in batch {
-                    pipe.cmd("GET").arg(self.data_key(&keys[i]));
+                    let mut get = redis::cmd("GET");
+                    get.arg(self.data_key(&keys[i]));
+                    cmds.push((get, false));
                 }
-                pipe.query(&mut c.conn)
+                link.pipeline(cmds)
             })?;
             self.note_pipeline(batch.iter().map(|h| h.1).sum());
             for (&(i, len, crc), data) in batch.iter().zip(datas) {
@@ -405,7 +479,7 @@ impl Tier for RedisTier {
                         bytes_read += len;
                         out[i] = Some(Payload::from(bytes));
                     }
-                    _ => corrupt.push(keys[i].to_hex()),
+                    _ => corrupt.push(keys[i]),
                 }
             }
         }
@@ -429,19 +503,23 @@ impl Tier for RedisTier {
 
     fn contains_many(&self, keys: &[ChunkKey]) -> Result<Vec<bool>, TierError> {
         let started = Instant::now();
-        let found: Vec<bool> = self.with_conn(|c| {
-            let mut pipe = redis::pipe();
-            for key in keys {
-                pipe.cmd("EXISTS").arg(self.meta_key(key));
-            }
-            pipe.query(&mut c.conn)
+        let found: Vec<bool> = self.with_link(|link| {
+            let cmds = keys
+                .iter()
+                .map(|key| {
+                    let mut exists = redis::cmd("EXISTS");
+                    exists.arg(self.meta_key(key));
+                    (exists, false)
+                })
+                .collect();
+            link.pipeline(cmds)
         })?;
         self.meter.record_access(started.elapsed());
         Ok(found)
     }
 
     fn delete(&self, key: &ChunkKey) -> Result<bool, TierError> {
-        Ok(self.drop_entries(&[key.to_hex()])? > 0)
+        Ok(self.drop_entries(std::slice::from_ref(key))? > 0)
     }
 
     fn capacity_bytes(&self) -> u64 {
@@ -449,7 +527,10 @@ impl Tier for RedisTier {
     }
 
     fn usage_bytes(&self) -> u64 {
-        self.usage_bytes.load(Ordering::Relaxed)
+        self.shard_usage_bytes
+            .iter()
+            .map(|u| u.load(Ordering::Relaxed))
+            .sum()
     }
 
     fn bandwidth(&self) -> BandwidthEstimate {
@@ -483,10 +564,22 @@ mod tests {
     }
 
     #[test]
-    fn cluster_urls_are_refused_clearly() {
-        let err = RedisTier::open(RedisTierConfig::new("redis+cluster://127.0.0.1:7000"))
+    fn cluster_urls_open_with_spread_shards() {
+        let tier = RedisTier::open(RedisTierConfig::new(
+            "redis+cluster://127.0.0.1:1,127.0.0.1:2",
+        ))
+        .unwrap();
+        assert!(tier.is_cluster());
+        assert_eq!(tier.shard_prefixes().len(), 16);
+        let mut config = RedisTierConfig::new("redis+cluster://127.0.0.1:1");
+        config.key_prefix = "team{a}:".into();
+        let err = RedisTier::open(config).err().unwrap();
+        assert!(err.to_string().contains("hash tag"), "{err}");
+        let err = RedisTier::open(RedisTierConfig::new("redis+cluster://127.0.0.1"))
             .err()
             .unwrap();
-        assert!(err.to_string().contains("not supported yet"), "{err}");
+        assert!(err.to_string().contains("host:port"), "{err}");
+        let single = RedisTier::open(RedisTierConfig::new("redis://127.0.0.1:1")).unwrap();
+        assert_eq!(single.shard_prefixes(), ["pk:tiers:v1:"]);
     }
 }

@@ -9,6 +9,8 @@
 //! Tests that stop and restart Redis always use a private server.
 #![allow(dead_code)]
 
+pub mod cluster;
+
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
