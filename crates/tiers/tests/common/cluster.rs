@@ -189,6 +189,19 @@ impl RedisCluster {
         redis::cmd("DBSIZE").query(&mut conn).unwrap()
     }
 
+    /// Visible tier entries under `prefix` (metadata keys) on the running masters.
+    pub fn entries(&self, prefix: &str) -> usize {
+        let pattern = format!("{prefix}*m:*");
+        self.masters()
+            .into_iter()
+            .filter_map(|port| self.node(port))
+            .map(|mut conn| {
+                let keys: Vec<String> = redis::cmd("KEYS").arg(&pattern).query(&mut conn).unwrap();
+                keys.len()
+            })
+            .sum()
+    }
+
     /// Moves `slots` hash slots from one master to another with `redis-cli --cluster reshard`
     /// (keys travel by MIGRATE while clients keep working).
     pub fn reshard(&self, from: u16, to: u16, slots: u32) {

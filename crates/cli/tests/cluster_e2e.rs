@@ -1,0 +1,80 @@
+//! Replicas sharing KV through a Redis Cluster, end to end: two `pagekeeper serve` processes
+//! with `--tier-redis redis+cluster://…` on a real cluster of three masters and three
+//! replicas (started here, `crates/tiers/tests/common/cluster.rs`):
+//! - a prompt prefilled on server A is a tier hit on server B, which never saw it;
+//! - a master killed: every request to either server still answers (misses and recomputes);
+//!   after the replica takes over, a prompt stored by A hits on B again.
+
+#[path = "../../tiers/tests/common/cluster.rs"]
+mod cluster;
+mod tiers_support;
+
+use std::time::{Duration, Instant};
+
+use cluster::RedisCluster;
+use tiers_support::{prompt, stored_chunks, unique_prefix, wait_until, Server, CHUNK_TOKENS};
+
+const HITS: &str = "pagekeeper_tier_hits_total";
+
+#[test]
+fn two_servers_share_a_redis_cluster_through_a_master_failover() {
+    let started = Instant::now();
+    let mut cluster = RedisCluster::start();
+    let prefix = unique_prefix("cluster");
+    let url = format!("{}?prefix={prefix}", cluster.url());
+    let a = Server::start(&["--tier-redis", &url]);
+    let b = Server::start(&["--tier-redis", &url]);
+
+    // Prefilled on A (a miss), written through to the cluster, then a hit on B.
+    let (prompt_tokens, cached) = a.complete(&prompt(3000)).unwrap();
+    assert_eq!(cached, 0);
+    let chunks = stored_chunks(prompt_tokens);
+    assert!(chunks >= 3, "{prompt_tokens} tokens");
+    wait_until("A's chunks in the cluster", Duration::from_secs(30), || {
+        cluster.entries(&prefix) == chunks
+    });
+    let (_, cached) = b.complete(&prompt(3000)).unwrap();
+    assert_eq!(cached, chunks * CHUNK_TOKENS, "B reuses A's context");
+    assert_eq!(b.tier_metric(HITS, "redis") as usize, chunks);
+
+    // A master dies: every request still answers.
+    let killed = cluster.kill_a_master();
+    let mut answered = 0;
+    for i in 0..4 {
+        for server in [&a, &b] {
+            server
+                .complete(&prompt(3100 + i))
+                .unwrap_or_else(|e| panic!("request failed with master {killed} down: {e}"));
+            answered += 1;
+        }
+    }
+    cluster.wait_failover(Duration::from_secs(30));
+    let failover_s = started.elapsed().as_secs_f64();
+
+    // After the failover: a new prompt stored by A is a hit on B. The first tries may find
+    // the tier's connection still on the old slot map (a miss, then a reconnect).
+    let hits_before = b.tier_metric(HITS, "redis");
+    let mut resumed = None;
+    for i in 0..20 {
+        let p = prompt(3200 + i);
+        let (prompt_tokens, _) = a.complete(&p).unwrap();
+        let want = stored_chunks(prompt_tokens);
+        let before = cluster.entries(&prefix);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while cluster.entries(&prefix) < before + want && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let (_, cached) = b.complete(&p).unwrap();
+        if cached == want * CHUNK_TOKENS {
+            resumed = Some(i);
+            break;
+        }
+    }
+    let tries = resumed.expect("no hit on B for a prompt A stored after the failover");
+    assert!(b.tier_metric(HITS, "redis") > hits_before);
+    eprintln!(
+        "cluster: {answered} requests answered with master {killed} down; failover done at {failover_s:.1} s; hits resumed on try {}; {:.1} s in all",
+        tries + 1,
+        started.elapsed().as_secs_f64()
+    );
+}
