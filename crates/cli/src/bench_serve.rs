@@ -55,9 +55,27 @@ pub struct ServeBenchArgs {
     /// The server's limit on running sequences.
     #[arg(long, default_value_t = 64)]
     pub max_running_seqs: usize,
+    /// Replica counts to compare (e.g. 1,2,3): each level starts that many servers sharing
+    /// `--tier-redis` and sends a repeated-context workload across them (see
+    /// `bench_replicas.rs`). Without it, one server per concurrency level as above.
+    #[arg(long, value_delimiter = ',')]
+    pub replicas: Vec<usize>,
+    /// The tier every replica shares (`redis://…` or `redis+cluster://…`); required with
+    /// `--replicas`. Each run gets its own key prefix, so every run starts cold.
+    #[arg(long)]
+    pub tier_redis: Option<String>,
+    /// How requests are spread over replicas: round-robin, prefix-affinity (a hash of the
+    /// prompt's first 512 bytes picks the server), or both, compared.
+    #[arg(long, value_delimiter = ',')]
+    pub routing: Vec<String>,
+    /// Distinct contexts in the replicas workload; each is requested `--rounds` times.
+    #[arg(long, default_value_t = 6)]
+    pub contexts: usize,
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
 }
 
-struct Server(Child);
+pub(crate) struct Server(Child);
 
 impl Drop for Server {
     fn drop(&mut self) {
@@ -67,14 +85,17 @@ impl Drop for Server {
 }
 
 /// One request's timings.
-struct Sample {
-    ttft_s: f64,
-    itl_s: Vec<f64>,
-    e2e_s: f64,
-    completion_tokens: usize,
+pub(crate) struct Sample {
+    pub ttft_s: f64,
+    pub itl_s: Vec<f64>,
+    pub e2e_s: f64,
+    pub completion_tokens: usize,
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV was reused (pool prefix cache or a tier).
+    pub cached_tokens: usize,
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
@@ -82,7 +103,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
-fn one_request(
+pub(crate) fn one_request(
     http: &reqwest::blocking::Client,
     url: &str,
     prompt: &str,
@@ -103,7 +124,7 @@ fn one_request(
     let mut first = None;
     let mut last = t0;
     let mut itl = Vec::new();
-    let mut completion_tokens = 0;
+    let (mut completion_tokens, mut prompt_tokens, mut cached_tokens) = (0, 0, 0);
     for line in BufReader::new(resp).lines() {
         let line = line?;
         let Some(data) = line.strip_prefix("data: ") else {
@@ -118,6 +139,10 @@ fn one_request(
         }
         if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
             completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as usize;
+            prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+            cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0) as usize;
         }
         let has_text = v["choices"].as_array().is_some_and(|c| {
             c.iter()
@@ -137,21 +162,26 @@ fn one_request(
         itl_s: itl,
         e2e_s: t0.elapsed().as_secs_f64(),
         completion_tokens,
+        prompt_tokens,
+        cached_tokens,
     })
 }
 
-/// Starts `pagekeeper serve` with the bench's settings and waits until it is healthy.
-fn start_server(
+/// Starts `pagekeeper serve` on `port` with the bench's settings and `extra` flags, and waits
+/// until it is healthy.
+pub(crate) fn start_server(
     a: &ServeBenchArgs,
     http: &reqwest::blocking::Client,
-    base: &str,
+    port: u16,
+    extra: &[String],
 ) -> Result<Server> {
+    let base = format!("http://127.0.0.1:{port}");
     let exe = std::env::current_exe()?;
     let mut cmd = Command::new(exe);
     cmd.args([
         "serve",
         "--port",
-        &a.port.to_string(),
+        &port.to_string(),
         "--max-running-seqs",
         &a.max_running_seqs.to_string(),
     ]);
@@ -170,6 +200,7 @@ fn start_server(
     if let Some(d) = &a.kv_dtype {
         cmd.args(["--kv-dtype", d]);
     }
+    cmd.args(extra);
     let server = Server(
         cmd.stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -193,7 +224,7 @@ fn start_server(
 }
 
 /// The value of a metric in the Prometheus text (its first series), 0 if absent.
-fn metric(text: &str, name: &str) -> f64 {
+pub(crate) fn metric(text: &str, name: &str) -> f64 {
     text.lines()
         .find(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
         .and_then(|l| l.rsplit(' ').next())
@@ -202,6 +233,12 @@ fn metric(text: &str, name: &str) -> f64 {
 }
 
 pub fn run(a: ServeBenchArgs) -> Result<()> {
+    if !a.replicas.is_empty() {
+        return crate::bench_replicas::run(a);
+    }
+    if a.tier_redis.is_some() || !a.routing.is_empty() {
+        bail!("--tier-redis and --routing belong to the replicas benchmark: add --replicas 1,2,3");
+    }
     let base = format!("http://127.0.0.1:{}", a.port);
     let http = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(1800))
@@ -236,7 +273,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         );
     }
     for &conc in &a.concurrency {
-        let server = start_server(&a, &http, &base)?;
+        let server = start_server(&a, &http, a.port, &[])?;
         let n_requests = a.requests.unwrap_or((2 * conc).max(8));
         let next = std::sync::atomic::AtomicUsize::new(0);
         let start = Instant::now();

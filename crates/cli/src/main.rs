@@ -3,6 +3,7 @@
 mod bench;
 mod bench_codecs;
 mod bench_evicpress;
+mod bench_replicas;
 mod bench_serve;
 mod bench_tiers;
 mod commands;

@@ -3,7 +3,9 @@
 //! replicas (started here, `crates/tiers/tests/common/cluster.rs`):
 //! - a prompt prefilled on server A is a tier hit on server B, which never saw it;
 //! - a master killed: every request to either server still answers (misses and recomputes);
-//!   after the replica takes over, a prompt stored by A hits on B again.
+//!   after the replica takes over, a prompt stored by A hits on B again;
+//! - every metric the example Grafana dashboard (`examples/grafana`) plots is one the server
+//!   exports.
 
 #[path = "../../tiers/tests/common/cluster.rs"]
 mod cluster;
@@ -71,10 +73,66 @@ fn two_servers_share_a_redis_cluster_through_a_master_failover() {
         }
     }
     let tries = resumed.expect("no hit on B for a prompt A stored after the failover");
+    dashboard_metrics_are_exported(&b);
     assert!(b.tier_metric(HITS, "redis") > hits_before);
     eprintln!(
         "cluster: {answered} requests answered with master {killed} down; failover done at {failover_s:.1} s; hits resumed on try {}; {:.1} s in all",
         tries + 1,
         started.elapsed().as_secs_f64()
+    );
+}
+
+/// Metric names in the example dashboard's queries (`vllm:…`, `pagekeeper:…`,
+/// `pagekeeper_tier_…`), each found in the server's `/metrics` after an evicting request.
+fn dashboard_metrics_are_exported(server: &Server) {
+    let body = serde_json::json!({
+        "prompt": prompt(4000), "max_tokens": 24, "temperature": 0.0,
+        "kv_policy": "paged-eviction", "kv_budget": 64,
+    });
+    let response = reqwest::blocking::Client::new()
+        .post(server.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .unwrap();
+    assert_eq!(
+        response.status().as_u16(),
+        200,
+        "{}",
+        response.text().unwrap()
+    );
+    let dashboard = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/grafana/pagekeeper-dashboard.json"
+    ))
+    .unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&dashboard).unwrap();
+    let mut names = std::collections::BTreeSet::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            for start in ["vllm:", "pagekeeper:", "pagekeeper_tier_"] {
+                for (at, _) in expr.match_indices(start) {
+                    let name: String = expr[at..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == ':')
+                        .collect();
+                    names.insert(name);
+                }
+            }
+        }
+    }
+    assert!(names.len() >= 15, "{names:?}");
+    let metrics = server.metrics();
+    let missing: Vec<&String> = names
+        .iter()
+        .filter(|name| {
+            !metrics
+                .lines()
+                .any(|l| l.starts_with(name.as_str()) && l[name.len()..].starts_with(['{', ' ']))
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "the dashboard plots metrics the server does not export: {missing:?}"
     );
 }
