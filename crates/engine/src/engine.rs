@@ -809,6 +809,23 @@ impl Engine {
         n_tokens.div_ceil(self.config.block_size_tokens as usize) + 1 + window as usize
     }
 
+    /// Blocks that running sequences still in their prompt will allocate before the prompt
+    /// is in (no credit for a partly filled last block). Admission keeps them free: a long
+    /// prompt admitted beside another one still prefilling would otherwise run the pool out
+    /// halfway through both and preempt one. This matters most under eviction, where a
+    /// prompt of T tokens holds T tokens of blocks only until its last chunk is pruned to
+    /// the budget: exact prefill (every prompt token attends to the whole prompt, as
+    /// PagedEviction's spec requires) needs all T at once, so such peaks are taken one
+    /// after another while the pruned sequences decode beside them.
+    fn reserved_prefill_blocks(&self) -> usize {
+        let block = self.config.block_size_tokens as usize;
+        self.running
+            .iter()
+            .filter(|s| s.num_computed < s.n_prompt)
+            .map(|s| (s.n_prompt - s.num_computed).div_ceil(block))
+            .sum()
+    }
+
     /// Moves waiting requests into the running set while blocks and slots allow.
     fn admit(&mut self) {
         while self.running.len() < self.config.max_running_seqs {
@@ -852,7 +869,9 @@ impl Engine {
                 (s.req.sink)(SeqEvent::Error(RequestError::TooLarge(msg)));
                 continue;
             }
-            if needed > self.kv.pool().num_free_blocks() as usize {
+            let free = (self.kv.pool().num_free_blocks() as usize)
+                .saturating_sub(self.reserved_prefill_blocks());
+            if needed > free {
                 break;
             }
             let mut s = self.waiting.pop_front().expect("front exists");

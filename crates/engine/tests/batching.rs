@@ -328,3 +328,46 @@ fn preempted_evicting_sequences_recompute_the_same_tokens() {
         }
     }
 }
+
+/// Issue 23: long prompts under a budget are admitted so that their prefill peaks (the whole
+/// prompt, until its last chunk is pruned) do not overlap past the pool: with four 300-token
+/// prompts, a budget of 64 and a pool of 512 tokens, a second prompt could start while the
+/// first still prefills and both would run the pool out. Admission keeps the blocks a
+/// running prefill still needs free, so nothing is preempted, the pruned sequences decode
+/// beside the next prefill, and the tokens equal each prompt's run alone.
+#[test]
+fn prefill_peaks_under_a_budget_are_taken_in_turn_without_preemption() {
+    let params = GenerateParams {
+        max_tokens: 16,
+        ignore_eos: true,
+        kv_policy: Some("paged-eviction".parse().unwrap()),
+        kv_budget: Some(64),
+        ..Default::default()
+    };
+    let mut single = common::engine(EngineConfig::default());
+    let text = include_str!("../../../tests/fixtures/around-the-world-in-80-days.txt");
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let ps: Vec<Vec<u32>> = (0..4)
+        .map(|i| {
+            let mut ids = single
+                .tokenizer
+                .encode(&words[i * 400..(i + 1) * 400].join(" "), false);
+            ids.truncate(300);
+            ids
+        })
+        .collect();
+    let alone: Vec<Vec<u32>> = ps
+        .iter()
+        .map(|p| single.generate(p, &params, &mut |_| {}).unwrap().token_ids)
+        .collect();
+    let config = EngineConfig {
+        kv_capacity_tokens: Some(512),
+        max_prefill_tokens_while_decoding: 64,
+        ..Default::default()
+    };
+    let (batched, preemptions) = run_batched(config, &ps, &params);
+    assert_eq!(preemptions, 0, "overlapping prefill peaks preempted");
+    for (i, (got, want)) in batched.iter().zip(&alone).enumerate() {
+        assert_eq!(got, want, "prompt {i}");
+    }
+}
