@@ -136,3 +136,43 @@ fn dashboard_metrics_are_exported(server: &Server) {
         "the dashboard plots metrics the server does not export: {missing:?}"
     );
 }
+
+/// The EVICPRESS store with a Redis Cluster as its last (only) tier: a context stored after
+/// its first request comes back from the cluster once the pool has dropped it, on the same
+/// server and on another one sharing the cluster.
+#[test]
+fn evicpress_store_on_a_redis_cluster() {
+    let cluster = RedisCluster::start();
+    let prefix = unique_prefix("cluster_evicpress");
+    let url = format!("{}?prefix={prefix}", cluster.url());
+    let flags = ["--tier-policy", "evicpress", "--tier-redis", &url];
+    let a = Server::start(&flags);
+    let context = prompt(5000);
+    let (prompt_tokens, cached) = a.complete(&format!("{context} First question?")).unwrap();
+    assert_eq!(cached, 0);
+    wait_until(
+        "the context in the cluster",
+        Duration::from_secs(60),
+        || cluster.entries(&prefix) > 0,
+    );
+    // Push the context's blocks out of the small pool, so that only the store has them.
+    let mut other_tokens = 0;
+    for seed in 0.. {
+        if other_tokens > 2 * tiers_support::POOL_TOKENS {
+            break;
+        }
+        other_tokens += a.complete(&prompt(6000 + seed)).unwrap().0;
+    }
+    let stored_tokens = (prompt_tokens - 1) / CHUNK_TOKENS * CHUNK_TOKENS;
+    let (_, cached) = a.complete(&format!("{context} Second question?")).unwrap();
+    assert!(
+        cached >= stored_tokens,
+        "the context ({stored_tokens} tokens) must come from the cluster, got {cached} cached"
+    );
+    let b = Server::start(&flags);
+    let (_, cached) = b.complete(&format!("{context} Third question?")).unwrap();
+    assert!(
+        cached >= stored_tokens,
+        "another server reads the context from the cluster: {cached} of {stored_tokens} cached"
+    );
+}

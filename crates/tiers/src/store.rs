@@ -155,6 +155,12 @@ impl TieredStore {
             }
         }
         let tier_of_chunk: Vec<usize> = tier_of.iter().map_while(|t| *t).collect();
+        // The hit rate operators watch: chunks asked for, and the leading ones some tier
+        // holds. (`pagekeeper_tier_misses_total` counts failed loads only, so it cannot
+        // say how often a prompt found nothing.)
+        metrics::counter!("pagekeeper_tier_lookup_chunks_total").increment(keys.len() as u64);
+        metrics::counter!("pagekeeper_tier_lookup_hit_chunks_total")
+            .increment(tier_of_chunk.len() as u64);
         PrefixLookup {
             chunks_found: tier_of_chunk.len(),
             tier_of_chunk,
@@ -239,7 +245,16 @@ impl TieredStore {
                 }
             }
         }
+        self.publish_usage();
         report
+    }
+
+    /// Sets each tier's usage gauge (stores and their demotions change it).
+    fn publish_usage(&self) {
+        for slot in &self.slots {
+            metrics::gauge!("pagekeeper_tier_usage_bytes", "tier" => slot.tier.name().to_owned())
+                .set(slot.tier.usage_bytes() as f64);
+        }
     }
 
     /// Inserts `key` at tier `first` or, if refused, the next one; demotes the victims.
