@@ -94,8 +94,30 @@ pub async fn not_found(uri: axum::http::Uri) -> ApiError {
     }
 }
 
+/// Whether a body failed because the client stopped sending it (`listener.rs`, NOTE 1).
+fn is_body_timeout(r: &JsonRejection) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(r);
+    while let Some(e) = source {
+        if e.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
 impl From<JsonRejection> for ApiError {
     fn from(r: JsonRejection) -> ApiError {
+        if is_body_timeout(&r) {
+            return ApiError {
+                status: StatusCode::REQUEST_TIMEOUT,
+                message: format!(
+                    "the request body stalled: no bytes for {} s",
+                    crate::listener::BODY_READ_TIMEOUT.as_secs()
+                ),
+                param: None,
+            };
+        }
         // axum answers 422 for well-formed JSON of the wrong shape; OpenAI-compatible
         // servers (vLLM, llama-server) answer 400 for every malformed body.
         let status = match r.status() {

@@ -7,6 +7,7 @@
 
 mod engine_thread;
 mod handlers;
+pub mod listener;
 mod logprobs;
 pub mod openai;
 
@@ -100,25 +101,24 @@ pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()>
         state.model_name,
         listener.local_addr()?
     );
-    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
+    let signal = async {
         shutdown_signal().await;
         eprintln!(
             "pagekeeper: shutting down; draining running requests (at most {} s)",
             DRAIN_DEADLINE.as_secs()
         );
-        let _ = signalled_tx.send(());
-    });
-    let deadline = async move {
-        if signalled_rx.await.is_ok() {
-            tokio::time::sleep(DRAIN_DEADLINE).await;
-        } else {
-            std::future::pending::<()>().await;
-        }
     };
-    tokio::select! {
-        r = server => r?,
-        _ = deadline => eprintln!("pagekeeper: drain deadline passed; exiting with requests still running"),
+    let router = listener::with_body_timeout(router(state), listener::BODY_READ_TIMEOUT);
+    let drained = listener::serve_connections(
+        listener,
+        router,
+        listener::HEADER_READ_TIMEOUT,
+        signal,
+        DRAIN_DEADLINE,
+    )
+    .await;
+    if !drained {
+        eprintln!("pagekeeper: drain deadline passed; exiting with requests still running");
     }
     Ok(())
 }
