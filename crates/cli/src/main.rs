@@ -1,4 +1,5 @@
 //! The `pagekeeper` command line: a thin layer over `pk-engine`.
+#![forbid(unsafe_code)]
 
 mod bench;
 mod bench_codecs;

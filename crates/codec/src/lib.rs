@@ -35,6 +35,8 @@
 //! Code map: `context` (`KvContext`, `KvShape`, limits), `method` (`Method` and its
 //! specs), `drop` (which tokens to keep), `quant` (section kernels and their sizes),
 //! `format` (header, `encode`, `decode`, `decode_into`, `inspect`, `compressed_bytes_estimate`), `error`.
+// One audited unsafe block (marked `allow(unsafe_code)`); none elsewhere.
+#![deny(unsafe_code)]
 
 mod context;
 pub mod drop;

@@ -230,6 +230,7 @@ pub(crate) fn decode_f16(r: &mut Reader, x: &mut [f32], s: &mut Scratch) -> Resu
     #[cfg(target_endian = "little")]
     {
         // SAFETY: u16 has no invalid bit patterns; `align_to` only yields the aligned middle.
+        #[allow(unsafe_code)]
         let (head, mid, tail) = unsafe { bytes.align_to::<u16>() };
         if head.is_empty() && tail.is_empty() {
             use half::slice::HalfBitsSliceExt;

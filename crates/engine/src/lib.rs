@@ -2,6 +2,7 @@
 //! store), schedules requests with continuous batching (prefill chunks and decode tokens
 //! of many sequences in one forward pass), samples, and measures perplexity. Also fetches
 //! the default model.
+#![forbid(unsafe_code)]
 
 pub mod contexts;
 pub mod engine;

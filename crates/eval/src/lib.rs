@@ -12,6 +12,7 @@
 //!
 //! **Architecture Invariant:** everything generated from a seed uses our own SplitMix64 and
 //! the tokenizer, never the global RNG, so a seed means the same prompts everywhere.
+#![forbid(unsafe_code)]
 
 pub mod compare;
 pub mod config;

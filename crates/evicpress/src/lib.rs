@@ -15,6 +15,7 @@
 //! Profiling needs the model, so it lives with the engine (`pk-engine`'s `evicpress`
 //! module); this crate keeps its results and asks for re-profiles when served quality
 //! drifts.
+#![forbid(unsafe_code)]
 
 pub mod config;
 mod meta;

@@ -251,6 +251,7 @@ impl GgufFile {
         let file = std::fs::File::open(path).map_err(io_err)?;
         // SAFETY: the map is read-only; the file is not expected to change while we run. A
         // concurrent truncation would be a user error we cannot defend against with mmap.
+        #[allow(unsafe_code)]
         let mmap = unsafe { Mmap::map(&file) }.map_err(io_err)?;
         Self::parse(mmap)
     }

@@ -85,6 +85,7 @@
 //! the next token to be appended are released (and only those), so a window table holds at
 //! most `window / B + 1` blocks plus one step's. Eviction never touches them. Ref counts
 //! (NOTE 8) count window entries too; no block is in two tables of one sequence.
+#![forbid(unsafe_code)]
 
 pub mod block;
 mod free_queue;

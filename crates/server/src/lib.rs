@@ -4,6 +4,7 @@
 //! Handlers tokenize and validate on the async side, then hand a `Request` to the engine
 //! thread and read its events from a per-request channel. A client that disconnects
 //! drops its receiver; the engine notices on the next event and frees the sequence.
+#![forbid(unsafe_code)]
 
 mod engine_thread;
 mod handlers;

@@ -524,6 +524,7 @@ fn drop_cached_pages(file: &File) {
         use std::os::fd::AsRawFd;
         // SAFETY: the descriptor is open for the duration of the call; offset 0 and length 0
         // mean the whole file.
+        #[allow(unsafe_code)]
         let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         if rc != 0 {
             tracing::debug!(rc, "posix_fadvise(DONTNEED) failed");

@@ -23,6 +23,8 @@
 //! **Architecture Invariant:** payloads are opaque bytes. This crate knows nothing about
 //! tensors, the block pool or the engine loop; `pk-codec` serializes KV, the engine decides
 //! when to call us (from a background thread: every call here may block on I/O).
+// One audited unsafe block (marked `allow(unsafe_code)`); none elsewhere.
+#![deny(unsafe_code)]
 
 pub mod config;
 pub mod disk;

@@ -15,6 +15,7 @@
 //! **Architecture Invariant:** this crate knows nothing about tensors, sampling or the
 //! engine; it reads GGUF metadata and nothing else. Encoding and decoding never fail and
 //! never panic on any input; only construction and template rendering return errors.
+#![forbid(unsafe_code)]
 
 mod bpe;
 mod byte_level;
