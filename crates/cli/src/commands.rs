@@ -116,7 +116,9 @@ pub struct TierArgs {
     pub from_file: Option<crate::config::TiersSection>,
 }
 
-pub fn parse_profile_metric(s: &str) -> Result<pk_engine::profiler::QualityMetric, String> {
+pub fn parse_profile_metric(
+    s: &str,
+) -> Result<pk_engine::profiler::QualityMetric, pk_engine::profiler::UnknownMetric> {
     s.parse()
 }
 

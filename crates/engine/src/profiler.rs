@@ -62,15 +62,18 @@ pub enum QualityMetric {
     TeacherForced,
 }
 
+/// A profile metric name that is neither `f1` nor `teacher-forced`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown profile metric {0:?} (f1 or teacher-forced)")]
+pub struct UnknownMetric(pub String);
+
 impl std::str::FromStr for QualityMetric {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownMetric;
+    fn from_str(s: &str) -> Result<Self, UnknownMetric> {
         match s {
             "f1" => Ok(QualityMetric::AnswerF1),
             "teacher-forced" => Ok(QualityMetric::TeacherForced),
-            _ => Err(format!(
-                "unknown profile metric {s:?} (f1 or teacher-forced)"
-            )),
+            _ => Err(UnknownMetric(s.to_owned())),
         }
     }
 }

@@ -17,18 +17,19 @@ pub enum Budget {
 
 impl Budget {
     /// `25%`, `12.5%`, or a token count such as `512`.
-    pub fn parse(s: &str) -> Result<Budget, String> {
+    pub fn parse(s: &str) -> Result<Budget, crate::ArgError> {
         let s = s.trim();
+        let bad = || crate::ArgError::BadBudget {
+            input: s.to_owned(),
+        };
         if let Some(p) = s.strip_suffix('%') {
-            let f: f64 = p.parse().map_err(|_| format!("bad budget {s:?}"))?;
+            let f: f64 = p.parse().map_err(|_| bad())?;
             if !(f > 0.0 && f < 100.0) {
-                return Err(format!("budget {s} must be between 0% and 100%"));
+                return Err(bad());
             }
             return Ok(Budget::Fraction(f / 100.0));
         }
-        s.parse::<u32>()
-            .map(Budget::Tokens)
-            .map_err(|_| format!("bad budget {s:?} (expected e.g. 25% or 512)"))
+        s.parse::<u32>().map(Budget::Tokens).map_err(|_| bad())
     }
 
     /// Tokens for a context of `context_tokens`: fractions round down to whole blocks and

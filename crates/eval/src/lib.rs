@@ -30,3 +30,12 @@ pub use config::{Budget, SweepConfig};
 pub use report::{Report, SummaryRow};
 pub use sweep::{run_sweep, SweepOutcome};
 pub use tasks::Task;
+
+/// A task name or budget the harness does not know.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ArgError {
+    #[error("unknown task {name:?} (expected one of {known})")]
+    UnknownTask { name: String, known: String },
+    #[error("bad budget {input:?} (expected a percentage in (0%, 100%), e.g. 25%, or a token count such as 512)")]
+    BadBudget { input: String },
+}

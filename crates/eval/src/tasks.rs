@@ -49,17 +49,17 @@ impl Task {
         }
     }
 
-    pub fn parse(name: &str) -> Result<Task, String> {
+    pub fn parse(name: &str) -> Result<Task, crate::ArgError> {
         let known = ALL_TASKS
             .iter()
             .copied()
             .chain([Task::TextKlKeepContinuation]);
         known.clone().find(|t| t.name() == name).ok_or_else(|| {
             let names: Vec<&str> = known.map(|t| t.name()).collect();
-            format!(
-                "unknown task {name:?} (expected one of {})",
-                names.join(", ")
-            )
+            crate::ArgError::UnknownTask {
+                name: name.to_owned(),
+                known: names.join(", "),
+            }
         })
     }
 

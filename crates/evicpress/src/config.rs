@@ -115,7 +115,7 @@ impl Compression {
 
     /// Parses `none`, `q8`, `q4`, `q2`, `k8v4` (any two of 16/8/4/2), or
     /// `<score>-<ratio>` / `drop-<score>-<ratio>` with a score name of [`DropScore`].
-    pub fn parse(s: &str) -> Result<Compression, String> {
+    pub fn parse(s: &str) -> Result<Compression, GridError> {
         let s = s.trim();
         let precision = |bits: &str| match bits {
             "16" => Some(Precision::F16),
@@ -142,16 +142,19 @@ impl Compression {
         let body = s.strip_prefix("drop-").unwrap_or(s);
         if let Some((name, ratio)) = body.rsplit_once('-') {
             if let Some(score) = DropScore::ALL.into_iter().find(|d| d.name() == name) {
-                let ratio: f32 = ratio.parse().map_err(|_| format!("bad ratio in {s:?}"))?;
+                let bad_ratio = || GridError::BadRatio {
+                    input: s.to_owned(),
+                };
+                let ratio: f32 = ratio.parse().map_err(|_| bad_ratio())?;
                 if !(0.0..1.0).contains(&ratio) {
-                    return Err(format!("drop ratio in {s:?} must be in [0, 1)"));
+                    return Err(bad_ratio());
                 }
                 return Ok(Compression::Drop { score, ratio });
             }
         }
-        Err(format!(
-            "unknown compression {s:?} (expected none, q8, q4, q2, k8v4, or <paged-eviction|knorm|keydiff|streaming-llm|snapkv>-<ratio>)"
-        ))
+        Err(GridError::Unknown {
+            input: s.to_owned(),
+        })
     }
 }
 
@@ -160,6 +163,17 @@ impl fmt::Display for Compression {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}-{}", self.method_name(), self.ratio())
     }
+}
+
+/// A compression name or grid that cannot be used.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GridError {
+    #[error("unknown compression {input:?} (expected none, q8, q4, q2, k8v4, or <paged-eviction|knorm|keydiff|streaming-llm|snapkv>-<ratio>)")]
+    Unknown { input: String },
+    #[error("the drop ratio in {input:?} must be a number in [0, 1)")]
+    BadRatio { input: String },
+    #[error("at most {MAX_GRID_CONFIGS} configurations")]
+    TooMany,
 }
 
 /// The configurations a store may choose from. Index 0 is always `Compression::None`:
@@ -174,7 +188,7 @@ pub const MAX_GRID_CONFIGS: usize = 64;
 
 impl Grid {
     /// `none` followed by `others` (duplicates and extra `none`s removed).
-    pub fn new(others: impl IntoIterator<Item = Compression>) -> Result<Grid, String> {
+    pub fn new(others: impl IntoIterator<Item = Compression>) -> Result<Grid, GridError> {
         let mut configs = vec![Compression::None];
         for c in others {
             if !configs.contains(&c) {
@@ -182,13 +196,13 @@ impl Grid {
             }
         }
         if configs.len() > MAX_GRID_CONFIGS {
-            return Err(format!("at most {MAX_GRID_CONFIGS} configurations"));
+            return Err(GridError::TooMany);
         }
         Ok(Grid { configs })
     }
 
     /// A comma-separated list of [`Compression::parse`] names.
-    pub fn parse(list: &str) -> Result<Grid, String> {
+    pub fn parse(list: &str) -> Result<Grid, GridError> {
         Grid::new(
             list.split(',')
                 .filter(|s| !s.trim().is_empty())

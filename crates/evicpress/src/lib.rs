@@ -24,10 +24,11 @@ pub mod placement;
 pub mod scores;
 pub mod store;
 
-pub use config::{Compression, DropScore, Grid};
+pub use config::{Compression, DropScore, Grid, GridError};
 pub use model::{DecayedCount, DelayModel, QualityCurve, QualityPrior, QualitySource, TierSpec};
 pub use placement::{Item, Placer, Policy, Ranking};
 pub use scores::{snapkv_scores, WindowQueries};
 pub use store::{
-    copy_key, ContextReport, ContextStore, LoadReport, OptionReport, StoreConfig, StoreStats,
+    copy_key, ContextReport, ContextStore, LoadReport, OptionReport, StoreConfig, StoreError,
+    StoreStats,
 };

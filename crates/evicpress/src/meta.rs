@@ -48,6 +48,23 @@ pub(crate) fn unix_now_s() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// Why a stored meta entry is ignored (the context is then re-profiled).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum MetaError {
+    #[error("meta entry of {0} bytes")]
+    Size(usize),
+    #[error("meta entry checksum mismatch")]
+    Checksum,
+    #[error("meta entry: {0}")]
+    Json(String),
+    #[error("meta entry version {0} (expected {META_VERSION})")]
+    Version(u32),
+    #[error("meta entry made for another grid")]
+    OtherGrid,
+    #[error("meta entry {0} malformed")]
+    Malformed(&'static str),
+}
+
 impl ContextMeta {
     pub fn encode(&self) -> Vec<u8> {
         let json = serde_json::to_vec(self).expect("plain data serialises");
@@ -57,32 +74,29 @@ impl ContextMeta {
     }
 
     /// Decodes and validates an entry for a store whose grid is `grid`.
-    pub fn decode(bytes: &[u8], grid: &[String]) -> Result<ContextMeta, String> {
+    pub fn decode(bytes: &[u8], grid: &[String]) -> Result<ContextMeta, MetaError> {
         if bytes.len() < 32 || bytes.len() > MAX_META_BYTES {
-            return Err(format!("meta entry of {} bytes", bytes.len()));
+            return Err(MetaError::Size(bytes.len()));
         }
         let (digest, json) = bytes.split_at(32);
         if blake3::hash(json).as_bytes() != digest {
-            return Err("meta entry checksum mismatch".into());
+            return Err(MetaError::Checksum);
         }
         let m: ContextMeta =
-            serde_json::from_slice(json).map_err(|e| format!("meta entry: {e}"))?;
+            serde_json::from_slice(json).map_err(|e| MetaError::Json(e.to_string()))?;
         if m.version != META_VERSION {
-            return Err(format!(
-                "meta entry version {} (expected {META_VERSION})",
-                m.version
-            ));
+            return Err(MetaError::Version(m.version));
         }
         if m.grid != grid {
-            return Err("meta entry made for another grid".into());
+            return Err(MetaError::OtherGrid);
         }
         if let Some(p) = &m.profile {
             if p.len() != grid.len() || p.iter().any(|q| !(0.0..=1.0).contains(q)) {
-                return Err("meta entry profile malformed".into());
+                return Err(MetaError::Malformed("profile"));
             }
         }
         if !(m.frequency.is_finite() && m.frequency >= 0.0 && m.saved_unix_s.is_finite()) {
-            return Err("meta entry frequency malformed".into());
+            return Err(MetaError::Malformed("frequency"));
         }
         Ok(m)
     }
@@ -116,15 +130,18 @@ mod tests {
         bad[last] ^= 1;
         assert!(ContextMeta::decode(&bad, &grid)
             .unwrap_err()
+            .to_string()
             .contains("checksum"));
         assert!(ContextMeta::decode(&bytes[..20], &grid).is_err());
         assert!(ContextMeta::decode(&bytes, &["none-0".to_string()])
             .unwrap_err()
+            .to_string()
             .contains("grid"));
         let mut wrong = meta();
         wrong.profile = Some(vec![1.0, 1.5]);
         assert!(ContextMeta::decode(&wrong.encode(), &grid)
             .unwrap_err()
+            .to_string()
             .contains("profile"));
     }
 }

@@ -23,8 +23,8 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use pk_codec::KvContext;
-use pk_tiers::{ChunkKey, Payload, Tier};
+use pk_codec::{CodecError, KvContext};
+use pk_tiers::{ChunkKey, Payload, Tier, TierError};
 use serde::Serialize;
 
 use crate::config::{DropScore, Grid};
@@ -212,20 +212,44 @@ pub fn copy_key(ctx: &ChunkKey, config: usize) -> ChunkKey {
     ChunkKey(*h.finalize().as_bytes())
 }
 
+/// Errors of the EVICPRESS store. The engine treats a failed load as a miss and
+/// recomputes; a failed background move or insert is logged and leaves the context where it
+/// was (or unstored).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("EVICPRESS needs at least one tier, with one capacity and one delay entry per tier")]
+    TierSpecs,
+    #[error("fixed configuration #{0} is not in the grid")]
+    FixedNotInGrid(usize),
+    #[error("starting the EVICPRESS worker thread: {0}")]
+    Spawn(std::io::Error),
+    #[error("context not stored")]
+    NotStored,
+    #[error("copy missing from its tier")]
+    CopyMissing,
+    #[error("the master copy is unreadable: {0}")]
+    MasterUnreadable(Box<StoreError>),
+    #[error("{0}: this context was stored without SnapKV scores")]
+    NoSnapKvScores(crate::config::Compression),
+    #[error("{got} qualities for a grid of {grid}")]
+    ProfileLength { got: usize, grid: usize },
+    #[error(transparent)]
+    Tier(#[from] TierError),
+    #[error("stored KV: {0}")]
+    Codec(#[from] CodecError),
+}
+
 impl ContextStore {
-    pub fn new(cfg: StoreConfig) -> Result<Arc<ContextStore>, String> {
+    pub fn new(cfg: StoreConfig) -> Result<Arc<ContextStore>, StoreError> {
         if cfg.tiers.is_empty()
             || cfg.tiers.len() != cfg.capacities_bytes.len()
             || cfg.tiers.len() != cfg.delay.tiers.len()
         {
-            return Err(
-                "EVICPRESS needs at least one tier, with one capacity and one delay entry per tier"
-                    .into(),
-            );
+            return Err(StoreError::TierSpecs);
         }
         if let Policy::Fixed(c) = cfg.policy {
             if c >= cfg.grid.len() {
-                return Err(format!("fixed configuration #{c} is not in the grid"));
+                return Err(StoreError::FixedNotInGrid(c));
             }
         }
         let (tx, rx) = sync_channel::<Job>(MAX_QUEUED_JOBS);
@@ -256,7 +280,7 @@ impl ContextStore {
         let handle = std::thread::Builder::new()
             .name("evicpress".into())
             .spawn(move || worker::worker_loop(rx, worker_store))
-            .map_err(|e| e.to_string())?;
+            .map_err(StoreError::Spawn)?;
         *store.worker.lock().unwrap() = Some(handle);
         Ok(store)
     }
@@ -314,7 +338,7 @@ impl ContextStore {
 
     /// Registers a context whose master is already on the last tier (read once, to learn
     /// its shape and check it decodes), and asks the worker to place it.
-    fn adopt(&self, key: &ChunkKey) -> Result<(), String> {
+    fn adopt(&self, key: &ChunkKey) -> Result<(), StoreError> {
         let kv = self.load_master(key)?;
         if !self.contains(key) {
             self.register(*key, &kv, None);
@@ -457,11 +481,11 @@ impl ContextStore {
         &self,
         key: &ChunkKey,
         query: Option<&[u32]>,
-    ) -> Result<(KvContext, LoadReport), String> {
+    ) -> Result<(KvContext, LoadReport), StoreError> {
         let (tier, config, save_meta) = {
             let mut st = self.state.lock().unwrap();
             let now = self.now_s();
-            let e = st.entries.get_mut(key).ok_or("context not stored")?;
+            let e = st.entries.get_mut(key).ok_or(StoreError::NotStored)?;
             e.freq.bump(now, self.half_life_s);
             e.item.last_access_s = now;
             e.hits += 1;
@@ -501,10 +525,10 @@ impl ContextStore {
                             pk_codec::decode(&p, &self.fingerprint).map(|ctx| (ctx, p.len() as u64))
                         }
                     }
-                    .map_err(|e| e.to_string())
+                    .map_err(StoreError::from)
                 }
-                Ok(None) => Err("copy missing".into()),
-                Err(e) => Err(e.to_string()),
+                Ok(None) => Err(StoreError::CopyMissing),
+                Err(e) => Err(StoreError::from(e)),
             };
             match decoded {
                 Ok((ctx, bytes)) => {
@@ -530,7 +554,7 @@ impl ContextStore {
                         self.grid.configs()[c]
                     );
                     if (t, c) == master {
-                        return Err(format!("the master copy is unreadable: {e}"));
+                        return Err(StoreError::MasterUnreadable(Box::new(e)));
                     }
                     fell_back = true;
                     let mut st = self.state.lock().unwrap();
@@ -544,17 +568,16 @@ impl ContextStore {
                 }
             }
         }
-        Err("unreachable: the master is always tried".into())
+        unreachable!("the master is always tried last")
     }
 
     /// The full KV of a stored context (its master), for profiling.
-    pub fn load_master(&self, key: &ChunkKey) -> Result<KvContext, String> {
+    pub fn load_master(&self, key: &ChunkKey) -> Result<KvContext, StoreError> {
         let last = self.tiers.len() - 1;
         let p = self.tiers[last]
-            .load(&copy_key(key, 0))
-            .map_err(|e| e.to_string())?
-            .ok_or("master copy missing")?;
-        pk_codec::decode(&p, &self.fingerprint).map_err(|e| e.to_string())
+            .load(&copy_key(key, 0))?
+            .ok_or(StoreError::CopyMissing)?;
+        Ok(pk_codec::decode(&p, &self.fingerprint)?)
     }
 
     /// `full` under grid configuration `config`, through the codec (encode and decode), as a
@@ -564,31 +587,41 @@ impl ContextStore {
         key: &ChunkKey,
         full: &KvContext,
         config: usize,
-    ) -> Result<KvContext, String> {
+    ) -> Result<KvContext, StoreError> {
         let bytes = self.encode(key, full, config)?;
-        pk_codec::decode(&bytes, &self.fingerprint).map_err(|e| e.to_string())
+        Ok(pk_codec::decode(&bytes, &self.fingerprint)?)
     }
 
-    fn encode(&self, key: &ChunkKey, full: &KvContext, config: usize) -> Result<Vec<u8>, String> {
+    fn encode(
+        &self,
+        key: &ChunkKey,
+        full: &KvContext,
+        config: usize,
+    ) -> Result<Vec<u8>, StoreError> {
         let c = self.grid.configs()[config];
-        let scores =
-            match c.drop_score() {
-                None => None,
-                Some(s) => {
-                    let cached = self
-                        .state
-                        .lock()
-                        .unwrap()
-                        .entries
-                        .get(key)
-                        .and_then(|e| e.scores.get(&s).cloned());
-                    Some(cached.or_else(|| token_scores(full, s)).ok_or_else(|| {
-                        format!("{c}: this context was stored without SnapKV scores")
-                    })?)
-                }
-            };
-        pk_codec::encode(full, &c.method(), scores.as_deref(), &self.fingerprint)
-            .map_err(|e| e.to_string())
+        let scores = match c.drop_score() {
+            None => None,
+            Some(s) => {
+                let cached = self
+                    .state
+                    .lock()
+                    .unwrap()
+                    .entries
+                    .get(key)
+                    .and_then(|e| e.scores.get(&s).cloned());
+                Some(
+                    cached
+                        .or_else(|| token_scores(full, s))
+                        .ok_or(StoreError::NoSnapKvScores(c))?,
+                )
+            }
+        };
+        Ok(pk_codec::encode(
+            full,
+            &c.method(),
+            scores.as_deref(),
+            &self.fingerprint,
+        )?)
     }
 
     /// Whether configuration `config` can be built for a stored context: every one can,
@@ -644,13 +677,12 @@ impl ContextStore {
     }
 
     /// Records a measured quality curve (one value per grid configuration) and re-places.
-    pub fn set_profile(&self, key: &ChunkKey, by_config: Vec<f32>) -> Result<(), String> {
+    pub fn set_profile(&self, key: &ChunkKey, by_config: Vec<f32>) -> Result<(), StoreError> {
         if by_config.len() != self.grid.len() {
-            return Err(format!(
-                "{} qualities for a grid of {}",
-                by_config.len(),
-                self.grid.len()
-            ));
+            return Err(StoreError::ProfileLength {
+                got: by_config.len(),
+                grid: self.grid.len(),
+            });
         }
         {
             let mut st = self.state.lock().unwrap();
@@ -659,7 +691,7 @@ impl ContextStore {
                 source: QualitySource::Profiled,
             };
             st.prior.add(&curve);
-            let e = st.entries.get_mut(key).ok_or("context not stored")?;
+            let e = st.entries.get_mut(key).ok_or(StoreError::NotStored)?;
             e.item.quality = curve.by_config.clone();
             e.quality = curve;
             e.needs_profile = false;

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::disk_format::{EntryHeader, HEADER_LEN};
+use crate::disk_format::{Corruption, EntryHeader, HEADER_LEN};
 use crate::lru::Lru;
 use crate::tier::{BandwidthEstimate, BandwidthMeter, Evicted, Payload, Tier};
 use crate::{ChunkKey, TierError};
@@ -183,7 +183,7 @@ impl DiskTier {
             match scan_entry(&path, &file_name, self.drop_page_cache) {
                 Ok((key, file_len, mtime)) => found.push((mtime, key, file_len)),
                 Err(why) => {
-                    tracing::warn!(tier = %self.name, path = %path.display(), why, "removing unusable file");
+                    tracing::warn!(tier = %self.name, path = %path.display(), %why, "removing unusable file");
                     remove_if_exists(&path)?;
                     report.corrupt_files_removed += 1;
                 }
@@ -230,29 +230,29 @@ impl DiskTier {
         path: &Path,
         key: &ChunkKey,
         touch: bool,
-    ) -> io::Result<Result<Payload, String>> {
+    ) -> io::Result<Result<Payload, Corruption>> {
         let mut file = OpenOptions::new().read(true).write(touch).open(path)?;
         let file_len = file.metadata()?.len();
         let mut header_bytes = [0u8; HEADER_LEN];
         if let Err(e) = file.read_exact(&mut header_bytes) {
             return if e.kind() == io::ErrorKind::UnexpectedEof {
-                Ok(Err("truncated header".into()))
+                Ok(Err(Corruption::TruncatedHeader))
             } else {
                 Err(e)
             };
         }
         let header = match EntryHeader::decode(&header_bytes) {
             Ok(h) => h,
-            Err(why) => return Ok(Err(why.into())),
+            Err(why) => return Ok(Err(Corruption::BadHeader(why))),
         };
         if header.key != *key {
-            return Ok(Err("header names another key".into()));
+            return Ok(Err(Corruption::OtherKey));
         }
         if header.file_len() != file_len {
-            return Ok(Err(format!(
-                "file is {file_len} bytes, header says {}",
-                header.file_len()
-            )));
+            return Ok(Err(Corruption::Length {
+                file_bytes: file_len,
+                header_bytes: header.file_len(),
+            }));
         }
         // Read straight into the shared buffer: one allocation, no extra copy.
         let mut payload: Payload = Arc::from(vec![0u8; header.payload_len as usize]);
@@ -261,7 +261,7 @@ impl DiskTier {
             drop_cached_pages(&file);
         }
         if crc32c::crc32c(&payload) != header.payload_crc32c {
-            return Ok(Err("payload checksum mismatch".into()));
+            return Ok(Err(Corruption::Checksum));
         }
         if touch {
             // Recency that survives restarts (NOTE 2). Best effort: a failure costs LRU order only.
@@ -278,8 +278,8 @@ impl DiskTier {
             .increment(n);
     }
 
-    fn drop_corrupt(&self, key: &ChunkKey, path: &Path, why: &str) {
-        tracing::warn!(tier = %self.name, %key, why, "corrupt entry deleted");
+    fn drop_corrupt(&self, key: &ChunkKey, path: &Path, why: &Corruption) {
+        tracing::warn!(tier = %self.name, %key, %why, "corrupt entry deleted");
         self.index.lock().unwrap().remove(key);
         let _ = remove_if_exists(path);
         self.note_corrupt(1);
@@ -311,7 +311,7 @@ impl DiskTier {
             match self.read_verified(&path, &key, false) {
                 Ok(Ok(payload)) => evicted.push(Evicted { key, payload }),
                 Ok(Err(why)) => {
-                    tracing::warn!(tier = %self.name, %key, why, "corrupt victim dropped");
+                    tracing::warn!(tier = %self.name, %key, %why, "corrupt victim dropped");
                     self.note_corrupt(1);
                 }
                 Err(e) => tracing::warn!(tier = %self.name, %key, error = %e, "victim unreadable"),
@@ -449,30 +449,29 @@ fn scan_entry(
     path: &Path,
     file_name: &str,
     drop_page_cache: bool,
-) -> Result<(ChunkKey, u64, SystemTime), String> {
+) -> Result<(ChunkKey, u64, SystemTime), Corruption> {
     let key = file_name
         .strip_suffix(ENTRY_SUFFIX)
         .and_then(ChunkKey::from_hex)
-        .ok_or_else(|| "not an entry file name".to_owned())?;
-    let mut file = File::open(path).map_err(|e| e.to_string())?;
-    let meta = file.metadata().map_err(|e| e.to_string())?;
+        .ok_or(Corruption::NotAnEntry)?;
+    let mut file = File::open(path)?;
+    let meta = file.metadata()?;
     let mut header_bytes = [0u8; HEADER_LEN];
     file.read_exact(&mut header_bytes)
-        .map_err(|_| "truncated header".to_owned())?;
+        .map_err(|_| Corruption::TruncatedHeader)?;
     if drop_page_cache {
         // Readahead may have pulled in much of the payload along with the header.
         drop_cached_pages(&file);
     }
-    let header = EntryHeader::decode(&header_bytes)?;
+    let header = EntryHeader::decode(&header_bytes).map_err(Corruption::BadHeader)?;
     if header.key != key {
-        return Err("header names another key".into());
+        return Err(Corruption::OtherKey);
     }
     if header.file_len() != meta.len() {
-        return Err(format!(
-            "file is {} bytes, header says {}",
-            meta.len(),
-            header.file_len()
-        ));
+        return Err(Corruption::Length {
+            file_bytes: meta.len(),
+            header_bytes: header.file_len(),
+        });
     }
     Ok((
         key,

@@ -76,6 +76,26 @@ impl EntryHeader {
     }
 }
 
+/// Why an entry file is not served: each is detected on read or on the open scan, counted,
+/// and the file deleted (the chunk is recomputed).
+#[derive(Debug, thiserror::Error)]
+pub enum Corruption {
+    #[error("not an entry file name")]
+    NotAnEntry,
+    #[error("truncated header")]
+    TruncatedHeader,
+    #[error("bad header: {0}")]
+    BadHeader(&'static str),
+    #[error("header names another key")]
+    OtherKey,
+    #[error("file is {file_bytes} bytes, header says {header_bytes}")]
+    Length { file_bytes: u64, header_bytes: u64 },
+    #[error("payload checksum mismatch")]
+    Checksum,
+    #[error("unreadable: {0}")]
+    Unreadable(#[from] std::io::Error),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -62,6 +62,14 @@ impl fmt::Debug for ChunkKey {
     }
 }
 
+/// A chunk size that does not cover whole blocks of the engine's pool.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("chunk size ({chunk_size_tokens} tokens) must be a positive multiple of the block size ({block_size_tokens} tokens)")]
+pub struct ChunkSizeError {
+    pub chunk_size_tokens: usize,
+    pub block_size_tokens: usize,
+}
+
 /// Computes chunk keys for one model. Cheap to clone; holds no per-process state.
 #[derive(Clone, Debug)]
 pub struct ChunkKeyer {
@@ -78,14 +86,15 @@ impl ChunkKeyer {
         config_fingerprint: &[u8],
         chunk_size_tokens: usize,
         block_size_tokens: usize,
-    ) -> Result<ChunkKeyer, String> {
+    ) -> Result<ChunkKeyer, ChunkSizeError> {
         if block_size_tokens == 0
             || chunk_size_tokens == 0
             || !chunk_size_tokens.is_multiple_of(block_size_tokens)
         {
-            return Err(format!(
-                "chunk size ({chunk_size_tokens} tokens) must be a positive multiple of the block size ({block_size_tokens} tokens)"
-            ));
+            return Err(ChunkSizeError {
+                chunk_size_tokens,
+                block_size_tokens,
+            });
         }
         Ok(ChunkKeyer {
             model_id: model_id.to_owned(),

@@ -40,7 +40,7 @@ pub mod tier;
 
 pub use config::{open_tier, parse_byte_size, ConfigError, TierConfig};
 pub use disk::{DiskScanReport, DiskTier, DiskTierConfig};
-pub use key::{ChunkKey, ChunkKeyer};
+pub use key::{ChunkKey, ChunkKeyer, ChunkSizeError};
 pub use ram::RamTier;
 pub use redis_tier::{RedisStats, RedisTier, RedisTierConfig};
 pub use store::{Loaded, PrefixLookup, StoreReport, TierMetricsSnapshot, TieredStore};

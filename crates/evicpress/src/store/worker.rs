@@ -45,16 +45,13 @@ impl ContextStore {
         key: ChunkKey,
         kv: &KvContext,
         snapkv: Option<Vec<f32>>,
-    ) -> Result<(), String> {
+    ) -> Result<(), StoreError> {
         if self.contains(&key) {
             return Ok(());
         }
         let last = self.tiers.len() - 1;
-        let master = pk_codec::encode(kv, &pk_codec::Method::None, None, &self.fingerprint)
-            .map_err(|e| e.to_string())?;
-        self.tiers[last]
-            .store(&copy_key(&key, 0), &Payload::from(master))
-            .map_err(|e| e.to_string())?;
+        let master = pk_codec::encode(kv, &pk_codec::Method::None, None, &self.fingerprint)?;
+        self.tiers[last].store(&copy_key(&key, 0), &Payload::from(master))?;
         self.register(key, kv, snapkv);
         self.state.lock().unwrap().stats.inserted += 1;
         self.place(key, Some(kv));
@@ -186,7 +183,7 @@ impl ContextStore {
         from: (usize, usize),
         to: (usize, usize),
         full: Option<&KvContext>,
-    ) -> Result<(), String> {
+    ) -> Result<(), StoreError> {
         let last = self.tiers.len() - 1;
         let is_master = |p: (usize, usize)| p == (last, 0);
         let mut moved = 0u64;
@@ -216,9 +213,7 @@ impl ContextStore {
                 }
             };
             moved = payload.len() as u64;
-            let evicted = self.tiers[to.0]
-                .store(&copy_key(key, to.1), &payload)
-                .map_err(|e| e.to_string())?;
+            let evicted = self.tiers[to.0].store(&copy_key(key, to.1), &payload)?;
             if !evicted.is_empty() {
                 tracing::warn!(
                     "EVICPRESS: tier {} evicted {} entries on its own; give it more slack",
