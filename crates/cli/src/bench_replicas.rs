@@ -71,6 +71,13 @@ fn p50(samples: &[(Class, Sample)], class: Option<Class>) -> f64 {
     percentile(&v, 0.5)
 }
 
+/// One configuration: how many servers, how requests reach them, how many clients.
+struct Setup<'a> {
+    n_servers: usize,
+    routing: &'a str,
+    concurrency: usize,
+}
+
 pub fn run(a: ServeBenchArgs) -> Result<()> {
     let Some(tier_url) = a.tier_redis.clone() else {
         bail!("--replicas needs --tier-redis URL: the tier the replicas share");
@@ -92,168 +99,22 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     if a.contexts == 0 || a.rounds == 0 {
         bail!("--contexts and --rounds must be positive");
     }
-    let http = reqwest::blocking::Client::builder()
-        .timeout(Duration::from_secs(1800))
-        .build()?;
-    let book = include_str!("../../../tests/fixtures/around-the-world-in-80-days.txt");
-    let words: Vec<&str> = book.split_whitespace().collect();
-    // About 1.3 tokens per word in this text.
-    let context_words = (a.prompt_tokens as f64 / 1.3) as usize;
-    if context_words * a.contexts >= words.len() {
-        bail!(
-            "--contexts {} of --prompt-tokens {} do not fit in the bundled book",
-            a.contexts,
-            a.prompt_tokens
-        );
-    }
-    let contexts: Vec<String> = (0..a.contexts)
-        .map(|c| words[c * context_words..(c + 1) * context_words].join(" "))
-        .collect();
-    let requests: Vec<(usize, String)> = (0..a.rounds)
-        .flat_map(|round| {
-            contexts.iter().enumerate().map(move |(c, text)| {
-                let prompt = format!(
-                    "{text}\n\nQuestion {round}: in one sentence, what happens in this passage?"
-                );
-                (c, prompt)
-            })
-        })
-        .collect();
-
+    let requests = workload(&a)?;
     if !a.json {
-        println!(
-            "{:>8} {:>16} {:>5} {:>8} {:>7} {:>9} {:>10} {:>14} {:>14} {:>14} {:>9} {:>7}",
-            "replicas",
-            "routing",
-            "conc",
-            "requests",
-            "failed",
-            "hit rate",
-            "TTFT p50",
-            "cold p50 (n)",
-            "other p50 (n)",
-            "same p50 (n)",
-            "cold/oth",
-            "t. hits"
-        );
+        print_header();
     }
     let mut runs = Vec::new();
-    let run_id = std::process::id();
-    for &conc in &a.concurrency {
+    for &concurrency in &a.concurrency {
         for &n_servers in &a.replicas {
             for routing in &routings {
-                let prefix = format!("pk:bench-replicas:{run_id}:{conc}:{n_servers}:{routing}:");
-                let sep = if tier_url.contains('?') { '&' } else { '?' };
-                let extra = vec![
-                    "--tier-redis".to_owned(),
-                    format!("{tier_url}{sep}prefix={prefix}"),
-                ];
-                let servers = (0..n_servers)
-                    .map(|k| start_server(&a, &http, a.port + k as u16, &extra))
-                    .collect::<Result<Vec<_>>>()?;
-                let seen = Mutex::new(Seen::default());
-                let next = AtomicUsize::new(0);
-                let started = Instant::now();
-                let results: Vec<(Class, Result<Sample>)> = std::thread::scope(|s| {
-                    let handles: Vec<_> = (0..conc)
-                        .map(|_| {
-                            s.spawn(|| {
-                                let mut out = Vec::new();
-                                loop {
-                                    let i = next.fetch_add(1, Ordering::Relaxed);
-                                    let Some((context, prompt)) = requests.get(i) else {
-                                        break;
-                                    };
-                                    let server = match routing.as_str() {
-                                        "round-robin" => i % n_servers,
-                                        _ => {
-                                            let head = &prompt.as_bytes()[..prompt.len().min(512)];
-                                            (fnv1a(head) % n_servers as u64) as usize
-                                        }
-                                    };
-                                    let class = seen.lock().unwrap().class(*context, server);
-                                    let url = format!(
-                                        "http://127.0.0.1:{}/v1/completions",
-                                        a.port + server as u16
-                                    );
-                                    let result = one_request(&http, &url, prompt, &a);
-                                    if result.is_ok() {
-                                        seen.lock()
-                                            .unwrap()
-                                            .finished_on
-                                            .entry(*context)
-                                            .or_default()
-                                            .push(server);
-                                    }
-                                    out.push((class, result));
-                                }
-                                out
-                            })
-                        })
-                        .collect();
-                    handles
-                        .into_iter()
-                        .flat_map(|h| h.join().expect("client thread"))
-                        .collect()
-                });
-                let wall_s = started.elapsed().as_secs_f64();
-                let mut tier_hits = 0.0;
-                for k in 0..n_servers {
-                    let text = http
-                        .get(format!("http://127.0.0.1:{}/metrics", a.port + k as u16))
-                        .send()?
-                        .text()?;
-                    tier_hits += sum_series(&text, "pagekeeper_tier_hits_total", "tier=\"redis\"");
-                }
-                drop(servers);
-                let failed: Vec<String> = results
-                    .iter()
-                    .filter_map(|(_, r)| r.as_ref().err().map(|e| e.to_string()))
-                    .collect();
-                if let Some(e) = failed.first() {
-                    eprintln!("{} requests failed; the first: {e}", failed.len());
-                }
-                let samples: Vec<(Class, Sample)> = results
-                    .into_iter()
-                    .filter_map(|(c, r)| r.ok().map(|s| (c, s)))
-                    .collect();
-                let count = |c: Class| samples.iter().filter(|(k, _)| *k == c).count();
-                let prompt_tokens: usize = samples.iter().map(|(_, s)| s.prompt_tokens).sum();
-                let cached_tokens: usize = samples.iter().map(|(_, s)| s.cached_tokens).sum();
-                let hit_rate = cached_tokens as f64 / prompt_tokens.max(1) as f64;
-                let (cold, other, same) = (
-                    p50(&samples, Some(Class::Cold)),
-                    p50(&samples, Some(Class::Other)),
-                    p50(&samples, Some(Class::Same)),
-                );
-                let run = serde_json::json!({
-                    "replicas": n_servers, "routing": routing, "concurrency": conc,
-                    "requests": requests.len(), "failed": failed.len(), "wall_s": wall_s,
-                    "hit_rate": hit_rate, "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
-                    "ttft_p50_s": p50(&samples, None),
-                    "ttft_cold_p50_s": cold, "ttft_other_p50_s": other, "ttft_same_p50_s": same,
-                    "n_cold": count(Class::Cold), "n_other": count(Class::Other), "n_same": count(Class::Same),
-                    "cold_over_other": cold / other, "tier_hits": tier_hits,
-                });
+                let setup = Setup {
+                    n_servers,
+                    routing,
+                    concurrency,
+                };
+                let run = run_one(&a, &tier_url, &setup, &requests)?;
                 if !a.json {
-                    println!(
-                        "{:>8} {:>16} {:>5} {:>8} {:>7} {:>8.1}% {:>9.3}s {:>9.3}s ({:>2}) {:>9.3}s ({:>2}) {:>9.3}s ({:>2}) {:>8.1}x {:>7}",
-                        n_servers,
-                        routing,
-                        conc,
-                        requests.len(),
-                        failed.len(),
-                        100.0 * hit_rate,
-                        p50(&samples, None),
-                        cold,
-                        count(Class::Cold),
-                        other,
-                        count(Class::Other),
-                        same,
-                        count(Class::Same),
-                        cold / other,
-                        tier_hits
-                    );
+                    print_row(&run);
                 }
                 runs.push(run);
             }
@@ -270,4 +131,196 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `(context, prompt)` pairs, round by round: every context once, then again with the next
+/// question.
+fn workload(a: &ServeBenchArgs) -> Result<Vec<(usize, String)>> {
+    let book = include_str!("../../../tests/fixtures/around-the-world-in-80-days.txt");
+    let words: Vec<&str> = book.split_whitespace().collect();
+    // About 1.3 tokens per word in this text.
+    let context_words = (a.prompt_tokens as f64 / 1.3) as usize;
+    if context_words * a.contexts >= words.len() {
+        bail!(
+            "--contexts {} of --prompt-tokens {} do not fit in the bundled book",
+            a.contexts,
+            a.prompt_tokens
+        );
+    }
+    let contexts: Vec<String> = (0..a.contexts)
+        .map(|c| words[c * context_words..(c + 1) * context_words].join(" "))
+        .collect();
+    Ok((0..a.rounds)
+        .flat_map(|round| {
+            contexts.iter().enumerate().map(move |(c, text)| {
+                let prompt = format!(
+                    "{text}\n\nQuestion {round}: in one sentence, what happens in this passage?"
+                );
+                (c, prompt)
+            })
+        })
+        .collect())
+}
+
+/// Starts the servers (each run under its own key prefix, so it starts cold), sends the
+/// workload, reads every server's tier hits, and summarises.
+fn run_one(
+    a: &ServeBenchArgs,
+    tier_url: &str,
+    setup: &Setup,
+    requests: &[(usize, String)],
+) -> Result<serde_json::Value> {
+    let http = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(1800))
+        .build()?;
+    let prefix = format!(
+        "pk:bench-replicas:{}:{}:{}:{}:",
+        std::process::id(),
+        setup.concurrency,
+        setup.n_servers,
+        setup.routing
+    );
+    let sep = if tier_url.contains('?') { '&' } else { '?' };
+    let extra = vec![
+        "--tier-redis".to_owned(),
+        format!("{tier_url}{sep}prefix={prefix}"),
+    ];
+    let servers = (0..setup.n_servers)
+        .map(|k| start_server(a, &http, a.port + k as u16, &extra))
+        .collect::<Result<Vec<_>>>()?;
+    let started = Instant::now();
+    let results = send_all(a, &http, setup, requests);
+    let wall_s = started.elapsed().as_secs_f64();
+    let mut tier_hits = 0.0;
+    for k in 0..setup.n_servers {
+        let text = http
+            .get(format!("http://127.0.0.1:{}/metrics", a.port + k as u16))
+            .send()?
+            .text()?;
+        tier_hits += sum_series(&text, "pagekeeper_tier_hits_total", "tier=\"redis\"");
+    }
+    drop(servers);
+    let failed: Vec<String> = results
+        .iter()
+        .filter_map(|(_, r)| r.as_ref().err().map(|e| e.to_string()))
+        .collect();
+    if let Some(e) = failed.first() {
+        eprintln!("{} requests failed; the first: {e}", failed.len());
+    }
+    let samples: Vec<(Class, Sample)> = results
+        .into_iter()
+        .filter_map(|(c, r)| r.ok().map(|s| (c, s)))
+        .collect();
+    let count = |c: Class| samples.iter().filter(|(k, _)| *k == c).count();
+    let prompt_tokens: usize = samples.iter().map(|(_, s)| s.prompt_tokens).sum();
+    let cached_tokens: usize = samples.iter().map(|(_, s)| s.cached_tokens).sum();
+    let (cold, other) = (
+        p50(&samples, Some(Class::Cold)),
+        p50(&samples, Some(Class::Other)),
+    );
+    Ok(serde_json::json!({
+        "replicas": setup.n_servers, "routing": setup.routing, "concurrency": setup.concurrency,
+        "requests": requests.len(), "failed": failed.len(), "wall_s": wall_s,
+        "hit_rate": cached_tokens as f64 / prompt_tokens.max(1) as f64,
+        "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
+        "ttft_p50_s": p50(&samples, None),
+        "ttft_cold_p50_s": cold, "ttft_other_p50_s": other,
+        "ttft_same_p50_s": p50(&samples, Some(Class::Same)),
+        "n_cold": count(Class::Cold), "n_other": count(Class::Other), "n_same": count(Class::Same),
+        "cold_over_other": cold / other, "tier_hits": tier_hits,
+    }))
+}
+
+/// The clients: each takes the next request, routes it, classes it when sent (module doc)
+/// and records which server finished it.
+fn send_all(
+    a: &ServeBenchArgs,
+    http: &reqwest::blocking::Client,
+    setup: &Setup,
+    requests: &[(usize, String)],
+) -> Vec<(Class, Result<Sample>)> {
+    let seen = Mutex::new(Seen::default());
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..setup.concurrency)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut out = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some((context, prompt)) = requests.get(i) else {
+                            break;
+                        };
+                        let server = route(setup, i, prompt);
+                        let class = seen.lock().unwrap().class(*context, server);
+                        let url =
+                            format!("http://127.0.0.1:{}/v1/completions", a.port + server as u16);
+                        let result = one_request(http, &url, prompt, a);
+                        if result.is_ok() {
+                            let mut seen = seen.lock().unwrap();
+                            seen.finished_on.entry(*context).or_default().push(server);
+                        }
+                        out.push((class, result));
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("client thread"))
+            .collect()
+    })
+}
+
+/// Round-robin by request index, or prefix affinity: a hash of the prompt's first 512 bytes.
+fn route(setup: &Setup, index: usize, prompt: &str) -> usize {
+    match setup.routing {
+        "round-robin" => index % setup.n_servers,
+        _ => {
+            let head = &prompt.as_bytes()[..prompt.len().min(512)];
+            (fnv1a(head) % setup.n_servers as u64) as usize
+        }
+    }
+}
+
+fn print_header() {
+    println!(
+        "{:>8} {:>16} {:>5} {:>8} {:>7} {:>9} {:>10} {:>14} {:>14} {:>14} {:>9} {:>7}",
+        "replicas",
+        "routing",
+        "conc",
+        "requests",
+        "failed",
+        "hit rate",
+        "TTFT p50",
+        "cold p50 (n)",
+        "other p50 (n)",
+        "same p50 (n)",
+        "cold/oth",
+        "t. hits"
+    );
+}
+
+fn print_row(r: &serde_json::Value) {
+    let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    let n = |k: &str| r[k].as_u64().unwrap_or(0);
+    println!(
+        "{:>8} {:>16} {:>5} {:>8} {:>7} {:>8.1}% {:>9.3}s {:>9.3}s ({:>2}) {:>9.3}s ({:>2}) {:>9.3}s ({:>2}) {:>8.1}x {:>7}",
+        n("replicas"),
+        r["routing"].as_str().unwrap_or(""),
+        n("concurrency"),
+        n("requests"),
+        n("failed"),
+        100.0 * f("hit_rate"),
+        f("ttft_p50_s"),
+        f("ttft_cold_p50_s"),
+        n("n_cold"),
+        f("ttft_other_p50_s"),
+        n("n_other"),
+        f("ttft_same_p50_s"),
+        n("n_same"),
+        f("cold_over_other"),
+        f("tier_hits")
+    );
 }

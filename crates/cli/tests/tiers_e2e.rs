@@ -346,3 +346,70 @@ fn bench_tiers_json_reports_every_tier() {
         .count();
     assert_eq!(entries, 0);
 }
+
+/// `bench serve --replicas 2 --json` over one Redis: two servers, three contexts asked twice
+/// round-robin, so every repeat lands on the other server and must be a tier hit. Checks
+/// the output's shape (a contract) and that the classes and hits add up.
+#[test]
+fn bench_serve_replicas_reports_hits_on_the_other_replica() {
+    let redis = Redis::shared_or_private();
+    let port = tiers_support::free_port();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
+        .args([
+            "bench",
+            "serve",
+            "--replicas",
+            "2",
+            "--routing",
+            "round-robin",
+        ])
+        .args(["--tier-redis", &redis.url, "--port", &port.to_string()])
+        .args([
+            "--concurrency",
+            "1",
+            "--prompt-tokens",
+            "600",
+            "--contexts",
+            "3",
+        ])
+        .args([
+            "--rounds",
+            "2",
+            "--max-tokens",
+            "2",
+            "--threads",
+            "2",
+            "--json",
+        ])
+        .arg("--model")
+        .arg(tiers_support::model_path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "bench serve --replicas failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let run = &v["runs"][0];
+    assert_eq!(run["replicas"], 2);
+    assert_eq!(run["routing"], "round-robin");
+    assert_eq!(run["failed"], 0);
+    // Requests 0-2 are cold (contexts 0, 1, 2 on servers 0, 1, 0); requests 3-5 send each
+    // context to the server that did not see it.
+    assert_eq!(
+        (run["n_cold"].as_u64(), run["n_other"].as_u64()),
+        (Some(3), Some(3))
+    );
+    assert!(run["tier_hits"].as_f64().unwrap() >= 3.0, "{run}");
+    assert!(run["hit_rate"].as_f64().unwrap() > 0.2, "{run}");
+    for key in [
+        "ttft_cold_p50_s",
+        "ttft_other_p50_s",
+        "cold_over_other",
+        "wall_s",
+    ] {
+        assert!(run[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {run}");
+    }
+}

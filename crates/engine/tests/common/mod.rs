@@ -14,6 +14,7 @@ pub fn model_path() -> std::path::PathBuf {
     p
 }
 
+#[allow(dead_code)]
 pub fn engine(config: EngineConfig) -> Engine {
     Engine::load(&model_path(), config).expect("engine loads")
 }
