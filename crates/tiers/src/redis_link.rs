@@ -260,7 +260,7 @@ mod tests {
     #[test]
     fn slots_match_redis() {
         // Values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
-        assert_eq!(cluster_slot(b"123456789"), 0x31C3 % 16_384);
+        assert_eq!(cluster_slot(b"123456789"), 0x31C3);
         assert_eq!(cluster_slot(b"foo"), 12_182);
         assert_eq!(
             cluster_slot(b"{user1000}.following"),
