@@ -96,10 +96,14 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     if a.replicas.iter().any(|&n| n == 0 || n > 16) {
         bail!("--replicas: each count must be in 1..=16");
     }
-    if a.contexts == 0 || a.rounds == 0 {
+    if a.requests.is_some() {
+        bail!("--requests does not apply with --replicas: the workload is --contexts × --rounds requests");
+    }
+    let (contexts, rounds) = (a.contexts.unwrap_or(6), a.rounds.unwrap_or(3));
+    if contexts == 0 || rounds == 0 {
         bail!("--contexts and --rounds must be positive");
     }
-    let requests = workload(&a)?;
+    let requests = workload(&a, contexts, rounds)?;
     if !a.json {
         print_header();
     }
@@ -125,7 +129,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
             "{}",
             serde_json::json!({
                 "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
-                "contexts": a.contexts, "rounds": a.rounds, "tier_redis": tier_url,
+                "contexts": contexts, "rounds": rounds, "tier_redis": tier_url,
                 "runs": runs,
             })
         );
@@ -135,22 +139,21 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
 
 /// `(context, prompt)` pairs, round by round: every context once, then again with the next
 /// question.
-fn workload(a: &ServeBenchArgs) -> Result<Vec<(usize, String)>> {
+fn workload(a: &ServeBenchArgs, contexts: usize, rounds: usize) -> Result<Vec<(usize, String)>> {
     let book = include_str!("../../../tests/fixtures/around-the-world-in-80-days.txt");
     let words: Vec<&str> = book.split_whitespace().collect();
     // About 1.3 tokens per word in this text.
     let context_words = (a.prompt_tokens as f64 / 1.3) as usize;
-    if context_words * a.contexts >= words.len() {
+    if context_words * contexts >= words.len() {
         bail!(
-            "--contexts {} of --prompt-tokens {} do not fit in the bundled book",
-            a.contexts,
+            "--contexts {contexts} of --prompt-tokens {} do not fit in the bundled book",
             a.prompt_tokens
         );
     }
-    let contexts: Vec<String> = (0..a.contexts)
+    let contexts: Vec<String> = (0..contexts)
         .map(|c| words[c * context_words..(c + 1) * context_words].join(" "))
         .collect();
-    Ok((0..a.rounds)
+    Ok((0..rounds)
         .flat_map(|round| {
             contexts.iter().enumerate().map(move |(c, text)| {
                 let prompt = format!(

@@ -68,11 +68,12 @@ pub struct ServeBenchArgs {
     /// prompt's first 512 bytes picks the server), or both, compared.
     #[arg(long, value_delimiter = ',')]
     pub routing: Vec<String>,
-    /// Distinct contexts in the replicas workload; each is requested `--rounds` times.
-    #[arg(long, default_value_t = 6)]
-    pub contexts: usize,
-    #[arg(long, default_value_t = 3)]
-    pub rounds: usize,
+    /// Distinct contexts in the replicas workload (default 6); each is requested
+    /// `--rounds` times (default 3).
+    #[arg(long)]
+    pub contexts: Option<usize>,
+    #[arg(long)]
+    pub rounds: Option<usize>,
 }
 
 pub(crate) struct Server(Child);
@@ -236,8 +237,9 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     if !a.replicas.is_empty() {
         return crate::bench_replicas::run(a);
     }
-    if a.tier_redis.is_some() || !a.routing.is_empty() {
-        bail!("--tier-redis and --routing belong to the replicas benchmark: add --replicas 1,2,3");
+    if a.tier_redis.is_some() || !a.routing.is_empty() || a.contexts.is_some() || a.rounds.is_some()
+    {
+        bail!("--tier-redis, --routing, --contexts and --rounds belong to the replicas benchmark: add --replicas 1,2,3");
     }
     let base = format!("http://127.0.0.1:{}", a.port);
     let http = reqwest::blocking::Client::builder()
