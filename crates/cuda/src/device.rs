@@ -57,6 +57,9 @@ pub fn cuda_or_skip(act: ActDtype) -> Option<Gpu> {
 
 /// Whether libcuda can be opened (cudarc panics on first use when it cannot).
 pub fn driver_available() -> bool {
+    // SAFETY: the call takes no arguments and only tries to dlopen libcuda by its candidate
+    // names, dropping the handle again; loading runs the library's initialisers, as every
+    // later use of the driver does anyway.
     std::panic::catch_unwind(|| unsafe { cudarc::driver::sys::is_culib_present() }).unwrap_or(false)
 }
 
@@ -145,6 +148,8 @@ impl Gpu {
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
         if host.is_empty() {
             // cudarc refuses empty copies; a one-element buffer stands in.
+            // SAFETY: the element is left uninitialised, but it stands in for an empty upload:
+            // callers size their reads by `host.len()`, which is 0 here, so it is never read.
             return Ok(unsafe { self.stream.alloc::<T>(1)? });
         }
         Ok(self.stream.clone_htod(host)?)

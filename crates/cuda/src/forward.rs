@@ -475,7 +475,7 @@ impl GpuLlama {
         let w = &self.weights;
         let n_i = n as i32;
 
-        // SAFETY (every launch below): argument lists follow the kernels' signatures in
+        // SAFETY: for every launch below, argument lists follow the kernels' signatures in
         // kernels/*.cu; buffers were sized for the shape by `ensure_scratch`; slots and block
         // ids were checked against the pool in `meta`, and the plan checked every block
         // table's length; a capture buffer holds `n_layers × rows × q_dim` floats for rows

@@ -163,5 +163,8 @@ pub fn compile_cubin(src: &str, sm_arch: &str, act: ActDtype) -> Result<Vec<u8>,
 /// Whether libnvrtc can be opened (it is loaded on first use; a missing library would
 /// otherwise panic inside cudarc).
 pub fn nvrtc_available() -> bool {
+    // SAFETY: the call takes no arguments and only tries to dlopen libnvrtc by its candidate
+    // names, dropping the handle again; loading runs the library's initialisers, as every
+    // later use of NVRTC does anyway.
     std::panic::catch_unwind(|| unsafe { cudarc::nvrtc::sys::is_culib_present() }).unwrap_or(false)
 }

@@ -208,6 +208,8 @@ impl Transfers {
             // SAFETY: plain (not write-combined) page-locked memory, cached so that reading
             // downloads back on the host is fast; zeroed before any slice of it is formed.
             let mut host = unsafe { gpu.ctx.alloc_pinned_with_flags::<u16>(staging_elems, 0)? };
+            // SAFETY: `host` is one aligned allocation of `staging_elems` u16s, not yet shared
+            // with any stream, and all-zero bytes are a valid u16.
             unsafe { std::ptr::write_bytes(host.as_mut_ptr()?, 0, staging_elems) };
             Ok(Slot {
                 host,
@@ -222,6 +224,8 @@ impl Transfers {
             gpu.ctx
                 .alloc_pinned_with_flags::<i32>(g.num_blocks.max(1), 0)?
         };
+        // SAFETY: `table_host` is one aligned allocation of `g.num_blocks.max(1)` i32s, not
+        // yet shared with any stream, and all-zero bytes are a valid i32.
         unsafe { std::ptr::write_bytes(table_host.as_mut_ptr()?, 0, g.num_blocks.max(1)) };
         let table_dev = gpu.alloc::<i32>(g.num_blocks.max(1))?;
         // The allocations above were made on the compute stream: the copy stream must not

@@ -28,6 +28,9 @@ fn rmsnorm_matches_cpu() {
         );
         // Rows 3 and 1 only, through the row map (the output head's selection).
         let rows = gpu.upload(&[3i32, 1]).unwrap();
+        // SAFETY: the arguments follow rmsnorm(const float* x, const float* w, act_t* out,
+        // const int* rows, int d, float eps); the 2 blocks read rows 3 and 1 of x's n rows
+        // of d floats and d floats of w, and write 2 rows of d act_t into out's n × d.
         unsafe {
             gpu.launch(
                 "rmsnorm",
@@ -95,6 +98,10 @@ fn rope_matches_cpu_both_styles_and_large_positions() {
             gpu.upload(&positions).unwrap(),
             gpu.upload(&inv_freq).unwrap(),
         );
+        // SAFETY: the arguments follow rope(float* x, int row_stride, const int* positions,
+        // const float* inv_freq, int n_heads, int head_dim, int neox); each of the
+        // positions.len() blocks rotates n_heads × hd ≤ stride floats of its row of x (which
+        // holds that many rows of `stride`), reads its position, and reads hd / 2 inv_freq.
         unsafe {
             gpu.launch(
                 "rope",
@@ -161,6 +168,13 @@ fn rope_kv_write_equals_rope_then_kv_write() {
     let (sep, sep_pool) = (gpu.upload(&qkv).unwrap(), GpuKvPool::new(&gpu, g).unwrap());
     let (kp, vp) = sep_pool.layer_ptrs(&gpu, 0);
     let base = gpu.ptr(&sep);
+    // SAFETY: the arguments follow rope(float*, int, const int*, const float*, int, int, int)
+    // and kv_write(const float* k, const float* v, int row_stride, u16* k_pool, u16* v_pool,
+    // const int* slots, int n_kv_heads, int head_dim, int block_size). Each of the n rows of
+    // `sep` holds `stride` = qd + 2 × kvd floats: Q at 0, K at qd (byte offset 4 × qd), V at
+    // qd + kvd, so every head the launches touch lies inside its row; `dp` and `ds` hold n
+    // positions and slots, `df` hd / 2 frequencies, and every slot is below the pool's
+    // 8 blocks × 16 slots, which `layer_ptrs` addresses for layer 0.
     unsafe {
         gpu.launch(
             "rope",
@@ -216,6 +230,10 @@ fn rope_kv_write_equals_rope_then_kv_write() {
     // Fused.
     let (fused, fused_pool) = (gpu.upload(&qkv).unwrap(), GpuKvPool::new(&gpu, g).unwrap());
     let (kf, vf) = fused_pool.layer_ptrs(&gpu, 0);
+    // SAFETY: the arguments follow rope_kv_write(float* qkv, int row_stride,
+    // const int* positions, const float* inv_freq, int n_heads, int n_kv_heads, int head_dim,
+    // int neox, u16* k_pool, u16* v_pool, const int* slots, int block_size); the buffers are
+    // shaped as for the separate kernels above (n rows of Q, K and V, slots inside the pool).
     unsafe {
         gpu.launch(
             "rope_kv_write",
@@ -271,6 +289,9 @@ fn swiglu_matches_cpu() {
             gpu.upload(&gate_up).unwrap(),
             gpu.alloc::<u16>(n * ff).unwrap(),
         );
+        // SAFETY: the arguments follow swiglu(const float* gate_up, act_t* out, int n_rows,
+        // int d_ff); the grid-stride loop stays below n × ff outputs, reading n rows of
+        // 2 × ff floats of gate_up and writing n × ff act_t into out.
         unsafe {
             gpu.launch(
                 "swiglu",
@@ -364,6 +385,9 @@ fn embedding_and_argmax() {
         gpu.upload(&tokens).unwrap(),
         gpu.alloc::<f32>(4 * d).unwrap(),
     );
+    // SAFETY: the arguments follow embed(const act_t* table, const int* tokens, float* x,
+    // int d); the 4 blocks read 4 token ids, all below `vocab`, then d act_t of the
+    // vocab × d table each, and write 4 × d floats into dx.
     unsafe {
         gpu.launch(
             "embed",
@@ -387,6 +411,8 @@ fn embedding_and_argmax() {
     logits[100_000 + 7] = 50.0;
     logits[100_000 + 9] = 50.0; // a tie: the lower index wins, as a scan from the left would
     let (dl, dout) = (gpu.upload(&logits).unwrap(), gpu.alloc::<i32>(3).unwrap());
+    // SAFETY: the arguments follow argmax_rows(const float* logits, int vocab, int* out); the
+    // 3 blocks read 3 rows of 50 000 logits and write 3 ints.
     unsafe {
         gpu.launch(
             "argmax_rows",
@@ -524,6 +550,11 @@ fn attention_case(
         gpu.upload(&slots).unwrap(),
     );
     let (kp, vp) = pool.layer_ptrs(gpu, 0);
+    // SAFETY: the arguments follow kv_write(const float* k, const float* v, int row_stride,
+    // u16* k_pool, u16* v_pool, const int* slots, int n_kv_heads, int head_dim,
+    // int block_size); one block per slot reads one row of kvd floats of dk and dv (which
+    // hold slots.len() such rows) and writes it at a slot of a block from the sequences'
+    // tables, all of them below the pool's 64 blocks.
     unsafe {
         gpu.launch(
             "kv_write",
@@ -575,6 +606,12 @@ fn attention_case(
         .unwrap();
     let out = gpu.alloc::<u16>(n_rows * qd).unwrap();
     let scale = 1.0 / (head_dim as f32).sqrt();
+    // SAFETY: the arguments follow paged_attention and attn_combine in attention.cu. `plan`
+    // built the tables, sequences, work items and row splits from `seqs`, whose block tables
+    // name blocks of the 64-block pool; q holds n_rows = 1 + 37 + 5 rows of qd floats;
+    // `partial` holds max_splits × n_rows × n_heads × (head_dim + 2) floats, the stride
+    // attn_combine reads per split, and `out` n_rows × qd act_t; the dynamic shared memory
+    // is one block of K and V in f32 (2 × bs × head_dim × 4 bytes).
     unsafe {
         gpu.launch(
             "paged_attention",

@@ -47,6 +47,9 @@ pub fn perplexity(
     )
 }
 
+/// Scores a chunk of token ids from a first index: the logits rows of `chunk[first..]`.
+pub type ChunkScorer<'a> = dyn FnMut(&[u32], usize) -> Result<Vec<f32>> + 'a;
+
 /// [`perplexity`] over any scorer: `score(chunk, first)` returns the logits rows of
 /// `chunk[first..]` computed in a fresh sequence (`vocab` floats each). The CUDA backend
 /// scores through this, so both backends are measured by the same code. With `bos`, each
@@ -54,7 +57,7 @@ pub fn perplexity(
 /// scored tokens, all in the chunk's second half, are unchanged).
 #[allow(clippy::too_many_arguments)]
 pub fn perplexity_with(
-    score: &mut dyn FnMut(&[u32], usize) -> Result<Vec<f32>>,
+    score: &mut ChunkScorer<'_>,
     vocab: usize,
     bos: Option<u32>,
     ids: &[u32],

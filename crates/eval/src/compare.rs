@@ -47,6 +47,10 @@ fn cells<'a>(report: &'a Report, policy: &str) -> Cells<'a> {
         .collect()
 }
 
+/// One budget share's head-to-head tally against one other policy: (wins, ties, losses,
+/// Σ score diff, text-kl KL diffs, count of lengths where the subject's KL is lower).
+type BudgetTally = (usize, usize, usize, f64, Vec<f64>, usize);
+
 /// Markdown: head-to-head counts per baseline and budget share, mean scores per task and
 /// budget share, and text-kl's KL per length and budget share. Empty when `subject` has
 /// no rows.
@@ -72,9 +76,8 @@ pub fn markdown(report: &Report, subject: &str) -> String {
     s += "| other policy | budget | cells | wins | ties | losses | Δ score | text-kl ΔKL | lower KL |\n|---|---|---|---|---|---|---|---|---|\n";
     for other in policies.iter().filter(|p| **p != subject) {
         let theirs = cells(report, other);
-        // budget → (wins, ties, losses, Σ diff, kl diffs, kl lower count)
-        let mut by_budget: BTreeMap<u32, (usize, usize, usize, f64, Vec<f64>, usize)> =
-            BTreeMap::new();
+        // Budget share (permille) → its tally.
+        let mut by_budget: BTreeMap<u32, BudgetTally> = BTreeMap::new();
         for (k, a) in &mine {
             let (Some(b), Some(pm)) = (theirs.get(k), budget_permille(a)) else {
                 continue;

@@ -101,30 +101,6 @@ pub fn sentences(
     out
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_book_body_has_no_licence() {
-        let body = verne_body();
-        assert!(!body.contains("Gutenberg-tm"));
-        assert!(body.contains("Phileas Fogg"));
-        assert!(verne_sentences().len() > 2000);
-    }
-
-    #[test]
-    fn filler_reaches_the_target() {
-        let count = |s: &str| s.len() / 4;
-        let mut rng = SplitMix64::new(3);
-        for filler in [Filler::Noise, Filler::Verne] {
-            let s = sentences(filler, 500, &mut rng, &count);
-            let total: usize = s.iter().map(|x| count(&format!(" {x}"))).sum();
-            assert!((500..600).contains(&total), "{filler:?}: {total}");
-        }
-    }
-}
-
 /// `n_tokens` consecutive tokens of the book, starting at a random sentence (wrapping
 /// around), for teacher-forced divergence. `encode` is the model's tokenizer.
 pub fn natural_text_tokens(
@@ -150,4 +126,28 @@ pub fn natural_text_tokens(
     }
     ids.truncate(n_tokens);
     ids
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_book_body_has_no_licence() {
+        let body = verne_body();
+        assert!(!body.contains("Gutenberg-tm"));
+        assert!(body.contains("Phileas Fogg"));
+        assert!(verne_sentences().len() > 2000);
+    }
+
+    #[test]
+    fn filler_reaches_the_target() {
+        let count = |s: &str| s.len() / 4;
+        let mut rng = SplitMix64::new(3);
+        for filler in [Filler::Noise, Filler::Verne] {
+            let s = sentences(filler, 500, &mut rng, &count);
+            let total: usize = s.iter().map(|x| count(&format!(" {x}"))).sum();
+            assert!((500..600).contains(&total), "{filler:?}: {total}");
+        }
+    }
 }

@@ -12,7 +12,7 @@ impl SplitMix64 {
 
     /// A generator for one item of a family: mixes the parts into one seed.
     pub fn for_parts(parts: &[u64]) -> SplitMix64 {
-        let mut r = SplitMix64(0x5eed_0f_ba5e);
+        let mut r = SplitMix64(0x5e_ed0f_ba5e);
         for &p in parts {
             r.0 ^= p;
             r.next_u64();

@@ -264,8 +264,8 @@ mod tests {
         for it in &items {
             assert_eq!((it.tier, it.config), (0, 1), "{items:?}");
         }
-        for tier in 0..2 {
-            assert!(Placer::usage(&items, tier) <= caps[tier]);
+        for (tier, &cap) in caps.iter().enumerate().take(2) {
+            assert!(Placer::usage(&items, tier) <= cap);
         }
     }
 

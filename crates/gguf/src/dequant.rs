@@ -215,8 +215,8 @@ mod tests {
         b.extend((0..32).map(|j| (j as i8 - 16) as u8));
         let mut y = [0f32; 32];
         dequantize(GgmlType::Q8_0, &b, &mut y);
-        for j in 0..32 {
-            assert_eq!(y[j], (j as f32 - 16.0) * 2.0);
+        for (j, &yj) in y.iter().enumerate() {
+            assert_eq!(yj, (j as f32 - 16.0) * 2.0);
         }
     }
 
@@ -229,11 +229,11 @@ mod tests {
             scales[j + 4] = 10 + j as u8;
             scales[j + 8] = 0x21; // low nibble scale 1, high nibble min 2
         }
-        assert_eq!(scale_min_k4(0, &scales), (1 | 0, 10));
-        assert_eq!(
-            scale_min_k4(4, &scales),
-            (1 | (1 << 4), 2 | (((10u8) >> 6) << 4))
-        );
+        // Sub-block 0 reads the low 6 bits only, so byte 0's high bits do not leak in.
+        assert_eq!(scale_min_k4(0, &scales), (1, 10));
+        // Sub-block 4's scale takes its high bits from byte 0 (set above); its min takes them
+        // from byte 4, whose value 10 has both top bits clear, so the min is the nibble alone.
+        assert_eq!(scale_min_k4(4, &scales), (1 | (1 << 4), 2));
         let mut b = vec![];
         b.extend(h(1.0));
         b.extend(h(0.5));

@@ -95,7 +95,11 @@ thread_local! {
 /// The output pointer shared by tasks that write disjoint (row, head) slices.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
+// SAFETY: the pointer is only written through in `attend_task`, and each task writes only its
+// own (rows, KV head's heads) slice of `out`, which `attention_impl` borrows mutably for as
+// long as any task runs.
 unsafe impl Send for OutPtr {}
+// SAFETY: as for `Send`: tasks that share the pointer write disjoint slices of `out`.
 unsafe impl Sync for OutPtr {}
 
 /// `out[row][h*hd..]` = softmax(q·Kᵀ/√d)·V for every query row of every sequence.
@@ -250,8 +254,9 @@ fn attention_impl(
                 }
             }
         }
-        // SAFETY (both branches): tasks write disjoint (row, head) slices of `out`, whose
-        // length was checked above; block tables were checked to cover every visible key.
+        // SAFETY: in both branches below, tasks write disjoint (row, head) slices of `out`,
+        // whose length was checked above; block tables were checked to cover every visible
+        // key.
         let run = |t: &Task| unsafe {
             attend_task(
                 kernel,
@@ -469,6 +474,7 @@ fn attend_tile(
                     }
                 }
                 if !rows.is_empty() {
+                    // SAFETY: as above, x86_supported(hd) was checked; kt/v hold this block.
                     unsafe { attn::update_x86(&mut rows, &blk, hd, scale) };
                 }
             }

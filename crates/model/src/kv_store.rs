@@ -327,6 +327,9 @@ impl KvStore {
     /// Writes consecutive tokens of one KV head into one block, starting at `slot0`:
     /// `k_rows` and `v_rows` are `[token][head_dim]`. The bulk form of `write_token` for
     /// restoring a stored context, where per-token calls cost more than the copy itself.
+    // The same argument list as `Backend::write_head_rows`, which this implements for the
+    // CPU backend and which allows it for the same reason.
+    #[allow(clippy::too_many_arguments)]
     pub fn write_head_rows(
         &mut self,
         layer: usize,

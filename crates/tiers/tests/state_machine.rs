@@ -8,6 +8,7 @@
 //!   bytes (a victim that vanished unreported, or a reported one that was not stored, fails).
 //!   Redis is the last tier and evicts on the server without reporting (nothing below it to
 //!   demote to), so there the model's victims must simply be gone, and nothing else.
+//!
 //! Every load returns exactly the stored bytes; at the end every entry the model holds is
 //! loaded and compared.
 

@@ -6,6 +6,7 @@
 //! - Replayed ([`under_load`]): the unloaded runs' per-request service times (time to first
 //!   token plus the answer's decode) through one FIFO server (Lindley's recursion): cheap,
 //!   and a check on the measured runs. It ignores batching, so it overstates queueing.
+//!
 //! The paper reports the same shape as "higher request rate at the same TTFT".
 
 use std::sync::{Arc, Mutex};

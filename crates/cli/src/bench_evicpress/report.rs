@@ -529,6 +529,9 @@ pub fn write(
     Ok(summary)
 }
 
+/// One plotted series: its legend label, its colour and its (mean TTFT, metric) points.
+type Series<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
+
 fn plot(rows: &[RunRow], path: &Path, metric: Metric) -> Result<()> {
     static FONT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let ok = *FONT.get_or_init(|| {
@@ -601,7 +604,7 @@ fn plot(rows: &[RunRow], path: &Path, metric: Metric) -> Result<()> {
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));
             pts
         };
-        let series: [(&str, RGBColor, Vec<(f64, f64)>); 3] = [
+        let series: [Series; 3] = [
             (
                 "EVICPRESS (α sweep)",
                 RGBColor(214, 39, 40),

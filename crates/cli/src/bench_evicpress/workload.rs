@@ -6,6 +6,7 @@
 //! - `dense`: a list of facts ("The code for Vaselo is 48213."), every token matters;
 //! - `narrative`: the Verne text with a few facts planted in it, mostly redundant prose;
 //! - `mixed`: prose and a fact list, half and half.
+//!
 //! Questions ask for a fact's code; every context's length is a multiple of the chunk size
 //! so that the whole context is one stored entry.
 

@@ -58,6 +58,9 @@ mod x86 {
     /// Most slots per block held in registers' worth of scores (larger blocks loop).
     const MAX_SLOT_VECS: usize = 8;
 
+    // The slot-vector index `j` addresses both the score registers and the K row pointer
+    // (`kt.add(8 * j)`), so the index form is clearer than zipped iterators.
+    #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn update<const HD8: usize>(rows: &mut [RowState], blk: &BlockF32, scale: f32) {
         let hd = HD8 * 8;

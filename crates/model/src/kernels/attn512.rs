@@ -70,8 +70,8 @@ pub fn supported(head_dim: usize) -> bool {
 /// Most rows per [`attend`] call: their accumulators must fit in registers.
 pub fn max_rows(head_dim: usize) -> usize {
     match head_dim {
-        ..=64 => 4,
-        ..=128 => 2,
+        0..=64 => 4,
+        65..=128 => 2,
         _ => 1,
     }
 }
@@ -108,6 +108,10 @@ pub unsafe fn attend(kv: &HeadKv, rows: &[Row], scale: f32) {
 /// whose softmax updates all come before their value updates (NOTE 2).
 const GROUP_CHUNKS: usize = 4;
 
+// Indices such as `j` and `i` address several parallel register arrays and pointer
+// offsets (`vrows[g].add(j * hd * esz)`, `out.add(16 * i)`) at once, so the index form
+// is clearer than zipped iterators in this hot kernel.
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
 unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(
     kv: &HeadKv,

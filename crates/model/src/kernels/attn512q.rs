@@ -45,6 +45,10 @@ pub unsafe fn attend(kv: &HeadKv, layout: &QLayout, rows: &[Row], scale: f32) {
     }
 }
 
+// Indices such as `j` and `i` address several parallel register arrays and pointer
+// offsets (`vb.add((c0 + j) * v_row_bytes)`, `out.add(16 * i)`) at once, so the index
+// form is clearer than zipped iterators in this hot kernel.
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
 unsafe fn kernel<const HD16: usize, const R: usize, const Q4: bool>(
     kv: &HeadKv,

@@ -27,6 +27,7 @@ pub struct HugeBuf {
 
 // SAFETY: HugeBuf owns its allocation exclusively, like a Vec<u8>.
 unsafe impl Send for HugeBuf {}
+// SAFETY: as for a Vec<u8>: shared access only reads (`Deref`), and writing needs `&mut self`.
 unsafe impl Sync for HugeBuf {}
 
 impl HugeBuf {

@@ -122,7 +122,10 @@ thread_local! {
 /// The output pointer shared by tasks that write disjoint rows.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
+// SAFETY: the pointer is only written through in `run_groups`, where each task writes only
+// its own row groups of the output, which the caller borrows mutably until every task ends.
 unsafe impl Send for OutPtr {}
+// SAFETY: as for `Send`: tasks that share the pointer write disjoint rows of the output.
 unsafe impl Sync for OutPtr {}
 
 /// `out[t * w.rows + r] = dot(W[r], x[t * w.cols ..])` for t in 0..n_tokens.

@@ -96,6 +96,8 @@ struct Shared {
 // published, and read by helpers only after they claimed a chunk of that region (which keeps
 // the caller from returning, and so from writing it again, until that chunk is done).
 unsafe impl Sync for Shared {}
+// SAFETY: the only field that is not `Send` is `job`, a raw pointer to a `Sync` closure; it
+// is dereferenced only under the protocol above, whichever thread holds or drops the `Arc`.
 unsafe impl Send for Shared {}
 
 pub struct Pool {

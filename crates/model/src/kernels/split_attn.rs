@@ -98,7 +98,12 @@ fn split_with(
     };
     #[derive(Clone, Copy)]
     struct Ptrs(*const u8, *const u8, *mut f32);
+    // SAFETY: K and V are only read, from the store that this function borrows for as long as
+    // any chunk runs; `out` is borrowed mutably as long, and each chunk writes only its own
+    // (rows of one sequence) × (heads of one KV head).
     unsafe impl Send for Ptrs {}
+    // SAFETY: as for `Send`: chunks that share the pointers read K/V and write disjoint
+    // slices of `out`.
     unsafe impl Sync for Ptrs {}
     let ptrs = Ptrs(k, v, out.as_mut_ptr());
     let scale = 1.0 / (hd as f32).sqrt();

@@ -138,6 +138,10 @@ const TILE_TOKENS: usize = 4;
 /// `isa` must be supported by this CPU, `acts` must hold at least `t1` tokens of
 /// `p.blocks_per_row` blocks, and `out` must be valid for those writes (no other thread
 /// writing the same rows).
+// A GEMM kernel entry point: the ISA, the packed weights, the row group, the token range
+// and the raw output with its stride are all independent inputs, so a struct would only
+// add indirection.
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn gemm_group(
     isa: Isa,
     p: &Packed,

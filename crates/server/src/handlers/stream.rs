@@ -238,9 +238,13 @@ where
     tokio_stream::wrappers::ReceiverStream::new(rx).map_ok()
 }
 
+/// `Ok` as a function pointer from an event to an infallible SSE stream item, so that the
+/// mapped stream has a nameable type.
+type OkEvent = fn(Event) -> Result<Event, Infallible>;
+
 trait MapOk: Stream<Item = Event> + Sized {
-    fn map_ok(self) -> futures::stream::Map<Self, fn(Event) -> Result<Event, Infallible>> {
-        futures::StreamExt::map(self, Ok as fn(Event) -> Result<Event, Infallible>)
+    fn map_ok(self) -> futures::stream::Map<Self, OkEvent> {
+        futures::StreamExt::map(self, Ok as OkEvent)
     }
 }
 impl<S: Stream<Item = Event>> MapOk for S {}
