@@ -85,6 +85,14 @@
 //! the next token to be appended are released (and only those), so a window table holds at
 //! most `window / B + 1` blocks plus one step's. Eviction never touches them. Ref counts
 //! (NOTE 8) count window entries too; no block is in two tables of one sequence.
+//!
+//! NOTE 13: A table knows each stored token's RoPE position. While none is missing
+//! (`next_position == num_stored_tokens`) stored token `i` is at position `i` and no list
+//! is kept; otherwise `positions()` holds one strictly increasing position per stored
+//! token, all below `next_position`. Every change of the stored tokens keeps them in step:
+//! `append_tokens` adds `next_position..`, `remove_block` drops the block's, `compact` /
+//! `truncate` keep the kept tokens' (`compact_units`: unit 0's), `fork` copies them, and
+//! `set_positions` declares a context placed with its original positions.
 #![forbid(unsafe_code)]
 
 pub mod block;

@@ -432,6 +432,25 @@ impl KvCacheManager {
         block_id
     }
 
+    /// Declares `seq`'s stored tokens to sit at `positions` and its next token at
+    /// `next_position` (see `BlockTable::set_positions`): a context written with its
+    /// original positions, possibly compressed to fewer tokens. Its blocks then never join
+    /// the prefix cache (their indices are not their positions).
+    ///
+    /// Panics if `seq` does not exist, has window groups (their tables are indexed by
+    /// position and were filled at the stored indices), or as `BlockTable::set_positions`.
+    pub fn set_positions(&mut self, seq: SeqId, positions: Vec<u32>, next_position: u64) {
+        let state = Self::state_mut(&mut self.seqs, seq, "set_positions");
+        assert!(
+            state.windows.is_none(),
+            "set_positions: {seq:?} has window groups, indexed by position"
+        );
+        state.table.set_positions(positions, next_position);
+        if state.table.positions().is_some() {
+            Self::stop_prefix_caching(state);
+        }
+    }
+
     /// Keeps only the stored tokens listed in `keep` (strictly increasing stored indices),
     /// densely and in order: prefill pruning. Returns the K/V copies the caller must make,
     /// in order, before anything else allocates from the pool (see `TokenMove`). Blocks

@@ -79,6 +79,12 @@ pub struct BlockTable {
     /// new tokens keep their true RoPE positions. A `u64` because it is never bounded by the
     /// pool's capacity.
     next_position: u64,
+    /// The RoPE position of each stored token, once they differ from the stored indices
+    /// (after eviction, pruning, or a compressed context placed with its original
+    /// positions); `None` while stored token `i` is at position `i` (NOTE 13). Sliding-
+    /// window attention needs them; the table keeps them in step with every change of its
+    /// tokens, so no caller does.
+    positions: Option<Vec<u32>>,
 }
 
 impl BlockTable {
@@ -93,6 +99,7 @@ impl BlockTable {
             block_ids: Vec::new(),
             num_stored_tokens: 0,
             next_position: 0,
+            positions: None,
         }
     }
 
@@ -133,6 +140,71 @@ impl BlockTable {
 
     pub fn next_position(&self) -> u64 {
         self.next_position
+    }
+
+    /// The RoPE positions of the stored tokens, when they differ from the stored indices
+    /// (`None`: stored token `i` is at position `i`).
+    pub fn positions(&self) -> Option<&[u32]> {
+        self.positions.as_deref()
+    }
+
+    /// The RoPE position of stored token `stored_index`.
+    pub fn position_of(&self, stored_index: u32) -> u64 {
+        match &self.positions {
+            Some(p) => p[stored_index as usize] as u64,
+            None => stored_index as u64,
+        }
+    }
+
+    /// Declares the stored tokens' positions and the next token's: a context written with
+    /// its tokens' original positions (a compressed copy keeps fewer tokens than it stood
+    /// for). `positions` must hold one strictly increasing position per stored token, all
+    /// below `next_position`.
+    ///
+    /// Panics if they do not.
+    pub fn set_positions(&mut self, positions: Vec<u32>, next_position: u64) {
+        assert_eq!(
+            positions.len(),
+            self.num_stored_tokens as usize,
+            "BlockTable::set_positions: {} positions for {} stored tokens",
+            positions.len(),
+            self.num_stored_tokens
+        );
+        assert!(
+            positions.windows(2).all(|w| w[0] < w[1]),
+            "BlockTable::set_positions: positions are not strictly increasing"
+        );
+        assert!(
+            positions.last().is_none_or(|&p| (p as u64) < next_position)
+                && next_position >= self.num_stored_tokens as u64,
+            "BlockTable::set_positions: next position {next_position} is not after the stored tokens"
+        );
+        self.next_position = next_position;
+        self.positions = Some(positions);
+        self.normalize_positions();
+    }
+
+    /// Keeps the positions of the stored tokens listed in `kept` (old stored indices, in
+    /// their new order), after the table has been compacted or truncated to them.
+    pub(crate) fn keep_positions(&mut self, kept: impl Iterator<Item = u32>) {
+        let old = self.positions.take();
+        let new = kept
+            .map(|i| old.as_ref().map_or(i, |p| p[i as usize]))
+            .collect();
+        self.positions = Some(new);
+        self.normalize_positions();
+    }
+
+    /// Back to `None` when the positions are the stored indices again and nothing is missing
+    /// before the next position.
+    fn normalize_positions(&mut self) {
+        let identity = self.positions.as_ref().is_some_and(|p| {
+            p.len() as u64 == self.next_position
+                && p.iter().enumerate().all(|(i, &x)| x as usize == i)
+        });
+        if identity {
+            self.positions = None;
+        }
     }
 
     /// Where stored token `stored_index` lives. Panics if the token is not stored.
@@ -184,6 +256,10 @@ impl BlockTable {
             first_position: self.next_position,
             num_tokens: num_new_tokens,
         };
+        if let Some(p) = self.positions.as_mut() {
+            let first = self.next_position;
+            p.extend((first..first + num_new_tokens as u64).map(|x| x as u32));
+        }
         // Cannot overflow: the blocks were allocated, and the pool's capacity fits a u32.
         self.num_stored_tokens += num_new_tokens;
         self.next_position += num_new_tokens as u64;
@@ -214,6 +290,11 @@ impl BlockTable {
         );
         let block_id = self.block_ids.remove(index);
         pool.decref(block_id);
+        let bs = self.block_size_tokens as usize;
+        let n = self.num_stored_tokens;
+        self.positions
+            .get_or_insert_with(|| (0..n).collect())
+            .drain(index * bs..(index + 1) * bs);
         self.num_stored_tokens -= self.block_size_tokens;
         block_id
     }
@@ -231,6 +312,7 @@ impl BlockTable {
         self.block_ids.clear();
         self.num_stored_tokens = 0;
         self.next_position = 0;
+        self.positions = None;
     }
 
     /// A child table with the same tokens (beam search, parallel sampling).
@@ -267,6 +349,7 @@ impl BlockTable {
             block_ids: child_block_ids,
             num_stored_tokens: self.num_stored_tokens,
             next_position: self.next_position,
+            positions: self.positions.clone(),
         };
         Some((child, copy))
     }
@@ -288,6 +371,29 @@ impl BlockTable {
             self.next_position,
             self.num_stored_tokens
         );
+        match &self.positions {
+            None => assert_eq!(
+                self.next_position, self.num_stored_tokens as u64,
+                "table: tokens are missing before the next position but no positions are kept"
+            ),
+            Some(p) => {
+                assert_eq!(
+                    p.len(),
+                    self.num_stored_tokens as usize,
+                    "table: {} positions for {} stored tokens",
+                    p.len(),
+                    self.num_stored_tokens
+                );
+                assert!(
+                    p.windows(2).all(|w| w[0] < w[1]),
+                    "table: positions are not strictly increasing"
+                );
+                assert!(
+                    p.last().is_none_or(|&x| (x as u64) < self.next_position),
+                    "table: a stored position is not below the next position"
+                );
+            }
+        }
     }
 }
 

@@ -63,7 +63,9 @@ impl BlockTable {
                 self.num_stored_tokens
             );
         }
-        self.compact_with(keep.len() as u32, |to| keep[to as usize], false, pool)
+        let moves = self.compact_with(keep.len() as u32, |to| keep[to as usize], false, pool)?;
+        self.keep_positions(keep.iter().copied());
+        Some(moves)
     }
 
     /// Keeps the first `new_num_stored_tokens` tokens and releases the blocks past them,
@@ -85,7 +87,9 @@ impl BlockTable {
             "BlockTable::truncate: {new_num_stored_tokens} tokens requested, {} stored",
             self.num_stored_tokens
         );
-        self.compact_with(new_num_stored_tokens, |to| to, false, pool)
+        let moves = self.compact_with(new_num_stored_tokens, |to| to, false, pool)?;
+        self.keep_positions(0..new_num_stored_tokens);
+        Some(moves)
     }
 
     /// Per-unit compaction (eviction at `layer` or `head` granularity): each unit (a set of
@@ -129,6 +133,9 @@ impl BlockTable {
         }
         let old_slots: Vec<Slot> = (0..self.num_stored_tokens).map(|i| self.slot(i)).collect();
         let private_copies = self.compact_with(n, |to| to, true, pool)?;
+        // Units keep different tokens; the table's positions follow unit 0's (the unit
+        // that holds sliding-window layers, which are the only readers of positions).
+        self.keep_positions(keeps.first().into_iter().flatten().copied());
         let unit_moves = keeps
             .iter()
             .map(|keep| {
