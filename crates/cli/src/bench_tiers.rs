@@ -12,6 +12,7 @@
 //!    in order (read bandwidth), then an engine whose only tier is this one runs the prompt
 //!    `--runs` times. The pool's prefix cache is off, so every run loads the context from the
 //!    tier (checked: a run that did not load every chunk is an error).
+//!
 //! Disk "cold" reopens the directory with `drop_page_cache` (posix_fadvise DONTNEED after
 //! writes and reads), so reads come from the device; "warm" leaves the page cache alone,
 //! and right after the writes the pages are all cached. RAM loads hand out a shared pointer,
@@ -75,15 +76,17 @@ struct Bench {
 
 impl Bench {
     fn engine(&self, tier: Option<Arc<dyn Tier>>) -> Result<Engine> {
-        let tiering = tier.map(|t| TieringConfig {
-            store: Arc::new(TieredStore::new(vec![t])),
-            chunk_size_tokens: self.chunk_tokens,
-            max_pending_bytes: 1 << 30,
+        let reuse = tier.map(|t| {
+            pk_engine::ReuseConfig::Chunks(TieringConfig {
+                store: Arc::new(TieredStore::new(vec![t])),
+                chunk_size_tokens: self.chunk_tokens,
+                max_pending_bytes: 1 << 30,
+            })
         });
         Engine::load(
             &self.path,
             EngineConfig {
-                tiering,
+                reuse,
                 ..self.base.clone()
             },
         )
@@ -160,7 +163,7 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
             .context("configuring threads")?;
     }
     let chunk_tokens = args.tiers.chunk_tokens();
-    if a.context_tokens == 0 || a.context_tokens % chunk_tokens != 0 {
+    if a.context_tokens == 0 || !a.context_tokens.is_multiple_of(chunk_tokens) {
         bail!("--context-tokens must be a positive multiple of the chunk size ({chunk_tokens})");
     }
     let kv_dtype = KvDtype::parse(&args.kv_dtype)

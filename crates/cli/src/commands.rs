@@ -70,8 +70,7 @@ impl ModelArgs {
             block_size_tokens: args.block_size,
             kv_dtype,
             kv_capacity_tokens,
-            tiering: args.tiers.build()?,
-            contexts: args.tiers.build_contexts()?,
+            reuse: args.tiers.build_reuse()?,
             hybrid_kv_cache: !args.disable_hybrid_kv_cache_manager,
             ..Default::default()
         };
@@ -148,6 +147,15 @@ impl TierArgs {
 }
 
 impl TierArgs {
+    /// The engine's KV reuse connector: the EVICPRESS context store with `--tier-policy
+    /// evicpress`, else the chunk tiers if any tier is configured.
+    pub fn build_reuse(&self) -> Result<Option<pk_engine::ReuseConfig>> {
+        if let Some(c) = self.build_contexts()? {
+            return Ok(Some(pk_engine::ReuseConfig::Contexts(c)));
+        }
+        Ok(self.build()?.map(pk_engine::ReuseConfig::Chunks))
+    }
+
     /// The EVICPRESS context store over the configured tiers, with `--tier-policy evicpress`.
     pub fn build_contexts(&self) -> Result<Option<pk_engine::ContextReuseConfig>> {
         if self.tier_policy != "evicpress" {

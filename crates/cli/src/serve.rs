@@ -100,8 +100,7 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         default_kv_policy: a.kv.spec()?.unwrap_or_default(),
         default_kv_budget: a.kv.kv_budget,
         default_kv_granularity: a.kv.granularity()?.unwrap_or_default(),
-        tiering: a.model.tiers.build()?,
-        contexts: a.model.tiers.build_contexts()?,
+        reuse: a.model.tiers.build_reuse()?,
         ..Default::default()
     };
     let name = model_name.clone();

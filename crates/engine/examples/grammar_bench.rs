@@ -9,6 +9,21 @@ use std::time::Instant;
 
 use pk_engine::{Engine, EngineConfig, GenerateParams, Grammar, GrammarSpec};
 
+/// A schema of the kind the prompt asks for, with an array and a free-text field.
+fn city_schema() -> serde_json::Value {
+    serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "population": {"type": "integer"},
+            "country": {"type": "string"},
+            "landmarks": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+            "notes": {"type": "string"}
+        },
+        "required": ["name", "population", "country", "landmarks", "notes"]
+    })
+}
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let model = match args.get(1) {
@@ -24,17 +39,7 @@ fn main() -> anyhow::Result<()> {
     let prompt = engine
         .tokenizer
         .encode_prompt(&engine.chat_template.render(&msgs, true)?, true);
-    let schema = serde_json::json!({
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "population": {"type": "integer"},
-            "country": {"type": "string"},
-            "landmarks": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
-            "notes": {"type": "string"}
-        },
-        "required": ["name", "population", "country", "landmarks", "notes"]
-    });
+    let schema = city_schema();
     let plain = GenerateParams {
         max_tokens: 96,
         ..Default::default()
@@ -61,39 +66,44 @@ fn main() -> anyhow::Result<()> {
         t0.elapsed().as_secs_f64()
     );
     for round in 0..rounds {
-        let mut rates = Vec::new();
-        for params in [&plain, &constrained] {
-            let (masks, mask_s) = (
-                engine.stats.grammar_masks,
-                engine.stats.grammar_mask_seconds,
-            );
-            let out = engine.generate(&prompt, params, &mut |_| {})?;
-            let n = out.token_ids.len();
-            let masks = engine.stats.grammar_masks - masks;
-            let mask_s = engine.stats.grammar_mask_seconds - mask_s;
-            rates.push(n.saturating_sub(1) as f64 / out.decode_seconds.max(1e-9));
-            println!(
-                "round {round} {:>11}: {n} tokens, decode {:.1} tok/s{}",
-                if params.grammar.is_some() {
-                    "json schema"
-                } else {
-                    "plain"
-                },
-                rates.last().unwrap(),
-                if masks > 0 {
-                    format!(
-                        ", {masks} masks, {:.1} µs per mask",
-                        1e6 * mask_s / masks as f64
-                    )
-                } else {
-                    String::new()
-                }
-            );
-        }
+        let rates = [&plain, &constrained].map(|params| run(&mut engine, &prompt, params, round));
+        let rates = rates.into_iter().collect::<anyhow::Result<Vec<f64>>>()?;
         println!(
             "round {round} decode with / without the grammar: {:.2}x",
             rates[1] / rates[0]
         );
     }
     Ok(())
+}
+
+/// One timed request; prints its decode speed and mask cost, returns tokens per second.
+fn run(
+    engine: &mut Engine,
+    prompt: &[u32],
+    params: &GenerateParams,
+    round: usize,
+) -> anyhow::Result<f64> {
+    let (masks, mask_s) = (
+        engine.stats.grammar_masks,
+        engine.stats.grammar_mask_seconds,
+    );
+    let out = engine.generate(prompt, params, &mut |_| {})?;
+    let n = out.token_ids.len();
+    let masks = engine.stats.grammar_masks - masks;
+    let mask_s = engine.stats.grammar_mask_seconds - mask_s;
+    let rate = n.saturating_sub(1) as f64 / out.decode_seconds.max(1e-9);
+    let kind = if params.grammar.is_some() {
+        "json schema"
+    } else {
+        "plain"
+    };
+    let mask_note = match masks {
+        0 => String::new(),
+        _ => format!(
+            ", {masks} masks, {:.1} µs per mask",
+            1e6 * mask_s / masks as f64
+        ),
+    };
+    println!("round {round} {kind:>11}: {n} tokens, decode {rate:.1} tok/s{mask_note}");
+    Ok(rate)
 }

@@ -1,19 +1,14 @@
-//! Whole-context KV reuse through an EVICPRESS `ContextStore` (spec `evicpress.md`), and
-//! the primitive underneath it: a sequence whose first prompt tokens are not computed but
-//! written from a given, possibly compressed, KV ([`PrefixKv`]).
+//! Whole-context KV reuse through an EVICPRESS `ContextStore` (spec `evicpress.md`): the
+//! second [`KvReuse`] connector.
 //!
 //! A context is a chunk-aligned prompt prefix (LMCache's granularity: chunks of
 //! `chunk_size_tokens`, keyed by the same chained hash as the chunk tiers), stored as one
-//! entry with one configuration. On admission the engine asks for the longest stored
-//! context at the head of the prompt; a hit is loaded (on the engine thread, like the chunk
-//! tiers' loads: the request cannot start without it) and written into fresh blocks, with
-//! its tokens' original positions, so a dropped context leaves the block table dense while
-//! the query is placed after the context's full length. After a miss is prefilled, the
+//! entry with one configuration. A waiting request asks once for the longest stored context
+//! at the head of its prompt; a hit is loaded (on the engine thread, like the chunk tiers'
+//! loads: the request cannot start without it) and written into fresh blocks with its
+//! tokens' original positions ([`crate::prefix_kv`]). After a miss is prefilled, the
 //! context's KV is copied out of the pool and offered to the store, whose worker thread
 //! stores and places it; the engine never waits for that.
-//!
-//! NOTE: KV loaded from a compressed copy is not what prefill would compute, so such a
-//! sequence never feeds the pool's prefix cache or the chunk tiers.
 //!
 //! SnapKV scores a stored context by the attention of its last 64 tokens' queries, which
 //! the pool does not keep. When the store's grid has a SnapKV configuration, the offer runs
@@ -28,24 +23,15 @@ use std::sync::Arc;
 use pk_codec::KvContext;
 use pk_evicpress::{ContextStore, LoadReport, StoreConfig, WindowQueries};
 use pk_kv::{KvCacheManager, SeqId};
-use pk_model::{Backend, KvBlocks, SeqForward};
+use pk_model::{Backend, SeqForward};
 use pk_tiers::{ChunkKey, ChunkKeyer};
 
+use crate::engine::Engine;
 use crate::eviction::table_of;
-
-/// A given KV for the first `kv.n_original_tokens` prompt tokens (stored tokens carry their
-/// positions). Used by profiling, evaluation and the context store.
-#[derive(Debug, Clone)]
-pub struct PrefixKv {
-    pub kv: KvContext,
-}
-
-impl PrefixKv {
-    /// Prompt tokens this KV stands for.
-    pub fn n_tokens(&self) -> usize {
-        self.kv.n_original_tokens
-    }
-}
+use crate::namespace::CacheNamespace;
+pub use crate::prefix_kv::PrefixKv;
+use crate::prefix_kv::{place_prefix, read_prefix};
+use crate::reuse::{KvReuse, Placed, ReuseMatch, SeqReuse};
 
 /// How the engine uses an EVICPRESS store.
 #[derive(Clone)]
@@ -84,27 +70,22 @@ pub(crate) struct ContextReuse {
     pub profile_metric: crate::profiler::QualityMetric,
 }
 
-/// The codec fingerprint of a model's KV: a digest of the engine's cache namespace.
-pub fn kv_fingerprint(namespace: &[u8]) -> [u8; 32] {
-    *blake3::hash(namespace).as_bytes()
-}
-
 impl ContextReuse {
     pub fn new(
         cfg: &ContextReuseConfig,
         model_name: &str,
-        namespace: &[u8],
+        namespace: &CacheNamespace,
         block_size_tokens: usize,
     ) -> anyhow::Result<ContextReuse> {
         let keyer = ChunkKeyer::new(
             model_name,
-            namespace,
+            namespace.as_bytes(),
             cfg.chunk_size_tokens,
             block_size_tokens,
         )
         .map_err(anyhow::Error::msg)?;
         let mut store_cfg = cfg.store.clone();
-        store_cfg.fingerprint = kv_fingerprint(namespace);
+        store_cfg.fingerprint = namespace.kv_fingerprint();
         Ok(ContextReuse {
             store: ContextStore::new(store_cfg).map_err(anyhow::Error::msg)?,
             keyer,
@@ -123,16 +104,7 @@ impl ContextReuse {
         self.keyer.keys(&tokens[..usable], salt.map(str::as_bytes))
     }
 
-    /// The longest stored context among the prompt's chunk boundaries: (key, tokens).
-    pub fn lookup(&mut self, keys: &[ChunkKey]) -> Option<(ChunkKey, usize)> {
-        self.stats.lookups += 1;
-        let chunk = self.chunk_size_tokens();
-        self.store
-            .longest_stored(keys)
-            .map(|i| (keys[i], (i + 1) * chunk))
-    }
-
-    pub fn load(&mut self, key: &ChunkKey, query: &[u32]) -> Option<(KvContext, LoadReport)> {
+    fn load_context(&mut self, key: &ChunkKey, query: &[u32]) -> Option<(KvContext, LoadReport)> {
         match self.store.load(key, Some(query)) {
             Ok(r) => {
                 self.stats.hits += 1;
@@ -154,7 +126,7 @@ impl ContextReuse {
 
     /// Offers a prefilled context to the store, with the queries of its last tokens when
     /// the store scores by SnapKV.
-    pub fn offer(&mut self, key: ChunkKey, kv: KvContext, window: Option<WindowQueries>) {
+    fn offer(&mut self, key: ChunkKey, kv: KvContext, window: Option<WindowQueries>) {
         let offered = match window {
             Some(w) => self.store.offer_with_window(key, kv, w),
             None => self.store.offer(key, kv),
@@ -165,7 +137,7 @@ impl ContextReuse {
     }
 
     /// Whether offers should carry the context's window queries.
-    pub fn wants_window(&self) -> bool {
+    fn wants_window(&self) -> bool {
         self.store.wants_snapkv()
     }
 }
@@ -209,70 +181,108 @@ pub(crate) fn window_queries(
     }
 }
 
-/// Writes `ctx`'s stored tokens into `seq` (which must be empty), in order. Returns false
-/// if the pool has no room (nothing is half-written that the caller would use: it frees
-/// the sequence).
-pub(crate) fn write_prefix(
-    ctx: &KvContext,
-    kv: &mut KvCacheManager,
-    store: &mut dyn KvBlocks,
-    seq: SeqId,
-) -> bool {
-    let g = store.geometry();
-    let n = ctx.n_tokens();
-    if ctx.n_layers != g.n_layers || ctx.n_kv_heads != g.n_kv_heads || ctx.head_dim != g.head_dim {
-        return false;
+impl KvReuse for ContextReuse {
+    /// The longest stored context among the prompt's chunk boundaries. A prompt with any
+    /// stored context is not offered again (the store placed what it had); one with none is
+    /// offered whole once computed.
+    fn lookup(&mut self, ids: &[u32], salt: Option<&str>) -> ReuseMatch {
+        self.stats.lookups += 1;
+        let keys = self.keys(ids, salt);
+        let stored = self.store.longest_stored(&keys);
+        ReuseMatch {
+            loadable_tokens: stored.map_or(0, |i| (i + 1) * self.chunk_size_tokens()),
+            saved_chunks: if stored.is_some() { keys.len() } else { 0 },
+            keys,
+        }
     }
-    if n > 0 && kv.allocate_slots(seq, n as u32).is_none() {
-        return false;
+
+    fn load(
+        &mut self,
+        m: &ReuseMatch,
+        query: &[u32],
+        kv: &mut KvCacheManager,
+        backend: &mut dyn Backend,
+        seq: SeqId,
+    ) -> Option<Placed> {
+        let tokens = m.loadable_tokens;
+        let key = *m
+            .keys
+            .get((tokens / self.chunk_size_tokens()).checked_sub(1)?)?;
+        let (ctx, mut report) = self.load_context(&key, query)?;
+        let t0 = std::time::Instant::now();
+        let written =
+            ctx.n_original_tokens == tokens && place_prefix(&ctx, kv, backend.kv_mut(), seq);
+        report.restore_s = t0.elapsed().as_secs_f64();
+        let placed = written.then(|| Placed {
+            tokens,
+            exact: ctx.n_tokens() == tokens && report.config.starts_with("none-"),
+            saved_chunks: m.keys.len(),
+            report: Some(report),
+        });
+        self.recycle(ctx);
+        placed
     }
-    let table = table_of(kv, seq);
-    store.write_tokens(&table, 0, &ctx.k, &ctx.v);
-    true
+
+    fn save(
+        &mut self,
+        s: &mut SeqReuse,
+        ids: &[u32],
+        _computed: usize,
+        kv: &KvCacheManager,
+        backend: &mut dyn Backend,
+        seq: SeqId,
+    ) {
+        let Some(&key) = s.keys.last() else {
+            return;
+        };
+        s.saved_chunks = s.keys.len();
+        let tokens = s.keys.len() * self.chunk_size_tokens();
+        let Some(kv_copy) = read_prefix(kv, backend.kv(), seq, tokens) else {
+            return;
+        };
+        let window = match self.wants_window() {
+            true => window_queries(backend, kv, seq, &ids[..tokens]),
+            false => None,
+        };
+        self.offer(key, kv_copy, window);
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
-/// Copies the first `n_tokens` stored tokens of `seq` (not evicted, so stored index =
-/// position) out of the pool.
-pub(crate) fn read_prefix(
-    kv: &KvCacheManager,
-    store: &dyn KvBlocks,
-    seq: SeqId,
-    n_tokens: usize,
-) -> Option<KvContext> {
-    let g = store.geometry();
-    // The view trusts the count it is given; the sequence must really store that many.
-    if kv
-        .block_table(seq)
-        .map_or(0, |t| t.num_stored_tokens() as usize)
-        < n_tokens
-    {
-        return None;
+impl Engine {
+    fn context_reuse(&self) -> Option<&ContextReuse> {
+        self.reuse_connector()?
+            .as_any()
+            .downcast_ref::<ContextReuse>()
     }
-    let table = table_of(kv, seq);
-    let d = g.head_dim;
-    let len = g.n_layers * g.n_kv_heads * n_tokens * d;
-    let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
-    if let Err(e) = store.read_tokens(&table, 0, &mut k, &mut v) {
-        tracing::warn!("reading a context out of the KV pool failed, not offering it: {e}");
-        return None;
-    }
-    KvContext::new(
-        g.n_layers,
-        g.n_kv_heads,
-        d,
-        (0..n_tokens as u32).collect(),
-        k,
-        v,
-    )
-    .ok()
-}
 
-/// What an admitted sequence got from a stored or given context.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct SeqContext {
-    /// The KV is not what prefill computes: keep it out of the prefix cache and tiers.
-    pub inexact: bool,
-    /// A context to offer to the store once the prompt is prefilled: (key, tokens).
-    pub offer: Option<(ChunkKey, usize)>,
-    pub load: Option<LoadReport>,
+    /// The EVICPRESS store, if the engine reuses contexts through one.
+    pub fn context_store(&self) -> Option<Arc<ContextStore>> {
+        self.context_reuse().map(|c| c.store.clone())
+    }
+
+    /// How profiling scores configurations (the default when no store is configured).
+    pub fn profile_metric(&self) -> crate::profiler::QualityMetric {
+        self.context_reuse()
+            .map_or_else(Default::default, |c| c.profile_metric)
+    }
+
+    /// The store key of the context made of exactly `tokens` (a multiple of the chunk
+    /// size), as a request with `salt` would compute it at admission.
+    pub fn context_key(&self, tokens: &[u32], salt: Option<&str>) -> Option<ChunkKey> {
+        let c = self.context_reuse()?;
+        if tokens.is_empty() || !tokens.len().is_multiple_of(c.chunk_size_tokens()) {
+            return None;
+        }
+        let mut with_query = tokens.to_vec();
+        with_query.push(0);
+        c.keys(&with_query, salt).last().copied()
+    }
+
+    pub fn context_stats(&self) -> Option<ContextReuseStats> {
+        self.context_reuse().map(|c| c.stats.clone())
+    }
 }

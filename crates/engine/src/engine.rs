@@ -20,14 +20,14 @@ use pk_model::{
 };
 use pk_tokenizer::{ChatTemplate, Tokenizer};
 
-use crate::contexts::{
-    self, ContextReuse, ContextReuseConfig, ContextReuseStats, PrefixKv, SeqContext,
-};
 use crate::eviction::{self, EvictionStats, SeqEviction};
+use crate::namespace::CacheNamespace;
+use crate::prefix_kv::{self, PrefixKv};
+pub use crate::request::GenerateOutput;
 use crate::request::{Request, RequestError, SeqEvent};
+use crate::reuse::{self, KvReuse, ReuseConfig, SeqReuse};
 use crate::sampler::SamplingParams;
 use crate::sequence::SeqState;
-use crate::tiering::{Tiering, TieringConfig, TieringStats};
 
 mod direct;
 
@@ -61,30 +61,19 @@ pub struct EngineConfig {
     pub default_kv_budget: Option<u32>,
     /// Eviction granularity for requests that give none.
     pub default_kv_granularity: KvGranularity,
-    /// Tiers below the pool for reusing prompt KV across requests, restarts and servers.
-    pub tiering: Option<TieringConfig>,
-    /// Whole-context reuse through an EVICPRESS store (`--tier-policy evicpress`); exclusive
-    /// with `tiering`.
-    pub contexts: Option<ContextReuseConfig>,
+    /// The connector through which prompt KV is reused across requests, restarts and
+    /// servers (`crate::reuse`); `None`: the pool's prefix cache only.
+    pub reuse: Option<ReuseConfig>,
     /// Reuse computed blocks across requests through the pool's prefix cache (vLLM's
-    /// automatic prefix caching; on by default). Benchmarks of the tiers turn it off so
-    /// that every reuse is a load.
+    /// automatic prefix caching; on by default). Benchmarks of a reuse connector turn it off
+    /// so that every reuse is a load.
     pub enable_prefix_caching: bool,
     /// Give a model's sliding-window layers KV cache groups of their own, whose blocks
     /// behind the window are released (vLLM's hybrid KV cache manager; on by default).
     /// It applies to CPU models with both global and windowed layers (Gemma 3) and is
-    /// off whenever stored KV is reused across requests (`tiering`, `contexts`), which
-    /// stores every layer of every token, as vLLM turns it off under a KV connector.
+    /// off whenever stored KV is reused across requests (`reuse`), which stores every
+    /// layer of every token, as vLLM turns it off under a KV connector.
     pub hybrid_kv_cache: bool,
-}
-
-impl std::fmt::Debug for TieringConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TieringConfig")
-            .field("chunk_size_tokens", &self.chunk_size_tokens)
-            .field("max_pending_bytes", &self.max_pending_bytes)
-            .finish()
-    }
 }
 
 impl EngineConfig {
@@ -120,8 +109,7 @@ impl Default for EngineConfig {
             default_kv_policy: PolicySpec::default(),
             default_kv_budget: None,
             default_kv_granularity: KvGranularity::Shared,
-            tiering: None,
-            contexts: None,
+            reuse: None,
             enable_prefix_caching: true,
             hybrid_kv_cache: true,
         }
@@ -156,7 +144,7 @@ pub struct GenerateParams {
     /// compressed: fewer tokens, original positions). Profiling and evaluation of stored
     /// contexts use it; such a sequence never feeds the prefix cache.
     pub prefix_kv: Option<Arc<PrefixKv>>,
-    /// Background work (EVICPRESS profiling): admitted after every waiting request that is
+    /// Background work (a store's profiling): admitted after every waiting request that is
     /// not background, so that idle-time work never delays a user's request in the queue.
     pub background: bool,
     /// End-of-generation tokens cannot be sampled before this many tokens are generated
@@ -213,26 +201,6 @@ pub enum FinishReason {
     Length,
 }
 
-/// Result of a blocking `generate` call.
-#[derive(Debug, Clone)]
-pub struct GenerateOutput {
-    pub token_ids: Vec<u32>,
-    pub text: String,
-    pub finish_reason: FinishReason,
-    pub prompt_tokens: usize,
-    pub cached_prompt_tokens: usize,
-    pub prefill_seconds: f64,
-    pub decode_seconds: f64,
-    pub kv_stored_tokens: usize,
-    /// Bytes of the KV blocks the sequence held when it finished (its main table's and
-    /// its window groups'), shared blocks included.
-    pub kv_bytes: usize,
-    /// Per generated token, with `GenerateParams::logprobs`.
-    pub logprobs: Vec<crate::sampler::TokenLogprob>,
-    /// Where a stored context came from (EVICPRESS store), if one was loaded.
-    pub context_load: Option<pk_evicpress::LoadReport>,
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum SubmitError {
     #[error("the request queue is full ({0} waiting); retry later")]
@@ -268,6 +236,46 @@ pub struct EngineStats {
     pub grammar_mask_seconds: f64,
 }
 
+/// One planned piece of a step: `all_ids[from..to]` of sequence `seq`.
+#[derive(Debug, Clone, Copy)]
+struct Chunk {
+    seq: SeqId,
+    from: usize,
+    to: usize,
+}
+
+/// What a plan's forward pass returned: one row of logits per chunk that ends at its
+/// sequence's last token, and per chunk the queries captured (`capture[k]` of them).
+struct Executed {
+    logits: Vec<f32>,
+    captured: Vec<Vec<f32>>,
+    capture: Vec<usize>,
+}
+
+/// Queries of chunk `c` that `s`'s eviction policy scores with: the last prompt chunk's
+/// (capped to the chunk) at prefill, each decode token's afterwards, else none.
+fn capture_count(s: &SeqState, c: &Chunk) -> usize {
+    match &s.eviction {
+        // An evicting sequence's prompt ends at `n_prompt` (a recompute replays its
+        // generated tokens afterwards, see `SeqState::max_chunk`).
+        Some(ev) if !ev.initialised && c.to == s.n_prompt => {
+            ev.policy().prefill_queries().count(c.to - c.from)
+        }
+        Some(ev) if ev.initialised && ev.policy().decode_queries() != pk_kv::QueryNeed::None => 1,
+        _ => 0,
+    }
+}
+
+/// Where an admitted sequence's first prompt tokens come from.
+enum Start {
+    /// The pool's prefix cache (possibly nothing of it).
+    Pool(pk_kv::CachedPrefix),
+    /// The reuse connector's stored KV.
+    Reuse,
+    /// The request's given prefix KV (`GenerateParams::prefix_kv`).
+    Given,
+}
+
 pub struct Engine {
     /// What eviction did, per policy name.
     pub eviction_stats: std::collections::BTreeMap<String, EvictionStats>,
@@ -279,14 +287,14 @@ pub struct Engine {
     kv: KvCacheManager,
     /// The forward pass and the pool of K/V bytes it writes (CPU or GPU). Everything that
     /// decides which block holds what stays here on the host: `kv`, the sequences, the
-    /// eviction policies, the tiers.
+    /// eviction policies, the reuse connector.
     backend: Box<dyn Backend>,
-    /// Bytes mixed into every block hash so that caches of different models or KV
-    /// precisions never alias.
-    cache_namespace: Vec<u8>,
+    /// Mixed into every block hash and stored key, so that caches of different models,
+    /// KV precisions or backends never alias.
+    cache_namespace: CacheNamespace,
     next_seq: u64,
-    tiering: Option<Tiering>,
-    contexts: Option<ContextReuse>,
+    /// The KV reuse connector, if one is configured (`crate::reuse`).
+    reuse: Option<Box<dyn KvReuse>>,
     waiting: VecDeque<SeqState>,
     /// In admission order; preemption takes from the back.
     running: Vec<SeqState>,
@@ -360,9 +368,9 @@ impl Engine {
     }
 
     /// [`Engine::with_backend`], with `model_identity` naming the weights in every cache
-    /// key (the prefix cache's and the tiers'): [`model_content_id`] for a model file, so
-    /// that two different files of the same name sharing a disk or Redis tier never read
-    /// each other's KV.
+    /// key (the prefix cache's and the reuse connector's): [`model_content_id`] for a model
+    /// file, so that two different files of the same name sharing a store never read each
+    /// other's KV.
     pub fn with_backend_identified(
         backend: Box<dyn Backend>,
         tokenizer: Tokenizer,
@@ -371,6 +379,43 @@ impl Engine {
         model_name: &str,
         model_identity: &str,
     ) -> Result<Engine> {
+        let geometry = Engine::check_pool(&*backend, &config)?;
+        let bs = geometry.block_size_tokens;
+        let (backend, window) = Engine::kv_cache_groups(backend, &config)?;
+        let num_blocks = backend.kv().geometry().num_blocks;
+        let kv = KvCacheManager::with_windows(num_blocks as u32, bs as u32, window);
+        let cache_namespace = CacheNamespace::new(model_identity, config.kv_dtype, backend.name());
+        let reuse = match &config.reuse {
+            Some(r) => Some(reuse::open(
+                r,
+                model_name,
+                &cache_namespace,
+                bs,
+                geometry.bytes_per_token(config.kv_dtype),
+            )?),
+            None => None,
+        };
+        Ok(Engine {
+            eviction_stats: Default::default(),
+            tokenizer,
+            chat_template,
+            config,
+            model_name: model_name.to_string(),
+            stats: EngineStats::default(),
+            kv,
+            backend,
+            cache_namespace,
+            next_seq: 0,
+            reuse,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            grammar: None,
+        })
+    }
+
+    /// Checks the settings and that `backend`'s pool has the geometry and dtype they give;
+    /// returns that geometry.
+    fn check_pool(backend: &dyn Backend, config: &EngineConfig) -> Result<KvGeometry> {
         let geometry = config.kv_geometry(backend.config())?;
         if config.max_batch_tokens == 0 || config.max_running_seqs == 0 {
             bail!("max_batch_tokens and max_running_seqs must be at least 1");
@@ -396,52 +441,7 @@ impl Engine {
             backend.kv().capacity_bytes() as f64 / (1 << 20) as f64,
             config.kv_dtype
         );
-        let (backend, window) = Engine::kv_cache_groups(backend, &config)?;
-        let num_blocks = backend.kv().geometry().num_blocks;
-        let kv = KvCacheManager::with_windows(num_blocks as u32, bs as u32, window);
-        // Backends compute K/V with different arithmetic (the GPU's f16 GEMMs against the
-        // CPU's 8-bit activations), so blocks and stored chunks are never shared between
-        // them: a sequence's bits must not depend on where its prefix was computed.
-        let mut namespace = format!("{model_identity}|{:?}", config.kv_dtype);
-        if backend.name() != "cpu" {
-            namespace.push('|');
-            namespace.push_str(backend.name());
-        }
-        let cache_namespace = namespace.into_bytes();
-        let tiering = match &config.tiering {
-            Some(t) => Some(Tiering::new(
-                t,
-                model_name,
-                &cache_namespace,
-                bs,
-                geometry.bytes_per_token(config.kv_dtype),
-            )?),
-            None => None,
-        };
-        let contexts = match &config.contexts {
-            Some(_) if tiering.is_some() => bail!(
-                "chunk tiers and an EVICPRESS context store are exclusive (pick one --tier-policy)"
-            ),
-            Some(c) => Some(ContextReuse::new(c, model_name, &cache_namespace, bs)?),
-            None => None,
-        };
-        Ok(Engine {
-            eviction_stats: Default::default(),
-            tokenizer,
-            chat_template,
-            config,
-            model_name: model_name.to_string(),
-            stats: EngineStats::default(),
-            kv,
-            backend,
-            cache_namespace,
-            next_seq: 0,
-            tiering,
-            contexts,
-            waiting: VecDeque::new(),
-            running: Vec::new(),
-            grammar: None,
-        })
+        Ok(geometry)
     }
 
     /// Sets up KV cache groups when the model and settings allow (see
@@ -451,8 +451,7 @@ impl Engine {
         mut backend: Box<dyn Backend>,
         config: &EngineConfig,
     ) -> Result<(Box<dyn Backend>, Option<pk_kv::WindowSpec>)> {
-        let wanted =
-            config.hybrid_kv_cache && config.tiering.is_none() && config.contexts.is_none();
+        let wanted = config.hybrid_kv_cache && config.reuse.is_none();
         let Some(layout) = backend.config().kv_group_layout().filter(|_| wanted) else {
             return Ok((backend, None));
         };
@@ -512,42 +511,14 @@ impl Engine {
         self.backend.cpu_model()
     }
 
-    /// What the tiers did for this engine, if configured.
-    pub fn tiering_stats(&self) -> Option<TieringStats> {
-        self.tiering.as_ref().map(|t| t.stats.clone())
-    }
-
-    /// The EVICPRESS store, if configured.
-    /// How profiling scores configurations (the default when no store is configured).
-    pub fn profile_metric(&self) -> crate::profiler::QualityMetric {
-        self.contexts
-            .as_ref()
-            .map_or_else(Default::default, |c| c.profile_metric)
-    }
-
-    pub fn context_store(&self) -> Option<Arc<pk_evicpress::ContextStore>> {
-        self.contexts.as_ref().map(|c| c.store.clone())
-    }
-
-    /// The store key of the context made of exactly `tokens` (a multiple of the chunk
-    /// size), as a request with `salt` would compute it at admission.
-    pub fn context_key(&self, tokens: &[u32], salt: Option<&str>) -> Option<pk_tiers::ChunkKey> {
-        let c = self.contexts.as_ref()?;
-        if tokens.is_empty() || tokens.len() % c.chunk_size_tokens() != 0 {
-            return None;
-        }
-        let mut with_query = tokens.to_vec();
-        with_query.push(0);
-        c.keys(&with_query, salt).last().copied()
-    }
-
-    pub fn context_stats(&self) -> Option<ContextReuseStats> {
-        self.contexts.as_ref().map(|c| c.stats.clone())
+    /// The KV reuse connector, for the accessors each connector's module adds to `Engine`.
+    pub(crate) fn reuse_connector(&self) -> Option<&dyn KvReuse> {
+        self.reuse.as_deref()
     }
 
     /// The codec fingerprint of this engine's KV (model and KV precision).
     pub fn kv_fingerprint(&self) -> [u8; 32] {
-        contexts::kv_fingerprint(&self.cache_namespace)
+        self.cache_namespace.kv_fingerprint()
     }
 
     pub fn num_running(&self) -> usize {
@@ -605,123 +576,13 @@ impl Engine {
         if self.waiting.len() >= self.config.max_waiting_requests {
             return Err(SubmitError::QueueFull(self.waiting.len()));
         }
-        if req.prompt_ids.is_empty() {
-            return Err(SubmitError::Invalid("the prompt is empty".into()));
-        }
-        req.params
-            .sampling
-            .validate()
-            .map_err(|e| SubmitError::InvalidParam {
-                param: e.param,
-                message: e.message,
-            })?;
-        let vocab = self.backend.config().vocab_size;
-        if let Some((id, _)) = req
-            .params
-            .sampling
-            .logit_bias
-            .iter()
-            .find(|(id, _)| *id as usize >= vocab)
-        {
-            return Err(SubmitError::InvalidParam {
-                param: "logit_bias",
-                message: format!("logit_bias names token {id}, outside the vocabulary of {vocab}"),
-            });
-        }
-        if req.params.logprobs.is_some_and(|n| n > MAX_LOGPROBS) {
-            return Err(SubmitError::InvalidParam {
-                param: "top_logprobs",
-                message: format!("at most {MAX_LOGPROBS} alternatives per token"),
-            });
-        }
-        let n = req.params.n;
-        if n == 0 || n > MAX_CHOICES {
-            return Err(SubmitError::InvalidParam {
-                param: "n",
-                message: format!("n must be in [1, {MAX_CHOICES}], got {n}"),
-            });
-        }
-        if n > 1 {
-            let p = &req.params;
-            let clash = [
-                (!p.forced_tokens.is_empty(), "forced tokens"),
-                (p.return_logits, "returned logits"),
-                (p.prefix_kv.is_some(), "prefix_kv"),
-                (p.kv_policy.as_ref().is_some_and(|s| s.evicts()) || p.kv_budget.is_some(), "an evicting kv_policy or a kv_budget (choices share the prompt's blocks, which eviction rewrites)"),
-            ]
-            .into_iter()
-            .find(|c| c.0);
-            if let Some((_, what)) = clash {
-                return Err(SubmitError::InvalidParam {
-                    param: "n",
-                    message: format!("n > 1 cannot be combined with {what}"),
-                });
-            }
-        }
-        if req.params.min_tokens > req.params.max_tokens {
-            return Err(SubmitError::InvalidParam {
-                param: "min_tokens",
-                message: format!(
-                    "min_tokens {} exceeds max_tokens {}",
-                    req.params.min_tokens, req.params.max_tokens
-                ),
-            });
-        }
-        let ctx = self.backend.config().context_length;
-        if req.prompt_ids.len() >= ctx {
-            return Err(SubmitError::Invalid(format!(
-                "the prompt has {} tokens; the model's context is {ctx}",
-                req.prompt_ids.len()
-            )));
-        }
-        if let Some(&bad) = req
-            .prompt_ids
-            .iter()
-            .find(|&&t| t as usize >= self.backend.config().vocab_size)
-        {
-            return Err(SubmitError::Invalid(format!(
-                "token id {bad} is outside the vocabulary"
-            )));
-        }
+        self.check_prompt(&req.prompt_ids)?;
+        self.check_params(&req.params)?;
         let eviction = self.eviction_for(&req.params)?;
         if let Some(p) = &req.params.prefix_kv {
-            if self.kv.window_spec().is_some() {
-                return Err(SubmitError::InvalidParam {
-                    param: "prefix_kv".into(),
-                    message: "prefix_kv writes every layer of every token, but this engine keeps sliding-window layers in KV cache groups of their own; build it with hybrid_kv_cache off".into(),
-                });
-            }
-            let g = self.backend.kv().geometry();
-            if p.n_tokens() >= req.prompt_ids.len()
-                || p.kv
-                    .positions
-                    .last()
-                    .is_some_and(|&x| x as usize >= p.n_tokens())
-            {
-                return Err(SubmitError::Invalid(format!(
-                    "prefix_kv covers {} tokens of a {}-token prompt",
-                    p.n_tokens(),
-                    req.prompt_ids.len()
-                )));
-            }
-            if (p.kv.n_layers, p.kv.n_kv_heads, p.kv.head_dim)
-                != (g.n_layers, g.n_kv_heads, g.head_dim)
-            {
-                return Err(SubmitError::Invalid(
-                    "prefix_kv has another model's shape".into(),
-                ));
-            }
-            if eviction.is_some() {
-                return Err(SubmitError::Invalid(
-                    "prefix_kv and an evicting kv_policy are exclusive".into(),
-                ));
-            }
+            self.check_prefix_kv(p, req.prompt_ids.len(), eviction.is_some())?;
         }
-        let mut namespace = self.cache_namespace.clone();
-        if let Some(salt) = &req.cache_salt {
-            namespace.extend_from_slice(b"|salt|");
-            namespace.extend_from_slice(salt.as_bytes());
-        }
+        let namespace = self.cache_namespace.salted(req.cache_salt.as_deref());
         let matcher = match &req.params.grammar {
             Some(g) => Some(self.grammar_matcher(g, &req.params)?),
             None => None,
@@ -730,6 +591,7 @@ impl Engine {
         let mut state = SeqState::new(req, namespace);
         state.eviction = eviction;
         state.matcher = matcher;
+        // Background work queues behind every user request.
         let at = if background {
             self.waiting.len()
         } else {
@@ -739,6 +601,100 @@ impl Engine {
                 .unwrap_or(self.waiting.len())
         };
         self.waiting.insert(at, state);
+        Ok(())
+    }
+
+    fn check_prompt(&self, ids: &[u32]) -> Result<(), SubmitError> {
+        if ids.is_empty() {
+            return Err(SubmitError::Invalid("the prompt is empty".into()));
+        }
+        let ctx = self.backend.config().context_length;
+        if ids.len() >= ctx {
+            return Err(SubmitError::Invalid(format!(
+                "the prompt has {} tokens; the model's context is {ctx}",
+                ids.len()
+            )));
+        }
+        let vocab = self.backend.config().vocab_size;
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(SubmitError::Invalid(format!(
+                "token id {bad} is outside the vocabulary"
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_params(&self, p: &GenerateParams) -> Result<(), SubmitError> {
+        let invalid =
+            |param: &'static str, message: String| SubmitError::InvalidParam { param, message };
+        p.sampling
+            .validate()
+            .map_err(|e| invalid(e.param, e.message))?;
+        let vocab = self.backend.config().vocab_size;
+        if let Some((id, _)) = p
+            .sampling
+            .logit_bias
+            .iter()
+            .find(|(id, _)| *id as usize >= vocab)
+        {
+            return Err(invalid(
+                "logit_bias",
+                format!("logit_bias names token {id}, outside the vocabulary of {vocab}"),
+            ));
+        }
+        if p.logprobs.is_some_and(|n| n > MAX_LOGPROBS) {
+            return Err(invalid(
+                "top_logprobs",
+                format!("at most {MAX_LOGPROBS} alternatives per token"),
+            ));
+        }
+        if p.min_tokens > p.max_tokens {
+            return Err(invalid(
+                "min_tokens",
+                format!(
+                    "min_tokens {} exceeds max_tokens {}",
+                    p.min_tokens, p.max_tokens
+                ),
+            ));
+        }
+        check_choices(p)
+    }
+
+    fn check_prefix_kv(
+        &self,
+        p: &PrefixKv,
+        prompt_tokens: usize,
+        evicting: bool,
+    ) -> Result<(), SubmitError> {
+        if self.kv.window_spec().is_some() {
+            return Err(SubmitError::InvalidParam {
+                param: "prefix_kv",
+                message: "prefix_kv writes every layer of every token, but this engine keeps sliding-window layers in KV cache groups of their own; build it with hybrid_kv_cache off".into(),
+            });
+        }
+        let g = self.backend.kv().geometry();
+        if p.n_tokens() >= prompt_tokens
+            || p.kv
+                .positions
+                .last()
+                .is_some_and(|&x| x as usize >= p.n_tokens())
+        {
+            return Err(SubmitError::Invalid(format!(
+                "prefix_kv covers {} tokens of a {prompt_tokens}-token prompt",
+                p.n_tokens(),
+            )));
+        }
+        if (p.kv.n_layers, p.kv.n_kv_heads, p.kv.head_dim) != (g.n_layers, g.n_kv_heads, g.head_dim)
+        {
+            return Err(SubmitError::Invalid(
+                "prefix_kv has another model's shape".into(),
+            ));
+        }
+        if evicting {
+            return Err(SubmitError::Invalid(
+                "prefix_kv and an evicting kv_policy are exclusive".into(),
+            ));
+        }
         Ok(())
     }
 
@@ -769,13 +725,6 @@ impl Engine {
         };
         spec.validate(budget, self.config.block_size_tokens)
             .map_err(|e| invalid("kv_budget", e.to_string()))?;
-        if spec.build().prefill_queries() != pk_kv::QueryNeed::None
-            || spec.build().decode_queries() != pk_kv::QueryNeed::None
-        {
-            if !self.capture_supported() {
-                return Err(invalid("kv_policy", format!("kv_policy {spec} needs attention queries, which this build does not capture yet")));
-            }
-        }
         let granularity = p
             .kv_granularity
             .unwrap_or(self.config.default_kv_granularity);
@@ -794,10 +743,6 @@ impl Engine {
         let mut ev = SeqEviction::new(spec, budget, granularity, units);
         ev.keep_generated = p.kv_keep_generated;
         Ok(Some(ev))
-    }
-
-    fn capture_supported(&self) -> bool {
-        true
     }
 
     /// Blocks needed to compute `n_tokens` more tokens, plus one block of headroom for decode.
@@ -829,36 +774,11 @@ impl Engine {
     /// Moves waiting requests into the running set while blocks and slots allow.
     fn admit(&mut self) {
         while self.running.len() < self.config.max_running_seqs {
-            self.probe_tiers_for_front();
+            self.probe_front();
             let Some(front) = self.waiting.front() else {
                 break;
             };
-            let prefix = match self.config.enable_prefix_caching {
-                true => self
-                    .kv
-                    .get_computed_prefix(&front.all_ids, &front.namespace),
-                false => self.kv.get_computed_prefix(&[], &front.namespace),
-            };
-            let cached = prefix.num_cached_tokens() as usize;
-            // Tiers are consulted for non-evicting sequences; they win when they hold a
-            // longer prefix than the pool.
-            let (tier_keys, tier_found) = match (&front.tier_probe, &front.eviction) {
-                (Some((_, keys, found)), None) => (keys.clone(), *found),
-                _ => (Vec::new(), 0),
-            };
-            let (context_hit, context_offer) = self.context_lookup(cached);
-            let Some(front) = self.waiting.front() else {
-                break;
-            };
-            let preloading = context_hit.is_some()
-                || (front.req.params.prefix_kv.is_some() && front.eviction.is_none());
-            let use_tiers = !preloading
-                && tier_found * self.tiering.as_ref().map_or(0, |t| t.chunk_size_tokens()) > cached;
-            let needed = if use_tiers || preloading {
-                self.blocks_for(front.all_ids.len())
-            } else {
-                self.blocks_for(front.all_ids.len() - cached) + prefix.block_ids().len()
-            };
+            let (start, needed) = self.start_for(front);
             let total = self.kv.pool().num_blocks() as usize;
             if needed > total && self.running.is_empty() {
                 let mut s = self.waiting.pop_front().expect("front exists");
@@ -874,88 +794,81 @@ impl Engine {
             if needed > free {
                 break;
             }
-            let mut s = self.waiting.pop_front().expect("front exists");
-            let seq = self.new_seq_id();
-            if preloading {
-                if let Some(adopted) = self.admit_preloaded(&mut s, seq, context_hit) {
-                    self.start_running(s, seq, adopted);
-                    continue;
-                }
-                // Not loadable: compute the prompt as usual (from the pool's prefix).
-            }
-            s.context = SeqContext {
-                offer: context_offer,
-                ..Default::default()
-            };
-            let adopted = if use_tiers {
-                let empty = self.kv.get_computed_prefix(&[], &s.namespace);
-                self.kv.add_sequence(seq, &empty);
-                let tiering = self.tiering.as_mut().expect("tiers configured");
-                tiering.load_into(
-                    &tier_keys[..tier_found],
-                    &mut self.kv,
-                    self.backend.kv_mut(),
-                    seq,
-                )
-            } else {
-                self.kv.add_sequence(seq, &prefix) as usize
-            };
-            // Chunks already in the tiers are not stored again.
-            s.tier_next_chunk = if use_tiers {
-                adopted / self.tiering.as_ref().map_or(1, |t| t.chunk_size_tokens())
-            } else {
-                tier_found
-            };
-            s.tier_keys = tier_keys;
-            self.start_running(s, seq, adopted);
+            let s = self.waiting.pop_front().expect("front exists");
+            self.admit_from(s, start);
         }
     }
 
-    /// Asks the tiers for the head of the queue, once per waiting request (and again only
-    /// after a preemption has changed its tokens): while the head waits for blocks, each
-    /// step would otherwise re-hash its prompt and make a Redis round trip.
-    fn probe_tiers_for_front(&mut self) {
-        if let (Some(t), Some(front)) = (self.tiering.as_mut(), self.waiting.front_mut()) {
-            if front.eviction.is_none()
-                && front
-                    .tier_probe
-                    .as_ref()
-                    .is_none_or(|p| p.0 != front.all_ids.len())
-            {
-                let keys = t.keys(&front.all_ids, front.req.cache_salt.as_deref());
-                let found = t.lookup(&keys);
-                front.tier_probe = Some((front.all_ids.len(), keys, found));
-            }
-        }
-    }
-
-    /// The EVICPRESS store's answer for the head of the queue: a stored context longer than
-    /// the pool's `cached` prefix to load, or else (nothing stored) the key to offer its
-    /// context under once computed. A given prefix KV wins over both.
-    #[allow(clippy::type_complexity)]
-    fn context_lookup(
-        &mut self,
-        cached: usize,
-    ) -> (
-        Option<(pk_tiers::ChunkKey, usize)>,
-        Option<(pk_tiers::ChunkKey, usize)>,
-    ) {
-        let (Some(front), Some(c)) = (self.waiting.front(), self.contexts.as_mut()) else {
-            return (None, None);
+    /// Asks the reuse connector about the head of the queue, once per waiting request (and
+    /// again only after a preemption has changed its tokens): while the head waits for
+    /// blocks, each step would otherwise re-hash its prompt and make a Redis round trip.
+    fn probe_front(&mut self) {
+        let (Some(r), Some(front)) = (self.reuse.as_mut(), self.waiting.front_mut()) else {
+            return;
         };
-        if front.eviction.is_some() || front.req.params.prefix_kv.is_some() {
-            return (None, None);
+        let reusable = front.eviction.is_none() && front.req.params.prefix_kv.is_none();
+        let asked = front.reuse.probe.as_ref().map(|p| p.0);
+        if reusable && asked != Some(front.all_ids.len()) {
+            let m = r.lookup(&front.all_ids, front.req.cache_salt.as_deref());
+            front.reuse.probe = Some((front.all_ids.len(), m));
         }
-        let keys = c.keys(&front.all_ids, front.req.cache_salt.as_deref());
-        match c.lookup(&keys) {
-            Some((key, tokens)) if tokens > cached => (Some((key, tokens)), None),
-            Some(_) => (None, None),
-            None => (
-                None,
-                keys.last()
-                    .map(|k| (*k, keys.len() * c.chunk_size_tokens())),
-            ),
+    }
+
+    /// Where a waiting sequence's first tokens would come from, and the blocks it needs to
+    /// be admitted: a given prefix KV, else the connector when it holds more of the prompt
+    /// than the pool's prefix cache, else the pool.
+    fn start_for(&self, s: &SeqState) -> (Start, usize) {
+        if s.req.params.prefix_kv.is_some() {
+            return (Start::Given, self.blocks_for(s.all_ids.len()));
         }
+        let ids: &[u32] = match self.config.enable_prefix_caching {
+            true => &s.all_ids,
+            false => &[],
+        };
+        let prefix = self.kv.get_computed_prefix(ids, &s.namespace);
+        let cached = prefix.num_cached_tokens() as usize;
+        let loadable = s.reuse.probe.as_ref().map_or(0, |p| p.1.loadable_tokens);
+        if loadable > cached {
+            return (Start::Reuse, self.blocks_for(s.all_ids.len()));
+        }
+        let needed = self.blocks_for(s.all_ids.len() - cached) + prefix.block_ids().len();
+        (Start::Pool(prefix), needed)
+    }
+
+    /// Admits `s` starting from `start`; a given or stored KV that cannot be placed falls
+    /// back to computing the prompt from the pool's prefix cache.
+    fn admit_from(&mut self, mut s: SeqState, start: Start) {
+        let seq = self.new_seq_id();
+        let probe = s.reuse.probe.take().map(|p| p.1).unwrap_or_default();
+        s.reuse = SeqReuse {
+            saved_chunks: probe.saved_chunks,
+            keys: probe.keys.clone(),
+            ..Default::default()
+        };
+        let preloaded = match start {
+            Start::Given => self.start_from_given(&mut s, seq),
+            Start::Reuse => self.start_from_reuse(&mut s, seq, &probe),
+            Start::Pool(prefix) => {
+                let adopted = self.kv.add_sequence(seq, &prefix) as usize;
+                return self.start_running(s, seq, adopted);
+            }
+        };
+        let adopted = match preloaded {
+            Some(tokens) => tokens,
+            None => {
+                // Nothing placed: the sequence was freed; the prefix is looked up again,
+                // since a failed placement may have taken cached blocks off the free list.
+                s.reuse.inexact = false;
+                let ids: &[u32] = if self.config.enable_prefix_caching {
+                    &s.all_ids
+                } else {
+                    &[]
+                };
+                let prefix = self.kv.get_computed_prefix(ids, &s.namespace);
+                self.kv.add_sequence(seq, &prefix) as usize
+            }
+        };
+        self.start_running(s, seq, adopted);
     }
 
     /// An admitted sequence whose first `adopted` tokens are already in its cache.
@@ -970,57 +883,43 @@ impl Engine {
         self.running.push(s);
     }
 
-    /// Starts `seq` from a given prefix KV or a stored context. Returns the prompt tokens
-    /// covered, or `None` (sequence not created) if the KV could not be loaded or placed.
-    fn admit_preloaded(
-        &mut self,
-        s: &mut SeqState,
-        seq: pk_kv::SeqId,
-        hit: Option<(pk_tiers::ChunkKey, usize)>,
-    ) -> Option<usize> {
-        let (ctx, mut load, exact) = match (&s.req.params.prefix_kv, hit) {
-            (Some(p), _) => (std::borrow::Cow::Borrowed(&p.kv), None, false),
-            (None, Some((key, tokens))) => {
-                let c = self.contexts.as_mut()?;
-                let (kv, report) = c.load(&key, &s.all_ids[tokens..s.n_prompt])?;
-                if kv.n_original_tokens != tokens {
-                    return None;
-                }
-                let exact = kv.n_tokens() == tokens && report.config.starts_with("none-");
-                (std::borrow::Cow::Owned(kv), Some(report), exact)
-            }
-            (None, None) => return None,
-        };
+    /// Starts `seq` from the request's given prefix KV. Returns the prompt tokens covered,
+    /// or `None` (sequence freed) if it could not be placed.
+    fn start_from_given(&mut self, s: &mut SeqState, seq: SeqId) -> Option<usize> {
+        let p = s.req.params.prefix_kv.clone().expect("a given prefix");
         let empty = self.kv.get_computed_prefix(&[], &s.namespace);
         self.kv.add_sequence(seq, &empty);
-        let t0 = std::time::Instant::now();
-        if !contexts::write_prefix(&ctx, &mut self.kv, self.backend.kv_mut(), seq) {
+        if !prefix_kv::place_prefix(&p.kv, &mut self.kv, self.backend.kv_mut(), seq) {
             self.kv.free(seq);
             return None;
         }
-        if let Some(l) = load.as_mut() {
-            l.restore_s = t0.elapsed().as_secs_f64();
-        }
-        let n_original_tokens = ctx.n_original_tokens;
-        // A compressed context keeps its tokens' original positions: sliding-window layers
-        // need them (`SeqForward::stored_positions`).
-        if ctx
-            .positions
-            .iter()
-            .enumerate()
-            .any(|(i, &p)| p as usize != i)
-        {
-            s.stored_positions = Some(ctx.positions.clone());
-        }
-        if let (std::borrow::Cow::Owned(kv), Some(c)) = (ctx, self.contexts.as_ref()) {
-            c.recycle(kv);
-        }
-        s.context = SeqContext {
-            inexact: !exact,
-            offer: None,
-            load,
+        s.reuse = SeqReuse {
+            inexact: true,
+            ..Default::default()
         };
-        Some(n_original_tokens)
+        Some(p.n_tokens())
+    }
+
+    /// Starts `seq` from what the reuse connector holds of its prompt. Returns the prompt
+    /// tokens covered, or `None` (sequence freed) if nothing could be loaded.
+    fn start_from_reuse(
+        &mut self,
+        s: &mut SeqState,
+        seq: SeqId,
+        probe: &reuse::ReuseMatch,
+    ) -> Option<usize> {
+        let r = self.reuse.as_mut().expect("a connector answered");
+        let empty = self.kv.get_computed_prefix(&[], &s.namespace);
+        self.kv.add_sequence(seq, &empty);
+        let query = &s.all_ids[probe.loadable_tokens.min(s.n_prompt)..s.n_prompt];
+        let Some(placed) = r.load(probe, query, &mut self.kv, &mut *self.backend, seq) else {
+            self.kv.free(seq);
+            return None;
+        };
+        s.reuse.inexact = !placed.exact;
+        s.reuse.saved_chunks = placed.saved_chunks;
+        s.reuse.load = placed.report;
+        Some(placed.tokens)
     }
 
     /// Frees the most recently admitted running sequence other than `keep` and puts it
@@ -1033,8 +932,7 @@ impl Engine {
         let seq = s.seq.take().expect("running sequences hold a block table");
         self.kv.free(seq);
         s.num_computed = 0;
-        s.context = SeqContext::default();
-        s.stored_positions = None;
+        s.reuse = SeqReuse::default();
         if let Some(ev) = s.eviction.as_mut() {
             ev.reset();
         }
@@ -1048,89 +946,12 @@ impl Engine {
         Some(seq)
     }
 
-    /// One scheduler iteration. Returns the number of tokens run through the model.
+    /// One scheduler iteration: plan a batch, execute it (one forward pass), apply each
+    /// sequence's result. Returns the number of tokens run through the model.
     pub fn step(&mut self) -> usize {
-        let mut aborted = Vec::new();
-        self.running.retain_mut(|s| {
-            if s.aborted {
-                aborted.push(s.seq.take());
-            }
-            !s.aborted
-        });
-        for seq in aborted.into_iter().flatten() {
-            self.kv.free(seq);
-        }
+        self.drop_aborted();
         self.admit();
-        if self.running.is_empty() {
-            return 0;
-        }
-        // Plan: decode tokens first (one each), then prompt chunks, within the token budget.
-        let mut order: Vec<(bool, SeqId)> = self
-            .running
-            .iter()
-            .map(|s| (s.is_prefilling(), s.seq.expect("running")))
-            .collect();
-        order.sort_by_key(|&(prefilling, _)| prefilling);
-        let mut budget = self.config.max_batch_tokens;
-        let n_decoding = order.iter().filter(|&&(prefilling, _)| !prefilling).count();
-        let mut plan: Vec<(SeqId, usize, usize)> = Vec::new(); // (seq, from, to) in all_ids
-                                                               // Decodes are planned first (sorted above); prompt chunks beside them are capped.
-                                                               // The cap grows with the decodes (PREFILL_TOKENS_PER_DECODE each): a step of many
-                                                               // decodes is long already, and prompt rows beside them cost it proportionally less.
-        let mut prefill_left = match n_decoding {
-            0 => usize::MAX,
-            n => self
-                .config
-                .max_prefill_tokens_while_decoding
-                .max(PREFILL_TOKENS_PER_DECODE * n)
-                .max(1),
-        };
-        for (prefilling, seq) in order {
-            if budget == 0 {
-                break;
-            }
-            let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) else {
-                continue;
-            };
-            let (from, pending) = (
-                self.running[i].num_computed,
-                self.running[i].all_ids.len() - self.running[i].num_computed,
-            );
-            let take = if prefilling {
-                pending.min(budget).min(prefill_left)
-            } else {
-                pending.min(budget)
-            }
-            .min(self.running[i].max_chunk());
-            if take == 0 {
-                continue;
-            }
-            let ok = loop {
-                if self.kv.allocate_slots(seq, take as u32).is_some() {
-                    break true;
-                }
-                // Out of blocks: preempt the newest other sequence and retry this one.
-                match self.preempt_one(seq) {
-                    Some(victim) => plan.retain(|p| p.0 != victim),
-                    None => break false,
-                }
-            };
-            if !ok {
-                let i = self
-                    .running
-                    .iter()
-                    .position(|s| s.seq == Some(seq))
-                    .expect("still running");
-                let s = self.running.remove(i);
-                self.fail(s, RequestError::CacheFull("the KV cache is full even with every other sequence preempted; raise the KV capacity".into()));
-                continue;
-            }
-            plan.push((seq, from, from + take));
-            budget -= take;
-            if prefilling {
-                prefill_left -= take;
-            }
-        }
+        let plan = self.plan();
         if plan.is_empty() {
             return 0;
         }
@@ -1141,29 +962,120 @@ impl Engine {
         n_tokens
     }
 
+    /// Frees the blocks of sequences whose clients went away.
+    fn drop_aborted(&mut self) {
+        let mut aborted = Vec::new();
+        self.running.retain_mut(|s| {
+            if s.aborted {
+                aborted.push(s.seq.take());
+            }
+            !s.aborted
+        });
+        for seq in aborted.into_iter().flatten() {
+            self.kv.free(seq);
+        }
+    }
+
+    /// The next batch: a decode token for every decoding sequence first, then prompt
+    /// chunks, within the step's token budget, each with its slots allocated (preempting
+    /// the newest other sequences when the pool is out of blocks).
+    fn plan(&mut self) -> Vec<Chunk> {
+        let mut order: Vec<(bool, SeqId)> = self
+            .running
+            .iter()
+            .map(|s| (s.is_prefilling(), s.seq.expect("running")))
+            .collect();
+        order.sort_by_key(|&(prefilling, _)| prefilling);
+        let mut budget = self.config.max_batch_tokens;
+        let mut prefill_left = self.prefill_cap(order.iter().filter(|o| !o.0).count());
+        let mut plan: Vec<Chunk> = Vec::new();
+        for (prefilling, seq) in order {
+            if budget == 0 {
+                break;
+            }
+            let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) else {
+                continue;
+            };
+            let s = &self.running[i];
+            let pending = s.all_ids.len() - s.num_computed;
+            let cap = if prefilling { prefill_left } else { usize::MAX };
+            let take = pending.min(budget).min(cap).min(s.max_chunk());
+            let from = s.num_computed;
+            if take == 0 || !self.allocate_or_preempt(seq, take, &mut plan) {
+                continue;
+            }
+            plan.push(Chunk {
+                seq,
+                from,
+                to: from + take,
+            });
+            budget -= take;
+            if prefilling {
+                prefill_left -= take;
+            }
+        }
+        plan
+    }
+
+    /// Prompt tokens a step may carry beside `n_decoding` decodes. The cap grows with the
+    /// decodes (`PREFILL_TOKENS_PER_DECODE` each): a step of many decodes is long already,
+    /// and prompt rows beside them cost it proportionally less.
+    fn prefill_cap(&self, n_decoding: usize) -> usize {
+        match n_decoding {
+            0 => usize::MAX,
+            n => self
+                .config
+                .max_prefill_tokens_while_decoding
+                .max(PREFILL_TOKENS_PER_DECODE * n)
+                .max(1),
+        }
+    }
+
+    /// Allocates `take` slots for `seq`, preempting the newest other sequences (and taking
+    /// them out of `plan`) while the pool is out of blocks. When nothing is left to preempt,
+    /// `seq`'s request fails and false is returned.
+    fn allocate_or_preempt(&mut self, seq: SeqId, take: usize, plan: &mut Vec<Chunk>) -> bool {
+        loop {
+            if self.kv.allocate_slots(seq, take as u32).is_some() {
+                return true;
+            }
+            match self.preempt_one(seq) {
+                Some(victim) => plan.retain(|c| c.seq != victim),
+                None => break,
+            }
+        }
+        let i = self
+            .running
+            .iter()
+            .position(|s| s.seq == Some(seq))
+            .expect("still running");
+        let s = self.running.remove(i);
+        self.fail(s, RequestError::CacheFull("the KV cache is full even with every other sequence preempted; raise the KV capacity".into()));
+        false
+    }
+
     /// Executes a plan: one forward pass over every planned chunk, then each sequence's
     /// result is applied (`apply`). Returns the number of tokens run.
-    fn run_plan(&mut self, plan: &[(SeqId, usize, usize)]) -> usize {
-        let Some((logits, mut captured, capture)) = self.execute(plan) else {
+    fn run_plan(&mut self, plan: &[Chunk]) -> usize {
+        let Some(Executed {
+            logits,
+            mut captured,
+            capture,
+        }) = self.execute(plan)
+        else {
             return 0;
         };
         let vocab = self.backend.config().vocab_size;
         let mut row = 0;
-        let mut n_tokens = 0;
         let mut finished = Vec::new();
-        for (k, &(seq, from, to)) in plan.iter().enumerate() {
-            n_tokens += to - from;
-            let i = self
-                .running
-                .iter()
-                .position(|s| s.seq == Some(seq))
-                .expect("planned sequence is running");
-            let wants_logits = to == self.running[i].all_ids.len();
+        for (k, c) in plan.iter().enumerate() {
+            let i = self.index_of(c.seq);
+            let wants_logits = c.to == self.running[i].all_ids.len();
             let l = wants_logits.then(|| &logits[row * vocab..(row + 1) * vocab]);
             row += usize::from(wants_logits);
             let queries = (capture[k] > 0).then(|| std::mem::take(&mut captured[k]));
-            if self.apply(i, from, to, l, capture[k], queries) {
-                finished.push(seq);
+            if self.apply(i, c, l, capture[k], queries) {
+                finished.push(c.seq);
             }
         }
         for seq in finished {
@@ -1172,80 +1084,68 @@ impl Engine {
                 self.finish(s);
             }
         }
-        n_tokens
+        plan.iter().map(|c| c.to - c.from).sum()
+    }
+
+    /// The index in `running` of a planned (so running) sequence.
+    fn index_of(&self, seq: SeqId) -> usize {
+        self.running
+            .iter()
+            .position(|s| s.seq == Some(seq))
+            .expect("planned sequence is running")
     }
 
     /// The forward pass of a plan, with the queries attention-based policies score with
-    /// (the last prompt chunk's, capped to the chunk, at prefill; each decode token's
-    /// afterwards). On failure every planned request fails (a device error may have left
-    /// the batch's K/V half-written) and `None` is returned.
-    #[allow(clippy::type_complexity)]
-    fn execute(
-        &mut self,
-        plan: &[(SeqId, usize, usize)],
-    ) -> Option<(Vec<f32>, Vec<Vec<f32>>, Vec<usize>)> {
-        let idx_of = |running: &[SeqState], seq: SeqId| {
-            running
-                .iter()
-                .position(|s| s.seq == Some(seq))
-                .expect("planned sequence is running")
-        };
+    /// (`capture_count`). On failure every planned request fails (a device error may have
+    /// left the batch's K/V half-written) and `None` is returned.
+    fn execute(&mut self, plan: &[Chunk]) -> Option<Executed> {
         let tables: Vec<Vec<u32>> = plan
             .iter()
-            .map(|(seq, _, _)| eviction::table_of(&self.kv, *seq))
+            .map(|c| eviction::table_of(&self.kv, c.seq))
             .collect();
         let window_tables: Vec<Vec<Vec<u32>>> = plan
             .iter()
-            .map(|(seq, _, _)| {
+            .map(|c| {
                 self.kv
-                    .window_tables(*seq)
+                    .window_tables(c.seq)
                     .map(<[_]>::to_vec)
                     .unwrap_or_default()
             })
             .collect();
         let mut fwd = Vec::with_capacity(plan.len());
         let mut capture = Vec::with_capacity(plan.len());
-        for (k, &(seq, from, to)) in plan.iter().enumerate() {
-            let s = &self.running[idx_of(&self.running, seq)];
-            let stored_after = self.kv.block_table(seq).expect("live").num_stored_tokens() as usize;
-            let n = to - from;
-            let wants_logits = to == s.all_ids.len();
+        for (k, c) in plan.iter().enumerate() {
+            let s = &self.running[self.index_of(c.seq)];
+            let table = self.kv.block_table(c.seq).expect("live");
+            let stored_after = table.num_stored_tokens() as usize;
+            let n = c.to - c.from;
+            let wants_logits = c.to == s.all_ids.len();
             fwd.push(SeqForward {
-                tokens: &s.all_ids[from..to],
-                start_position: s.position_of(from),
+                tokens: &s.all_ids[c.from..c.to],
+                start_position: s.position_of(c.from),
                 stored_start: stored_after - n,
                 block_table: &tables[k],
                 logits_from: if wants_logits { n - 1 } else { n },
-                stored_positions: s.stored_positions.as_deref().unwrap_or(&[]),
+                stored_positions: table.positions().unwrap_or(&[]),
                 window_tables: &window_tables[k],
             });
-            capture.push(match &s.eviction {
-                // An evicting sequence's prompt ends at `n_prompt` (a recompute replays
-                // its generated tokens afterwards, see `SeqState::max_chunk`).
-                Some(ev) if !ev.initialised && to == s.n_prompt => {
-                    ev.policy().prefill_queries().count(to - from)
-                }
-                Some(ev)
-                    if ev.initialised && ev.policy().decode_queries() != pk_kv::QueryNeed::None =>
-                {
-                    1
-                }
-                _ => 0,
-            });
+            capture.push(capture_count(s, c));
         }
         let forward = self.backend.forward_with_queries(&fwd, &capture);
         drop(fwd);
         match forward {
-            Ok((logits, captured)) => Some((logits, captured, capture)),
+            Ok((logits, captured)) => Some(Executed {
+                logits,
+                captured,
+                capture,
+            }),
             Err(e) => {
                 tracing::error!("forward pass failed: {e}");
-                for &(seq, _, _) in plan {
-                    if let Some(i) = self.running.iter().position(|s| s.seq == Some(seq)) {
+                for c in plan {
+                    if let Some(i) = self.running.iter().position(|s| s.seq == Some(c.seq)) {
                         let s = self.running.remove(i);
-                        self.fail(
-                            s,
-                            RequestError::Internal(format!("the forward pass failed: {e}")),
-                        );
+                        let msg = format!("the forward pass failed: {e}");
+                        self.fail(s, RequestError::Internal(msg));
                     }
                 }
                 None
@@ -1255,13 +1155,12 @@ impl Engine {
 
     /// Applies one planned chunk's result to `running[i]`: stored positions, sampling and
     /// streaming (`logits` when the chunk ends at the sequence's last token), then eviction
-    /// or, for a non-evicting sequence, the context offer, the tier stores and the prefix
-    /// cache. Returns whether the sequence is finished.
+    /// or, for a non-evicting sequence, the reuse connector's save and the prefix cache.
+    /// Returns whether the sequence is finished.
     fn apply(
         &mut self,
         i: usize,
-        from: usize,
-        to: usize,
+        c: &Chunk,
         logits: Option<&[f32]>,
         n_captured: usize,
         queries: Option<Vec<f32>>,
@@ -1269,24 +1168,15 @@ impl Engine {
         let ctx = self.backend.config().context_length;
         if let Some(l) = logits {
             if self.running[i].choices_to_fork > 0 {
-                self.fork_choices(i, to, l);
+                self.fork_choices(i, c.to, l);
             }
         }
         let s = &mut self.running[i];
         let seq = s.seq.expect("running");
-        let was_prefill = s.is_prefilling();
-        let new_positions: Vec<u32> = if s.stored_positions.is_some() {
-            (from..to).map(|i| s.position_of(i) as u32).collect()
-        } else {
-            Vec::new()
-        };
-        if let Some(p) = s.stored_positions.as_mut() {
-            p.extend(new_positions);
+        if s.is_prefilling() {
+            self.stats.prompt_tokens += (c.to - c.from) as u64;
         }
-        s.num_computed = to;
-        if was_prefill {
-            self.stats.prompt_tokens += (to - from) as u64;
-        }
+        s.num_computed = c.to;
         let mut finished = false;
         if let Some(l) = logits {
             finished = s.sample_and_emit(l, &self.tokenizer, ctx);
@@ -1297,41 +1187,58 @@ impl Engine {
         if s.eviction.is_some() {
             // Evicting sequences never feed the prefix cache: their blocks are about to
             // be compacted or removed, and a cached block would force copies.
-            return self.apply_eviction(i, from, to, n_captured, queries, prefill_done, finished);
+            let queries = queries.map(|data| self.captured_queries(seq, n_captured, data));
+            finished = self.apply_eviction(i, c, queries, prefill_done, finished);
+        } else if !s.reuse.inexact {
+            if prefill_done && s.reuse.wants_save() {
+                self.save_prompt(i);
+            }
+            if self.config.enable_prefix_caching {
+                let s = &self.running[i];
+                self.kv.cache_full_blocks(seq, &s.all_ids[..s.num_computed]);
+            }
         }
+        let s = &mut self.running[i];
         s.kv_stored_tokens = self
             .kv
             .block_table(seq)
             .map_or(0, |t| t.num_stored_tokens() as usize);
         s.kv_blocks = held_blocks(&self.kv, seq);
-        if s.context.inexact {
-            return finished;
-        }
-        if prefill_done {
-            self.offer_and_store(i);
-        }
-        if self.config.enable_prefix_caching {
-            let s = &self.running[i];
-            self.kv.cache_full_blocks(seq, &s.all_ids[..s.num_computed]);
-        }
         finished
     }
 
+    /// The queries a step captured for `seq`: the last `n_captured` stored tokens'.
+    fn captured_queries(
+        &self,
+        seq: SeqId,
+        n_captured: usize,
+        data: Vec<f32>,
+    ) -> eviction::CapturedQueries {
+        let c = self.backend.config();
+        let stored_end = self
+            .kv
+            .block_table(seq)
+            .map_or(0, |t| t.num_stored_tokens() as usize);
+        eviction::CapturedQueries {
+            n_heads: c.n_heads,
+            head_dim: c.head_dim,
+            positions: (stored_end - n_captured..stored_end).collect(),
+            data,
+        }
+    }
+
     /// The eviction part of `apply`: prefill selection once the prompt is in, then a block
-    /// score per filled block and evictions while over budget.
-    #[allow(clippy::too_many_arguments)]
+    /// score per filled block and evictions while over budget. Returns whether the
+    /// sequence is finished (it is, failed, when its pruned prompt has no block to go to).
     fn apply_eviction(
         &mut self,
         i: usize,
-        from: usize,
-        to: usize,
-        n_captured: usize,
-        queries: Option<Vec<f32>>,
+        c: &Chunk,
+        queries: Option<eviction::CapturedQueries>,
         prefill_done: bool,
-        mut finished: bool,
+        finished: bool,
     ) -> bool {
-        let c = self.backend.config();
-        let (n_heads, head_dim) = (c.n_heads, c.head_dim);
+        let n_heads = self.backend.config().n_heads;
         let s = &mut self.running[i];
         let seq = s.seq.expect("running");
         let ev = s.eviction.as_mut().expect("an evicting sequence");
@@ -1339,91 +1246,50 @@ impl Engine {
             .eviction_stats
             .entry(ev.spec.name().to_string())
             .or_default();
-        let stored_now = |kv: &KvCacheManager| {
-            kv.block_table(seq)
-                .map_or(0, |t| t.num_stored_tokens() as usize)
-        };
-        let stored_end = stored_now(&self.kv);
-        let queries = queries.map(|data| eviction::CapturedQueries {
-            n_heads,
-            head_dim,
-            positions: (stored_end - n_captured..stored_end).collect(),
-            data,
-        });
-        if !ev.initialised {
-            // The whole prompt (or, after preemption, everything) is in the cache and its
-            // exact attention is done: select, compact, and from now on evict.
-            if prefill_done
-                && !finished
-                && !eviction::after_prefill(
-                    ev,
-                    &mut self.kv,
-                    self.backend.kv_mut(),
-                    seq,
-                    queries.as_ref(),
-                    stats,
-                    &mut s.stored_positions,
-                )
-            {
-                // No block for a copy-on-write during compaction: give up on this request
-                // rather than corrupt a shared block.
-                s.aborted = true;
-                (s.req.sink)(SeqEvent::Error(RequestError::CacheFull(
-                    "the KV cache is full: no block to compact the pruned prompt into".into(),
-                )));
-                finished = true;
+        let (kv, store) = (&mut self.kv, self.backend.kv_mut());
+        if ev.initialised {
+            if c.to - c.from == 1 {
+                if let Some(q) = queries {
+                    ev.recent_queries.push((q.positions[0], q.data));
+                }
+                eviction::after_decode(ev, kv, store, seq, n_heads, stats);
             }
-        } else if to - from == 1 {
-            if let Some(q) = queries {
-                ev.recent_queries.push((q.positions[0], q.data));
-            }
-            eviction::after_decode(
-                ev,
-                &mut self.kv,
-                self.backend.kv_mut(),
-                seq,
-                n_heads,
-                stats,
-                &mut s.stored_positions,
-            );
+            return finished;
         }
-        s.kv_stored_tokens = stored_now(&self.kv);
-        s.kv_blocks = held_blocks(&self.kv, seq);
-        finished
+        // The whole prompt (or, after preemption, everything) is in the cache and its exact
+        // attention is done: select, compact, and from now on evict.
+        if !prefill_done || finished {
+            return finished;
+        }
+        let q = queries.as_ref();
+        if eviction::after_prefill(ev, kv, store, seq, q, stats) {
+            return false;
+        }
+        // No block for a copy-on-write during compaction: give up on this request rather
+        // than corrupt a shared block.
+        s.aborted = true;
+        (s.req.sink)(SeqEvent::Error(RequestError::CacheFull(
+            "the KV cache is full: no block to compact the pruned prompt into".into(),
+        )));
+        true
     }
 
-    /// Once a non-evicting sequence's prompt is in: offer its context to the EVICPRESS
-    /// store (if it asked to be offered) and hand its new full chunks to the tiers.
-    fn offer_and_store(&mut self, i: usize) {
+    /// Once a non-evicting sequence's prompt is in, hands what the connector has not saved
+    /// of it to the connector.
+    fn save_prompt(&mut self, i: usize) {
+        let Some(r) = self.reuse.as_mut() else {
+            return;
+        };
         let s = &mut self.running[i];
         let seq = s.seq.expect("running");
-        if let (Some((key, tokens)), Some(c)) = (s.context.offer.take(), self.contexts.as_mut()) {
-            if let Some(kv) = contexts::read_prefix(&self.kv, self.backend.kv(), seq, tokens) {
-                let window = if c.wants_window() {
-                    contexts::window_queries(
-                        &mut *self.backend,
-                        &self.kv,
-                        seq,
-                        &s.all_ids[..tokens],
-                    )
-                } else {
-                    None
-                };
-                c.offer(key, kv, window);
-            }
-        }
-        if !s.tier_keys.is_empty() && s.tier_next_chunk < s.tier_keys.len() {
-            if let Some(t) = self.tiering.as_mut() {
-                s.tier_next_chunk = t.store_chunks(
-                    &s.tier_keys,
-                    s.tier_next_chunk,
-                    s.num_computed,
-                    &self.kv,
-                    self.backend.kv(),
-                    seq,
-                );
-            }
-        }
+        r.save(
+            &mut s.reuse,
+            &s.all_ids,
+            s.num_computed,
+            &self.kv,
+            &mut *self.backend,
+            seq,
+        );
     }
 
     /// Starts choices 1..n of `running[i]`'s request (`n > 1`) once its prompt is computed
@@ -1463,6 +1329,9 @@ impl Engine {
     }
 
     fn finish(&mut self, mut s: SeqState) {
+        if let Some(r) = self.reuse.as_mut() {
+            r.request_finished(&s.reuse);
+        }
         if let Some(seq) = s.seq.take() {
             self.kv.free(seq);
         }
@@ -1476,6 +1345,9 @@ impl Engine {
     }
 
     fn fail(&mut self, mut s: SeqState, err: RequestError) {
+        if let Some(r) = self.reuse.as_mut() {
+            r.request_finished(&s.reuse);
+        }
         if let Some(seq) = s.seq.take() {
             self.kv.free(seq);
         }
@@ -1485,6 +1357,35 @@ impl Engine {
     /// Checks the KV manager's invariants (tests).
     pub fn check_invariants(&self) {
         self.kv.check_invariants();
+    }
+}
+
+/// `n` within its bounds, and not combined with what choices cannot share.
+fn check_choices(p: &GenerateParams) -> Result<(), SubmitError> {
+    let n = p.n;
+    if n == 0 || n > MAX_CHOICES {
+        return Err(SubmitError::InvalidParam {
+            param: "n",
+            message: format!("n must be in [1, {MAX_CHOICES}], got {n}"),
+        });
+    }
+    if n == 1 {
+        return Ok(());
+    }
+    let clash = [
+        (!p.forced_tokens.is_empty(), "forced tokens"),
+        (p.return_logits, "returned logits"),
+        (p.prefix_kv.is_some(), "prefix_kv"),
+        (p.kv_policy.as_ref().is_some_and(|s| s.evicts()) || p.kv_budget.is_some(), "an evicting kv_policy or a kv_budget (choices share the prompt's blocks, which eviction rewrites)"),
+    ]
+    .into_iter()
+    .find(|c| c.0);
+    match clash {
+        Some((_, what)) => Err(SubmitError::InvalidParam {
+            param: "n",
+            message: format!("n > 1 cannot be combined with {what}"),
+        }),
+        None => Ok(()),
     }
 }
 

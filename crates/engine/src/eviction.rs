@@ -234,7 +234,7 @@ pub(crate) fn table_of(kv: &KvCacheManager, seq: SeqId) -> Vec<u32> {
 }
 
 /// Runs prefill selection over everything the sequence has stored, in every unit, and
-/// compacts the kept tokens (and `positions`, the stored tokens' positions, with unit 0's).
+/// compacts the kept tokens (the block table keeps their positions, unit 0's).
 /// Returns false when compaction could not get a block for a copy-on-write (the caller
 /// then treats it like any other allocation failure).
 pub(crate) fn after_prefill(
@@ -244,7 +244,6 @@ pub(crate) fn after_prefill(
     seq: SeqId,
     queries: Option<&CapturedQueries>,
     stats: &mut EvictionStats,
-    positions: &mut Option<Vec<u32>>,
 ) -> bool {
     let table = table_of(kv, seq);
     let n_stored = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
@@ -280,10 +279,6 @@ pub(crate) fn after_prefill(
     if !compact(ev, kv, store, seq, &keeps) {
         return false;
     }
-    let old = positions
-        .take()
-        .unwrap_or_else(|| (0..n_stored as u32).collect());
-    *positions = Some(keeps[0].iter().map(|&i| old[i as usize]).collect());
     stats.pruned_prompt_tokens += (n_stored - keeps[0].len()) as u64;
     true
 }
@@ -334,10 +329,9 @@ fn compact(
 }
 
 /// After a decode token: score a block that just filled (in every unit), then evict while
-/// over budget (dropping unit 0's evicted tokens from `positions`). With one unit a whole
+/// over budget. With one unit a whole
 /// block leaves the table; with several, each unit drops its own block and moves its later
 /// blocks down one, and the table's last block is released.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn after_decode(
     ev: &mut SeqEviction,
     kv: &mut KvCacheManager,
@@ -345,35 +339,13 @@ pub(crate) fn after_decode(
     seq: SeqId,
     n_heads: usize,
     stats: &mut EvictionStats,
-    positions: &mut Option<Vec<u32>>,
 ) {
     let bs = kv.block_size_tokens() as usize;
     let n_stored = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
-    if n_stored % bs != 0 {
+    if !n_stored.is_multiple_of(bs) {
         return;
     }
-    let table = table_of(kv, seq);
-    let queries = recent_as_view(ev, &*store, n_heads);
-    {
-        let view = StoreView::new(&*store, &table, n_stored);
-        for u in &mut ev.units {
-            let unit_view = UnitView {
-                inner: &view,
-                unit: &u.unit,
-            };
-            let unit_queries = queries.as_ref().map(|q| UnitQueries {
-                inner: q,
-                unit: &u.unit,
-                n_kv_heads: view.n_kv_heads(),
-            });
-            u.policy.on_block_filled(
-                &unit_view,
-                unit_queries.as_ref().map(|q| q as &dyn QueryView),
-                n_stored / bs - 1,
-            );
-        }
-    }
-    ev.recent_queries.clear();
+    score_filled_block(ev, kv, &*store, seq, n_heads, n_stored);
     while !ev.keep_generated
         && kv.block_table(seq).expect("live").num_stored_tokens() > ev.budget_tokens
     {
@@ -402,14 +374,45 @@ pub(crate) fn after_decode(
                 break;
             }
         }
-        let removed = before - kv.block_table(seq).expect("live").num_stored_tokens() as usize;
-        let p = positions.get_or_insert_with(|| (0..before as u32).collect());
-        p.drain(victims[0] * bs..victims[0] * bs + removed);
         for (u, &v) in ev.units.iter_mut().zip(&victims) {
             u.policy.on_block_removed(v);
         }
         stats.evicted_blocks += 1;
     }
+}
+
+/// Every unit's policy scores the block of `seq` that has just filled (the last of its
+/// `n_stored` tokens), with the decode queries gathered since the last block.
+fn score_filled_block(
+    ev: &mut SeqEviction,
+    kv: &KvCacheManager,
+    store: &dyn KvBlocks,
+    seq: SeqId,
+    n_heads: usize,
+    n_stored: usize,
+) {
+    let bs = kv.block_size_tokens() as usize;
+    let table = table_of(kv, seq);
+    let queries = recent_as_view(ev, store, n_heads);
+    let view = StoreView::new(store, &table, n_stored);
+    for u in &mut ev.units {
+        let unit_view = UnitView {
+            inner: &view,
+            unit: &u.unit,
+        };
+        let unit_queries = queries.as_ref().map(|q| UnitQueries {
+            inner: q,
+            unit: &u.unit,
+            n_kv_heads: view.n_kv_heads(),
+        });
+        u.policy.on_block_filled(
+            &unit_view,
+            unit_queries.as_ref().map(|q| q as &dyn QueryView),
+            n_stored / bs - 1,
+        );
+    }
+    drop(queries);
+    ev.recent_queries.clear();
 }
 
 /// A unit's part of a sequence's K/V: its layers, and every KV head or one.
@@ -549,11 +552,14 @@ mod tests {
     }
 
     /// Each (layer, head, tokens) holds exactly `tokens`, in order, in the sequence's slots.
+    /// A (layer, KV head), the tokens its own policy keeps, and that policy.
+    type UnitExpectation = (usize, usize, Vec<u32>, Box<dyn EvictionPolicy>);
+
     fn assert_units_hold(
         store: &KvStore,
         kv: &KvCacheManager,
         seq: SeqId,
-        expected: &[(usize, usize, Vec<u32>, Box<dyn EvictionPolicy>)],
+        expected: &[UnitExpectation],
     ) {
         let table = table_of(kv, seq);
         let n = kv.block_table(seq).unwrap().num_stored_tokens() as usize;
@@ -573,6 +579,45 @@ mod tests {
         }
     }
 
+    /// The donor's (cached, shared) blocks still hold the first 8 prompt tokens, in every
+    /// unit.
+    fn assert_donor_intact(store: &KvStore, donor_blocks: &[u32], bs: usize) {
+        let mut row = vec![0f32; 4 * 8];
+        for (t, (layer, h)) in (0..8).flat_map(|t| [(0, 0), (0, 1), (1, 0), (1, 1)].map(|u| (t, u)))
+        {
+            let (mut k, mut v) = (vec![0f32; 8], vec![0f32; 8]);
+            kv_of(layer, h, t, &mut k, &mut v);
+            store.read_v(layer, donor_blocks[t / bs], h, &mut row);
+            assert_eq!(
+                &row[(t % bs) * 8..(t % bs + 1) * 8],
+                &v[..],
+                "donor token {t} layer {layer} head {h}"
+            );
+        }
+    }
+
+    /// A donor caches the first 8 tokens of a prompt `0..n_prompt` (token t's K/V is
+    /// `kv_of(.., t, ..)`); `seq` adopts those blocks shared and computes the rest.
+    fn adopt_shared_prefix(
+        store: &mut KvStore,
+        kv: &mut KvCacheManager,
+        donor: SeqId,
+        seq: SeqId,
+        n_prompt: usize,
+    ) {
+        // A donor caches the first 8 prompt tokens' blocks: the sequence adopts them shared.
+        let prompt: Vec<u32> = (0..n_prompt as u32).collect();
+        let empty = kv.get_computed_prefix(&[], b"");
+        kv.add_sequence(donor, &empty);
+        kv.allocate_slots(donor, 8).unwrap();
+        (0..8).for_each(|t| write_token_at(store, &table_of(kv, donor), t, t));
+        kv.cache_full_blocks(donor, &prompt[..8]);
+        let prefix = kv.get_computed_prefix(&prompt, b"");
+        assert_eq!(kv.add_sequence(seq, &prefix), 8);
+        kv.allocate_slots(seq, (n_prompt - 8) as u32).unwrap();
+        (8..n_prompt).for_each(|t| write_token_at(store, &table_of(kv, seq), t, t));
+    }
+
     /// At `head` granularity every (layer, KV head) keeps exactly the tokens its own policy
     /// instance chose over its own K/V, after prefill and after decode evictions; the table
     /// holds the budget; shared blocks from the prefix cache are never written.
@@ -587,45 +632,27 @@ mod tests {
         };
         let (bs, budget, n_prompt) = (4usize, 16u32, 40usize);
         let spec: PolicySpec = "knorm".parse().unwrap();
-        let mut ev = SeqEviction::new(
-            spec,
-            budget,
-            KvGranularity::Head,
-            pk_kv::selection_units(KvGranularity::Head, 2, 2, |_| false),
-        );
+        let units = pk_kv::selection_units(KvGranularity::Head, 2, 2, |_| false);
+        let mut ev = SeqEviction::new(spec, budget, KvGranularity::Head, units);
         let (mut store, mut kv) = (KvStore::new(g, KvDtype::F32), KvCacheManager::new(32, 4));
-        // A donor caches the first 8 prompt tokens' blocks: the sequence adopts them shared.
-        let prompt: Vec<u32> = (0..n_prompt as u32).collect();
         let (donor, seq) = (SeqId(9), SeqId(1));
-        let empty = kv.get_computed_prefix(&[], b"");
-        kv.add_sequence(donor, &empty);
-        kv.allocate_slots(donor, 8).unwrap();
-        (0..8).for_each(|t| write_token_at(&mut store, &table_of(&kv, donor), t, t));
-        kv.cache_full_blocks(donor, &prompt[..8]);
-        let prefix = kv.get_computed_prefix(&prompt, b"");
-        assert_eq!(kv.add_sequence(seq, &prefix), 8);
-        kv.allocate_slots(seq, (n_prompt - 8) as u32).unwrap();
-        (8..n_prompt).for_each(|t| write_token_at(&mut store, &table_of(&kv, seq), t, t));
+        adopt_shared_prefix(&mut store, &mut kv, donor, seq, n_prompt);
         let donor_blocks = table_of(&kv, donor);
         // What each (layer, head)'s own policy keeps, from a dense copy of its K/V alone.
-        let mut expected: Vec<(usize, usize, Vec<u32>, Box<dyn EvictionPolicy>)> = Vec::new();
-        for (layer, h) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
-            let dense = pk_kv::DenseKv::from_fn(1, 1, 8, n_prompt, |_, _, t, k, v| {
-                kv_of(layer, h, t, k, v)
-            });
-            let mut policy = spec.build();
-            let keep = policy.select_prefill(&dense, None, budget, 4);
-            expected.push((layer, h, keep, policy));
-        }
-        let (mut stats, mut positions) = (EvictionStats::default(), None);
+        let mut expected: Vec<UnitExpectation> = [(0, 0), (0, 1), (1, 0), (1, 1)]
+            .into_iter()
+            .map(|(layer, h)| {
+                let dense = pk_kv::DenseKv::from_fn(1, 1, 8, n_prompt, |_, _, t, k, v| {
+                    kv_of(layer, h, t, k, v)
+                });
+                let mut policy = spec.build();
+                let keep = policy.select_prefill(&dense, None, budget, 4);
+                (layer, h, keep, policy)
+            })
+            .collect();
+        let mut stats = EvictionStats::default();
         assert!(after_prefill(
-            &mut ev,
-            &mut kv,
-            &mut store,
-            seq,
-            None,
-            &mut stats,
-            &mut positions
+            &mut ev, &mut kv, &mut store, seq, None, &mut stats
         ));
         assert!(
             expected.iter().any(|e| e.2 != expected[0].2),
@@ -641,17 +668,7 @@ mod tests {
             kv.allocate_slots(seq, 1).unwrap();
             let stored = kv.block_table(seq).unwrap().num_stored_tokens() as usize - 1;
             write_token_at(&mut store, &table_of(&kv, seq), stored, t);
-            // As the engine's step does: a new token's position joins the stored positions.
-            positions.as_mut().expect("set at prefill").push(t as u32);
-            after_decode(
-                &mut ev,
-                &mut kv,
-                &mut store,
-                seq,
-                2,
-                &mut stats,
-                &mut positions,
-            );
+            after_decode(&mut ev, &mut kv, &mut store, seq, 2, &mut stats);
         }
         for (layer, h, tokens, policy) in expected.iter_mut() {
             tokens.extend((n_prompt..n_prompt + bs).map(|t| t as u32));
@@ -665,20 +682,10 @@ mod tests {
         }
         assert_eq!(stats.evicted_blocks, 1);
         assert_units_hold(&store, &kv, seq, &expected);
-        assert_eq!(positions.as_ref().map(|p| p.len()), Some(budget as usize));
-        // The donor's (cached, shared) blocks still hold the prompt, in every unit.
-        let mut row = vec![0f32; 4 * 8];
-        for (t, (layer, h)) in (0..8).flat_map(|t| [(0, 0), (0, 1), (1, 0), (1, 1)].map(|u| (t, u)))
-        {
-            let (mut k, mut v) = (vec![0f32; 8], vec![0f32; 8]);
-            kv_of(layer, h, t, &mut k, &mut v);
-            store.read_v(layer, donor_blocks[t / bs], h, &mut row);
-            assert_eq!(
-                &row[(t % bs) * 8..(t % bs + 1) * 8],
-                &v[..],
-                "donor token {t} layer {layer} head {h}"
-            );
-        }
+        // The table's positions follow unit 0's tokens (token t sits at position t here).
+        let table = kv.block_table(seq).unwrap();
+        assert_eq!(table.positions(), Some(&expected[0].2[..]));
+        assert_donor_intact(&store, &donor_blocks, bs);
         kv.check_invariants();
     }
 

@@ -9,21 +9,27 @@ pub mod engine;
 pub mod eviction;
 pub mod grammar;
 pub mod model_store;
+pub mod namespace;
 pub mod perplexity;
+pub mod prefix_kv;
 pub mod profiler;
 pub mod request;
+pub mod reuse;
 pub mod sampler;
 mod sequence;
 pub mod stop;
 pub mod tiering;
 
-pub use contexts::{kv_fingerprint, ContextReuseConfig, ContextReuseStats, PrefixKv};
+pub use contexts::{ContextReuseConfig, ContextReuseStats};
 pub use engine::{
-    Engine, EngineConfig, EngineStats, FinishReason, GenerateOutput, GenerateParams, SubmitError,
-    MAX_CHOICES, MAX_LOGPROBS,
+    Engine, EngineConfig, EngineStats, FinishReason, GenerateParams, SubmitError, MAX_CHOICES,
+    MAX_LOGPROBS,
 };
 pub use eviction::EvictionStats;
 pub use grammar::{Grammar, GrammarSpec};
-pub use request::{Request, RequestError, RequestOutput, SeqEvent};
+pub use namespace::{kv_fingerprint, CacheNamespace};
+pub use prefix_kv::PrefixKv;
+pub use request::{GenerateOutput, Request, RequestError, RequestOutput, SeqEvent};
+pub use reuse::ReuseConfig;
 pub use sampler::{Sampler, SamplingParams, TokenLogprob};
 pub use tiering::{TieringConfig, TieringStats};

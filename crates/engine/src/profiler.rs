@@ -30,26 +30,31 @@ use crate::request::{Request, SeqEvent};
 
 /// Token-level F1 of two answers (bags of token ids); 1 when both are empty.
 pub fn token_f1(answer: &[u32], reference: &[u32]) -> f64 {
-    if answer.is_empty() && reference.is_empty() {
+    multiset_f1(answer, reference)
+}
+
+/// F1 of two bags of items (multiset overlap; precision over `candidate`, recall over
+/// `reference`); 1 when both are empty, 0 when only one is. The one implementation behind
+/// profiling's F1 over token ids and evaluation's SQuAD-style F1 over normalised words.
+pub fn multiset_f1<T: Eq + std::hash::Hash>(candidate: &[T], reference: &[T]) -> f64 {
+    if candidate.is_empty() && reference.is_empty() {
         return 1.0;
     }
-    let mut counts: HashMap<u32, i64> = HashMap::new();
-    for &t in reference {
+    let mut counts: HashMap<&T, usize> = HashMap::new();
+    for t in reference {
         *counts.entry(t).or_default() += 1;
     }
-    let mut overlap = 0i64;
-    for &t in answer {
-        if let Some(c) = counts.get_mut(&t) {
-            if *c > 0 {
-                *c -= 1;
-                overlap += 1;
-            }
+    let mut overlap = 0usize;
+    for t in candidate {
+        if let Some(c) = counts.get_mut(t).filter(|c| **c > 0) {
+            *c -= 1;
+            overlap += 1;
         }
     }
     if overlap == 0 {
         return 0.0;
     }
-    let p = overlap as f64 / answer.len() as f64;
+    let p = overlap as f64 / candidate.len() as f64;
     let r = overlap as f64 / reference.len() as f64;
     2.0 * p * r / (p + r)
 }
@@ -87,19 +92,26 @@ impl std::fmt::Display for QualityMetric {
     }
 }
 
+/// Results per (configuration, query), written by the requests' sinks.
+type PerConfigQuery<T> = Arc<Mutex<HashMap<(usize, usize), T>>>;
+
+/// The teacher-forced phase's inputs: each compressed configuration's KV (`None`: one the
+/// context cannot build) and the queries.
+type SecondPhase = (Vec<Option<Arc<PrefixKv>>>, Vec<Vec<u32>>);
+
 /// A profile in flight: answers arrive through the requests' sinks.
 pub struct Profiling {
     pub key: ChunkKey,
     n_configs: usize,
     n_queries: usize,
-    answers: Arc<Mutex<HashMap<(usize, usize), Vec<u32>>>>,
+    answers: PerConfigQuery<Vec<u32>>,
     /// Teacher-forced agreement per (configuration, query), filled by the second phase.
-    agreement: Arc<Mutex<HashMap<(usize, usize), f64>>>,
+    agreement: PerConfigQuery<f64>,
     remaining: Arc<AtomicUsize>,
     /// With the teacher-forced metric, the second phase waiting for the full-KV answers:
     /// each compressed configuration's KV and the queries.
     /// (`None`: a configuration the context cannot build, scored 0.)
-    second_phase: Option<(Vec<Option<Arc<PrefixKv>>>, Vec<Vec<u32>>)>,
+    second_phase: Option<SecondPhase>,
     metric: QualityMetric,
 }
 
@@ -136,64 +148,66 @@ impl Profiling {
                     self.agreement.lock().unwrap().insert((c, q), 1.0);
                     continue;
                 }
-                let mut prompt = vec![0u32; prefix.n_tokens()];
-                prompt.extend_from_slice(query);
-                let params = GenerateParams {
-                    max_tokens: refs[q].len(),
-                    forced_tokens: refs[q].clone(),
-                    ignore_eos: true,
-                    return_logits: true,
-                    prefix_kv: Some(prefix.clone()),
-                    background: true,
-                    ..Default::default()
-                };
-                let (agreement, remaining, reference) = (
-                    self.agreement.clone(),
-                    self.remaining.clone(),
-                    refs[q].clone(),
-                );
-                let (mut matched, mut seen, mut done) = (0usize, 0usize, false);
-                self.remaining.fetch_add(1, Ordering::AcqRel);
-                let sink = Box::new(move |ev: SeqEvent| {
-                    let finished = match ev {
-                        SeqEvent::Logits(l) => {
-                            let top = l
-                                .iter()
-                                .enumerate()
-                                .max_by(|a, b| a.1.total_cmp(b.1))
-                                .map(|(i, _)| i as u32);
-                            matched += usize::from(top == reference.get(seen).copied());
-                            seen += 1;
-                            false
-                        }
-                        SeqEvent::Finished(_) => {
-                            agreement
-                                .lock()
-                                .unwrap()
-                                .insert((c, q), matched as f64 / reference.len() as f64);
-                            true
-                        }
-                        SeqEvent::Error(_) => true,
-                        SeqEvent::Text { .. } => false,
-                    };
-                    if finished && !done {
-                        done = true;
-                        remaining.fetch_sub(1, Ordering::AcqRel);
-                    }
-                    true
-                });
-                if let Err(err) = e.submit(Request {
-                    prompt_ids: prompt,
-                    params,
-                    cache_salt: None,
-                    sink,
-                }) {
-                    self.remaining.fetch_sub(1, Ordering::AcqRel);
-                    bail!("submitting a teacher-forced profiling request: {err}");
-                }
+                self.submit_forced(e, (c, q), &prefix, query, refs[q].clone())?;
             }
         }
         Ok(false)
+    }
+
+    /// Submits configuration `c`'s teacher-forced run of query `q`: the full KV's answer
+    /// `reference` forced after `prefix`, counting the steps whose most likely token is the
+    /// reference's.
+    fn submit_forced(
+        &self,
+        e: &mut Engine,
+        (c, q): (usize, usize),
+        prefix: &Arc<PrefixKv>,
+        query: &[u32],
+        reference: Vec<u32>,
+    ) -> Result<()> {
+        let mut prompt = vec![0u32; prefix.n_tokens()];
+        prompt.extend_from_slice(query);
+        let params = GenerateParams {
+            max_tokens: reference.len(),
+            forced_tokens: reference.clone(),
+            ignore_eos: true,
+            return_logits: true,
+            prefix_kv: Some(prefix.clone()),
+            background: true,
+            ..Default::default()
+        };
+        let (agreement, remaining) = (self.agreement.clone(), self.remaining.clone());
+        let (mut matched, mut seen) = (0usize, 0usize);
+        let sink = once_finished(remaining, move |ev: SeqEvent| match ev {
+            SeqEvent::Logits(l) => {
+                let top = l
+                    .iter()
+                    .enumerate()
+                    .max_by(|a, b| a.1.total_cmp(b.1))
+                    .map(|(i, _)| i as u32);
+                matched += usize::from(top == reference.get(seen).copied());
+                seen += 1;
+                false
+            }
+            SeqEvent::Finished(_) => {
+                let share = matched as f64 / reference.len() as f64;
+                agreement.lock().unwrap().insert((c, q), share);
+                true
+            }
+            SeqEvent::Error(_) => true,
+            SeqEvent::Text { .. } => false,
+        });
+        self.remaining.fetch_add(1, Ordering::AcqRel);
+        if let Err(err) = e.submit(Request {
+            prompt_ids: prompt,
+            params,
+            cache_salt: None,
+            sink,
+        }) {
+            self.remaining.fetch_sub(1, Ordering::AcqRel);
+            bail!("submitting a teacher-forced profiling request: {err}");
+        }
+        Ok(())
     }
 
     /// The answer configuration `config` gave to query `query`, once finished.
@@ -259,6 +273,22 @@ impl Profiling {
     }
 }
 
+/// A sink that hands events to `on_event` and, the first time it says the request is over,
+/// counts it off `remaining`.
+fn once_finished(
+    remaining: Arc<AtomicUsize>,
+    mut on_event: impl FnMut(SeqEvent) -> bool + Send + 'static,
+) -> crate::request::EventSink {
+    let mut done = false;
+    Box::new(move |ev: SeqEvent| {
+        if on_event(ev) && !done {
+            done = true;
+            remaining.fetch_sub(1, Ordering::AcqRel);
+        }
+        true
+    })
+}
+
 impl Engine {
     /// Submits the profiling requests of one stored context: for every configuration of
     /// the store's grid and every query (tokens that follow the context), a greedy answer
@@ -284,21 +314,9 @@ impl Engine {
         let Some(store) = self.context_store() else {
             bail!("no context store configured")
         };
-        if queries.is_empty() {
-            bail!("profiling needs at least one query");
-        }
-        let full = store.load_master(&key).map_err(anyhow::Error::msg)?;
         let n_configs = store.grid().len();
-        let room = self
-            .config
-            .max_waiting_requests
-            .saturating_sub(self.num_waiting());
-        if n_configs * queries.len() > room {
-            bail!(
-                "profiling needs {} requests; the queue has room for {room}",
-                n_configs * queries.len()
-            );
-        }
+        self.check_profile_size(n_configs, queries.len())?;
+        let full = store.load_master(&key).map_err(anyhow::Error::msg)?;
         let answers = Arc::new(Mutex::new(HashMap::new()));
         // With teacher forcing, the first phase answers from the full KV only. A
         // configuration this context cannot build (SnapKV without its scores) is not run:
@@ -308,15 +326,12 @@ impl Engine {
         } else {
             n_configs
         };
-        let available: Vec<bool> = (0..n_configs)
-            .map(|c| c == 0 || store.is_available(&key, c))
-            .collect();
-        let first_phase_requests =
-            (0..first_phase_configs).filter(|&c| available[c]).count() * queries.len();
-        let remaining = Arc::new(AtomicUsize::new(first_phase_requests));
+        let available = |c: usize| c == 0 || store.is_available(&key, c);
+        let first_phase = (0..first_phase_configs).filter(|&c| available(c)).count();
+        let remaining = Arc::new(AtomicUsize::new(first_phase * queries.len()));
         let mut later = Vec::new();
         for c in 0..n_configs {
-            if !available[c] {
+            if !available(c) {
                 if c >= first_phase_configs {
                     later.push(None);
                 }
@@ -333,43 +348,18 @@ impl Engine {
                 continue;
             }
             for (q, query) in queries.iter().enumerate() {
-                // The context's own token ids are not needed: its KV is given.
-                let mut prompt = vec![0u32; prefix.n_tokens()];
-                prompt.extend_from_slice(query);
-                let params = GenerateParams {
-                    max_tokens: max_answer_tokens,
-                    prefix_kv: Some(prefix.clone()),
-                    background: true,
-                    ..Default::default()
-                };
-                let (answers, remaining) = (answers.clone(), remaining.clone());
-                let mut done = false;
-                let sink = Box::new(move |e: SeqEvent| {
-                    let finished = match e {
-                        SeqEvent::Finished(o) => {
-                            answers.lock().unwrap().insert((c, q), o.token_ids);
-                            true
-                        }
-                        SeqEvent::Error(_) => true,
-                        _ => false,
-                    };
-                    if finished && !done {
-                        done = true;
-                        remaining.fetch_sub(1, Ordering::AcqRel);
+                let answers = answers.clone();
+                let sink = once_finished(remaining.clone(), move |e: SeqEvent| match e {
+                    SeqEvent::Finished(o) => {
+                        answers.lock().unwrap().insert((c, q), o.token_ids);
+                        true
                     }
-                    true
+                    SeqEvent::Error(_) => true,
+                    _ => false,
                 });
-                self.submit(Request {
-                    prompt_ids: prompt,
-                    params,
-                    cache_salt: None,
-                    sink,
-                })
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
+                self.submit_greedy(&prefix, query, max_answer_tokens, sink)?;
             }
         }
-        let second_phase =
-            (metric == QualityMetric::TeacherForced).then(|| (later, queries.to_vec()));
         Ok(Profiling {
             key,
             n_configs,
@@ -377,9 +367,53 @@ impl Engine {
             answers,
             agreement: Arc::new(Mutex::new(HashMap::new())),
             remaining,
-            second_phase,
+            second_phase: (metric == QualityMetric::TeacherForced)
+                .then(|| (later, queries.to_vec())),
             metric,
         })
+    }
+
+    /// Refuses a profile without queries, or whose requests (one per configuration and
+    /// query) would not fit the queue.
+    fn check_profile_size(&self, n_configs: usize, n_queries: usize) -> Result<()> {
+        if n_queries == 0 {
+            bail!("profiling needs at least one query");
+        }
+        let n_requests = n_configs * n_queries;
+        let room = self
+            .config
+            .max_waiting_requests
+            .saturating_sub(self.num_waiting());
+        if n_requests > room {
+            bail!("profiling needs {n_requests} requests; the queue has room for {room}");
+        }
+        Ok(())
+    }
+
+    /// Submits one greedy profiling answer of at most `max_tokens` to `query` after the
+    /// given `prefix` KV (the context's own token ids are not needed: its KV is given).
+    fn submit_greedy(
+        &mut self,
+        prefix: &Arc<PrefixKv>,
+        query: &[u32],
+        max_tokens: usize,
+        sink: crate::request::EventSink,
+    ) -> Result<()> {
+        let mut prompt = vec![0u32; prefix.n_tokens()];
+        prompt.extend_from_slice(query);
+        let params = GenerateParams {
+            max_tokens,
+            prefix_kv: Some(prefix.clone()),
+            background: true,
+            ..Default::default()
+        };
+        self.submit(Request {
+            prompt_ids: prompt,
+            params,
+            cache_salt: None,
+            sink,
+        })
+        .map_err(|e| anyhow::anyhow!("{e}"))
     }
 
     /// Profiles one context to completion and records the curve in the store. Returns it.

@@ -76,3 +76,23 @@ pub struct RequestOutput {
     /// Where the prompt's stored context came from (EVICPRESS store), if it was loaded.
     pub context_load: Option<pk_evicpress::LoadReport>,
 }
+
+/// Result of a blocking `generate` call.
+#[derive(Debug, Clone)]
+pub struct GenerateOutput {
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+    pub cached_prompt_tokens: usize,
+    pub prefill_seconds: f64,
+    pub decode_seconds: f64,
+    pub kv_stored_tokens: usize,
+    /// Bytes of the KV blocks the sequence held when it finished (its main table's and
+    /// its window groups'), shared blocks included.
+    pub kv_bytes: usize,
+    /// Per generated token, with `GenerateParams::logprobs`.
+    pub logprobs: Vec<crate::sampler::TokenLogprob>,
+    /// Where a stored context came from (EVICPRESS store), if one was loaded.
+    pub context_load: Option<pk_evicpress::LoadReport>,
+}

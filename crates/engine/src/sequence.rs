@@ -6,16 +6,16 @@ use std::time::Instant;
 use pk_kv::SeqId;
 use pk_tokenizer::{StreamDecoder, Tokenizer};
 
-use crate::contexts::SeqContext;
 use crate::engine::FinishReason;
 use crate::eviction::SeqEviction;
 use crate::request::{EventSink, Request, RequestOutput, SeqEvent};
+use crate::reuse::SeqReuse;
 use crate::sampler::{process_logits, token_logprob, Sampler, TokenHistory, TokenLogprob};
 use crate::stop::StopMatcher;
 
 pub(crate) struct SeqState {
     pub req: Request,
-    /// Prefix-cache namespace (model, KV dtype, cache salt).
+    /// Prefix-cache bytes: the engine's cache namespace and the request's salt.
     pub namespace: Vec<u8>,
     /// The block table's id while admitted; `None` while waiting (also after preemption).
     pub seq: Option<SeqId>,
@@ -28,22 +28,12 @@ pub(crate) struct SeqState {
     pub preemptions: usize,
     pub aborted: bool,
     pub eviction: Option<SeqEviction>,
-    /// The position of each stored token once eviction or a compressed context has made
-    /// positions differ from stored indices (`None` while they are equal). Sliding-window
-    /// layers need it: their window is over positions.
-    pub stored_positions: Option<Vec<u32>>,
     /// Stored tokens after the last step, for the final report.
     pub kv_stored_tokens: usize,
     /// Blocks held after the last step (main table and window groups).
     pub kv_blocks: usize,
-    /// Chunk keys of the prompt for the tiers, and the next chunk not yet in them.
-    pub tier_keys: Vec<pk_tiers::ChunkKey>,
-    pub tier_next_chunk: usize,
-    /// While waiting: the tiers' answer for `all_ids` of this length (its chunk keys and
-    /// how many of them are stored), asked once rather than at every step.
-    pub tier_probe: Option<(usize, Vec<pk_tiers::ChunkKey>, usize)>,
-    /// What the sequence got from (or will give to) the context store.
-    pub context: SeqContext,
+    /// What the sequence asked of, got from and gives to the engine's KV reuse connector.
+    pub reuse: SeqReuse,
     sampler: Sampler,
     /// Generated-token counts (and the prompt's ids) for the logits processors.
     history: TokenHistory,
@@ -92,13 +82,9 @@ impl SeqState {
             preemptions: 0,
             aborted: false,
             eviction: None,
-            stored_positions: None,
             kv_stored_tokens: 0,
             kv_blocks: 0,
-            tier_keys: Vec::new(),
-            tier_next_chunk: 0,
-            tier_probe: None,
-            context: SeqContext::default(),
+            reuse: SeqReuse::default(),
             unreported_ids: Vec::new(),
             arrival: Instant::now(),
             choice: 0,
@@ -189,33 +175,13 @@ impl SeqState {
             self.aborted = true;
             return true;
         }
-        let params = &self.req.params;
-        // Logits processors work on a copy, made only when one is active.
-        let banned = match self.generated() < params.min_tokens && !params.ignore_eos {
-            true => tokenizer.eog_ids(),
-            false => &[],
+        let Some(processed) = self.processed_logits(logits, tokenizer) else {
+            // The grammar cannot continue (an engine limit): end here rather than emit text
+            // outside it.
+            self.finish_reason = Some(FinishReason::Stop);
+            return true;
         };
-        let processed: std::borrow::Cow<[f32]> =
-            if params.sampling.processes_logits() || !banned.is_empty() || self.matcher.is_some() {
-                let mut l = logits.to_vec();
-                process_logits(&mut l, &params.sampling, &self.history, banned);
-                if let Some(m) = self.matcher.as_mut() {
-                    let t0 = Instant::now();
-                    let masked = crate::grammar::mask_logits(m, &mut l);
-                    self.grammar_masks += 1;
-                    self.grammar_mask_seconds += t0.elapsed().as_secs_f64();
-                    if let Err(e) = masked {
-                        // The grammar cannot continue (an engine limit): end here rather than
-                        // emit text outside it.
-                        tracing::warn!("grammar stopped the sequence: {e}");
-                        self.finish_reason = Some(FinishReason::Stop);
-                        return true;
-                    }
-                }
-                std::borrow::Cow::Owned(l)
-            } else {
-                std::borrow::Cow::Borrowed(logits)
-            };
+        let params = &self.req.params;
         let id = match params.forced_tokens.get(self.generated()) {
             Some(&forced) => forced,
             None => self.sampler.sample(&processed),
@@ -237,6 +203,43 @@ impl SeqState {
                 return true;
             }
         }
+        self.emit(id, tokenizer, context_length)
+    }
+
+    /// Logits processors (penalties, bias, banned end-of-generation before `min_tokens`,
+    /// the grammar's mask) applied to a copy of `logits`, made only when one is active.
+    /// `None` when the grammar cannot continue.
+    fn processed_logits<'a>(
+        &mut self,
+        logits: &'a [f32],
+        tokenizer: &Tokenizer,
+    ) -> Option<std::borrow::Cow<'a, [f32]>> {
+        let params = &self.req.params;
+        let banned = match self.generated() < params.min_tokens && !params.ignore_eos {
+            true => tokenizer.eog_ids(),
+            false => &[],
+        };
+        if !params.sampling.processes_logits() && banned.is_empty() && self.matcher.is_none() {
+            return Some(std::borrow::Cow::Borrowed(logits));
+        }
+        let mut l = logits.to_vec();
+        process_logits(&mut l, &params.sampling, &self.history, banned);
+        if let Some(m) = self.matcher.as_mut() {
+            let t0 = Instant::now();
+            let masked = crate::grammar::mask_logits(m, &mut l);
+            self.grammar_masks += 1;
+            self.grammar_mask_seconds += t0.elapsed().as_secs_f64();
+            if let Err(e) = masked {
+                tracing::warn!("grammar stopped the sequence: {e}");
+                return None;
+            }
+        }
+        Some(std::borrow::Cow::Owned(l))
+    }
+
+    /// Appends the sampled `id`, streams its text (held back while a stop string may be
+    /// starting), and returns whether the sequence is finished.
+    fn emit(&mut self, id: u32, tokenizer: &Tokenizer, context_length: usize) -> bool {
         self.history.push_output(id);
         self.all_ids.push(id);
         self.unreported_ids.push(id);
@@ -259,6 +262,7 @@ impl SeqState {
             self.finish_reason = Some(FinishReason::Stop);
             return true;
         }
+        let params = &self.req.params;
         if self.generated() >= params.max_tokens || self.all_ids.len() >= context_length {
             self.finish_reason = Some(FinishReason::Length);
             return true;
@@ -292,7 +296,7 @@ impl SeqState {
             kv_stored_tokens: self.kv_stored_tokens,
             kv_blocks: self.kv_blocks,
             logprobs: self.logprobs.clone(),
-            context_load: self.context.load.clone(),
+            context_load: self.reuse.load.clone(),
         }
     }
 }

@@ -15,10 +15,13 @@ use std::sync::Arc;
 
 use pk_codec::{KvContext, Method};
 use pk_kv::{KvCacheManager, SeqId};
-use pk_model::KvBlocks;
+use pk_model::{Backend, KvBlocks};
 use pk_tiers::{ChunkKey, ChunkKeyer, Payload, TieredStore};
 
+use crate::engine::Engine;
 use crate::eviction::table_of;
+use crate::namespace::CacheNamespace;
+use crate::reuse::{KvReuse, Placed, ReuseMatch, SeqReuse};
 
 /// How the engine uses tiers.
 #[derive(Clone)]
@@ -30,9 +33,19 @@ pub struct TieringConfig {
     pub max_pending_bytes: usize,
 }
 
+impl std::fmt::Debug for TieringConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TieringConfig")
+            .field("chunk_size_tokens", &self.chunk_size_tokens)
+            .field("max_pending_bytes", &self.max_pending_bytes)
+            .finish()
+    }
+}
+
 #[derive(Debug, Default, Clone)]
 pub struct TieringStats {
-    /// Prefix lookups asked of the tiers (one per admission attempt of a new prompt).
+    /// Prefix lookups asked of the tiers (one per waiting request, and one more after each
+    /// preemption).
     pub lookups: u64,
     pub chunks_loaded: u64,
     pub chunks_queued: u64,
@@ -65,13 +78,13 @@ impl Tiering {
     pub fn new(
         cfg: &TieringConfig,
         model_name: &str,
-        namespace: &[u8],
+        namespace: &CacheNamespace,
         block_size_tokens: usize,
         bytes_per_token: usize,
     ) -> anyhow::Result<Tiering> {
         let keyer = ChunkKeyer::new(
             model_name,
-            namespace,
+            namespace.as_bytes(),
             cfg.chunk_size_tokens,
             block_size_tokens,
         )
@@ -94,7 +107,7 @@ impl Tiering {
         Ok(Tiering {
             store: cfg.store.clone(),
             keyer,
-            fingerprint: *blake3::hash(namespace).as_bytes(),
+            fingerprint: namespace.kv_fingerprint(),
             tx: Some(tx),
             writer: Some(writer),
             stats: TieringStats::default(),
@@ -105,23 +118,10 @@ impl Tiering {
         self.keyer.chunk_size_tokens()
     }
 
-    /// Keys of the full chunks of `tokens`, leaving at least one token uncovered (its
-    /// logits must be computed).
-    pub fn keys(&self, tokens: &[u32], salt: Option<&str>) -> Vec<ChunkKey> {
-        let usable = tokens.len().saturating_sub(1);
-        self.keyer.keys(&tokens[..usable], salt.map(str::as_bytes))
-    }
-
-    /// Stored chunks at the head of `keys` (contiguous).
-    pub fn lookup(&mut self, keys: &[ChunkKey]) -> usize {
-        self.stats.lookups += 1;
-        self.store.lookup_prefix(keys).chunks_found
-    }
-
     /// Loads up to `keys.len()` chunks into `seq` (which must be empty), returning the
     /// number of tokens now in the cache. Stops at the first chunk that cannot be loaded,
     /// decoded or placed; a corrupted payload is never used.
-    pub fn load_into(
+    fn load_into(
         &mut self,
         keys: &[ChunkKey],
         kv: &mut KvCacheManager,
@@ -159,7 +159,7 @@ impl Tiering {
 
     /// Encodes chunks `first_chunk..` of `seq` that are fully computed (up to
     /// `computed_tokens`) and queues them for storing. Returns the next chunk to store.
-    pub fn store_chunks(
+    fn store_chunks(
         &mut self,
         keys: &[ChunkKey],
         first_chunk: usize,
@@ -200,5 +200,64 @@ impl Tiering {
             next += 1;
         }
         next
+    }
+}
+
+impl KvReuse for Tiering {
+    fn lookup(&mut self, ids: &[u32], salt: Option<&str>) -> ReuseMatch {
+        self.stats.lookups += 1;
+        let usable = ids.len().saturating_sub(1);
+        let keys = self.keyer.keys(&ids[..usable], salt.map(str::as_bytes));
+        let found = self.store.lookup_prefix(&keys).chunks_found;
+        ReuseMatch {
+            loadable_tokens: found * self.chunk_size_tokens(),
+            saved_chunks: found,
+            keys,
+        }
+    }
+
+    fn load(
+        &mut self,
+        m: &ReuseMatch,
+        _query: &[u32],
+        kv: &mut KvCacheManager,
+        backend: &mut dyn Backend,
+        seq: SeqId,
+    ) -> Option<Placed> {
+        let found = m.loadable_tokens / self.chunk_size_tokens();
+        let tokens = self.load_into(&m.keys[..found], kv, backend.kv_mut(), seq);
+        // Chunks after a failed load are stored again once recomputed: that overwrites a
+        // corrupted entry.
+        (tokens > 0).then(|| Placed {
+            tokens,
+            exact: true,
+            saved_chunks: tokens / self.chunk_size_tokens(),
+            report: None,
+        })
+    }
+
+    fn save(
+        &mut self,
+        s: &mut SeqReuse,
+        _ids: &[u32],
+        computed: usize,
+        kv: &KvCacheManager,
+        backend: &mut dyn Backend,
+        seq: SeqId,
+    ) {
+        s.saved_chunks =
+            self.store_chunks(&s.keys, s.saved_chunks, computed, kv, backend.kv(), seq);
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Engine {
+    /// What the tiers did for this engine, if it reuses KV through them.
+    pub fn tiering_stats(&self) -> Option<TieringStats> {
+        let t = self.reuse_connector()?.as_any().downcast_ref::<Tiering>()?;
+        Some(t.stats.clone())
     }
 }

@@ -185,45 +185,52 @@ fn prompt_chunks_beside_decodes_are_capped() {
     assert_eq!(b, alone(&book[100..400]));
 }
 
+/// Runs one request of `params.n` choices to the end; returns each choice's tokens, checked
+/// against its `Finished` event.
+fn run_choices(
+    engine: &mut pk_engine::Engine,
+    params: &GenerateParams,
+    prompt: &[u32],
+) -> Vec<Vec<u32>> {
+    let (tx, rx) = mpsc::channel();
+    engine
+        .submit(Request {
+            prompt_ids: prompt.to_vec(),
+            params: params.clone(),
+            cache_salt: None,
+            sink: Box::new(move |e| tx.send(e).is_ok()),
+        })
+        .unwrap();
+    while engine.has_work() {
+        engine.step();
+        engine.check_invariants();
+    }
+    let mut texts = vec![Vec::new(); params.n];
+    let mut outs = Vec::new();
+    for ev in rx.try_iter() {
+        match ev {
+            SeqEvent::Text {
+                choice, token_ids, ..
+            } => texts[choice].extend(token_ids),
+            SeqEvent::Finished(o) => outs.push(o),
+            SeqEvent::Logits(_) => {}
+            SeqEvent::Error(e) => panic!("{e}"),
+        }
+    }
+    outs.sort_by_key(|o| o.choice);
+    assert_eq!(outs.len(), params.n, "one Finished per choice");
+    for (o, t) in outs.iter().zip(&texts) {
+        assert_eq!(&o.token_ids, t);
+    }
+    texts
+}
+
 /// `n > 1`: the prompt runs once and its blocks are forked into the choices, which sample
 /// on their own. Greedy choices are identical to one greedy request; sampled ones with a
 /// seed differ from each other and repeat with the same seed; a KV cache too small for the
 /// forks' copies makes a choice wait and recompute instead of failing.
 #[test]
 fn n_choices_fork_one_computed_prompt() {
-    let run = |engine: &mut pk_engine::Engine, params: &GenerateParams, prompt: &[u32]| {
-        let (tx, rx) = mpsc::channel();
-        engine
-            .submit(Request {
-                prompt_ids: prompt.to_vec(),
-                params: params.clone(),
-                cache_salt: None,
-                sink: Box::new(move |e| tx.send(e).is_ok()),
-            })
-            .unwrap();
-        while engine.has_work() {
-            engine.step();
-            engine.check_invariants();
-        }
-        let mut texts = vec![Vec::new(); params.n];
-        let mut outs = Vec::new();
-        for ev in rx.try_iter() {
-            match ev {
-                SeqEvent::Text {
-                    choice, token_ids, ..
-                } => texts[choice].extend(token_ids),
-                SeqEvent::Finished(o) => outs.push(o),
-                SeqEvent::Logits(_) => {}
-                SeqEvent::Error(e) => panic!("{e}"),
-            }
-        }
-        outs.sort_by_key(|o| o.choice);
-        assert_eq!(outs.len(), params.n, "one Finished per choice");
-        for (o, t) in outs.iter().zip(&texts) {
-            assert_eq!(&o.token_ids, t);
-        }
-        texts
-    };
     let mut engine = common::engine(EngineConfig {
         enable_prefix_caching: false,
         ..Default::default()
@@ -234,9 +241,9 @@ fn n_choices_fork_one_computed_prompt() {
         ignore_eos: true,
         ..Default::default()
     };
-    let one = run(&mut engine, &greedy, &prompt);
+    let one = run_choices(&mut engine, &greedy, &prompt);
     let before = engine.stats.prompt_tokens;
-    let three = run(
+    let three = run_choices(
         &mut engine,
         &GenerateParams {
             n: 3,
@@ -262,10 +269,10 @@ fn n_choices_fork_one_computed_prompt() {
         },
         ..greedy.clone()
     };
-    let a = run(&mut engine, &sampled, &prompt);
+    let a = run_choices(&mut engine, &sampled, &prompt);
     assert!(a[0] != a[1] && a[1] != a[2], "{a:?}");
     assert_eq!(
-        run(&mut engine, &sampled, &prompt),
+        run_choices(&mut engine, &sampled, &prompt),
         a,
         "seeded choices repeat"
     );
@@ -276,7 +283,7 @@ fn n_choices_fork_one_computed_prompt() {
         enable_prefix_caching: false,
         ..Default::default()
     });
-    let cramped = run(
+    let cramped = run_choices(
         &mut small,
         &GenerateParams {
             n: 3,

@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use pk_engine::{ContextReuseConfig, EngineConfig, GenerateParams, PrefixKv};
+use pk_engine::{ContextReuseConfig, EngineConfig, GenerateParams, PrefixKv, ReuseConfig};
 use pk_evicpress::{Compression, DelayModel, Grid, Policy, Ranking, StoreConfig, TierSpec};
 use pk_tiers::{DiskTier, DiskTierConfig, RamTier, Tier};
 
@@ -41,11 +41,11 @@ fn store_config(dir: &std::path::Path, policy: Policy, ram_bytes: u64) -> StoreC
 fn engine_with(store: StoreConfig) -> pk_engine::Engine {
     // The pool's own prefix cache would serve repeats before the store is asked.
     common::engine(EngineConfig {
-        contexts: Some(ContextReuseConfig {
+        reuse: Some(ReuseConfig::Contexts(ContextReuseConfig {
             store,
             chunk_size_tokens: 256,
             profile_metric: Default::default(),
-        }),
+        })),
         enable_prefix_caching: false,
         ..Default::default()
     })
@@ -155,7 +155,7 @@ fn evicpress_keeps_ram_within_capacity() {
     store.flush();
     assert_eq!(store.len(), 4);
     let usage = store.usage_bytes();
-    assert!(usage[0] <= ram_bytes as u64, "{usage:?}");
+    assert!(usage[0] <= ram_bytes, "{usage:?}");
     assert!(usage[0] > 0, "something is placed in RAM");
     let rows = store.explain();
     assert_eq!(rows.len(), 4);
@@ -270,6 +270,41 @@ fn profiling_measures_quality_per_configuration() {
     e.check_invariants();
 }
 
+/// The share of the full KV's greedy answer to `prompt` (after `full`) that `prefix`'s KV
+/// predicts as its most likely token when the answer is forced.
+fn forced_agreement(
+    e: &mut pk_engine::Engine,
+    prompt: &[u32],
+    full: &Arc<PrefixKv>,
+    prefix: &Arc<PrefixKv>,
+) -> f64 {
+    let given = |p: &Arc<PrefixKv>, max_tokens| GenerateParams {
+        max_tokens,
+        prefix_kv: Some(p.clone()),
+        ..Default::default()
+    };
+    let reference = e
+        .generate(prompt, &given(full, 10), &mut |_| {})
+        .unwrap()
+        .token_ids;
+    let rows = e
+        .teacher_force(prompt, &reference, &given(prefix, 128))
+        .unwrap();
+    let argmax = |row: &Vec<f32>| {
+        row.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0 as u32
+    };
+    let agree = rows
+        .iter()
+        .zip(&reference)
+        .filter(|(row, &t)| argmax(row) == t)
+        .count();
+    agree as f64 / reference.len() as f64
+}
+
 #[test]
 fn teacher_forced_profiling_is_the_agreement_on_the_full_kv_answer() {
     let dir = tempfile::tempdir().unwrap();
@@ -302,45 +337,13 @@ fn teacher_forced_profiling_is_the_agreement_on_the_full_kv_answer() {
         let prefix = Arc::new(PrefixKv {
             kv: store.compress(&key, &full, c).unwrap(),
         });
-        let mut sum = 0.0;
-        for query in &queries {
-            let prompt = [context, &query[..]].concat();
-            let reference = e
-                .generate(
-                    &prompt,
-                    &GenerateParams {
-                        max_tokens: 10,
-                        prefix_kv: Some(full_prefix.clone()),
-                        ..Default::default()
-                    },
-                    &mut |_| {},
-                )
-                .unwrap()
-                .token_ids;
-            let rows = e
-                .teacher_force(
-                    &prompt,
-                    &reference,
-                    &GenerateParams {
-                        prefix_kv: Some(prefix.clone()),
-                        ..Default::default()
-                    },
-                )
-                .unwrap();
-            let agree = rows
-                .iter()
-                .zip(&reference)
-                .filter(|(row, &t)| {
-                    row.iter()
-                        .enumerate()
-                        .max_by(|a, b| a.1.total_cmp(b.1))
-                        .unwrap()
-                        .0 as u32
-                        == t
-                })
-                .count();
-            sum += agree as f64 / reference.len() as f64;
-        }
+        let sum: f64 = queries
+            .iter()
+            .map(|query| {
+                let prompt = [context, &query[..]].concat();
+                forced_agreement(&mut e, &prompt, &full_prefix, &prefix)
+            })
+            .sum();
         let want = (sum / queries.len() as f64) as f32;
         assert!(
             (got - want).abs() < 1e-6,

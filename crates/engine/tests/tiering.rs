@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pk_engine::{EngineConfig, GenerateParams, TieringConfig};
+use pk_engine::{EngineConfig, GenerateParams, ReuseConfig, TieringConfig};
 use pk_tiers::{DiskTier, DiskTierConfig, RamTier, Tier, TieredStore};
 
 fn tiered(dir: &std::path::Path) -> Arc<TieredStore> {
@@ -28,11 +28,11 @@ fn tiered(dir: &std::path::Path) -> Arc<TieredStore> {
 
 fn config(store: Arc<TieredStore>) -> EngineConfig {
     EngineConfig {
-        tiering: Some(TieringConfig {
+        reuse: Some(ReuseConfig::Chunks(TieringConfig {
             store,
             chunk_size_tokens: 256,
             max_pending_bytes: 64 << 20,
-        }),
+        })),
         ..Default::default()
     }
 }

@@ -44,26 +44,7 @@ pub fn match_score(answer: &str, expected: &[String]) -> f64 {
 /// SQuAD-style token F1 over normalised words (multiset overlap). Two empty answers agree
 /// (1.0); one empty answer scores 0.0.
 pub fn token_f1(candidate: &str, reference: &str) -> f64 {
-    let (c, r) = (words(candidate), words(reference));
-    if c.is_empty() || r.is_empty() {
-        return if c.is_empty() && r.is_empty() {
-            1.0
-        } else {
-            0.0
-        };
-    }
-    let mut pool: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
-    for w in &r {
-        *pool.entry(w.as_str()).or_default() += 1;
-    }
-    let mut common = 0;
-    for w in &c {
-        if let Some(n) = pool.get_mut(w.as_str()).filter(|n| **n > 0) {
-            *n -= 1;
-            common += 1;
-        }
-    }
-    f_measure(common, c.len(), r.len())
+    pk_engine::profiler::multiset_f1(&words(candidate), &words(reference))
 }
 
 /// ROUGE-L F1: longest common subsequence of normalised words, F-measure with beta = 1.

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
 use clap::Args;
-use pk_engine::{ContextReuseConfig, Engine, EngineConfig, GenerateParams, PrefixKv};
+use pk_engine::{ContextReuseConfig, Engine, EngineConfig, GenerateParams, PrefixKv, ReuseConfig};
 use pk_evicpress::{Compression, DelayModel, Grid, Policy, Ranking, StoreConfig, TierSpec};
 use pk_tiers::{DiskTier, DiskTierConfig, Payload, RamTier, RedisTier, RedisTierConfig, Tier};
 use serde::Serialize;
@@ -225,12 +225,16 @@ struct Setup {
     prefill_tokens_per_s: f64,
 }
 
+/// The benchmark's tiers, fastest first, and each one's logical capacity in bytes (what the
+/// store enforces; the tiers themselves get slack over it).
+type TierStack = (Vec<Arc<dyn Tier>>, Vec<u64>);
+
 fn tiers_for(
     a: &EvicpressArgs,
     dir: &std::path::Path,
     run: &str,
     working_set_bytes: u64,
-) -> Result<(Vec<Arc<dyn Tier>>, Vec<u64>)> {
+) -> Result<TierStack> {
     let ram_cap = (a.ram_fraction * working_set_bytes as f64) as u64;
     // Physical capacities get slack over the logical ones (the store enforces those).
     let ram: Arc<dyn Tier> = Arc::new(RamTier::new(ram_cap * 2 + (64 << 20)));
@@ -700,11 +704,11 @@ fn engine_for(a: &EvicpressArgs, store: StoreConfig, kv_capacity_tokens: usize) 
     let config = EngineConfig {
         block_size_tokens: a.model.block_size,
         kv_capacity_tokens: Some(kv_capacity_tokens),
-        contexts: Some(ContextReuseConfig {
+        reuse: Some(ReuseConfig::Contexts(ContextReuseConfig {
             store,
             chunk_size_tokens: 256,
             profile_metric: a.profile_metric,
-        }),
+        })),
         // Every reuse must come from the store: the pool's prefix cache would otherwise
         // serve a context asked twice in a row for free, under every policy alike.
         enable_prefix_caching: false,

@@ -112,7 +112,9 @@ impl Engine {
     pub fn score(&mut self, tokens: &[u32], logits_from: usize) -> Result<Vec<f32>> {
         assert!(!self.has_work(), "score() runs outside the scheduler");
         let seq = self.new_seq_id();
-        let empty = self.kv.get_computed_prefix(&[], &self.cache_namespace);
+        let empty = self
+            .kv
+            .get_computed_prefix(&[], self.cache_namespace.as_bytes());
         self.kv.add_sequence(seq, &empty);
         let mut logits = Vec::new();
         let chunk = self.config.max_batch_tokens;

@@ -1,0 +1,109 @@
+//! A sequence whose first prompt tokens are not computed but written from a given, possibly
+//! compressed, KV ([`PrefixKv`]): the primitive under profiling, evaluation of stored
+//! contexts, and the EVICPRESS connector's loads. Also the reverse: a computed prefix copied
+//! out of the pool.
+//!
+//! NOTE: a compressed KV keeps its tokens' original positions, so a dropped context leaves
+//! the block table dense while the query is placed after the context's full length; such a
+//! sequence never feeds the pool's prefix cache or a connector (it is not what prefill
+//! computes).
+
+use pk_codec::KvContext;
+use pk_kv::{KvCacheManager, SeqId};
+use pk_model::KvBlocks;
+
+use crate::eviction::table_of;
+
+/// A given KV for the first `kv.n_original_tokens` prompt tokens (stored tokens carry their
+/// positions). Used by profiling, evaluation and the context store.
+#[derive(Debug, Clone)]
+pub struct PrefixKv {
+    pub kv: KvContext,
+}
+
+impl PrefixKv {
+    /// Prompt tokens this KV stands for.
+    pub fn n_tokens(&self) -> usize {
+        self.kv.n_original_tokens
+    }
+}
+
+/// Writes `ctx`'s stored tokens into `seq` (which must be empty), in order. Returns false
+/// if the pool has no room or the shape is another model's (nothing is half-written that
+/// the caller would use: it frees the sequence).
+fn write_prefix(
+    ctx: &KvContext,
+    kv: &mut KvCacheManager,
+    store: &mut dyn KvBlocks,
+    seq: SeqId,
+) -> bool {
+    let g = store.geometry();
+    let n = ctx.n_tokens();
+    if ctx.n_layers != g.n_layers || ctx.n_kv_heads != g.n_kv_heads || ctx.head_dim != g.head_dim {
+        return false;
+    }
+    if n > 0 && kv.allocate_slots(seq, n as u32).is_none() {
+        return false;
+    }
+    let table = table_of(kv, seq);
+    store.write_tokens(&table, 0, &ctx.k, &ctx.v);
+    true
+}
+
+/// Writes `ctx` into `seq` (empty) as [`write_prefix`] does, then gives the block table the
+/// stored tokens' original positions and the next token's (`n_original_tokens`), so the
+/// query is placed after the context's full length. Returns false, having written nothing
+/// the caller would use (it frees the sequence), when the pool has no room or `ctx` breaks
+/// its invariants (a caller's hand-made KV).
+pub(crate) fn place_prefix(
+    ctx: &KvContext,
+    kv: &mut KvCacheManager,
+    store: &mut dyn KvBlocks,
+    seq: SeqId,
+) -> bool {
+    let next = ctx.n_original_tokens;
+    if ctx.validate().is_err() || ctx.positions.last().is_some_and(|&p| p as usize >= next) {
+        return false;
+    }
+    if !write_prefix(ctx, kv, store, seq) {
+        return false;
+    }
+    kv.set_positions(seq, ctx.positions.clone(), next as u64);
+    true
+}
+
+/// Copies the first `n_tokens` stored tokens of `seq` (not evicted, so stored index =
+/// position) out of the pool.
+pub(crate) fn read_prefix(
+    kv: &KvCacheManager,
+    store: &dyn KvBlocks,
+    seq: SeqId,
+    n_tokens: usize,
+) -> Option<KvContext> {
+    let g = store.geometry();
+    // The view trusts the count it is given; the sequence must really store that many.
+    if kv
+        .block_table(seq)
+        .map_or(0, |t| t.num_stored_tokens() as usize)
+        < n_tokens
+    {
+        return None;
+    }
+    let table = table_of(kv, seq);
+    let d = g.head_dim;
+    let len = g.n_layers * g.n_kv_heads * n_tokens * d;
+    let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
+    if let Err(e) = store.read_tokens(&table, 0, &mut k, &mut v) {
+        tracing::warn!("reading a context out of the KV pool failed, not offering it: {e}");
+        return None;
+    }
+    KvContext::new(
+        g.n_layers,
+        g.n_kv_heads,
+        d,
+        (0..n_tokens as u32).collect(),
+        k,
+        v,
+    )
+    .ok()
+}
