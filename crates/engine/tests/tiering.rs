@@ -89,6 +89,67 @@ fn stored_prompt_chunks_survive_a_restart() {
 #[test]
 fn same_named_models_with_different_contents_never_share_tier_entries() {
     let tier_dir = tempfile::tempdir().unwrap();
+    same_named_models_share_nothing(&|| tiered(tier_dir.path()));
+}
+
+/// The same through one Redis server (the CI's, `PAGEKEEPER_TEST_REDIS`, else a private
+/// `redis-server` from PATH), as two servers sharing it would.
+#[test]
+fn same_named_models_with_different_contents_never_share_redis_entries() {
+    let (url, _server) = redis_for_test();
+    let prefix = format!(
+        "pktest:same-name:{}:{:?}:",
+        std::process::id(),
+        Instant::now()
+    );
+    let tier = pk_tiers::open_tier(&pk_tiers::TierConfig::Redis {
+        url,
+        capacity_bytes: Some(256 << 20),
+        key_prefix: Some(prefix),
+    })
+    .unwrap();
+    same_named_models_share_nothing(&|| Arc::new(TieredStore::new(vec![tier.clone()])));
+}
+
+/// A Redis URL for a test: `PAGEKEEPER_TEST_REDIS` if set, else a private server on a free
+/// loopback port (killed when the returned guard drops). Fails, never skips, without one.
+fn redis_for_test() -> (String, Option<KillOnDrop>) {
+    if let Ok(url) = std::env::var("PAGEKEEPER_TEST_REDIS") {
+        return (url, None);
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server must be on PATH (scripts/test.sh fetches one) or PAGEKEEPER_TEST_REDIS set");
+    let guard = KillOnDrop(child);
+    let t0 = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "redis-server did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (format!("redis://127.0.0.1:{port}"), Some(guard))
+}
+
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn same_named_models_share_nothing(store_for: &dyn Fn() -> Arc<TieredStore>) {
     let copies = tempfile::tempdir().unwrap();
     let original = std::fs::read(common::model_path()).unwrap();
     let file = common::model_path().file_name().unwrap().to_owned();
@@ -114,7 +175,7 @@ fn same_named_models_with_different_contents_never_share_tier_entries() {
         ..Default::default()
     };
     let run = |path: &std::path::Path| {
-        let store = tiered(tier_dir.path());
+        let store = store_for();
         let mut e = pk_engine::Engine::load(path, config(store.clone())).unwrap();
         let out = e.generate(prompt, &params, &mut |_| {}).unwrap();
         let t0 = Instant::now();
