@@ -506,3 +506,67 @@ fn a_snapkv_grid_scores_a_context_by_its_last_queries_and_serves_it_dropped() {
     );
     e.check_invariants();
 }
+
+/// A request waiting for blocks asks the context store once, not at every engine step (the
+/// connector's answer is kept on the waiting sequence).
+#[test]
+fn a_waiting_request_makes_one_context_lookup() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut e = common::engine(EngineConfig {
+        reuse: Some(ReuseConfig::Contexts(ContextReuseConfig {
+            store: store_config(dir.path(), Policy::Lru, 256 << 20),
+            chunk_size_tokens: 256,
+            profile_metric: Default::default(),
+        })),
+        enable_prefix_caching: false,
+        // 40 blocks of 16 tokens: the first request holds 33 of them while it decodes.
+        kv_capacity_tokens: Some(640),
+        ..Default::default()
+    });
+    let book = common::book_ids();
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let submit = |e: &mut pk_engine::Engine, prompt: &[u32], max_tokens: usize| {
+        let d = done.clone();
+        let sink = Box::new(move |ev: pk_engine::SeqEvent| {
+            if matches!(
+                ev,
+                pk_engine::SeqEvent::Finished(_) | pk_engine::SeqEvent::Error(_)
+            ) {
+                d.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            true
+        });
+        let params = GenerateParams {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        e.submit(pk_engine::Request {
+            prompt_ids: prompt.to_vec(),
+            params,
+            cache_salt: None,
+            sink,
+        })
+        .unwrap();
+    };
+    submit(&mut e, &book[9000..9500], 48);
+    e.step();
+    submit(&mut e, &book[9600..10000], 4);
+    let (mut steps, mut waited_steps) = (0, 0);
+    while done.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+        e.step();
+        steps += 1;
+        waited_steps += usize::from(e.num_waiting() > 0);
+        assert!(steps < 10_000, "the requests did not finish");
+    }
+    assert!(
+        waited_steps > 10,
+        "the second request waited {waited_steps} steps"
+    );
+    assert_eq!(
+        e.context_stats().unwrap().lookups,
+        2,
+        "one lookup per request over {waited_steps} waiting steps"
+    );
+    e.check_invariants();
+}
