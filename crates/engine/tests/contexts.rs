@@ -523,50 +523,10 @@ fn a_waiting_request_makes_one_context_lookup() {
         kv_capacity_tokens: Some(640),
         ..Default::default()
     });
-    let book = common::book_ids();
-    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let submit = |e: &mut pk_engine::Engine, prompt: &[u32], max_tokens: usize| {
-        let d = done.clone();
-        let sink = Box::new(move |ev: pk_engine::SeqEvent| {
-            if matches!(
-                ev,
-                pk_engine::SeqEvent::Finished(_) | pk_engine::SeqEvent::Error(_)
-            ) {
-                d.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            }
-            true
-        });
-        let params = GenerateParams {
-            max_tokens,
-            ignore_eos: true,
-            ..Default::default()
-        };
-        e.submit(pk_engine::Request {
-            prompt_ids: prompt.to_vec(),
-            params,
-            cache_salt: None,
-            sink,
-        })
-        .unwrap();
-    };
-    submit(&mut e, &book[9000..9500], 48);
-    e.step();
-    submit(&mut e, &book[9600..10000], 4);
-    let (mut steps, mut waited_steps) = (0, 0);
-    while done.load(std::sync::atomic::Ordering::SeqCst) < 2 {
-        e.step();
-        steps += 1;
-        waited_steps += usize::from(e.num_waiting() > 0);
-        assert!(steps < 10_000, "the requests did not finish");
-    }
-    assert!(
-        waited_steps > 10,
-        "the second request waited {waited_steps} steps"
-    );
+    let waited_steps = common::run_with_a_waiting_request(&mut e);
     assert_eq!(
         e.context_stats().unwrap().lookups,
         2,
         "one lookup per request over {waited_steps} waiting steps"
     );
-    e.check_invariants();
 }
