@@ -422,6 +422,8 @@ fn attend_tile(
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
     let sp = bs.next_multiple_of(8);
+    #[cfg(target_arch = "x86_64")]
+    let f16c = is_x86_feature_detected!("f16c");
     let mut kt = if simd {
         vec![0f32; hd * sp]
     } else {
@@ -434,12 +436,34 @@ fn attend_tile(
     for b in first_visible(t0) / bs..n_blocks {
         let block = s.block_table[b];
         let n_valid = bs.min(last_visible + 1 - b * bs);
-        store.read_v(layer, block, kvh, &mut vbuf[..n_valid * hd]);
         if simd {
             #[cfg(target_arch = "x86_64")]
             {
-                // Transposed K: one vector load then gives a dimension of 8 keys.
-                store.read_k_transposed(layer, block, kvh, sp, &mut kt);
+                // Transposed K: one vector load then gives a dimension of 8 keys. An f16
+                // block whose size is a multiple of 8 is already laid out so (`[d][slot]`),
+                // and is widened in one pass.
+                match store.layer(layer) {
+                    LayerKv::F16 { k, v } if sp == bs && f16c => {
+                        let off = store.head_offset(block, kvh);
+                        // Blocks are scattered, which defeats the hardware prefetcher on a
+                        // decode step's one pass over them from DRAM: ask for the block two
+                        // ahead (about one DRAM latency of work), as `attn512` does.
+                        if let Some(&ahead) = s.block_table[..n_blocks].get(b + 2) {
+                            let at = store.head_offset(ahead, kvh);
+                            attn::prefetch(&k[at..at + hd * bs]);
+                            attn::prefetch(&v[at..at + hd * bs]);
+                        }
+                        // SAFETY: F16C was detected; kt holds hd × bs, vbuf bs × hd floats.
+                        unsafe {
+                            attn::f16_to_f32_x86(&k[off..off + hd * bs], &mut kt);
+                            attn::f16_to_f32_x86(&v[off..off + n_valid * hd], &mut vbuf);
+                        }
+                    }
+                    _ => {
+                        store.read_v(layer, block, kvh, &mut vbuf[..n_valid * hd]);
+                        store.read_k_transposed(layer, block, kvh, sp, &mut kt);
+                    }
+                }
                 let blk = attn::BlockF32 {
                     kt: &kt,
                     v: &vbuf,
@@ -480,6 +504,7 @@ fn attend_tile(
             }
             continue;
         }
+        store.read_v(layer, block, kvh, &mut vbuf[..n_valid * hd]);
         store.read_k(layer, block, kvh, &mut kbuf[..n_valid * hd]);
         for t in t0..t1 {
             let visible_end = s.stored_start + t + 1; // exclusive
