@@ -67,8 +67,8 @@ pub unsafe fn f16_to_f32_x86(src: &[half::f16], dst: &mut [f32]) {
         let h = _mm_loadu_si128(s.add(i) as *const __m128i);
         _mm256_storeu_ps(d.add(i), _mm256_cvtph_ps(h));
     }
-    for i in n8..src.len() {
-        *d.add(i) = src[i].to_f32();
+    for (i, x) in src.iter().enumerate().skip(n8) {
+        *d.add(i) = x.to_f32();
     }
 }
 
@@ -109,6 +109,8 @@ mod x86 {
     /// Scores of `R` rows against `NV` × 8 slots starting at `kt` (a column offset into the
     /// transposed block), scaled, written to `scores[r][at..at + 8 NV]`. The `R × NV`
     /// accumulators stay in registers (at most 8 of AVX2's 16) for the whole head.
+    // `j` indexes both the key registers and each row's accumulators.
+    #[allow(clippy::needless_range_loop)]
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn scores_chunk<const HD8: usize, const R: usize, const NV: usize>(
