@@ -258,7 +258,7 @@ fn send_all(
                         let class = seen.lock().unwrap().class(*context, server);
                         let url =
                             format!("http://127.0.0.1:{}/v1/completions", a.port + server as u16);
-                        let result = one_request(http, &url, prompt, a);
+                        let result = one_request(http, &url, &serde_json::json!(prompt), a);
                         if result.is_ok() {
                             let mut seen = seen.lock().unwrap();
                             seen.finished_on.entry(*context).or_default().push(server);

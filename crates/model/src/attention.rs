@@ -279,6 +279,49 @@ fn attention_impl(
     });
 }
 
+/// One sequence's rows against one KV head with the AVX2 kernel, written into `out`: the
+/// task `paged_attention` would run for them (`kernels::split_attn` spreads these over the
+/// decode pool).
+///
+/// # Safety
+/// `out` must hold every row of `s`, and no other caller may write this (sequence, KV head)
+/// at the same time.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn attend_seq_kv_head(
+    store: &KvStore,
+    layer: usize,
+    shape: AttnShape,
+    s: &AttnSeq,
+    kv_head: usize,
+    q: &[f32],
+    out: *mut f32,
+) {
+    if s.n_queries == 0 {
+        return;
+    }
+    assert!(
+        (s.stored_start + s.n_queries - 1) / store.geometry.block_size_tokens < s.block_table.len(),
+        "block table shorter than stored tokens"
+    );
+    let t = Task {
+        seq: 0,
+        kv_head,
+        t0: 0,
+        t1: s.n_queries,
+    };
+    attend_task(
+        Kernel::Avx2,
+        store,
+        layer,
+        shape,
+        s,
+        &t,
+        q,
+        OutPtr(out),
+        None,
+    );
+}
+
 /// Computes one task's rows into `out`.
 ///
 /// # Safety

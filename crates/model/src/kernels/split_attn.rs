@@ -8,7 +8,8 @@
 //! `attention.rs`'s tasks do (all query heads of the GQA group of each token, in order,
 //! `max_rows` at a time), and by `attn512`'s NOTE 1 a row's bits depend on nothing else, so
 //! the results equal `paged_attention`'s bit for bit (tested below) whichever thread runs
-//! a chunk and however many threads there are.
+//! a chunk and however many threads there are. On CPUs without AVX-512 a chunk is the AVX2
+//! kernel's task for those rows (`split_avx2`), equal to `paged_attention`'s likewise.
 
 use crate::attention::{AttnSeq, AttnShape, Kernel};
 use crate::kv_store::{KvStore, LayerKv};
@@ -23,7 +24,7 @@ pub const MAX_SPLIT_ROWS: usize = pool::DECODE_MAX_TOKENS;
 
 /// Computes what `paged_attention(store, layer, shape, seqs, q, out)` computes, with the
 /// (sequence, KV head) pairs spread over the decode pool, and returns `true`; or returns
-/// `false` without touching `out` when this path does not apply (no AVX-512 kernel for this
+/// `false` without touching `out` when this path does not apply (no SIMD kernel for this
 /// head size, too many rows, or a single pair) and the caller should use `paged_attention`.
 pub fn split_attention(
     store: &KvStore,
@@ -40,10 +41,15 @@ pub fn split_attention(
         let pairs = seqs.len() * shape.n_kv_heads;
         // At one active thread the chunks run inline here too (the same work as
         // `paged_attention`'s serial path), so the pool's thread count alone decides.
-        if rows > MAX_SPLIT_ROWS || pairs < 2 || Kernel::best(shape.head_dim) != Kernel::Avx512 {
+        let kernel = Kernel::best(shape.head_dim);
+        if rows > MAX_SPLIT_ROWS || pairs < 2 || kernel == Kernel::Scalar {
             return false;
         }
-        split_with(pool, store, layer, shape, seqs, q, out);
+        if kernel == Kernel::Avx2 {
+            split_avx2(pool, store, layer, shape, seqs, q, out);
+        } else {
+            split_with(pool, store, layer, shape, seqs, q, out);
+        }
         true
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -51,6 +57,60 @@ pub fn split_attention(
         let _ = (store, layer, shape, seqs, q, out);
         false
     }
+}
+
+/// The AVX2 kernel's version of [`split_with`]: each (sequence, KV head) chunk computes
+/// exactly what one of `paged_attention`'s tasks computes for those rows (the same
+/// `attend_tile` call; a row's bits depend on nothing else), on whichever pool thread
+/// takes it. Without it a decode step's attention ran on one thread below 32K row-keys.
+#[cfg(target_arch = "x86_64")]
+fn split_avx2(
+    pool: &pool::Pool,
+    store: &KvStore,
+    layer: usize,
+    shape: AttnShape,
+    seqs: &[AttnSeq],
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let q_dim = shape.n_heads * shape.head_dim;
+    let n_rows: usize = seqs
+        .iter()
+        .map(|s| s.row_offset + s.n_queries)
+        .max()
+        .unwrap_or(0);
+    assert!(
+        q.len() >= n_rows * q_dim && out.len() >= n_rows * q_dim,
+        "q/out shorter than the rows"
+    );
+    #[derive(Clone, Copy)]
+    struct Out(*mut f32);
+    // SAFETY: each chunk writes only its own (rows of one sequence) × (heads of one KV head)
+    // of `out`, which this function borrows mutably for as long as any chunk runs.
+    unsafe impl Send for Out {}
+    // SAFETY: as for `Send`: chunks write disjoint slices.
+    unsafe impl Sync for Out {}
+    let ptr = Out(out.as_mut_ptr());
+    let nkv = shape.n_kv_heads;
+    let chunk = |i: usize| {
+        // Captures the whole `Out` (which is `Sync`), not its raw-pointer field.
+        #[allow(clippy::redundant_locals)]
+        let ptr = ptr;
+        // SAFETY: `out` holds every row (checked above); this chunk is the only writer of
+        // its (sequence, KV head); `attend_seq_kv_head` checks the block table.
+        unsafe {
+            crate::attention::attend_seq_kv_head(
+                store,
+                layer,
+                shape,
+                &seqs[i / nkv],
+                i % nkv,
+                q,
+                ptr.0,
+            )
+        };
+    };
+    pool.run(seqs.len() * nkv, &chunk);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -175,7 +235,8 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     /// Bit-identical to `paged_attention` for one-token and few-token sequences in a batch,
-    /// over f16, f32 and quantised stores, at 2 and 3 threads.
+    /// over f16, f32 and quantised stores, at 2 and 3 threads, with the kernel this CPU runs
+    /// (AVX-512 or AVX2).
     #[test]
     fn equals_paged_attention_bit_for_bit() {
         let shape = AttnShape {
@@ -183,7 +244,8 @@ mod tests {
             n_kv_heads: 3,
             head_dim: 64,
         };
-        if Kernel::best(shape.head_dim) != Kernel::Avx512 {
+        let kernel = Kernel::best(shape.head_dim);
+        if kernel == Kernel::Scalar {
             return;
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
@@ -227,7 +289,11 @@ mod tests {
                 let pool = pool::Pool::new(threads);
                 for single in [&seqs[..1], &seqs[..]] {
                     let mut got = vec![f32::NAN; q.len()];
-                    split_with(&pool, &store, 0, shape, single, &q, &mut got);
+                    if kernel == Kernel::Avx2 {
+                        split_avx2(&pool, &store, 0, shape, single, &q, &mut got);
+                    } else {
+                        split_with(&pool, &store, 0, shape, single, &q, &mut got);
+                    }
                     let rows: usize = single.iter().map(|s| s.n_queries).sum();
                     let n = rows * 9 * 64;
                     assert_eq!(
