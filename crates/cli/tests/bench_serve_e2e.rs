@@ -60,8 +60,10 @@ fn bench_serve_reports_the_pool_per_level() {
         assert_eq!(l["failed"], 0, "{l}");
         assert_eq!(l["completion_tokens"], 8, "{l}");
         assert_eq!(l["kv_blocks_total"], 64.0, "{l}");
+        // Prompts are windows of the book's token ids: exactly as many tokens as asked.
+        assert_eq!(l["prompt_tokens_mean"], 160.0, "{l}");
         let peak = l["peak_kv_blocks"].as_f64().unwrap();
-        // Each ~160-token prompt is computed whole (exact prefill attention), then pruned.
+        // Each 160-token prompt is computed whole (exact prefill attention), then pruned.
         assert!((10.0..=64.0).contains(&peak), "{l}");
         let running = l["max_running_seqs"].as_f64().unwrap();
         assert!(

@@ -475,11 +475,7 @@ impl KvStore {
             LayerBufs::Quant { k, .. } => {
                 let q = self.qlayout.expect("quantised store");
                 let head = &k[self.q_offset(&q, block, kv_head)..][..q.head_bytes()];
-                for d in 0..self.geometry.head_dim {
-                    for slot in 0..bs {
-                        out[d * stride + slot] = q.k_elem(head, slot, d);
-                    }
-                }
+                q.read_k_transposed(head, stride, out);
             }
         }
     }
