@@ -428,6 +428,34 @@ impl GgufFile {
         &self.mmap[info.offset_bytes as usize..(info.offset_bytes + info.size_bytes) as usize]
     }
 
+    /// Drops this process's resident pages of a tensor's bytes (the pages it shares with
+    /// its neighbours too): a loader that has converted a tensor into its own memory calls
+    /// it so that the mapped file and the converted copy are not both resident. Reading the
+    /// tensor again later stays correct: the pages fault back in from the file.
+    #[cfg(unix)]
+    pub fn release_tensor_pages(&self, info: &TensorInfo) {
+        const PAGE: usize = 4096;
+        let start = info.offset_bytes as usize / PAGE * PAGE;
+        let end = ((info.offset_bytes + info.size_bytes) as usize)
+            .next_multiple_of(PAGE)
+            .min(self.mmap.len());
+        // SAFETY: the map is a read-only shared mapping of a file that we never write, so
+        // MADV_DONTNEED only drops page-table entries: no borrowed byte changes, and the
+        // next read of the range faults the same bytes back in from the page cache. The
+        // range lies inside the map (clamped above). The advice is a hint; errors are moot.
+        #[allow(unsafe_code)]
+        let _ = unsafe {
+            self.mmap.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                start,
+                end.saturating_sub(start),
+            )
+        };
+    }
+
+    #[cfg(not(unix))]
+    pub fn release_tensor_pages(&self, _info: &TensorInfo) {}
+
     pub fn file_len_bytes(&self) -> u64 {
         self.mmap.len() as u64
     }

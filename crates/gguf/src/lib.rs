@@ -3,7 +3,8 @@
 //!
 //! The reader validates every offset and count against the file before using it, so a
 //! truncated or corrupted file yields a [`GgufError`], never a panic.
-// One audited unsafe block (marked `allow(unsafe_code)`); none elsewhere.
+// Two audited unsafe blocks (marked `allow(unsafe_code)`: the map, and dropping a
+// converted tensor's resident pages); none elsewhere.
 #![deny(unsafe_code)]
 
 mod dequant;

@@ -177,15 +177,13 @@ fn matrix(f: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<QMatrix,
         )));
     }
     // K-quants run as the integer kernels' formats (see `kquant`).
-    match crate::kquant::convert(info.ggml_type, f.tensor_data(info)) {
-        Some((ty, data)) => Ok(QMatrix::new(ty, rows, cols, data)),
-        None => Ok(QMatrix::new(
-            info.ggml_type,
-            rows,
-            cols,
-            f.tensor_data(info).to_vec(),
-        )),
-    }
+    let m = match crate::kquant::convert(info.ggml_type, f.tensor_data(info)) {
+        Some((ty, data)) => QMatrix::new(ty, rows, cols, data),
+        None => QMatrix::new(info.ggml_type, rows, cols, f.tensor_data(info).to_vec()),
+    };
+    // The matrix now has its own copy; the file's pages need not stay resident beside it.
+    f.release_tensor_pages(info);
+    Ok(m)
 }
 
 fn vector(f: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {

@@ -84,14 +84,17 @@ pub fn place_in_arena(mats: &mut [&mut Packed]) -> usize {
         starts.push(start);
         end = start + m.data().len();
     }
-    let mut buf = HugeBuf::zeroed(end);
-    for (m, &start) in mats.iter().zip(&starts) {
-        let d = m.data();
-        buf[start..start + d.len()].copy_from_slice(d);
-    }
-    let buf = Arc::new(buf);
-    for (m, &start) in mats.iter_mut().zip(&starts) {
-        let len = m.data().len();
+    let lens: Vec<usize> = mats.iter().map(|m| m.data().len()).collect();
+    // Each matrix's own bytes are taken out (and freed once copied) as the arena is filled.
+    let parts = mats.iter_mut().zip(&starts).map(|(m, &start)| {
+        let bytes = match std::mem::replace(&mut m.data, Bytes::Own(Vec::new())) {
+            Bytes::Own(v) => v,
+            Bytes::Arena(buf, r) => buf[r].to_vec(),
+        };
+        (start, bytes)
+    });
+    let buf = Arc::new(HugeBuf::from_parts(end, parts));
+    for ((m, &start), &len) in mats.iter_mut().zip(&starts).zip(&lens) {
         m.data = Bytes::Arena(buf.clone(), start..start + len);
     }
     end
