@@ -5,11 +5,19 @@ mod common;
 
 use pk_engine::{EngineConfig, FinishReason, GenerateParams};
 
+/// Below this gap between llama.cpp's own top two log-probabilities a step is a near-tie:
+/// the two implementations' log-probabilities differ by 0.07–0.11 nats on average
+/// (crates/model/tests/golden_logits.rs), so which side of it the argmax falls depends on
+/// summation order, which differs between our AVX2, AVX-512 and AMX kernels. Measured: on
+/// an Intel Xeon with AMX, raw_list's sixth token (llama.cpp's gap 0.074 nats, three
+/// tokens within 0.11) came out as the third of them, while AVX2 hosts matched.
+const NEAR_TIE_NATS: f64 = 0.08;
+
 /// llama.cpp's greedy tokens (b4748, regenerated on a host without AMX; see
-/// shared/golden/README.md) and ours agree for the first 8 tokens of every prompt but one:
-/// chat_capital's 8th token is a near-tie (teacher-forced, llama.cpp's choice is 0.26 nats
-/// below our argmax there; crates/model/tests/golden_logits.rs), so it is held to 7. Every
-/// prompt is also held to its exact tokenization.
+/// shared/golden/README.md) and ours agree for the first 8 tokens of every prompt, or up to
+/// its first near-tie in llama.cpp's own distribution (chat_capital's 8th token, gap 0.019;
+/// raw_list's 6th, 0.074), after which the continuations may part. Every prompt is also
+/// held to its exact tokenization.
 #[test]
 fn greedy_tokens_against_llama_cpp() {
     let mut engine = common::engine(EngineConfig::default());
@@ -24,7 +32,20 @@ fn greedy_tokens_against_llama_cpp() {
             prompt_ids,
             "{name}: tokenization"
         );
-        let must_match = if name == "chat_capital" { 7 } else { 8 };
+        let must_match = p["top5_per_step"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .take(8)
+            .position(|top5| {
+                let lp = |i: usize| top5[i]["logprob"].as_f64().unwrap();
+                lp(0) - lp(1) < NEAR_TIE_NATS
+            })
+            .unwrap_or(8);
+        assert!(
+            must_match >= 5,
+            "{name}: only {must_match} tokens before a near-tie"
+        );
         let want: Vec<u32> = common::ids(&p["greedy_token_ids"])
             .into_iter()
             .take(must_match)
