@@ -15,24 +15,33 @@ pub struct RedisCluster {
     _dir: tempfile::TempDir,
 }
 
-/// A loopback port that is free, and whose cluster bus port (+10,000) is free too.
-fn free_cluster_port(taken: &[u16]) -> u16 {
+/// Ports handed out in this process: tests start clusters concurrently, and a port another
+/// cluster picked may not be bound yet when this one checks it.
+static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+
+/// A loopback port that is free, and whose cluster bus port (+10,000) is free too. Both lie
+/// below Linux's ephemeral range (32,768 and up by default): a port in it can be taken by
+/// any outgoing connection between this check and the server's bind, which was seen to
+/// leave a node unable to start (its bus port taken).
+fn free_cluster_port() -> u16 {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_nanos() as u64;
     let seed = u64::from(std::process::id()) ^ nanos;
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut handed_out = HANDED_OUT.lock().unwrap();
     loop {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        let port = 20_000 + (x % 30_000) as u16;
-        if taken.contains(&port) {
+        let port = 12_000 + (x % 10_000) as u16;
+        if handed_out.contains(&port) {
             continue;
         }
         let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
         if free(port) && free(port + 10_000) {
+            handed_out.push(port);
             return port;
         }
     }
@@ -56,11 +65,7 @@ impl RedisCluster {
     /// master has a replica in sync.
     pub fn start() -> RedisCluster {
         let dir = tempfile::tempdir().unwrap();
-        let mut ports = Vec::new();
-        for _ in 0..6 {
-            let p = free_cluster_port(&ports);
-            ports.push(p);
-        }
+        let ports: Vec<u16> = (0..6).map(|_| free_cluster_port()).collect();
         let server = binary("redis-server");
         let children = ports
             .iter()
