@@ -41,6 +41,9 @@ pub struct ServeBenchArgs {
     /// Passed to the server (`serve --max-prefill-tokens-while-decoding`); its default if unset.
     #[arg(long)]
     pub max_prefill_tokens_while_decoding: Option<usize>,
+    /// Passed to the server (`serve --prefill-prune-interval-tokens`); off if unset.
+    #[arg(long)]
+    pub prefill_prune_interval_tokens: Option<usize>,
     /// Sent with every request (`kv_policy`), e.g. paged-eviction.
     #[arg(long)]
     pub kv_policy: Option<String>,
@@ -196,6 +199,9 @@ pub(crate) fn start_server(
     }
     if let Some(n) = a.max_prefill_tokens_while_decoding {
         cmd.args(["--max-prefill-tokens-while-decoding", &n.to_string()]);
+    }
+    if let Some(n) = a.prefill_prune_interval_tokens {
+        cmd.args(["--prefill-prune-interval-tokens", &n.to_string()]);
     }
     if let Some(n) = a.kv_capacity_tokens {
         cmd.args(["--kv-capacity-tokens", &n.to_string()]);

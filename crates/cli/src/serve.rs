@@ -39,6 +39,13 @@ pub struct ServeArgs {
     /// nothing decoding still uses --max-batch-tokens.
     #[arg(long, default_value_t = 64)]
     pub max_prefill_tokens_while_decoding: usize,
+    /// Prune a budgeted prompt every N prompt tokens while it is prefilled, for policies
+    /// that score without queries (streaming-llm, knorm, keydiff): it then holds at most
+    /// budget + N tokens of blocks instead of the whole prompt, at the price of an inexact
+    /// prefill. 0: prune once, after exact attention over the whole prompt (every other
+    /// policy always does). At least the block size when set.
+    #[arg(long, default_value_t = 0)]
+    pub prefill_prune_interval_tokens: usize,
     /// Prompt + completion tokens per request (default: the model's context length).
     #[arg(long)]
     pub max_model_len: Option<usize>,
@@ -95,6 +102,7 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         kv_capacity_tokens: Some(pool_tokens),
         max_batch_tokens: a.max_batch_tokens,
         max_prefill_tokens_while_decoding: a.max_prefill_tokens_while_decoding,
+        prefill_prune_interval_tokens: a.prefill_prune_interval_tokens,
         max_running_seqs: a.max_running_seqs,
         max_waiting_requests: a.max_waiting_requests,
         default_kv_policy: a.kv.spec()?.unwrap_or_default(),

@@ -74,6 +74,16 @@ pub struct EngineConfig {
     /// off whenever stored KV is reused across requests (`reuse`), which stores every
     /// layer of every token, as vLLM turns it off under a KV connector.
     pub hybrid_kv_cache: bool,
+    /// Prune a budgeted prompt every this many prompt tokens while it is prefilled, for
+    /// policies that allow it (`PolicySpec::prunes_as_chunks_arrive`: StreamingLLM, KNorm,
+    /// KeyDiff), so that the prompt holds at most budget + this many tokens of blocks
+    /// instead of the whole prompt; 0 (the default) prunes once, after exact attention
+    /// over the whole prompt, as every policy's method is defined. Prefill is then
+    /// inexact: later prompt tokens attend to the kept earlier ones only. The points are
+    /// multiples of this many prompt tokens whatever the scheduler's chunks, so the
+    /// tokens do not depend on batching or preemption. Off for models with sliding-window
+    /// KV groups (Gemma 3 under `hybrid_kv_cache`). At least the block size when set.
+    pub prefill_prune_interval_tokens: usize,
 }
 
 impl EngineConfig {
@@ -112,6 +122,7 @@ impl Default for EngineConfig {
             reuse: None,
             enable_prefix_caching: true,
             hybrid_kv_cache: true,
+            prefill_prune_interval_tokens: 0,
         }
     }
 }
@@ -419,6 +430,13 @@ impl Engine {
         let geometry = config.kv_geometry(backend.config())?;
         if config.max_batch_tokens == 0 || config.max_running_seqs == 0 {
             bail!("max_batch_tokens and max_running_seqs must be at least 1");
+        }
+        let interval = config.prefill_prune_interval_tokens;
+        if interval != 0 && interval < config.block_size_tokens as usize {
+            bail!(
+                "prefill_prune_interval_tokens ({interval}) must be 0 (off) or at least the block size ({} tokens)",
+                config.block_size_tokens
+            );
         }
         let pool = backend.kv().geometry();
         let shape = |g: &KvGeometry| {
@@ -742,6 +760,10 @@ impl Engine {
         }
         let mut ev = SeqEviction::new(spec, budget, granularity, units);
         ev.keep_generated = p.kv_keep_generated;
+        let interval = self.config.prefill_prune_interval_tokens;
+        if interval > 0 && spec.prunes_as_chunks_arrive() && self.kv.window_spec().is_none() {
+            ev.prune_interval_tokens = Some(interval);
+        }
         Ok(Some(ev))
     }
 
@@ -762,12 +784,22 @@ impl Engine {
     /// the budget: exact prefill (every prompt token attends to the whole prompt, as
     /// PagedEviction's spec requires) needs all T at once, so such peaks are taken one
     /// after another while the pruned sequences decode beside them.
+    /// A prompt pruned as its chunks arrive needs at most its peak (budget + interval)
+    /// less what it holds.
     fn reserved_prefill_blocks(&self) -> usize {
         let block = self.config.block_size_tokens as usize;
         self.running
             .iter()
             .filter(|s| s.num_computed < s.n_prompt)
-            .map(|s| (s.n_prompt - s.num_computed).div_ceil(block))
+            .map(|s| {
+                let left = s.n_prompt - s.num_computed;
+                let peak = s
+                    .eviction
+                    .as_ref()
+                    .map_or(s.n_prompt, |ev| ev.prefill_peak_tokens(s.n_prompt));
+                left.min(peak.saturating_sub(s.kv_stored_tokens))
+                    .div_ceil(block)
+            })
             .sum()
     }
 
@@ -821,7 +853,14 @@ impl Engine {
         if s.req.params.prefix_kv.is_some() {
             return (Start::Given, self.blocks_for(s.all_ids.len()));
         }
-        let ids: &[u32] = match self.config.enable_prefix_caching {
+        // A prompt pruned as its chunks arrive adopts no cached prefix: the cache holds
+        // K/V computed with attention over every earlier token, which its later chunks
+        // would not have seen, so its tokens would depend on what happened to be cached.
+        let chunk_pruned = s
+            .eviction
+            .as_ref()
+            .is_some_and(|ev| ev.prune_interval_tokens.is_some());
+        let ids: &[u32] = match self.config.enable_prefix_caching && !chunk_pruned {
             true => &s.all_ids,
             false => &[],
         };
@@ -831,7 +870,11 @@ impl Engine {
         if loadable > cached {
             return (Start::Reuse, self.blocks_for(s.all_ids.len()));
         }
-        let needed = self.blocks_for(s.all_ids.len() - cached) + prefix.block_ids().len();
+        let to_compute = match &s.eviction {
+            Some(ev) if chunk_pruned => ev.prefill_peak_tokens(s.all_ids.len()),
+            _ => s.all_ids.len() - cached,
+        };
+        let needed = self.blocks_for(to_compute) + prefix.block_ids().len();
         (Start::Pool(prefix), needed)
     }
 
@@ -1256,14 +1299,25 @@ impl Engine {
             }
             return finished;
         }
-        // The whole prompt (or, after preemption, everything) is in the cache and its exact
-        // attention is done: select, compact, and from now on evict.
-        if !prefill_done || finished {
-            return finished;
-        }
-        let q = queries.as_ref();
-        if eviction::after_prefill(ev, kv, store, seq, q, stats) {
-            return false;
+        if !prefill_done {
+            // A prompt pruned as its chunks arrive: at each multiple of the interval (the
+            // plan ends chunks there), select over what is stored so far.
+            let at_point = ev
+                .prune_interval_tokens
+                .is_some_and(|n| c.to.is_multiple_of(n));
+            if finished || !at_point || eviction::prune_prompt_so_far(ev, kv, store, seq, stats) {
+                return finished;
+            }
+        } else {
+            // The whole prompt (or, after preemption, everything) is in the cache and its
+            // attention is done: select, compact, and from now on evict.
+            if finished {
+                return finished;
+            }
+            let q = queries.as_ref();
+            if eviction::after_prefill(ev, kv, store, seq, q, stats) {
+                return false;
+            }
         }
         // No block for a copy-on-write during compaction: give up on this request rather
         // than corrupt a shared block.

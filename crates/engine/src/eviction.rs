@@ -38,6 +38,9 @@ pub(crate) struct SeqEviction {
     /// that score blocks with queries: (stored index, `[layer][n_heads * head_dim]`). Cleared
     /// whenever a block fills, so stored indices never go stale across an eviction.
     pub recent_queries: Vec<(usize, Vec<f32>)>,
+    /// Prune the prompt at every multiple of this many prompt tokens as it is prefilled
+    /// (`EngineConfig::prefill_prune_interval_tokens`, for policies that allow it).
+    pub prune_interval_tokens: Option<usize>,
 }
 
 impl SeqEviction {
@@ -62,6 +65,16 @@ impl SeqEviction {
             keep_generated: false,
             initialised: false,
             recent_queries: Vec::new(),
+            prune_interval_tokens: None,
+        }
+    }
+
+    /// The most prompt tokens a prompt of `n_prompt` holds while it is prefilled: all of
+    /// them, or, pruned as its chunks arrive, the budget plus one interval.
+    pub fn prefill_peak_tokens(&self, n_prompt: usize) -> usize {
+        match self.prune_interval_tokens {
+            Some(n) => n_prompt.min(self.budget_tokens as usize + n),
+            None => n_prompt,
         }
     }
 
@@ -245,6 +258,35 @@ pub(crate) fn after_prefill(
     queries: Option<&CapturedQueries>,
     stats: &mut EvictionStats,
 ) -> bool {
+    ev.initialised = true;
+    select_and_compact(ev, kv, store, seq, queries, stats)
+}
+
+/// Mid-prompt pruning of a prompt pruned as its chunks arrive: the same selection over
+/// what is stored so far (a query-free policy), when that exceeds the budget. The policy
+/// is not yet initialised for decode: the prompt's last chunk selects again.
+pub(crate) fn prune_prompt_so_far(
+    ev: &mut SeqEviction,
+    kv: &mut KvCacheManager,
+    store: &mut dyn KvBlocks,
+    seq: SeqId,
+    stats: &mut EvictionStats,
+) -> bool {
+    let n_stored = kv.block_table(seq).expect("live").num_stored_tokens();
+    if n_stored <= ev.budget_tokens {
+        return true;
+    }
+    select_and_compact(ev, kv, store, seq, None, stats)
+}
+
+fn select_and_compact(
+    ev: &mut SeqEviction,
+    kv: &mut KvCacheManager,
+    store: &mut dyn KvBlocks,
+    seq: SeqId,
+    queries: Option<&CapturedQueries>,
+    stats: &mut EvictionStats,
+) -> bool {
     let table = table_of(kv, seq);
     let n_stored = kv.block_table(seq).expect("live").num_stored_tokens() as usize;
     let bs = kv.block_size_tokens();
@@ -272,7 +314,6 @@ pub(crate) fn after_prefill(
             })
             .collect()
     };
-    ev.initialised = true;
     if keeps[0].len() == n_stored {
         return true;
     }

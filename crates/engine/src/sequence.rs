@@ -149,7 +149,14 @@ impl SeqState {
     pub fn max_chunk(&self) -> usize {
         match (&self.eviction, self.num_computed < self.n_prompt) {
             (None, _) => usize::MAX,
-            (Some(_), true) => self.n_prompt - self.num_computed,
+            // A prompt pruned as its chunks arrive also ends chunks at its pruning points.
+            (Some(ev), true) => {
+                let left = self.n_prompt - self.num_computed;
+                match ev.prune_interval_tokens {
+                    Some(n) => left.min(n - self.num_computed % n),
+                    None => left,
+                }
+            }
             (Some(_), false) => 1,
         }
     }

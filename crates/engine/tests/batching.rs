@@ -378,3 +378,147 @@ fn prefill_peaks_under_a_budget_are_taken_in_turn_without_preemption() {
         assert_eq!(got, want, "prompt {i}");
     }
 }
+
+/// One request alone, stepped: its tokens and the most KV blocks the pool had in use.
+fn run_alone_tracking_peak(
+    config: EngineConfig,
+    prompt: &[u32],
+    params: &GenerateParams,
+) -> (Vec<u32>, usize) {
+    let mut engine = common::engine(config);
+    let (tx, rx) = mpsc::channel();
+    engine
+        .submit(Request {
+            prompt_ids: prompt.to_vec(),
+            params: params.clone(),
+            cache_salt: None,
+            sink: Box::new(move |e| tx.send(e).is_ok()),
+        })
+        .unwrap();
+    let pool = |e: &pk_engine::Engine| {
+        let p = e.kv_manager().pool();
+        (p.num_blocks() - p.num_free_blocks()) as usize
+    };
+    while engine.has_work() {
+        engine.step();
+        engine.check_invariants();
+    }
+    // Measured by the engine once each step's slots are allocated, before pruning.
+    let peak_blocks = engine.stats.kv_bytes_peak / engine.kv_block_bytes();
+    let mut ids = Vec::new();
+    for ev in rx.try_iter() {
+        match ev {
+            SeqEvent::Text { token_ids, .. } => ids.extend(token_ids),
+            SeqEvent::Error(e) => panic!("{e}"),
+            _ => {}
+        }
+    }
+    assert_eq!(pool(&engine), 0);
+    (ids, peak_blocks)
+}
+
+/// Issue 23: a budgeted prompt pruned as its chunks arrive (`prefill_prune_interval_tokens`)
+/// holds at most budget + interval tokens of blocks while it is prefilled, not the whole
+/// prompt; its pruning points are multiples of the interval whatever the scheduler's chunk
+/// size, so its tokens do not change with the chunking. Policies that need exact prefill
+/// attention (PagedEviction) ignore the setting: same tokens, same peak as without it.
+#[test]
+fn prompts_pruned_as_chunks_arrive_hold_budget_plus_interval() {
+    let book = common::book_ids();
+    let prompt = &book[2000..2400];
+    let (budget, interval, bs) = (64usize, 64usize, 16usize);
+    let config = |interval: usize, max_batch_tokens: usize| EngineConfig {
+        prefill_prune_interval_tokens: interval,
+        max_batch_tokens,
+        ..Default::default()
+    };
+    for policy in ["streaming-llm", "knorm", "keydiff", "paged-eviction"] {
+        let params = GenerateParams {
+            max_tokens: 24,
+            ignore_eos: true,
+            kv_policy: Some(policy.parse().unwrap()),
+            kv_budget: Some(budget as u32),
+            ..Default::default()
+        };
+        let (exact, exact_peak) = run_alone_tracking_peak(config(0, 512), prompt, &params);
+        let (chunked, chunked_peak) =
+            run_alone_tracking_peak(config(interval, 512), prompt, &params);
+        let (small_chunks, small_peak) =
+            run_alone_tracking_peak(config(interval, 48), prompt, &params);
+        assert_eq!(exact.len(), 24, "{policy}");
+        assert!(
+            exact_peak >= prompt.len() / bs,
+            "{policy}: exact peak {exact_peak} blocks"
+        );
+        assert_eq!(
+            chunked, small_chunks,
+            "{policy}: tokens changed with the chunk size"
+        );
+        if policy == "paged-eviction" {
+            assert_eq!(chunked, exact, "{policy} must keep exact prefill");
+            assert_eq!(chunked_peak, exact_peak, "{policy}");
+            continue;
+        }
+        // Budget + interval tokens, one block of headroom for a partly filled block.
+        let bound = (budget + interval).div_ceil(bs) + 1;
+        assert!(
+            chunked_peak <= bound,
+            "{policy}: peak {chunked_peak} blocks > {bound}"
+        );
+        assert!(
+            small_peak <= bound,
+            "{policy}: peak {small_peak} blocks > {bound}"
+        );
+    }
+}
+
+/// Preemption of prompts pruned as their chunks arrive: recomputed, each prunes at the same
+/// points and gives the tokens it gives alone.
+#[test]
+fn preempted_chunk_pruned_sequences_recompute_the_same_tokens() {
+    let book = common::book_ids();
+    let ps: Vec<Vec<u32>> = (0..5)
+        .map(|i| book[3000 + 200 * i..3000 + 200 * i + 150].to_vec())
+        .collect();
+    let params = GenerateParams {
+        max_tokens: 64,
+        ignore_eos: true,
+        kv_policy: Some("streaming-llm".parse().unwrap()),
+        kv_budget: Some(48),
+        ..Default::default()
+    };
+    let config = |capacity: Option<usize>| EngineConfig {
+        prefill_prune_interval_tokens: 32,
+        kv_capacity_tokens: capacity,
+        ..Default::default()
+    };
+    let mut single = common::engine(config(None));
+    let alone: Vec<Vec<u32>> = ps
+        .iter()
+        .map(|p| single.generate(p, &params, &mut |_| {}).unwrap().token_ids)
+        .collect();
+    let (preempted, preemptions) = run_batched(config(Some(12 * 16)), &ps, &params);
+    assert!(
+        preemptions > 0,
+        "expected preemptions with a tight KV cache"
+    );
+    for (i, (got, want)) in preempted.iter().zip(&alone).enumerate() {
+        assert_eq!(got, want, "prompt {i}");
+    }
+}
+
+/// An interval below the block size is refused, naming the setting.
+#[test]
+fn prune_interval_below_the_block_size_is_refused() {
+    let config = EngineConfig {
+        prefill_prune_interval_tokens: 8,
+        ..Default::default()
+    };
+    let Err(err) = pk_engine::Engine::load(&common::model_path(), config) else {
+        panic!("an interval below the block size was accepted");
+    };
+    assert!(
+        err.to_string().contains("prefill_prune_interval_tokens"),
+        "{err}"
+    );
+}

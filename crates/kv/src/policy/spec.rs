@@ -105,6 +105,21 @@ impl PolicySpec {
         *self != PolicySpec::Full
     }
 
+    /// Whether the prompt may be pruned as its chunks arrive rather than once it is all in
+    /// (`EngineConfig::prefill_prune_interval_tokens`): only policies that score tokens
+    /// from their own keys and values, without queries, and whose method does not ask for
+    /// exact prefill attention. StreamingLLM keeps sinks and the most recent tokens, which
+    /// is what its paper runs as a rolling cache; KNorm and KeyDiff score keys alone.
+    /// PagedEviction's spec computes exact attention over the whole prompt before it
+    /// prunes, and SnapKV, H2O, TOVA and expected attention read the prompt's queries, so
+    /// they select once, from the whole prompt.
+    pub fn prunes_as_chunks_arrive(&self) -> bool {
+        matches!(
+            self,
+            PolicySpec::StreamingLlm { .. } | PolicySpec::KNorm | PolicySpec::KeyDiff
+        )
+    }
+
     /// Checks the spec against a per-sequence budget and block size: `validate_budget`
     /// (except for `full`, which ignores the budget), and for `streaming-llm` that the
     /// sinks fit in the first block, which is the block decode never evicts.
