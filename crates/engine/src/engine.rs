@@ -793,12 +793,22 @@ impl Engine {
             .filter(|s| s.num_computed < s.n_prompt)
             .map(|s| {
                 let left = s.n_prompt - s.num_computed;
-                let peak = s
+                let chunk_peak = s
                     .eviction
                     .as_ref()
-                    .map_or(s.n_prompt, |ev| ev.prefill_peak_tokens(s.n_prompt));
-                left.min(peak.saturating_sub(s.kv_stored_tokens))
-                    .div_ceil(block)
+                    .filter(|ev| ev.prune_interval_tokens.is_some())
+                    .map(|ev| ev.prefill_peak_tokens(s.n_prompt));
+                let need = match (chunk_peak, s.seq) {
+                    (Some(peak), Some(seq)) => {
+                        let stored = self
+                            .kv
+                            .block_table(seq)
+                            .map_or(0, |t| t.num_stored_tokens() as usize);
+                        left.min(peak.saturating_sub(stored))
+                    }
+                    _ => left,
+                };
+                need.div_ceil(block)
             })
             .sum()
     }
