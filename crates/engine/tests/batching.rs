@@ -20,6 +20,18 @@ fn prompts(engine: &pk_engine::Engine) -> Vec<Vec<u32>> {
     .collect()
 }
 
+/// Each prompt run to completion alone on `engine`, one after another.
+fn run_alone(
+    engine: &mut pk_engine::Engine,
+    prompts: &[Vec<u32>],
+    params: &GenerateParams,
+) -> Vec<Vec<u32>> {
+    prompts
+        .iter()
+        .map(|p| engine.generate(p, params, &mut |_| {}).unwrap().token_ids)
+        .collect()
+}
+
 fn run_batched(
     config: EngineConfig,
     prompts: &[Vec<u32>],
@@ -77,10 +89,7 @@ fn batched_equals_sequential_and_survives_preemption() {
     };
     let mut single = common::engine(EngineConfig::default());
     let ps = prompts(&single);
-    let alone: Vec<Vec<u32>> = ps
-        .iter()
-        .map(|p| single.generate(p, &params, &mut |_| {}).unwrap().token_ids)
-        .collect();
+    let alone = run_alone(&mut single, &ps, &params);
 
     let (batched, preemptions) = run_batched(EngineConfig::default(), &ps, &params);
     assert_eq!(preemptions, 0);
@@ -317,10 +326,7 @@ fn preempted_evicting_sequences_recompute_the_same_tokens() {
         };
         let mut single = common::engine(EngineConfig::default());
         let ps = prompts(&single);
-        let alone: Vec<Vec<u32>> = ps
-            .iter()
-            .map(|p| single.generate(p, &params, &mut |_| {}).unwrap().token_ids)
-            .collect();
+        let alone = run_alone(&mut single, &ps, &params);
         let tight = EngineConfig {
             kv_capacity_tokens: Some(10 * 16),
             ..Default::default()
@@ -363,10 +369,7 @@ fn prefill_peaks_under_a_budget_are_taken_in_turn_without_preemption() {
             ids
         })
         .collect();
-    let alone: Vec<Vec<u32>> = ps
-        .iter()
-        .map(|p| single.generate(p, &params, &mut |_| {}).unwrap().token_ids)
-        .collect();
+    let alone = run_alone(&mut single, &ps, &params);
     let config = EngineConfig {
         kv_capacity_tokens: Some(512),
         max_prefill_tokens_while_decoding: 64,
@@ -493,10 +496,7 @@ fn preempted_chunk_pruned_sequences_recompute_the_same_tokens() {
         ..Default::default()
     };
     let mut single = common::engine(config(None));
-    let alone: Vec<Vec<u32>> = ps
-        .iter()
-        .map(|p| single.generate(p, &params, &mut |_| {}).unwrap().token_ids)
-        .collect();
+    let alone = run_alone(&mut single, &ps, &params);
     let (preempted, preemptions) = run_batched(config(Some(12 * 16)), &ps, &params);
     assert!(
         preemptions > 0,
