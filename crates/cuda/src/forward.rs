@@ -155,10 +155,9 @@ impl GpuLlama {
                 "head_dim {hd} (the attention kernel needs a multiple of 32, at most 256)"
             )));
         }
-        // The same f32 computation as `Llama::new`, so both rotate by the same angles.
-        let inv_freq: Vec<f32> = (0..hd / 2)
-            .map(|i| config.rope_theta.powf(-2.0 * i as f32 / hd as f32))
-            .collect();
+        // The same frequencies as `Llama::new` (base, Llama 3.1's frequency factors, linear
+        // scaling), so both rotate by the same angles.
+        let inv_freq = config.rope_inv_freq(false);
         let use_graphs = std::env::var("PK_CUDA_GRAPHS").as_deref() == Ok("1");
         Ok(GpuLlama {
             inv_freq: gpu.upload(&inv_freq)?,

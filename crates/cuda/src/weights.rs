@@ -49,6 +49,9 @@ trait MatrixSource {
 impl GpuWeights {
     /// The weights of a GGUF file (tensor names as `pk_model::weights::Weights::from_gguf`).
     pub fn from_gguf(gpu: &Gpu, f: &GgufFile, cfg: &ModelConfig) -> Result<GpuWeights, CudaError> {
+        // The same refusal as the CPU loader's: a tensor we would not read stops the load.
+        pk_model::weights::check_tensor_names(f, cfg)
+            .map_err(|e| CudaError::Unsupported(e.to_string()))?;
         struct File<'a>(&'a GgufFile);
         impl MatrixSource for File<'_> {
             fn matrix(

@@ -100,6 +100,8 @@ fn fake_engine(config: EngineConfig) -> (Engine, Arc<Mutex<Vec<usize>>>) {
         context_length: 8192,
         rope_theta: 10_000.0,
         rope_style: RopeStyle::Normal,
+        rope_freq_scale: 1.0,
+        rope_freq_factors: None,
         rms_eps: 1e-5,
         extras: ArchExtras::default(),
     };

@@ -1,8 +1,8 @@
 //! Model hyper-parameters read from GGUF metadata (`{arch}.*` keys).
 
-use pk_gguf::{GgufError, GgufFile};
-
 use crate::ModelError;
+
+pub use crate::arch::SUPPORTED_ARCHS;
 
 /// How RoPE pairs dimensions. llama.cpp calls these NORM (adjacent pairs, used by the
 /// Llama architecture, whose GGUF converter permutes Q/K weights for it) and NEOX
@@ -39,6 +39,9 @@ pub struct ArchExtras {
     /// Q, K and V projections add a bias (`attn_q.bias`, `attn_k.bias`, `attn_v.bias`):
     /// Qwen2.
     pub qkv_bias: bool,
+    /// Queries are scaled by this before attention instead of 1/√head_dim (Gemma 3 27B:
+    /// 1/√(d_model / n_heads), as llama.cpp's `f_attention_scale`).
+    pub query_scale: Option<f32>,
 }
 
 #[derive(Debug, Clone)]
@@ -55,95 +58,18 @@ pub struct ModelConfig {
     pub context_length: usize,
     pub rope_theta: f32,
     pub rope_style: RopeStyle,
+    /// Linear RoPE scaling: every angle of the full-attention layers is multiplied by this
+    /// (1 / `rope.scaling.factor`; 1.0 without scaling). Sliding-window layers are never
+    /// scaled (llama.cpp's `rope_freq_scale_train_swa`).
+    pub rope_freq_scale: f32,
+    /// Llama 3.1/3.2's per-frequency divisors (`rope_freqs.weight`, `head_dim / 2` of
+    /// them): frequency i of the full-attention layers becomes `inv_freq[i] / factors[i]`.
+    pub rope_freq_factors: Option<Vec<f32>>,
     pub rms_eps: f32,
     pub extras: ArchExtras,
 }
 
-/// Architectures whose forward pass we implement.
-pub const SUPPORTED_ARCHS: &[&str] = &["llama", "gemma3", "qwen2"];
-
-/// Gemma 3's "5-to-1 interleaved attention" and its local RoPE base, which the GGUF does
-/// not carry (llama.cpp hard-codes both for the architecture).
-const GEMMA3_GLOBAL_EVERY: usize = 6;
-const GEMMA3_ROPE_THETA_LOCAL: f32 = 10_000.0;
-
 impl ModelConfig {
-    pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig, ModelError> {
-        let arch = f.get_str("general.architecture")?.to_string();
-        if !SUPPORTED_ARCHS.contains(&arch.as_str()) {
-            return Err(ModelError::UnsupportedArch(arch));
-        }
-        let key = |k: &str| format!("{arch}.{k}");
-        let n_heads = f.get_u64(&key("attention.head_count"))? as usize;
-        let d_model = f.get_u64(&key("embedding_length"))? as usize;
-        let head_dim = match f.get_u64(&key("attention.key_length")) {
-            Ok(v) => v as usize,
-            Err(GgufError::MissingKey(_)) => d_model / n_heads.max(1),
-            Err(e) => return Err(e.into()),
-        };
-        let vocab_size = match f.get_u64(&key("vocab_size")) {
-            Ok(v) => v as usize,
-            Err(_) => f.get_str_array("tokenizer.ggml.tokens")?.len(),
-        };
-        let mut cfg = ModelConfig {
-            name: f.get_str("general.name").unwrap_or("unnamed").to_string(),
-            n_layers: f.get_u64(&key("block_count"))? as usize,
-            n_heads,
-            n_kv_heads: f
-                .get_u64(&key("attention.head_count_kv"))
-                .unwrap_or(n_heads as u64) as usize,
-            head_dim,
-            d_model,
-            d_ff: f.get_u64(&key("feed_forward_length"))? as usize,
-            vocab_size,
-            context_length: f.get_u64(&key("context_length"))? as usize,
-            rope_theta: f.get_f64(&key("rope.freq_base")).unwrap_or(10000.0) as f32,
-            rope_style: RopeStyle::Normal,
-            rms_eps: f
-                .get_f64(&key("attention.layer_norm_rms_epsilon"))
-                .unwrap_or(1e-5) as f32,
-            extras: ArchExtras::default(),
-            arch: arch.clone(),
-        };
-        if cfg.arch == "qwen2" {
-            // llama.cpp's qwen2 graph: the Llama block with biased Q/K/V projections and
-            // NEOX RoPE (its converter does not permute Q/K as it does for Llama).
-            cfg.rope_style = RopeStyle::Neox;
-            cfg.extras.qkv_bias = true;
-            if f.get_str(&key("rope.scaling.type"))
-                .is_ok_and(|t| t != "none")
-            {
-                return Err(ModelError::BadConfig(
-                    "qwen2 with RoPE scaling (YaRN beyond 32K) is not supported".into(),
-                ));
-            }
-        }
-        if cfg.arch == "gemma3" {
-            // Gemma's GGUF converter stores its norms' weights as 1 + w, so the plain RMSNorm
-            // of the Llama block applies unchanged.
-            cfg.rope_style = RopeStyle::Neox;
-            cfg.extras = ArchExtras {
-                embed_scale: Some((cfg.d_model as f32).sqrt()),
-                gelu: true,
-                qk_norm: true,
-                post_norms: true,
-                sliding_window: Some(SlidingWindow {
-                    window_tokens: f.get_u64(&key("attention.sliding_window"))? as usize,
-                    global_every: GEMMA3_GLOBAL_EVERY,
-                    rope_theta_local: GEMMA3_ROPE_THETA_LOCAL,
-                }),
-                qkv_bias: false,
-            };
-            if f.get_str(&key("rope.scaling.type")).is_ok() {
-                return Err(ModelError::BadConfig(
-                    "gemma3 with RoPE scaling (the 4B and larger models) is not supported".into(),
-                ));
-            }
-        }
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
     pub fn validate(&self) -> Result<(), ModelError> {
         let bad = |m: String| Err(ModelError::BadConfig(m));
         if self.n_layers == 0 || self.n_heads == 0 || self.n_kv_heads == 0 || self.head_dim == 0 {
@@ -182,6 +108,28 @@ impl ModelConfig {
         KvGroupLayout::for_windows(&windows)
     }
 
+    /// RoPE's per-pair rotation frequencies (radians per position) of a full-attention
+    /// layer (`local: false`) or a sliding-window one: `theta^(-2i/head_dim)`, then for full
+    /// attention divided by the frequency factors and multiplied by the linear scale, as
+    /// llama.cpp's `rope_yarn` does with `ext_factor` 0. Every backend rotates by these.
+    pub fn rope_inv_freq(&self, local: bool) -> Vec<f32> {
+        let hd = self.head_dim;
+        let theta = match (local, self.extras.sliding_window) {
+            (true, Some(w)) => w.rope_theta_local,
+            _ => self.rope_theta,
+        };
+        (0..hd / 2)
+            .map(|i| {
+                let base = theta.powf(-2.0 * i as f32 / hd as f32);
+                if local {
+                    return base;
+                }
+                let factor = self.rope_freq_factors.as_ref().map_or(1.0, |f| f[i]);
+                base / factor * self.rope_freq_scale
+            })
+            .collect()
+    }
+
     /// Query heads per KV head (the GQA group size).
     pub fn group_size(&self) -> usize {
         self.n_heads / self.n_kv_heads
@@ -218,6 +166,8 @@ impl ModelConfig {
             context_length: ctx,
             rope_theta: theta,
             rope_style: RopeStyle::Normal,
+            rope_freq_scale: 1.0,
+            rope_freq_factors: None,
             rms_eps: 1e-5,
             extras: ArchExtras::default(),
         })

@@ -4,6 +4,7 @@
 //! indexed by block ids; it knows nothing of how blocks are allocated, shared or evicted
 //! (that is `pk-kv`'s job) and nothing of requests or scheduling (`pk-engine`).
 
+pub mod arch;
 pub mod attention;
 pub mod backend;
 pub mod config;
@@ -22,8 +23,12 @@ pub use llama::{Llama, SeqForward};
 pub enum ModelError {
     #[error(transparent)]
     Gguf(#[from] pk_gguf::GgufError),
-    #[error("unsupported architecture {0:?} (supported: llama)")]
+    #[error("unsupported architecture {0:?} (supported: llama, gemma3, qwen2, qwen3)")]
     UnsupportedArch(String),
+    /// A GGUF tensor or metadata key the engine does not use: refused rather than ignored,
+    /// since it may change the model's math (as Llama 3.1's `rope_freqs.weight` does).
+    #[error("the GGUF holds {what} {name:?}, which this engine does not use; refusing to load rather than run the model without it")]
+    Unrecognized { what: &'static str, name: String },
     #[error("bad model configuration: {0}")]
     BadConfig(String),
 }

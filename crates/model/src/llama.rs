@@ -76,7 +76,8 @@ impl SeqForward<'_> {
 pub struct Llama {
     pub config: ModelConfig,
     pub weights: Weights,
-    /// `inv_freq[i] = theta^(-2i/head_dim)`, precomputed once.
+    /// RoPE frequencies of full-attention layers (`ModelConfig::rope_inv_freq`: base,
+    /// frequency factors and linear scaling), precomputed once.
     inv_freq: Vec<f32>,
     /// The same for sliding-window layers' own base (Gemma 3); empty without them.
     inv_freq_local: Vec<f32>,
@@ -122,18 +123,11 @@ impl Llama {
     }
 
     pub fn new(config: ModelConfig, weights: Weights) -> Llama {
-        let hd = config.head_dim;
-        let freqs = |theta: f32| {
-            (0..hd / 2)
-                .map(|i| theta.powf(-2.0 * i as f32 / hd as f32))
-                .collect::<Vec<f32>>()
+        let inv_freq = config.rope_inv_freq(false);
+        let inv_freq_local = match config.extras.sliding_window {
+            Some(_) => config.rope_inv_freq(true),
+            None => Vec::new(),
         };
-        let inv_freq = freqs(config.rope_theta);
-        let inv_freq_local = config
-            .extras
-            .sliding_window
-            .map(|w| freqs(w.rope_theta_local))
-            .unwrap_or_default();
         Llama {
             config,
             weights,
@@ -312,6 +306,11 @@ impl Llama {
                 );
                 self.rope(&mut q[r * qd..(r + 1) * qd], cos, sin);
                 self.rope(&mut k[r * kvd..(r + 1) * kvd], cos, sin);
+            }
+            if let Some(qs) = c.extras.query_scale {
+                // Attention divides scores by √head_dim; this makes the net scale `qs`.
+                let mul = qs * (c.head_dim as f32).sqrt();
+                q.iter_mut().for_each(|v| *v *= mul);
             }
             for (si, a) in attn_seqs.iter().enumerate() {
                 let want = capture_last.get(si).copied().unwrap_or(0).min(a.n_queries);

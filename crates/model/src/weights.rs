@@ -3,6 +3,8 @@
 //! Weights stay in their quantised GGML format in memory (copied out of the memory map
 //! once, so that later kernels may repack them); only norms are converted to f32.
 
+use std::collections::BTreeSet;
+
 use pk_gguf::{dequantize, GgmlType, GgufFile};
 use rand::{Rng, SeedableRng};
 
@@ -46,6 +48,7 @@ impl Weights {
     }
 
     pub fn from_gguf(f: &GgufFile, cfg: &ModelConfig) -> Result<Weights, ModelError> {
+        check_tensor_names(f, cfg)?;
         let layers = (0..cfg.n_layers)
             .map(|i| {
                 let p = |n: &str| format!("blk.{i}.{n}.weight");
@@ -165,6 +168,57 @@ impl Weights {
         };
         w.place_in_arena();
         w
+    }
+}
+
+/// The tensors a model of `cfg`'s architecture reads: the Llama block's, what `cfg.extras`
+/// adds, an optional untied output head and, where `ModelConfig` read them, Llama 3.1's
+/// RoPE frequency factors.
+pub fn expected_tensor_names(cfg: &ModelConfig) -> BTreeSet<String> {
+    let mut names: BTreeSet<String> = ["token_embd.weight", "output_norm.weight", "output.weight"]
+        .map(String::from)
+        .into();
+    if cfg.rope_freq_factors.is_some() {
+        names.insert("rope_freqs.weight".into());
+    }
+    let x = &cfg.extras;
+    let mut per_layer = vec![
+        "attn_norm.weight",
+        "attn_q.weight",
+        "attn_k.weight",
+        "attn_v.weight",
+        "attn_output.weight",
+        "ffn_norm.weight",
+        "ffn_gate.weight",
+        "ffn_up.weight",
+        "ffn_down.weight",
+    ];
+    if x.qk_norm {
+        per_layer.extend(["attn_q_norm.weight", "attn_k_norm.weight"]);
+    }
+    if x.post_norms {
+        per_layer.extend(["post_attention_norm.weight", "post_ffw_norm.weight"]);
+    }
+    if x.qkv_bias {
+        per_layer.extend(["attn_q.bias", "attn_k.bias", "attn_v.bias"]);
+    }
+    for i in 0..cfg.n_layers {
+        names.extend(per_layer.iter().map(|n| format!("blk.{i}.{n}")));
+    }
+    names
+}
+
+/// Refuses a file that holds a tensor the forward pass would not read (a bias, a norm or
+/// RoPE factors of an architecture variant we do not implement): run without it, the
+/// model would be silently wrong.
+pub fn check_tensor_names(f: &GgufFile, cfg: &ModelConfig) -> Result<(), ModelError> {
+    let expected = expected_tensor_names(cfg);
+    match f.tensors.iter().find(|t| !expected.contains(&t.name)) {
+        Some(t) => Err(ModelError::Unrecognized {
+            what: "tensor",
+            name: t.name.clone(),
+        }),
+        None => Ok(()),
     }
 }
 

@@ -34,6 +34,23 @@ pub const GEMMA_TEMPLATE: &str = "{{ bos_token }}\
 {% endfor %}\
 {% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}";
 
+/// Used when the GGUF has no template but its vocabulary has Llama 3's header markers (the
+/// Llama 3 tokenizer alone carries none): llama.cpp's built-in `llama3` format, each
+/// message trimmed, no BOS in the text (the tokenizer adds it).
+pub const LLAMA3_TEMPLATE: &str = "{% for message in messages %}\
+{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + (message['content'] | trim) + '<|eot_id|>' }}\
+{% endfor %}\
+{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+
+/// Variables the renderer itself sets; `chat_template_kwargs` may not replace them.
+const RESERVED_VARIABLES: &[&str] = &[
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
+
 const TEMPLATE_NAME: &str = "chat_template";
 
 /// One turn of a conversation.
@@ -127,6 +144,9 @@ impl ChatTemplate {
             None if tokens.contains(&"<start_of_turn>") && tokens.contains(&"<end_of_turn>") => {
                 GEMMA_TEMPLATE
             }
+            None if tokens.contains(&"<|start_header_id|>") && tokens.contains(&"<|eot_id|>") => {
+                LLAMA3_TEMPLATE
+            }
             None => CHATML_TEMPLATE,
         };
         let text_of = |key: &str| -> Result<&str, TokenizerError> {
@@ -159,6 +179,25 @@ impl ChatTemplate {
         tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
+        self.render_with_kwargs(messages, tools, add_generation_prompt, &Default::default())
+    }
+
+    /// Renders with extra template variables (vLLM's `chat_template_kwargs`, e.g. Qwen3's
+    /// `enable_thinking`). A variable the renderer sets itself (`messages`, `tools`, …)
+    /// is refused by name rather than silently overridden or dropped.
+    pub fn render_with_kwargs(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, TokenizerError> {
+        if let Some(k) = kwargs
+            .keys()
+            .find(|k| RESERVED_VARIABLES.contains(&k.as_str()))
+        {
+            return Err(TokenizerError::ReservedTemplateVariable(k.clone()));
+        }
         let render_error = |source| TokenizerError::Template {
             stage: "render",
             source,
@@ -166,15 +205,26 @@ impl ChatTemplate {
         let template = self.env.get_template(TEMPLATE_NAME).map_err(render_error)?;
         let messages: Vec<ChatMessage> = messages.iter().map(ChatMessage::for_template).collect();
         let tools = tools.filter(|t| !t.is_empty());
+        let base = context! {
+            messages => messages,
+            tools => tools,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+        };
+        let extra = minijinja::Value::from_serialize(kwargs);
         template
-            .render(context! {
-                messages => messages,
-                tools => tools,
-                add_generation_prompt => add_generation_prompt,
-                bos_token => &self.bos_token,
-                eos_token => &self.eos_token,
-            })
+            .render(context! { ..base, ..extra })
             .map_err(render_error)
+    }
+
+    /// Whether the template reads the variable `name` (so that a caller can refuse a
+    /// `chat_template_kwargs` entry the template would ignore).
+    pub fn reads_variable(&self, name: &str) -> bool {
+        self.env
+            .get_template(TEMPLATE_NAME)
+            .map(|t| t.undeclared_variables(false).contains(name))
+            .unwrap_or(false)
     }
 
     /// Whether the template reads `tools` (so that a request's tools reach the prompt).

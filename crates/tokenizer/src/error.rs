@@ -30,4 +30,8 @@ pub enum TokenizerError {
         #[source]
         source: minijinja::Error,
     },
+
+    /// A `chat_template_kwargs` entry names a variable the renderer sets itself.
+    #[error("chat template variable {0:?} is set by the renderer and cannot be given as a template keyword argument")]
+    ReservedTemplateVariable(String),
 }

@@ -1,0 +1,268 @@
+//! Reading a `ModelConfig` from GGUF metadata, strictly: every `{arch}.*` key is either
+//! honoured here or refused by name, and so is every tensor `Weights` does not read.
+//!
+//! llama.cpp loads what it knows and ignores the rest, which is how a Llama 3.1 file whose
+//! `rope_freqs.weight` was never applied ran here silently wrong. A key or tensor we do
+//! not use can change the model's math, so it stops the load unless it is on the short
+//! list of keys known not to (`HARMLESS_ARCH_KEYS`, provenance metadata).
+
+use std::collections::BTreeSet;
+
+use pk_gguf::{GgufError, GgufFile};
+
+use crate::config::{ArchExtras, ModelConfig, RopeStyle, SlidingWindow};
+use crate::ModelError;
+
+/// Architectures whose forward pass we implement.
+pub const SUPPORTED_ARCHS: &[&str] = &["llama", "gemma3", "qwen2", "qwen3"];
+
+/// `{arch}.*` keys read by `ModelConfig::from_gguf` for every architecture.
+const COMMON_ARCH_KEYS: &[&str] = &[
+    "context_length",
+    "embedding_length",
+    "block_count",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "vocab_size",
+];
+
+/// `{arch}.*` keys that change nothing in the forward pass we run: the context length a
+/// YaRN or LongRoPE model was trained at (we refuse both scalings, and linear scaling does
+/// not read it) and the converter's note that the model was fine-tuned at its scaling.
+const HARMLESS_ARCH_KEYS: &[&str] = &[
+    "rope.scaling.original_context_length",
+    "rope.scaling.finetuned",
+];
+
+/// Keys only Gemma 3 reads.
+const GEMMA3_KEYS: &[&str] = &[
+    "attention.sliding_window",
+    "attention.sliding_window_pattern",
+    "rope.freq_base_swa",
+    "final_logit_softcapping",
+];
+
+/// Gemma 3's "5-to-1 interleaved attention" and its local RoPE base, which older GGUFs do
+/// not carry (llama.cpp defaults both for the architecture).
+const GEMMA3_GLOBAL_EVERY: usize = 6;
+const GEMMA3_ROPE_THETA_LOCAL: f32 = 10_000.0;
+/// llama.cpp tells Gemma 3 27B by its depth and scales its queries by 1/√(d_model/heads)
+/// instead of 1/√head_dim (gemma_pytorch's `query_pre_attn_scalar`).
+const GEMMA3_27B_LAYERS: usize = 62;
+
+impl ModelConfig {
+    pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig, ModelError> {
+        let arch = f.get_str("general.architecture")?.to_string();
+        if !SUPPORTED_ARCHS.contains(&arch.as_str()) {
+            return Err(ModelError::UnsupportedArch(arch));
+        }
+        check_arch_keys(f, &arch)?;
+        let key = |k: &str| format!("{arch}.{k}");
+        let n_heads = f.get_u64(&key("attention.head_count"))? as usize;
+        let d_model = f.get_u64(&key("embedding_length"))? as usize;
+        let head_dim = optional_u64(f, &key("attention.key_length"))?
+            .map_or(d_model / n_heads.max(1), |v| v as usize);
+        let vocab_size = match f.get_u64(&key("vocab_size")) {
+            Ok(v) => v as usize,
+            Err(_) => f.get_str_array("tokenizer.ggml.tokens")?.len(),
+        };
+        let mut cfg = ModelConfig {
+            name: f.get_str("general.name").unwrap_or("unnamed").to_string(),
+            n_layers: f.get_u64(&key("block_count"))? as usize,
+            n_heads,
+            n_kv_heads: f
+                .get_u64(&key("attention.head_count_kv"))
+                .unwrap_or(n_heads as u64) as usize,
+            head_dim,
+            d_model,
+            d_ff: f.get_u64(&key("feed_forward_length"))? as usize,
+            vocab_size,
+            context_length: f.get_u64(&key("context_length"))? as usize,
+            rope_theta: f.get_f64(&key("rope.freq_base")).unwrap_or(10000.0) as f32,
+            rope_style: RopeStyle::Normal,
+            rope_freq_scale: linear_rope_freq_scale(f, &arch)?,
+            rope_freq_factors: None,
+            rms_eps: f
+                .get_f64(&key("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-5) as f32,
+            extras: ArchExtras::default(),
+            arch: arch.clone(),
+        };
+        check_head_lengths(f, &cfg)?;
+        match arch.as_str() {
+            "llama" => cfg.rope_freq_factors = rope_freq_factors(f, &cfg)?,
+            // llama.cpp's qwen2 graph: the Llama block with biased Q/K/V projections and
+            // NEOX RoPE (its converter does not permute Q/K as it does for Llama).
+            "qwen2" => {
+                cfg.rope_style = RopeStyle::Neox;
+                cfg.extras.qkv_bias = true;
+            }
+            // llama.cpp's qwen3 graph: no biases, Q and K RMS-normalised per head before
+            // NEOX RoPE.
+            "qwen3" => {
+                cfg.rope_style = RopeStyle::Neox;
+                cfg.extras.qk_norm = true;
+            }
+            "gemma3" => gemma3_extras(f, &mut cfg)?,
+            _ => unreachable!("checked against SUPPORTED_ARCHS"),
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+/// Refuses any `{arch}.*` key this module does not read and is not known to be harmless.
+fn check_arch_keys(f: &GgufFile, arch: &str) -> Result<(), ModelError> {
+    let prefix = format!("{arch}.");
+    let gemma: &[&str] = if arch == "gemma3" { GEMMA3_KEYS } else { &[] };
+    let known: BTreeSet<&str> = COMMON_ARCH_KEYS
+        .iter()
+        .chain(HARMLESS_ARCH_KEYS)
+        .chain(gemma)
+        .copied()
+        .collect();
+    for k in f.metadata.keys() {
+        if let Some(rest) = k.strip_prefix(&prefix) {
+            if !known.contains(rest) {
+                return Err(ModelError::Unrecognized {
+                    what: "metadata key",
+                    name: k.clone(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn optional_u64(f: &GgufFile, key: &str) -> Result<Option<u64>, ModelError> {
+    match f.get_u64(key) {
+        Ok(v) => Ok(Some(v)),
+        Err(GgufError::MissingKey(_)) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Keys and values must have one head length, and RoPE must rotate all of it (llama.cpp's
+/// Llama, Qwen and Gemma graphs assert both).
+fn check_head_lengths(f: &GgufFile, cfg: &ModelConfig) -> Result<(), ModelError> {
+    let key = |k: &str| format!("{}.{k}", cfg.arch);
+    for (k, what) in [
+        ("attention.value_length", "value head length"),
+        ("rope.dimension_count", "rotated dimensions"),
+    ] {
+        if let Some(v) = optional_u64(f, &key(k))? {
+            if v as usize != cfg.head_dim {
+                return Err(ModelError::BadConfig(format!(
+                    "{} = {v}: a {what} other than the key head length {} is not supported",
+                    key(k),
+                    cfg.head_dim
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `{arch}.rope.scaling.type`: `none` or absent (1.0), `linear` (1 / `rope.scaling.factor`,
+/// as llama.cpp's `rope_freq_scale_train`); YaRN, LongRoPE and anything else are refused.
+fn linear_rope_freq_scale(f: &GgufFile, arch: &str) -> Result<f32, ModelError> {
+    let ty_key = format!("{arch}.rope.scaling.type");
+    let factor_key = format!("{arch}.rope.scaling.factor");
+    let factor = match f.get_f64(&factor_key) {
+        Ok(v) => Some(v),
+        Err(GgufError::MissingKey(_)) => None,
+        Err(e) => return Err(e.into()),
+    };
+    let ty = match f.get_str(&ty_key) {
+        Ok(t) => t.to_string(),
+        Err(GgufError::MissingKey(_)) => "linear".to_string(),
+        Err(e) => return Err(e.into()),
+    };
+    match (ty.as_str(), factor) {
+        ("none", _) | ("linear", None) => Ok(1.0),
+        // llama.cpp reads a factor of 0 as "no scaling".
+        ("linear", Some(0.0)) => Ok(1.0),
+        ("linear", Some(x)) if x > 0.0 && x.is_finite() => Ok((1.0 / x) as f32),
+        ("linear", Some(x)) => Err(ModelError::BadConfig(format!("{factor_key} = {x}"))),
+        (other, _) => Err(ModelError::BadConfig(format!(
+            "{ty_key} = {other:?} is not supported (only linear RoPE scaling is)"
+        ))),
+    }
+}
+
+/// Llama 3.1/3.2's RoPE frequency factors: the tensor `rope_freqs.weight` (`head_dim / 2`
+/// floats), by which llama.cpp divides every rotation frequency.
+fn rope_freq_factors(f: &GgufFile, cfg: &ModelConfig) -> Result<Option<Vec<f32>>, ModelError> {
+    let name = "rope_freqs.weight";
+    let Ok(info) = f.tensor_info(name) else {
+        return Ok(None);
+    };
+    let half = cfg.head_dim / 2;
+    if info.n_elems() as usize != half {
+        return Err(ModelError::BadConfig(format!(
+            "tensor {name} has {} elements, expected head_dim / 2 = {half}",
+            info.n_elems()
+        )));
+    }
+    let mut out = vec![0f32; half];
+    pk_gguf::dequantize(info.ggml_type, f.tensor_data(info), &mut out);
+    if let Some(bad) = out.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
+        return Err(ModelError::BadConfig(format!(
+            "tensor {name} holds {bad}; RoPE frequency factors must be positive"
+        )));
+    }
+    Ok(Some(out))
+}
+
+fn gemma3_extras(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), ModelError> {
+    let key = |k: &str| format!("gemma3.{k}");
+    // Gemma's GGUF converter stores its norms' weights as 1 + w, so the plain RMSNorm of the
+    // Llama block applies unchanged.
+    cfg.rope_style = RopeStyle::Neox;
+    let softcap = match f.get_f64(&key("final_logit_softcapping")) {
+        Ok(v) => v,
+        Err(GgufError::MissingKey(_)) => 0.0,
+        Err(e) => return Err(e.into()),
+    };
+    if softcap != 0.0 {
+        return Err(ModelError::BadConfig(format!(
+            "gemma3.final_logit_softcapping = {softcap} is not supported"
+        )));
+    }
+    let global_every = match f.get("gemma3.attention.sliding_window_pattern") {
+        None => GEMMA3_GLOBAL_EVERY,
+        Some(v) => v.as_u64().map(|n| n as usize).filter(|&n| n > 0).ok_or_else(|| {
+            ModelError::BadConfig(format!(
+                "gemma3.attention.sliding_window_pattern = {v:?}: only a number (every n-th layer global) is supported"
+            ))
+        })?,
+    };
+    let rope_theta_local = match f.get_f64(&key("rope.freq_base_swa")) {
+        Ok(v) => v as f32,
+        Err(GgufError::MissingKey(_)) => GEMMA3_ROPE_THETA_LOCAL,
+        Err(e) => return Err(e.into()),
+    };
+    cfg.extras = ArchExtras {
+        embed_scale: Some((cfg.d_model as f32).sqrt()),
+        gelu: true,
+        qk_norm: true,
+        post_norms: true,
+        sliding_window: Some(SlidingWindow {
+            window_tokens: f.get_u64(&key("attention.sliding_window"))? as usize,
+            global_every,
+            rope_theta_local,
+        }),
+        qkv_bias: false,
+        query_scale: (cfg.n_layers == GEMMA3_27B_LAYERS)
+            .then(|| 1.0 / ((cfg.d_model / cfg.n_heads) as f32).sqrt()),
+    };
+    Ok(())
+}
