@@ -29,8 +29,8 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
-# The format version of this generator's output: bump it whenever a change would alter a
-# generated file's bytes, so that cached files are remade and fixtures regenerated.
+# Part of every weight stream's key. The fixtures' SHA-256s, not this number, catch a
+# change in a generated file's bytes: regenerate the fixtures after any such change.
 GENERATOR_VERSION = 1
 
 # name: (arch, layers, d_model, heads, kv_heads, head_dim, d_ff, context, rope_base, rms_eps,
@@ -53,7 +53,10 @@ SHAPES = {
     "qwen3-8b": ("qwen3", 36, 4096, 32, 8, 128, 12288, 40960, 1000000.0, 1e-6, False, {}),
 }
 
-MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+# Qwen3's vocabulary is Qwen2.5's plus four non-special added tokens in what Qwen2.5 keeps
+# as padding (Qwen3's tokenizer_config.json, ids 151665-151668), which llama.cpp's
+# converter writes as USER_DEFINED.
+QWEN3_ADDED_TOKENS = ["<tool_response>", "</tool_response>", "<think>", "</think>"]
 
 
 def splitmix_uniform(key: str, start: int, count: int) -> np.ndarray:
@@ -212,6 +215,12 @@ def write_tokenizer(w, shape_name, vocab_from, qwen3_template):
         value = field.contents()
         if key == "tokenizer.ggml.tokens":
             n_vocab = len(value)
+            if arch == "qwen3":
+                value = list(value)
+                value[151665:151669] = QWEN3_ADDED_TOKENS
+        if arch == "qwen3" and key == "tokenizer.ggml.token_type":
+            value = list(value)
+            value[151665:151669] = [gguf.TokenType.USER_DEFINED] * 4
         if arch == "qwen3" and key == "tokenizer.ggml.eos_token_id":
             value = 151645  # <|im_end|>, as Qwen3's instruct GGUFs have it
         w.add_key_value(key, value, vtype, sub_type=sub)

@@ -387,6 +387,9 @@ for kwargs, needle in [
     (dict(extra_body={"min_tokens": 9}), "min_tokens"),  # more than max_tokens
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate"),
+    # SmolLM2's template has no thinking switch: the kwarg would be ignored, so it is refused.
+    (dict(extra_body={"chat_template_kwargs": {"enable_thinking": False}}), "enable_thinking"),
+    (dict(extra_body={"chat_template_kwargs": {"messages": []}}), "messages"),
 ]:
     try:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], **{"max_tokens": 4, **kwargs})

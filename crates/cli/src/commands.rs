@@ -313,6 +313,11 @@ pub struct GenerateArgs {
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     pub chat: bool,
+    /// Extra chat-template variables for --chat, as a JSON object (vLLM's
+    /// `chat_template_kwargs`), e.g. '{"enable_thinking": false}' for Qwen3. Each must be
+    /// one the model's template reads.
+    #[arg(long, value_name = "JSON")]
+    pub chat_template_kwargs: Option<String>,
     /// System message for --chat (default: the template's own).
     #[arg(long)]
     pub system: Option<String>,
@@ -339,6 +344,26 @@ pub struct GenerateArgs {
     pub device: String,
 }
 
+/// `--chat-template-kwargs`: a JSON object whose every key the template reads (one it
+/// would not read is refused rather than ignored).
+fn chat_template_kwargs(
+    template: &pk_tokenizer::ChatTemplate,
+    json: Option<&str>,
+) -> Result<serde_json::Map<String, serde_json::Value>> {
+    let Some(json) = json else {
+        return Ok(Default::default());
+    };
+    let serde_json::Value::Object(map) = serde_json::from_str(json)
+        .map_err(|e| anyhow::anyhow!("--chat-template-kwargs: not JSON: {e}"))?
+    else {
+        bail!("--chat-template-kwargs must be a JSON object");
+    };
+    if let Some(k) = map.keys().find(|k| !template.reads_variable(k)) {
+        bail!("--chat-template-kwargs: this model's chat template does not read `{k}`");
+    }
+    Ok(map)
+}
+
 pub fn generate(a: GenerateArgs) -> Result<()> {
     let mut engine = a.model.engine_on(&a.device, None)?;
     let prompt_text = if a.chat {
@@ -347,10 +372,17 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             msgs.push(ChatMessage::new("system", s));
         }
         msgs.push(ChatMessage::new("user", &a.prompt));
-        engine.chat_template.render(&msgs, true)?
+        let kwargs =
+            chat_template_kwargs(&engine.chat_template, a.chat_template_kwargs.as_deref())?;
+        engine
+            .chat_template
+            .render_with_kwargs(&msgs, None, true, &kwargs)?
     } else {
         if a.system.is_some() {
             bail!("--system needs --chat");
+        }
+        if a.chat_template_kwargs.is_some() {
+            bail!("--chat-template-kwargs needs --chat");
         }
         a.prompt.clone()
     };

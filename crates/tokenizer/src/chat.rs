@@ -43,7 +43,7 @@ pub const LLAMA3_TEMPLATE: &str = "{% for message in messages %}\
 {% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
 
 /// Variables the renderer itself sets; `chat_template_kwargs` may not replace them.
-const RESERVED_VARIABLES: &[&str] = &[
+pub const RESERVED_VARIABLES: &[&str] = &[
     "messages",
     "tools",
     "add_generation_prompt",
@@ -122,6 +122,9 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.add_function("raise_exception", raise_exception);
+        // HF renders templates in Python, and real ones call Python's string and dict
+        // methods (Qwen3's: `content.startswith(...)`, `.split(...)`, `.rstrip(...)`).
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson_like_python);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|source| TokenizerError::Template {

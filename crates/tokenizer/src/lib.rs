@@ -28,7 +28,7 @@ mod stream;
 mod tokenizer;
 mod vocab;
 
-pub use chat::{ChatMessage, ChatTemplate, CHATML_TEMPLATE};
+pub use chat::{ChatMessage, ChatTemplate, CHATML_TEMPLATE, RESERVED_VARIABLES};
 pub use error::TokenizerError;
 pub use pretokenize::PreTokenizerKind;
 pub use stream::StreamDecoder;

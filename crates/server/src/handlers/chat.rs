@@ -1,5 +1,7 @@
 //! `POST /v1/chat/completions`.
 
+use serde_json::Map;
+
 use super::*;
 
 fn message_text(content: &Option<Value>) -> Result<String, ApiError> {
@@ -39,7 +41,8 @@ pub async fn chat_completions(
     let Json(req) = body?;
     let tools = super::tools::parse(&req.tools, &req.tool_choice, req.parallel_tool_calls)?;
     let msgs = messages(&req, &state)?;
-    let prompt = render(&state, msgs, tools.as_ref())?;
+    let kwargs = template_kwargs(&state, req.chat_template_kwargs.as_ref())?;
+    let prompt = render(&state, msgs, tools.as_ref(), &kwargs)?;
     let prompt_ids = state.tokenizer.encode_prompt(&prompt, true);
     let mut params = generate_params(&req.common, "messages", prompt_ids.len(), None, &state)?;
     if let Some(g) = tools.as_ref().and_then(|t| t.grammar()) {
@@ -165,17 +168,20 @@ fn render(
     state: &AppState,
     mut msgs: Vec<ChatMessage>,
     tools: Option<&super::tools::Tools>,
+    kwargs: &Map<String, Value>,
 ) -> Result<String, ApiError> {
     let failed = |e: pk_tokenizer::TokenizerError| {
         ApiError::param("messages", format!("chat template failed: {e}"))
     };
+    let template = &state.chat_template;
     let Some(t) = tools.filter(|t| t.active()) else {
-        return state.chat_template.render(&msgs, true).map_err(failed);
+        return template
+            .render_with_kwargs(&msgs, None, true, kwargs)
+            .map_err(failed);
     };
-    if state.chat_template.renders_tools() {
-        return state
-            .chat_template
-            .render_with_tools(&msgs, Some(&t.defs), true)
+    if template.renders_tools() {
+        return template
+            .render_with_kwargs(&msgs, Some(&t.defs), true, kwargs)
             .map_err(failed);
     }
     if t.grammar().is_none() {
@@ -188,7 +194,42 @@ fn render(
         Some(system) => system.content = format!("{}\n\n{}", system.content, t.system_text()),
         None => msgs.insert(0, ChatMessage::new("system", t.system_text())),
     }
-    state.chat_template.render(&msgs, true).map_err(failed)
+    template
+        .render_with_kwargs(&msgs, None, true, kwargs)
+        .map_err(failed)
+}
+
+/// `chat_template_kwargs`, each entry checked: one the template never reads would be
+/// accepted and ignored, and one the renderer sets itself (`messages`, …) would be
+/// overridden, so both are refused by name.
+fn template_kwargs(
+    state: &AppState,
+    kwargs: Option<&Map<String, Value>>,
+) -> Result<Map<String, Value>, ApiError> {
+    let Some(kwargs) = kwargs else {
+        return Ok(Map::new());
+    };
+    if kwargs.len() > 32 {
+        return Err(ApiError::param(
+            "chat_template_kwargs",
+            "at most 32 entries",
+        ));
+    }
+    for name in kwargs.keys() {
+        if pk_tokenizer::RESERVED_VARIABLES.contains(&name.as_str()) {
+            return Err(ApiError::param(
+                "chat_template_kwargs",
+                format!("`{name}` is set from the request itself and cannot be a template keyword argument"),
+            ));
+        }
+        if !state.chat_template.reads_variable(name) {
+            return Err(ApiError::param(
+                "chat_template_kwargs",
+                format!("this model's chat template does not read `{name}`; remove it (a request is never answered with a field ignored)"),
+            ));
+        }
+    }
+    Ok(kwargs.clone())
 }
 
 /// One choice's message and finish reason; with tools, its calls parsed out of the text
