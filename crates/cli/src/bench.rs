@@ -27,7 +27,9 @@ pub enum BenchCommand {
 pub struct PerfArgs {
     #[command(flatten)]
     pub model: crate::commands::ModelArgs,
-    /// Random weights of a real shape instead of a file: smollm2-135m, llama-3.2-1b, llama-3.1-8b.
+    /// Random weights of a real shape instead of a file: smollm2-135m, llama-3.2-1b,
+    /// llama-3.2-3b, llama-3.1-8b, qwen2.5-1.5b, qwen3-0.6b, qwen3-8b, gemma-3-4b
+    /// (`pk_model::config::DUMMY_SHAPES`: real widths, RoPE factors and scaling).
     #[arg(long)]
     pub dummy: Option<String>,
     /// Weight format of --dummy models (Q4_1, Q8_0, Q4_0, F16, …).
@@ -241,7 +243,10 @@ fn build_engine(a: &PerfArgs, capacity_tokens: usize) -> Result<Engine> {
             .context("configuring threads")?;
     }
     let cfg = ModelConfig::dummy(name).with_context(|| {
-        format!("unknown --dummy {name:?} (smollm2-135m, llama-3.2-1b, llama-3.1-8b)")
+        format!(
+            "unknown --dummy {name:?} ({})",
+            pk_model::config::DUMMY_SHAPES.join(", ")
+        )
     })?;
     let weights = pk_model::weights::Weights::random(&cfg, dummy_type(&a.dummy_type)?, 1);
     // The tokenizer only decodes generated ids for streaming; the default model's serves.

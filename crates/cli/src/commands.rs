@@ -227,12 +227,84 @@ impl KvPolicyArgs {
 pub struct InfoArgs {
     #[arg(long, env = "PAGEKEEPER_MODEL")]
     pub model: Option<PathBuf>,
+    /// A real model's shape instead of a file (the names `bench perf --dummy` takes).
+    #[arg(long, conflicts_with = "model")]
+    pub dummy: Option<String>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
 }
 
+/// The configuration fields `info --json` prints under `config`.
+fn config_json(c: &pk_model::ModelConfig) -> serde_json::Value {
+    serde_json::json!({
+        "arch": c.arch,
+        "n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
+        "d_model": c.d_model, "d_ff": c.d_ff, "vocab_size": c.vocab_size, "context_length": c.context_length,
+        "rope_theta": c.rope_theta, "rms_eps": c.rms_eps,
+        "rope_freq_scale": c.rope_freq_scale,
+        "rope_freq_factors": c.rope_freq_factors,
+        "sliding_window_tokens": c.extras.sliding_window.map(|w| w.window_tokens),
+        "kv_bytes_per_token_f16": 2 * c.n_layers * c.kv_dim() * 2,
+    })
+}
+
+fn print_config(c: &pk_model::ModelConfig) {
+    println!("layers:          {}", c.n_layers);
+    println!(
+        "heads:           {} query / {} KV (head_dim {})",
+        c.n_heads, c.n_kv_heads, c.head_dim
+    );
+    println!("embedding:       {}  feed-forward: {}", c.d_model, c.d_ff);
+    println!("vocabulary:      {}", c.vocab_size);
+    println!("context length:  {}", c.context_length);
+    println!("rope theta:      {}", c.rope_theta);
+    if c.rope_freq_scale != 1.0 {
+        println!("rope scaling:    linear, angles × {}", c.rope_freq_scale);
+    }
+    if let Some(f) = &c.rope_freq_factors {
+        let max = f.iter().copied().fold(1.0f32, f32::max);
+        println!(
+            "rope factors:    {} (rope_freqs.weight, up to {max})",
+            f.len()
+        );
+    }
+    if let Some(w) = c.extras.sliding_window {
+        println!(
+            "sliding window:  {} tokens, every {}th layer global (local rope theta {})",
+            w.window_tokens, w.global_every, w.rope_theta_local
+        );
+    }
+    let kv_token_bytes = 2 * c.n_layers * c.kv_dim() * 2;
+    println!("KV per token:    {} bytes at f16", kv_token_bytes);
+}
+
+/// `info --dummy NAME`: a shape of `ModelConfig::dummy`, no file.
+fn info_dummy(name: &str, json: bool) -> Result<()> {
+    let c = pk_model::ModelConfig::dummy(name).with_context(|| {
+        format!(
+            "unknown --dummy {name:?} ({})",
+            pk_model::config::DUMMY_SHAPES.join(", ")
+        )
+    })?;
+    if json {
+        let v = serde_json::json!({"name": c.name, "architecture": c.arch, "supported": true, "config": config_json(&c)});
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "name:            {} (random weights of the real shape)",
+        c.name
+    );
+    println!("architecture:    {}", c.arch);
+    print_config(&c);
+    Ok(())
+}
+
 pub fn info(a: InfoArgs) -> Result<()> {
+    if let Some(name) = &a.dummy {
+        return info_dummy(name, a.json);
+    }
     let path = resolve_model(a.model.as_deref(), true)?;
     let f =
         pk_gguf::GgufFile::open(&path).with_context(|| format!("loading {}", path.display()))?;
@@ -256,12 +328,9 @@ pub fn info(a: InfoArgs) -> Result<()> {
             "tensor_types": by_type.iter().map(|(k, (n, e))| (k.clone(), serde_json::json!({"tensors": n, "elements": e}))).collect::<serde_json::Map<_, _>>(),
             "supported": cfg.is_ok(),
         });
-        if let Ok(c) = &cfg {
-            v["config"] = serde_json::json!({
-                "n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
-                "d_model": c.d_model, "d_ff": c.d_ff, "vocab_size": c.vocab_size, "context_length": c.context_length,
-                "rope_theta": c.rope_theta, "rms_eps": c.rms_eps,
-            });
+        match &cfg {
+            Ok(c) => v["config"] = config_json(c),
+            Err(e) => v["not_runnable"] = e.to_string().into(),
         }
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -279,19 +348,7 @@ pub fn info(a: InfoArgs) -> Result<()> {
     println!("architecture:    {arch}");
     println!("parameters:      {:.1} M", n_params as f64 / 1e6);
     match &cfg {
-        Ok(c) => {
-            println!("layers:          {}", c.n_layers);
-            println!(
-                "heads:           {} query / {} KV (head_dim {})",
-                c.n_heads, c.n_kv_heads, c.head_dim
-            );
-            println!("embedding:       {}  feed-forward: {}", c.d_model, c.d_ff);
-            println!("vocabulary:      {}", c.vocab_size);
-            println!("context length:  {}", c.context_length);
-            println!("rope theta:      {}", c.rope_theta);
-            let kv_token_bytes = 2 * c.n_layers * c.kv_dim() * 2;
-            println!("KV per token:    {} bytes at f16", kv_token_bytes);
-        }
+        Ok(c) => print_config(c),
         Err(e) => println!("not runnable:    {e}"),
     }
     for (t, (n, e)) in &by_type {

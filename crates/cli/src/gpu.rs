@@ -193,7 +193,10 @@ mod imp {
         let (gpu, mut model, name) = match &a.dummy {
             Some(name) => {
                 let cfg = ModelConfig::dummy(name).with_context(|| {
-                    format!("unknown --dummy {name:?} (smollm2-135m, llama-3.2-1b, llama-3.1-8b)")
+                    format!(
+                        "unknown --dummy {name:?} ({})",
+                        pk_model::config::DUMMY_SHAPES.join(", ")
+                    )
                 })?;
                 // Random weights are made on the device in bf16 (the setting), or in
                 // f16 with --dummy-type F16 (or PK_CUDA_ACT); quantised types do not apply.

@@ -260,9 +260,19 @@ fn check_without(
 #[test]
 fn llama_3_2_1b_rope_factors_match_llama_cpp_to_16k() {
     let (c, model, with, ours) = check_against_llama_cpp("llama-3.2-1b-2l");
+    let factors = model
+        .config
+        .rope_freq_factors
+        .clone()
+        .expect("rope_freqs.weight was not read");
+    // `bench perf --dummy llama-3.2-1b` computes the factors itself: the converter's.
+    let dummy = pk_model::config::llama3_rope_factors(64, 500000.0, 32.0);
     assert!(
-        model.config.rope_freq_factors.is_some(),
-        "rope_freqs.weight was not read"
+        factors
+            .iter()
+            .zip(&dummy)
+            .all(|(a, b)| (a - b).abs() <= 1e-5 * b),
+        "{factors:?} vs {dummy:?}"
     );
     let from = 4096;
     let with_far = compare(&c.fixture, &ours, from);

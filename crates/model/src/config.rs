@@ -143,23 +143,43 @@ impl ModelConfig {
         self.n_kv_heads * self.head_dim
     }
 
-    /// Shapes of real models, for random-weight benchmarks at sizes we cannot download.
+    /// Shapes of real models, for random-weight benchmarks at sizes we cannot download:
+    /// each with its real widths, heads, head length, RoPE base and scaling (Llama 3.1/3.2's
+    /// frequency factors as llama.cpp's converter computes them, Gemma 3's linear scaling of
+    /// its global layers) and architecture extras. The names are [`DUMMY_SHAPES`].
     pub fn dummy(name: &str) -> Option<ModelConfig> {
-        let (n_layers, n_heads, n_kv_heads, d_model, d_ff, vocab_size, ctx, theta) = match name {
-            "smollm2-135m" => (30, 9, 3, 576, 1536, 49152, 8192, 100000.0),
-            "llama-3.2-1b" => (16, 32, 8, 2048, 8192, 128256, 131072, 500000.0),
-            "llama-3.1-8b" => (32, 32, 8, 4096, 14336, 128256, 131072, 500000.0),
-            // Qwen2.5-1.5B's shape without its biases: a Llama of the same size.
-            "qwen2.5-1.5b" => (28, 12, 2, 1536, 8960, 151936, 32768, 1000000.0),
-            _ => return None,
-        };
-        Some(ModelConfig {
-            arch: "llama".into(),
+        let (arch, n_layers, n_heads, n_kv_heads, head_dim, d_model, d_ff, vocab_size, ctx, theta) =
+            match name {
+                "smollm2-135m" => ("llama", 30, 9, 3, 64, 576, 1536, 49152, 8192, 100000.0),
+                "llama-3.2-1b" => ("llama", 16, 32, 8, 64, 2048, 8192, 128256, 131072, 500000.0),
+                "llama-3.2-3b" => (
+                    "llama", 28, 24, 8, 128, 3072, 8192, 128256, 131072, 500000.0,
+                ),
+                "llama-3.1-8b" => (
+                    "llama", 32, 32, 8, 128, 4096, 14336, 128256, 131072, 500000.0,
+                ),
+                // Qwen2.5-1.5B's shape without its biases: a Llama of the same size.
+                "qwen2.5-1.5b" => (
+                    "llama", 28, 12, 2, 128, 1536, 8960, 151936, 32768, 1000000.0,
+                ),
+                "qwen3-0.6b" => (
+                    "qwen3", 28, 16, 8, 128, 1024, 3072, 151936, 40960, 1000000.0,
+                ),
+                "qwen3-8b" => (
+                    "qwen3", 36, 32, 8, 128, 4096, 12288, 151936, 40960, 1000000.0,
+                ),
+                "gemma-3-4b" => (
+                    "gemma3", 34, 8, 4, 256, 2560, 10240, 262144, 131072, 1000000.0,
+                ),
+                _ => return None,
+            };
+        let mut cfg = ModelConfig {
+            arch: arch.into(),
             name: format!("dummy-{name}"),
             n_layers,
             n_heads,
             n_kv_heads,
-            head_dim: d_model / n_heads,
+            head_dim,
             d_model,
             d_ff,
             vocab_size,
@@ -170,8 +190,79 @@ impl ModelConfig {
             rope_freq_factors: None,
             rms_eps: 1e-5,
             extras: ArchExtras::default(),
-        })
+        };
+        match name {
+            "llama-3.2-1b" | "llama-3.2-3b" => {
+                cfg.rope_freq_factors = Some(llama3_rope_factors(head_dim, theta, 32.0))
+            }
+            "llama-3.1-8b" => {
+                cfg.rope_freq_factors = Some(llama3_rope_factors(head_dim, theta, 8.0))
+            }
+            _ => {}
+        }
+        match arch {
+            "qwen3" => {
+                cfg.rope_style = RopeStyle::Neox;
+                cfg.rms_eps = 1e-6;
+                cfg.extras.qk_norm = true;
+            }
+            "gemma3" => {
+                cfg.rope_style = RopeStyle::Neox;
+                cfg.rms_eps = 1e-6;
+                cfg.rope_freq_scale = 1.0 / 8.0;
+                cfg.extras = ArchExtras {
+                    embed_scale: Some((d_model as f32).sqrt()),
+                    gelu: true,
+                    qk_norm: true,
+                    post_norms: true,
+                    sliding_window: Some(SlidingWindow {
+                        window_tokens: 1024,
+                        global_every: 6,
+                        rope_theta_local: 10_000.0,
+                    }),
+                    ..Default::default()
+                };
+            }
+            _ => {}
+        }
+        Some(cfg)
     }
+}
+
+/// The names `ModelConfig::dummy` knows.
+pub const DUMMY_SHAPES: &[&str] = &[
+    "smollm2-135m",
+    "llama-3.2-1b",
+    "llama-3.2-3b",
+    "llama-3.1-8b",
+    "qwen2.5-1.5b",
+    "qwen3-0.6b",
+    "qwen3-8b",
+    "gemma-3-4b",
+];
+
+/// Llama 3.1/3.2's RoPE frequency factors (`rope_type: llama3`: low and high frequency
+/// factors 1 and 4, trained at 8,192 tokens), as llama.cpp's converter writes them into
+/// `rope_freqs.weight`: 1 for wavelengths under 2,048, `factor` over 8,192, smoothly
+/// between.
+pub fn llama3_rope_factors(head_dim: usize, theta: f32, factor: f32) -> Vec<f32> {
+    let (low_freq_factor, high_freq_factor, old_ctx) = (1.0f64, 4.0f64, 8192.0f64);
+    let (low_wavelen, high_wavelen) = (old_ctx / low_freq_factor, old_ctx / high_freq_factor);
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / (theta as f64).powf(2.0 * i as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth =
+                    (old_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                (1.0 / ((1.0 - smooth) / factor as f64 + smooth)) as f32
+            }
+        })
+        .collect()
 }
 
 /// Layers grouped into KV cache groups (vLLM v1's hybrid allocator). Group 0 holds the

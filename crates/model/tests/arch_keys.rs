@@ -1,0 +1,191 @@
+//! `ModelConfig::from_gguf` on metadata-only GGUFs written here: what each architecture
+//! reads (Llama 3's linear RoPE scaling, Qwen3's extras, Gemma 3's pattern and local base)
+//! and what it refuses by name (YaRN, unknown `{arch}.*` keys, partial rotary dimensions).
+
+use pk_gguf::GgufFile;
+use pk_model::{ModelConfig, ModelError, RopeStyle};
+
+enum V {
+    U32(u32),
+    F32(f32),
+    Str(&'static str),
+}
+
+/// A GGUF v3 file holding only `kvs`; opened, then deleted.
+fn gguf(name: &str, kvs: &[(&str, V)]) -> GgufFile {
+    let put_str = |out: &mut Vec<u8>, s: &str| {
+        out.extend((s.len() as u64).to_le_bytes());
+        out.extend(s.as_bytes());
+    };
+    let mut out = b"GGUF".to_vec();
+    out.extend(3u32.to_le_bytes());
+    out.extend(0u64.to_le_bytes());
+    out.extend((kvs.len() as u64).to_le_bytes());
+    for (key, value) in kvs {
+        put_str(&mut out, key);
+        match value {
+            V::U32(v) => {
+                out.extend(4u32.to_le_bytes());
+                out.extend(v.to_le_bytes());
+            }
+            V::F32(v) => {
+                out.extend(6u32.to_le_bytes());
+                out.extend(v.to_le_bytes());
+            }
+            V::Str(s) => {
+                out.extend(8u32.to_le_bytes());
+                put_str(&mut out, s);
+            }
+        }
+    }
+    let path = std::env::temp_dir().join(format!("pk-arch-{}-{name}.gguf", std::process::id()));
+    std::fs::write(&path, out).unwrap();
+    let f = GgufFile::open(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    f
+}
+
+/// The keys every architecture needs, for `arch`, plus `extra`.
+fn config(
+    name: &str,
+    arch: &'static str,
+    extra: Vec<(String, V)>,
+) -> Result<ModelConfig, ModelError> {
+    let k = |s: &str| format!("{arch}.{s}");
+    let mut kvs: Vec<(String, V)> = vec![
+        ("general.architecture".into(), V::Str(arch)),
+        (k("block_count"), V::U32(2)),
+        (k("embedding_length"), V::U32(256)),
+        (k("feed_forward_length"), V::U32(512)),
+        (k("attention.head_count"), V::U32(4)),
+        (k("attention.head_count_kv"), V::U32(2)),
+        (k("context_length"), V::U32(4096)),
+        (k("vocab_size"), V::U32(1000)),
+    ];
+    kvs.extend(extra);
+    let refs: Vec<(&str, V)> = kvs
+        .into_iter()
+        .map(|(key, v)| (&*Box::leak(key.into_boxed_str()), v))
+        .collect();
+    ModelConfig::from_gguf(&gguf(name, &refs))
+}
+
+#[test]
+fn llama_linear_scaling_is_read_and_yarn_refused_by_name() {
+    let c = config(
+        "linear",
+        "llama",
+        vec![
+            ("llama.rope.scaling.type".into(), V::Str("linear")),
+            ("llama.rope.scaling.factor".into(), V::F32(4.0)),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.rope_freq_scale, 0.25);
+    assert_eq!(
+        c.rope_inv_freq(false)[0],
+        0.25,
+        "frequency 0 is 1 rad/token, scaled"
+    );
+    let err = config(
+        "yarn",
+        "llama",
+        vec![("llama.rope.scaling.type".into(), V::Str("yarn"))],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("llama.rope.scaling.type") && err.contains("yarn"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_unknown_architecture_key_is_refused_by_name() {
+    let err = config(
+        "unknown",
+        "llama",
+        vec![("llama.attention.scale".into(), V::F32(0.1))],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("llama.attention.scale"), "{err}");
+    // Keys of another prefix are not the architecture's (general.*, tokenizer.*).
+    config(
+        "general",
+        "llama",
+        vec![("general.license".into(), V::Str("mit"))],
+    )
+    .unwrap();
+}
+
+#[test]
+fn partial_rotary_dimensions_are_refused() {
+    let err = config(
+        "rot",
+        "llama",
+        vec![("llama.rope.dimension_count".into(), V::U32(32))],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("llama.rope.dimension_count"), "{err}");
+    // Equal to the head length (256 / 4): fine.
+    config(
+        "rot64",
+        "llama",
+        vec![("llama.rope.dimension_count".into(), V::U32(64))],
+    )
+    .unwrap();
+}
+
+#[test]
+fn qwen3_is_neox_with_qk_norms_and_no_biases() {
+    let c = config(
+        "qwen3",
+        "qwen3",
+        vec![("qwen3.attention.key_length".into(), V::U32(128))],
+    )
+    .unwrap();
+    assert_eq!(c.rope_style, RopeStyle::Neox);
+    assert!(c.extras.qk_norm && !c.extras.qkv_bias && !c.extras.post_norms);
+    assert_eq!(
+        (c.head_dim, c.q_dim()),
+        (128, 512),
+        "head length independent of width"
+    );
+}
+
+#[test]
+fn gemma3_pattern_local_base_and_global_scaling() {
+    let c = config(
+        "gemma",
+        "gemma3",
+        vec![
+            ("gemma3.attention.sliding_window".into(), V::U32(1024)),
+            ("gemma3.attention.sliding_window_pattern".into(), V::U32(2)),
+            ("gemma3.rope.freq_base_swa".into(), V::F32(20000.0)),
+            ("gemma3.rope.scaling.type".into(), V::Str("linear")),
+            ("gemma3.rope.scaling.factor".into(), V::F32(8.0)),
+        ],
+    )
+    .unwrap();
+    let w = c.extras.sliding_window.unwrap();
+    assert_eq!(
+        (w.window_tokens, w.global_every, w.rope_theta_local),
+        (1024, 2, 20000.0)
+    );
+    assert_eq!((c.layer_window(0), c.layer_window(1)), (Some(1024), None));
+    assert_eq!(c.rope_inv_freq(false)[0], 0.125, "global layers scaled");
+    assert_eq!(c.rope_inv_freq(true)[0], 1.0, "local layers not");
+    let err = config(
+        "softcap",
+        "gemma3",
+        vec![
+            ("gemma3.attention.sliding_window".into(), V::U32(512)),
+            ("gemma3.final_logit_softcapping".into(), V::F32(30.0)),
+        ],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("final_logit_softcapping"), "{err}");
+}
