@@ -9,7 +9,8 @@
 #
 # Usage: scripts/llama_bench_side_by_side.sh [ROUNDS] [THREADS...]   (default: 2 rounds, 1 2)
 # Env:   PK_BIN (default target/release/pagekeeper), PK_MODEL (default: the fetched
-#        SmolLM2-135M-Instruct Q4_1), LLAMA_WORK (build folder, default /tmp/llama-bench).
+#        SmolLM2-135M-Instruct Q4_1), LLAMA_WORK (build folder, default /tmp/llama-bench),
+#        LLAMA_BENCH (a llama-bench binary to use instead of building one).
 set -euo pipefail
 
 rounds=${1:-2}
@@ -21,7 +22,7 @@ pk=${PK_BIN:-target/release/pagekeeper}
 model=${PK_MODEL:-$HOME/.cache/pagekeeper/SmolLM2-135M-Instruct.Q4_1.gguf}
 quiet=../shared/tools/host-quiet
 [ -x "$quiet" ] || quiet=/work/shared/tools/host-quiet
-lb=$work/src/vendor/llama.cpp/build/bin/llama-bench
+lb=${LLAMA_BENCH:-$work/src/vendor/llama.cpp/build/bin/llama-bench}
 
 if [ ! -x "$lb" ]; then
     mkdir -p "$work"
@@ -35,7 +36,10 @@ if [ ! -x "$lb" ]; then
         && PATH=$work/venv/bin:$PATH ninja -C build llama-bench >/dev/null)
 fi
 
-echo "llama.cpp $(cd "$work/src/vendor/llama.cpp" && git log -1 --format=%h 2>/dev/null || echo '(vendored by llama-cpp-python 0.3.8)')"
+# LLAMA_BENCH: a llama-bench built elsewhere (e.g. llama.cpp 0c1e570 from llama-cpp-python
+# 0.3.36's sdist, scripts/conformance/README.md); its source tree names the commit.
+src_dir=$(dirname "$(dirname "$(dirname "$(readlink -f "$lb")")")")
+echo "llama.cpp $(git -C "$src_dir" log -1 --format=%h 2>/dev/null || echo '(vendored by llama-cpp-python 0.3.8)')"
 for round in $(seq "$rounds"); do
     for t in "${threads[@]}"; do
         # host-quiet exits non-zero when the host is busy; its figure is what matters.

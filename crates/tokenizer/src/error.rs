@@ -34,4 +34,9 @@ pub enum TokenizerError {
     /// A `chat_template_kwargs` entry names a variable the renderer sets itself.
     #[error("chat template variable {0:?} is set by the renderer and cannot be given as a template keyword argument")]
     ReservedTemplateVariable(String),
+
+    /// A `tokenizer.*` key this crate does not use, or one set to what it does not do
+    /// (`add_eos_token = true`): refused rather than ignored.
+    #[error("the GGUF holds tokenizer metadata {key:?}{why}, which this tokenizer does not implement; refusing to load rather than tokenize differently from the model's own")]
+    UnrecognizedKey { key: String, why: String },
 }

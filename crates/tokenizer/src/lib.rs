@@ -21,6 +21,7 @@ mod bpe;
 mod byte_level;
 mod chat;
 mod error;
+mod keys;
 mod pretokenize;
 mod special;
 mod spm;

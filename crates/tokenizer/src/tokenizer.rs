@@ -70,6 +70,7 @@ pub struct Tokenizer {
 impl Tokenizer {
     /// Builds the tokenizer described by a GGUF file's `tokenizer.*` metadata.
     pub fn from_gguf(f: &GgufFile) -> Result<Tokenizer, TokenizerError> {
+        crate::keys::check_tokenizer_keys(f)?;
         let model_name = f.get_str("tokenizer.ggml.model")?;
         // Defaults are llama.cpp's, used only when a key is absent: (bos, eos, unk).
         let (default_bos, default_eos, default_unk) = match model_name {

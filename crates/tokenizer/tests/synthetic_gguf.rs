@@ -76,6 +76,11 @@ fn open(path: &PathBuf) -> GgufFile {
 
 /// A Gemma-like SentencePiece vocabulary: specials, 256 byte tokens, then a few pieces.
 fn spm_gguf(name: &str, add_space_prefix: bool) -> GgufFile {
+    spm_gguf_with(name, add_space_prefix, Vec::new())
+}
+
+/// `spm_gguf` with more metadata.
+fn spm_gguf_with(name: &str, add_space_prefix: bool, extra: Vec<(&str, Value)>) -> GgufFile {
     let specials = [
         ("<pad>", 3),
         ("<eos>", 3),
@@ -127,8 +132,38 @@ fn spm_gguf(name: &str, add_space_prefix: bool) -> GgufFile {
                 "tokenizer.ggml.add_space_prefix",
                 Value::Bool(add_space_prefix),
             ),
-        ],
+        ]
+        .into_iter()
+        .chain(extra)
+        .collect(),
     ))
+}
+
+/// A `tokenizer.*` key the tokenizer does not implement is refused by name; keys known to
+/// change nothing (padding id, `add_eos_token: false`) load.
+#[test]
+fn unknown_tokenizer_keys_are_refused_by_name() {
+    let ok = spm_gguf_with(
+        "keys-ok",
+        false,
+        vec![
+            ("tokenizer.ggml.padding_token_id", Value::U32(0)),
+            ("tokenizer.ggml.add_eos_token", Value::Bool(false)),
+            (
+                "tokenizer.chat_template.tool_use",
+                Value::Str("{{ messages }}"),
+            ),
+        ],
+    );
+    Tokenizer::from_gguf(&ok).unwrap();
+    for (key, value) in [
+        ("tokenizer.ggml.add_eos_token", Value::Bool(true)),
+        ("tokenizer.ggml.precompiled_charsmap", Value::Str("x")),
+    ] {
+        let f = spm_gguf_with("keys-bad", false, vec![(key, value)]);
+        let err = Tokenizer::from_gguf(&f).unwrap_err().to_string();
+        assert!(err.contains(key), "{err}");
+    }
 }
 
 fn pieces(tok: &Tokenizer, ids: &[u32]) -> Vec<String> {
