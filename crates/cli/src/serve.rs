@@ -109,6 +109,7 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         default_kv_budget: a.kv.kv_budget,
         default_kv_granularity: a.kv.granularity()?.unwrap_or_default(),
         reuse: a.model.tiers.build_reuse()?,
+        hybrid_kv_cache: !a.model.disable_hybrid_kv_cache_manager,
         ..Default::default()
     };
     let name = model_name.clone();
