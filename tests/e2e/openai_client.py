@@ -322,7 +322,7 @@ chat_base = {"model": model, "messages": [{"role": "user", "content": "hi"}], "m
 comp_base = {"model": model, "prompt": "hi", "max_tokens": 3}
 honoured_chat = {
     "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {"11": 5}, "logprobs": True, "top_logprobs": None,
-    "max_tokens": 2, "max_completion_tokens": 2, "n": 2, "response_format": {"type": "json_object"}, "seed": 1,
+    "max_tokens": 2, "max_completion_tokens": 3, "n": 2, "response_format": {"type": "json_object"}, "seed": 1,
     "stop": ["\n"], "stream": False, "temperature": 0.5, "top_p": 0.9, "user": "u1",
     "tools": [weather], "tool_choice": "none", "parallel_tool_calls": False,
     "stream_options": None, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 1,
@@ -390,6 +390,10 @@ for kwargs, needle in [
     # SmolLM2's template has no thinking switch: the kwarg would be ignored, so it is refused.
     (dict(extra_body={"chat_template_kwargs": {"enable_thinking": False}}), "enable_thinking"),
     (dict(extra_body={"chat_template_kwargs": {"messages": []}}), "messages"),
+    # Two limits that disagree, and stream options without a stream, are refused (vLLM too).
+    (dict(max_completion_tokens=5), "max_completion_tokens"),
+    (dict(stream_options={"include_usage": True}), "stream_options"),
+    (dict(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}), "continuous_usage_stats"),
 ]:
     try:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], **{"max_tokens": 4, **kwargs})

@@ -36,6 +36,10 @@ pub enum PromptField {
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
+    /// Every other key: refused by name unless its value asks for nothing (as the body's
+    /// own catch-all), so `continuous_usage_stats: true` is never accepted and ignored.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, Value>,
 }
 
 /// Sampling and pagekeeper fields shared by both endpoints.

@@ -69,6 +69,15 @@ pub(super) fn generate_params(
     if prompt_tokens >= limit {
         return Err(ApiError::param(prompt_param, format!("This model's maximum context length is {limit} tokens. However, your prompt has {prompt_tokens} tokens.")));
     }
+    check_stream_options(c)?;
+    if let (Some(a), Some(b)) = (c.max_tokens, c.max_completion_tokens) {
+        if a != b {
+            return Err(ApiError::param(
+                "max_completion_tokens",
+                format!("max_tokens ({a}) and max_completion_tokens ({b}) disagree; give one"),
+            ));
+        }
+    }
     let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
         Some(m) if m < 1 => {
             return Err(ApiError::param(
@@ -280,4 +289,25 @@ fn requested_logprobs(c: &CommonParams, prompt_param: &str) -> Result<Option<usi
             )),
         },
     }
+}
+
+/// `stream_options` only with `stream: true` (vLLM refuses it otherwise), and none of its
+/// keys but `include_usage` asking for anything.
+fn check_stream_options(c: &CommonParams) -> Result<(), ApiError> {
+    let Some(o) = &c.stream_options else {
+        return Ok(());
+    };
+    if !c.stream {
+        return Err(ApiError::param(
+            "stream_options",
+            "stream_options is only allowed when stream is true",
+        ));
+    }
+    if let Some((name, message)) = crate::openai::unsupported_field(&o.other) {
+        return Err(ApiError::param(
+            "stream_options",
+            format!("stream_options.{name}: {message}"),
+        ));
+    }
+    Ok(())
 }
