@@ -675,7 +675,10 @@ impl Engine {
                 ),
             ));
         }
-        check_choices(p)
+        // The budget that applies is the request's or the server's default: choices of a
+        // request evicting under either would share blocks that eviction rewrites.
+        let evicts = self.eviction_for(p)?.is_some();
+        check_choices(p, evicts)
     }
 
     fn check_prefix_kv(
@@ -1425,7 +1428,7 @@ impl Engine {
 }
 
 /// `n` within its bounds, and not combined with what choices cannot share.
-fn check_choices(p: &GenerateParams) -> Result<(), SubmitError> {
+fn check_choices(p: &GenerateParams, evicts: bool) -> Result<(), SubmitError> {
     let n = p.n;
     if n == 0 || n > MAX_CHOICES {
         return Err(SubmitError::InvalidParam {
@@ -1440,7 +1443,7 @@ fn check_choices(p: &GenerateParams) -> Result<(), SubmitError> {
         (!p.forced_tokens.is_empty(), "forced tokens"),
         (p.return_logits, "returned logits"),
         (p.prefix_kv.is_some(), "prefix_kv"),
-        (p.kv_policy.as_ref().is_some_and(|s| s.evicts()) || p.kv_budget.is_some(), "an evicting kv_policy or a kv_budget (choices share the prompt's blocks, which eviction rewrites)"),
+        (evicts, "an evicting kv_policy or a kv_budget, the request's or the server's default (choices share the prompt's blocks, which eviction rewrites)"),
     ]
     .into_iter()
     .find(|c| c.0);

@@ -522,3 +522,41 @@ fn prune_interval_below_the_block_size_is_refused() {
         "{err}"
     );
 }
+
+/// `n > 1` under a server-default budget is refused by name, as under a request's own
+/// budget (issue 34: the forked choices ran with no budget at all); a request that opts
+/// out with `kv_policy: full` may still ask for several choices.
+#[test]
+fn n_choices_under_a_default_budget_are_refused_by_name() {
+    let mut engine = common::engine(EngineConfig {
+        default_kv_budget: Some(64),
+        ..Default::default()
+    });
+    let prompt = prompts(&engine)[1].clone();
+    let params = GenerateParams {
+        n: 2,
+        max_tokens: 4,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let err = engine
+        .submit(Request {
+            prompt_ids: prompt.clone(),
+            params: params.clone(),
+            cache_salt: None,
+            sink: Box::new(|_| true),
+        })
+        .unwrap_err();
+    match err {
+        pk_engine::SubmitError::InvalidParam { param, message } => {
+            assert_eq!(param, "n", "{message}");
+            assert!(message.contains("default"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let full = GenerateParams {
+        kv_policy: Some("full".parse().unwrap()),
+        ..params
+    };
+    assert_eq!(run_choices(&mut engine, &full, &prompt).len(), 2);
+}
