@@ -354,6 +354,8 @@ for path, base_body, honoured, refused, bad in [
         body = {**base_body, field: value}
         if field == "tools":  # SmolLM2's template cannot describe tools: force the call
             body["tool_choice"] = "required"
+        if field == "parallel_tool_calls":  # meaningful (and accepted) only with tools
+            body.update(tools=[weather], tool_choice="required")
         status, err = post(path, body)
         assert status == 200, (path, field, value, status, err)
     for field, value in refused.items():
@@ -392,6 +394,8 @@ for kwargs, needle in [
     (dict(extra_body={"chat_template_kwargs": {"messages": []}}), "messages"),
     # Two limits that disagree, and stream options without a stream, are refused (vLLM too).
     (dict(max_completion_tokens=5), "max_completion_tokens"),
+    (dict(parallel_tool_calls=False), "parallel_tool_calls"),  # without tools, as OpenAI
+    (dict(extra_body={"kv_granularity": "head"}), "kv_granularity"),  # nothing evicts
     (dict(stream_options={"include_usage": True}), "stream_options"),
     (dict(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}), "continuous_usage_stats"),
 ]:

@@ -724,10 +724,19 @@ impl Engine {
         let invalid =
             |param: &'static str, message: String| SubmitError::InvalidParam { param, message };
         let budget = p.kv_budget.or(self.config.default_kv_budget);
+        let no_eviction = || match p.kv_granularity {
+            // A granularity chooses how eviction selects; with nothing evicted it would be
+            // accepted and unused.
+            Some(g) => Err(invalid(
+                "kv_granularity",
+                format!("kv_granularity {g} applies only when a kv_budget evicts"),
+            )),
+            None => Ok(None),
+        };
         let spec = match (p.kv_policy, budget) {
             (Some(spec), _) => spec,
             (None, Some(_)) => self.config.default_kv_policy,
-            (None, None) => return Ok(None),
+            (None, None) => return no_eviction(),
         };
         if !spec.evicts() {
             if p.kv_budget.is_some() {
@@ -736,7 +745,7 @@ impl Engine {
                     format!("kv_policy {spec} keeps every token and takes no kv_budget"),
                 ));
             }
-            return Ok(None);
+            return no_eviction();
         }
         let Some(budget) = budget else {
             return Err(invalid(

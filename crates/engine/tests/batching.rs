@@ -559,4 +559,21 @@ fn n_choices_under_a_default_budget_are_refused_by_name() {
         ..params
     };
     assert_eq!(run_choices(&mut engine, &full, &prompt).len(), 2);
+    // A granularity where nothing evicts would be accepted and unused: refused by name.
+    let unused = GenerateParams {
+        kv_granularity: Some("head".parse().unwrap()),
+        n: 1,
+        ..full
+    };
+    match engine.submit(Request {
+        prompt_ids: prompt,
+        params: unused,
+        cache_salt: None,
+        sink: Box::new(|_| true),
+    }) {
+        Err(pk_engine::SubmitError::InvalidParam { param, .. }) => {
+            assert_eq!(param, "kv_granularity")
+        }
+        other => panic!("{:?}", other.err()),
+    }
 }

@@ -62,7 +62,8 @@ impl Cell {
             policy: self.policy,
             budget: self.budget,
             keep_generated,
-            granularity: Some(self.granularity),
+            // The full cache evicts nothing, and the engine refuses a granularity there.
+            granularity: self.policy.map(|_| self.granularity),
         }
     }
 }

@@ -104,6 +104,13 @@ pub(super) fn parse(
 ) -> Result<Option<Tools>, ApiError> {
     let defs = tools.clone().unwrap_or_default();
     if defs.is_empty() {
+        // OpenAI's own answer: the setting means nothing without tools.
+        if parallel.is_some() {
+            return Err(ApiError::param(
+                "parallel_tool_calls",
+                "parallel_tool_calls is only allowed when tools are specified",
+            ));
+        }
         return match tool_choice {
             None | Some(Value::Null) => Ok(None),
             Some(Value::String(s)) if s == "none" => Ok(None),
