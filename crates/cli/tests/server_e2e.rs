@@ -120,6 +120,30 @@ fn openai_python_client_against_live_server() {
     drop(server);
 }
 
+/// `pagekeeper serve` on `model` with `args`, on a free port, once `/health` answers 200.
+fn start_server(model: &std::path::Path, args: &[&str]) -> (Server, u16) {
+    let port = free_port();
+    let server = Server(
+        Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
+            .args(["serve", "--port", &port.to_string(), "--model"])
+            .arg(model)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting the server"),
+    );
+    let t0 = Instant::now();
+    while get_status(port, "/health") != Some(200) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "server did not become healthy"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    (server, port)
+}
+
 /// A JSON POST over a fresh connection; the status and the parsed body.
 fn post_json(port: u16, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -151,31 +175,7 @@ fn qwen3_thinking_switch_through_chat_template_kwargs() {
         "{} is missing: scripts/test.sh generates it",
         model.display()
     );
-    let port = free_port();
-    let _server = Server(
-        Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
-            .args([
-                "serve",
-                "--port",
-                &port.to_string(),
-                "--kv-capacity-tokens",
-                "4096",
-                "--model",
-            ])
-            .arg(&model)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("starting the server"),
-    );
-    let t0 = Instant::now();
-    while get_status(port, "/health") != Some(200) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "server did not become healthy"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let (_server, port) = start_server(&model, &["--kv-capacity-tokens", "4096"]);
     let ask = |kwargs: Option<serde_json::Value>| {
         let mut body = serde_json::json!({
             "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0
@@ -237,32 +237,9 @@ fn serve_honours_disable_hybrid_kv_cache_manager() {
         model.display()
     );
     let peak_fraction = |flag: Option<&str>| {
-        let port = free_port();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pagekeeper"));
-        cmd.args([
-            "serve",
-            "--port",
-            &port.to_string(),
-            "--kv-capacity-tokens",
-            "4096",
-            "--model",
-        ])
-        .arg(&model);
-        cmd.args(flag);
-        let _server = Server(
-            cmd.stdout(Stdio::null())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .unwrap(),
-        );
-        let t0 = Instant::now();
-        while get_status(port, "/health") != Some(200) {
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "server did not become healthy"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let mut args = vec!["--kv-capacity-tokens", "4096"];
+        args.extend(flag);
+        let (_server, port) = start_server(&model, &args);
         let prompt: Vec<u32> = (0..3000).map(|i| 1000 + (i % 5000)).collect();
         let (status, body) = post_json(
             port,

@@ -75,23 +75,29 @@ fn log_softmax(x: &[f32]) -> Vec<f32> {
     x.iter().map(|v| v - lse).collect()
 }
 
+/// An f16 KV store (llama.cpp's default cache type) with room for `n_tokens` of `model` in
+/// 16-token blocks, and a deliberately reversed block table over all of it.
+fn store_for(model: &Llama, n_tokens: usize) -> (KvStore, Vec<u32>) {
+    let c = &model.config;
+    let num_blocks = n_tokens.div_ceil(16);
+    let geometry = KvGeometry {
+        n_layers: c.n_layers,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        block_size_tokens: 16,
+        num_blocks,
+    };
+    let table = (0..num_blocks as u32).rev().collect();
+    (KvStore::new(geometry, KvDtype::F16), table)
+}
+
 /// Our logits rows at `positions` (ascending) of one sequence of `ids`, f16 KV cache (as
 /// llama.cpp's default), 16-token blocks in a deliberately reversed block table. Runs of
 /// consecutive positions share a forward call of at most 512 tokens; between them the
 /// tokens up to the next wanted position go through in one call whose last row is kept.
 fn our_logits(model: &Llama, ids: &[u32], positions: &[usize]) -> Vec<Vec<f32>> {
     let c = &model.config;
-    let bs = 16;
-    let num_blocks = ids.len().div_ceil(bs);
-    let geometry = KvGeometry {
-        n_layers: c.n_layers,
-        n_kv_heads: c.n_kv_heads,
-        head_dim: c.head_dim,
-        block_size_tokens: bs,
-        num_blocks,
-    };
-    let mut store = KvStore::new(geometry, KvDtype::F16);
-    let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
+    let (mut store, table) = store_for(model, ids.len());
     let mut out = Vec::with_capacity(positions.len());
     let (mut done, mut i) = (0usize, 0usize);
     while i < positions.len() {
@@ -293,18 +299,7 @@ fn check_greedy(c: &Case, model: &Llama) {
 /// Logits of `ids[n_prompt - 1..]`: the prompt in one forward call, then one call per
 /// token (the decode kernels: one query row per sequence).
 fn our_logits_one_by_one(model: &Llama, ids: &[u32], n_prompt: usize) -> Vec<Vec<f32>> {
-    let c = &model.config;
-    let bs = 16;
-    let num_blocks = ids.len().div_ceil(bs);
-    let geometry = KvGeometry {
-        n_layers: c.n_layers,
-        n_kv_heads: c.n_kv_heads,
-        head_dim: c.head_dim,
-        block_size_tokens: bs,
-        num_blocks,
-    };
-    let mut store = KvStore::new(geometry, KvDtype::F16);
-    let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
+    let (mut store, table) = store_for(model, ids.len());
     let mut out = Vec::new();
     let mut done = 0;
     for end in std::iter::once(n_prompt).chain(n_prompt + 1..=ids.len()) {
