@@ -597,6 +597,9 @@ impl Engine {
         self.check_prompt(&req.prompt_ids)?;
         self.check_params(&req.params)?;
         let eviction = self.eviction_for(&req.params)?;
+        // The budget that applies is the request's or the server's default: choices of a
+        // request evicting under either would share blocks that eviction rewrites.
+        check_choices(&req.params, eviction.is_some())?;
         if let Some(p) = &req.params.prefix_kv {
             self.check_prefix_kv(p, req.prompt_ids.len(), eviction.is_some())?;
         }
@@ -675,10 +678,7 @@ impl Engine {
                 ),
             ));
         }
-        // The budget that applies is the request's or the server's default: choices of a
-        // request evicting under either would share blocks that eviction rewrites.
-        let evicts = self.eviction_for(p)?.is_some();
-        check_choices(p, evicts)
+        Ok(())
     }
 
     fn check_prefix_kv(
