@@ -327,11 +327,16 @@ honoured_chat = {
     "tools": [weather], "tool_choice": "none", "parallel_tool_calls": False,
     "stream_options": None, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 1,
     "guided_choice": ["a", "b"], "ignore_eos": False, "kv_policy": "full", "cache_salt": "s",
+    "add_generation_prompt": False, "add_special_tokens": False, "skip_special_tokens": False, "prompt_logprobs": 1,
+    "store": False, "metadata": {}, "best_of": 1,
 }
 refused_chat = {
     "store": True, "reasoning_effort": "high", "metadata": {"k": "v"}, "modalities": ["audio"], "prediction": {"type": "content", "content": "x"},
     "audio": {"voice": "alloy"}, "service_tier": "flex", "functions": [{"name": "f"}], "function_call": "auto",
-    "web_search_options": {"search_context_size": "low"}, "prompt_logprobs": 1,
+    "web_search_options": {"search_context_size": "low"},
+    # Values that look like defaults but ask for something are refused all the same.
+    "include_stop_str_in_output": True, "spaces_between_special_tokens": False, "truncate_prompt_tokens": 0,
+    "frobnicate": False, "echo": True, "continue_final_message": True, "stop_token_ids": [2],
 }
 malformed = {
     "frequency_penalty": "high", "presence_penalty": 9, "logit_bias": {"x": 1}, "logprobs": "yes", "top_logprobs": -1,
@@ -344,7 +349,8 @@ honoured_comp = {
     "best_of": 1, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"11": 5}, "logprobs": 2, "max_tokens": 2, "n": 2,
     "presence_penalty": 0.5, "seed": 1, "stop": "\n", "stream": False, "suffix": None, "temperature": 0.5, "top_p": 0.9, "user": "u",
 }
-refused_comp = {"best_of": 3, "suffix": "x", "store": True, "metadata": {"k": "v"}}
+refused_comp = {"best_of": 3, "suffix": "x", "store": True, "metadata": {"k": "v"}, "frobnicate": "", "use_beam_search": True}
+honoured_comp.update({"add_special_tokens": False, "skip_special_tokens": False, "prompt_logprobs": 0})
 malformed_comp = {"best_of": "two", "echo": "yes", "logprobs": 99, "prompt": {"text": "hi"}, "suffix": 5, "n": 100}
 for path, base_body, honoured, refused, bad in [
     ("/v1/chat/completions", chat_base, honoured_chat, refused_chat, malformed),
@@ -397,7 +403,10 @@ for kwargs, needle in [
     (dict(parallel_tool_calls=False), "parallel_tool_calls"),  # without tools, as OpenAI
     (dict(extra_body={"kv_granularity": "head"}), "kv_granularity"),  # nothing evicts
     (dict(stream_options={"include_usage": True}), "stream_options"),
-    (dict(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}), "continuous_usage_stats"),
+    (dict(stream=True, stream_options={"include_usage": True, "per_chunk": True}), "per_chunk"),
+    (dict(stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
+    (dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
+    (dict(extra_body={"continue_final_message": True, "add_generation_prompt": False}), "assistant"),
 ]:
     try:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], **{"max_tokens": 4, **kwargs})
@@ -440,6 +449,63 @@ try:
 except urllib.error.HTTPError as e:
     assert e.code == 400, e.code
     assert "message" in json.loads(e.read())["error"]
+
+# vLLM's request fields, each changing the answer as it does in vLLM.
+question = [{"role": "user", "content": "What is the capital of France?"}]
+def chat_usage(**extra):
+    return client.chat.completions.create(model=model, messages=question, max_tokens=2, temperature=0, extra_body=extra).usage
+with_header, without_header = chat_usage(), chat_usage(add_generation_prompt=False)
+assert without_header.prompt_tokens < with_header.prompt_tokens, (with_header, without_header)
+# continue_final_message: the assistant's open text is continued, not answered in a new turn.
+started = question + [{"role": "assistant", "content": "The capital of France is"}]
+cont = client.chat.completions.create(model=model, messages=started, max_tokens=6, temperature=0,
+                                      extra_body={"continue_final_message": True, "add_generation_prompt": False})
+new_turn = client.chat.completions.create(model=model, messages=started, max_tokens=6, temperature=0)
+assert cont.usage.prompt_tokens < new_turn.usage.prompt_tokens, (cont.usage, new_turn.usage)
+assert "Paris" in cont.choices[0].message.content, cont.choices[0].message.content
+# skip_special_tokens: a control token forced by logit_bias is left out of the text by default.
+im_start = "1"  # SmolLM2's <|im_start|>, a control token
+forced = dict(model=model, prompt="Hello", max_tokens=2, temperature=0, logit_bias={im_start: 100})
+hidden = client.completions.create(**forced)
+shown = client.completions.create(**forced, extra_body={"skip_special_tokens": False})
+assert hidden.usage.completion_tokens == 2 and "<|im_start|>" not in hidden.choices[0].text, hidden
+assert shown.choices[0].text == "<|im_start|><|im_start|>", shown.choices[0].text
+# prompt_logprobs: prompt token t's logprob given the tokens before it equals the logprob
+# the same token had when it was generated after the same prefix.
+prompt_ids = client.completions.create(model=model, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 2})
+plp = prompt_ids.choices[0].model_extra["prompt_logprobs"]
+assert len(plp) == prompt_ids.usage.prompt_tokens and plp[0] is None, plp
+assert all(len(e) >= 2 and all(v["rank"] >= 1 for v in e.values()) for e in plp[1:]), plp
+ranks_one = [v for e in plp[1:] for v in e.values() if v["rank"] == 1]
+assert len(ranks_one) >= len(plp) - 1, plp
+# Asked twice, the second with the prompt cached: the same full list (nothing skipped).
+again = client.completions.create(model=model, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2}).choices[0].model_extra["prompt_logprobs"]
+assert len(again) == len(plp), (len(again), len(plp))
+for a, b in zip(plp[1:], again[1:]):
+    for k in a:
+        assert abs(a[k]["logprob"] - b[k]["logprob"]) < 1e-3, (a, b)
+# Teacher-forced agreement: generated tokens fed back as prompt text score as they were
+# sampled (the same logits, computed by prefill instead of decode).
+# Two tokens (" Paris", "."): later newlines would merge into one token when re-encoded.
+gen = client.completions.create(model=model, prompt="The capital of France is", max_tokens=2, temperature=0, logprobs=0)
+gen_tokens, gen_lps = gen.choices[0].logprobs.tokens, gen.choices[0].logprobs.token_logprobs
+fed = client.completions.create(model=model, prompt="The capital of France is" + "".join(gen_tokens), max_tokens=1,
+                                temperature=0, extra_body={"prompt_logprobs": 0}).choices[0].model_extra["prompt_logprobs"]
+for entry, token, lp in zip(fed[-len(gen_tokens):], gen_tokens, gen_lps):
+    own = next(iter(entry.values()))  # the prompt's own token comes first
+    assert own["decoded_token"] == token and abs(own["logprob"] - lp) < 1e-3, (own, token, lp)
+chat_lp = client.chat.completions.create(model=model, messages=question, max_tokens=1, temperature=0,
+                                         extra_body={"prompt_logprobs": 0})
+assert len(chat_lp.model_extra["prompt_logprobs"]) == chat_lp.usage.prompt_tokens, chat_lp.model_extra
+# continuous_usage_stats: every chunk carries its choice's usage so far.
+usages = []
+for ch in client.chat.completions.create(model=model, messages=question, max_tokens=6, temperature=0, stream=True,
+                                         stream_options={"include_usage": True, "continuous_usage_stats": True}):
+    assert ch.usage is not None, ch
+    usages.append(ch.usage.completion_tokens)
+assert usages == sorted(usages) and usages[-1] == usages[-2] and usages[-1] >= 1, usages
 
 # Metrics with vLLM's names and a model_name label.
 metrics = urllib.request.urlopen(base + "/metrics").read().decode()

@@ -258,3 +258,30 @@ fn serve_honours_disable_hybrid_kv_cache_manager() {
         "the flag changed nothing: {grouped} vs {flat}"
     );
 }
+
+/// vLLM's `add_special_tokens` on a model whose tokenizer adds BOS (Gemma 3): by default
+/// the prompt is BOS + its text, with `false` exactly its text, one token fewer.
+#[test]
+fn add_special_tokens_false_leaves_out_the_bos() {
+    let model = model_path().with_file_name("gemma-3-270m-q4_k_m.gguf");
+    assert!(model.exists(), "{} is missing", model.display());
+    let (_server, port) = start_server(&model, &["--kv-capacity-tokens", "2048"]);
+    let prompt_tokens = |extra: serde_json::Value| {
+        let mut body = serde_json::json!({"prompt": "The capital of France is", "max_tokens": 1});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (status, body) = post_json(port, "/v1/completions", &body);
+        assert_eq!(status, 200, "{body}");
+        body["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let with_bos = prompt_tokens(serde_json::json!({}));
+    assert_eq!(
+        prompt_tokens(serde_json::json!({"add_special_tokens": true})),
+        with_bos
+    );
+    assert_eq!(
+        prompt_tokens(serde_json::json!({"add_special_tokens": false})),
+        with_bos - 1
+    );
+}

@@ -171,11 +171,24 @@ pub struct GenerateParams {
     /// Report each generated token's log-probability and this many most likely
     /// alternatives (`Some(0)`: the token's alone); at most `MAX_LOGPROBS`.
     pub logprobs: Option<usize>,
+    /// Report each prompt token's log-probability given the tokens before it, and this many
+    /// most likely alternatives (vLLM's `prompt_logprobs`); at most `MAX_LOGPROBS`. Such a
+    /// request computes its whole prompt: it adopts no cached prefix (a cached token's
+    /// logits were never computed for it).
+    pub prompt_logprobs: Option<usize>,
+    /// Leave control tokens generated mid-text (`<|im_start|>`, …) out of the text, as
+    /// vLLM's default `skip_special_tokens`; their ids are still reported.
+    pub skip_special_tokens: bool,
 }
 
 /// The most alternatives per token `GenerateParams::logprobs` may ask for (OpenAI's
 /// `top_logprobs` limit).
 pub const MAX_LOGPROBS: usize = 20;
+
+/// The most bytes of logits one step returns for one sequence's prompt rows
+/// (`GenerateParams::prompt_logprobs`): its prefill runs in chunks of at most this many
+/// rows' worth (441 tokens at Qwen2.5's 151,936-token vocabulary).
+const MAX_PROMPT_LOGITS_BYTES: usize = 256 << 20;
 
 /// The most choices one request may ask for (`GenerateParams::n`).
 pub const MAX_CHOICES: usize = 16;
@@ -197,6 +210,8 @@ impl Default for GenerateParams {
             background: false,
             min_tokens: 0,
             logprobs: None,
+            prompt_logprobs: None,
+            skip_special_tokens: true,
             n: 1,
             grammar: None,
         }
@@ -669,6 +684,18 @@ impl Engine {
                 format!("at most {MAX_LOGPROBS} alternatives per token"),
             ));
         }
+        if p.prompt_logprobs.is_some_and(|n| n > MAX_LOGPROBS) {
+            return Err(invalid(
+                "prompt_logprobs",
+                format!("at most {MAX_LOGPROBS} alternatives per token"),
+            ));
+        }
+        if p.prompt_logprobs.is_some() && p.prefix_kv.is_some() {
+            return Err(invalid(
+                "prompt_logprobs",
+                "a given prefix KV has no logits for its tokens; prompt_logprobs needs the whole prompt computed".into(),
+            ));
+        }
         if p.min_tokens > p.max_tokens {
             return Err(invalid(
                 "min_tokens",
@@ -860,7 +887,9 @@ impl Engine {
         let (Some(r), Some(front)) = (self.reuse.as_mut(), self.waiting.front_mut()) else {
             return;
         };
-        let reusable = front.eviction.is_none() && front.req.params.prefix_kv.is_none();
+        let reusable = front.eviction.is_none()
+            && front.req.params.prefix_kv.is_none()
+            && !front.wants_prompt_rows();
         let asked = front.reuse.probe.as_ref().map(|p| p.0);
         if reusable && asked != Some(front.all_ids.len()) {
             let m = r.lookup(&front.all_ids, front.req.cache_salt.as_deref());
@@ -882,7 +911,9 @@ impl Engine {
             .eviction
             .as_ref()
             .is_some_and(|ev| ev.prune_interval_tokens.is_some());
-        let ids: &[u32] = match self.config.enable_prefix_caching && !chunk_pruned {
+        // Nor does one that asks for its prompt's logprobs: cached tokens have no logits.
+        let adopts = self.config.enable_prefix_caching && !chunk_pruned && !s.wants_prompt_rows();
+        let ids: &[u32] = match adopts {
             true => &s.all_ids,
             false => &[],
         };
@@ -924,7 +955,7 @@ impl Engine {
                 // Nothing placed: the sequence was freed; the prefix is looked up again,
                 // since a failed placement may have taken cached blocks off the free list.
                 s.reuse.inexact = false;
-                let ids: &[u32] = if self.config.enable_prefix_caching {
+                let ids: &[u32] = if self.config.enable_prefix_caching && !s.wants_prompt_rows() {
                     &s.all_ids
                 } else {
                     &[]
@@ -1064,7 +1095,11 @@ impl Engine {
             let s = &self.running[i];
             let pending = s.all_ids.len() - s.num_computed;
             let cap = if prefilling { prefill_left } else { usize::MAX };
-            let take = pending.min(budget).min(cap).min(s.max_chunk());
+            let take = pending
+                .min(budget)
+                .min(cap)
+                .min(s.max_chunk())
+                .min(self.max_logit_rows(s));
             let from = s.num_computed;
             if take == 0 || !self.allocate_or_preempt(seq, take, &mut plan) {
                 continue;
@@ -1080,6 +1115,18 @@ impl Engine {
             }
         }
         plan
+    }
+
+    /// The most tokens of `s` one step may compute: unbounded, except where each row
+    /// returns logits (`prompt_logprobs`), whose bytes `MAX_PROMPT_LOGITS_BYTES` bounds.
+    fn max_logit_rows(&self, s: &SeqState) -> usize {
+        match s.wants_prompt_rows() {
+            true => {
+                let row_bytes = self.backend.config().vocab_size * std::mem::size_of::<f32>();
+                (MAX_PROMPT_LOGITS_BYTES / row_bytes).max(1)
+            }
+            false => usize::MAX,
+        }
     }
 
     /// Prompt tokens a step may carry beside `n_decoding` decodes. The cap grows with the
@@ -1135,9 +1182,17 @@ impl Engine {
         let mut finished = Vec::new();
         for (k, c) in plan.iter().enumerate() {
             let i = self.index_of(c.seq);
+            let from_row = first_logits_row(&self.running[i], c);
+            let rows = c.to - c.from - from_row;
+            let seq_logits = &logits[row * vocab..(row + rows) * vocab];
+            row += rows;
+            // Rows before the sampling row are prompt positions (`prompt_logprobs`).
+            for (r, pos) in (c.from + from_row..c.to).enumerate() {
+                let l = &seq_logits[r * vocab..(r + 1) * vocab];
+                self.running[i].record_prompt_logprob(pos, l);
+            }
             let wants_logits = c.to == self.running[i].all_ids.len();
-            let l = wants_logits.then(|| &logits[row * vocab..(row + 1) * vocab]);
-            row += usize::from(wants_logits);
+            let l = wants_logits.then(|| &seq_logits[(rows - 1) * vocab..]);
             let queries = (capture[k] > 0).then(|| std::mem::take(&mut captured[k]));
             if self.apply(i, c, l, capture[k], queries) {
                 finished.push(c.seq);
@@ -1184,13 +1239,12 @@ impl Engine {
             let table = self.kv.block_table(c.seq).expect("live");
             let stored_after = table.num_stored_tokens() as usize;
             let n = c.to - c.from;
-            let wants_logits = c.to == s.all_ids.len();
             fwd.push(SeqForward {
                 tokens: &s.all_ids[c.from..c.to],
                 start_position: s.position_of(c.from),
                 stored_start: stored_after - n,
                 block_table: &tables[k],
-                logits_from: if wants_logits { n - 1 } else { n },
+                logits_from: first_logits_row(s, c),
                 stored_positions: table.positions().unwrap_or(&[]),
                 window_tables: &window_tables[k],
             });
@@ -1433,6 +1487,21 @@ impl Engine {
     /// Checks the KV manager's invariants (tests).
     pub fn check_invariants(&self) {
         self.kv.check_invariants();
+    }
+}
+
+/// The first row of chunk `c` whose logits the step returns: the prompt positions still
+/// missing a `prompt_logprobs` entry, else only the sequence's last token (the one it
+/// samples from), else none (`c.to - c.from`).
+fn first_logits_row(s: &SeqState, c: &Chunk) -> usize {
+    let n = c.to - c.from;
+    let last = match c.to == s.all_ids.len() {
+        true => n - 1,
+        false => n,
+    };
+    match s.first_prompt_logprob_position(c.from, c.to) {
+        Some(pos) => (pos - c.from).min(last),
+        None => last,
     }
 }
 

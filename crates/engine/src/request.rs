@@ -73,6 +73,9 @@ pub struct RequestOutput {
     pub kv_blocks: usize,
     /// Per generated token, with `GenerateParams::logprobs`.
     pub logprobs: Vec<crate::sampler::TokenLogprob>,
+    /// Per prompt token, with `GenerateParams::prompt_logprobs` (choice 0 only; `None`
+    /// for the first token, which nothing predicts).
+    pub prompt_logprobs: Vec<Option<crate::sampler::TokenLogprob>>,
     /// Where the prompt's stored context came from (EVICPRESS store), if it was loaded.
     pub context_load: Option<pk_evicpress::LoadReport>,
 }

@@ -196,6 +196,9 @@ pub fn process_logits(
 pub struct TokenLogprob {
     pub id: u32,
     pub logprob: f32,
+    /// `id`'s rank among all tokens, 1 for the most likely (vLLM's `rank`: one more than
+    /// the number of tokens with a strictly higher logit).
+    pub rank: u32,
     pub top: Vec<(u32, f32)>,
 }
 
@@ -226,9 +229,11 @@ pub fn token_logprob(logits: &[f32], id: u32, n_top: usize) -> TokenLogprob {
         c.sort_unstable_by(cmp);
         top.extend(c.iter().map(|&(l, i)| (i, lp(l))));
     }
+    let own = logits[id as usize];
     TokenLogprob {
         id,
-        logprob: lp(logits[id as usize]),
+        logprob: lp(own),
+        rank: 1 + logits.iter().filter(|&&l| l > own).count() as u32,
         top,
     }
 }

@@ -59,12 +59,16 @@ pub(crate) struct SeqState {
     shared_sink: Option<Arc<Mutex<EventSink>>>,
     first_token_at: Option<Instant>,
     finish_reason: Option<FinishReason>,
+    /// With `prompt_logprobs`: entry `t` is prompt token `t`'s log-probability given the
+    /// tokens before it (`None` for the first, which has none), filled as prefill runs.
+    prompt_logprobs: Vec<Option<TokenLogprob>>,
 }
 
 impl SeqState {
     pub fn new(req: Request, namespace: Vec<u8>) -> SeqState {
         let all_ids = req.prompt_ids.clone();
         let req_n_minus_1 = req.params.n.saturating_sub(1);
+        let req_prompt_logprobs = req.params.prompt_logprobs.is_some();
         SeqState {
             n_prompt: all_ids.len(),
             sampler: Sampler::new(req.params.sampling.clone()),
@@ -95,6 +99,10 @@ impl SeqState {
             grammar_mask_seconds: 0.0,
             first_token_at: None,
             finish_reason: None,
+            prompt_logprobs: match req_prompt_logprobs {
+                true => vec![None],
+                false => Vec::new(),
+            },
         }
     }
 
@@ -116,6 +124,8 @@ impl SeqState {
         let mut params = self.req.params.clone();
         params.sampling.seed = params.sampling.seed.map(|s| s.wrapping_add(index as u64));
         params.n = 1;
+        // The prompt's logprobs are choice 0's; a fork never computes the prompt's rows.
+        params.prompt_logprobs = None;
         let req = Request {
             prompt_ids: self.req.prompt_ids.clone(),
             params,
@@ -158,6 +168,34 @@ impl SeqState {
                 }
             }
             (Some(_), false) => 1,
+        }
+    }
+
+    /// Whether prompt tokens still lack their `prompt_logprobs` entry.
+    pub fn wants_prompt_rows(&self) -> bool {
+        self.req.params.prompt_logprobs.is_some() && self.prompt_logprobs.len() < self.n_prompt
+    }
+
+    /// The first position in `from..to` whose logits give a missing prompt logprob (the
+    /// logits at position `p` score prompt token `p + 1`).
+    pub fn first_prompt_logprob_position(&self, from: usize, to: usize) -> Option<usize> {
+        if !self.wants_prompt_rows() {
+            return None;
+        }
+        let pos = (self.prompt_logprobs.len() - 1).max(from);
+        (pos < to).then_some(pos)
+    }
+
+    /// Records prompt token `pos + 1`'s logprob from the logits at `pos`, if it is the next
+    /// one missing (a recompute after preemption finds it recorded already).
+    pub fn record_prompt_logprob(&mut self, pos: usize, logits: &[f32]) {
+        let t = pos + 1;
+        if let (Some(n_top), true) = (
+            self.req.params.prompt_logprobs,
+            t == self.prompt_logprobs.len() && t < self.n_prompt,
+        ) {
+            let lp = token_logprob(logits, self.all_ids[t], n_top);
+            self.prompt_logprobs.push(Some(lp));
         }
     }
 
@@ -250,7 +288,10 @@ impl SeqState {
         self.history.push_output(id);
         self.all_ids.push(id);
         self.unreported_ids.push(id);
-        let piece = self.decoder.push(tokenizer, id);
+        let piece = match self.req.params.skip_special_tokens && tokenizer.is_control(id) {
+            true => self.decoder.push_bytes(&[]),
+            false => self.decoder.push(tokenizer, id),
+        };
         let (text, hit) = self.stop.push(&piece);
         if !text.is_empty() || hit {
             let ids = std::mem::take(&mut self.unreported_ids);
@@ -303,6 +344,7 @@ impl SeqState {
             kv_stored_tokens: self.kv_stored_tokens,
             kv_blocks: self.kv_blocks,
             logprobs: self.logprobs.clone(),
+            prompt_logprobs: std::mem::take(&mut self.prompt_logprobs),
             context_load: self.reuse.load.clone(),
         }
     }

@@ -194,7 +194,22 @@ mod tools;
 pub use chat::chat_completions;
 pub use completions::completions;
 use params::generate_params;
-use stream::{stream_response, Kind};
+use stream::{stream_response, Kind, StreamUsage};
+
+/// A prompt's text to token ids, with vLLM's `add_special_tokens`: `false` gives exactly
+/// the text's tokens; otherwise the model's BOS is put first where its tokenizer adds one
+/// and the text does not start with it already (a template that writes BOS itself is not
+/// given a second).
+fn encode_text(
+    tokenizer: &pk_tokenizer::Tokenizer,
+    text: &str,
+    add_special_tokens: Option<bool>,
+) -> Vec<u32> {
+    match add_special_tokens {
+        Some(false) => tokenizer.encode(text, true),
+        _ => tokenizer.encode_prompt(text, true),
+    }
+}
 
 struct Submitted {
     rx: mpsc::UnboundedReceiver<SeqEvent>,

@@ -74,3 +74,25 @@ pub fn text_len(tokenizer: &Tokenizer, tokens: &[TokenLogprob]) -> usize {
         .map(|t| token_str(tokenizer, t.id).len())
         .sum()
 }
+
+/// vLLM's `prompt_logprobs`: per prompt token, `null` for the first (nothing predicts it),
+/// else a map from token id (as a string key) to `{logprob, rank, decoded_token}` holding
+/// the prompt's own token and the most likely alternatives (ranks 1, 2, …).
+pub fn prompt(tokenizer: &Tokenizer, tokens: &[Option<TokenLogprob>]) -> Value {
+    let entry = |id: u32, logprob: f32, rank: u32| json!({"logprob": logprob, "rank": rank, "decoded_token": token_str(tokenizer, id)});
+    tokens
+        .iter()
+        .map(|t| match t {
+            None => Value::Null,
+            Some(t) => {
+                let mut m = Map::new();
+                m.insert(t.id.to_string(), entry(t.id, t.logprob, t.rank));
+                for (i, &(id, lp)) in t.top.iter().enumerate() {
+                    m.entry(id.to_string())
+                        .or_insert_with(|| entry(id, lp, i as u32 + 1));
+                }
+                Value::Object(m)
+            }
+        })
+        .collect()
+}

@@ -36,8 +36,10 @@ pub enum PromptField {
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
-    /// Every other key: refused by name unless its value asks for nothing (as the body's
-    /// own catch-all), so `continuous_usage_stats: true` is never accepted and ignored.
+    /// vLLM's: every chunk carries the usage so far (`include_usage` adds the final one).
+    #[serde(default)]
+    pub continuous_usage_stats: bool,
+    /// Every other key: refused by name (`unsupported_field`), as the body's.
     #[serde(flatten)]
     pub other: serde_json::Map<String, Value>,
 }
@@ -84,44 +86,92 @@ pub struct CommonParams {
     pub guided_regex: Option<String>,
     pub guided_choice: Option<Vec<String>>,
     pub guided_grammar: Option<String>,
-    /// Every other field of the body. None is silently ignored: the handlers refuse each
-    /// one whose value asks for something (`unsupported_field`), and accept only values
-    /// that mean the default (null, false, 0, empty) and `user` (an end-user id for the
-    /// operator's logs, which changes no output).
+    /// vLLM's: control tokens generated mid-text (`<|im_start|>`, …) are left out of the
+    /// text (the default, `true`) or written out (`false`).
+    pub skip_special_tokens: Option<bool>,
+    /// vLLM's: whether the tokenizer adds the model's BOS before the prompt (default:
+    /// yes where the model wants one and the prompt does not start with it already).
+    pub add_special_tokens: Option<bool>,
+    /// vLLM's: each prompt token's log-probability given the tokens before it, and this
+    /// many most likely alternatives (0–20).
+    pub prompt_logprobs: Option<i64>,
+    /// Every other field of the body. None is silently ignored: each is refused by name
+    /// (`unsupported_field`) unless it is listed in `NO_OP_FIELDS` with the value sent,
+    /// that is, a value that asks for exactly what this server does anyway.
     #[serde(flatten)]
     pub other: serde_json::Map<String, Value>,
 }
 
-/// The first field of `other` that asks for something this server does not do, with the
-/// message its 400 carries; `None` if every one is a no-op.
+/// Fields this server does not implement, each with the values that ask for nothing it
+/// does not do anyway (an explicit list per field, never a guess from the value's look:
+/// `add_generation_prompt: false` looks like a default and asks for something). `null`
+/// stands for an absent field everywhere, as in OpenAI's API.
+const NO_OP_FIELDS: &[(&str, fn(&Value) -> bool)] = &[
+    // An end-user id for the operator's logs; it changes no output.
+    ("user", |v| v.is_string()),
+    ("best_of", |v| v.as_i64() == Some(1)),
+    ("use_beam_search", |v| v == &Value::Bool(false)),
+    ("length_penalty", |v| v.as_f64() == Some(1.0)),
+    // OpenAI's stored completions: this server stores nothing.
+    ("store", |v| v == &Value::Bool(false)),
+    ("metadata", |v| v.as_object().is_some_and(|o| o.is_empty())),
+    ("functions", |v| v.as_array().is_some_and(|a| a.is_empty())),
+    ("function_call", |v| v.as_str() == Some("none")),
+    ("modalities", |v| v == &serde_json::json!(["text"])),
+    ("include_stop_str_in_output", |v| v == &Value::Bool(false)),
+    ("stop_token_ids", |v| {
+        v.as_array().is_some_and(|a| a.is_empty())
+    }),
+    ("return_tokens_as_token_ids", |v| v == &Value::Bool(false)),
+    ("echo", |v| v == &Value::Bool(false)),
+    ("priority", |v| v.as_i64() == Some(0)),
+    ("documents", |v| v.as_array().is_some_and(|a| a.is_empty())),
+];
+
+/// Message fields that clients echo back from an earlier reply (OpenAI's SDK returns
+/// assistant messages with these set), with the values that change nothing.
+const NO_OP_MESSAGE_FIELDS: &[(&str, fn(&Value) -> bool)] = &[
+    ("refusal", |v| v.is_null()),
+    ("annotations", |v| {
+        v.as_array().is_some_and(|a| a.is_empty())
+    }),
+    ("audio", |v| v.is_null()),
+    ("function_call", |v| v.is_null()),
+];
+
+/// The first field of `other` that is not a listed no-op, with the message its 400
+/// carries; `None` if every one is.
 pub fn unsupported_field(other: &serde_json::Map<String, Value>) -> Option<(String, String)> {
-    other.iter().find(|(name, value)| !is_no_op(name, value)).map(|(name, value)| {
-        let known = matches!(
-            name.as_str(),
-            "functions" | "function_call"
-                | "best_of" | "prompt_logprobs"
-        );
-        let why = if known { "is not supported by this server yet" } else { "is not a field this server knows" };
-        (name.clone(), format!("`{name}` = {value} {why}; remove it (a request is never answered with a field ignored)"))
-    })
+    first_unsupported(other, NO_OP_FIELDS)
 }
 
-fn is_no_op(name: &str, value: &Value) -> bool {
-    match value {
-        Value::Null | Value::Bool(false) => true,
-        Value::Number(n) => {
-            n.as_f64() == Some(0.0) || (name == "best_of" && n.as_f64() == Some(1.0))
-        }
-        Value::String(s) => s.is_empty() || name == "user",
-        Value::Array(a) => a.is_empty(),
-        Value::Object(o) => {
-            o.is_empty()
-                || (name == "response_format"
-                    && o.get("type").and_then(Value::as_str) == Some("text")
-                    && o.len() == 1)
-        }
-        Value::Bool(true) => false,
-    }
+/// As [`unsupported_field`] for a message's fields.
+pub fn unsupported_message_field(
+    other: &serde_json::Map<String, Value>,
+) -> Option<(String, String)> {
+    first_unsupported(other, NO_OP_MESSAGE_FIELDS)
+}
+
+fn first_unsupported(
+    other: &serde_json::Map<String, Value>,
+    no_ops: &[(&str, fn(&Value) -> bool)],
+) -> Option<(String, String)> {
+    let is_no_op = |name: &str, value: &Value| {
+        value.is_null()
+            || no_ops
+                .iter()
+                .any(|(n, accepts)| *n == name && accepts(value))
+    };
+    other
+        .iter()
+        .find(|(name, value)| !is_no_op(name, value))
+        .map(|(name, value)| {
+            let why = match no_ops.iter().any(|(n, _)| n == name) {
+                true => "is not supported by this server with this value",
+                false => "is not a field this server knows",
+            };
+            (name.clone(), format!("`{name}` = {value} {why}; remove it (a request is never answered with a field ignored)"))
+        })
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -144,7 +194,8 @@ pub struct ChatMessageIn {
     pub tool_calls: Option<Value>,
     /// The call a `tool` message answers.
     pub tool_call_id: Option<String>,
-    /// Other message fields (`name`, `tool_calls`, …): refused unless no-ops, as for the body.
+    /// Other message fields (`name`, …): refused unless listed no-ops
+    /// (`unsupported_message_field`).
     #[serde(flatten)]
     pub other: serde_json::Map<String, Value>,
 }
@@ -156,6 +207,10 @@ pub struct ChatRequest {
     pub tools: Option<Vec<Value>>,
     /// `"none" | "auto" | "required" | {"type": "function", "function": {"name"}}`.
     pub tool_choice: Option<Value>,
+    /// vLLM's: end the prompt with the template's assistant header (default) or not.
+    pub add_generation_prompt: Option<bool>,
+    /// vLLM's: the last message (an assistant's) is left open and the reply continues it.
+    pub continue_final_message: Option<bool>,
     pub parallel_tool_calls: Option<bool>,
     /// vLLM's extra chat-template variables (Qwen3's `{"enable_thinking": false}`); each
     /// must be one the model's template reads.
@@ -214,8 +269,8 @@ mod tests {
             .other
     }
 
-    /// Known fields land in their places; the others are refused by name unless their
-    /// value is the default.
+    /// Known fields land in their places; the others are refused by name unless listed
+    /// with the value sent. A value that merely looks like a default is not enough.
     #[test]
     fn fields_that_ask_for_something_are_refused_by_name() {
         let base = r#""messages": [{"role": "user", "content": "hi"}], "temperature": 0"#;
@@ -226,6 +281,11 @@ mod tests {
             r#""user": "alice""#,
             r#""best_of": 1"#,
             r#""logit_bias": {}"#,
+            r#""store": false"#,
+            r#""frobnicate": null"#,
+            r#""add_generation_prompt": false"#,
+            r#""skip_special_tokens": false"#,
+            r#""prompt_logprobs": 0"#,
         ] {
             assert_eq!(
                 unsupported_field(&fields(&format!("{{{base}, {no_op}}}"))),
@@ -237,6 +297,17 @@ mod tests {
             (r#""functions": [{"name": "f"}]"#, "functions"),
             (r#""best_of": 3"#, "best_of"),
             (r#""frobnicate": 1"#, "frobnicate"),
+            (r#""frobnicate": false"#, "frobnicate"),
+            (r#""frobnicate": """#, "frobnicate"),
+            (
+                r#""include_stop_str_in_output": true"#,
+                "include_stop_str_in_output",
+            ),
+            (
+                r#""spaces_between_special_tokens": false"#,
+                "spaces_between_special_tokens",
+            ),
+            (r#""truncate_prompt_tokens": 0"#, "truncate_prompt_tokens"),
         ] {
             let (field, message) =
                 unsupported_field(&fields(&format!("{{{base}, {asks}}}"))).expect(asks);
@@ -246,8 +317,13 @@ mod tests {
         let msg: ChatMessageIn =
             serde_json::from_str(r#"{"role": "user", "content": "hi", "name": "bob"}"#).unwrap();
         assert_eq!(
-            unsupported_field(&msg.other).map(|f| f.0),
+            unsupported_message_field(&msg.other).map(|f| f.0),
             Some("name".to_string())
         );
+        let echoed: ChatMessageIn = serde_json::from_str(
+            r#"{"role": "assistant", "content": "hi", "refusal": null, "annotations": []}"#,
+        )
+        .unwrap();
+        assert_eq!(unsupported_message_field(&echoed.other), None);
     }
 }

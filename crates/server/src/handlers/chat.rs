@@ -11,6 +11,17 @@ fn message_text(content: &Option<Value>) -> Result<String, ApiError> {
         Some(Value::Array(parts)) => {
             let mut out = String::new();
             for p in parts {
+                // A part's other keys (`cache_control`, …) would be dropped, so a part is
+                // exactly `{"type": "text", "text": …}`.
+                if let Some(k) = p
+                    .as_object()
+                    .and_then(|o| o.keys().find(|k| !matches!(k.as_str(), "type" | "text")))
+                {
+                    return Err(ApiError::param(
+                        "messages",
+                        format!("content part key `{k}` is not supported; a part is {{\"type\": \"text\", \"text\": …}}"),
+                    ));
+                }
                 match (
                     p.get("type").and_then(Value::as_str),
                     p.get("text").and_then(Value::as_str),
@@ -42,8 +53,9 @@ pub async fn chat_completions(
     let tools = super::tools::parse(&req.tools, &req.tool_choice, req.parallel_tool_calls)?;
     let msgs = messages(&req, &state)?;
     let kwargs = template_kwargs(&state, req.chat_template_kwargs.as_ref())?;
-    let prompt = render(&state, msgs, tools.as_ref(), &kwargs)?;
-    let prompt_ids = state.tokenizer.encode_prompt(&prompt, true);
+    let ending = prompt_ending(&req)?;
+    let prompt = render(&state, msgs, tools.as_ref(), &kwargs, ending)?;
+    let prompt_ids = super::encode_text(&state.tokenizer, &prompt, req.common.add_special_tokens);
     let mut params = generate_params(&req.common, "messages", prompt_ids.len(), None, &state)?;
     if let Some(g) = tools.as_ref().and_then(|t| t.grammar()) {
         if let Some(other) = &params.grammar {
@@ -60,18 +72,15 @@ pub async fn chat_completions(
     let tools_active = tools.as_ref().is_some_and(|t| t.active());
     let parallel_calls = tools.as_ref().is_none_or(|t| t.parallel);
     let wants_logprobs = params.logprobs.is_some();
-    let include_usage = req
-        .common
-        .stream_options
-        .as_ref()
-        .is_some_and(|o| o.include_usage);
+    let usage_mode = StreamUsage::of(&req.common);
+    let include_usage = usage_mode.at_end;
     let s = submit(&state, prompt_ids, params, req.common.cache_salt.clone()).await?;
     if req.common.stream && !tools_active {
         return Ok(stream_response(
             Kind::Chat,
             s,
             state.model_name.clone(),
-            include_usage,
+            usage_mode,
             wants_logprobs.then(|| state.tokenizer.clone()),
             Vec::new(),
         )
@@ -93,17 +102,31 @@ pub async fn chat_completions(
     let usage = usage_of(prompt_tokens, &outputs);
     if req.common.stream {
         // With tools, a reply is parsed whole; it is then sent as one delta per choice.
-        return Ok(
-            buffered_stream(&state.model_name, choices, include_usage.then_some(usage))
-                .into_response(),
-        );
+        let every_chunk = usage_mode.every_chunk.then(|| {
+            let tokens: Vec<usize> = outputs.iter().map(|o| o.token_ids.len()).collect();
+            (prompt_tokens, tokens)
+        });
+        return Ok(buffered_stream(
+            &state.model_name,
+            choices,
+            include_usage.then_some(usage),
+            every_chunk,
+        )
+        .into_response());
     }
-    Ok(Json(json!({
+    let mut body = json!({
         "id": new_id("chatcmpl"), "object": "chat.completion", "created": now_unix(), "model": state.model_name,
         "choices": choices.into_iter().map(|c| c.0).collect::<Vec<_>>(),
         "usage": usage,
-    }))
-    .into_response())
+    });
+    // vLLM puts the prompt's logprobs beside the choices (the prompt is theirs in common).
+    if req.common.prompt_logprobs.is_some() {
+        let first = outputs.iter().find(|o| o.choice == 0);
+        body["prompt_logprobs"] = first.map_or(Value::Null, |o| {
+            crate::logprobs::prompt(&state.tokenizer, &o.prompt_logprobs)
+        });
+    }
+    Ok(Json(body).into_response())
 }
 
 /// The request's messages for the template, each checked.
@@ -131,7 +154,7 @@ fn messages(req: &ChatRequest, state: &AppState) -> Result<Vec<ChatMessage>, Api
                 format!("unsupported role {:?}", m.role),
             ));
         }
-        if let Some((name, message)) = crate::openai::unsupported_field(&m.other) {
+        if let Some((name, message)) = crate::openai::unsupported_message_field(&m.other) {
             return Err(ApiError::param(
                 "messages",
                 format!("message field {message}; `{name}`"),
@@ -169,20 +192,28 @@ fn render(
     mut msgs: Vec<ChatMessage>,
     tools: Option<&super::tools::Tools>,
     kwargs: &Map<String, Value>,
+    ending: PromptEnding,
 ) -> Result<String, ApiError> {
     let failed = |e: pk_tokenizer::TokenizerError| {
         ApiError::param("messages", format!("chat template failed: {e}"))
     };
     let template = &state.chat_template;
+    let gen_prompt = ending == PromptEnding::GenerationPrompt;
+    let open_tail = |text: String, msgs: &[ChatMessage]| match ending {
+        PromptEnding::OpenFinalMessage => open_final_message(text, msgs),
+        _ => Ok(text),
+    };
     let Some(t) = tools.filter(|t| t.active()) else {
-        return template
-            .render_with_kwargs(&msgs, None, true, kwargs)
-            .map_err(failed);
+        let text = template
+            .render_with_kwargs(&msgs, None, gen_prompt, kwargs)
+            .map_err(failed)?;
+        return open_tail(text, &msgs);
     };
     if template.renders_tools() {
-        return template
-            .render_with_kwargs(&msgs, Some(&t.defs), true, kwargs)
-            .map_err(failed);
+        let text = template
+            .render_with_kwargs(&msgs, Some(&t.defs), gen_prompt, kwargs)
+            .map_err(failed)?;
+        return open_tail(text, &msgs);
     }
     if t.grammar().is_none() {
         return Err(ApiError::param(
@@ -194,9 +225,59 @@ fn render(
         Some(system) => system.content = format!("{}\n\n{}", system.content, t.system_text()),
         None => msgs.insert(0, ChatMessage::new("system", t.system_text())),
     }
-    template
-        .render_with_kwargs(&msgs, None, true, kwargs)
-        .map_err(failed)
+    let text = template
+        .render_with_kwargs(&msgs, None, gen_prompt, kwargs)
+        .map_err(failed)?;
+    open_tail(text, &msgs)
+}
+
+/// How the rendered prompt ends: vLLM's `add_generation_prompt` (default true) and
+/// `continue_final_message` (default false).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PromptEnding {
+    /// The template's assistant header: the reply is a new turn.
+    GenerationPrompt,
+    /// The last message closed as the template closes it, nothing after.
+    Closed,
+    /// The last (assistant) message left open: the reply continues its text.
+    OpenFinalMessage,
+}
+
+fn prompt_ending(req: &ChatRequest) -> Result<PromptEnding, ApiError> {
+    let add_gen = req.add_generation_prompt.unwrap_or(true);
+    match (req.continue_final_message.unwrap_or(false), add_gen) {
+        (false, true) => Ok(PromptEnding::GenerationPrompt),
+        (false, false) => Ok(PromptEnding::Closed),
+        (true, true) => Err(ApiError::param(
+            "continue_final_message",
+            "continue_final_message needs add_generation_prompt: false (a new assistant turn cannot also continue the last one)",
+        )),
+        (true, false) => match req.messages.last().map(|m| m.role.as_str()) {
+            Some("assistant") => Ok(PromptEnding::OpenFinalMessage),
+            _ => Err(ApiError::param(
+                "continue_final_message",
+                "continue_final_message needs the last message to be the assistant's",
+            )),
+        },
+    }
+}
+
+/// The rendered prompt cut right after the last message's text, so that the template's
+/// end-of-turn is gone and the model continues that text (as transformers'
+/// `continue_final_message`: the text itself, or stripped where the template strips it).
+fn open_final_message(text: String, msgs: &[ChatMessage]) -> Result<String, ApiError> {
+    let last = msgs.last().map(|m| m.content.as_str()).unwrap_or("");
+    let cut = [last, last.trim()]
+        .into_iter()
+        .filter(|t| !t.is_empty())
+        .find_map(|t| text.rfind(t).map(|at| at + t.len()));
+    match cut {
+        Some(end) => Ok(text[..end].to_string()),
+        None => Err(ApiError::param(
+            "continue_final_message",
+            "the final message's text does not appear in the rendered chat template (an empty final message cannot be continued)",
+        )),
+    }
 }
 
 /// `chat_template_kwargs`, each entry checked: one the template never reads would be
@@ -259,10 +340,20 @@ fn buffered_stream(
     model: &str,
     choices: Vec<(Value, &'static str)>,
     usage: Option<Usage>,
+    every_chunk: Option<(usize, Vec<usize>)>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let (id, created) = (new_id("chatcmpl"), now_unix());
     let mut events = Vec::new();
-    let chunk = |choice: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]});
+    // `continuous_usage_stats`: each chunk carries its choice's usage (whole, as the reply
+    // was generated before its first chunk went out).
+    let chunk = |choice: Value| {
+        let mut c = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]});
+        if let Some((prompt, tokens)) = &every_chunk {
+            let i = choice["index"].as_u64().unwrap_or(0) as usize;
+            c["usage"] = json!(Usage::new(*prompt, tokens.get(i).copied().unwrap_or(0), 0));
+        }
+        c
+    };
     for (c, finish) in &choices {
         let index = c["index"].clone();
         let m = &c["message"];

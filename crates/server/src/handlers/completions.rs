@@ -42,7 +42,7 @@ fn prompts(
                     ids.push(*mid);
                     ids
                 }
-                _ => tokenizer.encode_prompt(&text, true),
+                _ => super::encode_text(tokenizer, &text, req.common.add_special_tokens),
             };
             (ids, text)
         })
@@ -58,6 +58,12 @@ fn token_prompts(
         return Err(ApiError::param(
             "suffix",
             "suffix needs a text prompt (token-id prompts cannot be wrapped in FIM tokens)",
+        ));
+    }
+    if req.common.add_special_tokens == Some(true) {
+        return Err(ApiError::param(
+            "add_special_tokens",
+            "token-id prompts are run exactly as given; add_special_tokens applies to text prompts",
         ));
     }
     check_count(prompts.len())?;
@@ -135,17 +141,13 @@ pub async fn completions(
         submitted.push(submit(&state, ids, params, req.common.cache_salt.clone()).await?);
     }
     let s = merge(submitted);
-    let include_usage = req
-        .common
-        .stream_options
-        .as_ref()
-        .is_some_and(|o| o.include_usage);
+    let usage_mode = StreamUsage::of(&req.common);
     if req.common.stream {
         return Ok(stream_response(
             Kind::Completion,
             s,
             state.model_name.clone(),
-            include_usage,
+            usage_mode,
             wants_logprobs.then(|| state.tokenizer.clone()),
             echo_texts,
         )
@@ -153,14 +155,28 @@ pub async fn completions(
     }
     let prompt_tokens = s.prompt_tokens;
     let outputs = collect(s, &state.model_name).await?;
+    // Choice 0 of each prompt carries its prompt's logprobs; its siblings (`n`) repeat them.
+    let choices_per_prompt = outputs.len() / prompts.len();
+    let prompt_lps: Vec<Value> = match req.common.prompt_logprobs.is_some() {
+        true => outputs
+            .iter()
+            .filter(|o| o.choice % choices_per_prompt == 0)
+            .map(|o| crate::logprobs::prompt(&state.tokenizer, &o.prompt_logprobs))
+            .collect(),
+        false => Vec::new(),
+    };
     let choices: Vec<Value> = outputs
         .iter()
         .map(|o| {
             let text = format!("{}{}", echo_texts[o.choice], o.text);
-            json!({"index": o.choice, "text": text, "logprobs": match wants_logprobs {
+            let mut c = json!({"index": o.choice, "text": text, "logprobs": match wants_logprobs {
                 true => crate::logprobs::completion(&state.tokenizer, &o.logprobs, 0),
                 false => Value::Null,
-            }, "finish_reason": finish_str(o.finish_reason)})
+            }, "finish_reason": finish_str(o.finish_reason)});
+            if let Some(p) = prompt_lps.get(o.choice / choices_per_prompt) {
+                c["prompt_logprobs"] = p.clone();
+            }
+            c
         })
         .collect();
     Ok(Json(json!({

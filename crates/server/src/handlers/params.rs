@@ -137,6 +137,25 @@ pub(super) fn generate_params(
         .validate()
         .map_err(|e| ApiError::param(e.param, e.message))?;
     let logprobs = requested_logprobs(c, prompt_param)?;
+    let prompt_logprobs = match c.prompt_logprobs {
+        None => None,
+        Some(_) if c.stream => {
+            return Err(ApiError::param(
+                "prompt_logprobs",
+                "prompt_logprobs is not available when stream is true (as vLLM)",
+            ))
+        }
+        Some(n) if (0..=pk_engine::MAX_LOGPROBS as i64).contains(&n) => Some(n as usize),
+        Some(n) => {
+            return Err(ApiError::param(
+                "prompt_logprobs",
+                format!(
+                    "prompt_logprobs must be in [0, {}], got {n}",
+                    pk_engine::MAX_LOGPROBS
+                ),
+            ))
+        }
+    };
     let min_tokens = match c.min_tokens {
         None => 0,
         Some(m) if m < 0 || m as usize > max_tokens => {
@@ -164,6 +183,8 @@ pub(super) fn generate_params(
         kv_granularity,
         min_tokens,
         logprobs,
+        prompt_logprobs,
+        skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
         n,
         grammar: requested_grammar(c)?,
         ..Default::default()

@@ -70,15 +70,44 @@ impl StreamLogprobs {
     }
 }
 
+/// Which usage a stream reports (`stream_options`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StreamUsage {
+    /// `include_usage`: a last chunk with the request's usage.
+    pub at_end: bool,
+    /// `continuous_usage_stats`: every chunk with its choice's usage so far.
+    pub every_chunk: bool,
+}
+
+impl StreamUsage {
+    pub fn of(c: &crate::openai::CommonParams) -> StreamUsage {
+        let o = c.stream_options.as_ref();
+        StreamUsage {
+            at_end: o.is_some_and(|o| o.include_usage),
+            every_chunk: o.is_some_and(|o| o.continuous_usage_stats),
+        }
+    }
+}
+
 pub(super) fn stream_response(
     kind: Kind,
     s: Submitted,
     model: String,
-    include_usage: bool,
+    usage: StreamUsage,
     logprobs: Option<Arc<pk_tokenizer::Tokenizer>>,
     echo: Vec<String>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let n = s.n;
+    let include_usage = usage.at_end;
+    // vLLM's `continuous_usage_stats`: every chunk carries its choice's usage so far.
+    let mut tokens_so_far = vec![0usize; n];
+    let prompt_tokens = s.prompt_tokens;
+    let with_usage = move |mut c: Value, completion_tokens: usize| {
+        if usage.every_chunk {
+            c["usage"] = json!(Usage::new(prompt_tokens, completion_tokens, 0));
+        }
+        c
+    };
     let mut logprobs = logprobs.map(|tokenizer| StreamLogprobs {
         tokenizer,
         kind,
@@ -89,7 +118,6 @@ pub(super) fn stream_response(
         Kind::Chat => "chatcmpl",
     });
     let created = now_unix();
-    let prompt_tokens = s.prompt_tokens;
     let mut rx = s.rx;
     let stream = async_stream(move |yield_| async move {
         // Chat streams open every choice with its role.
@@ -106,6 +134,7 @@ pub(super) fn stream_response(
                     true,
                     Value::Null,
                 );
+                let c = with_usage(c, 0);
                 if !yield_(Event::default().data(c.to_string())).await {
                     return;
                 }
@@ -124,6 +153,7 @@ pub(super) fn stream_response(
                 false,
                 Value::Null,
             );
+            let c = with_usage(c, 0);
             if !yield_(Event::default().data(c.to_string())).await {
                 return;
             }
@@ -139,8 +169,9 @@ pub(super) fn stream_response(
                     choice,
                     text,
                     logprobs: token_logprobs,
-                    ..
+                    token_ids,
                 } => {
+                    tokens_so_far[choice] += token_ids.len();
                     pending[choice].extend(token_logprobs);
                     if !text.is_empty() {
                         let tokens = std::mem::take(&mut pending[choice]);
@@ -156,6 +187,7 @@ pub(super) fn stream_response(
                             false,
                             lp,
                         );
+                        let c = with_usage(c, tokens_so_far[choice]);
                         if !yield_(Event::default().data(c.to_string())).await {
                             return;
                         }
@@ -184,6 +216,7 @@ pub(super) fn stream_response(
                         false,
                         lp,
                     );
+                    let c = with_usage(c, o.token_ids.len());
                     if !yield_(Event::default().data(c.to_string())).await {
                         return;
                     }
