@@ -306,6 +306,14 @@ for kwargs, param in [(dict(tools=[weather], tool_choice="auto"), "tool_choice")
     except openai.BadRequestError as err:
         assert err.body.get("param") == param, (kwargs, err.body)
 
+# A forced call that max_tokens cuts short is still a call (as OpenAI's): the function's
+# name, the arguments written so far, finish_reason "length"; never the raw template text.
+short = client.chat.completions.create(model=model, messages=ask, max_tokens=12, temperature=0, tools=[weather],
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+c = short.choices[0]
+assert c.finish_reason == "length" and c.message.tool_calls, c
+assert c.message.tool_calls[0].function.name == "get_weather" and c.message.content is None, c
+
 # The hostile-request suite: every field of OpenAI's request schema for both endpoints,
 # with a value that asks for something and a malformed one. Each is honoured (200), or
 # refused with a 400 naming it; never a 5xx, never a 200 for a field this server refuses.

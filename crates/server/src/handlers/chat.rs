@@ -70,7 +70,6 @@ pub async fn chat_completions(
         params.grammar = Some(g);
     }
     let tools_active = tools.as_ref().is_some_and(|t| t.active());
-    let parallel_calls = tools.as_ref().is_none_or(|t| t.parallel);
     let wants_logprobs = params.logprobs.is_some();
     let usage_mode = StreamUsage::of(&req.common);
     let include_usage = usage_mode.at_end;
@@ -91,7 +90,7 @@ pub async fn chat_completions(
     let choices: Vec<(Value, &'static str)> = outputs
         .iter()
         .map(|o| {
-            let (message, finish) = reply(o, tools_active, parallel_calls);
+            let (message, finish) = reply(o, tools.as_ref().filter(|t| t.active()));
             let lp = match wants_logprobs {
                 true => crate::logprobs::chat(&state.tokenizer, &o.logprobs),
                 false => Value::Null,
@@ -315,15 +314,23 @@ fn template_kwargs(
 
 /// One choice's message and finish reason; with tools, its calls parsed out of the text
 /// (only the first without `parallel_tool_calls`: `auto` is not grammar-constrained, so
-/// the model may have written more).
-fn reply(o: &RequestOutput, tools_active: bool, parallel_calls: bool) -> (Value, &'static str) {
+/// the model may have written more). A forced call that `max_tokens` cut short is still a
+/// call, with the arguments written so far and finish reason `length` (as OpenAI's), so a
+/// client that forced a call never gets it back as text.
+fn reply(o: &RequestOutput, tools: Option<&super::tools::Tools>) -> (Value, &'static str) {
     let finish = finish_str(o.finish_reason);
-    if !tools_active {
+    let Some(tools) = tools else {
         return (json!({"role": "assistant", "content": o.text}), finish);
-    }
+    };
     let (content, mut calls) = super::tools::parse_calls(&o.text);
-    if !parallel_calls {
+    if !tools.parallel {
         calls.truncate(1);
+    }
+    let cut_short = o.finish_reason == FinishReason::Length;
+    if cut_short && tools.grammar().is_some() {
+        calls.extend(super::tools::truncated_call(&o.text, tools.forced_name()));
+        let message = json!({"role": "assistant", "content": null, "tool_calls": calls});
+        return (message, finish);
     }
     if calls.is_empty() {
         return (json!({"role": "assistant", "content": o.text}), finish);

@@ -76,6 +76,14 @@ impl Tools {
         })
     }
 
+    /// The function a named `tool_choice` forces.
+    pub fn forced_name(&self) -> Option<&str> {
+        match &self.choice {
+            ToolChoice::Named(name) => Some(name),
+            _ => None,
+        }
+    }
+
     /// A system turn describing the tools, for templates that do not read `tools`.
     pub fn system_text(&self) -> String {
         let defs: Vec<String> = self.defs.iter().map(|d| d.to_string()).collect();
@@ -219,6 +227,37 @@ pub(super) fn parse_calls(text: &str) -> (Option<String>, Vec<Value>) {
     ((!content.is_empty()).then(|| content.to_string()), calls)
 }
 
+/// The call a grammar-forced reply was writing when `max_tokens` cut it short: its name
+/// (the forced one, or as far as the text completes it) and its arguments' text so far,
+/// which need not be valid JSON (OpenAI's `arguments` of a reply that hit its limit is
+/// not either). `None` when the text has no unclosed call or no name yet.
+pub(super) fn truncated_call(text: &str, forced_name: Option<&str>) -> Option<Value> {
+    let start = text.rfind("<tool_call>")?;
+    let body = &text[start + "<tool_call>".len()..];
+    if body.contains("</tool_call>") {
+        return None;
+    }
+    let written_name = || {
+        let after = body
+            .split_once("\"name\"")?
+            .1
+            .trim_start()
+            .strip_prefix(':')?;
+        let quoted = after.trim_start().strip_prefix('"')?;
+        quoted.split_once('"').map(|(name, _)| name.to_string())
+    };
+    let name = forced_name.map(str::to_string).or_else(written_name)?;
+    let arguments = body
+        .split_once("\"arguments\"")
+        .and_then(|(_, a)| a.trim_start().strip_prefix(':'))
+        .map_or("", str::trim_start);
+    Some(json!({
+        "id": new_id("call"),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,6 +275,23 @@ mod tests {
             "Sure.\n\n<tool_call>\nnot json\n</tool_call>"
         );
         assert_eq!(parse_calls("plain").1.len(), 0);
+    }
+
+    /// A forced call cut short is still a call: the forced name, or the written one once
+    /// complete, and the arguments so far; nothing before the name is complete.
+    #[test]
+    fn a_call_cut_short_keeps_its_name_and_partial_arguments() {
+        let text = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Pa";
+        let call = truncated_call(text, None).unwrap();
+        assert_eq!(call["function"]["name"], "get_weather");
+        assert_eq!(call["function"]["arguments"], "{\"city\": \"Pa");
+        let early = "<tool_call>\n{\"name\": \"get_wea";
+        assert_eq!(truncated_call(early, None), None);
+        let named = truncated_call(early, Some("get_weather")).unwrap();
+        assert_eq!(named["function"]["name"], "get_weather");
+        assert_eq!(named["function"]["arguments"], "");
+        let closed = "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>";
+        assert_eq!(truncated_call(closed, None), None);
     }
 
     #[test]
