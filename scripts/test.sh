@@ -24,7 +24,10 @@
 #    (cudarc opens the library by name). NVRTC needs no host compiler and the kernels no
 #    headers. The check FAILS, never skips, when the library cannot be opened.
 # 6. `cargo test --release --workspace --no-fail-fast`: every test binary runs even when an
-#    earlier one fails, so one run reports every failure.
+#    earlier one fails, so one run reports every failure. The tests that need an NVIDIA GPU
+#    (pk-cuda's kernels, forward and backend tests) are `#[ignore]`d: the summary counts them
+#    as ignored, and scripts/gpu/check.sh runs them on a GPU machine. The CUDA kernels'
+#    host-emulator test needs a C++20 compiler (`c++` or $CXX) and fails without one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
