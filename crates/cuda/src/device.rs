@@ -39,11 +39,12 @@ pub struct Gpu {
 }
 
 /// Opens device 0 with `act` as the GEMM operand type, or returns `None` after printing
-/// "skipped: no CUDA device" when there is no driver or device (tests and examples must
-/// pass on GPU-less machines). Any other failure (a kernel that does not compile, a missing
-/// cuBLAS) panics: a GPU that is present must work. With `PK_CUDA_REQUIRE=1` (set by
-/// scripts/gpu/check.sh on the GPU machine) a missing device panics too, so that a test
-/// run there can never pass by skipping.
+/// "skipped: no CUDA device" when there is no driver or device, for examples such as
+/// `transfer_bench` that say so and exit on GPU-less machines. Tests do not use it: the GPU
+/// tests are `#[ignore]`d and fail without a device (`tests/common`), so that none can pass
+/// by skipping. Any other failure (a kernel that does not compile, a missing cuBLAS) panics:
+/// a GPU that is present must work. With `PK_CUDA_REQUIRE=1` (set by scripts/gpu/check.sh on
+/// the GPU machine) a missing device panics too.
 pub fn cuda_or_skip(act: ActDtype) -> Option<Gpu> {
     match Gpu::new(0, act) {
         Ok(g) => Some(g),

@@ -1,6 +1,8 @@
 //! The GPU forward pass against the CPU's (`pk_model::Llama`) on the same random weights:
 //! a prefill, decode steps, a batch of two sequences, and a decode after a block was evicted
-//! (compacted block table, stored index behind the position). Skips without a GPU.
+//! (compacted block table, stored index behind the position). Every test needs a GPU: each is
+//! `#[ignore]`d, and fails when run without one (scripts/gpu/check.sh runs them with
+//! `--include-ignored`).
 
 mod common;
 
@@ -42,7 +44,7 @@ fn small_config() -> ModelConfig {
 }
 
 fn run(act: ActDtype, abs: f32, graphs: bool) {
-    let Some(gpu) = gpu(act) else { return };
+    let gpu = gpu(act);
     let cfg = small_config();
     let cpu = Llama::new(cfg.clone(), Weights::random(&cfg, GgmlType::F16, 7));
     let weights = GpuWeights::from_cpu(&gpu, &cpu.weights, &cfg).unwrap();
@@ -147,28 +149,30 @@ fn run(act: ActDtype, abs: f32, graphs: bool) {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu/check.sh runs it on one with --include-ignored"]
 fn forward_matches_cpu_f16() {
     // Weights are exact in f16; activations are rounded to f16 before each GEMM.
     run(ActDtype::F16, 0.02, false);
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu/check.sh runs it on one with --include-ignored"]
 fn forward_matches_cpu_f16_with_cuda_graphs() {
     // Decode steps captured once per shape and replayed: the same results as eager launches.
     run(ActDtype::F16, 0.02, true);
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu/check.sh runs it on one with --include-ignored"]
 fn forward_matches_cpu_bf16() {
     // bf16 activations carry 8 significant bits: a looser bound.
     run(ActDtype::Bf16, 0.15, false);
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu/check.sh runs it on one with --include-ignored"]
 fn random_weights_are_made_on_the_device_and_run() {
-    let Some(gpu) = gpu(ActDtype::Bf16) else {
-        return;
-    };
+    let gpu = gpu(ActDtype::Bf16);
     let cfg = small_config();
     let weights = GpuWeights::random(&gpu, &cfg, 1).unwrap();
     assert_eq!(

@@ -1,14 +1,23 @@
-//! Helpers shared by the GPU tests: opening the device (or skipping), random data, and
-//! comparisons with tolerances that say what they allow.
+//! Helpers shared by the GPU tests: opening the device, random data, and comparisons with
+//! tolerances that say what they allow.
 
 #![allow(dead_code)]
 
-use pk_cuda::{cuda_or_skip, ActDtype, Gpu};
+use pk_cuda::{ActDtype, CudaError, Gpu};
 use rand::{Rng, SeedableRng};
 
-/// The GPU, or `None` after printing "skipped: no CUDA device" (tests then return).
-pub fn gpu(act: ActDtype) -> Option<Gpu> {
-    cuda_or_skip(act)
+/// The GPU, or a panic saying why there is none. The tests that call this are `#[ignore]`d
+/// because they need a GPU, so they only run when asked to (`--ignored`, `--include-ignored`);
+/// once asked, a missing device is a failure, never a pass that checked nothing.
+pub fn gpu(act: ActDtype) -> Gpu {
+    match Gpu::new(0, act) {
+        Ok(g) => g,
+        Err(CudaError::NoDevice(why)) => panic!(
+            "no CUDA device ({why}): this test needs an NVIDIA GPU with libcuda, libnvrtc and \
+             libcublas on the library path (scripts/gpu/check.sh finds them)"
+        ),
+        Err(e) => panic!("CUDA device unusable: {e}"),
+    }
 }
 
 pub fn rng(seed: u64) -> rand::rngs::StdRng {
