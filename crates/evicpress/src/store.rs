@@ -33,8 +33,13 @@ use crate::model::{DecayedCount, DelayModel, QualityCurve, QualityPrior, Quality
 use crate::placement::{Item, Placer, Policy};
 use crate::scores::{snapkv_scores, token_scores, WindowQueries};
 
+mod measure;
 mod persist;
 mod worker;
+
+pub use measure::{
+    DelayProvenance, DelayReport, Provenance, TierCalibration, MIN_PREFILL_SAMPLE_TOKENS,
+};
 
 #[derive(Clone)]
 pub struct StoreConfig {
@@ -142,6 +147,7 @@ pub(crate) struct State {
     prior: QualityPrior,
     pub(crate) stats: StoreStats,
     delay: DelayModel,
+    provenance: measure::DelayProvenance,
 }
 
 /// What a context's SnapKV scores come from: given, or computed on the worker thread from
@@ -268,6 +274,7 @@ impl ContextStore {
                 entries: HashMap::new(),
                 prior: QualityPrior::default(),
                 stats: StoreStats::default(),
+                provenance: measure::DelayProvenance::priors(cfg.delay.tiers.len()),
                 delay: cfg.delay,
             })),
             in_flight: Arc::new((Mutex::new(0), Condvar::new())),
@@ -365,7 +372,7 @@ impl ContextStore {
         self.state.lock().unwrap().delay.clone()
     }
 
-    /// Replaces the delay model (e.g. with freshly measured bandwidths) and re-places.
+    /// Replaces the delay model (a benchmark's fitted one); later placements use it.
     pub fn set_delay_model(&self, delay: DelayModel) {
         self.state.lock().unwrap().delay = delay;
     }
@@ -544,6 +551,7 @@ impl ContextStore {
                     };
                     metrics::counter!("pagekeeper:evicpress_hits", "tier" => report.tier.clone())
                         .increment(1);
+                    self.observe_load(t, bytes, report.decode_s);
                     self.send(Job::Place(*key));
                     return Ok((ctx, report));
                 }

@@ -382,3 +382,102 @@ fn the_worker_computes_snapkv_scores_from_the_window_queries() {
     );
     assert!(!plain.wants_snapkv());
 }
+
+/// A RAM tier whose reads can be slowed down, timed by a real `BandwidthMeter` (the RAM
+/// tier's own loads are zero-copy, so its meter holds a calibrated memcpy rate instead).
+struct SlowTier {
+    inner: RamTier,
+    read_bytes_per_s: std::sync::Mutex<Option<f64>>,
+    meter: pk_tiers::BandwidthMeter,
+}
+
+impl Tier for SlowTier {
+    fn name(&self) -> &str {
+        "ram"
+    }
+    fn store(
+        &self,
+        key: &ChunkKey,
+        payload: &Payload,
+    ) -> Result<Vec<pk_tiers::Evicted>, pk_tiers::TierError> {
+        self.inner.store(key, payload)
+    }
+    fn load(&self, key: &ChunkKey) -> Result<Option<Payload>, pk_tiers::TierError> {
+        let t0 = std::time::Instant::now();
+        let got = self.inner.load(key)?;
+        if let (Some(p), Some(rate)) = (&got, *self.read_bytes_per_s.lock().unwrap()) {
+            std::thread::sleep(std::time::Duration::from_secs_f64(p.len() as f64 / rate));
+        }
+        if let Some(p) = &got {
+            self.meter.record_read(p.len() as u64, t0.elapsed());
+        }
+        Ok(got)
+    }
+    fn contains(&self, key: &ChunkKey) -> Result<bool, pk_tiers::TierError> {
+        self.inner.contains(key)
+    }
+    fn delete(&self, key: &ChunkKey) -> Result<bool, pk_tiers::TierError> {
+        self.inner.delete(key)
+    }
+    fn capacity_bytes(&self) -> u64 {
+        self.inner.capacity_bytes()
+    }
+    fn usage_bytes(&self) -> u64 {
+        self.inner.usage_bytes()
+    }
+    fn bandwidth(&self) -> pk_tiers::BandwidthEstimate {
+        self.meter.estimate()
+    }
+}
+
+/// The delay model is measured, not assumed: calibration probes set each tier's bandwidth
+/// from its meter (provenance `calibrated`), and when the RAM tier slows down to 200 kB/s
+/// the next load shows it (provenance `observed`) and the context is re-placed in a
+/// smaller configuration or another tier.
+#[test]
+fn a_slowed_tier_changes_placement() {
+    let dir = tempfile::tempdir().unwrap();
+    let ram = Arc::new(SlowTier {
+        inner: RamTier::new(64 << 20),
+        read_bytes_per_s: std::sync::Mutex::new(None),
+        meter: pk_tiers::BandwidthMeter::default(),
+    });
+    let s = store(
+        ram.clone(),
+        dir.path(),
+        32 << 20,
+        Policy::Evicpress {
+            alpha: 1.0,
+            ranking: Ranking::AbsoluteDrop,
+        },
+    );
+    let before_calibration = s.delay_report();
+    assert_eq!(before_calibration.provenance.tiers[0].source, "prior");
+    let calibrated = s.calibrate_tiers(256 << 10).unwrap();
+    assert!(
+        calibrated.iter().all(|c| c.skipped.is_none()),
+        "{calibrated:?}"
+    );
+    let report = s.delay_report();
+    assert_eq!(report.provenance.tiers[0].source, "calibrated");
+    assert_eq!(report.provenance.tiers[1].source, "calibrated");
+    assert!(report.model.tiers[0].read_bytes_per_s > 1e8, "{report:?}");
+    let key = ChunkKey([42; 32]);
+    assert!(s.offer(key, kv(42, 256)));
+    s.flush();
+    let fast = s.placement_of(&key).unwrap();
+    assert_eq!(
+        fast,
+        (0, 0),
+        "a fast RAM tier holds the context uncompressed"
+    );
+
+    *ram.read_bytes_per_s.lock().unwrap() = Some(2e5);
+    s.load(&key, Some(&[1, 2, 3])).unwrap();
+    s.flush();
+    let report = s.delay_report();
+    assert_eq!(report.provenance.tiers[0].source, "observed");
+    assert!(report.model.tiers[0].read_bytes_per_s < 1e7, "{report:?}");
+    let slow = s.placement_of(&key).unwrap();
+    assert_ne!(slow, fast, "placement ignored a tier 1000x slower");
+}

@@ -44,7 +44,9 @@ pub use key::{ChunkKey, ChunkKeyer, ChunkSizeError};
 pub use ram::RamTier;
 pub use redis_tier::{RedisStats, RedisTier, RedisTierConfig};
 pub use store::{Loaded, PrefixLookup, StoreReport, TierMetricsSnapshot, TieredStore};
-pub use tier::{BandwidthEstimate, BandwidthMeter, Evicted, Payload, Tier};
+pub use tier::{
+    BandwidthEstimate, BandwidthMeter, Evicted, Payload, Tier, LATENCY_SAMPLE_MAX_BYTES,
+};
 
 use std::path::PathBuf;
 

@@ -140,7 +140,11 @@ impl BandwidthMeter {
         } else {
             &mut s.write_bytes_per_s
         };
-        *slot = Some(ewma(*slot, rate));
+        // Averaged as seconds per byte, not as a rate: a load's expected time is the mean of
+        // times, and a rate average would let one fast sample hide a slowdown for dozens
+        // of operations (5 GB/s then 200 kB/s averages to 4 GB/s; as times, to 1 MB/s).
+        let s_per_byte = ewma(slot.map(|r| 1.0 / r), 1.0 / rate);
+        *slot = Some(1.0 / s_per_byte);
     }
 }
 
@@ -171,5 +175,15 @@ mod tests {
         assert!(e.write_bytes_per_s.is_none());
         let load_s = e.load_seconds(1 << 20).unwrap();
         assert!((load_s - 1.1e-3).abs() < 1e-9, "{load_s}");
+    }
+
+    /// A tier that slows down shows it at the next operation: the meter averages time per
+    /// byte, so one slow read among fast ones moves the estimate by its weight in time.
+    #[test]
+    fn one_slow_read_shows_a_slowdown_at_once() {
+        let m = BandwidthMeter::with_prior(5e9, 5e9);
+        m.record_read(1 << 20, Duration::from_secs_f64((1 << 20) as f64 / 2e5));
+        let read = m.estimate().read_bytes_per_s.unwrap();
+        assert!(read < 2e6, "{read} bytes/s after a 200 kB/s read");
     }
 }

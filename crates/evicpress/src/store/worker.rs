@@ -249,5 +249,13 @@ impl ContextStore {
                 metrics::gauge!("pagekeeper:evicpress_contexts", "tier" => self.tiers[t].name().to_string(), "config" => self.grid.configs()[c].to_string()).set(n as f64);
             }
         }
+        // The delay model placement decides with, as measured (`delay_report` says where
+        // each figure comes from).
+        metrics::gauge!("pagekeeper:evicpress_prefill_tokens_per_second")
+            .set(st.delay.prefill_tokens_per_s);
+        for (t, spec) in st.delay.tiers.iter().enumerate() {
+            metrics::gauge!("pagekeeper:evicpress_tier_read_bytes_per_second", "tier" => self.tiers[t].name().to_string())
+                .set(spec.read_bytes_per_s);
+        }
     }
 }
