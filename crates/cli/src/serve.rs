@@ -115,10 +115,28 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     let name = model_name.clone();
     let device = a.device.clone();
     let engine = EngineHandle::spawn(move || {
-        crate::gpu::engine(&device, &path, config).map(|mut e| {
-            e.model_name = name;
-            e
-        })
+        let mut e = crate::gpu::engine(&device, &path, config)?;
+        e.model_name = name;
+        // EVICPRESS decides with this machine's delays: measured before the first request,
+        // then kept current from every prefill and load.
+        if let Some(c) = e.calibrate_context_store()? {
+            let tiers: Vec<String> = c
+                .tiers
+                .iter()
+                .map(|t| match (&t.skipped, t.read_bytes_per_s) {
+                    (Some(why), _) => format!("{} not probed ({why})", t.tier),
+                    (None, Some(r)) => format!("{} {:.0} MB/s read", t.tier, r / 1e6),
+                    (None, None) => format!("{} unmeasured", t.tier),
+                })
+                .collect();
+            tracing::info!(
+                "EVICPRESS delay model calibrated: prefill {:.0} tokens/s ({} tokens), {}",
+                c.prefill_tokens_per_s,
+                c.prefill_tokens,
+                tiers.join(", ")
+            );
+        }
+        Ok(e)
     });
     let state = Arc::new(AppState {
         engine,

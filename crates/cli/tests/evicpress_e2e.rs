@@ -30,6 +30,30 @@ fn evicpress_store_serves_explains_and_profiles_contexts() {
         "q8,q4,paged-eviction-0.5,snapkv-0.5",
     ]);
 
+    // The delay model was measured at start-up, not taken from constants: the prefill
+    // speed of this model here and every tier's bandwidth, each saying so.
+    let delay = &contexts(&server)["delay_model"];
+    assert_eq!(
+        delay["provenance"]["prefill_tokens_per_s"]["source"], "calibrated",
+        "{delay}"
+    );
+    for (i, tier) in delay["provenance"]["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(tier["source"], "calibrated", "tier {i}: {delay}");
+        assert!(
+            delay["write_bytes_per_s"][i]
+                .as_f64()
+                .is_some_and(|w| w > 0.0),
+            "{delay}"
+        );
+    }
+    let calibrated_prefill = delay["model"]["prefill_tokens_per_s"].as_f64().unwrap();
+    assert!(calibrated_prefill > 0.0, "{delay}");
+
     let context = prompt(91);
     let (prompt_tokens, cached) = server
         .complete(&format!("{context} First question?"))
@@ -89,6 +113,21 @@ fn evicpress_store_serves_explains_and_profiles_contexts() {
         "{snapkv}"
     );
     assert!(server.metrics().contains("pagekeeper:evicpress_hits"));
+    // Serving updated the model: the prefills it ran and the load it served.
+    let delay = &explained["delay_model"]["provenance"];
+    assert_eq!(
+        delay["prefill_tokens_per_s"]["source"], "observed",
+        "{delay}"
+    );
+    // (the load's tier: the context may have moved since, so any tier will do).
+    let observed = delay["tiers"].as_array().unwrap();
+    assert!(
+        observed.iter().any(|t| t["source"] == "observed"),
+        "{delay}"
+    );
+    let metrics = server.metrics();
+    assert!(metrics.contains("pagekeeper:evicpress_prefill_tokens_per_second"));
+    assert!(metrics.contains("pagekeeper:evicpress_tier_read_bytes_per_second"));
 
     // The hit recorded its query; the idle server profiles the context with it.
     wait_until("background profiling", Duration::from_secs(120), || {

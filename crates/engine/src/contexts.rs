@@ -213,6 +213,9 @@ impl KvReuse for ContextReuse {
         let written =
             ctx.n_original_tokens == tokens && place_prefix(&ctx, kv, backend.kv_mut(), seq);
         report.restore_s = t0.elapsed().as_secs_f64();
+        if written {
+            self.store.observe_restore(ctx.n_tokens(), report.restore_s);
+        }
         let placed = written.then(|| Placed {
             tokens,
             exact: ctx.n_tokens() == tokens && report.config.starts_with("none-"),
@@ -247,8 +250,60 @@ impl KvReuse for ContextReuse {
         self.offer(key, kv_copy, window);
     }
 
+    fn observe_prefill(&mut self, tokens: usize, seconds: f64) {
+        self.store.observe_prefill(tokens, seconds);
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+}
+
+/// Tokens of the prefill timed at start-up: `bench perf`'s shortest default context, so
+/// that the two figures compare.
+const CALIBRATION_PREFILL_TOKENS: usize = 512;
+/// Bytes of each tier probe at start-up: about one 2K-token context of SmolLM2 in f16.
+const CALIBRATION_PROBE_BYTES: usize = 4 << 20;
+
+/// What [`Engine::calibrate_context_store`] measured.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DelayCalibration {
+    pub prefill_tokens: usize,
+    pub prefill_tokens_per_s: f64,
+    pub tiers: Vec<pk_evicpress::TierCalibration>,
+}
+
+impl Engine {
+    /// Measures the EVICPRESS store's delay model on this machine (spec "Profiling": the
+    /// utility weighs load delay against quality, so its delays must be this machine's):
+    /// times a prefill of `CALIBRATION_PREFILL_TOKENS` tokens of this model and probes
+    /// each tier. `Ok(None)` without a store. Runs before serving (no requests in flight);
+    /// serving then keeps the figures current from every prefill and load.
+    pub fn calibrate_context_store(&mut self) -> anyhow::Result<Option<DelayCalibration>> {
+        let Some(store) = self.context_store() else {
+            return Ok(None);
+        };
+        let cfg = self.model_config();
+        let n = CALIBRATION_PREFILL_TOKENS.min(cfg.context_length - 1);
+        // Any ids do: prefill costs the same whatever the tokens say.
+        let vocab = cfg.vocab_size as u64;
+        let tokens: Vec<u32> = (0..n as u64)
+            .map(|i| ((i * 7919 + 11) % vocab) as u32)
+            .collect();
+        // A short run first, so that the timed one does not pay for weights paged in.
+        self.score(&tokens[..16.min(n)], 16.min(n) - 1)?;
+        let t0 = std::time::Instant::now();
+        self.score(&tokens, n - 1)?;
+        let prefill_tokens_per_s = n as f64 / t0.elapsed().as_secs_f64();
+        store.set_calibrated_prefill(prefill_tokens_per_s);
+        let tiers = store
+            .calibrate_tiers(CALIBRATION_PROBE_BYTES)
+            .map_err(anyhow::Error::msg)?;
+        Ok(Some(DelayCalibration {
+            prefill_tokens: n,
+            prefill_tokens_per_s,
+            tiers,
+        }))
     }
 }
 

@@ -1169,6 +1169,7 @@ impl Engine {
     /// Executes a plan: one forward pass over every planned chunk, then each sequence's
     /// result is applied (`apply`). Returns the number of tokens run.
     fn run_plan(&mut self, plan: &[Chunk]) -> usize {
+        let t0 = std::time::Instant::now();
         let Some(Executed {
             logits,
             mut captured,
@@ -1177,6 +1178,14 @@ impl Engine {
         else {
             return 0;
         };
+        // A step of prompt chunks only times prefill (a decode's chunk is one token).
+        if plan.iter().all(|c| c.to - c.from > 1) {
+            let tokens = plan.iter().map(|c| c.to - c.from).sum();
+            let seconds = t0.elapsed().as_secs_f64();
+            if let Some(r) = self.reuse.as_mut() {
+                r.observe_prefill(tokens, seconds);
+            }
+        }
         let vocab = self.backend.config().vocab_size;
         let mut row = 0;
         let mut finished = Vec::new();

@@ -20,7 +20,7 @@ mod sequence;
 pub mod stop;
 pub mod tiering;
 
-pub use contexts::{ContextReuseConfig, ContextReuseStats};
+pub use contexts::{ContextReuseConfig, ContextReuseStats, DelayCalibration};
 pub use engine::{
     Engine, EngineConfig, EngineStats, FinishReason, GenerateParams, SubmitError, MAX_CHOICES,
     MAX_LOGPROBS,

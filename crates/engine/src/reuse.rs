@@ -120,6 +120,10 @@ pub(crate) trait KvReuse: Send {
     /// from the blocks asynchronously would release them here.
     fn request_finished(&mut self, _s: &SeqReuse) {}
 
+    /// Told of every step that ran only prompt tokens: `tokens` computed in `seconds`. A
+    /// store that weighs loading against recomputing keeps its prefill speed current.
+    fn observe_prefill(&mut self, _tokens: usize, _seconds: f64) {}
+
     /// The concrete connector, for its own statistics and store (`Engine::tiering_stats`,
     /// `Engine::context_store`).
     fn as_any(&self) -> &dyn Any;

@@ -337,6 +337,9 @@ pub async fn kv_contexts(State(state): State<Arc<AppState>>) -> Response {
         "policy": store.policy().name(),
         "tiers": names.iter().zip(&usage).map(|(n, u)| serde_json::json!({"name": n, "placed_bytes": u})).collect::<Vec<_>>(),
         "stats": store.stats(),
+        // The delays placement decides with, each figure with its source (calibrated at
+        // start-up, observed since, or a prior).
+        "delay_model": store.delay_report(),
         "contexts": store.explain(),
     }))
     .into_response()
