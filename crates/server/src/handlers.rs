@@ -271,7 +271,7 @@ async fn collect(mut s: Submitted, model: &str) -> Result<Vec<RequestOutput>, Ap
             SeqEvent::Text { .. } | SeqEvent::Logits(_) => {}
             SeqEvent::Finished(o) => {
                 record_latencies(model, &o);
-                outputs.push(o);
+                outputs.push(*o);
                 if outputs.len() == s.n {
                     outputs.sort_by_key(|o| o.choice);
                     return Ok(outputs);

@@ -187,7 +187,7 @@ pub(super) fn stream_response(
                     if !yield_(Event::default().data(c.to_string())).await {
                         return;
                     }
-                    outputs.push(o);
+                    outputs.push(*o);
                     if outputs.len() < n {
                         continue;
                     }
