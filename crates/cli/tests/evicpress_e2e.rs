@@ -88,7 +88,7 @@ fn evicpress_store_serves_explains_and_profiles_contexts() {
         snapkv["quality"].as_f64().is_some_and(f64::is_finite),
         "{snapkv}"
     );
-    assert!(server.metrics().contains("pagekeeper:evicpress_hits"));
+    assert!(server.metrics().contains("pagekeeper:evicpress_hits_total"));
 
     // The hit recorded its query; the idle server profiles the context with it.
     wait_until("background profiling", Duration::from_secs(120), || {

@@ -248,7 +248,7 @@ fn serve_honours_disable_hybrid_kv_cache_manager() {
         );
         assert_eq!(status, 200, "{body}");
         let m = get_body(port, "/metrics");
-        gauge(&m, "pagekeeper:kv_blocks_in_use_peak") / gauge(&m, "pagekeeper:kv_blocks_total")
+        gauge(&m, "pagekeeper:kv_blocks_in_use_peak") / gauge(&m, "pagekeeper:kv_pool_blocks")
     };
     let grouped = peak_fraction(None);
     let flat = peak_fraction(Some("--disable-hybrid-kv-cache-manager"));

@@ -542,7 +542,7 @@ impl ContextStore {
                         fell_back_to_master: fell_back,
                         restore_s: 0.0,
                     };
-                    metrics::counter!("pagekeeper:evicpress_hits", "tier" => report.tier.clone())
+                    metrics::counter!("pagekeeper:evicpress_hits_total", "tier" => report.tier.clone())
                         .increment(1);
                     self.send(Job::Place(*key));
                     return Ok((ctx, report));

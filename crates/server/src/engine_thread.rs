@@ -3,7 +3,8 @@
 //! No lock is ever taken around the KV cache: HTTP handlers only send commands and read
 //! per-request event channels. The loop blocks on the channel when idle and otherwise
 //! drains it between steps, so admission happens at step boundaries (continuous batching).
-//! Metrics are published from here after every step.
+//! Metrics are published from here after every step. The exporter adds `model_name` to
+//! every series (`metrics_builder`).
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
@@ -135,7 +136,6 @@ impl EngineHandle {
 }
 
 fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
-    let model = engine.model_name.clone();
     let mut published = EngineStats::default();
     let mut published_eviction = std::collections::BTreeMap::new();
     let mut last_log = Instant::now();
@@ -163,7 +163,7 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
             profiling = engine.maybe_start_background_profile(PROFILE_ANSWER_TOKENS);
         }
         if !engine.has_work() {
-            publish(&engine, &model, &mut published, &mut published_eviction);
+            publish(&engine, &mut published, &mut published_eviction);
             match rx.blocking_recv() {
                 Some(cmd) => handle(&mut engine, cmd),
                 None => return,
@@ -173,7 +173,7 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
             handle(&mut engine, cmd);
         }
         engine.step();
-        publish(&engine, &model, &mut published, &mut published_eviction);
+        publish(&engine, &mut published, &mut published_eviction);
         if last_log.elapsed() >= LOG_INTERVAL {
             let secs = last_log.elapsed().as_secs_f64();
             tracing::info!(
@@ -201,44 +201,39 @@ fn handle(engine: &mut Engine, cmd: Command) {
 /// Publishes gauges and the counters' increments since the last call.
 fn publish(
     engine: &Engine,
-    model: &str,
     last: &mut EngineStats,
     last_eviction: &mut std::collections::BTreeMap<String, pk_engine::EvictionStats>,
 ) {
     for (policy, now) in &engine.eviction_stats {
         let before = last_eviction.entry(policy.clone()).or_default();
-        let labels = [
-            ("model_name", model.to_string()),
-            ("policy", policy.clone()),
-        ];
-        metrics::counter!("pagekeeper:kv_evicted_blocks", &labels)
+        let labels = [("policy", policy.clone())];
+        metrics::counter!("pagekeeper:kv_evicted_blocks_total", &labels)
             .increment(now.evicted_blocks - before.evicted_blocks);
-        metrics::counter!("pagekeeper:kv_pruned_prompt_tokens", &labels)
+        metrics::counter!("pagekeeper:kv_pruned_prompt_tokens_total", &labels)
             .increment(now.pruned_prompt_tokens - before.pruned_prompt_tokens);
         *before = now.clone();
     }
-    let labels = [("model_name", model.to_string())];
-    metrics::gauge!("vllm:num_requests_running", &labels).set(engine.num_running() as f64);
-    metrics::gauge!("vllm:num_requests_waiting", &labels).set(engine.num_waiting() as f64);
-    metrics::gauge!("vllm:kv_cache_usage_perc", &labels).set(engine.kv_manager().usage());
+    metrics::gauge!("vllm:num_requests_running").set(engine.num_running() as f64);
+    metrics::gauge!("vllm:num_requests_waiting").set(engine.num_waiting() as f64);
+    metrics::gauge!("vllm:kv_cache_usage_perc").set(engine.kv_manager().usage());
     let s = &engine.stats;
     // Peaks since the server started (what load tests read): blocks are the pool's unit,
     // whatever their layer count.
     let pool = engine.kv_manager().pool();
-    metrics::gauge!("pagekeeper:kv_blocks_total", &labels).set(pool.num_blocks() as f64);
-    metrics::gauge!("pagekeeper:kv_blocks_in_use", &labels)
+    // The pool's size is a gauge, so its name does not end in `_total` (a counter's suffix).
+    metrics::gauge!("pagekeeper:kv_pool_blocks").set(pool.num_blocks() as f64);
+    metrics::gauge!("pagekeeper:kv_blocks_in_use")
         .set((pool.num_blocks() - pool.num_free_blocks()) as f64);
-    metrics::gauge!("pagekeeper:kv_blocks_in_use_peak", &labels)
+    metrics::gauge!("pagekeeper:kv_blocks_in_use_peak")
         .set((s.kv_bytes_peak / engine.kv_block_bytes().max(1)) as f64);
-    metrics::gauge!("pagekeeper:num_requests_running_peak", &labels).set(s.max_running_seqs as f64);
-    metrics::counter!("vllm:prompt_tokens", &labels)
-        .increment(s.prompt_tokens - last.prompt_tokens);
-    metrics::counter!("vllm:generation_tokens", &labels)
+    metrics::gauge!("pagekeeper:num_requests_running_peak").set(s.max_running_seqs as f64);
+    metrics::counter!("vllm:prompt_tokens_total").increment(s.prompt_tokens - last.prompt_tokens);
+    metrics::counter!("vllm:generation_tokens_total")
         .increment(s.generation_tokens - last.generation_tokens);
-    metrics::counter!("vllm:num_preemptions", &labels).increment(s.preemptions - last.preemptions);
-    metrics::counter!("vllm:prefix_cache_queries", &labels)
+    metrics::counter!("vllm:num_preemptions_total").increment(s.preemptions - last.preemptions);
+    metrics::counter!("vllm:prefix_cache_queries_total")
         .increment(s.prefix_queries_tokens - last.prefix_queries_tokens);
-    metrics::counter!("vllm:prefix_cache_hits", &labels)
+    metrics::counter!("vllm:prefix_cache_hits_total")
         .increment(s.prefix_hits_tokens - last.prefix_hits_tokens);
     *last = s.clone();
 }
