@@ -152,7 +152,7 @@ pub async fn completions(
         .into_response());
     }
     let prompt_tokens = s.prompt_tokens;
-    let outputs = collect(s, &state.model_name).await?;
+    let outputs = collect(s).await?;
     let choices: Vec<Value> = outputs
         .iter()
         .map(|o| {

@@ -162,7 +162,6 @@ pub(super) fn stream_response(
                     }
                 }
                 SeqEvent::Finished(o) => {
-                    record_latencies(&model, &o);
                     let fin = finish_str(o.finish_reason);
                     let text = match kind {
                         Kind::Completion => Some(""),
