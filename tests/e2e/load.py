@@ -53,6 +53,6 @@ while time.time() < deadline:
     time.sleep(0.2)
 else:
     raise AssertionError(f"blocks leaked: running={metric('vllm:num_requests_running')} usage={metric('vllm:kv_cache_usage_perc')}")
-gen = metric("vllm:generation_tokens")
+gen = metric("vllm:generation_tokens_total")
 assert gen is not None and gen < 2000 + 128 * 6 + 500, f"the disconnected request kept generating: {gen} tokens"
 print("load: all checks passed")

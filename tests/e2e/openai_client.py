@@ -517,13 +517,13 @@ assert usages == sorted(usages) and usages[-1] == usages[-2] and usages[-1] >= 1
 
 # Metrics with vLLM's names and a model_name label.
 metrics = urllib.request.urlopen(base + "/metrics").read().decode()
-for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries",
-             "vllm:prefix_cache_hits", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:num_preemptions",
+for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+             "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
              "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:inter_token_latency_seconds"]:
     assert name in metrics, name
-hits = [l for l in metrics.splitlines() if l.startswith("vllm:prefix_cache_hits{")]
+hits = [l for l in metrics.splitlines() if l.startswith("vllm:prefix_cache_hits_total{")]
 assert hits and float(hits[0].split()[-1]) >= 32, hits
 assert f'model_name="{model}"' in metrics
-pruned = [l for l in metrics.splitlines() if l.startswith("pagekeeper:kv_pruned_prompt_tokens{") and 'policy="paged-eviction"' in l]
+pruned = [l for l in metrics.splitlines() if l.startswith("pagekeeper:kv_pruned_prompt_tokens_total{") and 'policy="paged-eviction"' in l]
 assert pruned and float(pruned[0].split()[-1]) > 0, pruned
 print("openai client e2e: all checks passed")

@@ -200,7 +200,7 @@ fn run_one(
             .get(format!("http://127.0.0.1:{}/metrics", a.port + k as u16))
             .send()?
             .text()?;
-        tier_hits += sum_series(&text, "pagekeeper_tier_hits_total", "tier=\"redis\"");
+        tier_hits += sum_series(&text, "pagekeeper:tier_hits_total", "tier=\"redis\"");
     }
     drop(servers);
     let failed: Vec<String> = results

@@ -350,8 +350,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         }
         let peak_blocks = metric(&metrics, "pagekeeper:kv_blocks_in_use_peak");
         let max_running = metric(&metrics, "pagekeeper:num_requests_running_peak");
-        let preemptions = metric(&metrics, "vllm:num_preemptions_total")
-            .max(metric(&metrics, "vllm:num_preemptions"));
+        let preemptions = metric(&metrics, "vllm:num_preemptions_total");
         let level = serde_json::json!({
             "concurrency": conc, "requests": n_requests, "completion_tokens": tokens, "wall_s": wall,
             "prompt_tokens_mean": prompt_tokens_mean,
@@ -359,7 +358,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
             "ttft_p50_s": percentile(&ttft, 0.5), "ttft_p99_s": percentile(&ttft, 0.99),
             "itl_p50_s": percentile(&itl, 0.5), "itl_p99_s": percentile(&itl, 0.99),
             "e2e_p50_s": percentile(&e2e, 0.5),
-            "peak_kv_blocks": peak_blocks, "kv_blocks_total": metric(&metrics, "pagekeeper:kv_blocks_total"),
+            "peak_kv_blocks": peak_blocks, "kv_blocks_total": metric(&metrics, "pagekeeper:kv_pool_blocks"),
             "preemptions": preemptions, "failed": failed.len(), "max_running_seqs": max_running,
         });
         if !a.json {

@@ -63,7 +63,6 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     // The --config file under flags and env (config.rs).
     a.model = a.model.resolved()?;
     crate::gpu::check_device(&a.device)?;
-    let metrics = pk_server::install_metrics().context("installing the metrics recorder")?;
     let path = resolve_model(a.model.model.as_deref(), true)?;
     if let Some(n) = a.model.threads {
         rayon::ThreadPoolBuilder::new()
@@ -96,6 +95,9 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default()
     });
+    // Before the tiers open (they count what they find on disk) and the engine starts.
+    let metrics =
+        pk_server::install_metrics(&model_name).context("installing the metrics recorder")?;
     let config = EngineConfig {
         block_size_tokens: a.model.block_size,
         kv_dtype,

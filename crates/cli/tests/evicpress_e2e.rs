@@ -112,7 +112,7 @@ fn evicpress_store_serves_explains_and_profiles_contexts() {
         snapkv["quality"].as_f64().is_some_and(f64::is_finite),
         "{snapkv}"
     );
-    assert!(server.metrics().contains("pagekeeper:evicpress_hits"));
+    assert!(server.metrics().contains("pagekeeper:evicpress_hits_total"));
     // Serving updated the model: the prefills it ran and the load it served.
     let delay = &explained["delay_model"]["provenance"];
     assert_eq!(

@@ -248,7 +248,7 @@ fn serve_honours_disable_hybrid_kv_cache_manager() {
         );
         assert_eq!(status, 200, "{body}");
         let m = get_body(port, "/metrics");
-        gauge(&m, "pagekeeper:kv_blocks_in_use_peak") / gauge(&m, "pagekeeper:kv_blocks_total")
+        gauge(&m, "pagekeeper:kv_blocks_in_use_peak") / gauge(&m, "pagekeeper:kv_pool_blocks")
     };
     let grouped = peak_fraction(None);
     let flat = peak_fraction(Some("--disable-hybrid-kv-cache-manager"));
@@ -284,4 +284,118 @@ fn add_special_tokens_false_leaves_out_the_bos() {
         prompt_tokens(serde_json::json!({"add_special_tokens": false})),
         with_bos - 1
     );
+}
+
+/// `/metrics` as vLLM names its series (issue 34): after streamed and whole requests, one
+/// of them with two choices, the inter-token latency histogram holds one observation per
+/// gap between consecutive tokens of each choice served; every counter's name ends in
+/// `_total`; every series carries the served model's `model_name`; and every name has the
+/// `vllm:` or `pagekeeper:` prefix (never `pagekeeper_`).
+#[test]
+fn metrics_count_every_token_gap_and_follow_vllm_names() {
+    let (_server, port) = start_server(
+        &model_path(),
+        &[
+            "--kv-capacity-tokens",
+            "4096",
+            "--served-model-name",
+            "metrics-test",
+        ],
+    );
+    let client = reqwest::blocking::Client::new();
+    let url = |path: &str| format!("http://127.0.0.1:{port}{path}");
+    // Completion tokens of a request (every choice's), from its body or, streamed, from
+    // the usage chunk that `include_usage` adds before `[DONE]`.
+    let completion_tokens = |path: &str, body: serde_json::Value| -> u64 {
+        let stream = body["stream"] == true;
+        let response = client.post(url(path)).json(&body).send().unwrap();
+        assert_eq!(response.status().as_u16(), 200);
+        let text = response.text().unwrap();
+        let usage = match stream {
+            false => serde_json::from_str::<serde_json::Value>(&text).unwrap()["usage"].clone(),
+            true => text
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter(|d| *d != "[DONE]")
+                .map(|d| serde_json::from_str::<serde_json::Value>(d).unwrap())
+                .find(|chunk| !chunk["usage"].is_null())
+                .expect("a usage chunk")["usage"]
+                .clone(),
+        };
+        usage["completion_tokens"].as_u64().unwrap()
+    };
+    // (path, stream, choices, max_tokens): `ignore_eos` makes every choice generate exactly
+    // `max_tokens` tokens, so a choice of k tokens is k - 1 gaps.
+    let requests = [
+        ("/v1/completions", false, 1, 9),
+        ("/v1/completions", true, 1, 7),
+        ("/v1/chat/completions", false, 2, 6),
+        ("/v1/chat/completions", true, 2, 5),
+        ("/v1/completions", false, 1, 1),
+    ];
+    let mut gaps = 0;
+    let mut choices = 0;
+    for (path, stream, n, max_tokens) in requests {
+        let mut body = serde_json::json!({
+            "max_tokens": max_tokens, "n": n, "ignore_eos": true, "temperature": 0.7, "seed": 3,
+        });
+        match path {
+            "/v1/completions" => body["prompt"] = "The river flows".into(),
+            _ => body["messages"] = serde_json::json!([{"role": "user", "content": "Hi"}]),
+        }
+        if stream {
+            body["stream"] = true.into();
+            body["stream_options"] = serde_json::json!({"include_usage": true});
+        }
+        let tokens = completion_tokens(path, body);
+        assert_eq!(tokens, n * max_tokens, "{path} stream={stream} n={n}");
+        gaps += n * (max_tokens - 1);
+        choices += n;
+    }
+    let metrics = client.get(url("/metrics")).send().unwrap().text().unwrap();
+    let model = "model_name=\"metrics-test\"";
+    assert_eq!(
+        gauge(&metrics, "vllm:inter_token_latency_seconds_count"),
+        gaps as f64,
+        "one observation per gap between consecutive tokens:\n{metrics}"
+    );
+    for histogram in [
+        "vllm:time_to_first_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+    ] {
+        assert_eq!(
+            gauge(&metrics, &format!("{histogram}_count")),
+            choices as f64,
+            "one per choice"
+        );
+    }
+    assert_eq!(
+        gauge(&metrics, "vllm:request_success_total"),
+        choices as f64
+    );
+    assert!(metrics.contains("finished_reason=\"length\""), "{metrics}");
+    let mut counters = 0;
+    for line in metrics.lines().filter(|l| !l.trim().is_empty()) {
+        if let Some(declared) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = declared.rsplit_once(' ').unwrap();
+            if kind == "counter" {
+                counters += 1;
+                assert!(name.ends_with("_total"), "counter {name}");
+            }
+            continue;
+        }
+        if line.starts_with('#') {
+            continue;
+        }
+        assert!(line.contains(model), "no {model}: {line}");
+        assert!(
+            line.starts_with("vllm:") || line.starts_with("pagekeeper:"),
+            "one prefix per family: {line}"
+        );
+    }
+    assert!(counters >= 6, "{metrics}");
+    assert!(!metrics.contains("pagekeeper_"), "{metrics}");
 }

@@ -21,7 +21,7 @@ use tiers_support::{
     prompt, stored_chunks, unique_prefix, wait_until, Redis, Server, CHUNK_TOKENS,
 };
 
-const HITS: &str = "pagekeeper_tier_hits_total";
+const HITS: &str = "pagekeeper:tier_hits_total";
 
 /// Files in a disk tier directory: (entries, temporary files of unfinished writes).
 fn count_files(dir: &Path) -> (usize, usize) {
@@ -127,17 +127,17 @@ fn disk_tier_survives_kill_9_mid_write() {
     let gauge = |name: &str| tiers_support::tier_counter(&metrics, name, "disk") as usize;
     let expected_intact = intact - 1;
     assert_eq!(
-        gauge("pagekeeper_tier_entries_found_on_open"),
+        gauge("pagekeeper:tier_entries_found_on_open"),
         expected_intact,
         "entries kept by the restart scan"
     );
     assert_eq!(
-        gauge("pagekeeper_tier_corrupt_entries_total"),
+        gauge("pagekeeper:tier_corrupt_entries_total"),
         detected + 1,
         "the torn entry is detected and dropped"
     );
     assert_eq!(
-        gauge("pagekeeper_tier_temp_files_removed_total"),
+        gauge("pagekeeper:tier_temp_files_removed_total"),
         temps,
         "unfinished writes are removed"
     );
@@ -240,7 +240,7 @@ fn redis_killed_mid_run_fails_no_request_and_hits_resume() {
         Duration::from_secs(120),
         || done.load(Ordering::SeqCst) >= done_at_kill + 6,
     );
-    let errors = server.tier_metric("pagekeeper_tier_errors_total", "redis");
+    let errors = server.tier_metric("pagekeeper:tier_errors_total", "redis");
     assert!(errors > 0.0, "the outage was seen by the tier");
     let hits_in_outage = hits() - hits_at_kill;
 

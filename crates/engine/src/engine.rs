@@ -975,6 +975,7 @@ impl Engine {
             s.cached_prompt_tokens = adopted;
         }
         s.seq = Some(seq);
+        s.scheduled_at.get_or_insert_with(std::time::Instant::now);
         s.num_computed = adopted;
         self.running.push(s);
     }
@@ -1480,7 +1481,7 @@ impl Engine {
             return;
         }
         let out = s.output();
-        (s.req.sink)(SeqEvent::Finished(out));
+        (s.req.sink)(SeqEvent::Finished(Box::new(out)));
     }
 
     fn fail(&mut self, mut s: SeqState, err: RequestError) {

@@ -21,7 +21,9 @@ pub enum SeqEvent {
     },
     /// The full logits of a step (only with `GenerateParams::return_logits`).
     Logits(Vec<f32>),
-    Finished(RequestOutput),
+    /// Boxed: a request sends one `Finished` per choice but a `Text` per token or so, and
+    /// every event in a channel takes the size of the largest variant.
+    Finished(Box<RequestOutput>),
     Error(RequestError),
 }
 
@@ -62,8 +64,16 @@ pub struct RequestOutput {
     pub finish_reason: FinishReason,
     pub prompt_tokens: usize,
     pub cached_prompt_tokens: usize,
+    /// When the request was submitted.
     pub arrival: Instant,
+    /// When the scheduler first admitted it (`None` if it finished before, e.g. refused).
+    pub scheduled_at: Option<Instant>,
+    /// When its first token was sampled (an end-of-generation token included, which is
+    /// not in `token_ids`).
     pub first_token_at: Option<Instant>,
+    /// When each token of `token_ids` was sampled, one per token: the gaps between
+    /// consecutive entries are the inter-token latencies.
+    pub token_times: Vec<Instant>,
     pub finished_at: Instant,
     pub num_preemptions: usize,
     /// Tokens the sequence held in the KV cache when it finished (≤ budget + one block

@@ -46,6 +46,12 @@ pub(crate) struct SeqState {
     /// Generated ids not yet reported with a `Text` event.
     unreported_ids: Vec<u32>,
     arrival: Instant,
+    /// When the scheduler first admitted the sequence (a preempted one keeps its first
+    /// admission), for the queue and prefill times.
+    pub scheduled_at: Option<Instant>,
+    /// When each generated token of `all_ids[n_prompt..]` was sampled, one per token, so
+    /// that the server can observe every gap between consecutive tokens.
+    token_times: Vec<Instant>,
     /// Which of the request's `n` choices this sequence is (0 for the first).
     pub choice: usize,
     /// Sibling choices still to fork from this one when its first token is sampled.
@@ -91,6 +97,8 @@ impl SeqState {
             reuse: SeqReuse::default(),
             unreported_ids: Vec::new(),
             arrival: Instant::now(),
+            scheduled_at: None,
+            token_times: Vec::new(),
             choice: 0,
             choices_to_fork: req_n_minus_1,
             shared_sink: None,
@@ -140,6 +148,7 @@ impl SeqState {
         child.num_computed = self.num_computed;
         child.cached_prompt_tokens = self.cached_prompt_tokens;
         child.arrival = self.arrival;
+        child.scheduled_at = self.scheduled_at;
         child
     }
 
@@ -231,7 +240,8 @@ impl SeqState {
             Some(&forced) => forced,
             None => self.sampler.sample(&processed),
         };
-        self.first_token_at.get_or_insert_with(Instant::now);
+        let sampled_at = Instant::now();
+        self.first_token_at.get_or_insert(sampled_at);
         if !params.ignore_eos && tokenizer.is_eog(id) {
             self.finish_reason = Some(FinishReason::Stop);
             return true;
@@ -248,7 +258,7 @@ impl SeqState {
                 return true;
             }
         }
-        self.emit(id, tokenizer, context_length)
+        self.emit(id, sampled_at, tokenizer, context_length)
     }
 
     /// Logits processors (penalties, bias, banned end-of-generation before `min_tokens`,
@@ -282,11 +292,18 @@ impl SeqState {
         Some(std::borrow::Cow::Owned(l))
     }
 
-    /// Appends the sampled `id`, streams its text (held back while a stop string may be
-    /// starting), and returns whether the sequence is finished.
-    fn emit(&mut self, id: u32, tokenizer: &Tokenizer, context_length: usize) -> bool {
+    /// Appends the sampled `id` (sampled at `sampled_at`), streams its text (held back
+    /// while a stop string may be starting), and returns whether the sequence is finished.
+    fn emit(
+        &mut self,
+        id: u32,
+        sampled_at: Instant,
+        tokenizer: &Tokenizer,
+        context_length: usize,
+    ) -> bool {
         self.history.push_output(id);
         self.all_ids.push(id);
+        self.token_times.push(sampled_at);
         self.unreported_ids.push(id);
         let piece = match self.req.params.skip_special_tokens && tokenizer.is_control(id) {
             true => self.decoder.push_bytes(&[]),
@@ -338,7 +355,9 @@ impl SeqState {
             cached_prompt_tokens: self.cached_prompt_tokens,
             arrival: self.arrival,
             choice: self.choice,
+            scheduled_at: self.scheduled_at,
             first_token_at: self.first_token_at,
+            token_times: self.token_times.clone(),
             finished_at: Instant::now(),
             num_preemptions: self.preemptions,
             kv_stored_tokens: self.kv_stored_tokens,

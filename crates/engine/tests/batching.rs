@@ -221,7 +221,7 @@ fn run_choices(
             SeqEvent::Text {
                 choice, token_ids, ..
             } => texts[choice].extend(token_ids),
-            SeqEvent::Finished(o) => outs.push(o),
+            SeqEvent::Finished(o) => outs.push(*o),
             SeqEvent::Logits(_) => {}
             SeqEvent::Error(e) => panic!("{e}"),
         }

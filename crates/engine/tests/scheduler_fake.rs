@@ -267,3 +267,55 @@ fn prompt_chunks_beside_decodes_are_capped() {
         "each prompt once, each generated token but the last once"
     );
 }
+
+/// Every generated token carries the time it was sampled (the server observes each gap
+/// between consecutive tokens as one inter-token latency), through preemptions and in
+/// every choice of `n > 1`; and a request's times come in order: arrival, first admission,
+/// first token, the other tokens, the end.
+#[test]
+fn every_generated_token_has_its_sampling_time_through_preemption_and_forks() {
+    let (mut engine, _) = fake_engine(EngineConfig {
+        kv_capacity_tokens: Some(512),
+        ..Default::default()
+    });
+    let two_choices = GenerateParams { n: 2, ..params(40) };
+    let mut rxs = Vec::new();
+    for i in 0..6 {
+        let (tx, rx) = mpsc::channel();
+        let p = if i == 0 { &two_choices } else { &params(150) };
+        engine
+            .submit(Request {
+                prompt_ids: prompt(i, 100),
+                params: p.clone(),
+                cache_salt: None,
+                sink: Box::new(move |e| tx.send(e).is_ok()),
+            })
+            .unwrap();
+        rxs.push(rx);
+    }
+    while engine.has_work() {
+        engine.step();
+    }
+    assert!(
+        engine.stats.preemptions > 0,
+        "the pool is too small for all"
+    );
+    let outputs: Vec<_> = rxs
+        .iter()
+        .flat_map(|rx| rx.try_iter())
+        .filter_map(|e| match e {
+            SeqEvent::Finished(o) => Some(o),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(outputs.len(), 7, "two choices and five single ones");
+    for o in &outputs {
+        assert_eq!(o.token_times.len(), o.token_ids.len());
+        let scheduled = o.scheduled_at.expect("admitted");
+        let first = o.first_token_at.expect("a token");
+        assert!(o.arrival <= scheduled && scheduled <= first);
+        assert_eq!(o.token_times[0], first);
+        assert!(o.token_times.windows(2).all(|w| w[0] <= w[1]));
+        assert!(*o.token_times.last().unwrap() <= o.finished_at);
+    }
+}

@@ -549,7 +549,7 @@ impl ContextStore {
                         fell_back_to_master: fell_back,
                         restore_s: 0.0,
                     };
-                    metrics::counter!("pagekeeper:evicpress_hits", "tier" => report.tier.clone())
+                    metrics::counter!("pagekeeper:evicpress_hits_total", "tier" => report.tier.clone())
                         .increment(1);
                     self.observe_load(t, bytes, report.decode_s);
                     self.send(Job::Place(*key));

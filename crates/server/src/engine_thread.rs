@@ -3,13 +3,14 @@
 //! No lock is ever taken around the KV cache: HTTP handlers only send commands and read
 //! per-request event channels. The loop blocks on the channel when idle and otherwise
 //! drains it between steps, so admission happens at step boundaries (continuous batching).
-//! Metrics are published from here after every step.
+//! Metrics are published from here after every step, and each finished choice's latencies
+//! as it finishes. The exporter adds `model_name` to every series (`metrics_builder`).
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pk_engine::{Engine, EngineStats, Request, SubmitError};
+use pk_engine::{Engine, EngineStats, FinishReason, Request, RequestOutput, SeqEvent, SubmitError};
 use tokio::sync::{mpsc, oneshot};
 
 pub enum Command {
@@ -135,7 +136,6 @@ impl EngineHandle {
 }
 
 fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
-    let model = engine.model_name.clone();
     let mut published = EngineStats::default();
     let mut published_eviction = std::collections::BTreeMap::new();
     let mut last_log = Instant::now();
@@ -163,7 +163,7 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
             profiling = engine.maybe_start_background_profile(PROFILE_ANSWER_TOKENS);
         }
         if !engine.has_work() {
-            publish(&engine, &model, &mut published, &mut published_eviction);
+            publish(&engine, &mut published, &mut published_eviction);
             match rx.blocking_recv() {
                 Some(cmd) => handle(&mut engine, cmd),
                 None => return,
@@ -173,7 +173,7 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
             handle(&mut engine, cmd);
         }
         engine.step();
-        publish(&engine, &model, &mut published, &mut published_eviction);
+        publish(&engine, &mut published, &mut published_eviction);
         if last_log.elapsed() >= LOG_INTERVAL {
             let secs = last_log.elapsed().as_secs_f64();
             tracing::info!(
@@ -192,53 +192,84 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
 
 fn handle(engine: &mut Engine, cmd: Command) {
     match cmd {
-        Command::Submit(req, reply) => {
+        Command::Submit(mut req, reply) => {
+            // Latencies are recorded here, as each choice finishes, rather than by the
+            // handler that reads the events: streamed and whole responses count alike, and
+            // a choice whose client left after it finished still counts.
+            let mut sink = std::mem::replace(&mut req.sink, Box::new(|_| true));
+            req.sink = Box::new(move |event| {
+                if let SeqEvent::Finished(o) = &event {
+                    record_finished(o);
+                }
+                sink(event)
+            });
             let _ = reply.send(engine.submit(req));
         }
+    }
+}
+
+/// Records a finished choice as vLLM does: its outcome, its latencies, and one
+/// inter-token latency per gap between consecutive generated tokens (each timed when it
+/// was sampled), so that the histogram's count is the number of gaps served.
+fn record_finished(o: &RequestOutput) {
+    let seconds = |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64();
+    let reason = match o.finish_reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    };
+    metrics::counter!("vllm:request_success_total", "finished_reason" => reason).increment(1);
+    let scheduled = o.scheduled_at.unwrap_or(o.arrival);
+    let first = o.first_token_at.unwrap_or(o.finished_at);
+    metrics::histogram!("vllm:time_to_first_token_seconds").record(seconds(o.arrival, first));
+    metrics::histogram!("vllm:e2e_request_latency_seconds")
+        .record(seconds(o.arrival, o.finished_at));
+    metrics::histogram!("vllm:request_queue_time_seconds").record(seconds(o.arrival, scheduled));
+    metrics::histogram!("vllm:request_prefill_time_seconds").record(seconds(scheduled, first));
+    metrics::histogram!("vllm:request_decode_time_seconds").record(seconds(first, o.finished_at));
+    metrics::histogram!("vllm:request_inference_time_seconds")
+        .record(seconds(scheduled, o.finished_at));
+    let itl = metrics::histogram!("vllm:inter_token_latency_seconds");
+    for gap in o.token_times.windows(2) {
+        itl.record(seconds(gap[0], gap[1]));
     }
 }
 
 /// Publishes gauges and the counters' increments since the last call.
 fn publish(
     engine: &Engine,
-    model: &str,
     last: &mut EngineStats,
     last_eviction: &mut std::collections::BTreeMap<String, pk_engine::EvictionStats>,
 ) {
     for (policy, now) in &engine.eviction_stats {
         let before = last_eviction.entry(policy.clone()).or_default();
-        let labels = [
-            ("model_name", model.to_string()),
-            ("policy", policy.clone()),
-        ];
-        metrics::counter!("pagekeeper:kv_evicted_blocks", &labels)
+        let labels = [("policy", policy.clone())];
+        metrics::counter!("pagekeeper:kv_evicted_blocks_total", &labels)
             .increment(now.evicted_blocks - before.evicted_blocks);
-        metrics::counter!("pagekeeper:kv_pruned_prompt_tokens", &labels)
+        metrics::counter!("pagekeeper:kv_pruned_prompt_tokens_total", &labels)
             .increment(now.pruned_prompt_tokens - before.pruned_prompt_tokens);
         *before = now.clone();
     }
-    let labels = [("model_name", model.to_string())];
-    metrics::gauge!("vllm:num_requests_running", &labels).set(engine.num_running() as f64);
-    metrics::gauge!("vllm:num_requests_waiting", &labels).set(engine.num_waiting() as f64);
-    metrics::gauge!("vllm:kv_cache_usage_perc", &labels).set(engine.kv_manager().usage());
+    metrics::gauge!("vllm:num_requests_running").set(engine.num_running() as f64);
+    metrics::gauge!("vllm:num_requests_waiting").set(engine.num_waiting() as f64);
+    metrics::gauge!("vllm:kv_cache_usage_perc").set(engine.kv_manager().usage());
     let s = &engine.stats;
     // Peaks since the server started (what load tests read): blocks are the pool's unit,
     // whatever their layer count.
     let pool = engine.kv_manager().pool();
-    metrics::gauge!("pagekeeper:kv_blocks_total", &labels).set(pool.num_blocks() as f64);
-    metrics::gauge!("pagekeeper:kv_blocks_in_use", &labels)
+    // The pool's size is a gauge, so its name does not end in `_total` (a counter's suffix).
+    metrics::gauge!("pagekeeper:kv_pool_blocks").set(pool.num_blocks() as f64);
+    metrics::gauge!("pagekeeper:kv_blocks_in_use")
         .set((pool.num_blocks() - pool.num_free_blocks()) as f64);
-    metrics::gauge!("pagekeeper:kv_blocks_in_use_peak", &labels)
+    metrics::gauge!("pagekeeper:kv_blocks_in_use_peak")
         .set((s.kv_bytes_peak / engine.kv_block_bytes().max(1)) as f64);
-    metrics::gauge!("pagekeeper:num_requests_running_peak", &labels).set(s.max_running_seqs as f64);
-    metrics::counter!("vllm:prompt_tokens", &labels)
-        .increment(s.prompt_tokens - last.prompt_tokens);
-    metrics::counter!("vllm:generation_tokens", &labels)
+    metrics::gauge!("pagekeeper:num_requests_running_peak").set(s.max_running_seqs as f64);
+    metrics::counter!("vllm:prompt_tokens_total").increment(s.prompt_tokens - last.prompt_tokens);
+    metrics::counter!("vllm:generation_tokens_total")
         .increment(s.generation_tokens - last.generation_tokens);
-    metrics::counter!("vllm:num_preemptions", &labels).increment(s.preemptions - last.preemptions);
-    metrics::counter!("vllm:prefix_cache_queries", &labels)
+    metrics::counter!("vllm:num_preemptions_total").increment(s.preemptions - last.preemptions);
+    metrics::counter!("vllm:prefix_cache_queries_total")
         .increment(s.prefix_queries_tokens - last.prefix_queries_tokens);
-    metrics::counter!("vllm:prefix_cache_hits", &labels)
+    metrics::counter!("vllm:prefix_cache_hits_total")
         .increment(s.prefix_hits_tokens - last.prefix_hits_tokens);
     *last = s.clone();
 }
@@ -246,6 +277,74 @@ fn publish(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A finished choice of four tokens is three inter-token latencies (each gap as it
+    /// was), and every series it records carries the exporter's `model_name`; counters end
+    /// in `_total`.
+    #[test]
+    fn a_finished_choice_records_one_inter_token_latency_per_gap() {
+        let recorder = crate::metrics_builder("m").unwrap().build_recorder();
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let output = RequestOutput {
+            choice: 0,
+            token_ids: vec![1, 2, 3, 4],
+            text: String::new(),
+            finish_reason: FinishReason::Length,
+            prompt_tokens: 5,
+            cached_prompt_tokens: 0,
+            arrival: t0,
+            scheduled_at: Some(ms(10)),
+            first_token_at: Some(ms(100)),
+            token_times: vec![ms(100), ms(103), ms(150), ms(3100)],
+            finished_at: ms(3100),
+            num_preemptions: 0,
+            kv_stored_tokens: 0,
+            kv_blocks: 0,
+            logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
+            context_load: None,
+        };
+        metrics::with_local_recorder(&recorder, || record_finished(&output));
+        let text = recorder.handle().render();
+        let sample = |name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("{name} not in {text}"))
+        };
+        assert_eq!(sample("vllm:inter_token_latency_seconds_count"), 3.0);
+        // Gaps of 3 ms, 47 ms and 2.95 s: one per bucket, not their mean (1 s) three times.
+        assert_eq!(
+            sample("vllm:inter_token_latency_seconds_bucket{model_name=\"m\",le=\"0.005\"}"),
+            1.0
+        );
+        assert_eq!(
+            sample("vllm:inter_token_latency_seconds_bucket{model_name=\"m\",le=\"0.05\"}"),
+            2.0
+        );
+        assert!((sample("vllm:inter_token_latency_seconds_sum") - 3.0).abs() < 1e-9);
+        assert!((sample("vllm:request_queue_time_seconds_sum") - 0.01).abs() < 1e-9);
+        assert!((sample("vllm:request_prefill_time_seconds_sum") - 0.09).abs() < 1e-9);
+        assert!((sample("vllm:request_decode_time_seconds_sum") - 3.0).abs() < 1e-9);
+        assert_eq!(
+            sample("vllm:request_success_total{model_name=\"m\",finished_reason=\"length\"}"),
+            1.0
+        );
+        for line in text
+            .lines()
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        {
+            assert!(line.contains("model_name=\"m\""), "{line}");
+        }
+        for line in text.lines().filter(|l| l.ends_with(" counter")) {
+            assert!(
+                line.trim_end_matches(" counter").ends_with("_total"),
+                "{line}"
+            );
+        }
+    }
 
     /// A panic on the engine thread marks it dead, and a request then gets `Stopped`
     /// (503), not `QueueFull` (429) as when the closed channel looked like a full one.

@@ -264,29 +264,15 @@ fn usage_of(prompt_tokens: usize, outputs: &[RequestOutput]) -> Usage {
     )
 }
 
-fn record_latencies(model: &str, o: &RequestOutput) {
-    let labels = [("model_name", model.to_string())];
-    let first = o.first_token_at.unwrap_or(o.finished_at);
-    metrics::histogram!("vllm:time_to_first_token_seconds", &labels)
-        .record(first.duration_since(o.arrival).as_secs_f64());
-    metrics::histogram!("vllm:e2e_request_latency_seconds", &labels)
-        .record(o.finished_at.duration_since(o.arrival).as_secs_f64());
-    if o.token_ids.len() > 1 {
-        let itl =
-            o.finished_at.duration_since(first).as_secs_f64() / (o.token_ids.len() - 1) as f64;
-        metrics::histogram!("vllm:inter_token_latency_seconds", &labels).record(itl);
-    }
-}
-
 /// Waits for a request's results (non-streaming responses): one per choice, in order.
-async fn collect(mut s: Submitted, model: &str) -> Result<Vec<RequestOutput>, ApiError> {
+/// (Their latencies are recorded on the engine thread, for streams and for these alike.)
+async fn collect(mut s: Submitted) -> Result<Vec<RequestOutput>, ApiError> {
     let mut outputs = Vec::with_capacity(s.n);
     while let Some(ev) = s.rx.recv().await {
         match ev {
             SeqEvent::Text { .. } | SeqEvent::Logits(_) => {}
             SeqEvent::Finished(o) => {
-                record_latencies(model, &o);
-                outputs.push(o);
+                outputs.push(*o);
                 if outputs.len() == s.n {
                     outputs.sort_by_key(|o| o.choice);
                     return Ok(outputs);

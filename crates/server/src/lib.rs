@@ -42,14 +42,23 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
 }
 
-/// Installs the global Prometheus recorder (once per process).
-pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
+/// The exporter's settings: latency buckets, and `model_name` (the served model's name) as
+/// a label on every series, as vLLM labels its own. A global label reaches the series that
+/// crates without the model's name record (tiers, the EVICPRESS store) as well.
+pub fn metrics_builder(model_name: &str) -> anyhow::Result<PrometheusBuilder> {
     const LATENCY_BUCKETS_S: &[f64] = &[
         0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
     ];
     Ok(PrometheusBuilder::new()
         .set_buckets(LATENCY_BUCKETS_S)?
-        .install_recorder()?)
+        .add_global_label("model_name", model_name))
+}
+
+/// Installs the global Prometheus recorder (once per process). It must come before the
+/// engine and its tiers start, since what is recorded while no recorder is installed is
+/// lost.
+pub fn install_metrics(model_name: &str) -> anyhow::Result<PrometheusHandle> {
+    Ok(metrics_builder(model_name)?.install_recorder()?)
 }
 
 pub fn router(state: Arc<AppState>) -> Router {

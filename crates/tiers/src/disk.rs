@@ -119,7 +119,7 @@ impl DiskTier {
         };
         tier.scan = tier.rebuild_index().map_err(|e| io_err(&tier.dir, e))?;
         tier.scan.elapsed = started.elapsed();
-        metrics::gauge!("pagekeeper_tier_entries_found_on_open", "tier" => tier.name.clone())
+        metrics::gauge!("pagekeeper:tier_entries_found_on_open", "tier" => tier.name.clone())
             .set(tier.scan.entries as f64);
         tracing::info!(tier = %tier.name, entries = tier.scan.entries, bytes = tier.scan.entry_bytes,
             corrupt = tier.scan.corrupt_files_removed, temp = tier.scan.temp_files_removed,
@@ -190,7 +190,7 @@ impl DiskTier {
             }
         }
         self.note_corrupt(report.corrupt_files_removed as u64);
-        metrics::counter!("pagekeeper_tier_temp_files_removed_total", "tier" => self.name.clone())
+        metrics::counter!("pagekeeper:tier_temp_files_removed_total", "tier" => self.name.clone())
             .increment(report.temp_files_removed as u64);
         // Oldest access first, so the rebuilt LRU order matches the one before the restart.
         found.sort();
@@ -274,7 +274,7 @@ impl DiskTier {
     /// restarted server reports what its scan dropped.
     fn note_corrupt(&self, n: u64) {
         self.corrupt_entries.fetch_add(n, Ordering::Relaxed);
-        metrics::counter!("pagekeeper_tier_corrupt_entries_total", "tier" => self.name.clone())
+        metrics::counter!("pagekeeper:tier_corrupt_entries_total", "tier" => self.name.clone())
             .increment(n);
     }
 

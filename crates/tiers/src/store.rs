@@ -48,7 +48,7 @@ pub struct StoreReport {
 }
 
 /// Per-tier counters, as a plain struct (also exported through the `metrics` facade with a
-/// `tier` label; the binary installs the exporter).
+/// `tier` label; the binary installs the exporter, which adds `model_name`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct TierMetricsSnapshot {
     pub name: String,
@@ -93,7 +93,7 @@ impl TierSlot {
 
     fn error(&self, op: &str, err: &TierError) {
         tracing::warn!(tier = self.tier.name(), op, error = %err, "tier error treated as a miss");
-        self.count(&self.metrics.errors, "pagekeeper_tier_errors_total", 1);
+        self.count(&self.metrics.errors, "pagekeeper:tier_errors_total", 1);
     }
 }
 
@@ -156,10 +156,10 @@ impl TieredStore {
         }
         let tier_of_chunk: Vec<usize> = tier_of.iter().map_while(|t| *t).collect();
         // The hit rate operators watch: chunks asked for, and the leading ones some tier
-        // holds. (`pagekeeper_tier_misses_total` counts failed loads only, so it cannot
+        // holds. (`pagekeeper:tier_misses_total` counts failed loads only, so it cannot
         // say how often a prompt found nothing.)
-        metrics::counter!("pagekeeper_tier_lookup_chunks_total").increment(keys.len() as u64);
-        metrics::counter!("pagekeeper_tier_lookup_hit_chunks_total")
+        metrics::counter!("pagekeeper:tier_lookup_chunks_total").increment(keys.len() as u64);
+        metrics::counter!("pagekeeper:tier_lookup_hit_chunks_total")
             .increment(tier_of_chunk.len() as u64);
         PrefixLookup {
             chunks_found: tier_of_chunk.len(),
@@ -177,25 +177,25 @@ impl TieredStore {
             match result {
                 Ok(Some(payload)) => {
                     let m = &slot.metrics;
-                    slot.count(&m.hits, "pagekeeper_tier_hits_total", 1);
+                    slot.count(&m.hits, "pagekeeper:tier_hits_total", 1);
                     slot.count(
                         &m.bytes_read,
-                        "pagekeeper_tier_bytes_read_total",
+                        "pagekeeper:tier_bytes_read_total",
                         payload.len() as u64,
                     );
-                    slot.count(&m.loads, "pagekeeper_tier_loads_total", 1);
+                    slot.count(&m.loads, "pagekeeper:tier_loads_total", 1);
                     slot.count(
                         &m.load_latency_us_total,
-                        "pagekeeper_tier_load_latency_us_total",
+                        "pagekeeper:tier_load_latency_us_total",
                         latency_us,
                     );
-                    metrics::histogram!("pagekeeper_tier_load_seconds", "tier" => slot.tier.name().to_owned())
+                    metrics::histogram!("pagekeeper:tier_load_seconds", "tier" => slot.tier.name().to_owned())
                         .record(latency_us as f64 * 1e-6);
                     for faster in 0..t {
                         let up = &self.slots[faster];
                         up.count(
                             &up.metrics.promotions_in,
-                            "pagekeeper_tier_promotions_total",
+                            "pagekeeper:tier_promotions_total",
                             1,
                         );
                         self.insert_from(
@@ -210,7 +210,7 @@ impl TieredStore {
                         tier_index: t,
                     });
                 }
-                Ok(None) => slot.count(&slot.metrics.misses, "pagekeeper_tier_misses_total", 1),
+                Ok(None) => slot.count(&slot.metrics.misses, "pagekeeper:tier_misses_total", 1),
                 Err(e) => slot.error("load", &e),
             }
         }
@@ -236,7 +236,7 @@ impl TieredStore {
             match slot.tier.store(key, payload) {
                 Ok(_) => slot.count(
                     &slot.metrics.bytes_written,
-                    "pagekeeper_tier_bytes_written_total",
+                    "pagekeeper:tier_bytes_written_total",
                     payload.len() as u64,
                 ),
                 Err(e) => {
@@ -252,7 +252,7 @@ impl TieredStore {
     /// Sets each tier's usage gauge (stores and their demotions change it).
     fn publish_usage(&self) {
         for slot in &self.slots {
-            metrics::gauge!("pagekeeper_tier_usage_bytes", "tier" => slot.tier.name().to_owned())
+            metrics::gauge!("pagekeeper:tier_usage_bytes", "tier" => slot.tier.name().to_owned())
                 .set(slot.tier.usage_bytes() as f64);
         }
     }
@@ -281,7 +281,7 @@ impl TieredStore {
                     Ok(victims) => {
                         slot.count(
                             &slot.metrics.bytes_written,
-                            "pagekeeper_tier_bytes_written_total",
+                            "pagekeeper:tier_bytes_written_total",
                             payload.len() as u64,
                         );
                         if is_new {
@@ -290,13 +290,13 @@ impl TieredStore {
                             report.demoted += 1;
                             slot.count(
                                 &slot.metrics.demotions_in,
-                                "pagekeeper_tier_demotions_total",
+                                "pagekeeper:tier_demotions_total",
                                 1,
                             );
                         }
                         slot.count(
                             &slot.metrics.evictions,
-                            "pagekeeper_tier_evictions_total",
+                            "pagekeeper:tier_evictions_total",
                             victims.len() as u64,
                         );
                         next.extend(victims.into_iter().map(|v| (v.key, v.payload, false)));
@@ -326,7 +326,7 @@ impl TieredStore {
                 let m = &slot.metrics;
                 let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
                 let usage_bytes = slot.tier.usage_bytes();
-                metrics::gauge!("pagekeeper_tier_usage_bytes", "tier" => slot.tier.name().to_owned()).set(usage_bytes as f64);
+                metrics::gauge!("pagekeeper:tier_usage_bytes", "tier" => slot.tier.name().to_owned()).set(usage_bytes as f64);
                 TierMetricsSnapshot {
                     name: slot.tier.name().to_owned(),
                     hits: get(&m.hits),

@@ -89,7 +89,7 @@ impl Api {
             .unwrap()
     }
 
-    /// A tier metric (e.g. `pagekeeper_tier_hits_total`) for `tier`; 0 until first counted.
+    /// A tier metric (e.g. `pagekeeper:tier_hits_total`) for `tier`; 0 until first counted.
     pub fn tier_metric(&self, name: &str, tier: &str) -> f64 {
         tier_counter(&self.metrics(), name, tier)
     }

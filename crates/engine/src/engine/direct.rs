@@ -39,7 +39,7 @@ impl Engine {
                     SeqEvent::Text { text, .. } => on_text(&text),
                     SeqEvent::Logits(_) => {}
                     SeqEvent::Error(e) => bail!("{e}"),
-                    SeqEvent::Finished(o) => return Ok(self.to_generate_output(o, t0)),
+                    SeqEvent::Finished(o) => return Ok(self.to_generate_output(*o, t0)),
                 }
             }
             if !self.has_work() {

@@ -86,7 +86,7 @@ pub async fn chat_completions(
         .into_response());
     }
     let prompt_tokens = s.prompt_tokens;
-    let outputs = collect(s, &state.model_name).await?;
+    let outputs = collect(s).await?;
     let choices: Vec<(Value, &'static str)> = outputs
         .iter()
         .map(|o| {

@@ -154,7 +154,7 @@ pub async fn completions(
         .into_response());
     }
     let prompt_tokens = s.prompt_tokens;
-    let outputs = collect(s, &state.model_name).await?;
+    let outputs = collect(s).await?;
     // Choice 0 of each prompt carries its prompt's logprobs; its siblings (`n`) repeat them.
     let choices_per_prompt = outputs.len() / prompts.len();
     let prompt_lps: Vec<Value> = match req.common.prompt_logprobs.is_some() {

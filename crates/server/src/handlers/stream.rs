@@ -194,7 +194,6 @@ pub(super) fn stream_response(
                     }
                 }
                 SeqEvent::Finished(o) => {
-                    record_latencies(&model, &o);
                     let fin = finish_str(o.finish_reason);
                     let text = match kind {
                         Kind::Completion => Some(""),
@@ -220,7 +219,7 @@ pub(super) fn stream_response(
                     if !yield_(Event::default().data(c.to_string())).await {
                         return;
                     }
-                    outputs.push(o);
+                    outputs.push(*o);
                     if outputs.len() < n {
                         continue;
                     }
