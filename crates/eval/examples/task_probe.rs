@@ -42,7 +42,8 @@ fn main() -> Result<()> {
     for &len in &lengths {
         for i in 0..samples {
             let count = |s: &str| e.tokenizer.encode(s, false).len();
-            let s = tasks::generate(task, len, 1, i, samples, &count);
+            let s =
+                tasks::generate(task, len, 1, i, samples, &count).map_err(anyhow::Error::msg)?;
             // `--no-prefix`: let the model answer freely instead of after RULER's answer prefix.
             let prefix = if no_prefix {
                 ""

@@ -19,6 +19,7 @@ pub mod config;
 pub mod filler;
 pub mod metrics;
 pub mod plot;
+pub mod real_tasks;
 pub mod record;
 pub mod report;
 pub mod rng;

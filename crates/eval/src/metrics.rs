@@ -41,6 +41,51 @@ pub fn match_score(answer: &str, expected: &[String]) -> f64 {
         / expected.len() as f64
 }
 
+/// LongBench's code similarity: the answer's first line that is code (not blank, not a
+/// comment or a code fence) against `expected`, by normalised InDel similarity
+/// `2·LCS / (|a| + |b|)` over characters (rapidfuzz's `fuzz.ratio` / 100), both trimmed.
+pub fn code_similarity(answer: &str, expected: &str) -> f64 {
+    let line = answer
+        .lines()
+        .map(str::trim)
+        .find(|l| {
+            !l.is_empty() && !l.starts_with("//") && !l.starts_with("```") && !l.starts_with('#')
+        })
+        .unwrap_or("");
+    let (a, b): (Vec<char>, Vec<char>) =
+        (line.chars().collect(), expected.trim().chars().collect());
+    if a.is_empty() && b.is_empty() {
+        return 1.0;
+    }
+    2.0 * lcs_len(&a, &b) as f64 / (a.len() + b.len()) as f64
+}
+
+/// LongBench's count score: the fraction of the numbers in `answer` equal to `expected`
+/// (0 when it names none), so "7" scores 1 and "3 or 7" scores 0.5.
+pub fn count_score(answer: &str, expected: &str) -> f64 {
+    let numbers: Vec<&str> = answer
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|n| !n.is_empty())
+        .collect();
+    match numbers.len() {
+        0 => 0.0,
+        n => numbers.iter().filter(|&&x| x == expected).count() as f64 / n as f64,
+    }
+}
+
+fn lcs_len<T: PartialEq>(a: &[T], b: &[T]) -> usize {
+    let mut row = vec![0usize; b.len() + 1];
+    for x in a {
+        let mut diag = 0;
+        for (j, y) in b.iter().enumerate() {
+            let up = row[j + 1];
+            row[j + 1] = if x == y { diag + 1 } else { up.max(row[j]) };
+            diag = up;
+        }
+    }
+    row[b.len()]
+}
+
 /// SQuAD-style token F1 over normalised words (multiset overlap). Two empty answers agree
 /// (1.0); one empty answer scores 0.0.
 pub fn token_f1(candidate: &str, reference: &str) -> f64 {
@@ -173,6 +218,22 @@ mod tests {
         assert!(contains_words("the pass key is 12345.", "12345"));
         assert!(!contains_words("123456", "12345"));
         assert!(contains_words("VAR abcde, VAR fghij", "FGHIJ"));
+    }
+
+    /// Hand-computed: "let x = 1;" against "let y = 1;" shares 9 of 10 characters each
+    /// (2·9/20); comments and fences before the code line are skipped.
+    #[test]
+    fn code_similarity_and_count_score_on_hand_made_strings() {
+        assert!(close(code_similarity("let x = 1;", "let y = 1;"), 0.9));
+        assert!(close(
+            code_similarity("// note\n```\nlet y = 1;\nmore", "let y = 1;"),
+            1.0
+        ));
+        assert!(close(code_similarity("", "abc"), 0.0));
+        assert!(close(count_score("7", "7"), 1.0));
+        assert!(close(count_score("There are 3 or 7.", "7"), 0.5));
+        assert!(close(count_score("seven", "7"), 0.0));
+        assert!(close(count_score("17", "7"), 0.0));
     }
 
     #[test]

@@ -311,11 +311,17 @@ impl UnitRun<'_> {
             u.sample,
             self.cfg.samples,
             &count,
-        );
-        let text = e.chat_template.render(
-            &[ChatMessage::new("user", sample.user_message.as_str())],
-            true,
-        )? + &sample.answer_prefix;
+        )
+        .map_err(anyhow::Error::msg)?;
+        let text = match sample.chat {
+            true => {
+                e.chat_template.render(
+                    &[ChatMessage::new("user", sample.user_message.as_str())],
+                    true,
+                )? + &sample.answer_prefix
+            }
+            false => sample.user_message.clone() + &sample.answer_prefix,
+        };
         let prompt = e.tokenizer.encode_prompt(&text, true);
         let ctx = e.model_config().context_length;
         if prompt.len() + sample.max_answer_tokens >= ctx {
@@ -375,7 +381,11 @@ impl UnitRun<'_> {
         answer: &str,
         full_answer: &str,
     ) {
-        r.score = metrics::match_score(answer, &sample.expected);
+        r.score = match sample.scoring {
+            tasks::Scoring::Contains => metrics::match_score(answer, &sample.expected),
+            tasks::Scoring::EditSimilarity => metrics::code_similarity(answer, &sample.expected[0]),
+            tasks::Scoring::Count => metrics::count_score(answer, &sample.expected[0]),
+        };
         r.depth = Some(sample.depth);
         r.expected = sample.expected.clone();
         r.answer = Some(answer.to_string());

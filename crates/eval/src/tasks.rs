@@ -23,6 +23,30 @@ pub enum Task {
     /// `text-kl` under kvpress's protocol: the budget bounds the prefix only and every
     /// continuation token is kept, so the numbers compare with kvpress's.
     TextKlKeepContinuation,
+    /// LongBench's LCC on real Rust sources (`real_tasks`): the next line of code.
+    CodeCompletion,
+    /// LongBench's passage_count on the book's paragraphs (`real_tasks`).
+    PassageCount,
+}
+
+/// Tasks outside the default sweep, asked for by name.
+pub const EXTRA_TASKS: [Task; 3] = [
+    Task::TextKlKeepContinuation,
+    Task::CodeCompletion,
+    Task::PassageCount,
+];
+
+/// How an answer is scored against `Sample::expected`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scoring {
+    /// The fraction of expected strings the answer contains (RULER's string match).
+    Contains,
+    /// LongBench's code similarity: the answer's first code line against the expected
+    /// line, by normalised InDel similarity (rapidfuzz's `fuzz.ratio` / 100).
+    EditSimilarity,
+    /// LongBench's count score: the fraction of numbers in the answer equal to the one
+    /// expected (0 when it names none).
+    Count,
 }
 
 pub const ALL_TASKS: [Task; 7] = [
@@ -46,14 +70,13 @@ impl Task {
             Task::VariableTracking => "variable-tracking",
             Task::TextKl => "text-kl",
             Task::TextKlKeepContinuation => "text-kl-keep-continuation",
+            Task::CodeCompletion => "code-completion",
+            Task::PassageCount => "passage-count",
         }
     }
 
     pub fn parse(name: &str) -> Result<Task, crate::ArgError> {
-        let known = ALL_TASKS
-            .iter()
-            .copied()
-            .chain([Task::TextKlKeepContinuation]);
+        let known = ALL_TASKS.iter().copied().chain(EXTRA_TASKS);
         known.clone().find(|t| t.name() == name).ok_or_else(|| {
             let names: Vec<&str> = known.map(|t| t.name()).collect();
             crate::ArgError::UnknownTask {
@@ -89,11 +112,17 @@ pub struct Sample {
     /// Relative position in the haystack of the (first) needle, in [0, 1].
     pub depth: f64,
     pub max_answer_tokens: usize,
+    pub scoring: Scoring,
+    /// Wrapped in the model's chat template (as a user turn, the answer prefix after the
+    /// assistant header), or run as raw text (LongBench's code tasks).
+    pub chat: bool,
+    /// Where real material came from (the source file of a code sample), for the record.
+    pub source: Option<String>,
 }
 
 /// Tokens of the chat template around the user message and before the answer prefix
 /// (SmolLM2's template with its default system message is about 30).
-const TEMPLATE_TOKENS_RESERVE: usize = 40;
+pub(crate) const TEMPLATE_TOKENS_RESERVE: usize = 40;
 
 const ADJECTIVES: [&str; 16] = [
     "amber", "brave", "calm", "dusty", "eager", "fancy", "gentle", "hollow", "icy", "jolly",
@@ -114,7 +143,8 @@ pub fn depth_for(index: usize, count: usize) -> f64 {
 }
 
 /// Generates sample `index` of `count` for a prompt of about `context_tokens` tokens.
-/// `count_tokens` measures text in the model's tokens (tests pass an approximation).
+/// `count_tokens` measures text in the model's tokens (tests pass an approximation). Fails
+/// only where real material is missing (no crate sources for `code-completion`).
 pub fn generate(
     task: Task,
     context_tokens: usize,
@@ -122,7 +152,7 @@ pub fn generate(
     index: usize,
     count: usize,
     count_tokens: &dyn Fn(&str) -> usize,
-) -> Sample {
+) -> Result<Sample, String> {
     assert!(
         task.is_generative(),
         "{} is not a generated task",
@@ -135,6 +165,19 @@ pub fn generate(
         index as u64,
     ]);
     let depth = depth_for(index, count);
+    match task {
+        Task::CodeCompletion => {
+            return crate::real_tasks::code_completion(context_tokens, &mut rng, count_tokens)
+        }
+        Task::PassageCount => {
+            return Ok(crate::real_tasks::passage_count(
+                context_tokens,
+                &mut rng,
+                count_tokens,
+            ))
+        }
+        _ => {}
+    }
     let mut key = || format!("{}-{}", rng.pick(&ADJECTIVES), rng.pick(&NOUNS));
     let (intro, question, answer_prefix, needles, expected, max_answer_tokens): (
         String,
@@ -200,7 +243,9 @@ pub fn generate(
                 48,
             )
         }
-        Task::KvRetrieval => return kv_retrieval(context_tokens, &mut rng, depth, count_tokens),
+        Task::KvRetrieval => {
+            return Ok(kv_retrieval(context_tokens, &mut rng, depth, count_tokens))
+        }
         Task::VariableTracking => {
             let value = rng.digits(5);
             let mut names: Vec<String> = Vec::new();
@@ -227,7 +272,9 @@ pub fn generate(
                 32,
             )
         }
-        Task::TextKl | Task::TextKlKeepContinuation => unreachable!("checked above"),
+        Task::TextKl | Task::TextKlKeepContinuation | Task::CodeCompletion | Task::PassageCount => {
+            unreachable!("handled above")
+        }
     };
     let overhead: usize = [&intro, &question, &answer_prefix]
         .iter()
@@ -251,13 +298,16 @@ pub fn generate(
         task == Task::VariableTracking,
         &mut rng,
     );
-    Sample {
+    Ok(Sample {
         user_message: format!("{intro}\n\n{}\n\n{question}", hay.join(" ")),
         answer_prefix,
         expected,
         depth,
         max_answer_tokens,
-    }
+        scoring: Scoring::Contains,
+        chat: true,
+        source: None,
+    })
 }
 
 /// Puts the first needle at `depth` and the others at random places; a chain (variable
@@ -332,6 +382,9 @@ fn kv_retrieval(
         expected: vec![v],
         depth,
         max_answer_tokens: 24,
+        scoring: Scoring::Contains,
+        chat: true,
+        source: None,
     }
 }
 
@@ -347,8 +400,8 @@ mod tests {
     fn same_seed_same_sample_and_the_answer_is_in_the_prompt() {
         for task in ALL_TASKS.into_iter().filter(|t| t.is_generative()) {
             for index in 0..3 {
-                let a = generate(task, 1024, 42, index, 3, &approx_tokens);
-                let b = generate(task, 1024, 42, index, 3, &approx_tokens);
+                let a = generate(task, 1024, 42, index, 3, &approx_tokens).unwrap();
+                let b = generate(task, 1024, 42, index, 3, &approx_tokens).unwrap();
                 assert_eq!(a, b, "{} is not deterministic", task.name());
                 assert!(!a.expected.is_empty());
                 for e in &a.expected {
@@ -358,7 +411,7 @@ mod tests {
                         task.name()
                     );
                 }
-                let c = generate(task, 1024, 43, index, 3, &approx_tokens);
+                let c = generate(task, 1024, 43, index, 3, &approx_tokens).unwrap();
                 assert_ne!(
                     a.expected,
                     c.expected,
@@ -373,7 +426,7 @@ mod tests {
     fn prompts_have_about_the_requested_length() {
         for task in ALL_TASKS.into_iter().filter(|t| t.is_generative()) {
             for len in [512, 2048] {
-                let s = generate(task, len, 1, 0, 1, &approx_tokens);
+                let s = generate(task, len, 1, 0, 1, &approx_tokens).unwrap();
                 let n = approx_tokens(&s.user_message) + TEMPLATE_TOKENS_RESERVE;
                 assert!(
                     n > len * 8 / 10 && n < len * 11 / 10,
@@ -386,8 +439,8 @@ mod tests {
 
     #[test]
     fn the_needle_sits_at_the_swept_depth() {
-        let early = generate(Task::NiahSingle, 2048, 5, 0, 3, &approx_tokens);
-        let late = generate(Task::NiahSingle, 2048, 5, 2, 3, &approx_tokens);
+        let early = generate(Task::NiahSingle, 2048, 5, 0, 3, &approx_tokens).unwrap();
+        let late = generate(Task::NiahSingle, 2048, 5, 2, 3, &approx_tokens).unwrap();
         let at = |s: &Sample| {
             s.user_message.find(s.expected[0].as_str()).unwrap() as f64
                 / s.user_message.len() as f64
@@ -399,7 +452,7 @@ mod tests {
 
     #[test]
     fn variable_chain_stays_in_order() {
-        let s = generate(Task::VariableTracking, 1024, 9, 1, 3, &approx_tokens);
+        let s = generate(Task::VariableTracking, 1024, 9, 1, 3, &approx_tokens).unwrap();
         let pos: Vec<usize> = s
             .expected
             .iter()
