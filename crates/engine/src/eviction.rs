@@ -99,6 +99,15 @@ impl SeqEviction {
 pub struct EvictionStats {
     pub pruned_prompt_tokens: u64,
     pub evicted_blocks: u64,
+    /// What eviction costs the paged cache (issue 38's systems measurement): K/V copied
+    /// by compaction, in slots of one token of one layer and one KV head (K and V; bytes
+    /// are `2 · head_dim · element size` each). Removing a whole block from a table that
+    /// one unit owns copies none.
+    pub kv_slot_copies: u64,
+    /// Block-table entries moved down by whole-block removals (4 bytes each).
+    pub table_entries_shifted: u64,
+    /// Blocks the sequence's main table held before eviction and no longer holds.
+    pub blocks_freed: u64,
 }
 
 /// `KvView` over one sequence's stored tokens. Reads convert a whole block of one (K or V,
@@ -317,7 +326,7 @@ fn select_and_compact(
     if keeps[0].len() == n_stored {
         return true;
     }
-    if !compact(ev, kv, store, seq, &keeps) {
+    if !compact(ev, kv, store, seq, &keeps, stats) {
         return false;
     }
     stats.pruned_prompt_tokens += (n_stored - keeps[0].len()) as u64;
@@ -332,7 +341,11 @@ fn compact(
     store: &mut dyn KvBlocks,
     seq: SeqId,
     keeps: &[Vec<u32>],
+    stats: &mut EvictionStats,
 ) -> bool {
+    let g = store.geometry();
+    let all_slots = (g.n_layers * g.n_kv_heads) as u64;
+    let blocks_before = kv.block_table(seq).expect("live").num_blocks();
     let slot = |m: &TokenMove| {
         (
             (m.src.block_id.0, m.src.offset_tokens as usize),
@@ -347,6 +360,8 @@ fn compact(
             let (src, dst) = slot(m);
             store.copy_slot(src, dst);
         }
+        stats.kv_slot_copies += moves.len() as u64 * all_slots;
+        count_freed(kv, seq, blocks_before, stats);
         return true;
     }
     let Some((private, unit_moves)) = kv.compact_units(seq, keeps) else {
@@ -356,7 +371,8 @@ fn compact(
         let (src, dst) = slot(m);
         store.copy_slot(src, dst);
     }
-    let n_kv_heads = store.geometry().n_kv_heads;
+    stats.kv_slot_copies += private.len() as u64 * all_slots;
+    let n_kv_heads = g.n_kv_heads;
     for (u, moves) in ev.units.iter().zip(&unit_moves) {
         let heads = u.unit.kv_head.map_or(0..n_kv_heads, |h| h..h + 1);
         for m in moves {
@@ -365,8 +381,15 @@ fn compact(
                 store.copy_slot_in(layer..layer + 1, heads.clone(), src, dst);
             }
         }
+        stats.kv_slot_copies += (moves.len() * u.unit.layers.len() * heads.len()) as u64;
     }
+    count_freed(kv, seq, blocks_before, stats);
     true
+}
+
+fn count_freed(kv: &KvCacheManager, seq: SeqId, blocks_before: usize, stats: &mut EvictionStats) {
+    let after = kv.block_table(seq).expect("live").num_blocks();
+    stats.blocks_freed += blocks_before.saturating_sub(after) as u64;
 }
 
 /// After a decode token: score a block that just filled (in every unit), then evict while
@@ -400,6 +423,8 @@ pub(crate) fn after_decode(
         let Some(victims) = victims else { break };
         if ev.units.len() == 1 {
             kv.remove_block(seq, victims[0]);
+            stats.table_entries_shifted += (n_blocks - victims[0] - 1) as u64;
+            stats.blocks_freed += 1;
         } else {
             // Full blocks only here (a block has just filled), so each unit drops B tokens.
             let keeps: Vec<Vec<u32>> = victims
@@ -410,7 +435,7 @@ pub(crate) fn after_decode(
                         .collect()
                 })
                 .collect();
-            if !compact(ev, kv, store, seq, &keeps) {
+            if !compact(ev, kv, store, seq, &keeps, stats) {
                 tracing::warn!("no free block for a copy-on-write while evicting per {}; the sequence stays over its budget", ev.granularity);
                 break;
             }

@@ -300,10 +300,7 @@ mod tests {
             let mut rng = SplitMix64::new(seed);
             let s = code_completion(2048, &mut rng, &approx_tokens).unwrap();
             let source = s.source.as_ref().unwrap();
-            let (_, text) = corpus
-                .iter()
-                .find(|(p, _)| p.ends_with(source))
-                .unwrap();
+            let (_, text) = corpus.iter().find(|(p, _)| p.ends_with(source)).unwrap();
             let context = s
                 .user_message
                 .strip_prefix(CODE_PROMPT_HEAD)
@@ -319,7 +316,10 @@ mod tests {
             let tokens = approx_tokens(&s.user_message);
             assert!((1500..=2048).contains(&tokens), "{tokens} tokens");
             let mut again = SplitMix64::new(seed);
-            assert_eq!(code_completion(2048, &mut again, &approx_tokens).unwrap(), s);
+            assert_eq!(
+                code_completion(2048, &mut again, &approx_tokens).unwrap(),
+                s
+            );
         }
     }
 
