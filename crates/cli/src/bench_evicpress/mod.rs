@@ -306,12 +306,7 @@ fn measure_tiers(
 pub fn run(a: EvicpressArgs) -> Result<()> {
     let p = preset(&a)?;
     std::fs::create_dir_all(&a.out)?;
-    if let Some(n) = a.model.resolved()?.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n.max(1))
-            .build_global()
-            .context("configuring threads")?;
-    }
+    crate::commands::set_threads(a.model.resolved()?.threads)?;
     let quiet = crate::bench_evicpress::report::host_quiet();
     eprintln!("host-quiet: {quiet}");
     // Check every --fixed configuration against the grid before the long setup.
@@ -703,6 +698,7 @@ fn engine_for(a: &EvicpressArgs, store: StoreConfig, kv_capacity_tokens: usize) 
     let path = pk_engine::model_store::resolve_model(a.model.resolved()?.model.as_deref(), true)?;
     let config = EngineConfig {
         block_size_tokens: a.model.block_size,
+        kv_dtype: a.model.kv_dtype()?,
         kv_capacity_tokens: Some(kv_capacity_tokens),
         reuse: Some(ReuseConfig::Contexts(ContextReuseConfig {
             store,
