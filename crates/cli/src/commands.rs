@@ -46,6 +46,21 @@ impl ModelArgs {
 
     /// The engine on `device` ("cpu", or "cuda" in a binary built with the feature).
     pub fn engine_on(&self, device: &str, kv_capacity_tokens: Option<usize>) -> Result<Engine> {
+        self.build_engine(device, kv_capacity_tokens, false)
+    }
+
+    /// The engine on the CPU with one block table for every layer whatever the model, for
+    /// a command that needs it (`bench codecs`, which refuses the flag that would ask).
+    pub fn engine_one_table(&self, kv_capacity_tokens: Option<usize>) -> Result<Engine> {
+        self.build_engine("cpu", kv_capacity_tokens, true)
+    }
+
+    fn build_engine(
+        &self,
+        device: &str,
+        kv_capacity_tokens: Option<usize>,
+        one_table: bool,
+    ) -> Result<Engine> {
         crate::gpu::check_device(device)?;
         // The --config file under flags and env (config.rs).
         let args = self.resolved()?;
@@ -64,7 +79,7 @@ impl ModelArgs {
             kv_dtype,
             kv_capacity_tokens,
             reuse,
-            hybrid_kv_cache: !args.disable_hybrid_kv_cache_manager,
+            hybrid_kv_cache: !(one_table || args.disable_hybrid_kv_cache_manager),
             ..Default::default()
         };
         crate::gpu::engine(device, &path, config)
@@ -89,7 +104,7 @@ pub fn set_threads(threads: Option<usize>) -> Result<()> {
         return Ok(());
     };
     if n == 0 {
-        bail!("--threads must be at least 1");
+        bail!("--threads (or the config file's threads) must be at least 1");
     }
     rayon::ThreadPoolBuilder::new()
         .num_threads(n)
@@ -559,6 +574,11 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         let _ = stdout.flush();
     })?;
     let _ = writeln!(stdout);
+    // The EVICPRESS store writes on a worker thread that drops what it has not written
+    // when the store goes away at exit: wait for it, so that the next run finds this prompt.
+    if let Some(store) = engine.context_store() {
+        store.flush();
+    }
     let n = out.token_ids.len();
     eprintln!(
         "prompt: {} tokens ({} cached) in {:.2} s ({:.1} tok/s); generated: {} tokens in {:.2} s ({:.1} tok/s); finish: {:?}",
