@@ -342,7 +342,8 @@ fn check_config_file(command: &str, cmd: &Command, m: &ArgMatches) -> Result<()>
             continue;
         }
         if let Some(rule) = refusing(command, id, m) {
-            let what = format!("`{key}` in the config file {}", path.display());
+            let flag = describe(cmd, m, id);
+            let what = format!("`{key}` in the --config file {} ({flag})", path.display());
             bail!(message(&what, command, rule));
         }
     }
