@@ -11,6 +11,8 @@ mod commands;
 mod config;
 mod eval;
 mod flag_rules;
+#[cfg(test)]
+mod flag_walk;
 mod gpu;
 mod serve;
 mod tier_policy;
