@@ -6,7 +6,7 @@ use std::io::Write;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use pk_engine::{Engine, EngineConfig, GenerateParams};
-use pk_model::{KvDtype, Llama, ModelConfig};
+use pk_model::{Llama, ModelConfig};
 use rand::{Rng, SeedableRng};
 
 #[derive(Subcommand)]
@@ -258,34 +258,27 @@ fn build_engine(a: &PerfArgs, capacity_tokens: usize) -> Result<Engine> {
     let Some(name) = &a.dummy else {
         return a.model.engine(Some(max_ctx));
     };
-    if let Some(n) = a.model.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .context("configuring threads")?;
-    }
+    // The --config file under flags and env, as for a model file (its `model` key is
+    // refused with --dummy by flag_rules, its tiers always).
+    let args = a.model.resolved()?;
+    crate::commands::set_threads(args.threads)?;
     let cfg = ModelConfig::dummy(name).with_context(|| {
         format!(
             "unknown --dummy {name:?} ({})",
             pk_model::config::DUMMY_SHAPES.join(", ")
         )
     })?;
+    crate::commands::check_hybrid_flag(args.disable_hybrid_kv_cache_manager, &cfg, false)?;
     let weights = pk_model::weights::Weights::random(&cfg, dummy_type(&a.dummy_type)?, 1);
     // The tokenizer only decodes generated ids for streaming; the default model's serves.
     let gguf = pk_gguf::GgufFile::open(pk_engine::model_store::resolve_model(None, true)?)?;
     let tokenizer = pk_tokenizer::Tokenizer::from_gguf(&gguf)?;
     let template = pk_tokenizer::ChatTemplate::from_gguf(&gguf)?;
-    let kv_dtype = KvDtype::parse(&a.model.kv_dtype).with_context(|| {
-        format!(
-            "unknown --kv-dtype {:?} (expected {})",
-            a.model.kv_dtype,
-            KvDtype::NAMES
-        )
-    })?;
     let config = EngineConfig {
-        block_size_tokens: a.model.block_size,
-        kv_dtype,
+        block_size_tokens: args.block_size,
+        kv_dtype: args.kv_dtype()?,
         kv_capacity_tokens: Some(max_ctx),
+        hybrid_kv_cache: !args.disable_hybrid_kv_cache_manager,
         ..Default::default()
     };
     Engine::new(
@@ -310,8 +303,9 @@ pub fn perf(a: PerfArgs) -> Result<()> {
     if a.batch != [1] {
         bail!("--batch is for --device cuda (the CPU bench decodes one sequence)");
     }
+    a.kv.check_one_request()?;
     if let Some(&most) = a.compare_threads.iter().max() {
-        let have = a.model.threads.unwrap_or_else(rayon::current_num_threads);
+        let have = (a.model.resolved()?.threads).unwrap_or_else(rayon::current_num_threads);
         if a.compare_threads.contains(&0) || most > have {
             bail!("--compare-threads needs counts in 1..={have} (raise --threads)");
         }

@@ -210,9 +210,7 @@ pub fn run(a: CodecsArgs) -> Result<()> {
     let total = a.prefix_tokens + a.continuation_tokens;
     // Stored contexts are loaded through `prefix_kv`, which writes every layer of every
     // token: one block table for all layers.
-    let mut model = a.model.clone();
-    model.disable_hybrid_kv_cache_manager = true;
-    let mut engine = model.engine(Some(total + 64))?;
+    let mut engine = a.model.engine_one_table(Some(total + 64))?;
     let book = engine
         .tokenizer
         .encode(pk_eval::filler::verne_body(), false);

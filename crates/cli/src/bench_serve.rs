@@ -108,13 +108,8 @@ pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
-/// Sends one streaming completion; `prompt` is text or a list of token ids.
-pub(crate) fn one_request(
-    http: &reqwest::blocking::Client,
-    url: &str,
-    prompt: &serde_json::Value,
-    a: &ServeBenchArgs,
-) -> Result<Sample> {
+/// The body of every request: the bench's length, eviction policy and budget.
+fn request_body(prompt: &serde_json::Value, a: &ServeBenchArgs) -> serde_json::Value {
     let mut body = serde_json::json!({
         "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0, "stream": true,
         "ignore_eos": true, "stream_options": {"include_usage": true},
@@ -125,6 +120,17 @@ pub(crate) fn one_request(
     if let Some(b) = a.kv_budget {
         body["kv_budget"] = serde_json::json!(b);
     }
+    body
+}
+
+/// Sends one streaming completion; `prompt` is text or a list of token ids.
+pub(crate) fn one_request(
+    http: &reqwest::blocking::Client,
+    url: &str,
+    prompt: &serde_json::Value,
+    a: &ServeBenchArgs,
+) -> Result<Sample> {
+    let body = request_body(prompt, a);
     let t0 = Instant::now();
     let resp = http.post(url).json(&body).send()?.error_for_status()?;
     let mut first = None;
@@ -173,8 +179,44 @@ pub(crate) fn one_request(
     })
 }
 
+/// The `serve` command line for the bench's settings on `port`, `extra` flags last.
+fn server_args(a: &ServeBenchArgs, port: u16, extra: &[String]) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> =
+        vec!["serve".into(), "--port".into(), port.to_string().into()];
+    let mut flag = |name: &str, value: std::ffi::OsString| {
+        args.push(name.into());
+        args.push(value);
+    };
+    flag("--max-running-seqs", a.max_running_seqs.to_string().into());
+    if let Some(m) = &a.model {
+        flag("--model", m.into());
+    }
+    let numbers = [
+        ("--threads", a.threads),
+        (
+            "--max-prefill-tokens-while-decoding",
+            a.max_prefill_tokens_while_decoding,
+        ),
+        (
+            "--prefill-prune-interval-tokens",
+            a.prefill_prune_interval_tokens,
+        ),
+        ("--kv-capacity-tokens", a.kv_capacity_tokens),
+    ];
+    for (name, value) in numbers {
+        if let Some(n) = value {
+            flag(name, n.to_string().into());
+        }
+    }
+    if let Some(d) = &a.kv_dtype {
+        flag("--kv-dtype", d.into());
+    }
+    args.extend(extra.iter().map(Into::into));
+    args
+}
+
 /// Starts `pagekeeper serve` on `port` with the bench's settings and `extra` flags, and waits
-/// until it is healthy.
+/// until it is healthy; a server that exits first (a flag it refuses) is an error at once.
 pub(crate) fn start_server(
     a: &ServeBenchArgs,
     http: &reqwest::blocking::Client,
@@ -182,36 +224,10 @@ pub(crate) fn start_server(
     extra: &[String],
 ) -> Result<Server> {
     let base = format!("http://127.0.0.1:{port}");
-    let exe = std::env::current_exe()?;
-    let mut cmd = Command::new(exe);
-    cmd.args([
-        "serve",
-        "--port",
-        &port.to_string(),
-        "--max-running-seqs",
-        &a.max_running_seqs.to_string(),
-    ]);
-    if let Some(m) = &a.model {
-        cmd.arg("--model").arg(m);
-    }
-    if let Some(t) = a.threads {
-        cmd.args(["--threads", &t.to_string()]);
-    }
-    if let Some(n) = a.max_prefill_tokens_while_decoding {
-        cmd.args(["--max-prefill-tokens-while-decoding", &n.to_string()]);
-    }
-    if let Some(n) = a.prefill_prune_interval_tokens {
-        cmd.args(["--prefill-prune-interval-tokens", &n.to_string()]);
-    }
-    if let Some(n) = a.kv_capacity_tokens {
-        cmd.args(["--kv-capacity-tokens", &n.to_string()]);
-    }
-    if let Some(d) = &a.kv_dtype {
-        cmd.args(["--kv-dtype", d]);
-    }
-    cmd.args(extra);
-    let server = Server(
-        cmd.stdout(Stdio::null())
+    let mut server = Server(
+        Command::new(std::env::current_exe()?)
+            .args(server_args(a, port, extra))
+            .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .context("starting the server")?,
@@ -224,6 +240,9 @@ pub(crate) fn start_server(
         .unwrap_or(0)
         != 200
     {
+        if let Some(status) = server.0.try_wait()? {
+            bail!("the server exited ({status}) before it was healthy: run `pagekeeper serve` with the same flags to see why");
+        }
         if t0.elapsed() > Duration::from_secs(180) {
             bail!("the server did not become healthy");
         }
@@ -392,4 +411,50 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> ServeBenchArgs {
+        use clap::{CommandFactory, FromArgMatches};
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            bench: ServeBenchArgs,
+        }
+        let matches = Cli::command()
+            .mut_args(|a| a.env(None))
+            .try_get_matches_from(std::iter::once("bench").chain(args.iter().copied()))
+            .unwrap();
+        Cli::from_arg_matches(&matches).unwrap().bench
+    }
+
+    /// Each flag that configures the servers or the requests changes the server's command
+    /// line or the request body; the flag walk points here for them.
+    #[test]
+    fn every_server_and_request_flag_reaches_the_server_or_the_body() {
+        let what = |args: &[&str]| {
+            let a = parse(args);
+            let body = request_body(&serde_json::json!("hi"), &a);
+            format!("{:?} {body}", server_args(&a, a.port, &[]))
+        };
+        let base = what(&[]);
+        for extra in [
+            &["--model", "/m.gguf"][..],
+            &["--port", "9000"],
+            &["--threads", "1"],
+            &["--max-prefill-tokens-while-decoding", "32"],
+            &["--prefill-prune-interval-tokens", "64"],
+            &["--kv-capacity-tokens", "4096"],
+            &["--kv-dtype", "q8"],
+            &["--max-running-seqs", "8"],
+            &["--max-tokens", "8"],
+            &["--kv-policy", "knorm"],
+            &["--kv-budget", "64"],
+        ] {
+            assert_ne!(base, what(extra), "{extra:?} changed nothing");
+        }
+    }
 }

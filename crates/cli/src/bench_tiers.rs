@@ -26,7 +26,6 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use pk_engine::model_store::resolve_model;
 use pk_engine::{Engine, EngineConfig, GenerateParams, TieringConfig};
-use pk_model::KvDtype;
 use pk_tiers::{
     ChunkKey, DiskTier, DiskTierConfig, Payload, RamTier, RedisTier, RedisTierConfig, Tier,
     TierConfig, TieredStore,
@@ -151,42 +150,76 @@ impl Bench {
     }
 }
 
+/// The disk and Redis tiers as the flags and the config file give them: the disk's
+/// directory and capacity (`None`: a temp dir sized to the context), and the Redis tier's
+/// URL, capacity and key prefix, under which each run gets a namespace of its own so that
+/// it starts cold. (A RAM tier is refused by flag_rules: one is always measured.)
+struct Configured {
+    disk: Option<(PathBuf, u64)>,
+    redis: Option<RedisTierConfig>,
+}
+
+fn configured(args: &crate::commands::ModelArgs) -> Result<Configured> {
+    let mut out = Configured {
+        disk: None,
+        redis: None,
+    };
+    for (origin, config) in args.tiers.tier_configs()? {
+        match config {
+            TierConfig::Disk {
+                drop_page_cache: true,
+                ..
+            } => bail!("{origin}: drop_page_cache is not used by `bench tiers`: it measures the disk tier both with and without the page cache"),
+            TierConfig::Disk {
+                dir,
+                capacity_bytes,
+                ..
+            } => out.disk = Some((dir, capacity_bytes)),
+            TierConfig::Redis {
+                url,
+                capacity_bytes,
+                key_prefix,
+            } => {
+                let mut c = RedisTierConfig::new(&url);
+                if let Some(bytes) = capacity_bytes {
+                    c.capacity_bytes = bytes;
+                }
+                let prefix = key_prefix.unwrap_or_else(|| "pk:".into());
+                c.key_prefix = format!("{prefix}bench-tiers:{}:", std::process::id());
+                out.redis = Some(c);
+            }
+            TierConfig::Ram { .. } => {}
+        }
+    }
+    Ok(out)
+}
+
 pub fn run(a: TiersBenchArgs) -> Result<()> {
     let args = a.model.resolved()?;
     if a.runs == 0 {
         bail!("--runs must be at least 1");
     }
-    if let Some(n) = args.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .context("configuring threads")?;
-    }
+    crate::commands::set_threads(args.threads)?;
     let chunk_tokens = args.tiers.chunk_tokens();
     if a.context_tokens == 0 || !a.context_tokens.is_multiple_of(chunk_tokens) {
         bail!("--context-tokens must be a positive multiple of the chunk size ({chunk_tokens})");
     }
-    let kv_dtype = KvDtype::parse(&args.kv_dtype)
-        .with_context(|| format!("unknown --kv-dtype {:?}", args.kv_dtype))?;
     let path = resolve_model(args.model.as_deref(), true)?;
+    if args.disable_hybrid_kv_cache_manager {
+        let gguf = pk_gguf::GgufFile::open(&path)?;
+        let model = pk_model::ModelConfig::from_gguf(&gguf)?;
+        crate::commands::check_hybrid_flag(true, &model, false)?;
+    }
+    // Only the recompute row's engine has no tier, so only it can keep KV cache groups.
     let base = EngineConfig {
         block_size_tokens: args.block_size,
-        kv_dtype,
+        kv_dtype: args.kv_dtype()?,
         kv_capacity_tokens: Some(a.context_tokens + 64),
         enable_prefix_caching: false,
+        hybrid_kv_cache: !args.disable_hybrid_kv_cache_manager,
         ..Default::default()
     };
-    // Where the file (or flags) put the disk and Redis tiers; sizes other than the disk's
-    // capacity do not matter here.
-    let configured = args.tiers.tier_configs()?;
-    let disk_dir = configured.iter().find_map(|(_, c)| match c {
-        TierConfig::Disk { dir, .. } => Some(dir.clone()),
-        _ => None,
-    });
-    let redis_url = configured.iter().find_map(|(_, c)| match c {
-        TierConfig::Redis { url, .. } => Some(url.clone()),
-        _ => None,
-    });
+    let configured = configured(&args)?;
 
     let mut bench = Bench {
         path,
@@ -254,15 +287,21 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
     drop(ram);
 
     progress("disk");
-    let (dir, remove_dir) = match disk_dir {
-        Some(d) => (d, false),
+    // The context's chunks and their file headers; a temp dir gets twice that.
+    let needed = total_bytes as u64 + (1 << 20);
+    let (dir, capacity, remove_dir) = match configured.disk {
+        Some((_, capacity)) if capacity < needed => bail!(
+            "--tier-disk: a capacity of {capacity} bytes cannot hold the context's {total_bytes} bytes of chunks"
+        ),
+        Some((dir, capacity)) => (dir, capacity, false),
         None => (
             std::env::temp_dir().join(format!("pagekeeper-bench-tiers-{}", std::process::id())),
+            needed * 2,
             true,
         ),
     };
     let open_disk = |drop_page_cache: bool| -> Result<Arc<DiskTier>> {
-        let mut c = DiskTierConfig::new(&dir, (total_bytes as u64 + (1 << 20)) * 2);
+        let mut c = DiskTierConfig::new(&dir, capacity);
         c.drop_page_cache = drop_page_cache;
         Ok(Arc::new(DiskTier::open(c).with_context(|| {
             format!("opening the disk tier in {}", dir.display())
@@ -309,11 +348,9 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    match redis_url {
-        Some(url) => {
+    match configured.redis {
+        Some(c) => {
             progress("Redis");
-            let mut c = RedisTierConfig::new(&url);
-            c.key_prefix = format!("pk:bench-tiers:{}:", std::process::id());
             let redis = Arc::new(RedisTier::open(c)?);
             let (read, write) = bench.bandwidth(redis.as_ref(), &chunks)?;
             let ttft = bench.ttft_runs(

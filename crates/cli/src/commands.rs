@@ -46,36 +46,94 @@ impl ModelArgs {
 
     /// The engine on `device` ("cpu", or "cuda" in a binary built with the feature).
     pub fn engine_on(&self, device: &str, kv_capacity_tokens: Option<usize>) -> Result<Engine> {
+        self.build_engine(device, kv_capacity_tokens, false)
+    }
+
+    /// The engine on the CPU with one block table for every layer whatever the model, for
+    /// a command that needs it (`bench codecs`, which refuses the flag that would ask).
+    pub fn engine_one_table(&self, kv_capacity_tokens: Option<usize>) -> Result<Engine> {
+        self.build_engine("cpu", kv_capacity_tokens, true)
+    }
+
+    fn build_engine(
+        &self,
+        device: &str,
+        kv_capacity_tokens: Option<usize>,
+        one_table: bool,
+    ) -> Result<Engine> {
         crate::gpu::check_device(device)?;
         // The --config file under flags and env (config.rs).
         let args = self.resolved()?;
-        if let Some(n) = args.threads {
-            if n == 0 {
-                bail!("--threads must be at least 1");
-            }
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(n)
-                .build_global()
-                .context("configuring threads")?;
-        }
-        let kv_dtype = KvDtype::parse(&args.kv_dtype).with_context(|| {
-            format!(
-                "unknown --kv-dtype {:?} (expected {})",
-                args.kv_dtype,
-                KvDtype::NAMES
-            )
-        })?;
+        set_threads(args.threads)?;
+        let kv_dtype = args.kv_dtype()?;
         let path = resolve_model(args.model.as_deref(), true)?;
+        let reuse = args.tiers.build_reuse()?;
+        if args.disable_hybrid_kv_cache_manager {
+            let gguf = pk_gguf::GgufFile::open(&path)
+                .with_context(|| format!("loading {}", path.display()))?;
+            let model = pk_model::ModelConfig::from_gguf(&gguf)?;
+            check_hybrid_flag(true, &model, reuse.is_some())?;
+        }
         let config = EngineConfig {
             block_size_tokens: args.block_size,
             kv_dtype,
             kv_capacity_tokens,
-            reuse: args.tiers.build_reuse()?,
-            hybrid_kv_cache: !args.disable_hybrid_kv_cache_manager,
+            reuse,
+            hybrid_kv_cache: !(one_table || args.disable_hybrid_kv_cache_manager),
             ..Default::default()
         };
         crate::gpu::engine(device, &path, config)
     }
+
+    /// `--kv-dtype` parsed.
+    pub fn kv_dtype(&self) -> Result<KvDtype> {
+        KvDtype::parse(&self.kv_dtype).with_context(|| {
+            format!(
+                "unknown --kv-dtype {:?} (expected {})",
+                self.kv_dtype,
+                KvDtype::NAMES
+            )
+        })
+    }
+}
+
+/// Sizes the kernels' thread pool from `--threads` (or the config file's `threads`). Zero
+/// is refused rather than read as rayon's "all cores", which is what leaving it out means.
+pub fn set_threads(threads: Option<usize>) -> Result<()> {
+    let Some(n) = threads else {
+        return Ok(());
+    };
+    if n == 0 {
+        bail!("--threads (or the config file's threads) must be at least 1");
+    }
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+        .context("configuring threads")
+}
+
+/// `--disable-hybrid-kv-cache-manager` changes something only where the engine would make
+/// KV cache groups: for a model with sliding-window layers, in an engine that neither
+/// stores nor reuses prompt KV (such an engine keeps one block table already). Anywhere
+/// else it is refused rather than accepted and unused.
+pub fn check_hybrid_flag(
+    disabled: bool,
+    model: &pk_model::ModelConfig,
+    has_reuse: bool,
+) -> Result<()> {
+    if !disabled {
+        return Ok(());
+    }
+    if has_reuse {
+        bail!("--disable-hybrid-kv-cache-manager is not used with a tier: an engine that stores or reuses prompt KV keeps one block table for every layer already");
+    }
+    if model.extras.sliding_window.is_none() {
+        bail!(
+            "--disable-hybrid-kv-cache-manager is not used with {}: it has no sliding-window layers, so it keeps one block table for every layer already",
+            model.name
+        );
+    }
+    Ok(())
 }
 
 /// Tiers below the KV pool for reusing prompt KV across requests, restarts and servers.
@@ -150,6 +208,9 @@ impl TierArgs {
     /// The engine's KV reuse connector: the EVICPRESS context store with `--tier-policy
     /// evicpress`, else the chunk tiers if any tier is configured.
     pub fn build_reuse(&self) -> Result<Option<pk_engine::ReuseConfig>> {
+        if self.tier_chunk_tokens.is_some() && self.tier_configs()?.is_empty() {
+            bail!("--tier-chunk-tokens (or the config file's tiers.chunk_tokens) is not used without a tier: add --tier-ram, --tier-disk or --tier-redis");
+        }
         if let Some(c) = self.build_contexts()? {
             return Ok(Some(pk_engine::ReuseConfig::Contexts(c)));
         }
@@ -211,6 +272,32 @@ impl KvPolicyArgs {
                     .map_err(|e| anyhow::anyhow!("--kv-policy: {e}"))
             })
             .transpose()
+    }
+
+    /// For a command that runs its own requests with these flags (`generate`, `bench perf`):
+    /// the engine's refusals of a policy, budget and granularity that do not go together,
+    /// named as the flags are. (`serve`'s flags are defaults that a request's own fields
+    /// complete, so each is used on its own there.)
+    pub fn check_one_request(&self) -> Result<()> {
+        let spec = self.spec()?;
+        let evicts = match (spec, self.kv_budget) {
+            (Some(s), _) => s.evicts(),
+            (None, budget) => budget.is_some(),
+        };
+        if let (Some(s), Some(_)) = (spec, self.kv_budget) {
+            if !s.evicts() {
+                bail!("--kv-budget is not used with --kv-policy {s}, which keeps every token");
+            }
+        }
+        if let (Some(s), None) = (spec, self.kv_budget) {
+            if s.evicts() {
+                bail!("--kv-policy {s} needs --kv-budget (tokens kept per sequence)");
+            }
+        }
+        if self.kv_granularity.is_some() && !evicts {
+            bail!("--kv-granularity is not used without eviction: it chooses how an evicting --kv-policy with a --kv-budget selects");
+        }
+        Ok(())
     }
 
     /// The name reports print: the policy given, else what the engine will use.
@@ -421,7 +508,27 @@ fn chat_template_kwargs(
     Ok(map)
 }
 
+/// Greedy decoding (`--temperature 0`, the default) takes the most likely token, so the
+/// sampling flags would be accepted and unused there: refused by name instead.
+fn check_sampling(a: &GenerateArgs) -> Result<()> {
+    if a.temperature != 0.0 {
+        return Ok(());
+    }
+    for (set, flag) in [
+        (a.top_k != 0, "--top-k"),
+        (a.top_p != 1.0, "--top-p"),
+        (a.seed.is_some(), "--seed"),
+    ] {
+        if set {
+            bail!("{flag} is not used by `generate` with --temperature 0: greedy decoding takes the most likely token (set --temperature to sample)");
+        }
+    }
+    Ok(())
+}
+
 pub fn generate(a: GenerateArgs) -> Result<()> {
+    check_sampling(&a)?;
+    a.kv.check_one_request()?;
     let mut engine = a.model.engine_on(&a.device, None)?;
     let prompt_text = if a.chat {
         let mut msgs = Vec::new();
@@ -467,6 +574,11 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         let _ = stdout.flush();
     })?;
     let _ = writeln!(stdout);
+    // The EVICPRESS store writes on a worker thread that drops what it has not written
+    // when the store goes away at exit: wait for it, so that the next run finds this prompt.
+    if let Some(store) = engine.context_store() {
+        store.flush();
+    }
     let n = out.token_ids.len();
     eprintln!(
         "prompt: {} tokens ({} cached) in {:.2} s ({:.1} tok/s); generated: {} tokens in {:.2} s ({:.1} tok/s); finish: {:?}",

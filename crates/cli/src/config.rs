@@ -86,6 +86,28 @@ impl FileConfig {
             .with_context(|| format!("in config file {}", path.display()))?;
         Ok(config)
     }
+
+    /// The keys this file sets, each with the clap id of the flag it stands for, so that
+    /// a key is refused wherever its flag would be (`flag_rules`).
+    pub fn keys(&self) -> Vec<(&'static str, &'static str)> {
+        let t = &self.tiers;
+        [
+            (self.model.is_some(), "model", "model"),
+            (self.threads.is_some(), "threads", "threads"),
+            (
+                t.chunk_tokens.is_some(),
+                "tiers.chunk_tokens",
+                "tier_chunk_tokens",
+            ),
+            (t.ram.is_some(), "tiers.ram", "tier_ram"),
+            (t.disk.is_some(), "tiers.disk", "tier_disk"),
+            (t.redis.is_some(), "tiers.redis", "tier_redis"),
+        ]
+        .into_iter()
+        .filter(|(set, _, _)| *set)
+        .map(|(_, key, id)| (key, id))
+        .collect()
+    }
 }
 
 impl TiersSection {

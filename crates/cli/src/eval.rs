@@ -146,6 +146,7 @@ fn config(a: &EvalArgs) -> Result<SweepConfig> {
             pk_model::KvDtype::NAMES
         )
     })?;
+    check_used(a, &c)?;
     if c.samples == 0
         || c.lengths.is_empty()
         || c.tasks.is_empty()
@@ -157,17 +158,33 @@ fn config(a: &EvalArgs) -> Result<SweepConfig> {
     Ok(c)
 }
 
+/// Flags that the sweep as configured would not use, refused by name: the continuation
+/// length where no text-kl task runs, and budgets and granularities where no evicting
+/// policy does (the full cache always runs, as the reference, and takes neither).
+fn check_used(a: &EvalArgs, c: &SweepConfig) -> Result<()> {
+    let text_kl = c
+        .tasks
+        .iter()
+        .any(|t| matches!(t, Task::TextKl | Task::TextKlKeepContinuation));
+    if a.continuation_tokens.is_some() && !text_kl {
+        bail!("--continuation-tokens is not used by `eval` without a text-kl task: only text-kl and text-kl-keep-continuation force a continuation");
+    }
+    if c.policies.is_empty() {
+        for (set, flag) in [
+            (a.budgets.is_some(), "--budgets"),
+            (a.kv_granularity.is_some(), "--kv-granularity"),
+        ] {
+            if set {
+                bail!("{flag} is not used by `eval` without an evicting policy in --policies: the full cache runs as the reference with neither");
+            }
+        }
+    }
+    Ok(())
+}
+
 pub fn run(a: EvalArgs) -> Result<()> {
     let cfg = config(&a)?;
-    if let Some(n) = a.threads {
-        if n == 0 {
-            bail!("--threads must be at least 1");
-        }
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .context("configuring threads")?;
-    }
+    crate::commands::set_threads(a.threads)?;
     let t0 = Instant::now();
     let outcome = pk_eval::run_sweep(&cfg)?;
     let report = report::summarise(&outcome.model, &outcome.records);

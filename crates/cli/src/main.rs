@@ -10,11 +10,14 @@ mod bench_tiers;
 mod commands;
 mod config;
 mod eval;
+mod flag_rules;
+#[cfg(test)]
+mod flag_walk;
 mod gpu;
 mod serve;
 mod tier_policy;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -107,7 +110,13 @@ fn main() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    // A refused flag is a usage error, as clap's own are (exit status 2).
+    if let Err(e) = flag_rules::check(&Cli::command(), &matches) {
+        eprintln!("error: {e:#}");
+        std::process::exit(2);
+    }
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
         Command::FetchModel(a) => fetch(&a),
         Command::Info(a) => commands::info(a),

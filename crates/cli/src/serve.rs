@@ -1,6 +1,7 @@
 //! `pagekeeper serve`: the OpenAI-compatible server.
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
@@ -64,19 +65,7 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     a.model = a.model.resolved()?;
     crate::gpu::check_device(&a.device)?;
     let path = resolve_model(a.model.model.as_deref(), true)?;
-    if let Some(n) = a.model.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .context("configuring threads")?;
-    }
-    let kv_dtype = KvDtype::parse(&a.model.kv_dtype).with_context(|| {
-        format!(
-            "unknown --kv-dtype {:?} (expected {})",
-            a.model.kv_dtype,
-            KvDtype::NAMES
-        )
-    })?;
+    crate::commands::set_threads(a.model.threads)?;
     // Tokenizer and template load in milliseconds on this side; the weights load on the
     // engine thread so that /health can say 503 meanwhile.
     let gguf =
@@ -84,21 +73,95 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     let tokenizer = Arc::new(pk_tokenizer::Tokenizer::from_gguf(&gguf)?);
     let chat_template = Arc::new(pk_tokenizer::ChatTemplate::from_gguf(&gguf)?);
     let model_config = pk_model::ModelConfig::from_gguf(&gguf)?;
-    let ctx = model_config.context_length;
     drop(gguf);
-    let pool_tokens = a
-        .kv_capacity_tokens
-        .unwrap_or_else(|| default_pool_tokens(&model_config, kv_dtype));
-    let max_total_tokens = max_request_tokens(ctx, a.max_model_len, pool_tokens)?;
-    let model_name = a.served_model_name.clone().unwrap_or_else(|| {
+    // Before the tiers open in `plan` (they count what they find on disk) and the engine
+    // starts.
+    let metrics = pk_server::install_metrics(&served_name(&a, &path))
+        .context("installing the metrics recorder")?;
+    let plan = plan(&a, &path, &model_config)?;
+    let name = plan.model_name.clone();
+    let (device, config) = (a.device.clone(), plan.engine);
+    let engine = EngineHandle::spawn(move || {
+        let mut e = crate::gpu::engine(&device, &path, config)?;
+        e.model_name = name;
+        calibrate(&mut e)?;
+        Ok(e)
+    });
+    let state = Arc::new(AppState {
+        engine,
+        tokenizer,
+        chat_template,
+        model_name: plan.model_name,
+        limits: plan.limits,
+        metrics,
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(pk_server::serve(state, plan.addr))
+}
+
+/// EVICPRESS decides with this machine's delays: measured before the first request (a
+/// prefill of this model, a probe of every tier), then kept current from every prefill and
+/// load. Nothing to do without a context store.
+fn calibrate(e: &mut pk_engine::Engine) -> Result<()> {
+    let Some(c) = e.calibrate_context_store()? else {
+        return Ok(());
+    };
+    let tiers: Vec<String> = c
+        .tiers
+        .iter()
+        .map(|t| match (&t.skipped, t.read_bytes_per_s) {
+            (Some(why), _) => format!("{} not probed ({why})", t.tier),
+            (None, Some(r)) => format!("{} {:.0} MB/s read", t.tier, r / 1e6),
+            (None, None) => format!("{} unmeasured", t.tier),
+        })
+        .collect();
+    tracing::info!(
+        "EVICPRESS delay model calibrated: prefill {:.0} tokens/s ({} tokens), {}",
+        c.prefill_tokens_per_s,
+        c.prefill_tokens,
+        tiers.join(", ")
+    );
+    Ok(())
+}
+
+/// The name the server answers to: `--served-model-name`, else the file's stem.
+fn served_name(a: &ServeArgs, path: &Path) -> String {
+    a.served_model_name.clone().unwrap_or_else(|| {
         path.file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default()
-    });
-    // Before the tiers open (they count what they find on disk) and the engine starts.
-    let metrics =
-        pk_server::install_metrics(&model_name).context("installing the metrics recorder")?;
-    let config = EngineConfig {
+    })
+}
+
+/// What the flags make of a server, before anything loads or binds: the engine's
+/// configuration, the request limits, the served name and the address.
+pub struct Plan {
+    pub engine: EngineConfig,
+    pub limits: ServerLimits,
+    pub model_name: String,
+    pub addr: SocketAddr,
+}
+
+/// Every flag of `serve` but `--device`, `--threads` and `--model`/`--config` (used before)
+/// lands here, so the unit test below can check that each one changes the plan.
+pub fn plan(a: &ServeArgs, path: &Path, model_config: &pk_model::ModelConfig) -> Result<Plan> {
+    let kv_dtype = a.model.kv_dtype()?;
+    let pool_tokens = a
+        .kv_capacity_tokens
+        .unwrap_or_else(|| default_pool_tokens(model_config, kv_dtype));
+    let max_total_tokens =
+        max_request_tokens(model_config.context_length, a.max_model_len, pool_tokens)?;
+    let model_name = served_name(a, path);
+    let reuse = a.model.tiers.build_reuse()?;
+    crate::commands::check_hybrid_flag(
+        a.model.disable_hybrid_kv_cache_manager,
+        model_config,
+        reuse.is_some(),
+    )?;
+    let engine = EngineConfig {
         block_size_tokens: a.model.block_size,
         kv_dtype,
         kv_capacity_tokens: Some(pool_tokens),
@@ -110,56 +173,23 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         default_kv_policy: a.kv.spec()?.unwrap_or_default(),
         default_kv_budget: a.kv.kv_budget,
         default_kv_granularity: a.kv.granularity()?.unwrap_or_default(),
-        reuse: a.model.tiers.build_reuse()?,
+        reuse,
         hybrid_kv_cache: !a.model.disable_hybrid_kv_cache_manager,
         ..Default::default()
     };
-    let name = model_name.clone();
-    let device = a.device.clone();
-    let engine = EngineHandle::spawn(move || {
-        let mut e = crate::gpu::engine(&device, &path, config)?;
-        e.model_name = name;
-        // EVICPRESS decides with this machine's delays: measured before the first request,
-        // then kept current from every prefill and load.
-        if let Some(c) = e.calibrate_context_store()? {
-            let tiers: Vec<String> = c
-                .tiers
-                .iter()
-                .map(|t| match (&t.skipped, t.read_bytes_per_s) {
-                    (Some(why), _) => format!("{} not probed ({why})", t.tier),
-                    (None, Some(r)) => format!("{} {:.0} MB/s read", t.tier, r / 1e6),
-                    (None, None) => format!("{} unmeasured", t.tier),
-                })
-                .collect();
-            tracing::info!(
-                "EVICPRESS delay model calibrated: prefill {:.0} tokens/s ({} tokens), {}",
-                c.prefill_tokens_per_s,
-                c.prefill_tokens,
-                tiers.join(", ")
-            );
-        }
-        Ok(e)
-    });
-    let state = Arc::new(AppState {
+    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+        .parse()
+        .with_context(|| format!("bad --host/--port {}:{}", a.host, a.port))?;
+    Ok(Plan {
         engine,
-        tokenizer,
-        chat_template,
-        model_name,
         limits: ServerLimits {
             max_request_body_bytes: 4 << 20,
             max_total_tokens,
             max_messages: 1024,
         },
-        metrics,
-    });
-    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
-        .parse()
-        .with_context(|| format!("bad --host/--port {}:{}", a.host, a.port))?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    rt.block_on(pk_server::serve(state, addr))
+        model_name,
+        addr,
+    })
 }
 
 /// The KV pool `serve` sizes when `--kv-capacity-tokens` is not given: room for four
@@ -219,6 +249,84 @@ mod tests {
             err.contains("--max-model-len 8192") && err.contains("4096"),
             "{err}"
         );
+    }
+
+    /// `serve` flags parsed from `args` alone: their environment variables are cleared
+    /// from the definition, since config.rs's test sets some of them while tests run.
+    fn parse(args: &[&str]) -> ServeArgs {
+        use clap::{CommandFactory, FromArgMatches};
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let matches = Cli::command()
+            .mut_args(|a| a.env(None))
+            .try_get_matches_from(std::iter::once("serve").chain(args.iter().copied()))
+            .unwrap();
+        Cli::from_arg_matches(&matches).unwrap().serve
+    }
+
+    /// Every flag that `plan` reads changes the plan, each beside the flags it needs: a
+    /// flag parsed and then dropped on the way to the engine (issue 34's
+    /// `--disable-hybrid-kv-cache-manager`) fails here. The flag walk points here.
+    #[test]
+    fn every_serve_flag_changes_the_plan() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = format!("{}:1GiB", dir.path().display());
+        // A shape with sliding-window layers, so that KV cache groups exist to turn off.
+        let gemma = pk_model::ModelConfig::dummy("gemma-3-4b").unwrap();
+        let plan_of = |args: &[&str]| {
+            let p = plan(&parse(args), Path::new("/m/model.gguf"), &gemma).unwrap();
+            // The context store's Debug leaves out its grid and profiling metric.
+            let store = match &p.engine.reuse {
+                Some(pk_engine::ReuseConfig::Contexts(c)) => {
+                    format!("{:?} {:?}", c.store.grid.configs(), c.profile_metric)
+                }
+                _ => String::new(),
+            };
+            let (e, l) = (&p.engine, &p.limits);
+            format!("{e:?} {store} {l:?} {} {}", p.model_name, p.addr)
+        };
+        let ram: &[&str] = &["--tier-ram", "64MiB"];
+        let evicpress: &[&str] = &["--tier-policy", "evicpress", "--tier-ram", "64MiB"];
+        let cases: &[(&[&str], &[&str])] = &[
+            (&[], &["--block-size", "32"]),
+            (&[], &["--kv-dtype", "q8"]),
+            (&[], &["--disable-hybrid-kv-cache-manager"]),
+            (&[], &["--tier-ram", "64MiB"]),
+            (&[], &["--tier-disk", &disk]),
+            (&[], &["--tier-redis", "redis://127.0.0.1:1"]),
+            (ram, &["--tier-chunk-tokens", "64"]),
+            (ram, &["--tier-policy", "evicpress"]),
+            (evicpress, &["--evicpress-alpha", "2"]),
+            (evicpress, &["--evicpress-grid", "q8,q4"]),
+            (evicpress, &["--evicpress-per-byte"]),
+            (evicpress, &["--evicpress-profile-metric", "teacher-forced"]),
+            (&[], &["--host", "127.0.0.2"]),
+            (&[], &["--port", "8001"]),
+            (&[], &["--served-model-name", "m"]),
+            (&[], &["--kv-capacity-tokens", "200000"]),
+            (&[], &["--max-running-seqs", "3"]),
+            (&[], &["--max-waiting-requests", "3"]),
+            (&[], &["--max-batch-tokens", "256"]),
+            (&[], &["--max-prefill-tokens-while-decoding", "32"]),
+            (&[], &["--prefill-prune-interval-tokens", "64"]),
+            (&[], &["--max-model-len", "1024"]),
+            (&[], &["--kv-policy", "knorm"]),
+            (&[], &["--kv-budget", "64"]),
+            (&[], &["--kv-granularity", "head"]),
+        ];
+        for (base, extra) in cases {
+            let with: Vec<&str> = base.iter().chain(extra.iter()).copied().collect();
+            let before = plan_of(base);
+            assert_eq!(
+                before,
+                plan_of(base),
+                "{base:?}: the plan is not reproducible"
+            );
+            assert_ne!(before, plan_of(&with), "{extra:?} changed nothing");
+        }
     }
 
     #[test]

@@ -303,20 +303,49 @@ fn measure_tiers(
         .collect()
 }
 
-pub fn run(a: EvicpressArgs) -> Result<()> {
-    let p = preset(&a)?;
-    std::fs::create_dir_all(&a.out)?;
-    if let Some(n) = a.model.resolved()?.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n.max(1))
-            .build_global()
-            .context("configuring threads")?;
+/// Refuses, by name, numbers the runs cannot use, before minutes of setup.
+fn check_numbers(a: &EvicpressArgs) -> Result<()> {
+    let positive = |x: f64| x.is_finite() && x > 0.0;
+    for (ok, flag) in [
+        (
+            positive(a.ram_fraction),
+            "--ram-fraction must be a positive number",
+        ),
+        (
+            positive(a.disk_fraction),
+            "--disk-fraction must be a positive number",
+        ),
+        (
+            !a.alphas.is_empty() && a.alphas.iter().all(|&x| positive(x)),
+            "--alphas must be positive numbers",
+        ),
+        (
+            a.zipf.is_finite() && a.zipf >= 0.0,
+            "--zipf must be at least 0",
+        ),
+        (positive(a.rate), "--rate must be a positive number"),
+    ] {
+        if !ok {
+            anyhow::bail!("{flag}");
+        }
     }
+    if let Some(url) = &a.redis {
+        pk_tiers::TierConfig::parse_redis(url).map_err(|e| anyhow::anyhow!("--redis: {e}"))?;
+    }
+    Ok(())
+}
+
+pub fn run(a: EvicpressArgs) -> Result<()> {
+    check_numbers(&a)?;
+    let p = preset(&a)?;
+    std::fs::create_dir_all(&a.out)
+        .with_context(|| format!("creating --out {}", a.out.display()))?;
+    crate::commands::set_threads(a.model.resolved()?.threads)?;
     let quiet = crate::bench_evicpress::report::host_quiet();
     eprintln!("host-quiet: {quiet}");
     // Check every --fixed configuration against the grid before the long setup.
     for f in &a.fixed {
-        let c = Compression::parse(f).map_err(anyhow::Error::msg)?;
+        let c = Compression::parse(f).map_err(|e| anyhow::anyhow!("--fixed {f}: {e}"))?;
         p.grid.index_of(&c).with_context(|| {
             format!(
                 "--fixed {f} is not in the grid ({})",
@@ -387,7 +416,7 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     // Real runs.
     let mut policies: Vec<(String, Option<f64>, Policy)> = vec![("lru".into(), None, Policy::Lru)];
     for f in &a.fixed {
-        let c = Compression::parse(f).map_err(anyhow::Error::msg)?;
+        let c = Compression::parse(f).map_err(|e| anyhow::anyhow!("--fixed {f}: {e}"))?;
         let idx = p
             .grid
             .index_of(&c)
@@ -703,6 +732,7 @@ fn engine_for(a: &EvicpressArgs, store: StoreConfig, kv_capacity_tokens: usize) 
     let path = pk_engine::model_store::resolve_model(a.model.resolved()?.model.as_deref(), true)?;
     let config = EngineConfig {
         block_size_tokens: a.model.block_size,
+        kv_dtype: a.model.kv_dtype()?,
         kv_capacity_tokens: Some(kv_capacity_tokens),
         reuse: Some(ReuseConfig::Contexts(ContextReuseConfig {
             store,

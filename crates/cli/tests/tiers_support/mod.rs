@@ -114,6 +114,15 @@ impl Server {
     pub fn start(extra: &[&str]) -> Server {
         let port = free_port();
         let pool = POOL_TOKENS.to_string();
+        // The chunk size applies where a tier stores chunks; serve refuses it without one.
+        let has_tier = extra
+            .iter()
+            .any(|a| matches!(*a, "--tier-ram" | "--tier-disk" | "--tier-redis"));
+        let chunk: &[String] = if has_tier {
+            &["--tier-chunk-tokens".into(), CHUNK_TOKENS.to_string()]
+        } else {
+            &[]
+        };
         let child = Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
             .args([
                 "serve",
@@ -126,7 +135,7 @@ impl Server {
                 "--max-model-len",
                 &pool,
             ])
-            .args(["--tier-chunk-tokens", &CHUNK_TOKENS.to_string()])
+            .args(chunk)
             .args(extra)
             .arg("--model")
             .arg(model_path())
