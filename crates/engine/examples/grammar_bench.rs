@@ -45,10 +45,10 @@ fn main() -> anyhow::Result<()> {
         ..Default::default()
     };
     let constrained = GenerateParams {
-        grammar: Some(Grammar {
-            spec: GrammarSpec::JsonSchema(schema),
-            param: "response_format",
-        }),
+        grammar: Some(Grammar::new(
+            GrammarSpec::JsonSchema(schema),
+            "response_format",
+        )),
         ..plain.clone()
     };
     // The first grammar request builds the token trie.
