@@ -9,7 +9,7 @@ use clap::Args;
 use pk_engine::model_store::resolve_model;
 use pk_engine::EngineConfig;
 use pk_model::KvDtype;
-use pk_server::{AppState, EngineHandle, ServerLimits};
+use pk_server::{AppState, EngineHandle, Offload, ServerLimits};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -89,6 +89,7 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     });
     let state = Arc::new(AppState {
         engine,
+        offload: Offload::new(tokenizer.clone()),
         tokenizer,
         chat_template,
         model_name: plan.model_name,

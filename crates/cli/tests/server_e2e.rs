@@ -399,3 +399,67 @@ fn metrics_count_every_token_gap_and_follow_vllm_names() {
     assert!(counters >= 6, "{metrics}");
     assert!(!metrics.contains("pagekeeper_"), "{metrics}");
 }
+
+/// Every grammar the server is given (`response_format`, vLLM's `guided_*`, a forced
+/// `tool_choice`, a list of prompts sharing one) is compiled on its blocking pool, never on
+/// the engine thread, where a compilation stalls every running stream (issue 34): the
+/// engine's count of its own compilations stays 0 while the outputs still follow the
+/// grammars, and a grammar that cannot compile is still a 400 naming its field.
+#[test]
+fn grammars_are_compiled_off_the_engine_thread() {
+    let (_server, port) = start_server(&model_path(), &[]);
+    let chat = |extra: serde_json::Value| {
+        let mut body = serde_json::json!({
+            "messages": [{"role": "user", "content": "Name a city."}], "max_tokens": 48, "temperature": 0
+        });
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        post_json(port, "/v1/chat/completions", &body)
+    };
+    let schema = serde_json::json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]});
+    let (status, body) = chat(
+        serde_json::json!({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+    let answer: serde_json::Value = serde_json::from_str(content).expect("JSON as the schema says");
+    assert!(answer["city"].is_string(), "{answer}");
+    let weather = serde_json::json!({"type": "function", "function": {"name": "get_weather", "parameters": schema}});
+    let (status, body) = chat(
+        serde_json::json!({"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["choices"][0]["message"]["tool_calls"][0]["function"]["name"],
+        "get_weather"
+    );
+    let (status, body) = post_json(
+        port,
+        "/v1/completions",
+        &serde_json::json!({"prompt": ["Is fire hot? Answer:", "Is ice hot? Answer:"], "max_tokens": 4, "guided_choice": ["yes", "no"]}),
+    );
+    assert_eq!(status, 200, "{body}");
+    for c in body["choices"].as_array().unwrap() {
+        assert!(matches!(c["text"].as_str(), Some("yes" | "no")), "{c}");
+    }
+    for (bad, param) in [
+        (
+            serde_json::json!({"guided_regex": "(unclosed"}),
+            "guided_regex",
+        ),
+        (
+            serde_json::json!({"guided_choice": ["a"], "ignore_eos": true}),
+            "guided_choice",
+        ),
+    ] {
+        let (status, body) = chat(bad);
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(body["error"]["param"], param, "{body}");
+    }
+    let m = get_body(port, "/metrics");
+    assert_eq!(
+        gauge(&m, "pagekeeper:engine_thread_grammar_compilations_total"),
+        0.0
+    );
+}

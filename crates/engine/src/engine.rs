@@ -260,6 +260,9 @@ pub struct EngineStats {
     /// Token masks computed for grammars (structured output), and their time.
     pub grammar_masks: u64,
     pub grammar_mask_seconds: f64,
+    /// Grammars compiled by `submit`, on the engine's thread, because the request brought
+    /// no `CompiledGrammar` (the server always brings one; tests check that it does).
+    pub grammar_compilations: u64,
 }
 
 /// One planned piece of a step: `all_ids[from..to]` of sequence `seq`.
@@ -566,22 +569,32 @@ impl Engine {
         !self.running.is_empty() || !self.waiting.is_empty()
     }
 
-    /// A matcher for a request's grammar (compiled now, so that a bad one is refused at
-    /// submission, naming its field).
+    /// A matcher for a request's grammar: the one the caller compiled, checked, or else
+    /// compiled now (so that a bad one is refused at submission, naming its field).
     fn grammar_matcher(
         &mut self,
-        g: &crate::grammar::Grammar,
+        g: &mut crate::grammar::Grammar,
         p: &GenerateParams,
     ) -> Result<llguidance::Matcher, SubmitError> {
+        check_grammar_use(g, p)?;
         let invalid = |message: String| SubmitError::InvalidParam {
             param: g.param,
             message,
         };
-        if !p.forced_tokens.is_empty() || p.ignore_eos {
-            return Err(invalid(
-                "a grammar cannot constrain forced tokens or run past end-of-generation (ignore_eos)".into(),
-            ));
+        if let Some(compiled) = g.compiled.take() {
+            let vocab = self.tokenizer.vocab_size();
+            if compiled.vocab_size() != vocab {
+                return Err(invalid(format!(
+                    "{} was compiled for a vocabulary of {} tokens; this model's has {vocab}",
+                    g.param,
+                    compiled.vocab_size()
+                )));
+            }
+            return Ok(compiled.into_matcher());
         }
+        // Compiling here holds the engine thread, and so every running sequence: callers
+        // that serve other requests meanwhile compile first (`GrammarCompiler::compile`).
+        self.stats.grammar_compilations += 1;
         if self.grammar.is_none() {
             let t0 = std::time::Instant::now();
             let compiler =
@@ -595,8 +608,9 @@ impl Engine {
         }
         let compiler = self.grammar.as_ref().expect("built above");
         compiler
-            .matcher(&g.spec)
-            .map_err(|e| invalid(format!("{} cannot be compiled: {e}", g.param)))
+            .compile(g)
+            .map(crate::grammar::CompiledGrammar::into_matcher)
+            .map_err(|e| invalid(e.to_string()))
     }
 
     fn new_seq_id(&mut self) -> SeqId {
@@ -605,7 +619,7 @@ impl Engine {
     }
 
     /// Queues a request. Validation errors and a full queue are refused immediately.
-    pub fn submit(&mut self, req: Request) -> Result<(), SubmitError> {
+    pub fn submit(&mut self, mut req: Request) -> Result<(), SubmitError> {
         if self.waiting.len() >= self.config.max_waiting_requests {
             return Err(SubmitError::QueueFull(self.waiting.len()));
         }
@@ -619,8 +633,12 @@ impl Engine {
             self.check_prefix_kv(p, req.prompt_ids.len(), eviction.is_some())?;
         }
         let namespace = self.cache_namespace.salted(req.cache_salt.as_deref());
-        let matcher = match &req.params.grammar {
-            Some(g) => Some(self.grammar_matcher(g, &req.params)?),
+        let matcher = match req.params.grammar.take() {
+            Some(mut g) => {
+                let m = self.grammar_matcher(&mut g, &req.params)?;
+                req.params.grammar = Some(g);
+                Some(m)
+            }
             None => None,
         };
         let background = req.params.background;
@@ -1513,6 +1531,22 @@ fn first_logits_row(s: &SeqState, c: &Chunk) -> usize {
         Some(pos) => (pos - c.from).min(last),
         None => last,
     }
+}
+
+/// Whether `p` can run under grammar `g`: a grammar can neither constrain forced tokens
+/// nor let a sequence run past end-of-generation. Callers that compile before submitting
+/// check it first, so that a request the engine would refuse is not compiled for nothing.
+pub fn check_grammar_use(
+    g: &crate::grammar::Grammar,
+    p: &GenerateParams,
+) -> Result<(), SubmitError> {
+    if !p.forced_tokens.is_empty() || p.ignore_eos {
+        return Err(SubmitError::InvalidParam {
+            param: g.param,
+            message: "a grammar cannot constrain forced tokens or run past end-of-generation (ignore_eos)".into(),
+        });
+    }
+    Ok(())
 }
 
 /// `n` within its bounds, and not combined with what choices cannot share.

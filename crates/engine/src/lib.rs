@@ -22,11 +22,11 @@ pub mod tiering;
 
 pub use contexts::{ContextReuseConfig, ContextReuseStats, DelayCalibration};
 pub use engine::{
-    Engine, EngineConfig, EngineStats, FinishReason, GenerateParams, SubmitError, MAX_CHOICES,
-    MAX_LOGPROBS,
+    check_grammar_use, Engine, EngineConfig, EngineStats, FinishReason, GenerateParams,
+    SubmitError, MAX_CHOICES, MAX_LOGPROBS,
 };
 pub use eviction::EvictionStats;
-pub use grammar::{Grammar, GrammarSpec};
+pub use grammar::{CompiledGrammar, Grammar, GrammarCompiler, GrammarSpec};
 pub use namespace::{kv_fingerprint, CacheNamespace};
 pub use prefix_kv::PrefixKv;
 pub use request::{GenerateOutput, Request, RequestError, RequestOutput, SeqEvent};

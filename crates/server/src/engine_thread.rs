@@ -271,6 +271,10 @@ fn publish(
         .increment(s.prefix_queries_tokens - last.prefix_queries_tokens);
     metrics::counter!("vllm:prefix_cache_hits_total")
         .increment(s.prefix_hits_tokens - last.prefix_hits_tokens);
+    // The server compiles every grammar on its blocking pool, so this stays 0; a request
+    // compiled here instead stalled every running stream while it compiled.
+    metrics::counter!("pagekeeper:engine_thread_grammar_compilations_total")
+        .increment(s.grammar_compilations - last.grammar_compilations);
     *last = s.clone();
 }
 

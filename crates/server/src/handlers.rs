@@ -21,6 +21,7 @@ use pk_tokenizer::ChatMessage;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::offload::OffloadError;
 use crate::openai::{
     ChatRequest, CommonParams, CompletionRequest, ErrorBody, ErrorDetail, PromptField, Usage,
 };
@@ -218,22 +219,9 @@ struct Submitted {
     n: usize,
 }
 
-async fn submit(
-    state: &AppState,
-    prompt_ids: Vec<u32>,
-    params: GenerateParams,
-    cache_salt: Option<String>,
-) -> Result<Submitted, ApiError> {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let prompt_tokens = prompt_ids.len();
-    let n = params.n;
-    let req = Request {
-        prompt_ids,
-        params,
-        cache_salt,
-        sink: Box::new(move |e| tx.send(e).is_ok()),
-    };
-    state.engine.submit(req).await.map_err(|e| match e {
+/// The engine's refusal of a request as an HTTP error.
+fn submit_error(e: SubmitError) -> ApiError {
+    match e {
         SubmitError::QueueFull(_) => ApiError {
             status: StatusCode::TOO_MANY_REQUESTS,
             message: e.to_string(),
@@ -246,7 +234,59 @@ async fn submit(
         },
         SubmitError::Invalid(m) => ApiError::bad(m),
         SubmitError::InvalidParam { param, message } => ApiError::param(param, message),
-    })?;
+    }
+}
+
+impl From<OffloadError> for ApiError {
+    fn from(e: OffloadError) -> ApiError {
+        match e {
+            OffloadError::Grammar(param, message) => ApiError::param(param, message),
+            OffloadError::Panicked(m) => ApiError {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                message: format!("preparing the request failed: {m}"),
+                param: None,
+            },
+            OffloadError::NoGrammarEngine(m) => ApiError {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                message: format!("the grammar engine could not start: {m}"),
+                param: None,
+            },
+        }
+    }
+}
+
+/// `params` with its grammar compiled on the blocking pool (if it has one not compiled
+/// yet), so that the engine thread never compiles: it would stall every running stream.
+async fn compile_grammar(
+    state: &AppState,
+    mut params: GenerateParams,
+) -> Result<GenerateParams, ApiError> {
+    let Some(g) = params.grammar.take_if(|g| g.compiled.is_none()) else {
+        return Ok(params);
+    };
+    // A request the engine would refuse anyway is not compiled for nothing.
+    pk_engine::check_grammar_use(&g, &params).map_err(submit_error)?;
+    params.grammar = Some(state.offload.compile(g).await?);
+    Ok(params)
+}
+
+async fn submit(
+    state: &AppState,
+    prompt_ids: Vec<u32>,
+    params: GenerateParams,
+    cache_salt: Option<String>,
+) -> Result<Submitted, ApiError> {
+    let params = compile_grammar(state, params).await?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let prompt_tokens = prompt_ids.len();
+    let n = params.n;
+    let req = Request {
+        prompt_ids,
+        params,
+        cache_salt,
+        sink: Box::new(move |e| tx.send(e).is_ok()),
+    };
+    state.engine.submit(req).await.map_err(submit_error)?;
     Ok(Submitted {
         rx,
         prompt_tokens,

@@ -1,7 +1,8 @@
 //! `pk-server`: the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`,
 //! `/v1/models`, `/health`, `/metrics`) over one engine thread, with SSE streaming.
 //!
-//! Handlers tokenize and validate on the async side, then hand a `Request` to the engine
+//! Handlers validate on the async side, render and tokenize the prompt and compile any
+//! grammar on a bounded blocking pool (`offload.rs`), then hand a `Request` to the engine
 //! thread and read its events from a per-request channel. A client that disconnects
 //! drops its receiver; the engine notices on the next event and frees the sequence.
 #![forbid(unsafe_code)]
@@ -10,6 +11,7 @@ mod engine_thread;
 mod handlers;
 pub mod listener;
 mod logprobs;
+mod offload;
 pub mod openai;
 
 use std::net::SocketAddr;
@@ -22,6 +24,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use pk_tokenizer::{ChatTemplate, Tokenizer};
 
 pub use engine_thread::{EngineHandle, EngineState};
+pub use offload::Offload;
 
 /// Limits applied before a request reaches the engine.
 #[derive(Debug, Clone)]
@@ -40,6 +43,9 @@ pub struct AppState {
     pub model_name: String,
     pub limits: ServerLimits,
     pub metrics: PrometheusHandle,
+    /// Prompt rendering and tokenization, and grammar compilation, off the async workers
+    /// and off the engine thread.
+    pub offload: Offload,
 }
 
 /// The exporter's settings: latency buckets, and `model_name` (the served model's name) as
@@ -118,6 +124,8 @@ pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()>
             DRAIN_DEADLINE.as_secs()
         );
     };
+    let warm = state.clone();
+    tokio::spawn(async move { warm.offload.prepare_grammars().await });
     let router = listener::with_body_timeout(router(state), listener::BODY_READ_TIMEOUT);
     let drained = listener::serve_connections(
         listener,

@@ -102,11 +102,14 @@ pub struct CommonParams {
     pub other: serde_json::Map<String, Value>,
 }
 
+/// A field's name and whether a value of it asks for nothing this server does not do.
+type NoOp = (&'static str, fn(&Value) -> bool);
+
 /// Fields this server does not implement, each with the values that ask for nothing it
 /// does not do anyway (an explicit list per field, never a guess from the value's look:
 /// `add_generation_prompt: false` looks like a default and asks for something). `null`
 /// stands for an absent field everywhere, as in OpenAI's API.
-const NO_OP_FIELDS: &[(&str, fn(&Value) -> bool)] = &[
+const NO_OP_FIELDS: &[NoOp] = &[
     // An end-user id for the operator's logs; it changes no output.
     ("user", |v| v.is_string()),
     ("best_of", |v| v.as_i64() == Some(1)),
@@ -130,7 +133,7 @@ const NO_OP_FIELDS: &[(&str, fn(&Value) -> bool)] = &[
 
 /// Message fields that clients echo back from an earlier reply (OpenAI's SDK returns
 /// assistant messages with these set), with the values that change nothing.
-const NO_OP_MESSAGE_FIELDS: &[(&str, fn(&Value) -> bool)] = &[
+const NO_OP_MESSAGE_FIELDS: &[NoOp] = &[
     ("refusal", |v| v.is_null()),
     ("annotations", |v| {
         v.as_array().is_some_and(|a| a.is_empty())
@@ -154,7 +157,7 @@ pub fn unsupported_message_field(
 
 fn first_unsupported(
     other: &serde_json::Map<String, Value>,
-    no_ops: &[(&str, fn(&Value) -> bool)],
+    no_ops: &[NoOp],
 ) -> Option<(String, String)> {
     let is_no_op = |name: &str, value: &Value| {
         value.is_null()

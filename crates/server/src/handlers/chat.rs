@@ -51,11 +51,11 @@ pub async fn chat_completions(
     check_ready(&state)?;
     let Json(req) = body?;
     let tools = super::tools::parse(&req.tools, &req.tool_choice, req.parallel_tool_calls)?;
-    let msgs = messages(&req, &state)?;
-    let kwargs = template_kwargs(&state, req.chat_template_kwargs.as_ref())?;
-    let ending = prompt_ending(&req)?;
-    let prompt = render(&state, msgs, tools.as_ref(), &kwargs, ending)?;
-    let prompt_ids = super::encode_text(&state.tokenizer, &prompt, req.common.add_special_tokens);
+    let (req, tools, prompt_ids) = {
+        let st = state.clone();
+        let work = move || prompt_ids(&st, &req, tools.as_ref()).map(|ids| (req, tools, ids));
+        state.offload.prompt(work).await??
+    };
     let mut params = generate_params(&req.common, "messages", prompt_ids.len(), None, &state)?;
     if let Some(g) = tools.as_ref().and_then(|t| t.grammar()) {
         if let Some(other) = &params.grammar {
@@ -126,6 +126,24 @@ pub async fn chat_completions(
         });
     }
     Ok(Json(body).into_response())
+}
+
+/// The request's prompt as token ids: its messages checked, rendered through the chat
+/// template and tokenized. It runs on the blocking pool: a 4 MiB prompt takes a while.
+fn prompt_ids(
+    state: &AppState,
+    req: &ChatRequest,
+    tools: Option<&super::tools::Tools>,
+) -> Result<Vec<u32>, ApiError> {
+    let msgs = messages(req, state)?;
+    let kwargs = template_kwargs(state, req.chat_template_kwargs.as_ref())?;
+    let ending = prompt_ending(req)?;
+    let prompt = render(state, msgs, tools, &kwargs, ending)?;
+    Ok(super::encode_text(
+        &state.tokenizer,
+        &prompt,
+        req.common.add_special_tokens,
+    ))
 }
 
 /// The request's messages for the template, each checked.

@@ -104,7 +104,12 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     check_ready(&state)?;
     let Json(req) = body?;
-    let prompts = prompts(&req, &state.tokenizer)?;
+    // Tokenizing (up to 4 MiB of text) runs on the blocking pool.
+    let (req, prompts) = {
+        let tokenizer = state.tokenizer.clone();
+        let work = move || prompts(&req, &tokenizer).map(|p| (req, p));
+        state.offload.prompt(work).await??
+    };
     if prompts.iter().any(|(ids, _)| ids.is_empty()) {
         return Err(ApiError::param("prompt", "the prompt is empty"));
     }
@@ -136,6 +141,7 @@ pub async fn completions(
         ));
         subs.push((ids.clone(), params));
     }
+    share_compiled_grammar(&state, &mut subs).await?;
     let mut submitted = Vec::with_capacity(subs.len());
     for (ids, params) in subs {
         submitted.push(submit(&state, ids, params, req.common.cache_salt.clone()).await?);
@@ -185,6 +191,22 @@ pub async fn completions(
         "usage": usage_of(prompt_tokens, &outputs),
     }))
     .into_response())
+}
+
+/// The prompts' grammar (the same for each) compiled once, on the blocking pool; every
+/// prompt gets its own copy of the matcher.
+async fn share_compiled_grammar(
+    state: &AppState,
+    subs: &mut [(Vec<u32>, GenerateParams)],
+) -> Result<(), ApiError> {
+    let Some(((_, first), rest)) = subs.split_first_mut() else {
+        return Ok(());
+    };
+    *first = super::compile_grammar(state, std::mem::take(first)).await?;
+    for (_, params) in rest {
+        params.grammar = first.grammar.clone();
+    }
+    Ok(())
 }
 
 /// One stream of events for several submitted prompts: prompt i's choice j becomes choice

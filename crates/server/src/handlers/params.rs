@@ -199,10 +199,9 @@ fn requested_grammar(c: &CommonParams) -> Result<Option<pk_engine::Grammar>, Api
     if let Some(rf) = &c.response_format {
         match rf.get("type").and_then(Value::as_str) {
             Some("text") => {}
-            Some("json_object") => found.push(Grammar {
-                spec: GrammarSpec::JsonObject,
-                param: "response_format",
-            }),
+            Some("json_object") => {
+                found.push(Grammar::new(GrammarSpec::JsonObject, "response_format"))
+            }
             Some("json_schema") => {
                 let Some(schema) = rf.pointer("/json_schema/schema").filter(|s| s.is_object())
                 else {
@@ -211,10 +210,10 @@ fn requested_grammar(c: &CommonParams) -> Result<Option<pk_engine::Grammar>, Api
                         "response_format json_schema needs json_schema.schema, an object",
                     ));
                 };
-                found.push(Grammar {
-                    spec: GrammarSpec::JsonSchema(schema.clone()),
-                    param: "response_format",
-                });
+                found.push(Grammar::new(
+                    GrammarSpec::JsonSchema(schema.clone()),
+                    "response_format",
+                ));
             }
             _ => {
                 return Err(ApiError::param(
@@ -234,31 +233,25 @@ fn requested_grammar(c: &CommonParams) -> Result<Option<pk_engine::Grammar>, Api
             })?,
             v => v.clone(),
         };
-        found.push(Grammar {
-            spec: GrammarSpec::JsonSchema(schema),
-            param: "guided_json",
-        });
+        found.push(Grammar::new(GrammarSpec::JsonSchema(schema), "guided_json"));
     }
     if let Some(rx) = &c.guided_regex {
-        found.push(Grammar {
-            spec: GrammarSpec::Regex(rx.clone()),
-            param: "guided_regex",
-        });
+        found.push(Grammar::new(GrammarSpec::Regex(rx.clone()), "guided_regex"));
     }
     if let Some(choices) = &c.guided_choice {
         if choices.is_empty() {
             return Err(ApiError::param("guided_choice", "guided_choice is empty"));
         }
-        found.push(Grammar {
-            spec: GrammarSpec::Choice(choices.clone()),
-            param: "guided_choice",
-        });
+        found.push(Grammar::new(
+            GrammarSpec::Choice(choices.clone()),
+            "guided_choice",
+        ));
     }
     if let Some(lark) = &c.guided_grammar {
-        found.push(Grammar {
-            spec: GrammarSpec::Lark(lark.clone()),
-            param: "guided_grammar",
-        });
+        found.push(Grammar::new(
+            GrammarSpec::Lark(lark.clone()),
+            "guided_grammar",
+        ));
     }
     match found.len() {
         0 | 1 => Ok(found.pop()),

@@ -70,10 +70,7 @@ impl Tools {
         let lark = format!(
             "start: {calls}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {schema}\n"
         );
-        Some(Grammar {
-            spec: GrammarSpec::Lark(lark),
-            param: "tool_choice",
-        })
+        Some(Grammar::new(GrammarSpec::Lark(lark), "tool_choice"))
     }
 
     /// The function a named `tool_choice` forces.
