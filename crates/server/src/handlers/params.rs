@@ -12,35 +12,78 @@ pub(super) fn generate_params(
     default_max_tokens: Option<usize>,
     state: &AppState,
 ) -> Result<GenerateParams, ApiError> {
-    if let Some(m) = &c.model {
-        if m != &state.model_name {
-            return Err(ApiError {
-                status: StatusCode::NOT_FOUND,
-                message: format!(
-                    "the model `{m}` does not exist; this server serves `{}`",
-                    state.model_name
-                ),
-                param: Some("model".into()),
-            });
-        }
+    check_model_and_fields(c, state)?;
+    check_stream_options(c)?;
+    let (kv_policy, kv_budget, kv_granularity) = kv_fields(c)?;
+    let max_tokens = max_tokens(c, prompt_param, prompt_tokens, default_max_tokens, state)?;
+    let sampling = sampling(c)?;
+    let stop = c.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
+    if stop.len() > 16 {
+        return Err(ApiError::param(
+            "stop",
+            "at most 16 stop strings are supported",
+        ));
     }
-    if let Some((name, message)) = crate::openai::unsupported_field(&c.other) {
+    Ok(GenerateParams {
+        sampling,
+        max_tokens,
+        stop,
+        ignore_eos: c.ignore_eos,
+        kv_policy,
+        kv_budget,
+        kv_granularity,
+        min_tokens: min_tokens(c, max_tokens)?,
+        logprobs: requested_logprobs(c, prompt_param)?,
+        prompt_logprobs: prompt_logprobs(c)?,
+        skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
+        n: choices(c)?,
+        grammar: requested_grammar(c)?,
+        ..Default::default()
+    })
+}
+
+/// `model` must name the served model (404 otherwise), and no field outside the known
+/// ones may ask for anything (`unsupported_field`).
+fn check_model_and_fields(c: &CommonParams, state: &AppState) -> Result<(), ApiError> {
+    if let Some(m) = c.model.as_ref().filter(|m| **m != state.model_name) {
         return Err(ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!(
+                "the model `{m}` does not exist; this server serves `{}`",
+                state.model_name
+            ),
+            param: Some("model".into()),
+        });
+    }
+    match crate::openai::unsupported_field(&c.other) {
+        Some((name, message)) => Err(ApiError {
             status: StatusCode::BAD_REQUEST,
             message,
             param: Some(name),
-        });
+        }),
+        None => Ok(()),
     }
-    let n = match c.n {
-        None => 1,
-        Some(n) if (1..=pk_engine::MAX_CHOICES as i64).contains(&n) => n as usize,
-        Some(n) => {
-            return Err(ApiError::param(
-                "n",
-                format!("n must be in [1, {}], got {n}", pk_engine::MAX_CHOICES),
-            ))
-        }
-    };
+}
+
+fn choices(c: &CommonParams) -> Result<usize, ApiError> {
+    match c.n {
+        None => Ok(1),
+        Some(n) if (1..=pk_engine::MAX_CHOICES as i64).contains(&n) => Ok(n as usize),
+        Some(n) => Err(ApiError::param(
+            "n",
+            format!("n must be in [1, {}], got {n}", pk_engine::MAX_CHOICES),
+        )),
+    }
+}
+
+/// pagekeeper's eviction fields, parsed (whether they go together is the engine's check).
+type KvFields = (
+    Option<pk_kv::PolicySpec>,
+    Option<u32>,
+    Option<pk_kv::KvGranularity>,
+);
+
+fn kv_fields(c: &CommonParams) -> Result<KvFields, ApiError> {
     let kv_policy = match &c.kv_policy {
         Some(p) => Some(
             p.parse::<pk_kv::PolicySpec>()
@@ -65,11 +108,23 @@ pub(super) fn generate_params(
         ),
         None => None,
     };
+    Ok((kv_policy, kv_budget, kv_granularity))
+}
+
+/// The generation limit: `max_completion_tokens` or `max_tokens` (they must agree), else
+/// the endpoint's default, else what the context leaves; prompt and completion must fit
+/// in the server's request limit.
+fn max_tokens(
+    c: &CommonParams,
+    prompt_param: &'static str,
+    prompt_tokens: usize,
+    default_max_tokens: Option<usize>,
+    state: &AppState,
+) -> Result<usize, ApiError> {
     let limit = state.limits.max_total_tokens;
     if prompt_tokens >= limit {
         return Err(ApiError::param(prompt_param, format!("This model's maximum context length is {limit} tokens. However, your prompt has {prompt_tokens} tokens.")));
     }
-    check_stream_options(c)?;
     if let (Some(a), Some(b)) = (c.max_tokens, c.max_completion_tokens) {
         if a != b {
             return Err(ApiError::param(
@@ -94,101 +149,83 @@ pub(super) fn generate_params(
             format!("This model's maximum context length is {limit} tokens. However, you requested {} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion).", prompt_tokens + max_tokens),
         ));
     }
-    let logit_bias = match &c.logit_bias {
-        Some(map) => {
-            if map.len() > 300 {
-                return Err(ApiError::param("logit_bias", "at most 300 biased tokens"));
-            }
-            let mut v = Vec::with_capacity(map.len());
-            for (id, &bias) in map {
-                let id: u32 = id.parse().map_err(|_| {
-                    ApiError::param(
-                        "logit_bias",
-                        format!("logit_bias keys are token ids, got {id:?}"),
-                    )
-                })?;
-                v.push((id, bias));
-            }
-            v
+    Ok(max_tokens)
+}
+
+fn logit_bias(c: &CommonParams) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(map) = &c.logit_bias else {
+        return Ok(Vec::new());
+    };
+    if map.len() > 300 {
+        return Err(ApiError::param("logit_bias", "at most 300 biased tokens"));
+    }
+    map.iter()
+        .map(|(id, &bias)| {
+            let id: u32 = id.parse().map_err(|_| {
+                ApiError::param(
+                    "logit_bias",
+                    format!("logit_bias keys are token ids, got {id:?}"),
+                )
+            })?;
+            Ok((id, bias))
+        })
+        .collect()
+}
+
+fn sampling(c: &CommonParams) -> Result<SamplingParams, ApiError> {
+    let top_k = match c.top_k {
+        None | Some(-1) => 0,
+        Some(k) if k < 0 => {
+            return Err(ApiError::param(
+                "top_k",
+                format!("top_k must be -1 or >= 0, got {k}"),
+            ))
         }
-        None => Vec::new(),
+        Some(k) => k as usize,
     };
     let sampling = SamplingParams {
         temperature: c.temperature.unwrap_or(1.0),
-        top_k: match c.top_k {
-            None | Some(-1) => 0,
-            Some(k) if k < 0 => {
-                return Err(ApiError::param(
-                    "top_k",
-                    format!("top_k must be -1 or >= 0, got {k}"),
-                ))
-            }
-            Some(k) => k as usize,
-        },
+        top_k,
         top_p: c.top_p.unwrap_or(1.0),
         min_p: c.min_p.unwrap_or(0.0),
         seed: c.seed.map(|s| s as u64),
         presence_penalty: c.presence_penalty.unwrap_or(0.0),
         frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
         repetition_penalty: c.repetition_penalty.unwrap_or(1.0),
-        logit_bias,
+        logit_bias: logit_bias(c)?,
     };
     sampling
         .validate()
         .map_err(|e| ApiError::param(e.param, e.message))?;
-    let logprobs = requested_logprobs(c, prompt_param)?;
-    let prompt_logprobs = match c.prompt_logprobs {
-        None => None,
-        Some(_) if c.stream => {
-            return Err(ApiError::param(
-                "prompt_logprobs",
-                "prompt_logprobs is not available when stream is true (as vLLM)",
-            ))
-        }
-        Some(n) if (0..=pk_engine::MAX_LOGPROBS as i64).contains(&n) => Some(n as usize),
-        Some(n) => {
-            return Err(ApiError::param(
-                "prompt_logprobs",
-                format!(
-                    "prompt_logprobs must be in [0, {}], got {n}",
-                    pk_engine::MAX_LOGPROBS
-                ),
-            ))
-        }
-    };
-    let min_tokens = match c.min_tokens {
-        None => 0,
-        Some(m) if m < 0 || m as usize > max_tokens => {
-            return Err(ApiError::param(
-                "min_tokens",
-                format!("min_tokens must be in [0, max_tokens = {max_tokens}], got {m}"),
-            ))
-        }
-        Some(m) => m as usize,
-    };
-    let stop = c.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
-    if stop.len() > 16 {
-        return Err(ApiError::param(
-            "stop",
-            "at most 16 stop strings are supported",
-        ));
+    Ok(sampling)
+}
+
+fn min_tokens(c: &CommonParams, max_tokens: usize) -> Result<usize, ApiError> {
+    match c.min_tokens {
+        None => Ok(0),
+        Some(m) if m < 0 || m as usize > max_tokens => Err(ApiError::param(
+            "min_tokens",
+            format!("min_tokens must be in [0, max_tokens = {max_tokens}], got {m}"),
+        )),
+        Some(m) => Ok(m as usize),
     }
-    Ok(GenerateParams {
-        sampling,
-        max_tokens,
-        stop,
-        ignore_eos: c.ignore_eos,
-        kv_policy,
-        kv_budget,
-        kv_granularity,
-        min_tokens,
-        logprobs,
-        prompt_logprobs,
-        skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
-        n,
-        grammar: requested_grammar(c)?,
-        ..Default::default()
-    })
+}
+
+/// vLLM's `prompt_logprobs`: alternatives per prompt token, not with `stream` (as vLLM).
+fn prompt_logprobs(c: &CommonParams) -> Result<Option<usize>, ApiError> {
+    let max = pk_engine::MAX_LOGPROBS as i64;
+    match c.prompt_logprobs {
+        None => Ok(None),
+        Some(_) if c.stream => Err(ApiError::param(
+            "prompt_logprobs",
+            "prompt_logprobs is not available when stream is true (as vLLM)",
+        )),
+        Some(n) if (0..=max).contains(&n) => Ok(Some(n as usize)),
+        Some(n) => Err(ApiError::param(
+            "prompt_logprobs",
+            format!("prompt_logprobs must be in [0, {max}], got {n}"),
+        )),
+    }
 }
 
 /// The grammar a request constrains its output to: OpenAI's `response_format` or one of
