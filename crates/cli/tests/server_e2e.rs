@@ -463,3 +463,31 @@ fn grammars_are_compiled_off_the_engine_thread() {
         0.0
     );
 }
+
+/// Issue 34's bar, literally: under `serve --kv-budget 128`, `n: 2` is refused naming `n`
+/// (the forked choices would share blocks that eviction rewrites), and a request that opts
+/// out of eviction (`kv_policy: full`) still gets its two choices.
+#[test]
+fn n_choices_under_the_servers_default_budget_are_refused_by_name() {
+    let (_server, port) = start_server(
+        &model_path(),
+        &["--kv-capacity-tokens", "4096", "--kv-budget", "128"],
+    );
+    let body = |extra: serde_json::Value| {
+        let mut b = serde_json::json!({"prompt": "Once upon a time", "max_tokens": 4, "n": 2});
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let (status, err) = post_json(port, "/v1/completions", &body(serde_json::json!({})));
+    assert_eq!(status, 400, "{err}");
+    assert_eq!(err["error"]["param"], "n", "{err}");
+    let (status, ok) = post_json(
+        port,
+        "/v1/completions",
+        &body(serde_json::json!({"kv_policy": "full"})),
+    );
+    assert_eq!(status, 200, "{ok}");
+    assert_eq!(ok["choices"].as_array().unwrap().len(), 2, "{ok}");
+}
