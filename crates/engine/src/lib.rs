@@ -7,15 +7,18 @@
 pub mod contexts;
 pub mod engine;
 pub mod eviction;
+mod executor;
 pub mod grammar;
 pub mod model_store;
 pub mod namespace;
+pub mod params;
 pub mod perplexity;
 pub mod prefix_kv;
 pub mod profiler;
 pub mod request;
 pub mod reuse;
 pub mod sampler;
+mod scheduler;
 mod sequence;
 pub mod stop;
 pub mod tiering;

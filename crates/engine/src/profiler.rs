@@ -25,7 +25,8 @@ use anyhow::{bail, Result};
 use pk_tiers::ChunkKey;
 
 use crate::contexts::PrefixKv;
-use crate::engine::{Engine, GenerateParams};
+use crate::engine::Engine;
+use crate::params::GenerateParams;
 use crate::request::{Request, SeqEvent};
 
 /// Token-level F1 of two answers (bags of token ids); 1 when both are empty.

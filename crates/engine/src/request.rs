@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use crate::engine::{FinishReason, GenerateParams};
+use crate::params::{FinishReason, GenerateParams};
 
 /// What the engine reports about a request, in order: zero or more `Text`, then exactly
 /// one `Finished` or `Error` — per choice when the request asks for `n > 1` (events of

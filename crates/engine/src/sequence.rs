@@ -6,8 +6,8 @@ use std::time::Instant;
 use pk_kv::SeqId;
 use pk_tokenizer::{StreamDecoder, Tokenizer};
 
-use crate::engine::FinishReason;
 use crate::eviction::SeqEviction;
+use crate::params::FinishReason;
 use crate::request::{EventSink, Request, RequestOutput, SeqEvent};
 use crate::reuse::SeqReuse;
 use crate::sampler::{process_logits, token_logprob, Sampler, TokenHistory, TokenLogprob};

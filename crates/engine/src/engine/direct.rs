@@ -111,26 +111,28 @@ impl Engine {
     /// evaluation (teacher forcing); no requests may be in flight.
     pub fn score(&mut self, tokens: &[u32], logits_from: usize) -> Result<Vec<f32>> {
         assert!(!self.has_work(), "score() runs outside the scheduler");
-        let seq = self.new_seq_id();
+        let seq = self.sched.new_seq_id();
         let empty = self
+            .sched
             .kv
             .get_computed_prefix(&[], self.cache_namespace.as_bytes());
-        self.kv.add_sequence(seq, &empty);
+        self.sched.kv.add_sequence(seq, &empty);
         let mut logits = Vec::new();
         let chunk = self.config.max_batch_tokens;
         let mut done = 0;
         let mut result = Ok(());
         while done < tokens.len() {
             let end = (done + chunk).min(tokens.len());
-            let Some(slots) = self.kv.allocate_slots(seq, (end - done) as u32) else {
+            let Some(slots) = self.sched.kv.allocate_slots(seq, (end - done) as u32) else {
                 result = Err(anyhow::anyhow!(
                     "KV cache is full: {} tokens do not fit",
                     tokens.len()
                 ));
                 break;
             };
-            let table = eviction::table_of(&self.kv, seq);
+            let table = eviction::table_of(&self.sched.kv, seq);
             let window_tables = self
+                .sched
                 .kv
                 .window_tables(seq)
                 .map(<[_]>::to_vec)
@@ -154,7 +156,7 @@ impl Engine {
             }
             done = end;
         }
-        self.kv.free(seq);
+        self.sched.kv.free(seq);
         result.map(|_| logits)
     }
 }
