@@ -26,7 +26,7 @@ use pk_model::{KvDtype, KvGeometry, KvStore, SeqForward};
 #[derive(Args)]
 pub struct CodecsArgs {
     #[command(flatten)]
-    pub model: crate::commands::ModelArgs,
+    pub model: crate::args::ModelArgs,
     /// Tokens of the compressed prefix.
     #[arg(long, default_value_t = 1536)]
     pub prefix_tokens: usize,

@@ -271,10 +271,8 @@ pub(crate) fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// `bench serve` without `--replicas` (bench.rs sends those runs to bench_replicas.rs).
 pub fn run(a: ServeBenchArgs) -> Result<()> {
-    if !a.replicas.is_empty() {
-        return crate::bench_replicas::run(a);
-    }
     if a.tier_redis.is_some() || !a.routing.is_empty() || a.contexts.is_some() || a.rounds.is_some()
     {
         bail!("--tier-redis, --routing, --contexts and --rounds belong to the replicas benchmark: add --replicas 1,2,3");

@@ -38,7 +38,7 @@ pub struct TiersBenchArgs {
     /// directory under the system temp dir), `--tier-redis URL` adds Redis (skipped if absent),
     /// `--tier-chunk-tokens` sets the chunk size.
     #[command(flatten)]
-    pub model: crate::commands::ModelArgs,
+    pub model: crate::args::ModelArgs,
     /// Tokens of stored context (whole chunks); the prompt is one token longer.
     #[arg(long, default_value_t = 4096)]
     pub context_tokens: usize,
@@ -159,7 +159,7 @@ struct Configured {
     redis: Option<RedisTierConfig>,
 }
 
-fn configured(args: &crate::commands::ModelArgs) -> Result<Configured> {
+fn configured(args: &crate::args::ModelArgs) -> Result<Configured> {
     let mut out = Configured {
         disk: None,
         redis: None,
@@ -199,7 +199,7 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
     if a.runs == 0 {
         bail!("--runs must be at least 1");
     }
-    crate::commands::set_threads(args.threads)?;
+    crate::args::set_threads(args.threads)?;
     let chunk_tokens = args.tiers.chunk_tokens();
     if a.context_tokens == 0 || !a.context_tokens.is_multiple_of(chunk_tokens) {
         bail!("--context-tokens must be a positive multiple of the chunk size ({chunk_tokens})");
@@ -208,7 +208,7 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
     if args.disable_hybrid_kv_cache_manager {
         let gguf = pk_gguf::GgufFile::open(&path)?;
         let model = pk_model::ModelConfig::from_gguf(&gguf)?;
-        crate::commands::check_hybrid_flag(true, &model, false)?;
+        crate::args::check_hybrid_flag(true, &model, false)?;
     }
     // Only the recompute row's engine has no tier, so only it can keep KV cache groups.
     let base = EngineConfig {

@@ -1,54 +1,27 @@
-//! `--device cuda`: the model on an NVIDIA GPU through pk-cuda (cargo feature `cuda`).
-//!
-//! `serve` and `generate` run the engine over a `CudaBackend` ([`engine`]): the scheduler,
-//! prefix cache, eviction policies and tiers are the CPU's, only the forward pass and the
-//! KV pool live on the device. `bench perf` and `perplexity` take a standalone path: each
-//! sequence gets its own contiguous run of blocks of a device pool and `GpuLlama` runs
-//! directly, without the engine (see ARCHITECTURE.md). Without the feature, every
-//! `--device cuda` says how to build it.
+//! `bench perf --device cuda` and `perplexity --device cuda`: the model on an NVIDIA GPU
+//! through pk-cuda (cargo feature `cuda`), without the engine. Each sequence gets its own
+//! contiguous run of blocks of a device pool and `GpuLlama` runs directly (see
+//! ARCHITECTURE.md). `serve` and `generate` run the engine over a `CudaBackend` instead
+//! (device.rs). Without the feature, every `--device cuda` says how to build it.
 
-use std::path::Path;
+use pk_engine::perplexity::PerplexityResult;
 
-use pk_engine::{Engine, EngineConfig};
-
-use crate::bench::PerfArgs;
-use crate::commands::PerplexityArgs;
-
-const NO_FEATURE: &str = "--device cuda needs a binary built with the cuda feature: cargo build --release -p pagekeeper --features cuda";
-
-/// Fails unless `device` can run in this binary (before a server binds its port).
-pub fn check_device(device: &str) -> anyhow::Result<()> {
-    if device == "cuda" && !cfg!(feature = "cuda") {
-        anyhow::bail!(NO_FEATURE);
-    }
-    Ok(())
-}
-
-/// The engine on `device` ("cpu" or "cuda") for a model file.
-pub fn engine(device: &str, path: &Path, config: EngineConfig) -> anyhow::Result<Engine> {
-    match device {
-        "cuda" => cuda_engine(path, config),
-        _ => Engine::load(path, config),
-    }
-}
+use crate::args::{PerfArgs, PerplexityArgs};
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_engine(_path: &Path, _config: EngineConfig) -> anyhow::Result<Engine> {
-    anyhow::bail!(NO_FEATURE)
-}
+use crate::device::NO_FEATURE;
 
 #[cfg(not(feature = "cuda"))]
 pub fn perf(_a: &PerfArgs) -> anyhow::Result<()> {
     anyhow::bail!(NO_FEATURE)
 }
 
+/// The perplexity of `a.file` on the GPU (printed by the command, as the CPU's is).
 #[cfg(not(feature = "cuda"))]
-pub fn perplexity(_a: &PerplexityArgs) -> anyhow::Result<()> {
+pub fn perplexity(_a: &PerplexityArgs) -> anyhow::Result<PerplexityResult> {
     anyhow::bail!(NO_FEATURE)
 }
 
-#[cfg(feature = "cuda")]
-use imp::cuda_engine;
 #[cfg(feature = "cuda")]
 pub use imp::{perf, perplexity};
 
@@ -57,45 +30,19 @@ mod imp {
     use std::time::Instant;
 
     use anyhow::{bail, Context, Result};
-    use pk_cuda::{ActDtype, CudaBackend, Gpu, GpuKvPool, GpuLlama, GpuWeights};
-    use pk_engine::{Engine, EngineConfig};
+    use pk_cuda::{ActDtype, Gpu, GpuKvPool, GpuLlama, GpuWeights};
     use pk_model::{KvGeometry, ModelConfig, SeqForward};
     use rand::{Rng, SeedableRng};
 
-    use super::{PerfArgs, PerplexityArgs};
-
-    /// The engine over a `CudaBackend` on device 0: weights dequantised to f16 GEMM operands
-    /// (or `PK_CUDA_ACT`), an f16 KV pool of the engine's geometry.
-    pub fn cuda_engine(path: &std::path::Path, config: EngineConfig) -> Result<Engine> {
-        let gpu = gpu(ActDtype::F16)?;
-        Engine::load_with(path, config, |f, geometry, dtype| {
-            Ok(Box::new(CudaBackend::from_gguf(gpu, f, geometry, dtype)?))
-        })
-    }
-
-    /// Opens device 0 with `default` as the GEMM operand type unless `PK_CUDA_ACT` (f16 or
-    /// bf16) says otherwise.
-    fn gpu(default: ActDtype) -> Result<Gpu> {
-        let act = match std::env::var("PK_CUDA_ACT").as_deref() {
-            Ok("f16") => ActDtype::F16,
-            Ok("bf16") => ActDtype::Bf16,
-            Ok(other) => bail!("PK_CUDA_ACT={other:?}: expected f16 or bf16"),
-            Err(_) => default,
-        };
-        let g = Gpu::new(0, act).context("opening CUDA device 0")?;
-        eprintln!(
-            "device: {} ({} multiprocessors), GEMM operands {act:?}",
-            g.name, g.sm_count
-        );
-        Ok(g)
-    }
+    use super::{PerfArgs, PerplexityArgs, PerplexityResult};
+    use crate::device::open_gpu;
 
     /// A model file's weights on the GPU (f16 operands by default: closer to the CPU's f32).
     fn load_file(path: &std::path::Path) -> Result<(Gpu, GpuLlama, pk_gguf::GgufFile)> {
         let f =
             pk_gguf::GgufFile::open(path).with_context(|| format!("loading {}", path.display()))?;
         let cfg = ModelConfig::from_gguf(&f)?;
-        let gpu = gpu(ActDtype::F16)?;
+        let gpu = open_gpu(ActDtype::F16)?;
         let weights = GpuWeights::from_gguf(&gpu, &f, &cfg)?;
         let model = GpuLlama::new(&gpu, cfg, weights)?;
         Ok((gpu, model, f))
@@ -108,7 +55,7 @@ mod imp {
             .collect()
     }
 
-    pub fn perplexity(a: &PerplexityArgs) -> Result<()> {
+    pub fn perplexity(a: &PerplexityArgs) -> Result<PerplexityResult> {
         let bytes =
             std::fs::read(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
         let text = String::from_utf8_lossy(&bytes);
@@ -169,7 +116,7 @@ mod imp {
             },
         )?;
         eprintln!();
-        crate::commands::print_perplexity(&r, a.json)
+        Ok(r)
     }
 
     /// Device-to-device copy bandwidth (bytes read + written per second, best of 5), the
@@ -205,7 +152,7 @@ mod imp {
                 } else {
                     ActDtype::Bf16
                 };
-                let gpu = gpu(act)?;
+                let gpu = open_gpu(act)?;
                 let t = Instant::now();
                 let weights = GpuWeights::random(&gpu, &cfg, 1)?;
                 eprintln!(

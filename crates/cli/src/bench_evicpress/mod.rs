@@ -44,7 +44,7 @@ use self::workload::WorkloadSpec;
 #[derive(Args)]
 pub struct EvicpressArgs {
     #[command(flatten)]
-    pub model: crate::commands::ModelArgs,
+    pub model: crate::args::ModelArgs,
     /// Small preset (4-7 minutes here): 9 contexts of 1-1.75K tokens, 5 profiling and 3 test
     /// questions each, 40 requests, an 11-configuration grid.
     #[arg(long, conflicts_with = "full")]
@@ -85,7 +85,7 @@ pub struct EvicpressArgs {
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
     /// How profiling scores a configuration (f1 or teacher-forced; see `serve --help`).
-    #[arg(long, default_value = "f1", value_parser = crate::commands::parse_profile_metric)]
+    #[arg(long, default_value = "f1", value_parser = crate::tier_args::parse_profile_metric)]
     pub profile_metric: pk_engine::profiler::QualityMetric,
     /// Also measure every policy under load: the trace in real time at 50/70/90 % of LRU's
     /// capacity, with continuous batching (about a minute per load).
@@ -99,7 +99,7 @@ pub struct EvicpressArgs {
     pub loaded_repeats: u32,
     /// How test answers are scored for the reported quality (f1 or teacher-forced); token-F1
     /// and the ground-truth task score are reported beside it either way.
-    #[arg(long, default_value = "f1", value_parser = crate::commands::parse_profile_metric)]
+    #[arg(long, default_value = "f1", value_parser = crate::tier_args::parse_profile_metric)]
     pub quality_metric: pk_engine::profiler::QualityMetric,
     /// Keep the cold-read behaviour of an SSD: drop written and read disk files from the
     /// page cache (posix_fadvise), so that the OS does not turn the disk tier into RAM.
@@ -340,7 +340,7 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     let p = preset(&a)?;
     std::fs::create_dir_all(&a.out)
         .with_context(|| format!("creating --out {}", a.out.display()))?;
-    crate::commands::set_threads(a.model.resolved()?.threads)?;
+    crate::args::set_threads(a.model.resolved()?.threads)?;
     let quiet = crate::bench_evicpress::report::host_quiet();
     eprintln!("host-quiet: {quiet}");
     // Check every --fixed configuration against the grid before the long setup.
