@@ -210,16 +210,23 @@ prefix = "team:"
         ] {
             std::env::remove_var(var);
         }
+        // In this order, one step's environment being the next one's starting point.
+        defaults_without_file_or_flags();
+        file_only(path);
+        env_over_file(path);
+        flags_over_env_and_file();
+    }
 
-        // Defaults: no file, no flags.
+    fn defaults_without_file_or_flags() {
         let a = parse(&[]);
         assert_eq!(
             (a.model, a.threads, a.tiers.chunk_tokens()),
             (None, None, 256)
         );
         assert!(a.tiers.tier_configs().unwrap().is_empty());
+    }
 
-        // File only.
+    fn file_only(path: &str) {
         let a = parse(&["--config", path]);
         assert_eq!(a.model.as_deref(), Some(Path::new("/from/file.gguf")));
         assert_eq!((a.threads, a.tiers.chunk_tokens()), (Some(3), 128));
@@ -248,8 +255,11 @@ prefix = "team:"
                 },
             ]
         );
+    }
 
-        // Env over file; the config file itself may come from the environment too.
+    /// Env over file; the config file itself may come from the environment too. Leaves
+    /// these variables set for `flags_over_env_and_file`.
+    fn env_over_file(path: &str) {
         std::env::set_var("PAGEKEEPER_TIER_RAM", "512MiB");
         std::env::set_var("PAGEKEEPER_MODEL", "/from/env.gguf");
         std::env::set_var("PAGEKEEPER_CONFIG", path);
@@ -266,8 +276,11 @@ prefix = "team:"
             Some(3),
             "settings env leaves alone still come from the file"
         );
+    }
 
-        // Flags over env and file; a flag replaces the file's whole tier entry.
+    /// Flags over env and file; a flag replaces the file's whole tier entry. Clears what
+    /// `env_over_file` set.
+    fn flags_over_env_and_file() {
         let a = parse(&[
             "--tier-ram",
             "64MiB",
