@@ -239,26 +239,9 @@ pub fn perf(a: PerfArgs) -> Result<()> {
         bail!("--batch is for --device cuda (the CPU bench decodes one sequence)");
     }
     a.kv.check_one_request()?;
-    if let Some(&most) = a.compare_threads.iter().max() {
-        let have = (a.model.resolved()?.threads).unwrap_or_else(rayon::current_num_threads);
-        if a.compare_threads.contains(&0) || most > have {
-            bail!("--compare-threads needs counts in 1..={have} (raise --threads)");
-        }
-    }
+    check_compare_threads(&a)?;
     let max_ctx = *a.contexts.iter().max().expect("non-empty");
-    // The file llama.cpp loads: the one our engine loads (never a --dummy model).
-    let llamacpp_model = if a.compare_llamacpp {
-        if a.dummy.is_some() {
-            bail!("--compare-llamacpp needs a model file, not --dummy");
-        }
-        check_llamacpp(&a.llamacpp_python)?;
-        Some(pk_engine::model_store::resolve_model(
-            a.model.resolved()?.model.as_deref(),
-            true,
-        )?)
-    } else {
-        None
-    };
+    let llamacpp_model = llamacpp_model(&a)?;
     // --compare-threads decodes decode_tokens per listed count in one more generation.
     let decode_max = a.decode_tokens * a.compare_threads.len().max(1) + 1;
     let mut engine = build_engine(&a, max_ctx + decode_max + 64)?;
@@ -267,127 +250,22 @@ pub fn perf(a: PerfArgs) -> Result<()> {
         bail!("context {max_ctx} + {decode_max} decode tokens exceeds the model's context {model_ctx}");
     }
     let vocab = engine.model_config().vocab_size as u32;
-    let kv_bytes_per_token = engine
-        .kv_store()
-        .geometry()
-        .bytes_per_token(engine.kv_store().dtype());
     let threads = rayon::current_num_threads();
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
     let mut runs = Vec::new();
     if !a.json {
-        eprintln!(
-            "model {} | threads {threads} | block {} | kv {:?}",
-            engine.model_name,
-            a.model.block_size,
-            engine.kv_store().dtype()
-        );
-        if llamacpp_model.is_some() {
-            println!(
-                "{:>8} {:>12} {:>8} {:>12} {:>12} {:>12} | {:>14} {:>14} | {:>8} {:>8}",
-                "context",
-                "prefill t/s",
-                "decode",
-                "decode t/s",
-                "KV MiB",
-                "peak RSS MiB",
-                "llama.cpp pp",
-                "llama.cpp tg",
-                "pp ratio",
-                "tg ratio"
-            );
-        } else {
-            println!(
-                "{:>8} {:>12} {:>8} {:>12} {:>12} {:>12}",
-                "context", "prefill t/s", "decode", "decode t/s", "KV MiB", "peak RSS MiB"
-            );
-        }
+        print_header(&a, &engine, threads, llamacpp_model.is_some());
     }
     for &ctx in &a.contexts {
         // Random ids avoid prefix-cache hits between runs; ids 1000.. skip special tokens.
         let prompt: Vec<u32> = (0..ctx).map(|_| rng.gen_range(1000..vocab)).collect();
-        let params = GenerateParams {
-            max_tokens: a.decode_tokens,
-            ignore_eos: true,
-            kv_policy: a.kv.spec()?,
-            kv_budget: a.kv.kv_budget,
-            kv_granularity: a.kv.granularity()?,
-            ..Default::default()
-        };
-        engine.stats.kv_bytes_peak = 0;
-        let rss_reset = reset_peak_rss();
-        let out = engine.generate(&prompt, &params, &mut |_| {})?;
-        let peak_rss = run_peak_rss(&rss_reset);
-        let decoded = out.token_ids.len().saturating_sub(1);
-        let mut run = serde_json::json!({
-            "context_tokens": ctx,
-            "prefill_tok_s": ctx as f64 / out.prefill_seconds,
-            "decode_tokens": out.token_ids.len(),
-            "decode_tok_s": decoded as f64 / out.decode_seconds.max(1e-9),
-            // The blocks the sequence held at its end (window groups' included), and the
-            // most the pool held at once during the run.
-            "kv_bytes": out.kv_bytes,
-            "kv_bytes_peak": engine.stats.kv_bytes_peak,
-            "kv_bytes_one_table": out.kv_stored_tokens * kv_bytes_per_token,
-            "kv_cache_groups": engine.kv_manager().window_spec().map_or(1, |w| 1 + w.num_groups),
-            // This run's peak (prefill and decode), or null with the reason beside it.
-            "peak_rss_bytes": peak_rss.as_ref().ok(),
-        });
-        if let Err(why) = &peak_rss {
-            run["peak_rss_error"] = serde_json::json!(why);
-        }
-        // llama.cpp right after ours on the same prompt, so both see the same host load.
-        let lc = match &llamacpp_model {
-            Some(path) => {
-                let lc = llamacpp_run(&a.llamacpp_python, path, threads, &prompt, a.decode_tokens)?;
-                let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
-                run["ratio_prefill"] =
-                    serde_json::json!(f(&run, "prefill_tok_s") / f(&lc, "prefill_tok_s"));
-                run["ratio_decode"] =
-                    serde_json::json!(f(&run, "decode_tok_s") / f(&lc, "decode_tok_s"));
-                run["llamacpp"] = lc.clone();
-                Some(lc)
-            }
-            None => None,
-        };
-        if !a.compare_threads.is_empty() {
-            let per_mode =
-                compare_threads(&mut engine, &prompt, &a.compare_threads, a.decode_tokens)?;
-            run["compare_threads"] = serde_json::json!(per_mode);
-        }
-        if !a.json {
-            if let Err(why) = &peak_rss {
-                eprintln!("peak RSS of the {ctx}-token run not measured: {why}");
-            }
-            print!(
-                "{:>8} {:>12.1} {:>8} {:>12.1} {:>12.1} {:>12}",
-                ctx,
-                run["prefill_tok_s"].as_f64().unwrap(),
-                out.token_ids.len(),
-                run["decode_tok_s"].as_f64().unwrap(),
-                run["kv_bytes"].as_f64().unwrap() / (1 << 20) as f64,
-                peak_rss.as_ref().map_or("n/a".to_string(), |&b| format!(
-                    "{:.1}",
-                    b as f64 / (1 << 20) as f64
-                ))
-            );
-            if let Some(lc) = &lc {
-                print!(
-                    " | {:>14.1} {:>14.1} | {:>7.2}x {:>7.2}x",
-                    lc["prefill_tok_s"].as_f64().unwrap_or(f64::NAN),
-                    lc["decode_tok_s"].as_f64().unwrap_or(f64::NAN),
-                    run["ratio_prefill"].as_f64().unwrap_or(f64::NAN),
-                    run["ratio_decode"].as_f64().unwrap_or(f64::NAN)
-                );
-            }
-            println!();
-            if let Some(modes) = run["compare_threads"].as_array() {
-                for m in modes {
-                    println!("{:>8} decode alternating step by step, threads {}: {:.1} tok/s (median step {:.1} tok/s)", "", m["threads"], m["decode_tok_s"].as_f64().unwrap_or(f64::NAN), m["decode_tok_s_median"].as_f64().unwrap_or(f64::NAN));
-                }
-            }
-            let _ = std::io::stdout().flush();
-        }
-        runs.push(run);
+        runs.push(run_context(
+            &a,
+            &mut engine,
+            &prompt,
+            threads,
+            llamacpp_model.as_deref(),
+        )?);
     }
     if !a.json {
         let (split, inline) = pk_model::kernels::pool::global().step_counts();
@@ -407,6 +285,173 @@ pub fn perf(a: PerfArgs) -> Result<()> {
         println!("{v}");
     }
     Ok(())
+}
+
+/// `--compare-threads` counts must be ones the pool has: 1 to `--threads`.
+fn check_compare_threads(a: &PerfArgs) -> Result<()> {
+    if let Some(&most) = a.compare_threads.iter().max() {
+        let have = (a.model.resolved()?.threads).unwrap_or_else(rayon::current_num_threads);
+        if a.compare_threads.contains(&0) || most > have {
+            bail!("--compare-threads needs counts in 1..={have} (raise --threads)");
+        }
+    }
+    Ok(())
+}
+
+/// With `--compare-llamacpp`, the file llama.cpp loads: the one our engine loads (never a
+/// `--dummy` model), once llama.cpp is known to be importable.
+fn llamacpp_model(a: &PerfArgs) -> Result<Option<std::path::PathBuf>> {
+    if !a.compare_llamacpp {
+        return Ok(None);
+    }
+    if a.dummy.is_some() {
+        bail!("--compare-llamacpp needs a model file, not --dummy");
+    }
+    check_llamacpp(&a.llamacpp_python)?;
+    Ok(Some(pk_engine::model_store::resolve_model(
+        a.model.resolved()?.model.as_deref(),
+        true,
+    )?))
+}
+
+/// The model line on stderr and the table's header on stdout.
+fn print_header(a: &PerfArgs, engine: &Engine, threads: usize, with_llamacpp: bool) {
+    eprintln!(
+        "model {} | threads {threads} | block {} | kv {:?}",
+        engine.model_name,
+        a.model.block_size,
+        engine.kv_store().dtype()
+    );
+    if with_llamacpp {
+        println!(
+            "{:>8} {:>12} {:>8} {:>12} {:>12} {:>12} | {:>14} {:>14} | {:>8} {:>8}",
+            "context",
+            "prefill t/s",
+            "decode",
+            "decode t/s",
+            "KV MiB",
+            "peak RSS MiB",
+            "llama.cpp pp",
+            "llama.cpp tg",
+            "pp ratio",
+            "tg ratio"
+        );
+    } else {
+        println!(
+            "{:>8} {:>12} {:>8} {:>12} {:>12} {:>12}",
+            "context", "prefill t/s", "decode", "decode t/s", "KV MiB", "peak RSS MiB"
+        );
+    }
+}
+
+/// One context's run: our prefill and decode of `prompt` (with this run's peak RSS), then
+/// llama.cpp's (on `threads` threads, as ours) and the thread-count comparison when asked. Returns the run's JSON object
+/// and prints its row unless `--json`.
+fn run_context(
+    a: &PerfArgs,
+    engine: &mut Engine,
+    prompt: &[u32],
+    threads: usize,
+    llamacpp_model: Option<&std::path::Path>,
+) -> Result<serde_json::Value> {
+    let ctx = prompt.len();
+    let kv_bytes_per_token = engine
+        .kv_store()
+        .geometry()
+        .bytes_per_token(engine.kv_store().dtype());
+    let params = GenerateParams {
+        max_tokens: a.decode_tokens,
+        ignore_eos: true,
+        kv_policy: a.kv.spec()?,
+        kv_budget: a.kv.kv_budget,
+        kv_granularity: a.kv.granularity()?,
+        ..Default::default()
+    };
+    engine.stats.kv_bytes_peak = 0;
+    let rss_reset = reset_peak_rss();
+    let out = engine.generate(prompt, &params, &mut |_| {})?;
+    let peak_rss = run_peak_rss(&rss_reset);
+    let decoded = out.token_ids.len().saturating_sub(1);
+    let mut run = serde_json::json!({
+        "context_tokens": ctx,
+        "prefill_tok_s": ctx as f64 / out.prefill_seconds,
+        "decode_tokens": out.token_ids.len(),
+        "decode_tok_s": decoded as f64 / out.decode_seconds.max(1e-9),
+        // The blocks the sequence held at its end (window groups' included), and the
+        // most the pool held at once during the run.
+        "kv_bytes": out.kv_bytes,
+        "kv_bytes_peak": engine.stats.kv_bytes_peak,
+        "kv_bytes_one_table": out.kv_stored_tokens * kv_bytes_per_token,
+        "kv_cache_groups": engine.kv_manager().window_spec().map_or(1, |w| 1 + w.num_groups),
+        // This run's peak (prefill and decode), or null with the reason beside it.
+        "peak_rss_bytes": peak_rss.as_ref().ok(),
+    });
+    if let Err(why) = &peak_rss {
+        run["peak_rss_error"] = serde_json::json!(why);
+    }
+    // llama.cpp right after ours on the same prompt, so both see the same host load.
+    let lc = match llamacpp_model {
+        Some(path) => {
+            let lc = llamacpp_run(&a.llamacpp_python, path, threads, prompt, a.decode_tokens)?;
+            let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+            run["ratio_prefill"] =
+                serde_json::json!(f(&run, "prefill_tok_s") / f(&lc, "prefill_tok_s"));
+            run["ratio_decode"] =
+                serde_json::json!(f(&run, "decode_tok_s") / f(&lc, "decode_tok_s"));
+            run["llamacpp"] = lc.clone();
+            Some(lc)
+        }
+        None => None,
+    };
+    if !a.compare_threads.is_empty() {
+        let per_mode = compare_threads(engine, prompt, &a.compare_threads, a.decode_tokens)?;
+        run["compare_threads"] = serde_json::json!(per_mode);
+    }
+    if !a.json {
+        if let Err(why) = &peak_rss {
+            eprintln!("peak RSS of the {ctx}-token run not measured: {why}");
+        }
+        print_row(&run, ctx, out.token_ids.len(), &peak_rss, lc.as_ref());
+    }
+    Ok(run)
+}
+
+/// One context's row of the table (and its thread-count comparison's lines).
+fn print_row(
+    run: &serde_json::Value,
+    ctx: usize,
+    decode_tokens: usize,
+    peak_rss: &std::result::Result<u64, String>,
+    lc: Option<&serde_json::Value>,
+) {
+    print!(
+        "{:>8} {:>12.1} {:>8} {:>12.1} {:>12.1} {:>12}",
+        ctx,
+        run["prefill_tok_s"].as_f64().unwrap(),
+        decode_tokens,
+        run["decode_tok_s"].as_f64().unwrap(),
+        run["kv_bytes"].as_f64().unwrap() / (1 << 20) as f64,
+        peak_rss.as_ref().map_or("n/a".to_string(), |&b| format!(
+            "{:.1}",
+            b as f64 / (1 << 20) as f64
+        ))
+    );
+    if let Some(lc) = lc {
+        print!(
+            " | {:>14.1} {:>14.1} | {:>7.2}x {:>7.2}x",
+            lc["prefill_tok_s"].as_f64().unwrap_or(f64::NAN),
+            lc["decode_tok_s"].as_f64().unwrap_or(f64::NAN),
+            run["ratio_prefill"].as_f64().unwrap_or(f64::NAN),
+            run["ratio_decode"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
+    println!();
+    if let Some(modes) = run["compare_threads"].as_array() {
+        for m in modes {
+            println!("{:>8} decode alternating step by step, threads {}: {:.1} tok/s (median step {:.1} tok/s)", "", m["threads"], m["decode_tok_s"].as_f64().unwrap_or(f64::NAN), m["decode_tok_s_median"].as_f64().unwrap_or(f64::NAN));
+        }
+    }
+    let _ = std::io::stdout().flush();
 }
 
 #[cfg(test)]
