@@ -26,7 +26,7 @@ use pk_model::{KvDtype, KvGeometry, KvStore, SeqForward};
 #[derive(Args)]
 pub struct CodecsArgs {
     #[command(flatten)]
-    pub model: crate::commands::ModelArgs,
+    pub model: crate::args::ModelArgs,
     /// Tokens of the compressed prefix.
     #[arg(long, default_value_t = 1536)]
     pub prefix_tokens: usize,
@@ -229,40 +229,12 @@ pub fn run(a: CodecsArgs) -> Result<()> {
             ..Default::default()
         })
         .collect();
-    let fingerprint = [0u8; 32];
     for s in 0..a.samples {
         let start = s * (book.len() - total) / a.samples.max(2).saturating_sub(1).max(1);
         let start = start.min(book.len() - total);
         let prompt = &book[start..start + a.prefix_tokens];
         let cont = &book[start + a.prefix_tokens..start + total];
-        // The prefix KV covers all prompt tokens but the last, which the engine recomputes
-        // to produce the first continuation logits.
-        let full_ctx = prefix_kv(&engine, &prompt[..prompt.len() - 1])?;
-        let params = GenerateParams::default();
-        let reference = engine.teacher_force(prompt, cont, &params)?;
-        let f16_bytes = encode(&full_ctx, &Method::None, None, &fingerprint)?.len();
-        for (c, sum) in configs.iter().zip(sums.iter_mut()) {
-            let scores = match (c.policy, c.method.drop_spec()) {
-                (Some(p), Some(spec)) => Some(policy_scores(&full_ctx, p, &spec)),
-                _ => None,
-            };
-            let bytes = encode(&full_ctx, &c.method, scores.as_deref(), &fingerprint)?;
-            let kv = decode(&bytes, &fingerprint).context("decoding what was just encoded")?;
-            let kept = kv.n_tokens();
-            let p = GenerateParams {
-                prefix_kv: Some(Arc::new(PrefixKv { kv })),
-                ..params.clone()
-            };
-            let got = engine.teacher_force(prompt, cont, &p)?;
-            let d = pk_eval::metrics::divergence(&reference, &got, cont, 0);
-            sum.bytes_per_token += bytes.len() as f64 / full_ctx.n_tokens() as f64;
-            sum.bytes_ratio_vs_f16 += bytes.len() as f64 / f16_bytes as f64;
-            sum.kept_tokens += kept as f64;
-            sum.kl_mean += d.kl_mean;
-            sum.top1_agreement += d.top1_agreement;
-            sum.ppl_full += d.ppl_full;
-            sum.ppl_method += d.ppl_policy;
-        }
+        add_sample(&mut engine, &configs, &mut sums, prompt, cont)?;
         eprintln!(
             "bench codecs: sample {}/{} done ({:.0} s)",
             s + 1,
@@ -270,20 +242,7 @@ pub fn run(a: CodecsArgs) -> Result<()> {
             t_start.elapsed().as_secs_f64()
         );
     }
-    let n = a.samples as f64;
-    let rows: Vec<Row> = sums
-        .into_iter()
-        .map(|r| Row {
-            bytes_per_token: r.bytes_per_token / n,
-            bytes_ratio_vs_f16: r.bytes_ratio_vs_f16 / n,
-            kept_tokens: r.kept_tokens / n,
-            kl_mean: r.kl_mean / n,
-            top1_agreement: r.top1_agreement / n,
-            ppl_full: r.ppl_full / n,
-            ppl_method: r.ppl_method / n,
-            method: r.method,
-        })
-        .collect();
+    let rows = means(sums, a.samples);
     if a.json {
         let out = serde_json::json!({
             "model": engine.model_name,
@@ -295,17 +254,87 @@ pub fn run(a: CodecsArgs) -> Result<()> {
         println!("{out}");
         return Ok(());
     }
+    print_table(
+        &a,
+        &engine.model_name,
+        t_start.elapsed().as_secs_f64(),
+        &rows,
+    );
+    Ok(())
+}
+
+/// Adds one sample's figures for every configuration to `sums`: the prefix `prompt`
+/// compressed by each, then `cont` teacher-forced after it and compared with the
+/// uncompressed run.
+fn add_sample(
+    engine: &mut Engine,
+    configs: &[Config],
+    sums: &mut [Row],
+    prompt: &[u32],
+    cont: &[u32],
+) -> Result<()> {
+    let fingerprint = [0u8; 32];
+    // The prefix KV covers all prompt tokens but the last, which the engine recomputes
+    // to produce the first continuation logits.
+    let full_ctx = prefix_kv(engine, &prompt[..prompt.len() - 1])?;
+    let params = GenerateParams::default();
+    let reference = engine.teacher_force(prompt, cont, &params)?;
+    let f16_bytes = encode(&full_ctx, &Method::None, None, &fingerprint)?.len();
+    for (c, sum) in configs.iter().zip(sums.iter_mut()) {
+        let scores = match (c.policy, c.method.drop_spec()) {
+            (Some(p), Some(spec)) => Some(policy_scores(&full_ctx, p, &spec)),
+            _ => None,
+        };
+        let bytes = encode(&full_ctx, &c.method, scores.as_deref(), &fingerprint)?;
+        let kv = decode(&bytes, &fingerprint).context("decoding what was just encoded")?;
+        let kept = kv.n_tokens();
+        let p = GenerateParams {
+            prefix_kv: Some(Arc::new(PrefixKv { kv })),
+            ..params.clone()
+        };
+        let got = engine.teacher_force(prompt, cont, &p)?;
+        let d = pk_eval::metrics::divergence(&reference, &got, cont, 0);
+        sum.bytes_per_token += bytes.len() as f64 / full_ctx.n_tokens() as f64;
+        sum.bytes_ratio_vs_f16 += bytes.len() as f64 / f16_bytes as f64;
+        sum.kept_tokens += kept as f64;
+        sum.kl_mean += d.kl_mean;
+        sum.top1_agreement += d.top1_agreement;
+        sum.ppl_full += d.ppl_full;
+        sum.ppl_method += d.ppl_policy;
+    }
+    Ok(())
+}
+
+/// Each row's sums over `samples` samples, as means.
+fn means(sums: Vec<Row>, samples: usize) -> Vec<Row> {
+    let n = samples as f64;
+    sums.into_iter()
+        .map(|r| Row {
+            bytes_per_token: r.bytes_per_token / n,
+            bytes_ratio_vs_f16: r.bytes_ratio_vs_f16 / n,
+            kept_tokens: r.kept_tokens / n,
+            kl_mean: r.kl_mean / n,
+            top1_agreement: r.top1_agreement / n,
+            ppl_full: r.ppl_full / n,
+            ppl_method: r.ppl_method / n,
+            method: r.method,
+        })
+        .collect()
+}
+
+/// The rows as a Markdown table under a line saying what was measured.
+fn print_table(a: &CodecsArgs, model_name: &str, wall_s: f64, rows: &[Row]) {
     println!(
         "model {}; prefix {} tokens, {} teacher-forced continuation tokens, {} samples of the Verne text; {:.0} s",
-        engine.model_name,
+        model_name,
         a.prefix_tokens,
         a.continuation_tokens,
         a.samples,
-        t_start.elapsed().as_secs_f64()
+        wall_s
     );
     println!("| method | bytes/token | vs f16 | kept tokens | KL vs full (nats) | top-1 agreement | ppl full → method |");
     println!("|---|---:|---:|---:|---:|---:|---:|");
-    for r in &rows {
+    for r in rows {
         println!(
             "| {} | {:.0} | {:.3} | {:.0} | {:.4} | {:.3} | {:.2} → {:.2} |",
             r.method,
@@ -318,5 +347,4 @@ pub fn run(a: CodecsArgs) -> Result<()> {
             r.ppl_method
         );
     }
-    Ok(())
 }

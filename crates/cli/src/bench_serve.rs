@@ -271,15 +271,12 @@ pub(crate) fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// `bench serve` without `--replicas` (bench.rs sends those runs to bench_replicas.rs).
 pub fn run(a: ServeBenchArgs) -> Result<()> {
-    if !a.replicas.is_empty() {
-        return crate::bench_replicas::run(a);
-    }
     if a.tier_redis.is_some() || !a.routing.is_empty() || a.contexts.is_some() || a.rounds.is_some()
     {
         bail!("--tier-redis, --routing, --contexts and --rounds belong to the replicas benchmark: add --replicas 1,2,3");
     }
-    let base = format!("http://127.0.0.1:{}", a.port);
     let http = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(1800))
         .build()?;
@@ -291,113 +288,12 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
             book_ids.len()
         );
     }
-    let url = format!("{base}/v1/completions");
     let mut levels = Vec::new();
     if !a.json {
-        println!(
-            "{:>6} {:>8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}",
-            "conc",
-            "requests",
-            "decode t/s",
-            "TTFT p50",
-            "TTFT p99",
-            "ITL p50",
-            "ITL p99",
-            "E2E p50",
-            "peak blk",
-            "max run",
-            "preempt",
-            "failed"
-        );
+        print_header();
     }
     for &conc in &a.concurrency {
-        let server = start_server(&a, &http, a.port, &[])?;
-        let n_requests = a.requests.unwrap_or((2 * conc).max(8));
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let start = Instant::now();
-        let results: Vec<Result<Sample>> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..conc)
-                .map(|_| {
-                    s.spawn(|| {
-                        let mut out = Vec::new();
-                        loop {
-                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            if i >= n_requests {
-                                break;
-                            }
-                            // Distinct prompts per request and per level, so prefix caching does
-                            // not flatter TTFT.
-                            let n = a.prompt_tokens;
-                            let at = ((i + 1000 * conc) * 997) % (book_ids.len() - n);
-                            let prompt = serde_json::json!(&book_ids[at..at + n]);
-                            out.push(one_request(&http, &url, &prompt, &a));
-                        }
-                        out
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|h| h.join().expect("client thread"))
-                .collect()
-        });
-        let wall = start.elapsed().as_secs_f64();
-        let metrics = http.get(format!("{base}/metrics")).send()?.text()?;
-        drop(server);
-        let failed: Vec<String> = results
-            .iter()
-            .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
-            .collect();
-        if let Some(e) = failed.first() {
-            eprintln!(
-                "{} of {n_requests} requests failed; the first: {e}",
-                failed.len()
-            );
-        }
-        let samples: Vec<Sample> = results.into_iter().filter_map(Result::ok).collect();
-        let tokens: usize = samples.iter().map(|s| s.completion_tokens).sum();
-        let prompt_tokens_mean = samples.iter().map(|s| s.prompt_tokens).sum::<usize>() as f64
-            / samples.len().max(1) as f64;
-        let mut ttft: Vec<f64> = samples.iter().map(|s| s.ttft_s).collect();
-        let mut itl: Vec<f64> = samples
-            .iter()
-            .flat_map(|s| s.itl_s.iter().copied())
-            .collect();
-        let mut e2e: Vec<f64> = samples.iter().map(|s| s.e2e_s).collect();
-        for v in [&mut ttft, &mut itl, &mut e2e] {
-            v.sort_by(f64::total_cmp);
-        }
-        let peak_blocks = metric(&metrics, "pagekeeper:kv_blocks_in_use_peak");
-        let max_running = metric(&metrics, "pagekeeper:num_requests_running_peak");
-        let preemptions = metric(&metrics, "vllm:num_preemptions_total");
-        let level = serde_json::json!({
-            "concurrency": conc, "requests": n_requests, "completion_tokens": tokens, "wall_s": wall,
-            "prompt_tokens_mean": prompt_tokens_mean,
-            "decode_tok_s": tokens as f64 / wall,
-            "ttft_p50_s": percentile(&ttft, 0.5), "ttft_p99_s": percentile(&ttft, 0.99),
-            "itl_p50_s": percentile(&itl, 0.5), "itl_p99_s": percentile(&itl, 0.99),
-            "e2e_p50_s": percentile(&e2e, 0.5),
-            "peak_kv_blocks": peak_blocks, "kv_blocks_total": metric(&metrics, "pagekeeper:kv_pool_blocks"),
-            "preemptions": preemptions, "failed": failed.len(), "max_running_seqs": max_running,
-        });
-        if !a.json {
-            println!(
-                "{:>6} {:>8} {:>12.1} {:>9.3}s {:>9.3}s {:>9.4}s {:>9.4}s {:>9.2}s {:>10} {:>8} {:>8} {:>7}",
-                conc,
-                n_requests,
-                tokens as f64 / wall,
-                percentile(&ttft, 0.5),
-                percentile(&ttft, 0.99),
-                percentile(&itl, 0.5),
-                percentile(&itl, 0.99),
-                percentile(&e2e, 0.5),
-                peak_blocks,
-                max_running,
-                preemptions,
-                failed.len()
-            );
-        }
-        levels.push(level);
+        levels.push(run_level(&a, &http, &book_ids, conc)?);
     }
     if a.json {
         println!(
@@ -411,6 +307,187 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+fn print_header() {
+    println!(
+        "{:>6} {:>8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}",
+        "conc",
+        "requests",
+        "decode t/s",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "E2E p50",
+        "peak blk",
+        "max run",
+        "preempt",
+        "failed"
+    );
+}
+
+/// One concurrency level on a fresh server: `conc` clients send the level's requests back
+/// to back. Returns the level's JSON object (and prints its row unless `--json`).
+fn run_level(
+    a: &ServeBenchArgs,
+    http: &reqwest::blocking::Client,
+    book_ids: &[u32],
+    conc: usize,
+) -> Result<serde_json::Value> {
+    let base = format!("http://127.0.0.1:{}", a.port);
+    let url = format!("{base}/v1/completions");
+    let server = start_server(a, http, a.port, &[])?;
+    let n_requests = a.requests.unwrap_or((2 * conc).max(8));
+    let start = Instant::now();
+    let results = send_requests(a, http, &url, book_ids, conc, n_requests);
+    let wall = start.elapsed().as_secs_f64();
+    let metrics = http.get(format!("{base}/metrics")).send()?.text()?;
+    drop(server);
+    let failed: Vec<String> = results
+        .iter()
+        .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
+        .collect();
+    if let Some(e) = failed.first() {
+        eprintln!(
+            "{} of {n_requests} requests failed; the first: {e}",
+            failed.len()
+        );
+    }
+    let samples: Vec<Sample> = results.into_iter().filter_map(Result::ok).collect();
+    let level = Level::new(&samples, &metrics, conc, n_requests, wall, failed.len());
+    if !a.json {
+        level.print_row();
+    }
+    Ok(level.to_json())
+}
+
+/// Sends `n_requests` streaming completions from `conc` client threads, each taking the
+/// next request as soon as its last one finished.
+fn send_requests(
+    a: &ServeBenchArgs,
+    http: &reqwest::blocking::Client,
+    url: &str,
+    book_ids: &[u32],
+    conc: usize,
+    n_requests: usize,
+) -> Vec<Result<Sample>> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..conc)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut out = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if i >= n_requests {
+                            break;
+                        }
+                        // Distinct prompts per request and per level, so prefix caching does
+                        // not flatter TTFT.
+                        let n = a.prompt_tokens;
+                        let at = ((i + 1000 * conc) * 997) % (book_ids.len() - n);
+                        let prompt = serde_json::json!(&book_ids[at..at + n]);
+                        out.push(one_request(http, url, &prompt, a));
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("client thread"))
+            .collect()
+    })
+}
+
+/// One level's figures: throughput, the TTFT, ITL and end-to-end latencies (sorted) of the
+/// requests that succeeded, and the server's peak gauges from its `/metrics` text.
+struct Level {
+    conc: usize,
+    n_requests: usize,
+    tokens: usize,
+    wall_s: f64,
+    prompt_tokens_mean: f64,
+    ttft_s: Vec<f64>,
+    itl_s: Vec<f64>,
+    e2e_s: Vec<f64>,
+    peak_blocks: f64,
+    kv_blocks_total: f64,
+    max_running: f64,
+    preemptions: f64,
+    failed: usize,
+}
+
+impl Level {
+    fn new(
+        samples: &[Sample],
+        metrics: &str,
+        conc: usize,
+        n_requests: usize,
+        wall_s: f64,
+        failed: usize,
+    ) -> Level {
+        let mut ttft_s: Vec<f64> = samples.iter().map(|s| s.ttft_s).collect();
+        let mut itl_s: Vec<f64> = samples
+            .iter()
+            .flat_map(|s| s.itl_s.iter().copied())
+            .collect();
+        let mut e2e_s: Vec<f64> = samples.iter().map(|s| s.e2e_s).collect();
+        for v in [&mut ttft_s, &mut itl_s, &mut e2e_s] {
+            v.sort_by(f64::total_cmp);
+        }
+        Level {
+            conc,
+            n_requests,
+            tokens: samples.iter().map(|s| s.completion_tokens).sum(),
+            wall_s,
+            prompt_tokens_mean: samples.iter().map(|s| s.prompt_tokens).sum::<usize>() as f64
+                / samples.len().max(1) as f64,
+            ttft_s,
+            itl_s,
+            e2e_s,
+            peak_blocks: metric(metrics, "pagekeeper:kv_blocks_in_use_peak"),
+            kv_blocks_total: metric(metrics, "pagekeeper:kv_pool_blocks"),
+            max_running: metric(metrics, "pagekeeper:num_requests_running_peak"),
+            preemptions: metric(metrics, "vllm:num_preemptions_total"),
+            failed,
+        }
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        let (ttft, itl, e2e) = (&self.ttft_s, &self.itl_s, &self.e2e_s);
+        serde_json::json!({
+            "concurrency": self.conc, "requests": self.n_requests,
+            "completion_tokens": self.tokens, "wall_s": self.wall_s,
+            "prompt_tokens_mean": self.prompt_tokens_mean,
+            "decode_tok_s": self.tokens as f64 / self.wall_s,
+            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+            "itl_p50_s": percentile(itl, 0.5), "itl_p99_s": percentile(itl, 0.99),
+            "e2e_p50_s": percentile(e2e, 0.5),
+            "peak_kv_blocks": self.peak_blocks, "kv_blocks_total": self.kv_blocks_total,
+            "preemptions": self.preemptions, "failed": self.failed,
+            "max_running_seqs": self.max_running,
+        })
+    }
+
+    fn print_row(&self) {
+        println!(
+            "{:>6} {:>8} {:>12.1} {:>9.3}s {:>9.3}s {:>9.4}s {:>9.4}s {:>9.2}s {:>10} {:>8} {:>8} {:>7}",
+            self.conc,
+            self.n_requests,
+            self.tokens as f64 / self.wall_s,
+            percentile(&self.ttft_s, 0.5),
+            percentile(&self.ttft_s, 0.99),
+            percentile(&self.itl_s, 0.5),
+            percentile(&self.itl_s, 0.99),
+            percentile(&self.e2e_s, 0.5),
+            self.peak_blocks,
+            self.max_running,
+            self.preemptions,
+            self.failed
+        );
+    }
 }
 
 #[cfg(test)]

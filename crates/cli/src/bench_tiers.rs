@@ -38,7 +38,7 @@ pub struct TiersBenchArgs {
     /// directory under the system temp dir), `--tier-redis URL` adds Redis (skipped if absent),
     /// `--tier-chunk-tokens` sets the chunk size.
     #[command(flatten)]
-    pub model: crate::commands::ModelArgs,
+    pub model: crate::args::ModelArgs,
     /// Tokens of stored context (whole chunks); the prompt is one token longer.
     #[arg(long, default_value_t = 4096)]
     pub context_tokens: usize,
@@ -57,6 +57,9 @@ struct Row {
     read_bytes_per_s: Option<f64>,
     write_bytes_per_s: Option<f64>,
 }
+
+/// The context's chunks as the engine stored them: each key and its encoded payload.
+type Chunks = Vec<(ChunkKey, Payload)>;
 
 fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
@@ -159,7 +162,7 @@ struct Configured {
     redis: Option<RedisTierConfig>,
 }
 
-fn configured(args: &crate::commands::ModelArgs) -> Result<Configured> {
+fn configured(args: &crate::args::ModelArgs) -> Result<Configured> {
     let mut out = Configured {
         disk: None,
         redis: None,
@@ -195,39 +198,7 @@ fn configured(args: &crate::commands::ModelArgs) -> Result<Configured> {
 }
 
 pub fn run(a: TiersBenchArgs) -> Result<()> {
-    let args = a.model.resolved()?;
-    if a.runs == 0 {
-        bail!("--runs must be at least 1");
-    }
-    crate::commands::set_threads(args.threads)?;
-    let chunk_tokens = args.tiers.chunk_tokens();
-    if a.context_tokens == 0 || !a.context_tokens.is_multiple_of(chunk_tokens) {
-        bail!("--context-tokens must be a positive multiple of the chunk size ({chunk_tokens})");
-    }
-    let path = resolve_model(args.model.as_deref(), true)?;
-    if args.disable_hybrid_kv_cache_manager {
-        let gguf = pk_gguf::GgufFile::open(&path)?;
-        let model = pk_model::ModelConfig::from_gguf(&gguf)?;
-        crate::commands::check_hybrid_flag(true, &model, false)?;
-    }
-    // Only the recompute row's engine has no tier, so only it can keep KV cache groups.
-    let base = EngineConfig {
-        block_size_tokens: args.block_size,
-        kv_dtype: args.kv_dtype()?,
-        kv_capacity_tokens: Some(a.context_tokens + 64),
-        enable_prefix_caching: false,
-        hybrid_kv_cache: !args.disable_hybrid_kv_cache_manager,
-        ..Default::default()
-    };
-    let configured = configured(&args)?;
-
-    let mut bench = Bench {
-        path,
-        base,
-        chunk_tokens,
-        prompt: Vec::new(),
-        chunks: a.context_tokens / chunk_tokens,
-    };
+    let (mut bench, configured) = Bench::new(&a)?;
     let mut engine = bench.engine(None)?;
     let vocab = engine.model_config().vocab_size as u32;
     let model_name = engine.model_name.clone();
@@ -253,129 +224,224 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
     let recompute = bench.ttft_runs(&mut engine, a.runs, false, "recompute")?;
     drop(engine);
 
-    // The context's chunks, as the engine encodes them.
     progress("storing the context through the engine");
-    let ram = Arc::new(RamTier::new(4 << 30));
-    let mut writer = bench.engine(Some(ram.clone()))?;
-    bench.ttft_runs(&mut writer, 1, false, "writer")?;
-    drop(writer); // waits for its writer thread to store every chunk
-    let chunks: Vec<(ChunkKey, Payload)> = ram
-        .keys_lru_first()
-        .into_iter()
-        .map(|k| (k, ram.load(&k).unwrap().unwrap()))
-        .collect();
-    if chunks.len() != bench.chunks {
-        bail!(
-            "the engine stored {} chunks, expected {}",
-            chunks.len(),
-            bench.chunks
-        );
-    }
-    let chunk_bytes = chunks[0].1.len();
-    let total_bytes = chunk_bytes * chunks.len();
+    let (ram, chunks) = bench.store_context()?;
     let mut rows = Vec::new();
-
     progress("RAM");
-    let memcpy = ram.bandwidth().read_bytes_per_s;
-    let ttft = bench.ttft_runs(&mut bench.engine(Some(ram.clone()))?, a.runs, true, "ram")?;
-    rows.push(Row {
-        tier: "ram".into(),
-        ttft_runs_s: ttft,
-        read_bytes_per_s: memcpy,
-        write_bytes_per_s: memcpy,
-    });
-    drop(ram);
-
+    rows.push(bench.ram_row(ram, a.runs)?);
     progress("disk");
-    // The context's chunks and their file headers; a temp dir gets twice that.
-    let needed = total_bytes as u64 + (1 << 20);
-    let (dir, capacity, remove_dir) = match configured.disk {
-        Some((_, capacity)) if capacity < needed => bail!(
-            "--tier-disk: a capacity of {capacity} bytes cannot hold the context's {total_bytes} bytes of chunks"
-        ),
-        Some((dir, capacity)) => (dir, capacity, false),
-        None => (
-            std::env::temp_dir().join(format!("pagekeeper-bench-tiers-{}", std::process::id())),
-            needed * 2,
-            true,
-        ),
-    };
-    let open_disk = |drop_page_cache: bool| -> Result<Arc<DiskTier>> {
-        let mut c = DiskTierConfig::new(&dir, capacity);
-        c.drop_page_cache = drop_page_cache;
-        Ok(Arc::new(DiskTier::open(c).with_context(|| {
-            format!("opening the disk tier in {}", dir.display())
-        })?))
-    };
-    let disk = open_disk(false)?;
-    for (key, _) in &chunks {
-        disk.delete(key)?; // a previous run's entries would make the writes no-ops
-    }
-    let (warm_read, write) = bench.bandwidth(disk.as_ref(), &chunks)?;
-    let ttft = bench.ttft_runs(
-        &mut bench.engine(Some(disk.clone()))?,
-        a.runs,
-        true,
-        "disk (warm)",
-    )?;
-    rows.push(Row {
-        tier: "disk (warm page cache)".into(),
-        ttft_runs_s: ttft,
-        read_bytes_per_s: Some(warm_read),
-        write_bytes_per_s: Some(write),
-    });
-    drop(disk);
-    // Reopening with drop_page_cache evicts each entry's pages during the scan.
-    let disk = open_disk(true)?;
-    let cold_read = total_bytes as f64 / bench.read_all(disk.as_ref(), &chunks)?;
-    let ttft = bench.ttft_runs(
-        &mut bench.engine(Some(disk.clone()))?,
-        a.runs,
-        true,
-        "disk (cold)",
-    )?;
-    rows.push(Row {
-        tier: "disk (cold, drop_page_cache)".into(),
-        ttft_runs_s: ttft,
-        read_bytes_per_s: Some(cold_read),
-        write_bytes_per_s: None,
-    });
-    for (key, _) in &chunks {
-        disk.delete(key)?;
-    }
-    drop(disk);
-    if remove_dir {
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-
+    rows.extend(bench.disk_rows(configured.disk, &chunks, a.runs)?);
     match configured.redis {
         Some(c) => {
             progress("Redis");
-            let redis = Arc::new(RedisTier::open(c)?);
-            let (read, write) = bench.bandwidth(redis.as_ref(), &chunks)?;
-            let ttft = bench.ttft_runs(
-                &mut bench.engine(Some(redis.clone()))?,
-                a.runs,
-                true,
-                "redis",
-            )?;
-            rows.push(Row {
-                tier: "redis".into(),
-                ttft_runs_s: ttft,
-                read_bytes_per_s: Some(read),
-                write_bytes_per_s: Some(write),
-            });
-            for (key, _) in &chunks {
-                redis.delete(key)?;
-            }
+            rows.push(bench.redis_row(c, &chunks, a.runs)?);
         }
         None => progress("Redis skipped (no --tier-redis, PAGEKEEPER_TIER_REDIS or [tiers.redis])"),
     }
-
-    let recompute_s = median(&recompute);
-    let threads = rayon::current_num_threads();
+    let report = Report {
+        a: &a,
+        model_name: &model_name,
+        chunk_tokens: bench.chunk_tokens,
+        chunks: chunks.len(),
+        chunk_bytes: chunks[0].1.len(),
+        recompute_runs_s: &recompute,
+        rows: &rows,
+    };
     if a.json {
-        let tiers: Vec<_> = rows
+        report.print_json();
+    } else {
+        report.print_table();
+    }
+    Ok(())
+}
+
+impl Bench {
+    /// The bench's settings from the flags and the config file, checked; its prompt is
+    /// made once the model's vocabulary is known.
+    fn new(a: &TiersBenchArgs) -> Result<(Bench, Configured)> {
+        let args = a.model.resolved()?;
+        if a.runs == 0 {
+            bail!("--runs must be at least 1");
+        }
+        crate::args::set_threads(args.threads)?;
+        let chunk_tokens = args.tiers.chunk_tokens();
+        if a.context_tokens == 0 || !a.context_tokens.is_multiple_of(chunk_tokens) {
+            bail!(
+                "--context-tokens must be a positive multiple of the chunk size ({chunk_tokens})"
+            );
+        }
+        let path = resolve_model(args.model.as_deref(), true)?;
+        if args.disable_hybrid_kv_cache_manager {
+            let gguf = pk_gguf::GgufFile::open(&path)?;
+            let model = pk_model::ModelConfig::from_gguf(&gguf)?;
+            crate::args::check_hybrid_flag(true, &model, false)?;
+        }
+        // Only the recompute row's engine has no tier, so only it can keep KV cache groups.
+        let base = EngineConfig {
+            block_size_tokens: args.block_size,
+            kv_dtype: args.kv_dtype()?,
+            kv_capacity_tokens: Some(a.context_tokens + 64),
+            enable_prefix_caching: false,
+            hybrid_kv_cache: !args.disable_hybrid_kv_cache_manager,
+            ..Default::default()
+        };
+        let configured = configured(&args)?;
+        let bench = Bench {
+            path,
+            base,
+            chunk_tokens,
+            prompt: Vec::new(),
+            chunks: a.context_tokens / chunk_tokens,
+        };
+        Ok((bench, configured))
+    }
+
+    /// The context's chunks as the engine encodes them: an engine with a RAM tier runs the
+    /// prompt once, and its writer thread stores them there. Returns that tier and its
+    /// chunks, in order.
+    fn store_context(&self) -> Result<(Arc<RamTier>, Chunks)> {
+        let ram = Arc::new(RamTier::new(4 << 30));
+        let mut writer = self.engine(Some(ram.clone()))?;
+        self.ttft_runs(&mut writer, 1, false, "writer")?;
+        drop(writer); // waits for its writer thread to store every chunk
+        let chunks: Chunks = ram
+            .keys_lru_first()
+            .into_iter()
+            .map(|k| (k, ram.load(&k).unwrap().unwrap()))
+            .collect();
+        if chunks.len() != self.chunks {
+            bail!(
+                "the engine stored {} chunks, expected {}",
+                chunks.len(),
+                self.chunks
+            );
+        }
+        Ok((ram, chunks))
+    }
+
+    /// The RAM tier: its loads hand out a shared pointer, so its bandwidth is the tier's
+    /// memcpy calibration (what copying into the pool costs).
+    fn ram_row(&self, ram: Arc<RamTier>, runs: usize) -> Result<Row> {
+        let memcpy = ram.bandwidth().read_bytes_per_s;
+        let ttft = self.ttft_runs(&mut self.engine(Some(ram.clone()))?, runs, true, "ram")?;
+        Ok(Row {
+            tier: "ram".into(),
+            ttft_runs_s: ttft,
+            read_bytes_per_s: memcpy,
+            write_bytes_per_s: memcpy,
+        })
+    }
+
+    /// The disk tier with a warm page cache, then reopened with `drop_page_cache` (cold),
+    /// in `configured` (directory, capacity) or else a temp dir removed afterwards.
+    fn disk_rows(
+        &self,
+        configured: Option<(PathBuf, u64)>,
+        chunks: &[(ChunkKey, Payload)],
+        runs: usize,
+    ) -> Result<[Row; 2]> {
+        let total_bytes = chunks[0].1.len() * chunks.len();
+        // The context's chunks and their file headers; a temp dir gets twice that.
+        let needed = total_bytes as u64 + (1 << 20);
+        let (dir, capacity, remove_dir) = match configured {
+            Some((_, capacity)) if capacity < needed => bail!(
+                "--tier-disk: a capacity of {capacity} bytes cannot hold the context's {total_bytes} bytes of chunks"
+            ),
+            Some((dir, capacity)) => (dir, capacity, false),
+            None => (
+                std::env::temp_dir().join(format!("pagekeeper-bench-tiers-{}", std::process::id())),
+                needed * 2,
+                true,
+            ),
+        };
+        let open_disk = |drop_page_cache: bool| -> Result<Arc<DiskTier>> {
+            let mut c = DiskTierConfig::new(&dir, capacity);
+            c.drop_page_cache = drop_page_cache;
+            Ok(Arc::new(DiskTier::open(c).with_context(|| {
+                format!("opening the disk tier in {}", dir.display())
+            })?))
+        };
+        let disk = open_disk(false)?;
+        for (key, _) in chunks {
+            disk.delete(key)?; // a previous run's entries would make the writes no-ops
+        }
+        let (warm_read, write) = self.bandwidth(disk.as_ref(), chunks)?;
+        let ttft = self.ttft_runs(
+            &mut self.engine(Some(disk.clone()))?,
+            runs,
+            true,
+            "disk (warm)",
+        )?;
+        let warm = Row {
+            tier: "disk (warm page cache)".into(),
+            ttft_runs_s: ttft,
+            read_bytes_per_s: Some(warm_read),
+            write_bytes_per_s: Some(write),
+        };
+        drop(disk);
+        // Reopening with drop_page_cache evicts each entry's pages during the scan.
+        let disk = open_disk(true)?;
+        let cold_read = total_bytes as f64 / self.read_all(disk.as_ref(), chunks)?;
+        let ttft = self.ttft_runs(
+            &mut self.engine(Some(disk.clone()))?,
+            runs,
+            true,
+            "disk (cold)",
+        )?;
+        let cold = Row {
+            tier: "disk (cold, drop_page_cache)".into(),
+            ttft_runs_s: ttft,
+            read_bytes_per_s: Some(cold_read),
+            write_bytes_per_s: None,
+        };
+        for (key, _) in chunks {
+            disk.delete(key)?;
+        }
+        drop(disk);
+        if remove_dir {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        Ok([warm, cold])
+    }
+
+    /// The Redis tier, whose chunks are deleted again afterwards.
+    fn redis_row(
+        &self,
+        config: RedisTierConfig,
+        chunks: &[(ChunkKey, Payload)],
+        runs: usize,
+    ) -> Result<Row> {
+        let redis = Arc::new(RedisTier::open(config)?);
+        let (read, write) = self.bandwidth(redis.as_ref(), chunks)?;
+        let ttft = self.ttft_runs(&mut self.engine(Some(redis.clone()))?, runs, true, "redis")?;
+        for (key, _) in chunks {
+            redis.delete(key)?;
+        }
+        Ok(Row {
+            tier: "redis".into(),
+            ttft_runs_s: ttft,
+            read_bytes_per_s: Some(read),
+            write_bytes_per_s: Some(write),
+        })
+    }
+}
+
+/// What `bench tiers` prints: the recompute baseline and one row per tier.
+struct Report<'a> {
+    a: &'a TiersBenchArgs,
+    model_name: &'a str,
+    chunk_tokens: usize,
+    chunks: usize,
+    chunk_bytes: usize,
+    recompute_runs_s: &'a [f64],
+    rows: &'a [Row],
+}
+
+impl Report<'_> {
+    fn print_json(&self) {
+        let recompute_s = median(self.recompute_runs_s);
+        let tiers: Vec<_> = self
+            .rows
             .iter()
             .map(|r| {
                 serde_json::json!({
@@ -389,49 +455,55 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
             })
             .collect();
         let v = serde_json::json!({
-            "model": model_name,
-            "threads": threads,
-            "context_tokens": a.context_tokens,
-            "chunk_tokens": chunk_tokens,
-            "chunks": chunks.len(),
-            "chunk_bytes": chunk_bytes,
-            "recompute": {"ttft_s": recompute_s, "ttft_runs_s": recompute},
+            "model": self.model_name,
+            "threads": rayon::current_num_threads(),
+            "context_tokens": self.a.context_tokens,
+            "chunk_tokens": self.chunk_tokens,
+            "chunks": self.chunks,
+            "chunk_bytes": self.chunk_bytes,
+            "recompute": {"ttft_s": recompute_s, "ttft_runs_s": self.recompute_runs_s},
             "tiers": tiers,
         });
         println!("{v}");
-        return Ok(());
     }
-    println!(
-        "model {model_name} | threads {threads} | context {} tokens = {} chunks of {chunk_tokens} tokens, {:.2} MB each ({:.1} MB) | median of {} runs",
-        a.context_tokens,
-        chunks.len(),
-        chunk_bytes as f64 / 1e6,
-        total_bytes as f64 / 1e6,
-        a.runs
-    );
-    println!(
-        "{:<30} {:>10} {:>9} {:>12} {:>12}",
-        "served from", "TTFT ms", "speedup", "read MB/s", "write MB/s"
-    );
-    println!(
-        "{:<30} {:>10.1} {:>9} {:>12} {:>12}",
-        "recompute (no tier)",
-        recompute_s * 1e3,
-        "1.0x",
-        "-",
-        "-"
-    );
-    let mbs = |x: Option<f64>| x.map_or("-".to_owned(), |b| format!("{:.0}", b / 1e6));
-    for r in &rows {
-        let t = median(&r.ttft_runs_s);
+
+    fn print_table(&self) {
+        let recompute_s = median(self.recompute_runs_s);
+        let total_bytes = self.chunk_bytes * self.chunks;
         println!(
-            "{:<30} {:>10.1} {:>8.1}x {:>12} {:>12}",
-            r.tier,
-            t * 1e3,
-            recompute_s / t,
-            mbs(r.read_bytes_per_s),
-            mbs(r.write_bytes_per_s)
+            "model {} | threads {} | context {} tokens = {} chunks of {} tokens, {:.2} MB each ({:.1} MB) | median of {} runs",
+            self.model_name,
+            rayon::current_num_threads(),
+            self.a.context_tokens,
+            self.chunks,
+            self.chunk_tokens,
+            self.chunk_bytes as f64 / 1e6,
+            total_bytes as f64 / 1e6,
+            self.a.runs
         );
+        println!(
+            "{:<30} {:>10} {:>9} {:>12} {:>12}",
+            "served from", "TTFT ms", "speedup", "read MB/s", "write MB/s"
+        );
+        println!(
+            "{:<30} {:>10.1} {:>9} {:>12} {:>12}",
+            "recompute (no tier)",
+            recompute_s * 1e3,
+            "1.0x",
+            "-",
+            "-"
+        );
+        let mbs = |x: Option<f64>| x.map_or("-".to_owned(), |b| format!("{:.0}", b / 1e6));
+        for r in self.rows {
+            let t = median(&r.ttft_runs_s);
+            println!(
+                "{:<30} {:>10.1} {:>8.1}x {:>12} {:>12}",
+                r.tier,
+                t * 1e3,
+                recompute_s / t,
+                mbs(r.read_bytes_per_s),
+                mbs(r.write_bytes_per_s)
+            );
+        }
     }
-    Ok(())
 }

@@ -1,4 +1,5 @@
-//! Subcommand implementations. Each parses its flags, builds an engine and reports.
+//! Subcommand implementations (info, generate, perplexity). Each parses its flags, builds
+//! an engine and reports; the flags they share with other commands are in args.rs.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -6,309 +7,11 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use pk_engine::model_store::resolve_model;
-use pk_engine::{Engine, EngineConfig, GenerateParams, SamplingParams};
-use pk_model::KvDtype;
+use pk_engine::perplexity::PerplexityResult;
+use pk_engine::{GenerateParams, SamplingParams};
 use pk_tokenizer::ChatMessage;
 
-/// Options shared by every command that runs a model.
-#[derive(Args, Clone)]
-pub struct ModelArgs {
-    /// A local GGUF file; default: SmolLM2-135M-Instruct Q4_1, fetched on first use.
-    #[arg(long, env = "PAGEKEEPER_MODEL")]
-    pub model: Option<PathBuf>,
-    /// Worker threads for the kernels (default: all cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
-    pub block_size: u32,
-    /// Precision of the live KV cache: f16, f32, q8 (8.5 bits per element: 53 % of f16's
-    /// bytes) or q4 (4.5 bits: 28 %), quantised per token in groups of 32.
-    #[arg(long, default_value = "f16")]
-    pub kv_dtype: String,
-    /// Keep one block table for every layer, as before KV cache groups: sliding-window
-    /// layers (Gemma 3) then keep every token's K/V instead of releasing the blocks behind
-    /// their window (vLLM's flag of the same name). Tiers turn groups off by themselves.
-    #[arg(long)]
-    pub disable_hybrid_kv_cache_manager: bool,
-    #[command(flatten)]
-    pub tiers: TierArgs,
-    /// A TOML file of settings (model, threads, tiers) below flags and env; see
-    /// examples/pagekeeper.toml.
-    #[arg(long, env = "PAGEKEEPER_CONFIG")]
-    pub config: Option<PathBuf>,
-}
-
-impl ModelArgs {
-    pub fn engine(&self, kv_capacity_tokens: Option<usize>) -> Result<Engine> {
-        self.engine_on("cpu", kv_capacity_tokens)
-    }
-
-    /// The engine on `device` ("cpu", or "cuda" in a binary built with the feature).
-    pub fn engine_on(&self, device: &str, kv_capacity_tokens: Option<usize>) -> Result<Engine> {
-        self.build_engine(device, kv_capacity_tokens, false)
-    }
-
-    /// The engine on the CPU with one block table for every layer whatever the model, for
-    /// a command that needs it (`bench codecs`, which refuses the flag that would ask).
-    pub fn engine_one_table(&self, kv_capacity_tokens: Option<usize>) -> Result<Engine> {
-        self.build_engine("cpu", kv_capacity_tokens, true)
-    }
-
-    fn build_engine(
-        &self,
-        device: &str,
-        kv_capacity_tokens: Option<usize>,
-        one_table: bool,
-    ) -> Result<Engine> {
-        crate::gpu::check_device(device)?;
-        // The --config file under flags and env (config.rs).
-        let args = self.resolved()?;
-        set_threads(args.threads)?;
-        let kv_dtype = args.kv_dtype()?;
-        let path = resolve_model(args.model.as_deref(), true)?;
-        let reuse = args.tiers.build_reuse()?;
-        if args.disable_hybrid_kv_cache_manager {
-            let gguf = pk_gguf::GgufFile::open(&path)
-                .with_context(|| format!("loading {}", path.display()))?;
-            let model = pk_model::ModelConfig::from_gguf(&gguf)?;
-            check_hybrid_flag(true, &model, reuse.is_some())?;
-        }
-        let config = EngineConfig {
-            block_size_tokens: args.block_size,
-            kv_dtype,
-            kv_capacity_tokens,
-            reuse,
-            hybrid_kv_cache: !(one_table || args.disable_hybrid_kv_cache_manager),
-            ..Default::default()
-        };
-        crate::gpu::engine(device, &path, config)
-    }
-
-    /// `--kv-dtype` parsed.
-    pub fn kv_dtype(&self) -> Result<KvDtype> {
-        KvDtype::parse(&self.kv_dtype).with_context(|| {
-            format!(
-                "unknown --kv-dtype {:?} (expected {})",
-                self.kv_dtype,
-                KvDtype::NAMES
-            )
-        })
-    }
-}
-
-/// Sizes the kernels' thread pool from `--threads` (or the config file's `threads`). Zero
-/// is refused rather than read as rayon's "all cores", which is what leaving it out means.
-pub fn set_threads(threads: Option<usize>) -> Result<()> {
-    let Some(n) = threads else {
-        return Ok(());
-    };
-    if n == 0 {
-        bail!("--threads (or the config file's threads) must be at least 1");
-    }
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(n)
-        .build_global()
-        .context("configuring threads")
-}
-
-/// `--disable-hybrid-kv-cache-manager` changes something only where the engine would make
-/// KV cache groups: for a model with sliding-window layers, in an engine that neither
-/// stores nor reuses prompt KV (such an engine keeps one block table already). Anywhere
-/// else it is refused rather than accepted and unused.
-pub fn check_hybrid_flag(
-    disabled: bool,
-    model: &pk_model::ModelConfig,
-    has_reuse: bool,
-) -> Result<()> {
-    if !disabled {
-        return Ok(());
-    }
-    if has_reuse {
-        bail!("--disable-hybrid-kv-cache-manager is not used with a tier: an engine that stores or reuses prompt KV keeps one block table for every layer already");
-    }
-    if model.extras.sliding_window.is_none() {
-        bail!(
-            "--disable-hybrid-kv-cache-manager is not used with {}: it has no sliding-window layers, so it keeps one block table for every layer already",
-            model.name
-        );
-    }
-    Ok(())
-}
-
-/// Tiers below the KV pool for reusing prompt KV across requests, restarts and servers.
-#[derive(Args, Clone, Default)]
-pub struct TierArgs {
-    /// A RAM tier of this many bytes (e.g. 2GiB).
-    #[arg(long, env = "PAGEKEEPER_TIER_RAM")]
-    pub tier_ram: Option<String>,
-    /// A disk tier: DIR:CAPACITY (e.g. /var/cache/pk:20GiB); survives restarts.
-    #[arg(long, env = "PAGEKEEPER_TIER_DISK")]
-    pub tier_disk: Option<String>,
-    /// A Redis tier shared by several servers (redis://host:port[?capacity=8GiB]).
-    #[arg(long, env = "PAGEKEEPER_TIER_REDIS")]
-    pub tier_redis: Option<String>,
-    /// Tokens per stored chunk (a multiple of the block size; default 256).
-    #[arg(long, env = "PAGEKEEPER_TIER_CHUNK_TOKENS")]
-    pub tier_chunk_tokens: Option<usize>,
-    /// How stored KV uses the tiers: lru (256-token chunks, uncompressed, LMCache-like) or
-    /// evicpress (whole contexts, compression and tier chosen per context by utility).
-    #[arg(long, env = "PAGEKEEPER_TIER_POLICY", default_value = "lru", value_parser = ["lru", "evicpress"])]
-    pub tier_policy: String,
-    /// EVICPRESS α: seconds of TTFT one unit of quality is worth.
-    #[arg(long, env = "PAGEKEEPER_EVICPRESS_ALPHA", default_value_t = 1.0)]
-    pub evicpress_alpha: f64,
-    /// EVICPRESS configurations, comma-separated (e.g. q8,q4,knorm-0.5,paged-eviction-0.8).
-    #[arg(long, env = "PAGEKEEPER_EVICPRESS_GRID")]
-    pub evicpress_grid: Option<String>,
-    /// Rank EVICPRESS's greedy by utility drop per byte freed (AdaptCache) instead of absolute drop.
-    #[arg(long)]
-    pub evicpress_per_byte: bool,
-    /// How profiling scores a configuration: f1 (token-F1 of its greedy answers against the
-    /// full KV's) or teacher-forced (how often it predicts the full KV's answer tokens).
-    #[arg(long, env = "PAGEKEEPER_EVICPRESS_PROFILE_METRIC", default_value = "f1", value_parser = parse_profile_metric)]
-    pub evicpress_profile_metric: pk_engine::profiler::QualityMetric,
-    /// Tiers from the `--config` file, used for those no flag or env sets (config.rs).
-    #[arg(skip)]
-    pub from_file: Option<crate::config::TiersSection>,
-}
-
-pub fn parse_profile_metric(
-    s: &str,
-) -> Result<pk_engine::profiler::QualityMetric, pk_engine::profiler::UnknownMetric> {
-    s.parse()
-}
-
-impl TierArgs {
-    /// The tiered store, fastest first, or `None` when no tier is configured. The slowest
-    /// tier is written through, so that a restart (disk) or another server (Redis) sees
-    /// every chunk at once.
-    pub fn build(&self) -> Result<Option<pk_engine::TieringConfig>> {
-        if self.tier_policy == "evicpress" {
-            return Ok(None);
-        }
-        let mut tiers = Vec::new();
-        for (origin, cfg) in self.tier_configs()? {
-            tiers.push(pk_tiers::open_tier(&cfg).map_err(|e| anyhow::anyhow!("{origin}: {e}"))?);
-        }
-        if tiers.is_empty() {
-            return Ok(None);
-        }
-        let store =
-            std::sync::Arc::new(pk_tiers::TieredStore::new(tiers).with_write_through_last(true));
-        Ok(Some(pk_engine::TieringConfig {
-            store,
-            chunk_size_tokens: self.chunk_tokens(),
-            max_pending_bytes: 256 << 20,
-        }))
-    }
-}
-
-impl TierArgs {
-    /// The engine's KV reuse connector: the EVICPRESS context store with `--tier-policy
-    /// evicpress`, else the chunk tiers if any tier is configured.
-    pub fn build_reuse(&self) -> Result<Option<pk_engine::ReuseConfig>> {
-        if self.tier_chunk_tokens.is_some() && self.tier_configs()?.is_empty() {
-            bail!("--tier-chunk-tokens (or the config file's tiers.chunk_tokens) is not used without a tier: add --tier-ram, --tier-disk or --tier-redis");
-        }
-        if let Some(c) = self.build_contexts()? {
-            return Ok(Some(pk_engine::ReuseConfig::Contexts(c)));
-        }
-        Ok(self.build()?.map(pk_engine::ReuseConfig::Chunks))
-    }
-
-    /// The EVICPRESS context store over the configured tiers, with `--tier-policy evicpress`.
-    pub fn build_contexts(&self) -> Result<Option<pk_engine::ContextReuseConfig>> {
-        if self.tier_policy != "evicpress" {
-            return Ok(None);
-        }
-        let store = crate::tier_policy::evicpress_config(
-            &self.tier_configs()?,
-            self.evicpress_alpha,
-            self.evicpress_grid.as_deref(),
-            self.evicpress_per_byte,
-        )?;
-        Ok(Some(pk_engine::ContextReuseConfig {
-            store,
-            chunk_size_tokens: self.chunk_tokens(),
-            profile_metric: self.evicpress_profile_metric,
-        }))
-    }
-}
-
-/// Per-request KV eviction: a policy name and a token budget per sequence.
-#[derive(Args, Clone, Default)]
-pub struct KvPolicyArgs {
-    /// full, streaming-llm, knorm, keydiff, snapkv, h2o, tova, expected-attention,
-    /// paged-eviction (variants: paged-eviction:v-norm, paged-eviction:inv-k-norm, …).
-    #[arg(long)]
-    pub kv_policy: Option<String>,
-    /// Tokens each sequence may keep in the KV cache (at least 3 blocks).
-    #[arg(long)]
-    pub kv_budget: Option<u32>,
-    /// Which parts of the model choose their kept tokens together: shared (one selection
-    /// for every layer and head), layer (each layer its own), head (each KV head of each
-    /// layer its own, as kvpress). The budget is per unit, so the bytes are the same.
-    #[arg(long)]
-    pub kv_granularity: Option<String>,
-}
-
-impl KvPolicyArgs {
-    pub fn granularity(&self) -> Result<Option<pk_kv::KvGranularity>> {
-        self.kv_granularity
-            .as_deref()
-            .map(|g| {
-                g.parse::<pk_kv::KvGranularity>()
-                    .map_err(|e| anyhow::anyhow!("--kv-granularity: {e}"))
-            })
-            .transpose()
-    }
-
-    pub fn spec(&self) -> Result<Option<pk_kv::PolicySpec>> {
-        self.kv_policy
-            .as_deref()
-            .map(|p| {
-                p.parse::<pk_kv::PolicySpec>()
-                    .map_err(|e| anyhow::anyhow!("--kv-policy: {e}"))
-            })
-            .transpose()
-    }
-
-    /// For a command that runs its own requests with these flags (`generate`, `bench perf`):
-    /// the engine's refusals of a policy, budget and granularity that do not go together,
-    /// named as the flags are. (`serve`'s flags are defaults that a request's own fields
-    /// complete, so each is used on its own there.)
-    pub fn check_one_request(&self) -> Result<()> {
-        let spec = self.spec()?;
-        let evicts = match (spec, self.kv_budget) {
-            (Some(s), _) => s.evicts(),
-            (None, budget) => budget.is_some(),
-        };
-        if let (Some(s), Some(_)) = (spec, self.kv_budget) {
-            if !s.evicts() {
-                bail!("--kv-budget is not used with --kv-policy {s}, which keeps every token");
-            }
-        }
-        if let (Some(s), None) = (spec, self.kv_budget) {
-            if s.evicts() {
-                bail!("--kv-policy {s} needs --kv-budget (tokens kept per sequence)");
-            }
-        }
-        if self.kv_granularity.is_some() && !evicts {
-            bail!("--kv-granularity is not used without eviction: it chooses how an evicting --kv-policy with a --kv-budget selects");
-        }
-        Ok(())
-    }
-
-    /// The name reports print: the policy given, else what the engine will use.
-    pub fn label(&self) -> String {
-        match (&self.kv_policy, self.kv_budget) {
-            (Some(p), _) => p.clone(),
-            (None, Some(_)) => pk_kv::PolicySpec::default().to_string(),
-            (None, None) => "full".into(),
-        }
-    }
-}
+use crate::args::{KvPolicyArgs, ModelArgs, PerplexityArgs};
 
 #[derive(Args)]
 pub struct InfoArgs {
@@ -594,31 +297,17 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-#[derive(Args)]
-pub struct PerplexityArgs {
-    #[command(flatten)]
-    pub model: ModelArgs,
-    /// Text file (read as UTF-8; invalid bytes are replaced).
-    #[arg(long)]
-    pub file: PathBuf,
-    /// Tokens per chunk.
-    #[arg(long, default_value_t = 512)]
-    pub ctx: usize,
-    /// Score at most this many chunks (default: all).
-    #[arg(long)]
-    pub chunks: Option<usize>,
-    /// Print one JSON object at the end instead of the llama.cpp-style line.
-    #[arg(long)]
-    pub json: bool,
-    /// Where the model runs: cpu, or cuda (a binary built with --features cuda; see gpu.rs).
-    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
-    pub device: String,
+pub fn perplexity(a: PerplexityArgs) -> Result<()> {
+    let r = if a.device == "cuda" {
+        crate::gpu::perplexity(&a)?
+    } else {
+        cpu_perplexity(&a)?
+    };
+    print_perplexity(&r, a.json)
 }
 
-pub fn perplexity(a: PerplexityArgs) -> Result<()> {
-    if a.device == "cuda" {
-        return crate::gpu::perplexity(&a);
-    }
+/// `perplexity` through the engine on the CPU; the chunks' running figures go to stderr.
+fn cpu_perplexity(a: &PerplexityArgs) -> Result<PerplexityResult> {
     let bytes = std::fs::read(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
     let text = String::from_utf8_lossy(&bytes);
     let mut engine = a.model.engine(Some(a.ctx))?;
@@ -644,11 +333,11 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
             }
         })?;
     eprintln!();
-    print_perplexity(&r, a.json)
+    Ok(r)
 }
 
 /// The result as llama.cpp's `perplexity` prints it, or one JSON object (every backend).
-pub fn print_perplexity(r: &pk_engine::perplexity::PerplexityResult, json: bool) -> Result<()> {
+fn print_perplexity(r: &PerplexityResult, json: bool) -> Result<()> {
     if json {
         println!("{}", serde_json::to_string(r)?);
     } else {

@@ -3,11 +3,15 @@
 //! flag > environment variable > file > built-in default.
 //!
 //! Clap already applies flag > env; a setting the file may supply is therefore an `Option`
-//! in the argument structs (`None` = neither flag nor env given), and [`ModelArgs::resolved`]
-//! fills the `None`s from the file. Defaults are applied last, where the value is used.
+//! in the argument structs (`None` = neither flag nor env given), and `ModelArgs::resolved`
+//! (args.rs) fills the `None`s from the file. Defaults are applied last, where the value is
+//! used.
 //!
 //! A tier given by flag or env replaces the file's entry for that tier as a whole (the flag
-//! form `DIR:SIZE` cannot say everything a file's `[tiers.disk]` table can).
+//! form `DIR:SIZE` cannot say everything a file's `[tiers.disk]` table can;
+//! `TierArgs::tier_configs` in tier_args.rs).
+//!
+//! This file is the file's format only, and names no flag: the argument structs read it.
 //!
 //! ```toml
 //! model = "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,8 +34,6 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use pk_tiers::{parse_byte_size, TierConfig};
 use serde::Deserialize;
-
-use crate::commands::{ModelArgs, TierArgs};
 
 /// The file's contents. Unknown keys are errors: a misspelt setting must not be ignored.
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -149,61 +151,10 @@ impl TiersSection {
     }
 }
 
-impl TierArgs {
-    /// Tokens per stored chunk: flag or env, else the file, else 256.
-    pub fn chunk_tokens(&self) -> usize {
-        self.tier_chunk_tokens.unwrap_or(256)
-    }
-
-    /// The configured tiers, fastest first, each labelled with where it came from (for
-    /// error messages): a flag or env value wins over the file's entry for that tier.
-    pub fn tier_configs(&self) -> Result<Vec<(String, TierConfig)>> {
-        let from_file = self
-            .from_file
-            .as_ref()
-            .map(|f| f.tier_configs())
-            .transpose()?
-            .unwrap_or_default();
-        let mut out = Vec::new();
-        for (name, flag, value) in [
-            ("ram", "--tier-ram", &self.tier_ram),
-            ("disk", "--tier-disk", &self.tier_disk),
-            ("redis", "--tier-redis", &self.tier_redis),
-        ] {
-            if let Some(v) = value {
-                out.push((
-                    flag.to_owned(),
-                    TierConfig::parse(flag, v).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?,
-                ));
-            } else if let Some((_, config)) = from_file.iter().find(|(n, _)| *n == name) {
-                out.push((format!("tiers.{name} (config file)"), config.clone()));
-            }
-        }
-        Ok(out)
-    }
-}
-
-impl ModelArgs {
-    /// These arguments with the `--config` file applied under flags and env (see the module
-    /// comment). Commands call this once, before using any field.
-    pub fn resolved(&self) -> Result<ModelArgs> {
-        let Some(path) = &self.config else {
-            return Ok(self.clone());
-        };
-        let file = FileConfig::load(path)?;
-        let mut out = self.clone();
-        out.config = None;
-        out.model = out.model.or(file.model);
-        out.threads = out.threads.or(file.threads);
-        out.tiers.tier_chunk_tokens = out.tiers.tier_chunk_tokens.or(file.tiers.chunk_tokens);
-        out.tiers.from_file = Some(file.tiers);
-        Ok(out)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::args::ModelArgs;
     use clap::Parser;
 
     #[derive(Parser)]
@@ -259,16 +210,23 @@ prefix = "team:"
         ] {
             std::env::remove_var(var);
         }
+        // In this order, one step's environment being the next one's starting point.
+        defaults_without_file_or_flags();
+        file_only(path);
+        env_over_file(path);
+        flags_over_env_and_file();
+    }
 
-        // Defaults: no file, no flags.
+    fn defaults_without_file_or_flags() {
         let a = parse(&[]);
         assert_eq!(
             (a.model, a.threads, a.tiers.chunk_tokens()),
             (None, None, 256)
         );
         assert!(a.tiers.tier_configs().unwrap().is_empty());
+    }
 
-        // File only.
+    fn file_only(path: &str) {
         let a = parse(&["--config", path]);
         assert_eq!(a.model.as_deref(), Some(Path::new("/from/file.gguf")));
         assert_eq!((a.threads, a.tiers.chunk_tokens()), (Some(3), 128));
@@ -297,8 +255,11 @@ prefix = "team:"
                 },
             ]
         );
+    }
 
-        // Env over file; the config file itself may come from the environment too.
+    /// Env over file; the config file itself may come from the environment too. Leaves
+    /// these variables set for `flags_over_env_and_file`.
+    fn env_over_file(path: &str) {
         std::env::set_var("PAGEKEEPER_TIER_RAM", "512MiB");
         std::env::set_var("PAGEKEEPER_MODEL", "/from/env.gguf");
         std::env::set_var("PAGEKEEPER_CONFIG", path);
@@ -315,8 +276,11 @@ prefix = "team:"
             Some(3),
             "settings env leaves alone still come from the file"
         );
+    }
 
-        // Flags over env and file; a flag replaces the file's whole tier entry.
+    /// Flags over env and file; a flag replaces the file's whole tier entry. Clears what
+    /// `env_over_file` set.
+    fn flags_over_env_and_file() {
         let a = parse(&[
             "--tier-ram",
             "64MiB",

@@ -184,7 +184,7 @@ fn check_used(a: &EvalArgs, c: &SweepConfig) -> Result<()> {
 
 pub fn run(a: EvalArgs) -> Result<()> {
     let cfg = config(&a)?;
-    crate::commands::set_threads(a.threads)?;
+    crate::args::set_threads(a.threads)?;
     let t0 = Instant::now();
     let outcome = pk_eval::run_sweep(&cfg)?;
     let report = report::summarise(&outcome.model, &outcome.records);

@@ -1,54 +1,27 @@
-//! `--device cuda`: the model on an NVIDIA GPU through pk-cuda (cargo feature `cuda`).
-//!
-//! `serve` and `generate` run the engine over a `CudaBackend` ([`engine`]): the scheduler,
-//! prefix cache, eviction policies and tiers are the CPU's, only the forward pass and the
-//! KV pool live on the device. `bench perf` and `perplexity` take a standalone path: each
-//! sequence gets its own contiguous run of blocks of a device pool and `GpuLlama` runs
-//! directly, without the engine (see ARCHITECTURE.md). Without the feature, every
-//! `--device cuda` says how to build it.
+//! `bench perf --device cuda` and `perplexity --device cuda`: the model on an NVIDIA GPU
+//! through pk-cuda (cargo feature `cuda`), without the engine. Each sequence gets its own
+//! contiguous run of blocks of a device pool and `GpuLlama` runs directly (see
+//! ARCHITECTURE.md). `serve` and `generate` run the engine over a `CudaBackend` instead
+//! (device.rs). Without the feature, every `--device cuda` says how to build it.
 
-use std::path::Path;
+use pk_engine::perplexity::PerplexityResult;
 
-use pk_engine::{Engine, EngineConfig};
-
-use crate::bench::PerfArgs;
-use crate::commands::PerplexityArgs;
-
-const NO_FEATURE: &str = "--device cuda needs a binary built with the cuda feature: cargo build --release -p pagekeeper --features cuda";
-
-/// Fails unless `device` can run in this binary (before a server binds its port).
-pub fn check_device(device: &str) -> anyhow::Result<()> {
-    if device == "cuda" && !cfg!(feature = "cuda") {
-        anyhow::bail!(NO_FEATURE);
-    }
-    Ok(())
-}
-
-/// The engine on `device` ("cpu" or "cuda") for a model file.
-pub fn engine(device: &str, path: &Path, config: EngineConfig) -> anyhow::Result<Engine> {
-    match device {
-        "cuda" => cuda_engine(path, config),
-        _ => Engine::load(path, config),
-    }
-}
+use crate::args::{PerfArgs, PerplexityArgs};
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_engine(_path: &Path, _config: EngineConfig) -> anyhow::Result<Engine> {
-    anyhow::bail!(NO_FEATURE)
-}
+use crate::device::NO_FEATURE;
 
 #[cfg(not(feature = "cuda"))]
 pub fn perf(_a: &PerfArgs) -> anyhow::Result<()> {
     anyhow::bail!(NO_FEATURE)
 }
 
+/// The perplexity of `a.file` on the GPU (printed by the command, as the CPU's is).
 #[cfg(not(feature = "cuda"))]
-pub fn perplexity(_a: &PerplexityArgs) -> anyhow::Result<()> {
+pub fn perplexity(_a: &PerplexityArgs) -> anyhow::Result<PerplexityResult> {
     anyhow::bail!(NO_FEATURE)
 }
 
-#[cfg(feature = "cuda")]
-use imp::cuda_engine;
 #[cfg(feature = "cuda")]
 pub use imp::{perf, perplexity};
 
@@ -57,45 +30,19 @@ mod imp {
     use std::time::Instant;
 
     use anyhow::{bail, Context, Result};
-    use pk_cuda::{ActDtype, CudaBackend, Gpu, GpuKvPool, GpuLlama, GpuWeights};
-    use pk_engine::{Engine, EngineConfig};
+    use pk_cuda::{ActDtype, Gpu, GpuKvPool, GpuLlama, GpuWeights};
     use pk_model::{KvGeometry, ModelConfig, SeqForward};
     use rand::{Rng, SeedableRng};
 
-    use super::{PerfArgs, PerplexityArgs};
-
-    /// The engine over a `CudaBackend` on device 0: weights dequantised to f16 GEMM operands
-    /// (or `PK_CUDA_ACT`), an f16 KV pool of the engine's geometry.
-    pub fn cuda_engine(path: &std::path::Path, config: EngineConfig) -> Result<Engine> {
-        let gpu = gpu(ActDtype::F16)?;
-        Engine::load_with(path, config, |f, geometry, dtype| {
-            Ok(Box::new(CudaBackend::from_gguf(gpu, f, geometry, dtype)?))
-        })
-    }
-
-    /// Opens device 0 with `default` as the GEMM operand type unless `PK_CUDA_ACT` (f16 or
-    /// bf16) says otherwise.
-    fn gpu(default: ActDtype) -> Result<Gpu> {
-        let act = match std::env::var("PK_CUDA_ACT").as_deref() {
-            Ok("f16") => ActDtype::F16,
-            Ok("bf16") => ActDtype::Bf16,
-            Ok(other) => bail!("PK_CUDA_ACT={other:?}: expected f16 or bf16"),
-            Err(_) => default,
-        };
-        let g = Gpu::new(0, act).context("opening CUDA device 0")?;
-        eprintln!(
-            "device: {} ({} multiprocessors), GEMM operands {act:?}",
-            g.name, g.sm_count
-        );
-        Ok(g)
-    }
+    use super::{PerfArgs, PerplexityArgs, PerplexityResult};
+    use crate::device::open_gpu;
 
     /// A model file's weights on the GPU (f16 operands by default: closer to the CPU's f32).
     fn load_file(path: &std::path::Path) -> Result<(Gpu, GpuLlama, pk_gguf::GgufFile)> {
         let f =
             pk_gguf::GgufFile::open(path).with_context(|| format!("loading {}", path.display()))?;
         let cfg = ModelConfig::from_gguf(&f)?;
-        let gpu = gpu(ActDtype::F16)?;
+        let gpu = open_gpu(ActDtype::F16)?;
         let weights = GpuWeights::from_gguf(&gpu, &f, &cfg)?;
         let model = GpuLlama::new(&gpu, cfg, weights)?;
         Ok((gpu, model, f))
@@ -108,7 +55,7 @@ mod imp {
             .collect()
     }
 
-    pub fn perplexity(a: &PerplexityArgs) -> Result<()> {
+    pub fn perplexity(a: &PerplexityArgs) -> Result<PerplexityResult> {
         let bytes =
             std::fs::read(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
         let text = String::from_utf8_lossy(&bytes);
@@ -169,7 +116,7 @@ mod imp {
             },
         )?;
         eprintln!();
-        crate::commands::print_perplexity(&r, a.json)
+        Ok(r)
     }
 
     /// Device-to-device copy bandwidth (bytes read + written per second, best of 5), the
@@ -190,46 +137,7 @@ mod imp {
     }
 
     pub fn perf(a: &PerfArgs) -> Result<()> {
-        let (gpu, mut model, name) = match &a.dummy {
-            Some(name) => {
-                let cfg = ModelConfig::dummy(name).with_context(|| {
-                    format!(
-                        "unknown --dummy {name:?} ({})",
-                        pk_model::config::DUMMY_SHAPES.join(", ")
-                    )
-                })?;
-                // Random weights are made on the device in bf16 (the setting), or in
-                // f16 with --dummy-type F16 (or PK_CUDA_ACT); quantised types do not apply.
-                let act = if a.dummy_type.eq_ignore_ascii_case("F16") {
-                    ActDtype::F16
-                } else {
-                    ActDtype::Bf16
-                };
-                let gpu = gpu(act)?;
-                let t = Instant::now();
-                let weights = GpuWeights::random(&gpu, &cfg, 1)?;
-                eprintln!(
-                    "random weights made on the device in {:.2} s",
-                    t.elapsed().as_secs_f64()
-                );
-                let model = GpuLlama::new(&gpu, cfg, weights)?;
-                (gpu, model, format!("dummy-{name}"))
-            }
-            None => {
-                let path = pk_engine::model_store::resolve_model(
-                    a.model.resolved()?.model.as_deref(),
-                    true,
-                )?;
-                let (gpu, model, _) = load_file(&path)?;
-                (
-                    gpu,
-                    model,
-                    path.file_name()
-                        .map(|s| s.to_string_lossy().into_owned())
-                        .unwrap_or_default(),
-                )
-            }
-        };
+        let (gpu, mut model, name) = perf_model(a)?;
         let c = model.config.clone();
         let max_ctx = *a.contexts.iter().max().expect("checked non-empty");
         let max_batch = *a.batch.iter().max().expect("checked non-empty");
@@ -251,17 +159,21 @@ mod imp {
             block_size_tokens: bs,
             num_blocks: per_seq * max_batch,
         };
-        let mut pool = GpuKvPool::new(&gpu, geometry)?;
-        let tables = tables(max_batch, per_seq);
-        let weight_bytes = model.weights.bytes_per_token();
-        let kv_bytes_per_token = 2 * 2 * c.n_layers * c.kv_dim();
-        let copy_bw = copy_bandwidth_bytes_s(&gpu)?;
+        let mut run = PerfRun {
+            pool: GpuKvPool::new(&gpu, geometry)?,
+            tables: tables(max_batch, per_seq),
+            weight_bytes: model.weights.bytes_per_token(),
+            kv_bytes_per_token: 2 * 2 * c.n_layers * c.kv_dim(),
+            copy_bw: copy_bandwidth_bytes_s(&gpu)?,
+            steps,
+            gpu,
+        };
         eprintln!(
             "model {name} | block {bs} | CUDA graphs {} (PK_CUDA_GRAPHS=1) | KV pool {:.1} GiB | weights read per step {:.2} GB | device copy bandwidth {:.0} GB/s (read + write)",
             if model.graphs_enabled() { "on" } else { "off" },
-            pool.capacity_bytes() as f64 / (1u64 << 30) as f64,
-            weight_bytes as f64 / 1e9,
-            copy_bw / 1e9
+            run.pool.capacity_bytes() as f64 / (1u64 << 30) as f64,
+            run.weight_bytes as f64 / 1e9,
+            run.copy_bw / 1e9
         );
         if !a.json {
             println!(
@@ -287,89 +199,176 @@ mod imp {
                             .collect()
                     })
                     .collect();
-                // Prefill: one sequence per call, as the CPU bench does; the greedy token of
-                // each prompt's last row starts its decode.
-                gpu.synchronize()?;
-                let t = Instant::now();
-                let mut next = Vec::with_capacity(batch);
-                for (s, p) in prompts.iter().enumerate() {
-                    let seq = SeqForward {
-                        tokens: p,
-                        start_position: 0,
-                        stored_start: 0,
-                        block_table: &tables[s],
-                        logits_from: ctx - 1,
-                        stored_positions: &[],
-                        window_tables: &[],
-                    };
-                    next.push(model.forward_argmax(&gpu, &mut pool, &[seq])?[0]);
-                }
-                let prefill_s = t.elapsed().as_secs_f64();
-                // Decode: every sequence one token per step; the first step is a warm-up
-                // (cuBLAS picks its kernels for the new shapes) and is not timed.
-                let mut kv_bytes_read = 0usize;
-                let mut timed_s = 0.0;
-                for step in 0..steps {
-                    let pos = ctx + step;
-                    let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
-                    let seqs: Vec<SeqForward> = (0..batch)
-                        .map(|s| SeqForward {
-                            tokens: &toks[s],
-                            start_position: pos,
-                            stored_start: pos,
-                            block_table: &tables[s],
-                            logits_from: 0,
-                            stored_positions: &[],
-                            window_tables: &[],
-                        })
-                        .collect();
-                    let t = Instant::now();
-                    next = model.forward_argmax(&gpu, &mut pool, &seqs)?;
-                    if step > 0 {
-                        timed_s += t.elapsed().as_secs_f64();
-                        kv_bytes_read += batch * (pos + 1) * kv_bytes_per_token;
-                    }
-                }
-                let timed_steps = steps - 1;
-                let bytes_s = (weight_bytes * timed_steps + kv_bytes_read) as f64 / timed_s;
-                let run = serde_json::json!({
-                    "context_tokens": ctx,
-                    "batch": batch,
-                    "prefill_tok_s": (batch * ctx) as f64 / prefill_s,
-                    "decode_steps_timed": timed_steps,
-                    "decode_tok_s": (batch * timed_steps) as f64 / timed_s,
-                    "ms_per_step": 1e3 * timed_s / timed_steps as f64,
-                    "bytes_per_s": bytes_s,
-                    "fraction_of_copy_bandwidth": bytes_s / copy_bw,
-                });
-                if !a.json {
-                    println!(
-                        "{:>8} {:>6} {:>12.1} {:>8} {:>12.1} {:>10.3} {:>10.0} {:>7.1}%",
-                        ctx,
-                        batch,
-                        run["prefill_tok_s"].as_f64().unwrap(),
-                        timed_steps,
-                        run["decode_tok_s"].as_f64().unwrap(),
-                        run["ms_per_step"].as_f64().unwrap(),
-                        bytes_s / 1e9,
-                        100.0 * bytes_s / copy_bw
-                    );
-                }
-                runs.push(run);
+                runs.push(run.measure(&mut model, &prompts, a.json)?);
             }
         }
         if a.json {
             let v = serde_json::json!({
                 "model": name,
-                "device": gpu.name,
-                "act_dtype": format!("{:?}", gpu.act),
+                "device": run.gpu.name,
+                "act_dtype": format!("{:?}", run.gpu.act),
                 "cuda_graphs": model.graphs_enabled(),
-                "weight_bytes_per_step": weight_bytes,
-                "copy_bandwidth_bytes_s": copy_bw,
+                "weight_bytes_per_step": run.weight_bytes,
+                "copy_bandwidth_bytes_s": run.copy_bw,
                 "runs": runs,
             });
             println!("{v}");
         }
         Ok(())
+    }
+
+    /// `bench perf`'s model on the GPU and its name: random weights of a `--dummy` shape
+    /// made on the device, or a model file's.
+    fn perf_model(a: &PerfArgs) -> Result<(Gpu, GpuLlama, String)> {
+        let Some(name) = &a.dummy else {
+            let path =
+                pk_engine::model_store::resolve_model(a.model.resolved()?.model.as_deref(), true)?;
+            let (gpu, model, _) = load_file(&path)?;
+            let name = path
+                .file_name()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            return Ok((gpu, model, name));
+        };
+        let cfg = ModelConfig::dummy(name).with_context(|| {
+            format!(
+                "unknown --dummy {name:?} ({})",
+                pk_model::config::DUMMY_SHAPES.join(", ")
+            )
+        })?;
+        // Random weights are made on the device in bf16 (the setting), or in
+        // f16 with --dummy-type F16 (or PK_CUDA_ACT); quantised types do not apply.
+        let act = if a.dummy_type.eq_ignore_ascii_case("F16") {
+            ActDtype::F16
+        } else {
+            ActDtype::Bf16
+        };
+        let gpu = open_gpu(act)?;
+        let t = Instant::now();
+        let weights = GpuWeights::random(&gpu, &cfg, 1)?;
+        eprintln!(
+            "random weights made on the device in {:.2} s",
+            t.elapsed().as_secs_f64()
+        );
+        let model = GpuLlama::new(&gpu, cfg, weights)?;
+        Ok((gpu, model, format!("dummy-{name}")))
+    }
+
+    /// What every (context, batch) run of `bench perf` shares: the device, its KV pool
+    /// (each sequence its own contiguous blocks), and the byte counts the bandwidth
+    /// figures are made of.
+    struct PerfRun {
+        gpu: Gpu,
+        pool: GpuKvPool,
+        tables: Vec<Vec<u32>>,
+        weight_bytes: usize,
+        kv_bytes_per_token: usize,
+        /// Device-to-device copy bandwidth, bytes read + written per second.
+        copy_bw: f64,
+        /// Decode steps per run, the first an untimed warm-up.
+        steps: usize,
+    }
+
+    impl PerfRun {
+        /// Prefills `prompts` (one sequence each, all of one length) and decodes them
+        /// together; returns the run's JSON object and prints its row unless `json`.
+        fn measure(
+            &mut self,
+            model: &mut GpuLlama,
+            prompts: &[Vec<u32>],
+            json: bool,
+        ) -> Result<serde_json::Value> {
+            let (batch, ctx) = (prompts.len(), prompts[0].len());
+            let (next, prefill_s) = self.prefill(model, prompts)?;
+            let (timed_s, kv_bytes_read) = self.decode(model, next, ctx)?;
+            let timed_steps = self.steps - 1;
+            let bytes_s = (self.weight_bytes * timed_steps + kv_bytes_read) as f64 / timed_s;
+            let run = serde_json::json!({
+                "context_tokens": ctx,
+                "batch": batch,
+                "prefill_tok_s": (batch * ctx) as f64 / prefill_s,
+                "decode_steps_timed": timed_steps,
+                "decode_tok_s": (batch * timed_steps) as f64 / timed_s,
+                "ms_per_step": 1e3 * timed_s / timed_steps as f64,
+                "bytes_per_s": bytes_s,
+                "fraction_of_copy_bandwidth": bytes_s / self.copy_bw,
+            });
+            if !json {
+                println!(
+                    "{:>8} {:>6} {:>12.1} {:>8} {:>12.1} {:>10.3} {:>10.0} {:>7.1}%",
+                    ctx,
+                    batch,
+                    run["prefill_tok_s"].as_f64().unwrap(),
+                    timed_steps,
+                    run["decode_tok_s"].as_f64().unwrap(),
+                    run["ms_per_step"].as_f64().unwrap(),
+                    bytes_s / 1e9,
+                    100.0 * bytes_s / self.copy_bw
+                );
+            }
+            Ok(run)
+        }
+
+        /// Prefill: one sequence per call, as the CPU bench does; the greedy token of each
+        /// prompt's last row starts its decode. Returns those tokens and the seconds taken.
+        fn prefill(
+            &mut self,
+            model: &mut GpuLlama,
+            prompts: &[Vec<u32>],
+        ) -> Result<(Vec<u32>, f64)> {
+            let ctx = prompts[0].len();
+            self.gpu.synchronize()?;
+            let t = Instant::now();
+            let mut next = Vec::with_capacity(prompts.len());
+            for (s, p) in prompts.iter().enumerate() {
+                let seq = SeqForward {
+                    tokens: p,
+                    start_position: 0,
+                    stored_start: 0,
+                    block_table: &self.tables[s],
+                    logits_from: ctx - 1,
+                    stored_positions: &[],
+                    window_tables: &[],
+                };
+                next.push(model.forward_argmax(&self.gpu, &mut self.pool, &[seq])?[0]);
+            }
+            Ok((next, t.elapsed().as_secs_f64()))
+        }
+
+        /// Decode: every sequence one token per step after its `ctx` prompt tokens; the
+        /// first step is a warm-up (cuBLAS picks its kernels for the new shapes) and is not
+        /// timed. Returns the timed steps' seconds and the KV bytes they read.
+        fn decode(
+            &mut self,
+            model: &mut GpuLlama,
+            mut next: Vec<u32>,
+            ctx: usize,
+        ) -> Result<(f64, usize)> {
+            let batch = next.len();
+            let mut kv_bytes_read = 0usize;
+            let mut timed_s = 0.0;
+            for step in 0..self.steps {
+                let pos = ctx + step;
+                let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+                let seqs: Vec<SeqForward> = (0..batch)
+                    .map(|s| SeqForward {
+                        tokens: &toks[s],
+                        start_position: pos,
+                        stored_start: pos,
+                        block_table: &self.tables[s],
+                        logits_from: 0,
+                        stored_positions: &[],
+                        window_tables: &[],
+                    })
+                    .collect();
+                let t = Instant::now();
+                next = model.forward_argmax(&self.gpu, &mut self.pool, &seqs)?;
+                if step > 0 {
+                    timed_s += t.elapsed().as_secs_f64();
+                    kv_bytes_read += batch * (pos + 1) * self.kv_bytes_per_token;
+                }
+            }
+            Ok((timed_s, kv_bytes_read))
+        }
     }
 }

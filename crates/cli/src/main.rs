@@ -1,20 +1,24 @@
 //! The `pagekeeper` command line: a thin layer over `pk-engine`.
 #![forbid(unsafe_code)]
 
+mod args;
 mod bench;
 mod bench_codecs;
 mod bench_evicpress;
+mod bench_perf;
 mod bench_replicas;
 mod bench_serve;
 mod bench_tiers;
 mod commands;
 mod config;
+mod device;
 mod eval;
 mod flag_rules;
 #[cfg(test)]
 mod flag_walk;
 mod gpu;
 mod serve;
+mod tier_args;
 mod tier_policy;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -39,7 +43,7 @@ enum Command {
     /// Generate text from a prompt, streaming it to stdout.
     Generate(commands::GenerateArgs),
     /// Perplexity of a text file, by llama.cpp's method.
-    Perplexity(commands::PerplexityArgs),
+    Perplexity(args::PerplexityArgs),
     /// Benchmarks (speed); results go to BENCHMARKS.md.
     #[command(subcommand)]
     Bench(bench::BenchCommand),

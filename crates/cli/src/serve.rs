@@ -14,7 +14,7 @@ use pk_server::{AppState, EngineHandle, Offload, ServerLimits};
 #[derive(Args)]
 pub struct ServeArgs {
     #[command(flatten)]
-    pub model: crate::commands::ModelArgs,
+    pub model: crate::args::ModelArgs,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     #[arg(long, default_value_t = 8000)]
@@ -53,7 +53,7 @@ pub struct ServeArgs {
     /// Default policy and budget for requests that set none (`kv_policy`/`kv_budget` in the
     /// request body override them).
     #[command(flatten)]
-    pub kv: crate::commands::KvPolicyArgs,
+    pub kv: crate::args::KvPolicyArgs,
     /// Where the model runs: cpu, or cuda (a binary built with --features cuda; the engine,
     /// its cache, policies and tiers as on the CPU, the forward pass and KV pool on the GPU).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
@@ -63,9 +63,9 @@ pub struct ServeArgs {
 pub fn serve(mut a: ServeArgs) -> Result<()> {
     // The --config file under flags and env (config.rs).
     a.model = a.model.resolved()?;
-    crate::gpu::check_device(&a.device)?;
+    crate::device::check_device(&a.device)?;
     let path = resolve_model(a.model.model.as_deref(), true)?;
-    crate::commands::set_threads(a.model.threads)?;
+    crate::args::set_threads(a.model.threads)?;
     // Tokenizer and template load in milliseconds on this side; the weights load on the
     // engine thread so that /health can say 503 meanwhile.
     let gguf =
@@ -82,7 +82,7 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     let name = plan.model_name.clone();
     let (device, config) = (a.device.clone(), plan.engine);
     let engine = EngineHandle::spawn(move || {
-        let mut e = crate::gpu::engine(&device, &path, config)?;
+        let mut e = crate::device::engine(&device, &path, config)?;
         e.model_name = name;
         calibrate(&mut e)?;
         Ok(e)
@@ -157,7 +157,7 @@ pub fn plan(a: &ServeArgs, path: &Path, model_config: &pk_model::ModelConfig) ->
         max_request_tokens(model_config.context_length, a.max_model_len, pool_tokens)?;
     let model_name = served_name(a, path);
     let reuse = a.model.tiers.build_reuse()?;
-    crate::commands::check_hybrid_flag(
+    crate::args::check_hybrid_flag(
         a.model.disable_hybrid_kv_cache_manager,
         model_config,
         reuse.is_some(),

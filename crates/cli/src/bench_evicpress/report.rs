@@ -84,142 +84,51 @@ pub fn sweeps(
     real: &[(String, Option<f64>, Policy)],
     rows: &mut Vec<RunRow>,
 ) -> Vec<Validation> {
-    let caps = |ram_fraction: f64| -> Vec<u64> {
-        let mut c = vec![(ram_fraction * working_set as f64) as u64];
-        if delay.tiers.len() == 3 {
-            c.push((a.disk_fraction * working_set as f64) as u64);
-        }
-        c.push(u64::MAX);
-        c
+    let sweep = Sweep {
+        a,
+        grid,
+        contexts,
+        working_set,
+        n_tiers: delay.tiers.len(),
+        full,
     };
-    let base_caps = caps(a.ram_fraction);
-    // Validation: the real runs' policies, simulated.
-    let mut validation = Vec::new();
-    for (name, alpha, policy) in real {
-        let s = sim_row(
-            name,
-            *alpha,
-            "base",
-            a.ram_fraction,
-            contexts,
-            trace,
-            delay,
-            &base_caps,
-            Some(policy),
-            full,
-        );
-        if let Some(r) = rows
-            .iter()
-            .find(|r| r.source == "real" && &r.policy == name && r.alpha == *alpha)
-        {
-            validation.push(Validation {
-                policy: name.clone(),
-                alpha: *alpha,
-                real_ttft_mean_s: r.ttft_mean_s,
-                sim_ttft_mean_s: s.ttft_mean_s,
-                ttft_error_pct: 100.0 * (s.ttft_mean_s - r.ttft_mean_s) / r.ttft_mean_s.max(1e-9),
-                real_quality: r.quality,
-                sim_quality: s.quality,
-            });
-        }
-    }
-    let add = |rows: &mut Vec<RunRow>,
-               scenario: &str,
-               ram_fraction: f64,
-               trace: &[Request],
-               delay: &DelayModel,
-               every_fixed: bool| {
-        let caps = caps(ram_fraction);
-        rows.push(sim_row(
-            "full-prefill",
-            None,
-            scenario,
-            ram_fraction,
-            contexts,
-            trace,
-            delay,
-            &caps,
-            None,
-            full,
-        ));
-        rows.push(sim_row(
-            "lru",
-            None,
-            scenario,
-            ram_fraction,
-            contexts,
-            trace,
-            delay,
-            &caps,
-            Some(&Policy::Lru),
-            full,
-        ));
-        if every_fixed {
-            for (i, c) in grid.configs().iter().enumerate().skip(1) {
-                rows.push(sim_row(
-                    &format!("fixed-{c}"),
-                    None,
-                    scenario,
-                    ram_fraction,
-                    contexts,
-                    trace,
-                    delay,
-                    &caps,
-                    Some(&Policy::Fixed(i)),
-                    full,
-                ));
-            }
-        }
-        for alpha in ALPHAS {
-            rows.push(sim_row(
-                "evicpress",
-                Some(alpha),
-                scenario,
-                ram_fraction,
-                contexts,
-                trace,
-                delay,
-                &caps,
-                Some(&Policy::Evicpress {
-                    alpha,
-                    ranking: Ranking::AbsoluteDrop,
-                }),
-                full,
-            ));
-            let mut per_byte = sim_row(
-                "evicpress",
-                Some(alpha),
-                &format!("{scenario}/per-byte"),
-                ram_fraction,
-                contexts,
-                trace,
-                delay,
-                &caps,
-                Some(&Policy::Evicpress {
-                    alpha,
-                    ranking: Ranking::DropPerByte,
-                }),
-                full,
-            );
-            per_byte.scenario = format!("{scenario}/per-byte");
-            rows.push(per_byte);
-        }
+    let base = Scenario {
+        name: "base".into(),
+        ram_fraction: a.ram_fraction,
+        trace,
+        delay,
     };
-    add(rows, "base", a.ram_fraction, trace, delay, true);
+    let validation = sweep.validation(&base, real, rows);
+    sweep.add(rows, &base, true);
     for f in [0.1, 0.4] {
         if (f - a.ram_fraction).abs() > 1e-9 {
-            add(rows, &format!("ram-{f}"), f, trace, delay, false);
+            let sc = Scenario {
+                name: format!("ram-{f}"),
+                ram_fraction: f,
+                ..base
+            };
+            sweep.add(rows, &sc, false);
         }
     }
     // Where the paper says the gain vanishes: RAM holds everything; equal bandwidths.
-    add(rows, "ram-holds-all", 1.05, trace, delay, false);
+    let ram_holds_all = Scenario {
+        name: "ram-holds-all".into(),
+        ram_fraction: 1.05,
+        ..base
+    };
+    sweep.add(rows, &ram_holds_all, false);
     let mut flat = delay.clone();
     let fastest = flat.tiers[0].clone();
     for t in flat.tiers.iter_mut() {
         t.read_bytes_per_s = fastest.read_bytes_per_s;
         t.access_latency_s = fastest.access_latency_s;
     }
-    add(rows, "equal-bandwidth", a.ram_fraction, trace, &flat, false);
+    let equal_bandwidth = Scenario {
+        name: "equal-bandwidth".into(),
+        delay: &flat,
+        ..base
+    };
+    sweep.add(rows, &equal_bandwidth, false);
     // The ceiling of any placement or quantisation: moving bytes costs nothing (every tier
     // infinitely fast, no decode), so a hit pays only what compression cannot shrink
     // without dropping tokens: writing the kept tokens into the pool and attending over
@@ -231,7 +140,12 @@ pub fn sweeps(
         t.access_latency_s = 0.0;
     }
     free.decode_s_per_byte = 0.0;
-    add(rows, FREE_LOAD, a.ram_fraction, trace, &free, false);
+    let free_load = Scenario {
+        name: FREE_LOAD.into(),
+        delay: &free,
+        ..base
+    };
+    sweep.add(rows, &free_load, false);
     let drift = workload::trace(
         contexts.len(),
         trace.iter().map(|r| r.query).max().unwrap_or(0) + 1,
@@ -241,8 +155,126 @@ pub fn sweeps(
         true,
         a.seed,
     );
-    add(rows, "drift", a.ram_fraction, &drift, delay, false);
+    let drifting = Scenario {
+        name: "drift".into(),
+        trace: &drift,
+        ..base
+    };
+    sweep.add(rows, &drifting, false);
     validation
+}
+
+/// What every simulated row of the sweeps shares.
+struct Sweep<'a> {
+    a: &'a EvicpressArgs,
+    grid: &'a Grid,
+    contexts: &'a [SimContext],
+    working_set: u64,
+    /// Tiers of the measured delay model (3 with Redis).
+    n_tiers: usize,
+    /// Each context's full-prefill time.
+    full: &'a [f64],
+}
+
+/// One simulated scenario: its name in the rows, the RAM tier's share of the working set,
+/// the trace and the delay model.
+struct Scenario<'a> {
+    name: String,
+    ram_fraction: f64,
+    trace: &'a [Request],
+    delay: &'a DelayModel,
+}
+
+impl Sweep<'_> {
+    /// Tier capacities in bytes with RAM holding `ram_fraction` of the working set, the disk
+    /// `--disk-fraction` of it when Redis is last, and the last tier unlimited.
+    fn caps(&self, ram_fraction: f64) -> Vec<u64> {
+        let mut c = vec![(ram_fraction * self.working_set as f64) as u64];
+        if self.n_tiers == 3 {
+            c.push((self.a.disk_fraction * self.working_set as f64) as u64);
+        }
+        c.push(u64::MAX);
+        c
+    }
+
+    fn row(
+        &self,
+        sc: &Scenario,
+        label: &str,
+        alpha: Option<f64>,
+        policy: Option<&Policy>,
+    ) -> RunRow {
+        sim_row(
+            label,
+            alpha,
+            &sc.name,
+            sc.ram_fraction,
+            self.contexts,
+            sc.trace,
+            sc.delay,
+            &self.caps(sc.ram_fraction),
+            policy,
+            self.full,
+        )
+    }
+
+    /// The real runs' policies, simulated in `base`, against their real rows.
+    fn validation(
+        &self,
+        base: &Scenario,
+        real: &[(String, Option<f64>, Policy)],
+        rows: &[RunRow],
+    ) -> Vec<Validation> {
+        let mut validation = Vec::new();
+        for (name, alpha, policy) in real {
+            let s = self.row(base, name, *alpha, Some(policy));
+            if let Some(r) = rows
+                .iter()
+                .find(|r| r.source == "real" && &r.policy == name && r.alpha == *alpha)
+            {
+                validation.push(Validation {
+                    policy: name.clone(),
+                    alpha: *alpha,
+                    real_ttft_mean_s: r.ttft_mean_s,
+                    sim_ttft_mean_s: s.ttft_mean_s,
+                    ttft_error_pct: 100.0 * (s.ttft_mean_s - r.ttft_mean_s)
+                        / r.ttft_mean_s.max(1e-9),
+                    real_quality: r.quality,
+                    sim_quality: s.quality,
+                });
+            }
+        }
+        validation
+    }
+
+    /// One scenario's rows: full prefill, LRU, every fixed configuration (`every_fixed`),
+    /// and EVICPRESS at every α of [`ALPHAS`], ranked by absolute drop and by drop per byte
+    /// (the scenario's `/per-byte` rows).
+    fn add(&self, rows: &mut Vec<RunRow>, sc: &Scenario, every_fixed: bool) {
+        rows.push(self.row(sc, "full-prefill", None, None));
+        rows.push(self.row(sc, "lru", None, Some(&Policy::Lru)));
+        if every_fixed {
+            for (i, c) in self.grid.configs().iter().enumerate().skip(1) {
+                rows.push(self.row(sc, &format!("fixed-{c}"), None, Some(&Policy::Fixed(i))));
+            }
+        }
+        let per_byte = Scenario {
+            name: format!("{}/per-byte", sc.name),
+            ..*sc
+        };
+        for alpha in ALPHAS {
+            let absolute = Policy::Evicpress {
+                alpha,
+                ranking: Ranking::AbsoluteDrop,
+            };
+            rows.push(self.row(sc, "evicpress", Some(alpha), Some(&absolute)));
+            let by_byte = Policy::Evicpress {
+                alpha,
+                ranking: Ranking::DropPerByte,
+            };
+            rows.push(self.row(&per_byte, "evicpress", Some(alpha), Some(&by_byte)));
+        }
+    }
 }
 
 /// The headline numbers for one (source, scenario).
@@ -340,18 +372,9 @@ pub fn headline(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-pub fn write(
-    a: &EvicpressArgs,
-    grid: &Grid,
-    rows: &[RunRow],
-    validation: &[Validation],
-    under_load: Option<&super::load::UnderLoad>,
-    delay: &DelayModel,
-    setup: &serde_json::Value,
-    quiet: &str,
-    wall_s: f64,
-) -> Result<serde_json::Value> {
+/// The headlines of every (source, scenario): the bar (3 % quality loss), and 5 %
+/// to show the trade-off when 3 % is not met, for each measure of quality.
+fn headlines(a: &EvicpressArgs, rows: &[RunRow]) -> Vec<Headline> {
     let scenarios: Vec<String> =
         rows.iter()
             .map(|r| r.scenario.clone())
@@ -383,12 +406,38 @@ pub fn write(
             );
         }
     }
+    headlines
+}
+
+/// LRU's simulated mean TTFT in the base scenario and with every load free (`FREE_LOAD`).
+fn ceiling(rows: &[RunRow]) -> Option<(f64, f64)> {
     let lru_of = |scenario: &str| {
         rows.iter()
             .find(|r| r.source == "sim" && r.scenario == scenario && r.policy == "lru")
             .map(|r| r.ttft_mean_s)
     };
-    let ceiling = lru_of("base").zip(lru_of(FREE_LOAD));
+    lru_of("base").zip(lru_of(FREE_LOAD))
+}
+
+/// A figure with `digits` decimals, or a dash where there is none.
+fn opt(x: Option<f64>, digits: usize) -> String {
+    x.map_or("–".to_string(), |v| format!("{v:.digits$}"))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn write(
+    a: &EvicpressArgs,
+    grid: &Grid,
+    rows: &[RunRow],
+    validation: &[Validation],
+    under_load: Option<&super::load::UnderLoad>,
+    delay: &DelayModel,
+    setup: &serde_json::Value,
+    quiet: &str,
+    wall_s: f64,
+) -> Result<serde_json::Value> {
+    let headlines = headlines(a, rows);
+    let ceiling = ceiling(rows);
     let ceiling_json = ceiling.map(|(base, free)| serde_json::json!({ "lru_ttft_mean_s": base, "lru_free_load_ttft_mean_s": free, "max_speedup_keeping_every_token": base / free.max(1e-9) }));
     let summary = serde_json::json!({ "ceiling": ceiling_json, "headlines": headlines, "validation": validation, "under_load": under_load, "delay_model": delay, "setup": setup, "wall_s": wall_s });
     std::fs::write(
@@ -397,136 +446,195 @@ pub fn write(
             &serde_json::json!({ "runs": rows, "summary": summary, "host_quiet": quiet }),
         )?,
     )?;
-
+    let report = Markdown {
+        a,
+        grid,
+        rows,
+        validation,
+        under_load,
+        delay,
+        setup,
+        quiet,
+        wall_s,
+    };
     let mut md = String::new();
-    let preset = if a.full { "--full" } else { "--quick" };
-    // The command as run, flags that change the results included (the Redis URL is elided).
-    let mut flags = String::new();
-    if let Some(t) = a.model.threads {
-        flags.push_str(&format!(" --threads {t}"));
-    }
-    if a.redis.is_some() {
-        flags.push_str(" --redis URL");
-    }
-    flags.push_str(&format!(
-        " --profile-metric {} --quality-metric {} --ram-fraction {} --zipf {} --seed {}",
-        a.profile_metric, a.quality_metric, a.ram_fraction, a.zipf, a.seed
-    ));
-    if a.loaded_repeats > 1 {
-        flags.push_str(&format!(" --loaded-repeats {}", a.loaded_repeats));
-    }
-    md.push_str(&format!("# EVICPRESS benchmark ({preset})\n\nCommand: `pagekeeper bench evicpress {preset}{flags} --out {}`; host-quiet: `{quiet}`; wall time {:.0} s.\n\n", a.out.display(), wall_s));
-    md.push_str(&format!("Tiers: {} with RAM holding {:.0}% of the working set ({:.1} MB of f16 masters); delay model fitted to the real loads: {}.\n\n", delay.tiers.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(" → "), 100.0 * a.ram_fraction, setup["working_set_bytes"].as_f64().unwrap_or(0.0) / 1e6,
-        delay.tiers.iter().map(|t| format!("{} {:.0} MB/s", t.name, t.read_bytes_per_s / 1e6)).collect::<Vec<_>>().join(", ")));
-    md.push_str(&format!(
-        "Grid: {}.\n\n",
-        grid.configs()
-            .iter()
-            .map(|c| c.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    ));
-    md.push_str(&format!(
-        "Profiles scored by `{}`; reported quality by `{}`.\n\n",
-        a.profile_metric, a.quality_metric
-    ));
-    md.push_str("## Headlines\n\n`quality`: the bench's quality metric (`f1` is the token-F1 of the answer against the full-KV answer; `teacher-forced`, the share of the full-KV answer's tokens the served KV ranks first). `f1`: token-F1 when the quality metric is another. `task`: the ground-truth score (the answer's first number is the asked code), the measure of the paper's \"quality drop\".\n\n| source | scenario | metric | loss ≤ | LRU TTFT s | LRU score | EVICPRESS α | EVICPRESS TTFT s | score | vs LRU | vs full prefill | fixed at ≥ equal score | vs fixed |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-    let f = |x: Option<f64>, d: usize| x.map_or("–".to_string(), |v| format!("{v:.d$}"));
-    for h in &headlines {
-        md.push_str(&format!(
-            "| {} | {} | {} | {:.0}% | {:.3} | {:.3} | {} | {} | {} | {}× | {}× | {} | {}× |\n",
-            h.source,
-            h.scenario,
-            h.metric,
-            100.0 * h.quality_tolerance,
-            h.lru_ttft_mean_s,
-            h.lru_quality,
-            f(h.evicpress_alpha, 2),
-            f(h.evicpress_ttft_mean_s, 3),
-            f(h.evicpress_quality, 3),
-            f(h.speedup_vs_lru, 2),
-            f(h.speedup_vs_full_prefill, 1),
-            h.fixed_at_equal_quality.clone().unwrap_or("–".into()),
-            f(h.speedup_vs_fixed_at_equal_quality, 2)
-        ));
-    }
-    if let Some((base, free)) = ceiling {
-        md.push_str(&format!(
-            "\nCeiling (simulated, `{FREE_LOAD}`): with every load free, LRU's mean TTFT would be {free:.3} s against {base:.3} s, so no policy that keeps every token (placement and quantisation alone) can be more than {:.2}× faster than LRU on this trace; only dropping tokens goes below it. The rest of a hit is the query's prefill and the per-kept-token restore and attention ({:.1} µs per token in the fitted delay model).\n",
-            base / free.max(1e-9),
-            1e6 * delay.restore_s_per_token
-        ));
-    }
-    if let Some(u) = under_load {
-        md.push_str(&format!("\n## Under load (real runs' service times replayed through one FIFO server; see load.rs)\n\nLoads are fractions of LRU's capacity ({}); the last column is the highest request rate whose mean TTFT stays within {:.3} s (twice LRU's unloaded mean).\n\n| policy | α | quality | service s | {} | max rate /s | vs LRU |\n|---|---|---|---|{}---|---|\n",
-            u.rates_per_s.iter().map(|r| format!("{r:.2}/s")).collect::<Vec<_>>().join(", "), u.target_s,
-            u.loads.iter().map(|l| format!("TTFT s at {:.0}%", 100.0 * l)).collect::<Vec<_>>().join(" | "), "---|".repeat(u.loads.len())));
-        let lru_rate = u
-            .rows
-            .iter()
-            .find(|r| r.policy == "lru")
-            .map_or(f64::NAN, |r| r.max_rate_per_s);
-        for r in &u.rows {
-            md.push_str(&format!(
-                "| {} | {} | {:.3} | {:.3} | {} | {:.2} | {:.2}× |\n",
-                r.policy,
-                f(r.alpha, 2),
-                r.quality,
-                r.service_mean_s,
-                r.ttft_mean_s
-                    .iter()
-                    .map(|t| format!("{t:.3}"))
-                    .collect::<Vec<_>>()
-                    .join(" | "),
-                r.max_rate_per_s,
-                r.max_rate_per_s / lru_rate
-            ));
-        }
-    }
-    md.push_str("\n## Simulator validation (same trace, same policies)\n\n| policy | α | real TTFT s | sim TTFT s | error | real quality | sim quality |\n|---|---|---|---|---|---|---|\n");
-    for v in validation {
-        md.push_str(&format!(
-            "| {} | {} | {:.3} | {:.3} | {:+.1}% | {:.3} | {:.3} |\n",
-            v.policy,
-            f(v.alpha, 2),
-            v.real_ttft_mean_s,
-            v.sim_ttft_mean_s,
-            v.ttft_error_pct,
-            v.real_quality,
-            v.sim_quality
-        ));
-    }
-    md.push_str("\n## All runs\n\n| source | scenario | policy | α | TTFT mean | p50 | p95 | quality | f1 | task | hits per tier | bytes moved | placement ms (mean/max) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-    for r in rows {
-        let hits: BTreeMap<_, _> = r.hits_per_tier.clone();
-        md.push_str(&format!(
-            "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {} | {} | {} | {} |\n",
-            r.source,
-            r.scenario,
-            r.policy,
-            f(r.alpha, 2),
-            r.ttft_mean_s,
-            r.ttft_p50_s,
-            r.ttft_p95_s,
-            r.quality,
-            f(r.quality_f1, 3),
-            f(r.task_score, 3),
-            hits.iter()
-                .map(|(k, v)| format!("{k}:{v}"))
-                .collect::<Vec<_>>()
-                .join(" "),
-            r.bytes_moved
-                .map_or("–".into(), |b| format!("{:.0} MB", b as f64 / 1e6)),
-            match (r.placement_cpu_ms_mean, r.placement_cpu_ms_max) {
-                (Some(m), Some(x)) => format!("{m:.2}/{x:.2}"),
-                _ => "–".into(),
-            }
-        ));
-    }
+    report.intro(&mut md);
+    report.headlines(&mut md, &headlines);
+    report.ceiling(&mut md, ceiling);
+    report.under_load(&mut md);
+    report.validation(&mut md);
+    report.all_runs(&mut md);
     std::fs::write(a.out.join("REPORT.md"), md)?;
     plot(rows, &a.out.join("quality_vs_ttft.png"), Metric::Quality)?;
     plot(rows, &a.out.join("task_vs_ttft.png"), Metric::Task)?;
     Ok(summary)
+}
+
+/// REPORT.md's sections, from what `write` is given.
+struct Markdown<'a> {
+    a: &'a EvicpressArgs,
+    grid: &'a Grid,
+    rows: &'a [RunRow],
+    validation: &'a [Validation],
+    under_load: Option<&'a super::load::UnderLoad>,
+    delay: &'a DelayModel,
+    setup: &'a serde_json::Value,
+    quiet: &'a str,
+    wall_s: f64,
+}
+
+impl Markdown<'_> {
+    /// The title, the command as run, the tiers, the grid and the metrics.
+    fn intro(&self, md: &mut String) {
+        let Markdown {
+            a,
+            grid,
+            delay,
+            setup,
+            quiet,
+            wall_s,
+            ..
+        } = *self;
+        let preset = if a.full { "--full" } else { "--quick" };
+        // The command as run, flags that change the results included (the Redis URL is elided).
+        let mut flags = String::new();
+        if let Some(t) = a.model.threads {
+            flags.push_str(&format!(" --threads {t}"));
+        }
+        if a.redis.is_some() {
+            flags.push_str(" --redis URL");
+        }
+        flags.push_str(&format!(
+            " --profile-metric {} --quality-metric {} --ram-fraction {} --zipf {} --seed {}",
+            a.profile_metric, a.quality_metric, a.ram_fraction, a.zipf, a.seed
+        ));
+        if a.loaded_repeats > 1 {
+            flags.push_str(&format!(" --loaded-repeats {}", a.loaded_repeats));
+        }
+        md.push_str(&format!("# EVICPRESS benchmark ({preset})\n\nCommand: `pagekeeper bench evicpress {preset}{flags} --out {}`; host-quiet: `{quiet}`; wall time {:.0} s.\n\n", a.out.display(), wall_s));
+        md.push_str(&format!("Tiers: {} with RAM holding {:.0}% of the working set ({:.1} MB of f16 masters); delay model fitted to the real loads: {}.\n\n", delay.tiers.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(" → "), 100.0 * a.ram_fraction, setup["working_set_bytes"].as_f64().unwrap_or(0.0) / 1e6,
+            delay.tiers.iter().map(|t| format!("{} {:.0} MB/s", t.name, t.read_bytes_per_s / 1e6)).collect::<Vec<_>>().join(", ")));
+        md.push_str(&format!(
+            "Grid: {}.\n\n",
+            grid.configs()
+                .iter()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+        md.push_str(&format!(
+            "Profiles scored by `{}`; reported quality by `{}`.\n\n",
+            a.profile_metric, a.quality_metric
+        ));
+    }
+
+    fn headlines(&self, md: &mut String, headlines: &[Headline]) {
+        md.push_str("## Headlines\n\n`quality`: the bench's quality metric (`f1` is the token-F1 of the answer against the full-KV answer; `teacher-forced`, the share of the full-KV answer's tokens the served KV ranks first). `f1`: token-F1 when the quality metric is another. `task`: the ground-truth score (the answer's first number is the asked code), the measure of the paper's \"quality drop\".\n\n| source | scenario | metric | loss ≤ | LRU TTFT s | LRU score | EVICPRESS α | EVICPRESS TTFT s | score | vs LRU | vs full prefill | fixed at ≥ equal score | vs fixed |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        for h in headlines {
+            md.push_str(&format!(
+                "| {} | {} | {} | {:.0}% | {:.3} | {:.3} | {} | {} | {} | {}× | {}× | {} | {}× |\n",
+                h.source,
+                h.scenario,
+                h.metric,
+                100.0 * h.quality_tolerance,
+                h.lru_ttft_mean_s,
+                h.lru_quality,
+                opt(h.evicpress_alpha, 2),
+                opt(h.evicpress_ttft_mean_s, 3),
+                opt(h.evicpress_quality, 3),
+                opt(h.speedup_vs_lru, 2),
+                opt(h.speedup_vs_full_prefill, 1),
+                h.fixed_at_equal_quality.clone().unwrap_or("–".into()),
+                opt(h.speedup_vs_fixed_at_equal_quality, 2)
+            ));
+        }
+    }
+
+    fn ceiling(&self, md: &mut String, ceiling: Option<(f64, f64)>) {
+        if let Some((base, free)) = ceiling {
+            md.push_str(&format!(
+                "\nCeiling (simulated, `{FREE_LOAD}`): with every load free, LRU's mean TTFT would be {free:.3} s against {base:.3} s, so no policy that keeps every token (placement and quantisation alone) can be more than {:.2}× faster than LRU on this trace; only dropping tokens goes below it. The rest of a hit is the query's prefill and the per-kept-token restore and attention ({:.1} µs per token in the fitted delay model).\n",
+                base / free.max(1e-9),
+                1e6 * self.delay.restore_s_per_token
+            ));
+        }
+    }
+
+    /// The loaded runs' section, when there were loaded runs.
+    fn under_load(&self, md: &mut String) {
+        if let Some(u) = self.under_load {
+            md.push_str(&format!("\n## Under load (real runs' service times replayed through one FIFO server; see load.rs)\n\nLoads are fractions of LRU's capacity ({}); the last column is the highest request rate whose mean TTFT stays within {:.3} s (twice LRU's unloaded mean).\n\n| policy | α | quality | service s | {} | max rate /s | vs LRU |\n|---|---|---|---|{}---|---|\n",
+                u.rates_per_s.iter().map(|r| format!("{r:.2}/s")).collect::<Vec<_>>().join(", "), u.target_s,
+                u.loads.iter().map(|l| format!("TTFT s at {:.0}%", 100.0 * l)).collect::<Vec<_>>().join(" | "), "---|".repeat(u.loads.len())));
+            let lru_rate = u
+                .rows
+                .iter()
+                .find(|r| r.policy == "lru")
+                .map_or(f64::NAN, |r| r.max_rate_per_s);
+            for r in &u.rows {
+                md.push_str(&format!(
+                    "| {} | {} | {:.3} | {:.3} | {} | {:.2} | {:.2}× |\n",
+                    r.policy,
+                    opt(r.alpha, 2),
+                    r.quality,
+                    r.service_mean_s,
+                    r.ttft_mean_s
+                        .iter()
+                        .map(|t| format!("{t:.3}"))
+                        .collect::<Vec<_>>()
+                        .join(" | "),
+                    r.max_rate_per_s,
+                    r.max_rate_per_s / lru_rate
+                ));
+            }
+        }
+    }
+
+    fn validation(&self, md: &mut String) {
+        md.push_str("\n## Simulator validation (same trace, same policies)\n\n| policy | α | real TTFT s | sim TTFT s | error | real quality | sim quality |\n|---|---|---|---|---|---|---|\n");
+        for v in self.validation {
+            md.push_str(&format!(
+                "| {} | {} | {:.3} | {:.3} | {:+.1}% | {:.3} | {:.3} |\n",
+                v.policy,
+                opt(v.alpha, 2),
+                v.real_ttft_mean_s,
+                v.sim_ttft_mean_s,
+                v.ttft_error_pct,
+                v.real_quality,
+                v.sim_quality
+            ));
+        }
+    }
+
+    fn all_runs(&self, md: &mut String) {
+        md.push_str("\n## All runs\n\n| source | scenario | policy | α | TTFT mean | p50 | p95 | quality | f1 | task | hits per tier | bytes moved | placement ms (mean/max) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        for r in self.rows {
+            let hits: BTreeMap<_, _> = r.hits_per_tier.clone();
+            md.push_str(&format!(
+                "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {} | {} | {} | {} |\n",
+                r.source,
+                r.scenario,
+                r.policy,
+                opt(r.alpha, 2),
+                r.ttft_mean_s,
+                r.ttft_p50_s,
+                r.ttft_p95_s,
+                r.quality,
+                opt(r.quality_f1, 3),
+                opt(r.task_score, 3),
+                hits.iter()
+                    .map(|(k, v)| format!("{k}:{v}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                r.bytes_moved
+                    .map_or("–".into(), |b| format!("{:.0} MB", b as f64 / 1e6)),
+                match (r.placement_cpu_ms_mean, r.placement_cpu_ms_max) {
+                    (Some(m), Some(x)) => format!("{m:.2}/{x:.2}"),
+                    _ => "–".into(),
+                }
+            ));
+        }
+    }
 }
 
 /// One plotted series: its legend label, its colour and its (mean TTFT, metric) points.
@@ -545,6 +653,21 @@ fn plot(rows: &[RunRow], path: &Path, metric: Metric) -> Result<()> {
     if !ok {
         return Err(anyhow!("the embedded font does not parse"));
     }
+    let (w, h) = (900u32, 600u32);
+    let mut pixels = vec![0u8; (w * h * 3) as usize];
+    draw(&mut pixels, (w, h), rows, metric)?;
+    // plotters' bitmap backend without its image feature: encode the RGB buffer ourselves.
+    let file = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let mut enc = png::Encoder::new(file, w, h);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    enc.write_header()?.write_image_data(&pixels)?;
+    Ok(())
+}
+
+/// Draws the plot into an RGB buffer of `size` pixels: the simulated base scenario's
+/// policies as curves and points, the real runs as crosses.
+fn draw(pixels: &mut [u8], size: (u32, u32), rows: &[RunRow], metric: Metric) -> Result<()> {
     let base: Vec<&RunRow> = rows
         .iter()
         .filter(|r| r.scenario == "base" && r.source == "sim")
@@ -561,112 +684,104 @@ fn plot(rows: &[RunRow], path: &Path, metric: Metric) -> Result<()> {
         .filter(|t| t.is_finite() && *t > 0.0)
         .fold(f64::MAX, f64::min)
         .min(max_ttft);
-    let (w, h) = (900u32, 600u32);
-    let mut pixels = vec![0u8; (w * h * 3) as usize];
-    {
-        let root = BitMapBackend::with_buffer(&mut pixels, (w, h)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(
-                format!(
-                    "{} vs TTFT (simulated, base scenario; crosses: real runs)",
-                    if matches!(metric, Metric::Task) {
-                        "Task score"
-                    } else {
-                        "Quality"
-                    }
-                ),
-                ("sans-serif", 20),
-            )
-            .margin(15)
-            .x_label_area_size(45)
-            .y_label_area_size(55)
-            .build_cartesian_2d((min_ttft * 0.7..max_ttft * 1.4).log_scale(), 0.0..1.05)
-            .map_err(|e| anyhow!("{e}"))?;
-        let y_desc = match metric {
-            Metric::Quality => "quality (the bench's metric vs full KV)",
-            Metric::F1 => "token-F1 vs full KV",
-            Metric::Task => "task score (ground truth)",
+    let root = BitMapBackend::with_buffer(pixels, size).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!(
+                "{} vs TTFT (simulated, base scenario; crosses: real runs)",
+                if matches!(metric, Metric::Task) {
+                    "Task score"
+                } else {
+                    "Quality"
+                }
+            ),
+            ("sans-serif", 20),
+        )
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(55)
+        .build_cartesian_2d((min_ttft * 0.7..max_ttft * 1.4).log_scale(), 0.0..1.05)
+        .map_err(|e| anyhow!("{e}"))?;
+    let y_desc = match metric {
+        Metric::Quality => "quality (the bench's metric vs full KV)",
+        Metric::F1 => "token-F1 vs full KV",
+        Metric::Task => "task score (ground truth)",
+    };
+    chart
+        .configure_mesh()
+        .x_desc("mean TTFT (s, log)")
+        .y_desc(y_desc)
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    for (label, colour, pts) in series(&base, metric) {
+        let c = colour;
+        // Fixed configurations are separate points, not a curve: only EVICPRESS's α sweep
+        // and the LRU / full-prefill pair are joined.
+        let line = if label.starts_with("fixed") {
+            Vec::new()
+        } else {
+            pts.clone()
         };
         chart
-            .configure_mesh()
-            .x_desc("mean TTFT (s, log)")
-            .y_desc(y_desc)
-            .label_style(("sans-serif", 14))
-            .draw()
+            .draw_series(LineSeries::new(line, c.stroke_width(2)))
+            .map_err(|e| anyhow!("{e}"))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        chart
+            .draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))
             .map_err(|e| anyhow!("{e}"))?;
-        let curve = |pred: &dyn Fn(&RunRow) -> bool| {
-            let mut pts: Vec<(f64, f64)> = base
-                .iter()
-                .filter(|r| pred(r))
-                .map(|r| (r.ttft_mean_s, metric.of(r)))
-                .collect();
-            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-            pts
-        };
-        let series: [Series; 3] = [
-            (
-                "EVICPRESS (α sweep)",
-                RGBColor(214, 39, 40),
-                curve(&|r| r.policy == "evicpress"),
-            ),
-            (
-                "fixed config + LRU",
-                RGBColor(31, 119, 180),
-                curve(&|r| r.policy.starts_with("fixed-")),
-            ),
-            (
-                "LRU / full prefill",
-                RGBColor(44, 160, 44),
-                curve(&|r| r.policy == "lru" || r.policy == "full-prefill"),
-            ),
-        ];
-        for (label, colour, pts) in series {
-            let c = colour;
-            // Fixed configurations are separate points, not a curve: only EVICPRESS's α sweep
-            // and the LRU / full-prefill pair are joined.
-            let line = if label.starts_with("fixed") {
-                Vec::new()
-            } else {
-                pts.clone()
-            };
-            chart
-                .draw_series(LineSeries::new(line, c.stroke_width(2)))
-                .map_err(|e| anyhow!("{e}"))?
-                .label(label)
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
-                });
-            chart
-                .draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))
-                .map_err(|e| anyhow!("{e}"))?;
-        }
-        let real: Vec<(f64, f64)> = rows
+    }
+    let real: Vec<(f64, f64)> = rows
+        .iter()
+        .filter(|r| r.source == "real")
+        .map(|r| (r.ttft_mean_s, metric.of(r)))
+        .collect();
+    chart
+        .draw_series(
+            real.iter()
+                .map(|&p| Cross::new(p, 7, BLACK.stroke_width(2))),
+        )
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    root.present().map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}
+
+/// The plotted series of the simulated base scenario's rows, each sorted by TTFT.
+fn series(base: &[&RunRow], metric: Metric) -> [Series<'static>; 3] {
+    let curve = |pred: &dyn Fn(&RunRow) -> bool| {
+        let mut pts: Vec<(f64, f64)> = base
             .iter()
-            .filter(|r| r.source == "real")
+            .filter(|r| pred(r))
             .map(|r| (r.ttft_mean_s, metric.of(r)))
             .collect();
-        chart
-            .draw_series(
-                real.iter()
-                    .map(|&p| Cross::new(p, 7, BLACK.stroke_width(2))),
-            )
-            .map_err(|e| anyhow!("{e}"))?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 14))
-            .draw()
-            .map_err(|e| anyhow!("{e}"))?;
-        root.present().map_err(|e| anyhow!("{e}"))?;
-    }
-    // plotters' bitmap backend without its image feature: encode the RGB buffer ourselves.
-    let file = std::io::BufWriter::new(std::fs::File::create(path)?);
-    let mut enc = png::Encoder::new(file, w, h);
-    enc.set_color(png::ColorType::Rgb);
-    enc.set_depth(png::BitDepth::Eight);
-    enc.write_header()?.write_image_data(&pixels)?;
-    Ok(())
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        pts
+    };
+    [
+        (
+            "EVICPRESS (α sweep)",
+            RGBColor(214, 39, 40),
+            curve(&|r| r.policy == "evicpress"),
+        ),
+        (
+            "fixed config + LRU",
+            RGBColor(31, 119, 180),
+            curve(&|r| r.policy.starts_with("fixed-")),
+        ),
+        (
+            "LRU / full prefill",
+            RGBColor(44, 160, 44),
+            curve(&|r| r.policy == "lru" || r.policy == "full-prefill"),
+        ),
+    ]
 }
