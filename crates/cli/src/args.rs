@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use pk_connectors::Attached;
 use pk_engine::model_store::resolve_model;
 use pk_engine::{Engine, EngineConfig};
 use pk_model::KvDtype;
@@ -46,18 +47,23 @@ pub struct ModelArgs {
 
 impl ModelArgs {
     pub fn engine(&self, kv_capacity_tokens: Option<usize>) -> Result<Engine> {
-        self.engine_on("cpu", kv_capacity_tokens)
+        Ok(self.engine_on("cpu", kv_capacity_tokens)?.0)
     }
 
-    /// The engine on `device` ("cpu", or "cuda" in a binary built with the feature).
-    pub fn engine_on(&self, device: &str, kv_capacity_tokens: Option<usize>) -> Result<Engine> {
+    /// The engine on `device` ("cpu", or "cuda" in a binary built with the feature), and
+    /// the connector the tier flags attached to it, for its store and statistics.
+    pub fn engine_on(
+        &self,
+        device: &str,
+        kv_capacity_tokens: Option<usize>,
+    ) -> Result<(Engine, Option<Attached>)> {
         self.build_engine(device, kv_capacity_tokens, false)
     }
 
     /// The engine on the CPU with one block table for every layer whatever the model, for
     /// a command that needs it (`bench codecs`, which refuses the flag that would ask).
     pub fn engine_one_table(&self, kv_capacity_tokens: Option<usize>) -> Result<Engine> {
-        self.build_engine("cpu", kv_capacity_tokens, true)
+        Ok(self.build_engine("cpu", kv_capacity_tokens, true)?.0)
     }
 
     fn build_engine(
@@ -65,7 +71,7 @@ impl ModelArgs {
         device: &str,
         kv_capacity_tokens: Option<usize>,
         one_table: bool,
-    ) -> Result<Engine> {
+    ) -> Result<(Engine, Option<Attached>)> {
         crate::device::check_device(device)?;
         // The --config file under flags and env (config.rs).
         let args = self.resolved()?;
@@ -79,15 +85,21 @@ impl ModelArgs {
             let model = pk_model::ModelConfig::from_gguf(&gguf)?;
             check_hybrid_flag(true, &model, reuse.is_some())?;
         }
+        // A connector stores every layer of every token: its engine keeps one table.
+        let one_table = one_table || args.disable_hybrid_kv_cache_manager || reuse.is_some();
         let config = EngineConfig {
             block_size_tokens: args.block_size,
             kv_dtype,
             kv_capacity_tokens,
-            reuse,
-            hybrid_kv_cache: !(one_table || args.disable_hybrid_kv_cache_manager),
+            hybrid_kv_cache: !one_table,
             ..Default::default()
         };
-        crate::device::engine(device, &path, config)
+        let mut engine = crate::device::engine(device, &path, config)?;
+        let attached = match &reuse {
+            Some(r) => Some(pk_connectors::attach(&mut engine, r)?),
+            None => None,
+        };
+        Ok((engine, attached))
     }
 
     /// `--kv-dtype` parsed.

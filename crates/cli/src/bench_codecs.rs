@@ -19,7 +19,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use pk_codec::{decode, encode, DropSpec, KvContext, Method, Precision, QuantSpec};
-use pk_engine::{Engine, GenerateParams, PrefixKv};
+use pk_connectors::PrefixKv;
+use pk_engine::{Engine, GenerateParams};
 use pk_kv::{DenseKv, PolicySpec};
 use pk_model::{KvDtype, KvGeometry, KvStore, SeqForward};
 

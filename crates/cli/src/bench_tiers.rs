@@ -24,8 +24,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use pk_connectors::{ReuseConfig, Tiering, TieringConfig};
 use pk_engine::model_store::resolve_model;
-use pk_engine::{Engine, EngineConfig, GenerateParams, TieringConfig};
+use pk_engine::{Engine, EngineConfig, GenerateParams};
 use pk_tiers::{
     ChunkKey, DiskTier, DiskTierConfig, Payload, RamTier, RedisTier, RedisTierConfig, Tier,
     TierConfig, TieredStore,
@@ -76,28 +77,60 @@ struct Bench {
     chunks: usize,
 }
 
+/// An engine and the tiers attached to it (none: the baseline that prefills).
+struct TierEngine {
+    engine: Engine,
+    tiers: Option<Arc<Tiering>>,
+}
+
+impl TierEngine {
+    fn chunks_loaded(&self) -> u64 {
+        self.tiers.as_ref().map_or(0, |t| t.stats().chunks_loaded)
+    }
+}
+
+impl std::ops::Deref for TierEngine {
+    type Target = Engine;
+    fn deref(&self) -> &Engine {
+        &self.engine
+    }
+}
+
+impl std::ops::DerefMut for TierEngine {
+    fn deref_mut(&mut self) -> &mut Engine {
+        &mut self.engine
+    }
+}
+
 impl Bench {
-    fn engine(&self, tier: Option<Arc<dyn Tier>>) -> Result<Engine> {
-        let reuse = tier.map(|t| {
-            pk_engine::ReuseConfig::Chunks(TieringConfig {
-                store: Arc::new(TieredStore::new(vec![t])),
-                chunk_size_tokens: self.chunk_tokens,
-                max_pending_bytes: 1 << 30,
-            })
+    fn engine(&self, tier: Option<Arc<dyn Tier>>) -> Result<TierEngine> {
+        let Some(t) = tier else {
+            let engine = Engine::load(&self.path, self.base.clone())?;
+            return Ok(TierEngine {
+                engine,
+                tiers: None,
+            });
+        };
+        // The tiers store every layer of every token: their engine keeps one table.
+        let one_table = EngineConfig {
+            hybrid_kv_cache: false,
+            ..self.base.clone()
+        };
+        let mut engine = Engine::load(&self.path, one_table)?;
+        let reuse = ReuseConfig::Chunks(TieringConfig {
+            store: Arc::new(TieredStore::new(vec![t])),
+            chunk_size_tokens: self.chunk_tokens,
+            max_pending_bytes: 1 << 30,
         });
-        Engine::load(
-            &self.path,
-            EngineConfig {
-                reuse,
-                ..self.base.clone()
-            },
-        )
+        let attached = pk_connectors::attach(&mut engine, &reuse)?;
+        let tiers = attached.tiering().cloned();
+        Ok(TierEngine { engine, tiers })
     }
 
     /// Times `runs` prompts on `engine`; with `expect_loaded`, each must load every chunk.
     fn ttft_runs(
         &self,
-        engine: &mut Engine,
+        engine: &mut TierEngine,
         runs: usize,
         expect_loaded: bool,
         label: &str,
@@ -109,11 +142,11 @@ impl Bench {
         };
         let mut out = Vec::new();
         for _ in 0..runs {
-            let loaded_before = engine.tiering_stats().map_or(0, |s| s.chunks_loaded);
+            let loaded_before = engine.chunks_loaded();
             let started = Instant::now();
             let result = engine.generate(&self.prompt, &params, &mut |_| {})?;
             out.push(started.elapsed().as_secs_f64());
-            let loaded = engine.tiering_stats().map_or(0, |s| s.chunks_loaded) - loaded_before;
+            let loaded = engine.chunks_loaded() - loaded_before;
             if expect_loaded
                 && (loaded as usize != self.chunks
                     || result.cached_prompt_tokens != self.chunks * self.chunk_tokens)

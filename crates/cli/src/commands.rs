@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use pk_connectors::Attached;
 use pk_engine::model_store::resolve_model;
 use pk_engine::perplexity::PerplexityResult;
 use pk_engine::{GenerateParams, SamplingParams};
@@ -232,7 +233,7 @@ fn check_sampling(a: &GenerateArgs) -> Result<()> {
 pub fn generate(a: GenerateArgs) -> Result<()> {
     check_sampling(&a)?;
     a.kv.check_one_request()?;
-    let mut engine = a.model.engine_on(&a.device, None)?;
+    let (mut engine, connector) = a.model.engine_on(&a.device, None)?;
     let prompt_text = if a.chat {
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {
@@ -279,8 +280,8 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     let _ = writeln!(stdout);
     // The EVICPRESS store writes on a worker thread that drops what it has not written
     // when the store goes away at exit: wait for it, so that the next run finds this prompt.
-    if let Some(store) = engine.context_store() {
-        store.flush();
+    if let Some(c) = connector.as_ref().and_then(Attached::contexts) {
+        c.store().flush();
     }
     let n = out.token_ids.len();
     eprintln!(

@@ -6,10 +6,11 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use pk_connectors::{Attached, ContextReuse, ReuseConfig};
 use pk_engine::model_store::resolve_model;
 use pk_engine::EngineConfig;
 use pk_model::KvDtype;
-use pk_server::{AppState, EngineHandle, Offload, ServerLimits};
+use pk_server::{AppState, EngineHandle, Offload, Served, ServerLimits};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -80,12 +81,19 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
         .context("installing the metrics recorder")?;
     let plan = plan(&a, &path, &model_config)?;
     let name = plan.model_name.clone();
-    let (device, config) = (a.device.clone(), plan.engine);
+    let (device, config, reuse) = (a.device.clone(), plan.engine, plan.reuse);
     let engine = EngineHandle::spawn(move || {
-        let mut e = crate::device::engine(&device, &path, config)?;
-        e.model_name = name;
-        calibrate(&mut e)?;
-        Ok(e)
+        let mut engine = crate::device::engine(&device, &path, config)?;
+        engine.model_name = name;
+        let attached = match &reuse {
+            Some(r) => Some(pk_connectors::attach(&mut engine, r)?),
+            None => None,
+        };
+        let contexts = attached.as_ref().and_then(Attached::contexts).cloned();
+        if let Some(c) = &contexts {
+            calibrate(&mut engine, c)?;
+        }
+        Ok(Served { engine, contexts })
     });
     let state = Arc::new(AppState {
         engine,
@@ -105,11 +113,9 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
 
 /// EVICPRESS decides with this machine's delays: measured before the first request (a
 /// prefill of this model, a probe of every tier), then kept current from every prefill and
-/// load. Nothing to do without a context store.
-fn calibrate(e: &mut pk_engine::Engine) -> Result<()> {
-    let Some(c) = e.calibrate_context_store()? else {
-        return Ok(());
-    };
+/// load.
+fn calibrate(e: &mut pk_engine::Engine, contexts: &ContextReuse) -> Result<()> {
+    let c = pk_connectors::calibrate_context_store(e, contexts)?;
     let tiers: Vec<String> = c
         .tiers
         .iter()
@@ -141,6 +147,8 @@ fn served_name(a: &ServeArgs, path: &Path) -> String {
 /// configuration, the request limits, the served name and the address.
 pub struct Plan {
     pub engine: EngineConfig,
+    /// The connector the tier flags ask for, attached once the engine is built.
+    pub reuse: Option<ReuseConfig>,
     pub limits: ServerLimits,
     pub model_name: String,
     pub addr: SocketAddr,
@@ -174,8 +182,8 @@ pub fn plan(a: &ServeArgs, path: &Path, model_config: &pk_model::ModelConfig) ->
         default_kv_policy: a.kv.spec()?.unwrap_or_default(),
         default_kv_budget: a.kv.kv_budget,
         default_kv_granularity: a.kv.granularity()?.unwrap_or_default(),
-        reuse,
-        hybrid_kv_cache: !a.model.disable_hybrid_kv_cache_manager,
+        // A connector stores every layer of every token: its engine keeps one table.
+        hybrid_kv_cache: !a.model.disable_hybrid_kv_cache_manager && reuse.is_none(),
         ..Default::default()
     };
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
@@ -183,6 +191,7 @@ pub fn plan(a: &ServeArgs, path: &Path, model_config: &pk_model::ModelConfig) ->
         .with_context(|| format!("bad --host/--port {}:{}", a.host, a.port))?;
     Ok(Plan {
         engine,
+        reuse,
         limits: ServerLimits {
             max_request_body_bytes: 4 << 20,
             max_total_tokens,
@@ -280,14 +289,14 @@ mod tests {
         let plan_of = |args: &[&str]| {
             let p = plan(&parse(args), Path::new("/m/model.gguf"), &gemma).unwrap();
             // The context store's Debug leaves out its grid and profiling metric.
-            let store = match &p.engine.reuse {
-                Some(pk_engine::ReuseConfig::Contexts(c)) => {
+            let store = match &p.reuse {
+                Some(pk_connectors::ReuseConfig::Contexts(c)) => {
                     format!("{:?} {:?}", c.store.grid.configs(), c.profile_metric)
                 }
                 _ => String::new(),
             };
-            let (e, l) = (&p.engine, &p.limits);
-            format!("{e:?} {store} {l:?} {} {}", p.model_name, p.addr)
+            let (e, r, l) = (&p.engine, &p.reuse, &p.limits);
+            format!("{e:?} {r:?} {store} {l:?} {} {}", p.model_name, p.addr)
         };
         let ram: &[&str] = &["--tier-ram", "64MiB"];
         let evicpress: &[&str] = &["--tier-policy", "evicpress", "--tier-ram", "64MiB"];

@@ -40,7 +40,7 @@ pub struct TierArgs {
     /// How profiling scores a configuration: f1 (token-F1 of its greedy answers against the
     /// full KV's) or teacher-forced (how often it predicts the full KV's answer tokens).
     #[arg(long, env = "PAGEKEEPER_EVICPRESS_PROFILE_METRIC", default_value = "f1", value_parser = parse_profile_metric)]
-    pub evicpress_profile_metric: pk_engine::profiler::QualityMetric,
+    pub evicpress_profile_metric: pk_connectors::profiler::QualityMetric,
     /// Tiers from the `--config` file, used for those no flag or env sets (config.rs).
     #[arg(skip)]
     pub from_file: Option<TiersSection>,
@@ -48,7 +48,7 @@ pub struct TierArgs {
 
 pub fn parse_profile_metric(
     s: &str,
-) -> Result<pk_engine::profiler::QualityMetric, pk_engine::profiler::UnknownMetric> {
+) -> Result<pk_connectors::profiler::QualityMetric, pk_connectors::profiler::UnknownMetric> {
     s.parse()
 }
 
@@ -56,7 +56,7 @@ impl TierArgs {
     /// The tiered store, fastest first, or `None` when no tier is configured. The slowest
     /// tier is written through, so that a restart (disk) or another server (Redis) sees
     /// every chunk at once.
-    pub fn build(&self) -> Result<Option<pk_engine::TieringConfig>> {
+    pub fn build(&self) -> Result<Option<pk_connectors::TieringConfig>> {
         if self.tier_policy == "evicpress" {
             return Ok(None);
         }
@@ -69,7 +69,7 @@ impl TierArgs {
         }
         let store =
             std::sync::Arc::new(pk_tiers::TieredStore::new(tiers).with_write_through_last(true));
-        Ok(Some(pk_engine::TieringConfig {
+        Ok(Some(pk_connectors::TieringConfig {
             store,
             chunk_size_tokens: self.chunk_tokens(),
             max_pending_bytes: 256 << 20,
@@ -78,18 +78,18 @@ impl TierArgs {
 
     /// The engine's KV reuse connector: the EVICPRESS context store with `--tier-policy
     /// evicpress`, else the chunk tiers if any tier is configured.
-    pub fn build_reuse(&self) -> Result<Option<pk_engine::ReuseConfig>> {
+    pub fn build_reuse(&self) -> Result<Option<pk_connectors::ReuseConfig>> {
         if self.tier_chunk_tokens.is_some() && self.tier_configs()?.is_empty() {
             bail!("--tier-chunk-tokens (or the config file's tiers.chunk_tokens) is not used without a tier: add --tier-ram, --tier-disk or --tier-redis");
         }
         if let Some(c) = self.build_contexts()? {
-            return Ok(Some(pk_engine::ReuseConfig::Contexts(c)));
+            return Ok(Some(pk_connectors::ReuseConfig::Contexts(c)));
         }
-        Ok(self.build()?.map(pk_engine::ReuseConfig::Chunks))
+        Ok(self.build()?.map(pk_connectors::ReuseConfig::Chunks))
     }
 
     /// The EVICPRESS context store over the configured tiers, with `--tier-policy evicpress`.
-    pub fn build_contexts(&self) -> Result<Option<pk_engine::ContextReuseConfig>> {
+    pub fn build_contexts(&self) -> Result<Option<pk_connectors::ContextReuseConfig>> {
         if self.tier_policy != "evicpress" {
             return Ok(None);
         }
@@ -99,7 +99,7 @@ impl TierArgs {
             self.evicpress_grid.as_deref(),
             self.evicpress_per_byte,
         )?;
-        Ok(Some(pk_engine::ContextReuseConfig {
+        Ok(Some(pk_connectors::ContextReuseConfig {
             store,
             chunk_size_tokens: self.chunk_tokens(),
             profile_metric: self.evicpress_profile_metric,

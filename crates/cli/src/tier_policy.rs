@@ -7,7 +7,7 @@
 //!   keeps the uncompressed masters and is treated as unlimited. The delay model starts
 //!   from per-kind priors (RAM 5 GB/s, disk 1 GB/s, Redis 300 MB/s, prefill 400 tokens/s),
 //!   which are only placeholders: `serve` measures every figure at start-up
-//!   (`Engine::calibrate_context_store`) and serving keeps them current; `/v1/kv/contexts`
+//!   (`pk_connectors::calibrate_context_store`) and serving keeps them current; `/v1/kv/contexts`
 //!   shows each figure's source. The engine profiles contexts in its idle time.
 
 use anyhow::{bail, Result};

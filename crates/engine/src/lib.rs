@@ -2,9 +2,13 @@
 //! store), schedules requests with continuous batching (prefill chunks and decode tokens
 //! of many sequences in one forward pass), samples, and measures perplexity. Also fetches
 //! the default model.
+//!
+//! KV computed elsewhere enters through a [`connector::KvConnector`]; the stores that
+//! implement it (chunk tiers, the EVICPRESS context store, a request's given prefix KV) live
+//! in `pk-connectors`, so this crate knows no store.
 #![forbid(unsafe_code)]
 
-pub mod contexts;
+pub mod connector;
 pub mod engine;
 pub mod eviction;
 mod executor;
@@ -13,26 +17,20 @@ pub mod model_store;
 pub mod namespace;
 pub mod params;
 pub mod perplexity;
-pub mod prefix_kv;
-pub mod profiler;
+pub mod quality;
 pub mod request;
-pub mod reuse;
 pub mod sampler;
 mod scheduler;
 mod sequence;
 pub mod stop;
-pub mod tiering;
 
-pub use contexts::{ContextReuseConfig, ContextReuseStats, DelayCalibration};
+pub use connector::{block_ids, KvConnector, LoadOrigin, Loaded, Lookup, RequestKey};
 pub use engine::{
-    check_grammar_use, Engine, EngineConfig, EngineStats, FinishReason, GenerateParams,
-    SubmitError, MAX_CHOICES, MAX_LOGPROBS,
+    check_grammar_use, model_content_id, Engine, EngineConfig, EngineStats, FinishReason,
+    GenerateParams, SubmitError, MAX_CHOICES, MAX_LOGPROBS,
 };
 pub use eviction::EvictionStats;
 pub use grammar::{CompiledGrammar, Grammar, GrammarCompiler, GrammarSpec};
 pub use namespace::{kv_fingerprint, CacheNamespace};
-pub use prefix_kv::PrefixKv;
 pub use request::{GenerateOutput, Request, RequestError, RequestOutput, SeqEvent};
-pub use reuse::ReuseConfig;
 pub use sampler::{Sampler, SamplingParams, TokenLogprob};
-pub use tiering::{TieringConfig, TieringStats};

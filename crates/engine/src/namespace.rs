@@ -4,7 +4,7 @@
 use pk_model::KvDtype;
 
 /// The cache namespace of an engine: the model's identity (the file's content hash, see
-/// [`crate::engine::model_content_id`], so two different GGUFs of the same file name never
+/// `model_content_id` (engine.rs), so two different GGUFs of the same file name never
 /// read each other's KV), the KV dtype, and the backend when it is not the CPU (backends
 /// compute K/V with different arithmetic, and a sequence's bits must not depend on where
 /// its prefix was computed).

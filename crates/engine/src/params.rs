@@ -8,8 +8,7 @@ use anyhow::{bail, Result};
 use pk_kv::{KvGranularity, PolicySpec};
 use pk_model::{KvDtype, KvGeometry, ModelConfig};
 
-use crate::prefix_kv::PrefixKv;
-use crate::reuse::ReuseConfig;
+use crate::connector::KvConnector;
 use crate::sampler::SamplingParams;
 
 /// Prompt tokens a step may carry per decoding sequence beside it (see
@@ -42,18 +41,16 @@ pub struct EngineConfig {
     pub default_kv_budget: Option<u32>,
     /// Eviction granularity for requests that give none.
     pub default_kv_granularity: KvGranularity,
-    /// The connector through which prompt KV is reused across requests, restarts and
-    /// servers (`crate::reuse`); `None`: the pool's prefix cache only.
-    pub reuse: Option<ReuseConfig>,
     /// Reuse computed blocks across requests through the pool's prefix cache (vLLM's
     /// automatic prefix caching; on by default). Benchmarks of a reuse connector turn it off
     /// so that every reuse is a load.
     pub enable_prefix_caching: bool,
     /// Give a model's sliding-window layers KV cache groups of their own, whose blocks
     /// behind the window are released (vLLM's hybrid KV cache manager; on by default).
-    /// It applies to CPU models with both global and windowed layers (Gemma 3) and is
-    /// off whenever stored KV is reused across requests (`reuse`), which stores every
-    /// layer of every token, as vLLM turns it off under a KV connector.
+    /// It applies to CPU models with both global and windowed layers (Gemma 3). An engine
+    /// that a KV connector will be attached to (`Engine::set_connector`) is built with it
+    /// off: today's connectors store every layer of every token, as vLLM turns its hybrid
+    /// manager off under a KV connector.
     pub hybrid_kv_cache: bool,
     /// Prune a budgeted prompt every this many prompt tokens while it is prefilled, for
     /// policies that allow it (`PolicySpec::prunes_as_chunks_arrive`: StreamingLLM, KNorm,
@@ -100,7 +97,6 @@ impl Default for EngineConfig {
             default_kv_policy: PolicySpec::default(),
             default_kv_budget: None,
             default_kv_granularity: KvGranularity::Shared,
-            reuse: None,
             enable_prefix_caching: true,
             hybrid_kv_cache: true,
             prefill_prune_interval_tokens: 0,
@@ -135,7 +131,9 @@ pub struct GenerateParams {
     /// The KV of the prompt's first `n_tokens()` tokens, given instead of computed (possibly
     /// compressed: fewer tokens, original positions). Profiling and evaluation of stored
     /// contexts use it; such a sequence never feeds the prefix cache.
-    pub prefix_kv: Option<Arc<PrefixKv>>,
+    /// It is a connector of its own (`pk_connectors::PrefixKv`), which always starts the
+    /// request, whatever the pool's prefix cache holds.
+    pub prefix_kv: Option<Arc<dyn KvConnector>>,
     /// Background work (a store's profiling): admitted after every waiting request that is
     /// not background, so that idle-time work never delays a user's request in the queue.
     pub background: bool,

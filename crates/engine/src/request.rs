@@ -87,7 +87,7 @@ pub struct RequestOutput {
     /// for the first token, which nothing predicts).
     pub prompt_logprobs: Vec<Option<crate::sampler::TokenLogprob>>,
     /// Where the prompt's stored context came from (EVICPRESS store), if it was loaded.
-    pub context_load: Option<pk_evicpress::LoadReport>,
+    pub context_load: Option<crate::connector::LoadOrigin>,
 }
 
 /// Result of a blocking `generate` call.
@@ -107,5 +107,5 @@ pub struct GenerateOutput {
     /// Per generated token, with `GenerateParams::logprobs`.
     pub logprobs: Vec<crate::sampler::TokenLogprob>,
     /// Where a stored context came from (EVICPRESS store), if one was loaded.
-    pub context_load: Option<pk_evicpress::LoadReport>,
+    pub context_load: Option<crate::connector::LoadOrigin>,
 }

@@ -13,10 +13,10 @@ use std::collections::VecDeque;
 
 use pk_kv::{CachedPrefix, KvCacheManager, SeqId};
 
+use crate::connector::{Lookup, RequestKey};
 use crate::params::{EngineConfig, MAX_PROMPT_LOGITS_BYTES, PREFILL_TOKENS_PER_DECODE};
 use crate::request::RequestError;
-use crate::reuse::{ReuseMatch, SeqReuse};
-use crate::sequence::SeqState;
+use crate::sequence::{SeqReuse, SeqState};
 
 /// One planned piece of a step: `all_ids[from..to]` of sequence `seq`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,7 +57,7 @@ pub(crate) enum Start {
 /// connector and the backend's pool, which the scheduler does not hold.
 pub(crate) trait KvLoads {
     /// The connector's answer for a waiting sequence's tokens (`None`: no connector).
-    fn lookup(&mut self, s: &SeqState) -> Option<ReuseMatch>;
+    fn lookup(&mut self, s: &SeqState) -> Option<Lookup>;
 
     /// Writes the given prefix KV into `seq` (added with an empty table). Returns the prompt
     /// tokens covered, or `None` after freeing `seq` when it could not be placed.
@@ -68,11 +68,12 @@ pub(crate) trait KvLoads {
         seq: SeqId,
     ) -> Option<usize>;
 
-    /// Loads what the connector holds of the prompt into `seq`, as `load_given`.
+    /// Loads the first `tokens` of the prompt from the connector into `seq`, as
+    /// `load_given`.
     fn load_stored(
         &mut self,
         s: &mut SeqState,
-        probe: &ReuseMatch,
+        tokens: usize,
         kv: &mut KvCacheManager,
         seq: SeqId,
     ) -> Option<usize>;
@@ -120,6 +121,7 @@ pub(crate) struct Scheduler {
     pub limits: Limits,
     pub stats: SchedulerStats,
     next_seq: u64,
+    next_request_key: RequestKey,
 }
 
 impl Scheduler {
@@ -131,6 +133,7 @@ impl Scheduler {
             limits,
             stats: SchedulerStats::default(),
             next_seq: 0,
+            next_request_key: 0,
         }
     }
 
@@ -139,8 +142,15 @@ impl Scheduler {
         SeqId(self.next_seq)
     }
 
-    /// Queues `s`: background work behind every user request, the rest in arrival order.
-    pub fn enqueue(&mut self, s: SeqState) {
+    fn new_request_key(&mut self) -> RequestKey {
+        self.next_request_key += 1;
+        self.next_request_key
+    }
+
+    /// Queues a new request's `s`: background work behind every user request, the rest in
+    /// arrival order.
+    pub fn enqueue(&mut self, mut s: SeqState) {
+        s.request_key = self.new_request_key();
         let at = match s.req.params.background {
             true => self.waiting.len(),
             false => self
@@ -322,8 +332,7 @@ impl Scheduler {
         let seq = self.new_seq_id();
         let probe = s.reuse.probe.take().map(|p| p.1).unwrap_or_default();
         s.reuse = SeqReuse {
-            saved_chunks: probe.saved_chunks,
-            keys: probe.keys.clone(),
+            wants_save: probe.wants_save,
             ..Default::default()
         };
         let preloaded = match start {
@@ -337,7 +346,7 @@ impl Scheduler {
             }
             Start::Reuse => {
                 self.add_empty(&s, seq);
-                loads.load_stored(&mut s, &probe, &mut self.kv, seq)
+                loads.load_stored(&mut s, probe.loadable_tokens, &mut self.kv, seq)
             }
         };
         let adopted = match preloaded {
@@ -389,6 +398,7 @@ impl Scheduler {
         to: usize,
     ) -> Option<(SeqState, Vec<pk_kv::BlockCopy>)> {
         let child_seq = self.new_seq_id();
+        child.request_key = self.new_request_key();
         let Some(copies) = self.kv.fork(parent, child_seq) else {
             child.num_computed = 0;
             self.waiting.push_front(child);

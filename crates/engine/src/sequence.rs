@@ -6,15 +6,40 @@ use std::time::Instant;
 use pk_kv::SeqId;
 use pk_tokenizer::{StreamDecoder, Tokenizer};
 
+use crate::connector::{LoadOrigin, Lookup, RequestKey};
 use crate::eviction::SeqEviction;
 use crate::params::FinishReason;
 use crate::request::{EventSink, Request, RequestOutput, SeqEvent};
-use crate::reuse::SeqReuse;
 use crate::sampler::{process_logits, token_logprob, Sampler, TokenHistory, TokenLogprob};
 use crate::stop::StopMatcher;
 
+/// A sequence's dealings with a KV connector, as far as the engine decides by them (what
+/// a connector keeps of a request, it keeps itself under the request's key).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SeqReuse {
+    /// While waiting: the connector's answer for `all_ids` of this length (asked again only
+    /// when a preemption has changed the tokens).
+    pub probe: Option<(usize, Lookup)>,
+    /// The connector wants the prompt's KV once it is computed.
+    pub wants_save: bool,
+    /// The sequence's KV is not what prefill computes (a compressed context or a given
+    /// prefix): it never feeds the prefix cache or the connector.
+    pub inexact: bool,
+    /// Where its loaded KV came from, if a connector reported it.
+    pub load: Option<LoadOrigin>,
+}
+
+impl SeqReuse {
+    /// Whether the connector still wants this prompt's KV once it is computed.
+    pub fn wants_save(&self) -> bool {
+        !self.inexact && self.wants_save
+    }
+}
+
 pub(crate) struct SeqState {
     pub req: Request,
+    /// The request's name towards connectors (the scheduler gives it at enqueue and fork).
+    pub request_key: RequestKey,
     /// Prefix-cache bytes: the engine's cache namespace and the request's salt.
     pub namespace: Vec<u8>,
     /// The block table's id while admitted; `None` while waiting (also after preemption).
@@ -95,6 +120,7 @@ impl SeqState {
             kv_stored_tokens: 0,
             kv_blocks: 0,
             reuse: SeqReuse::default(),
+            request_key: 0,
             unreported_ids: Vec::new(),
             arrival: Instant::now(),
             scheduled_at: None,

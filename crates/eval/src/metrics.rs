@@ -89,7 +89,7 @@ fn lcs_len<T: PartialEq>(a: &[T], b: &[T]) -> usize {
 /// SQuAD-style token F1 over normalised words (multiset overlap). Two empty answers agree
 /// (1.0); one empty answer scores 0.0.
 pub fn token_f1(candidate: &str, reference: &str) -> f64 {
-    pk_engine::profiler::multiset_f1(&words(candidate), &words(reference))
+    pk_engine::quality::multiset_f1(&words(candidate), &words(reference))
 }
 
 /// ROUGE-L F1: longest common subsequence of normalised words, F-measure with beta = 1.

@@ -10,6 +10,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pk_connectors::profiler::{maybe_start_background_profile, Profiling};
+use pk_connectors::ContextReuse;
 use pk_engine::{Engine, EngineStats, FinishReason, Request, RequestOutput, SeqEvent, SubmitError};
 use tokio::sync::{mpsc, oneshot};
 
@@ -69,6 +71,13 @@ pub struct EngineHandle {
     pub contexts: Arc<std::sync::OnceLock<Arc<pk_evicpress::ContextStore>>>,
 }
 
+/// What the engine thread serves: the engine, and the EVICPRESS context store attached to it
+/// as its connector, if any.
+pub struct Served {
+    pub engine: Engine,
+    pub contexts: Option<Arc<ContextReuse>>,
+}
+
 /// Longest answer generated per profiling query in the background.
 const PROFILE_ANSWER_TOKENS: usize = 16;
 
@@ -78,15 +87,17 @@ const COMMAND_QUEUE_LEN: usize = 1024;
 const LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 impl EngineHandle {
-    /// Starts the engine thread; `load` runs on it (so /health can answer 503 meanwhile).
-    pub fn spawn(load: impl FnOnce() -> anyhow::Result<Engine> + Send + 'static) -> EngineHandle {
+    /// Starts the engine thread; `load` runs on it (so /health can answer 503 meanwhile)
+    /// and returns the engine with the EVICPRESS store it was given, if any (the server
+    /// profiles its contexts in idle time and `/v1/kv/contexts` reads it).
+    pub fn spawn(load: impl FnOnce() -> anyhow::Result<Served> + Send + 'static) -> EngineHandle {
         Self::spawn_with(move |rx, liveness, contexts| match load() {
-            Ok(engine) => {
-                if let Some(store) = engine.context_store() {
-                    let _ = contexts.set(store);
+            Ok(served) => {
+                if let Some(c) = &served.contexts {
+                    let _ = contexts.set(c.store().clone());
                 }
                 liveness.set(EngineState::Ready);
-                run(engine, rx);
+                run(served, rx);
             }
             Err(e) => {
                 tracing::error!("model loading failed: {e:#}");
@@ -135,13 +146,17 @@ impl EngineHandle {
     }
 }
 
-fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
+fn run(served: Served, mut rx: mpsc::Receiver<Command>) {
+    let Served {
+        mut engine,
+        contexts,
+    } = served;
     let mut published = EngineStats::default();
     let mut published_eviction = std::collections::BTreeMap::new();
     let mut last_log = Instant::now();
     let mut logged = EngineStats::default();
     // EVICPRESS profiling runs in idle capacity, batched with whatever arrives meanwhile.
-    let mut profiling: Option<pk_engine::profiler::Profiling> = None;
+    let mut profiling: Option<Profiling> = None;
     loop {
         // A profile that cannot submit its second phase (a full queue) is dropped without
         // recording anything; the context stays eligible and is tried again when idle.
@@ -154,13 +169,11 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>) {
             }
             _ => None,
         };
-        if let Some(p) = finished {
-            if let Some(store) = engine.context_store() {
-                let _ = store.set_profile(&p.key, p.qualities());
-            }
+        if let (Some(p), Some(c)) = (finished, &contexts) {
+            let _ = c.store().set_profile(&p.key, p.qualities());
         }
-        if profiling.is_none() {
-            profiling = engine.maybe_start_background_profile(PROFILE_ANSWER_TOKENS);
+        if let (None, Some(c)) = (&profiling, &contexts) {
+            profiling = maybe_start_background_profile(&mut engine, c, PROFILE_ANSWER_TOKENS);
         }
         if !engine.has_work() {
             publish(&engine, &mut published, &mut published_eviction);

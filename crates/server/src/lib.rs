@@ -23,7 +23,7 @@ use axum::Router;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use pk_tokenizer::{ChatTemplate, Tokenizer};
 
-pub use engine_thread::{EngineHandle, EngineState};
+pub use engine_thread::{EngineHandle, EngineState, Served};
 pub use offload::Offload;
 
 /// Limits applied before a request reaches the engine.

@@ -143,7 +143,7 @@ pub fn serve_loaded(
     arrivals_s: &[f64],
     answer_tokens: usize,
 ) -> Result<Vec<LoadedResult>> {
-    type Slot = Arc<Mutex<Option<(Instant, Option<pk_evicpress::LoadReport>, Vec<u32>)>>>;
+    type Slot = Arc<Mutex<Option<(Instant, Option<pk_engine::LoadOrigin>, Vec<u32>)>>>;
     let slots: Vec<Slot> = (0..prompts.len())
         .map(|_| Arc::new(Mutex::new(None)))
         .collect();

@@ -41,7 +41,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
 use clap::Args;
-use pk_engine::{ContextReuseConfig, Engine, EngineConfig, ReuseConfig};
+use pk_connectors::{ContextReuse, ContextReuseConfig, ReuseConfig};
+use pk_engine::{Engine, EngineConfig};
 use pk_evicpress::{Compression, DelayModel, Grid, Policy, Ranking, StoreConfig};
 use pk_tiers::{DiskTier, DiskTierConfig, RamTier, RedisTier, RedisTierConfig, Tier};
 use serde::Serialize;
@@ -96,7 +97,7 @@ pub struct EvicpressArgs {
     pub seed: u64,
     /// How profiling scores a configuration (f1 or teacher-forced; see `serve --help`).
     #[arg(long, default_value = "f1", value_parser = crate::tier_args::parse_profile_metric)]
-    pub profile_metric: pk_engine::profiler::QualityMetric,
+    pub profile_metric: pk_connectors::profiler::QualityMetric,
     /// Also measure every policy under load: the trace in real time at 50/70/90 % of LRU's
     /// capacity, with continuous batching (about a minute per load).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -110,7 +111,7 @@ pub struct EvicpressArgs {
     /// How test answers are scored for the reported quality (f1 or teacher-forced); token-F1
     /// and the ground-truth task score are reported beside it either way.
     #[arg(long, default_value = "f1", value_parser = crate::tier_args::parse_profile_metric)]
-    pub quality_metric: pk_engine::profiler::QualityMetric,
+    pub quality_metric: pk_connectors::profiler::QualityMetric,
     /// Keep the cold-read behaviour of an SSD: drop written and read disk files from the
     /// page cache (posix_fadvise), so that the OS does not turn the disk tier into RAM.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -607,21 +608,31 @@ fn store_config(
     }
 }
 
-fn engine_for(a: &EvicpressArgs, store: StoreConfig, kv_capacity_tokens: usize) -> Result<Engine> {
+/// An engine with the EVICPRESS store `store` attached, and the store's connector.
+fn engine_for(
+    a: &EvicpressArgs,
+    store: StoreConfig,
+    kv_capacity_tokens: usize,
+) -> Result<(Engine, Arc<ContextReuse>)> {
     let path = pk_engine::model_store::resolve_model(a.model.resolved()?.model.as_deref(), true)?;
     let config = EngineConfig {
         block_size_tokens: a.model.block_size,
         kv_dtype: a.model.kv_dtype()?,
         kv_capacity_tokens: Some(kv_capacity_tokens),
-        reuse: Some(ReuseConfig::Contexts(ContextReuseConfig {
-            store,
-            chunk_size_tokens: 256,
-            profile_metric: a.profile_metric,
-        })),
         // Every reuse must come from the store: the pool's prefix cache would otherwise
         // serve a context asked twice in a row for free, under every policy alike.
         enable_prefix_caching: false,
+        // The store keeps every layer of every token: its engine keeps one table.
+        hybrid_kv_cache: false,
         ..Default::default()
     };
-    Engine::load(&path, config)
+    let mut engine = Engine::load(&path, config)?;
+    let reuse = ReuseConfig::Contexts(ContextReuseConfig {
+        store,
+        chunk_size_tokens: 256,
+        profile_metric: a.profile_metric,
+    });
+    let attached = pk_connectors::attach(&mut engine, &reuse)?;
+    let contexts = attached.contexts().expect("a context store").clone();
+    Ok((engine, contexts))
 }

@@ -386,7 +386,8 @@ fn headlines(a: &EvicpressArgs, rows: &[RunRow]) -> Vec<Headline> {
             });
     // The bar (3 % quality loss), and 5 % to show the trade-off when 3 % is not met.
     let mut headlines = Vec::new();
-    let metrics: &[Metric] = if a.quality_metric == pk_engine::profiler::QualityMetric::AnswerF1 {
+    let metrics: &[Metric] = if a.quality_metric == pk_connectors::profiler::QualityMetric::AnswerF1
+    {
         &[Metric::Quality, Metric::Task]
     } else {
         &[Metric::Quality, Metric::F1, Metric::Task]

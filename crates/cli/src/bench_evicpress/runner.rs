@@ -80,14 +80,14 @@ impl Runner {
     ) -> Result<Runner> {
         let (tiers, caps) = tiers_for(a, dir, run, working_set)?;
         // Room for four contexts at once, so that loaded runs batch.
-        let e = engine_for(
+        let (e, contexts) = engine_for(
             a,
             store_config(tiers, caps, &p.grid, policy.clone(), delay),
             4 * (p.spec.max_tokens + 256),
         )?;
-        let store = e.context_store().expect("configured");
+        let store = contexts.store().clone();
         for (c, ctx) in s.contexts.iter().enumerate() {
-            let key = e.context_key(&ctx.tokens, None).expect("aligned");
+            let key = contexts.context_key(&ctx.tokens, None).expect("aligned");
             store.offer_with_snapkv(key, s.masters[c].clone(), s.snapkv_scores[c].clone());
             store.flush();
             store
@@ -124,7 +124,8 @@ impl Runner {
         )?;
         self.ttft.push(out.prefill_seconds);
         self.service.push(out.prefill_seconds + out.decode_seconds);
-        let f1 = pk_engine::profiler::token_f1(&out.token_ids, &s.references[r.context][r.query]);
+        let f1 =
+            pk_connectors::profiler::token_f1(&out.token_ids, &s.references[r.context][r.query]);
         let config = out.context_load.as_ref().map_or(0, |l| {
             p.grid
                 .configs()
@@ -197,8 +198,10 @@ impl Runner {
                     .position(|g| &g.to_string() == name)
                     .unwrap_or(0)
             });
-            let measured_f1 =
-                pk_engine::profiler::token_f1(&out.token_ids, &s.references[r.context][r.query]);
+            let measured_f1 = pk_connectors::profiler::token_f1(
+                &out.token_ids,
+                &s.references[r.context][r.query],
+            );
             if (measured_f1 - s.test_f1[r.context][config][r.query]).abs() > 1e-9 {
                 mismatches += 1;
             }

@@ -6,8 +6,10 @@
 use std::sync::Arc;
 
 use anyhow::{Context as _, Result};
-use pk_engine::profiler::{Profiling, QualityMetric};
-use pk_engine::{Engine, GenerateParams, PrefixKv};
+use pk_connectors::profiler::{profile_blocking, start_profile_with};
+use pk_connectors::profiler::{Profiling, QualityMetric};
+use pk_connectors::{ContextReuse, PrefixKv};
+use pk_engine::{Engine, GenerateParams};
 use pk_evicpress::{DelayModel, Policy, TierSpec};
 use pk_tiers::{RamTier, Tier};
 
@@ -41,14 +43,14 @@ pub struct Setup {
 }
 
 pub fn setup(a: &EvicpressArgs, p: &Preset) -> Result<Setup> {
-    let mut e = setup_engine(a, p)?;
+    let (mut e, contexts) = setup_engine(a, p)?;
     let mut s = Setup {
         contexts: workload::contexts(&e.tokenizer, &p.spec),
         ..Default::default()
     };
     let mut prefill_tokens = 0usize;
     for i in 0..s.contexts.len() {
-        prefill_tokens += add_references(&mut e, p, &mut s, i)?;
+        prefill_tokens += add_references(&mut e, &contexts, p, &mut s, i)?;
     }
     s.prefill_tokens_per_s = prefill_tokens as f64 / s.full_prefill_s.iter().sum::<f64>();
     s.reference_task = s
@@ -63,14 +65,14 @@ pub fn setup(a: &EvicpressArgs, p: &Preset) -> Result<Setup> {
         })
         .collect();
     for i in 0..s.contexts.len() {
-        add_scores(&mut e, a, p, &mut s, i)?;
+        add_scores(&mut e, &contexts, a, p, &mut s, i)?;
     }
     Ok(s)
 }
 
 /// The setup's engine: one RAM tier that holds every master, under LRU, with room for a
 /// batch of profiling requests, each holding a context.
-fn setup_engine(a: &EvicpressArgs, p: &Preset) -> Result<Engine> {
+fn setup_engine(a: &EvicpressArgs, p: &Preset) -> Result<(Engine, Arc<ContextReuse>)> {
     let ram: Arc<dyn Tier> = Arc::new(RamTier::new(16 << 30));
     let delay = DelayModel {
         tiers: vec![TierSpec {
@@ -93,8 +95,14 @@ fn setup_engine(a: &EvicpressArgs, p: &Preset) -> Result<Engine> {
 
 /// Context `i`'s full prefill (timed), master KV and SnapKV scores from the store, and the
 /// full-KV answers to its test queries. Returns the tokens prefilled.
-fn add_references(e: &mut Engine, p: &Preset, s: &mut Setup, i: usize) -> Result<usize> {
-    let store = e.context_store().expect("configured");
+fn add_references(
+    e: &mut Engine,
+    contexts: &ContextReuse,
+    p: &Preset,
+    s: &mut Setup,
+    i: usize,
+) -> Result<usize> {
+    let store = contexts.store();
     let greedy = GenerateParams {
         max_tokens: p.answer_tokens,
         ..Default::default()
@@ -107,7 +115,9 @@ fn add_references(e: &mut Engine, p: &Preset, s: &mut Setup, i: usize) -> Result
     s.full_service_s
         .push(out.prefill_seconds + out.decode_seconds);
     store.flush();
-    let key = e.context_key(&c.tokens, None).context("context key")?;
+    let key = contexts
+        .context_key(&c.tokens, None)
+        .context("context key")?;
     let master = store.load_master(&key).map_err(anyhow::Error::msg)?;
     s.snapkv_scores.push(store.snapkv_scores_of(&key));
     s.master_bytes
@@ -139,6 +149,7 @@ fn add_references(e: &mut Engine, p: &Preset, s: &mut Setup, i: usize) -> Result
 /// under every configuration.
 fn add_scores(
     e: &mut Engine,
+    contexts: &ContextReuse,
     a: &EvicpressArgs,
     p: &Preset,
     s: &mut Setup,
@@ -146,13 +157,22 @@ fn add_scores(
 ) -> Result<()> {
     let n_configs = p.grid.len();
     let c = &s.contexts[i];
-    let key = e.context_key(&c.tokens, None).context("context key")?;
-    s.profiles
-        .push(e.profile_blocking(key, &c.profile_queries, p.answer_tokens)?);
+    let key = contexts
+        .context_key(&c.tokens, None)
+        .context("context key")?;
+    let queries = &c.profile_queries;
+    s.profiles.push(profile_blocking(
+        e,
+        contexts,
+        key,
+        queries,
+        p.answer_tokens,
+    )?);
     // Test queries: token-F1 always (what the real runs measure), and the quality
     // metric's per-query scores when it differs.
     let t = run_profile(
         e,
+        contexts,
         key,
         &c.test_queries,
         p.answer_tokens,
@@ -165,7 +185,14 @@ fn add_scores(
     let scores = if a.quality_metric == QualityMetric::AnswerF1 {
         f1.clone()
     } else {
-        let m = run_profile(e, key, &c.test_queries, p.answer_tokens, a.quality_metric)?;
+        let m = run_profile(
+            e,
+            contexts,
+            key,
+            &c.test_queries,
+            p.answer_tokens,
+            a.quality_metric,
+        )?;
         (0..n_configs)
             .map(|g| (0..n_q).map(|q| m.quality_of(g, q)).collect())
             .collect()
@@ -207,12 +234,13 @@ fn task_scores(e: &Engine, p: &Preset, c: &workload::Context, t: &Profiling) -> 
 
 fn run_profile(
     e: &mut Engine,
+    contexts: &ContextReuse,
     key: pk_tiers::ChunkKey,
     queries: &[Vec<u32>],
     answer_tokens: usize,
     metric: QualityMetric,
 ) -> Result<Profiling> {
-    let mut t = e.start_profile_with(key, queries, answer_tokens, metric)?;
+    let mut t = start_profile_with(e, contexts, key, queries, answer_tokens, metric)?;
     while !t.poll(e)? {
         e.step();
     }

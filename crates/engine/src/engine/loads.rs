@@ -1,23 +1,23 @@
 //! The engine's side of admission: what the scheduler asks of stored KV (`KvLoads`), done
-//! with the reuse connector and the backend's pool, which the scheduler does not hold.
+//! with the connectors (the engine's, and a request's given prefix KV) and the backend's
+//! pool, which the scheduler does not hold.
 
 use pk_kv::{KvCacheManager, SeqId};
 use pk_model::Backend;
 
-use crate::prefix_kv;
-use crate::reuse::{KvReuse, ReuseMatch, SeqReuse};
+use crate::connector::{KvConnector, Lookup};
 use crate::scheduler::KvLoads;
-use crate::sequence::SeqState;
+use crate::sequence::{SeqReuse, SeqState};
 
 pub(super) struct Loads<'a> {
-    pub reuse: Option<&'a mut (dyn KvReuse + 'static)>,
+    pub connector: Option<&'a dyn KvConnector>,
     pub backend: &'a mut dyn Backend,
 }
 
 impl KvLoads for Loads<'_> {
-    fn lookup(&mut self, s: &SeqState) -> Option<ReuseMatch> {
-        let r = self.reuse.as_mut()?;
-        Some(r.lookup(&s.all_ids, s.req.cache_salt.as_deref()))
+    fn lookup(&mut self, s: &SeqState) -> Option<Lookup> {
+        let c = self.connector?;
+        Some(c.lookup(s.request_key, &s.all_ids, s.req.cache_salt.as_deref()))
     }
 
     fn load_given(
@@ -26,34 +26,41 @@ impl KvLoads for Loads<'_> {
         kv: &mut KvCacheManager,
         seq: SeqId,
     ) -> Option<usize> {
-        let p = s.req.params.prefix_kv.clone().expect("a given prefix");
-        if !prefix_kv::place_prefix(&p.kv, kv, self.backend.kv_mut(), seq) {
+        let given = s.req.params.prefix_kv.clone().expect("a given prefix");
+        let salt = s.req.cache_salt.as_deref();
+        let tokens = given
+            .lookup(s.request_key, &s.all_ids, salt)
+            .loadable_tokens;
+        let query = &s.all_ids[tokens.min(s.n_prompt)..s.n_prompt];
+        let loaded = given.load(s.request_key, tokens, query, kv, &mut *self.backend, seq);
+        let Some(loaded) = loaded else {
             kv.free(seq);
             return None;
-        }
+        };
         s.reuse = SeqReuse {
             inexact: true,
+            load: loaded.origin,
             ..Default::default()
         };
-        Some(p.n_tokens())
+        Some(loaded.tokens)
     }
 
     fn load_stored(
         &mut self,
         s: &mut SeqState,
-        probe: &ReuseMatch,
+        tokens: usize,
         kv: &mut KvCacheManager,
         seq: SeqId,
     ) -> Option<usize> {
-        let r = self.reuse.as_mut().expect("a connector answered");
-        let query = &s.all_ids[probe.loadable_tokens.min(s.n_prompt)..s.n_prompt];
-        let Some(placed) = r.load(probe, query, kv, &mut *self.backend, seq) else {
+        let c = self.connector.expect("a connector answered");
+        let query = &s.all_ids[tokens.min(s.n_prompt)..s.n_prompt];
+        let Some(loaded) = c.load(s.request_key, tokens, query, kv, &mut *self.backend, seq) else {
             kv.free(seq);
             return None;
         };
-        s.reuse.inexact = !placed.exact;
-        s.reuse.saved_chunks = placed.saved_chunks;
-        s.reuse.load = placed.report;
-        Some(placed.tokens)
+        s.reuse.inexact = !loaded.exact;
+        s.reuse.wants_save = loaded.wants_save;
+        s.reuse.load = loaded.origin;
+        Some(loaded.tokens)
     }
 }

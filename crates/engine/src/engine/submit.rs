@@ -3,9 +3,9 @@
 //! is queued, so that nothing the scheduler or the executor meets later is a client error.
 
 use super::Engine;
+use crate::connector::KvConnector;
 use crate::eviction::SeqEviction;
 use crate::params::{GenerateParams, SubmitError, MAX_CHOICES, MAX_LOGPROBS};
-use crate::prefix_kv::PrefixKv;
 use crate::request::Request;
 use crate::sequence::SeqState;
 
@@ -66,7 +66,7 @@ impl Engine {
         // request evicting under either would share blocks that eviction rewrites.
         check_choices(&req.params, eviction.is_some())?;
         if let Some(p) = &req.params.prefix_kv {
-            self.check_prefix_kv(p, req.prompt_ids.len(), eviction.is_some())?;
+            self.check_prefix_kv(&**p, req.prompt_ids.len(), eviction.is_some())?;
         }
         let namespace = self.cache_namespace.salted(req.cache_salt.as_deref());
         let matcher = match req.params.grammar.take() {
@@ -154,36 +154,22 @@ impl Engine {
 
     fn check_prefix_kv(
         &self,
-        p: &PrefixKv,
+        given: &dyn KvConnector,
         prompt_tokens: usize,
         evicting: bool,
     ) -> Result<(), SubmitError> {
+        let invalid = |message: String| SubmitError::InvalidParam {
+            param: "prefix_kv",
+            message,
+        };
         if self.sched.kv.window_spec().is_some() {
-            return Err(SubmitError::InvalidParam {
-                param: "prefix_kv",
-                message: "prefix_kv writes every layer of every token, but this engine keeps sliding-window layers in KV cache groups of their own; build it with hybrid_kv_cache off".into(),
-            });
+            return Err(invalid("prefix_kv writes every layer of every token, but this engine keeps sliding-window layers in KV cache groups of their own; build it with hybrid_kv_cache off".into()));
         }
-        let g = self.backend.kv().geometry();
-        if p.n_tokens() >= prompt_tokens
-            || p.kv
-                .positions
-                .last()
-                .is_some_and(|&x| x as usize >= p.n_tokens())
-        {
-            return Err(SubmitError::Invalid(format!(
-                "prefix_kv covers {} tokens of a {prompt_tokens}-token prompt",
-                p.n_tokens(),
-            )));
-        }
-        if (p.kv.n_layers, p.kv.n_kv_heads, p.kv.head_dim) != (g.n_layers, g.n_kv_heads, g.head_dim)
-        {
-            return Err(SubmitError::Invalid(
-                "prefix_kv has another model's shape".into(),
-            ));
-        }
+        given
+            .check_given(prompt_tokens, &self.backend.kv().geometry())
+            .map_err(invalid)?;
         if evicting {
-            return Err(SubmitError::Invalid(
+            return Err(invalid(
                 "prefix_kv and an evicting kv_policy are exclusive".into(),
             ));
         }

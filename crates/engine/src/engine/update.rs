@@ -160,13 +160,13 @@ impl Engine {
     /// Once a non-evicting sequence's prompt is in, hands what the connector has not saved
     /// of it to the connector.
     fn save_prompt(&mut self, i: usize) {
-        let Some(r) = self.reuse.as_mut() else {
+        let Some(c) = &self.connector else {
             return;
         };
         let s = &mut self.sched.running[i];
         let seq = s.seq.expect("running");
-        r.save(
-            &mut s.reuse,
+        s.reuse.wants_save = c.save(
+            s.request_key,
             &s.all_ids,
             s.num_computed,
             &self.sched.kv,

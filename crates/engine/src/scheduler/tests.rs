@@ -18,7 +18,7 @@ const BLOCK_TOKENS: usize = 16;
 struct NoLoads;
 
 impl KvLoads for NoLoads {
-    fn lookup(&mut self, _s: &SeqState) -> Option<ReuseMatch> {
+    fn lookup(&mut self, _s: &SeqState) -> Option<Lookup> {
         None
     }
     fn load_given(&mut self, _: &mut SeqState, _: &mut KvCacheManager, _: SeqId) -> Option<usize> {
@@ -27,7 +27,7 @@ impl KvLoads for NoLoads {
     fn load_stored(
         &mut self,
         _: &mut SeqState,
-        _: &ReuseMatch,
+        _: usize,
         _: &mut KvCacheManager,
         _: SeqId,
     ) -> Option<usize> {

@@ -22,43 +22,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Result};
+use pk_engine::request::EventSink;
+use pk_engine::{Engine, GenerateParams, Request, SeqEvent};
 use pk_tiers::ChunkKey;
 
-use crate::contexts::PrefixKv;
-use crate::engine::Engine;
-use crate::params::GenerateParams;
-use crate::request::{Request, SeqEvent};
+use crate::contexts::ContextReuse;
+use crate::prefix_kv::PrefixKv;
 
-/// Token-level F1 of two answers (bags of token ids); 1 when both are empty.
-pub fn token_f1(answer: &[u32], reference: &[u32]) -> f64 {
-    multiset_f1(answer, reference)
-}
-
-/// F1 of two bags of items (multiset overlap; precision over `candidate`, recall over
-/// `reference`); 1 when both are empty, 0 when only one is. The one implementation behind
-/// profiling's F1 over token ids and evaluation's SQuAD-style F1 over normalised words.
-pub fn multiset_f1<T: Eq + std::hash::Hash>(candidate: &[T], reference: &[T]) -> f64 {
-    if candidate.is_empty() && reference.is_empty() {
-        return 1.0;
-    }
-    let mut counts: HashMap<&T, usize> = HashMap::new();
-    for t in reference {
-        *counts.entry(t).or_default() += 1;
-    }
-    let mut overlap = 0usize;
-    for t in candidate {
-        if let Some(c) = counts.get_mut(t).filter(|c| **c > 0) {
-            *c -= 1;
-            overlap += 1;
-        }
-    }
-    if overlap == 0 {
-        return 0.0;
-    }
-    let p = overlap as f64 / candidate.len() as f64;
-    let r = overlap as f64 / reference.len() as f64;
-    2.0 * p * r / (p + r)
-}
+pub use pk_engine::quality::{multiset_f1, token_f1};
 
 /// How profiling scores a configuration's answers (see the module's documentation).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -279,7 +250,7 @@ impl Profiling {
 fn once_finished(
     remaining: Arc<AtomicUsize>,
     mut on_event: impl FnMut(SeqEvent) -> bool + Send + 'static,
-) -> crate::request::EventSink {
+) -> EventSink {
     let mut done = false;
     Box::new(move |ev: SeqEvent| {
         if on_event(ev) && !done {
@@ -290,184 +261,171 @@ fn once_finished(
     })
 }
 
-impl Engine {
-    /// Submits the profiling requests of one stored context: for every configuration of
-    /// the store's grid and every query (tokens that follow the context), a greedy answer
-    /// of at most `max_answer_tokens` from the configuration's KV.
-    pub fn start_profile(
-        &mut self,
-        key: ChunkKey,
-        queries: &[Vec<u32>],
-        max_answer_tokens: usize,
-    ) -> Result<Profiling> {
-        let metric = self.profile_metric();
-        self.start_profile_with(key, queries, max_answer_tokens, metric)
-    }
-
-    /// As [`Engine::start_profile`], scored by `metric` instead of the configured one.
-    pub fn start_profile_with(
-        &mut self,
-        key: ChunkKey,
-        queries: &[Vec<u32>],
-        max_answer_tokens: usize,
-        metric: QualityMetric,
-    ) -> Result<Profiling> {
-        let Some(store) = self.context_store() else {
-            bail!("no context store configured")
-        };
-        let n_configs = store.grid().len();
-        self.check_profile_size(n_configs, queries.len())?;
-        let full = store.load_master(&key).map_err(anyhow::Error::msg)?;
-        let answers = Arc::new(Mutex::new(HashMap::new()));
-        // With teacher forcing, the first phase answers from the full KV only. A
-        // configuration this context cannot build (SnapKV without its scores) is not run:
-        // it scores 0, and the store never places it anyway.
-        let first_phase_configs = if metric == QualityMetric::TeacherForced {
-            1
-        } else {
-            n_configs
-        };
-        let available = |c: usize| c == 0 || store.is_available(&key, c);
-        let first_phase = (0..first_phase_configs).filter(|&c| available(c)).count();
-        let remaining = Arc::new(AtomicUsize::new(first_phase * queries.len()));
-        let mut later = Vec::new();
-        for c in 0..n_configs {
-            if !available(c) {
-                if c >= first_phase_configs {
-                    later.push(None);
-                }
-                continue;
-            }
-            let kv = if c == 0 {
-                full.clone()
-            } else {
-                store.compress(&key, &full, c).map_err(anyhow::Error::msg)?
-            };
-            let prefix = Arc::new(PrefixKv { kv });
-            if c >= first_phase_configs {
-                later.push(Some(prefix));
-                continue;
-            }
-            for (q, query) in queries.iter().enumerate() {
-                let answers = answers.clone();
-                let sink = once_finished(remaining.clone(), move |e: SeqEvent| match e {
-                    SeqEvent::Finished(o) => {
-                        answers.lock().unwrap().insert((c, q), o.token_ids);
-                        true
-                    }
-                    SeqEvent::Error(_) => true,
-                    _ => false,
-                });
-                self.submit_greedy(&prefix, query, max_answer_tokens, sink)?;
-            }
-        }
-        Ok(Profiling {
-            key,
-            n_configs,
-            n_queries: queries.len(),
-            answers,
-            agreement: Arc::new(Mutex::new(HashMap::new())),
-            remaining,
-            second_phase: (metric == QualityMetric::TeacherForced)
-                .then(|| (later, queries.to_vec())),
-            metric,
-        })
-    }
-
-    /// Refuses a profile without queries, or whose requests (one per configuration and
-    /// query) would not fit the queue.
-    fn check_profile_size(&self, n_configs: usize, n_queries: usize) -> Result<()> {
-        if n_queries == 0 {
-            bail!("profiling needs at least one query");
-        }
-        let n_requests = n_configs * n_queries;
-        let room = self
-            .config
-            .max_waiting_requests
-            .saturating_sub(self.num_waiting());
-        if n_requests > room {
-            bail!("profiling needs {n_requests} requests; the queue has room for {room}");
-        }
-        Ok(())
-    }
-
-    /// Submits one greedy profiling answer of at most `max_tokens` to `query` after the
-    /// given `prefix` KV (the context's own token ids are not needed: its KV is given).
-    fn submit_greedy(
-        &mut self,
-        prefix: &Arc<PrefixKv>,
-        query: &[u32],
-        max_tokens: usize,
-        sink: crate::request::EventSink,
-    ) -> Result<()> {
-        let mut prompt = vec![0u32; prefix.n_tokens()];
-        prompt.extend_from_slice(query);
-        let params = GenerateParams {
-            max_tokens,
-            prefix_kv: Some(prefix.clone()),
-            background: true,
-            ..Default::default()
-        };
-        self.submit(Request {
-            prompt_ids: prompt,
-            params,
-            cache_salt: None,
-            sink,
-        })
-        .map_err(|e| anyhow::anyhow!("{e}"))
-    }
-
-    /// Profiles one context to completion and records the curve in the store. Returns it.
-    pub fn profile_blocking(
-        &mut self,
-        key: ChunkKey,
-        queries: &[Vec<u32>],
-        max_answer_tokens: usize,
-    ) -> Result<Vec<f32>> {
-        let mut p = self.start_profile(key, queries, max_answer_tokens)?;
-        while !p.poll(self)? {
-            if !self.has_work() {
-                bail!("profiling requests ended without results");
-            }
-            self.step();
-        }
-        let q = p.qualities();
-        self.context_store()
-            .expect("checked")
-            .set_profile(&key, q.clone())
-            .map_err(anyhow::Error::msg)?;
-        Ok(q)
-    }
-
-    /// A server's idle hook: if nothing waits and a stored context wants a (re)profile with
-    /// queries seen for it, starts profiling it.
-    pub fn maybe_start_background_profile(
-        &mut self,
-        max_answer_tokens: usize,
-    ) -> Option<Profiling> {
-        if self.num_waiting() > 0 || self.num_running() * 2 > self.config.max_running_seqs {
-            return None;
-        }
-        let store = self.context_store()?;
-        let (key, queries) = store.profiling_candidates(1).into_iter().next()?;
-        match self.start_profile(key, &queries, max_answer_tokens) {
-            Ok(p) => Some(p),
-            Err(e) => {
-                tracing::debug!("background profiling not started: {e}");
-                None
-            }
-        }
-    }
+/// Submits the profiling requests of one stored context: for every configuration of
+/// the store's grid and every query (tokens that follow the context), a greedy answer
+/// of at most `max_answer_tokens` from the configuration's KV.
+pub fn start_profile(
+    e: &mut Engine,
+    contexts: &ContextReuse,
+    key: ChunkKey,
+    queries: &[Vec<u32>],
+    max_answer_tokens: usize,
+) -> Result<Profiling> {
+    let metric = contexts.profile_metric();
+    start_profile_with(e, contexts, key, queries, max_answer_tokens, metric)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::token_f1;
+/// As [`start_profile`], scored by `metric` instead of the configured one.
+pub fn start_profile_with(
+    e: &mut Engine,
+    contexts: &ContextReuse,
+    key: ChunkKey,
+    queries: &[Vec<u32>],
+    max_answer_tokens: usize,
+    metric: QualityMetric,
+) -> Result<Profiling> {
+    let store = contexts.store();
+    let n_configs = store.grid().len();
+    check_profile_size(e, n_configs, queries.len())?;
+    let full = store.load_master(&key).map_err(anyhow::Error::msg)?;
+    let answers = Arc::new(Mutex::new(HashMap::new()));
+    // With teacher forcing, the first phase answers from the full KV only. A
+    // configuration this context cannot build (SnapKV without its scores) is not run:
+    // it scores 0, and the store never places it anyway.
+    let first_phase_configs = if metric == QualityMetric::TeacherForced {
+        1
+    } else {
+        n_configs
+    };
+    let available = |c: usize| c == 0 || store.is_available(&key, c);
+    let first_phase = (0..first_phase_configs).filter(|&c| available(c)).count();
+    let remaining = Arc::new(AtomicUsize::new(first_phase * queries.len()));
+    let mut later = Vec::new();
+    for c in 0..n_configs {
+        if !available(c) {
+            if c >= first_phase_configs {
+                later.push(None);
+            }
+            continue;
+        }
+        let kv = if c == 0 {
+            full.clone()
+        } else {
+            store.compress(&key, &full, c).map_err(anyhow::Error::msg)?
+        };
+        let prefix = Arc::new(PrefixKv { kv });
+        if c >= first_phase_configs {
+            later.push(Some(prefix));
+            continue;
+        }
+        for (q, query) in queries.iter().enumerate() {
+            let answers = answers.clone();
+            let sink = once_finished(remaining.clone(), move |e: SeqEvent| match e {
+                SeqEvent::Finished(o) => {
+                    answers.lock().unwrap().insert((c, q), o.token_ids);
+                    true
+                }
+                SeqEvent::Error(_) => true,
+                _ => false,
+            });
+            submit_greedy(e, &prefix, query, max_answer_tokens, sink)?;
+        }
+    }
+    Ok(Profiling {
+        key,
+        n_configs,
+        n_queries: queries.len(),
+        answers,
+        agreement: Arc::new(Mutex::new(HashMap::new())),
+        remaining,
+        second_phase: (metric == QualityMetric::TeacherForced).then(|| (later, queries.to_vec())),
+        metric,
+    })
+}
 
-    #[test]
-    fn f1_counts_multisets() {
-        assert_eq!(token_f1(&[], &[]), 1.0);
-        assert_eq!(token_f1(&[1, 2], &[3]), 0.0);
-        assert!((token_f1(&[1, 2, 2], &[2, 1]) - 0.8).abs() < 1e-12);
+/// Refuses a profile without queries, or whose requests (one per configuration and
+/// query) would not fit the queue.
+fn check_profile_size(e: &Engine, n_configs: usize, n_queries: usize) -> Result<()> {
+    if n_queries == 0 {
+        bail!("profiling needs at least one query");
+    }
+    let n_requests = n_configs * n_queries;
+    let room = e
+        .config
+        .max_waiting_requests
+        .saturating_sub(e.num_waiting());
+    if n_requests > room {
+        bail!("profiling needs {n_requests} requests; the queue has room for {room}");
+    }
+    Ok(())
+}
+
+/// Submits one greedy profiling answer of at most `max_tokens` to `query` after the
+/// given `prefix` KV (the context's own token ids are not needed: its KV is given).
+fn submit_greedy(
+    e: &mut Engine,
+    prefix: &Arc<PrefixKv>,
+    query: &[u32],
+    max_tokens: usize,
+    sink: EventSink,
+) -> Result<()> {
+    let mut prompt = vec![0u32; prefix.n_tokens()];
+    prompt.extend_from_slice(query);
+    let params = GenerateParams {
+        max_tokens,
+        prefix_kv: Some(prefix.clone()),
+        background: true,
+        ..Default::default()
+    };
+    e.submit(Request {
+        prompt_ids: prompt,
+        params,
+        cache_salt: None,
+        sink,
+    })
+    .map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// Profiles one context to completion and records the curve in the store. Returns it.
+pub fn profile_blocking(
+    e: &mut Engine,
+    contexts: &ContextReuse,
+    key: ChunkKey,
+    queries: &[Vec<u32>],
+    max_answer_tokens: usize,
+) -> Result<Vec<f32>> {
+    let mut p = start_profile(e, contexts, key, queries, max_answer_tokens)?;
+    while !p.poll(e)? {
+        if !e.has_work() {
+            bail!("profiling requests ended without results");
+        }
+        e.step();
+    }
+    let q = p.qualities();
+    contexts
+        .store()
+        .set_profile(&key, q.clone())
+        .map_err(anyhow::Error::msg)?;
+    Ok(q)
+}
+
+/// A server's idle hook: if nothing waits and a stored context wants a (re)profile with
+/// queries seen for it, starts profiling it.
+pub fn maybe_start_background_profile(
+    e: &mut Engine,
+    contexts: &ContextReuse,
+    max_answer_tokens: usize,
+) -> Option<Profiling> {
+    if e.num_waiting() > 0 || e.num_running() * 2 > e.config.max_running_seqs {
+        return None;
+    }
+    let store = contexts.store();
+    let (key, queries) = store.profiling_candidates(1).into_iter().next()?;
+    match start_profile(e, contexts, key, &queries, max_answer_tokens) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            tracing::debug!("background profiling not started: {e}");
+            None
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! A sequence whose first prompt tokens are not computed but written from a given, possibly
-//! compressed, KV ([`PrefixKv`]): the primitive under profiling, evaluation of stored
+//! compressed, KV ([`PrefixKv`], the connector a request brings in
+//! `GenerateParams::prefix_kv`): the primitive under profiling, evaluation of stored
 //! contexts, and the EVICPRESS connector's loads. Also the reverse: a computed prefix copied
 //! out of the pool.
 //!
@@ -8,11 +9,12 @@
 //! sequence never feeds the pool's prefix cache or a connector (it is not what prefill
 //! computes).
 
-use pk_codec::KvContext;
-use pk_kv::{KvCacheManager, SeqId};
-use pk_model::KvBlocks;
+use std::sync::Arc;
 
-use crate::eviction::table_of;
+use pk_codec::KvContext;
+use pk_engine::{block_ids as table_of, KvConnector, Loaded, Lookup, RequestKey};
+use pk_kv::{KvCacheManager, SeqId};
+use pk_model::{Backend, KvBlocks, KvGeometry};
 
 /// A given KV for the first `kv.n_original_tokens` prompt tokens (stored tokens carry their
 /// positions). Used by profiling, evaluation and the context store.
@@ -25,6 +27,66 @@ impl PrefixKv {
     /// Prompt tokens this KV stands for.
     pub fn n_tokens(&self) -> usize {
         self.kv.n_original_tokens
+    }
+
+    /// `kv` as the connector a request brings (`GenerateParams::prefix_kv`).
+    pub fn given(kv: KvContext) -> Arc<dyn KvConnector> {
+        Arc::new(PrefixKv { kv })
+    }
+}
+
+/// A given prefix starts its request whatever the pool holds: it is what the caller wants
+/// measured (a compressed context under profiling), so it is always "loadable", never
+/// exact, and never saved.
+impl KvConnector for PrefixKv {
+    fn lookup(&self, _request: RequestKey, _ids: &[u32], _salt: Option<&str>) -> Lookup {
+        Lookup {
+            loadable_tokens: self.n_tokens(),
+            wants_save: false,
+        }
+    }
+
+    fn load(
+        &self,
+        _request: RequestKey,
+        _tokens: usize,
+        _query: &[u32],
+        kv: &mut KvCacheManager,
+        backend: &mut dyn Backend,
+        seq: SeqId,
+    ) -> Option<Loaded> {
+        place_prefix(&self.kv, kv, backend.kv_mut(), seq).then(|| Loaded {
+            tokens: self.n_tokens(),
+            exact: false,
+            wants_save: false,
+            origin: None,
+        })
+    }
+
+    fn save(
+        &self,
+        _request: RequestKey,
+        _ids: &[u32],
+        _computed: usize,
+        _kv: &KvCacheManager,
+        _backend: &mut dyn Backend,
+        _seq: SeqId,
+    ) -> bool {
+        false
+    }
+
+    fn check_given(&self, prompt_tokens: usize, g: &KvGeometry) -> Result<(), String> {
+        let n = self.n_tokens();
+        if n >= prompt_tokens || self.kv.positions.last().is_some_and(|&x| x as usize >= n) {
+            return Err(format!(
+                "prefix_kv covers {n} tokens of a {prompt_tokens}-token prompt"
+            ));
+        }
+        let shape = (self.kv.n_layers, self.kv.n_kv_heads, self.kv.head_dim);
+        if shape != (g.n_layers, g.n_kv_heads, g.head_dim) {
+            return Err("prefix_kv has another model's shape".into());
+        }
+        Ok(())
     }
 }
 

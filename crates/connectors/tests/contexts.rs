@@ -5,7 +5,9 @@ mod common;
 
 use std::sync::Arc;
 
-use pk_engine::{ContextReuseConfig, EngineConfig, GenerateParams, PrefixKv, ReuseConfig};
+use pk_connectors::profiler::{profile_blocking, start_profile_with};
+use pk_connectors::{ContextReuse, ContextReuseConfig, PrefixKv};
+use pk_engine::{Engine, EngineConfig, GenerateParams};
 use pk_evicpress::{Compression, DelayModel, Grid, Policy, Ranking, StoreConfig, TierSpec};
 use pk_tiers::{DiskTier, DiskTierConfig, RamTier, Tier};
 
@@ -38,17 +40,21 @@ fn store_config(dir: &std::path::Path, policy: Policy, ram_bytes: u64) -> StoreC
     }
 }
 
-fn engine_with(store: StoreConfig) -> pk_engine::Engine {
+fn engine_with(store: StoreConfig) -> (Engine, Arc<ContextReuse>) {
     // The pool's own prefix cache would serve repeats before the store is asked.
-    common::engine(EngineConfig {
-        reuse: Some(ReuseConfig::Contexts(ContextReuseConfig {
-            store,
-            chunk_size_tokens: 256,
-            profile_metric: Default::default(),
-        })),
+    let config = EngineConfig {
         enable_prefix_caching: false,
         ..Default::default()
-    })
+    };
+    common::contexts_engine(config, contexts_config(store))
+}
+
+fn contexts_config(store: StoreConfig) -> ContextReuseConfig {
+    ContextReuseConfig {
+        store,
+        chunk_size_tokens: 256,
+        profile_metric: Default::default(),
+    }
 }
 
 #[test]
@@ -62,15 +68,15 @@ fn a_stored_context_is_reused_and_gives_the_same_tokens() {
         ignore_eos: true,
         ..Default::default()
     };
-    let mut e = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
+    let (mut e, c) = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
 
     let a = e
         .generate(&prompt(&book[100..120]), &params, &mut |_| {})
         .unwrap();
     assert!(a.context_load.is_none());
-    e.context_store().unwrap().flush();
+    c.store().flush();
     assert_eq!(
-        e.context_store().unwrap().len(),
+        c.store().len(),
         1,
         "the 512-token context was offered and stored"
     );
@@ -113,9 +119,9 @@ fn a_fixed_compression_is_served_compressed_with_positions_kept() {
     let fixed = grid
         .index_of(&Compression::parse("paged-eviction-0.5").unwrap())
         .unwrap();
-    let mut e = engine_with(store_config(dir.path(), Policy::Fixed(fixed), 256 << 20));
+    let (mut e, c) = engine_with(store_config(dir.path(), Policy::Fixed(fixed), 256 << 20));
     e.generate(&prompt, &params, &mut |_| {}).unwrap();
-    e.context_store().unwrap().flush();
+    c.store().flush();
     let b = e.generate(&prompt, &params, &mut |_| {}).unwrap();
     let load = b.context_load.expect("hit");
     assert_eq!(load.config, "paged-eviction-0.5");
@@ -135,7 +141,7 @@ fn evicpress_keeps_ram_within_capacity() {
     let book = common::book_ids();
     // RAM holds about one and a half uncompressed 256-token contexts (23 KB per token).
     let ram_bytes = 256 * 23040 * 3 / 2;
-    let mut e = engine_with(store_config(
+    let (mut e, c) = engine_with(store_config(
         dir.path(),
         Policy::Evicpress {
             alpha: 1.0,
@@ -151,7 +157,7 @@ fn evicpress_keeps_ram_within_capacity() {
         let prompt = [&book[i * 300..i * 300 + 256], &book[50..60]].concat();
         e.generate(&prompt, &params, &mut |_| {}).unwrap();
     }
-    let store = e.context_store().unwrap();
+    let store = c.store();
     store.flush();
     assert_eq!(store.len(), 4);
     let usage = store.usage_bytes();
@@ -177,7 +183,7 @@ fn prefix_kv_stands_in_for_the_computed_prefix() {
 
     // The engine's own KV of the context, handed back as a prefix: the same logits.
     let dir = tempfile::tempdir().unwrap();
-    let mut s = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
+    let (mut s, sc) = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
     s.generate(
         &[context, &cont[..1]].concat(),
         &GenerateParams {
@@ -187,7 +193,7 @@ fn prefix_kv_stands_in_for_the_computed_prefix() {
         &mut |_| {},
     )
     .unwrap();
-    let store = s.context_store().unwrap();
+    let store = sc.store();
     store.flush();
     let key = store.explain()[0].key.clone();
     let kv = store
@@ -221,9 +227,9 @@ fn prefix_kv_stands_in_for_the_computed_prefix() {
 fn engine_with_stored_context(
     dir: &std::path::Path,
     book: &[u32],
-) -> (pk_engine::Engine, pk_tiers::ChunkKey) {
+) -> (Engine, Arc<ContextReuse>, pk_tiers::ChunkKey) {
     let context = &book[8000..8512];
-    let mut e = engine_with(store_config(
+    let (mut e, c) = engine_with(store_config(
         dir,
         Policy::Evicpress {
             alpha: 1.0,
@@ -231,7 +237,7 @@ fn engine_with_stored_context(
         },
         256 << 20,
     ));
-    let key = e.context_key(context, None).unwrap();
+    let key = c.context_key(context, None).unwrap();
     e.generate(
         &[context, &book[10..20]].concat(),
         &GenerateParams {
@@ -241,16 +247,16 @@ fn engine_with_stored_context(
         &mut |_| {},
     )
     .unwrap();
-    e.context_store().unwrap().flush();
-    (e, key)
+    c.store().flush();
+    (e, c, key)
 }
 
 #[test]
 fn profiling_measures_quality_per_configuration() {
     let dir = tempfile::tempdir().unwrap();
     let book = common::book_ids();
-    let (mut e, key) = engine_with_stored_context(dir.path(), &book);
-    let store = e.context_store().unwrap();
+    let (mut e, c, key) = engine_with_stored_context(dir.path(), &book);
+    let store = c.store();
     assert!(
         store.contains(&key),
         "the key the engine computes is the one it stored under"
@@ -258,7 +264,7 @@ fn profiling_measures_quality_per_configuration() {
     let queries: Vec<Vec<u32>> = (0..3)
         .map(|i| book[8600 + i * 40..8620 + i * 40].to_vec())
         .collect();
-    let q = e.profile_blocking(key, &queries, 12).unwrap();
+    let q = profile_blocking(&mut e, &c, key, &queries, 12).unwrap();
     assert_eq!(q.len(), store.grid().len());
     assert_eq!(q[0], 1.0, "the full KV agrees with itself");
     assert!(q.iter().all(|x| (0.0..=1.0).contains(x)));
@@ -273,7 +279,7 @@ fn profiling_measures_quality_per_configuration() {
 /// The share of the full KV's greedy answer to `prompt` (after `full`) that `prefix`'s KV
 /// predicts as its most likely token when the answer is forced.
 fn forced_agreement(
-    e: &mut pk_engine::Engine,
+    e: &mut Engine,
     prompt: &[u32],
     full: &Arc<PrefixKv>,
     prefix: &Arc<PrefixKv>,
@@ -310,19 +316,13 @@ fn teacher_forced_profiling_is_the_agreement_on_the_full_kv_answer() {
     let dir = tempfile::tempdir().unwrap();
     let book = common::book_ids();
     let context = &book[8000..8512];
-    let (mut e, key) = engine_with_stored_context(dir.path(), &book);
-    let store = e.context_store().unwrap();
+    let (mut e, c, key) = engine_with_stored_context(dir.path(), &book);
+    let store = c.store();
     let queries: Vec<Vec<u32>> = (0..2)
         .map(|i| book[8600 + i * 40..8620 + i * 40].to_vec())
         .collect();
-    let mut p = e
-        .start_profile_with(
-            key,
-            &queries,
-            10,
-            pk_engine::profiler::QualityMetric::TeacherForced,
-        )
-        .unwrap();
+    let metric = pk_connectors::profiler::QualityMetric::TeacherForced;
+    let mut p = start_profile_with(&mut e, &c, key, &queries, 10, metric).unwrap();
     while !p.poll(&mut e).unwrap() {
         assert!(e.has_work(), "profiling requests ended without results");
         e.step();
@@ -369,13 +369,13 @@ fn a_restarted_engine_adopts_masters_left_on_the_last_tier() {
     };
     let prompt = [context, &book[300..320]].concat();
     let first = {
-        let mut e = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
+        let (mut e, c) = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
         let out = e.generate(&prompt, &params, &mut |_| {}).unwrap();
-        e.context_store().unwrap().flush();
+        c.store().flush();
         out
     };
     // A new process: empty RAM, empty index, the same disk directory.
-    let mut e = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
+    let (mut e, c) = engine_with(store_config(dir.path(), Policy::Lru, 256 << 20));
     let again = e.generate(&prompt, &params, &mut |_| {}).unwrap();
     let load = again
         .context_load
@@ -385,11 +385,11 @@ fn a_restarted_engine_adopts_masters_left_on_the_last_tier() {
     assert!(load.tier == "disk" || load.tier == "ram", "{}", load.tier);
     assert_eq!(again.cached_prompt_tokens, 512);
     assert_eq!(again.token_ids, first.token_ids);
-    let store = e.context_store().unwrap();
+    let store = c.store();
     store.flush();
     assert_eq!(store.stats().adopted, 1);
     assert_eq!(
-        store.placement_of(&e.context_key(context, None).unwrap()),
+        store.placement_of(&c.context_key(context, None).unwrap()),
         Some((0, 0)),
         "a hit is copied up to RAM"
     );
@@ -444,8 +444,8 @@ fn a_snapkv_grid_scores_a_context_by_its_last_queries_and_serves_it_dropped() {
     let query = &book[10..30];
     let mut cfg = store_config(dir.path(), Policy::Fixed(2), 256 << 20);
     cfg.grid = Grid::parse("q8,snapkv-0.5").unwrap();
-    let mut e = engine_with(cfg);
-    let key = e.context_key(context, None).unwrap();
+    let (mut e, c) = engine_with(cfg);
+    let key = c.context_key(context, None).unwrap();
     let params = GenerateParams {
         max_tokens: 4,
         ignore_eos: true,
@@ -453,7 +453,7 @@ fn a_snapkv_grid_scores_a_context_by_its_last_queries_and_serves_it_dropped() {
     };
     e.generate(&[context, query].concat(), &params, &mut |_| {})
         .unwrap();
-    let store = e.context_store().unwrap();
+    let store = c.store();
     store.flush();
     assert!(
         store.is_available(&key, 2),
@@ -512,20 +512,17 @@ fn a_snapkv_grid_scores_a_context_by_its_last_queries_and_serves_it_dropped() {
 #[test]
 fn a_waiting_request_makes_one_context_lookup() {
     let dir = tempfile::tempdir().unwrap();
-    let mut e = common::engine(EngineConfig {
-        reuse: Some(ReuseConfig::Contexts(ContextReuseConfig {
-            store: store_config(dir.path(), Policy::Lru, 256 << 20),
-            chunk_size_tokens: 256,
-            profile_metric: Default::default(),
-        })),
+    let config = EngineConfig {
         enable_prefix_caching: false,
         // 40 blocks of 16 tokens: the first request holds 33 of them while it decodes.
         kv_capacity_tokens: Some(640),
         ..Default::default()
-    });
+    };
+    let store = store_config(dir.path(), Policy::Lru, 256 << 20);
+    let (mut e, c) = common::contexts_engine(config, contexts_config(store));
     let waited_steps = common::run_with_a_waiting_request(&mut e);
     assert_eq!(
-        e.context_stats().unwrap().lookups,
+        c.stats().lookups,
         2,
         "one lookup per request over {waited_steps} waiting steps"
     );

@@ -1,5 +1,5 @@
 //! Whole-context KV reuse through an EVICPRESS `ContextStore` (spec `evicpress.md`): the
-//! second [`KvReuse`] connector.
+//! second store [`KvConnector`].
 //!
 //! A context is a chunk-aligned prompt prefix (LMCache's granularity: chunks of
 //! `chunk_size_tokens`, keyed by the same chained hash as the chunk tiers), stored as one
@@ -18,20 +18,20 @@
 //! batch shape, which moves those 64 tokens' K/V by at most that rounding), and the store's
 //! worker turns the queries into scores.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use pk_codec::KvContext;
+use pk_engine::{
+    block_ids as table_of, CacheNamespace, KvConnector, LoadOrigin, Loaded, Lookup, RequestKey,
+};
 use pk_evicpress::{ContextStore, LoadReport, StoreConfig, WindowQueries};
 use pk_kv::{KvCacheManager, SeqId};
 use pk_model::{Backend, SeqForward};
 use pk_tiers::{ChunkKey, ChunkKeyer};
 
-use crate::engine::Engine;
-use crate::eviction::table_of;
-use crate::namespace::CacheNamespace;
-pub use crate::prefix_kv::PrefixKv;
 use crate::prefix_kv::{place_prefix, read_prefix};
-use crate::reuse::{KvReuse, Placed, ReuseMatch, SeqReuse};
+use crate::tiering::lock;
 
 /// How the engine uses an EVICPRESS store.
 #[derive(Clone)]
@@ -63,11 +63,24 @@ pub struct ContextReuseStats {
     pub hit_tokens: u64,
 }
 
-pub(crate) struct ContextReuse {
-    pub store: Arc<ContextStore>,
+/// The EVICPRESS context store as a [`KvConnector`].
+pub struct ContextReuse {
+    store: Arc<ContextStore>,
     keyer: ChunkKeyer,
-    pub stats: ContextReuseStats,
-    pub profile_metric: crate::profiler::QualityMetric,
+    stats: Mutex<ContextReuseStats>,
+    profile_metric: crate::profiler::QualityMetric,
+    /// Each request's chunk keys, from its lookup to its end (bounded by the engine's
+    /// waiting and running requests).
+    requests: Mutex<HashMap<RequestKey, Vec<ChunkKey>>>,
+}
+
+impl std::fmt::Debug for ContextReuse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContextReuse")
+            .field("chunk_size_tokens", &self.chunk_size_tokens())
+            .field("profile_metric", &self.profile_metric)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ContextReuse {
@@ -89,8 +102,9 @@ impl ContextReuse {
         Ok(ContextReuse {
             store: ContextStore::new(store_cfg).map_err(anyhow::Error::msg)?,
             keyer,
-            stats: ContextReuseStats::default(),
+            stats: Mutex::default(),
             profile_metric: cfg.profile_metric,
+            requests: Mutex::default(),
         })
     }
 
@@ -104,16 +118,17 @@ impl ContextReuse {
         self.keyer.keys(&tokens[..usable], salt.map(str::as_bytes))
     }
 
-    fn load_context(&mut self, key: &ChunkKey, query: &[u32]) -> Option<(KvContext, LoadReport)> {
+    fn load_context(&self, key: &ChunkKey, query: &[u32]) -> Option<(KvContext, LoadReport)> {
         match self.store.load(key, Some(query)) {
             Ok(r) => {
-                self.stats.hits += 1;
-                self.stats.hit_tokens += r.0.n_original_tokens as u64;
+                let mut stats = lock(&self.stats);
+                stats.hits += 1;
+                stats.hit_tokens += r.0.n_original_tokens as u64;
                 Some(r)
             }
             Err(e) => {
                 tracing::warn!("loading a stored context failed, recomputing: {e}");
-                self.stats.load_failures += 1;
+                lock(&self.stats).load_failures += 1;
                 None
             }
         }
@@ -126,13 +141,13 @@ impl ContextReuse {
 
     /// Offers a prefilled context to the store, with the queries of its last tokens when
     /// the store scores by SnapKV.
-    fn offer(&mut self, key: ChunkKey, kv: KvContext, window: Option<WindowQueries>) {
+    fn offer(&self, key: ChunkKey, kv: KvContext, window: Option<WindowQueries>) {
         let offered = match window {
             Some(w) => self.store.offer_with_window(key, kv, w),
             None => self.store.offer(key, kv),
         };
         if offered {
-            self.stats.offered += 1;
+            lock(&self.stats).offered += 1;
         }
     }
 
@@ -181,33 +196,33 @@ pub(crate) fn window_queries(
     }
 }
 
-impl KvReuse for ContextReuse {
+impl KvConnector for ContextReuse {
     /// The longest stored context among the prompt's chunk boundaries. A prompt with any
     /// stored context is not offered again (the store placed what it had); one with none is
     /// offered whole once computed.
-    fn lookup(&mut self, ids: &[u32], salt: Option<&str>) -> ReuseMatch {
-        self.stats.lookups += 1;
+    fn lookup(&self, request: RequestKey, ids: &[u32], salt: Option<&str>) -> Lookup {
+        lock(&self.stats).lookups += 1;
         let keys = self.keys(ids, salt);
         let stored = self.store.longest_stored(&keys);
-        ReuseMatch {
+        let answer = Lookup {
             loadable_tokens: stored.map_or(0, |i| (i + 1) * self.chunk_size_tokens()),
-            saved_chunks: if stored.is_some() { keys.len() } else { 0 },
-            keys,
-        }
+            wants_save: stored.is_none() && !keys.is_empty(),
+        };
+        lock(&self.requests).insert(request, keys);
+        answer
     }
 
     fn load(
-        &mut self,
-        m: &ReuseMatch,
+        &self,
+        request: RequestKey,
+        tokens: usize,
         query: &[u32],
         kv: &mut KvCacheManager,
         backend: &mut dyn Backend,
         seq: SeqId,
-    ) -> Option<Placed> {
-        let tokens = m.loadable_tokens;
-        let key = *m
-            .keys
-            .get((tokens / self.chunk_size_tokens()).checked_sub(1)?)?;
+    ) -> Option<Loaded> {
+        let index = (tokens / self.chunk_size_tokens()).checked_sub(1)?;
+        let key = *lock(&self.requests).get(&request)?.get(index)?;
         let (ctx, mut report) = self.load_context(&key, query)?;
         let t0 = std::time::Instant::now();
         let written =
@@ -216,128 +231,91 @@ impl KvReuse for ContextReuse {
         if written {
             self.store.observe_restore(ctx.n_tokens(), report.restore_s);
         }
-        let placed = written.then(|| Placed {
+        let loaded = written.then(|| Loaded {
             tokens,
             exact: ctx.n_tokens() == tokens && report.config.starts_with("none-"),
-            saved_chunks: m.keys.len(),
-            report: Some(report),
+            wants_save: false,
+            origin: Some(origin_of(report)),
         });
         self.recycle(ctx);
-        placed
+        loaded
     }
 
     fn save(
-        &mut self,
-        s: &mut SeqReuse,
+        &self,
+        request: RequestKey,
         ids: &[u32],
         _computed: usize,
         kv: &KvCacheManager,
         backend: &mut dyn Backend,
         seq: SeqId,
-    ) {
-        let Some(&key) = s.keys.last() else {
-            return;
+    ) -> bool {
+        let Some(key) = lock(&self.requests)
+            .get(&request)
+            .and_then(|k| k.last().copied())
+        else {
+            return false;
         };
-        s.saved_chunks = s.keys.len();
-        let tokens = s.keys.len() * self.chunk_size_tokens();
+        let n_chunks = lock(&self.requests).get(&request).map_or(0, Vec::len);
+        let tokens = n_chunks * self.chunk_size_tokens();
         let Some(kv_copy) = read_prefix(kv, backend.kv(), seq, tokens) else {
-            return;
+            return false;
         };
         let window = match self.wants_window() {
             true => window_queries(backend, kv, seq, &ids[..tokens]),
             false => None,
         };
         self.offer(key, kv_copy, window);
+        false
     }
 
-    fn observe_prefill(&mut self, tokens: usize, seconds: f64) {
+    fn request_finished(&self, request: RequestKey) {
+        lock(&self.requests).remove(&request);
+    }
+
+    fn observe_prefill(&self, tokens: usize, seconds: f64) {
         self.store.observe_prefill(tokens, seconds);
     }
+}
 
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
+/// The engine's record of where a context came from.
+fn origin_of(r: LoadReport) -> LoadOrigin {
+    LoadOrigin {
+        tier: r.tier,
+        tier_index: r.tier_index,
+        config: r.config,
+        bytes: r.bytes,
+        fetch_s: r.fetch_s,
+        decode_s: r.decode_s,
+        fell_back_to_master: r.fell_back_to_master,
+        restore_s: r.restore_s,
     }
 }
 
-/// Tokens of the prefill timed at start-up: `bench perf`'s shortest default context, so
-/// that the two figures compare.
-const CALIBRATION_PREFILL_TOKENS: usize = 512;
-/// Bytes of each tier probe at start-up: about one 2K-token context of SmolLM2 in f16.
-const CALIBRATION_PROBE_BYTES: usize = 4 << 20;
-
-/// What [`Engine::calibrate_context_store`] measured.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct DelayCalibration {
-    pub prefill_tokens: usize,
-    pub prefill_tokens_per_s: f64,
-    pub tiers: Vec<pk_evicpress::TierCalibration>,
-}
-
-impl Engine {
-    /// Measures the EVICPRESS store's delay model on this machine (spec "Profiling": the
-    /// utility weighs load delay against quality, so its delays must be this machine's):
-    /// times a prefill of `CALIBRATION_PREFILL_TOKENS` tokens of this model and probes
-    /// each tier. `Ok(None)` without a store. Runs before serving (no requests in flight);
-    /// serving then keeps the figures current from every prefill and load.
-    pub fn calibrate_context_store(&mut self) -> anyhow::Result<Option<DelayCalibration>> {
-        let Some(store) = self.context_store() else {
-            return Ok(None);
-        };
-        let cfg = self.model_config();
-        let n = CALIBRATION_PREFILL_TOKENS.min(cfg.context_length - 1);
-        // Any ids do: prefill costs the same whatever the tokens say.
-        let vocab = cfg.vocab_size as u64;
-        let tokens: Vec<u32> = (0..n as u64)
-            .map(|i| ((i * 7919 + 11) % vocab) as u32)
-            .collect();
-        // A short run first, so that the timed one does not pay for weights paged in.
-        self.score(&tokens[..16.min(n)], 16.min(n) - 1)?;
-        let t0 = std::time::Instant::now();
-        self.score(&tokens, n - 1)?;
-        let prefill_tokens_per_s = n as f64 / t0.elapsed().as_secs_f64();
-        store.set_calibrated_prefill(prefill_tokens_per_s);
-        let tiers = store
-            .calibrate_tiers(CALIBRATION_PROBE_BYTES)
-            .map_err(anyhow::Error::msg)?;
-        Ok(Some(DelayCalibration {
-            prefill_tokens: n,
-            prefill_tokens_per_s,
-            tiers,
-        }))
-    }
-}
-
-impl Engine {
-    fn context_reuse(&self) -> Option<&ContextReuse> {
-        self.reuse_connector()?
-            .as_any()
-            .downcast_ref::<ContextReuse>()
+impl ContextReuse {
+    /// The EVICPRESS store (thread-safe; `/v1/kv/contexts` and profiling read it).
+    pub fn store(&self) -> &Arc<ContextStore> {
+        &self.store
     }
 
-    /// The EVICPRESS store, if the engine reuses contexts through one.
-    pub fn context_store(&self) -> Option<Arc<ContextStore>> {
-        self.context_reuse().map(|c| c.store.clone())
-    }
-
-    /// How profiling scores configurations (the default when no store is configured).
+    /// How profiling scores configurations.
     pub fn profile_metric(&self) -> crate::profiler::QualityMetric {
-        self.context_reuse()
-            .map_or_else(Default::default, |c| c.profile_metric)
+        self.profile_metric
     }
 
     /// The store key of the context made of exactly `tokens` (a multiple of the chunk
     /// size), as a request with `salt` would compute it at admission.
     pub fn context_key(&self, tokens: &[u32], salt: Option<&str>) -> Option<ChunkKey> {
-        let c = self.context_reuse()?;
-        if tokens.is_empty() || !tokens.len().is_multiple_of(c.chunk_size_tokens()) {
+        if tokens.is_empty() || !tokens.len().is_multiple_of(self.chunk_size_tokens()) {
             return None;
         }
         let mut with_query = tokens.to_vec();
         with_query.push(0);
-        c.keys(&with_query, salt).last().copied()
+        self.keys(&with_query, salt).last().copied()
     }
 
-    pub fn context_stats(&self) -> Option<ContextReuseStats> {
-        self.context_reuse().map(|c| c.stats.clone())
+    /// What the store did for the engine so far.
+    pub fn stats(&self) -> ContextReuseStats {
+        lock(&self.stats).clone()
     }
 }

@@ -7,7 +7,8 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pk_engine::{EngineConfig, GenerateParams, ReuseConfig, TieringConfig};
+use pk_connectors::{ReuseConfig, TieringConfig};
+use pk_engine::{EngineConfig, GenerateParams};
 use pk_tiers::{DiskTier, DiskTierConfig, RamTier, Tier, TieredStore};
 
 fn tiered(dir: &std::path::Path) -> Arc<TieredStore> {
@@ -26,14 +27,11 @@ fn tiered(dir: &std::path::Path) -> Arc<TieredStore> {
     Arc::new(TieredStore::new(vec![ram, disk]).with_write_through_last(true))
 }
 
-fn config(store: Arc<TieredStore>) -> EngineConfig {
-    EngineConfig {
-        reuse: Some(ReuseConfig::Chunks(TieringConfig {
-            store,
-            chunk_size_tokens: 256,
-            max_pending_bytes: 64 << 20,
-        })),
-        ..Default::default()
+fn config(store: Arc<TieredStore>) -> TieringConfig {
+    TieringConfig {
+        store,
+        chunk_size_tokens: 256,
+        max_pending_bytes: 64 << 20,
     }
 }
 
@@ -49,33 +47,36 @@ fn stored_prompt_chunks_survive_a_restart() {
     };
 
     let store = tiered(dir.path());
-    let mut first = common::engine(config(store.clone()));
+    let (mut first, first_tiers) = common::tiered_engine(Default::default(), config(store.clone()));
     let a = first.generate(prompt, &params, &mut |_| {}).unwrap();
     assert_eq!(a.cached_prompt_tokens, 0);
     // The writer thread stores asynchronously; wait until both chunks are visible.
     let t0 = Instant::now();
-    while first.tiering_stats().unwrap().chunks_queued < 2
+    while first_tiers.stats().chunks_queued < 2
         || store.metrics().iter().map(|m| m.bytes_written).sum::<u64>() < 2 * 256 * 23040
     {
         assert!(
             t0.elapsed() < Duration::from_secs(30),
             "chunks were not stored: {:?}",
-            first.tiering_stats()
+            first_tiers.stats()
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    // Dropping the engine waits for its writer thread, so the disk holds every chunk.
+    // Dropping the connector (the engine's and our handle) waits for its writer thread, so
+    // the disk holds every chunk.
     drop(first);
+    drop(first_tiers);
     drop(store);
 
     // A new process: empty RAM tier, the same disk directory.
-    let mut second = common::engine(config(tiered(dir.path())));
+    let (mut second, second_tiers) =
+        common::tiered_engine(Default::default(), config(tiered(dir.path())));
     let b = second.generate(prompt, &params, &mut |_| {}).unwrap();
     assert_eq!(
         b.cached_prompt_tokens, 512,
         "two 256-token chunks must come from the disk tier"
     );
-    assert_eq!(second.tiering_stats().unwrap().chunks_loaded, 2);
+    assert_eq!(second_tiers.stats().chunks_loaded, 2);
     assert_eq!(
         a.token_ids, b.token_ids,
         "KV loaded from disk must give the same tokens"
@@ -176,7 +177,13 @@ fn same_named_models_share_nothing(store_for: &dyn Fn() -> Arc<TieredStore>) {
     };
     let run = |path: &std::path::Path| {
         let store = store_for();
-        let mut e = pk_engine::Engine::load(path, config(store.clone())).unwrap();
+        let one_table = EngineConfig {
+            hybrid_kv_cache: false,
+            ..Default::default()
+        };
+        let mut e = pk_engine::Engine::load(path, one_table).unwrap();
+        let cfg = ReuseConfig::Chunks(config(store.clone()));
+        let _tiers = pk_connectors::attach(&mut e, &cfg).unwrap();
         let out = e.generate(prompt, &params, &mut |_| {}).unwrap();
         let t0 = Instant::now();
         while store.metrics().iter().map(|m| m.bytes_written).sum::<u64>() < 2 * 256 * 23040
@@ -211,13 +218,15 @@ fn same_named_models_share_nothing(store_for: &dyn Fn() -> Arc<TieredStore>) {
 #[test]
 fn a_waiting_request_makes_one_tier_lookup() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(tiered(dir.path()));
     // 40 blocks of 16 tokens: the first request holds 33 of them while it decodes.
-    cfg.kv_capacity_tokens = Some(640);
-    let mut e = common::engine(cfg);
+    let cfg = EngineConfig {
+        kv_capacity_tokens: Some(640),
+        ..Default::default()
+    };
+    let (mut e, tiers) = common::tiered_engine(cfg, config(tiered(dir.path())));
     let waited_steps = common::run_with_a_waiting_request(&mut e);
     assert_eq!(
-        e.tiering_stats().unwrap().lookups,
+        tiers.stats().lookups,
         2,
         "one lookup per request over {waited_steps} waiting steps"
     );

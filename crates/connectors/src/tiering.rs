@@ -10,18 +10,15 @@
 //! thread over a bounded channel; the engine never waits on a tier for stores, and when
 //! the channel is full a chunk is simply not stored (counted).
 
+use std::collections::HashMap;
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use pk_codec::{KvContext, Method};
+use pk_engine::{block_ids as table_of, CacheNamespace, KvConnector, Loaded, Lookup, RequestKey};
 use pk_kv::{KvCacheManager, SeqId};
 use pk_model::{Backend, KvBlocks};
 use pk_tiers::{ChunkKey, ChunkKeyer, Payload, TieredStore};
-
-use crate::engine::Engine;
-use crate::eviction::table_of;
-use crate::namespace::CacheNamespace;
-use crate::reuse::{KvReuse, Placed, ReuseMatch, SeqReuse};
 
 /// How the engine uses tiers.
 #[derive(Clone)]
@@ -53,14 +50,34 @@ pub struct TieringStats {
     pub load_failures: u64,
 }
 
-pub(crate) struct Tiering {
+/// What the connector keeps of a request between its lookup and its end.
+#[derive(Debug, Default)]
+struct RequestChunks {
+    /// Chained keys of the prompt's whole chunks, leaving at least one token to compute.
+    keys: Vec<ChunkKey>,
+    /// Chunks of `keys` the tiers hold, or that are queued for them.
+    saved: usize,
+}
+
+/// The chunk tiers as a [`KvConnector`].
+pub struct Tiering {
     store: Arc<TieredStore>,
     keyer: ChunkKeyer,
     fingerprint: [u8; 32],
     /// `None` only while dropping (closing the channel ends the writer thread).
     tx: Option<SyncSender<(ChunkKey, Payload)>>,
     writer: Option<std::thread::JoinHandle<()>>,
-    pub stats: TieringStats,
+    stats: Mutex<TieringStats>,
+    /// Per request in flight (bounded by the engine's waiting and running requests).
+    requests: Mutex<HashMap<RequestKey, RequestChunks>>,
+}
+
+impl std::fmt::Debug for Tiering {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tiering")
+            .field("chunk_size_tokens", &self.chunk_size_tokens())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Drop for Tiering {
@@ -75,6 +92,8 @@ impl Drop for Tiering {
 }
 
 impl Tiering {
+    /// The tiers `cfg` describes, keyed under `namespace` for `model_name`'s KV in blocks of
+    /// `block_size_tokens` (`bytes_per_token` sizes the writer's queue).
     pub fn new(
         cfg: &TieringConfig,
         model_name: &str,
@@ -110,7 +129,8 @@ impl Tiering {
             fingerprint: namespace.kv_fingerprint(),
             tx: Some(tx),
             writer: Some(writer),
-            stats: TieringStats::default(),
+            stats: Mutex::default(),
+            requests: Mutex::default(),
         })
     }
 
@@ -118,11 +138,16 @@ impl Tiering {
         self.keyer.chunk_size_tokens()
     }
 
+    /// What the tiers did for the engine so far.
+    pub fn stats(&self) -> TieringStats {
+        lock(&self.stats).clone()
+    }
+
     /// Loads up to `keys.len()` chunks into `seq` (which must be empty), returning the
     /// number of tokens now in the cache. Stops at the first chunk that cannot be loaded,
     /// decoded or placed; a corrupted payload is never used.
     fn load_into(
-        &mut self,
+        &self,
         keys: &[ChunkKey],
         kv: &mut KvCacheManager,
         store: &mut dyn KvBlocks,
@@ -142,7 +167,7 @@ impl Tiering {
                     c
                 }
                 _ => {
-                    self.stats.load_failures += 1;
+                    lock(&self.stats).load_failures += 1;
                     break;
                 }
             };
@@ -152,7 +177,7 @@ impl Tiering {
             let table = table_of(kv, seq);
             store.write_tokens(&table, loaded_tokens, &ctx.k, &ctx.v);
             loaded_tokens += chunk;
-            self.stats.chunks_loaded += 1;
+            lock(&self.stats).chunks_loaded += 1;
         }
         loaded_tokens
     }
@@ -160,7 +185,7 @@ impl Tiering {
     /// Encodes chunks `first_chunk..` of `seq` that are fully computed (up to
     /// `computed_tokens`) and queues them for storing. Returns the next chunk to store.
     fn store_chunks(
-        &mut self,
+        &self,
         keys: &[ChunkKey],
         first_chunk: usize,
         computed_tokens: usize,
@@ -191,8 +216,8 @@ impl Tiering {
                     .expect("open until drop")
                     .try_send((keys[next], Payload::from(bytes)))
                 {
-                    Ok(()) => self.stats.chunks_queued += 1,
-                    Err(TrySendError::Full(_)) => self.stats.chunks_skipped_queue_full += 1,
+                    Ok(()) => lock(&self.stats).chunks_queued += 1,
+                    Err(TrySendError::Full(_)) => lock(&self.stats).chunks_skipped_queue_full += 1,
                     Err(TrySendError::Disconnected(_)) => return keys.len(),
                 },
                 Err(e) => tracing::warn!("encoding a KV chunk failed: {e}"),
@@ -203,61 +228,74 @@ impl Tiering {
     }
 }
 
-impl KvReuse for Tiering {
-    fn lookup(&mut self, ids: &[u32], salt: Option<&str>) -> ReuseMatch {
-        self.stats.lookups += 1;
+impl KvConnector for Tiering {
+    fn lookup(&self, request: RequestKey, ids: &[u32], salt: Option<&str>) -> Lookup {
+        lock(&self.stats).lookups += 1;
         let usable = ids.len().saturating_sub(1);
         let keys = self.keyer.keys(&ids[..usable], salt.map(str::as_bytes));
         let found = self.store.lookup_prefix(&keys).chunks_found;
-        ReuseMatch {
+        let answer = Lookup {
             loadable_tokens: found * self.chunk_size_tokens(),
-            saved_chunks: found,
-            keys,
-        }
+            wants_save: found < keys.len(),
+        };
+        let chunks = RequestChunks { keys, saved: found };
+        lock(&self.requests).insert(request, chunks);
+        answer
     }
 
     fn load(
-        &mut self,
-        m: &ReuseMatch,
+        &self,
+        request: RequestKey,
+        tokens: usize,
         _query: &[u32],
         kv: &mut KvCacheManager,
         backend: &mut dyn Backend,
         seq: SeqId,
-    ) -> Option<Placed> {
-        let found = m.loadable_tokens / self.chunk_size_tokens();
-        let tokens = self.load_into(&m.keys[..found], kv, backend.kv_mut(), seq);
+    ) -> Option<Loaded> {
+        let chunk = self.chunk_size_tokens();
+        let keys = lock(&self.requests).get(&request)?.keys.clone();
+        let found = (tokens / chunk).min(keys.len());
+        let loaded = self.load_into(&keys[..found], kv, backend.kv_mut(), seq);
         // Chunks after a failed load are stored again once recomputed: that overwrites a
         // corrupted entry.
-        (tokens > 0).then(|| Placed {
-            tokens,
+        let saved = loaded / chunk;
+        if let Some(r) = lock(&self.requests).get_mut(&request) {
+            r.saved = saved;
+        }
+        (loaded > 0).then_some(Loaded {
+            tokens: loaded,
             exact: true,
-            saved_chunks: tokens / self.chunk_size_tokens(),
-            report: None,
+            wants_save: saved < keys.len(),
+            origin: None,
         })
     }
 
     fn save(
-        &mut self,
-        s: &mut SeqReuse,
+        &self,
+        request: RequestKey,
         _ids: &[u32],
         computed: usize,
         kv: &KvCacheManager,
         backend: &mut dyn Backend,
         seq: SeqId,
-    ) {
-        s.saved_chunks =
-            self.store_chunks(&s.keys, s.saved_chunks, computed, kv, backend.kv(), seq);
+    ) -> bool {
+        let Some(chunks) = lock(&self.requests).remove(&request) else {
+            return false;
+        };
+        let saved = self.store_chunks(&chunks.keys, chunks.saved, computed, kv, backend.kv(), seq);
+        let wants_more = saved < chunks.keys.len();
+        let chunks = RequestChunks { saved, ..chunks };
+        lock(&self.requests).insert(request, chunks);
+        wants_more
     }
 
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
+    fn request_finished(&self, request: RequestKey) {
+        lock(&self.requests).remove(&request);
     }
 }
 
-impl Engine {
-    /// What the tiers did for this engine, if it reuses KV through them.
-    pub fn tiering_stats(&self) -> Option<TieringStats> {
-        let t = self.reuse_connector()?.as_any().downcast_ref::<Tiering>()?;
-        Some(t.stats.clone())
-    }
+/// A mutex's data even when a thread panicked holding it: the counters and keys behind it
+/// stay meaningful (each update is one assignment).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }

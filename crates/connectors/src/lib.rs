@@ -1,0 +1,84 @@
+//! `pk-connectors`: the stores the engine reuses prompt KV through, each a
+//! [`pk_engine::KvConnector`] built here and handed to the engine
+//! ([`attach`], `GenerateParams::prefix_kv`), so that `pk-engine` knows none of them:
+//!
+//! - [`tiering`]: chunks of prompt KV in tiers below the pool (RAM → disk → Redis), keyed by
+//!   chained chunk hashes, written by a worker thread;
+//! - [`contexts`]: whole contexts in an EVICPRESS store, compressed and placed by utility,
+//!   with its [`profiler`] (a client of the engine's public API that submits background
+//!   requests) and the start-up [`calibrate`] of its delay model;
+//! - [`prefix_kv`]: a request's given, possibly compressed, prefix KV.
+
+pub mod calibrate;
+pub mod contexts;
+pub mod prefix_kv;
+pub mod profiler;
+pub mod tiering;
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use pk_engine::Engine;
+
+pub use calibrate::{calibrate_context_store, DelayCalibration};
+pub use contexts::{ContextReuse, ContextReuseConfig, ContextReuseStats};
+pub use prefix_kv::PrefixKv;
+pub use tiering::{Tiering, TieringConfig, TieringStats};
+
+/// Which connector an engine reuses prompt KV through.
+#[derive(Clone, Debug)]
+pub enum ReuseConfig {
+    /// Chunks of prompt KV in tiers below the pool (`--tier-*`).
+    Chunks(TieringConfig),
+    /// Whole contexts in an EVICPRESS store (`--tier-policy evicpress`).
+    Contexts(ContextReuseConfig),
+}
+
+/// A connector attached to an engine, as the caller that built it keeps it: for its
+/// statistics, its store and, for the EVICPRESS store, profiling.
+#[derive(Clone, Debug)]
+pub enum Attached {
+    Chunks(Arc<Tiering>),
+    Contexts(Arc<ContextReuse>),
+}
+
+impl Attached {
+    pub fn tiering(&self) -> Option<&Arc<Tiering>> {
+        match self {
+            Attached::Chunks(t) => Some(t),
+            Attached::Contexts(_) => None,
+        }
+    }
+
+    pub fn contexts(&self) -> Option<&Arc<ContextReuse>> {
+        match self {
+            Attached::Contexts(c) => Some(c),
+            Attached::Chunks(_) => None,
+        }
+    }
+}
+
+/// Builds the connector `cfg` describes, keyed by `engine`'s cache namespace, and attaches
+/// it (the engine must be built with `hybrid_kv_cache` off, and have nothing in flight).
+pub fn attach(engine: &mut Engine, cfg: &ReuseConfig) -> Result<Attached> {
+    let name = engine.model_name.clone();
+    let namespace = engine.cache_namespace().clone();
+    let block_tokens = engine.config.block_size_tokens as usize;
+    let attached = match cfg {
+        ReuseConfig::Chunks(t) => {
+            let bytes_per_token = engine.kv_bytes_per_token();
+            let tiering = Tiering::new(t, &name, &namespace, block_tokens, bytes_per_token)?;
+            Attached::Chunks(Arc::new(tiering))
+        }
+        ReuseConfig::Contexts(c) => {
+            let contexts = ContextReuse::new(c, &name, &namespace, block_tokens)?;
+            Attached::Contexts(Arc::new(contexts))
+        }
+    };
+    let connector: Arc<dyn pk_engine::KvConnector> = match &attached {
+        Attached::Chunks(t) => t.clone(),
+        Attached::Contexts(c) => c.clone(),
+    };
+    engine.set_connector(connector)?;
+    Ok(attached)
+}
