@@ -10,12 +10,14 @@
 //! with its prompt and generated tokens, to be prefilled again (prefix cache permitting).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use pk_kv::KvCacheManager;
-use pk_model::{Backend, CpuBackend, KvBlocks, KvDtype, KvGeometry, Llama, ModelConfig};
+use pk_model::{Backend, KvBlocks, Llama, ModelConfig};
 use pk_tokenizer::{ChatTemplate, Tokenizer};
 
+use crate::connector::KvConnector;
 use crate::eviction::EvictionStats;
 use crate::executor;
 use crate::namespace::CacheNamespace;
@@ -25,10 +27,10 @@ pub use crate::params::{
 };
 pub use crate::request::GenerateOutput;
 use crate::request::{RequestError, SeqEvent};
-use crate::reuse::{self, KvReuse};
-use crate::scheduler::{Chunk, Limits, Scheduler};
+use crate::scheduler::{Chunk, Scheduler};
 use crate::sequence::SeqState;
 
+mod build;
 mod direct;
 mod evict;
 mod loads;
@@ -50,196 +52,18 @@ pub struct Engine {
     sched: Scheduler,
     /// The forward pass and the pool of K/V bytes it writes (CPU or GPU). Everything that
     /// decides which block holds what stays here on the host: `kv`, the sequences, the
-    /// eviction policies, the reuse connector.
+    /// eviction policies, the connector.
     backend: Box<dyn Backend>,
     /// Mixed into every block hash and stored key, so that caches of different models,
     /// KV precisions or backends never alias.
     cache_namespace: CacheNamespace,
-    /// The KV reuse connector, if one is configured (`crate::reuse`).
-    reuse: Option<Box<dyn KvReuse>>,
+    /// The KV connector, if one is attached (`set_connector`).
+    connector: Option<Arc<dyn KvConnector>>,
     /// Built on the first request with a grammar (the token trie costs a moment).
     grammar: Option<crate::grammar::GrammarCompiler>,
 }
 
 impl Engine {
-    /// Loads a model file onto the CPU backend.
-    pub fn load(model_path: &Path, config: EngineConfig) -> Result<Engine> {
-        Engine::load_with(model_path, config, |gguf, geometry, dtype| {
-            let model = Llama::from_gguf(gguf).context("building the model")?;
-            Ok(Box::new(CpuBackend::new(model, geometry, dtype)))
-        })
-    }
-
-    /// Loads a model file's tokenizer and chat template, and its weights through `build`,
-    /// which makes a backend whose pool has the given geometry and dtype (the engine's
-    /// settings applied to the file's model).
-    pub fn load_with(
-        model_path: &Path,
-        config: EngineConfig,
-        build: impl FnOnce(&pk_gguf::GgufFile, KvGeometry, KvDtype) -> Result<Box<dyn Backend>>,
-    ) -> Result<Engine> {
-        let gguf = pk_gguf::GgufFile::open(model_path)
-            .with_context(|| format!("loading {}", model_path.display()))?;
-        let geometry = config.kv_geometry(
-            &ModelConfig::from_gguf(&gguf).context("reading the model's configuration")?,
-        )?;
-        let backend = build(&gguf, geometry, config.kv_dtype)?;
-        let tokenizer = Tokenizer::from_gguf(&gguf).context("building the tokenizer")?;
-        let chat_template = ChatTemplate::from_gguf(&gguf).context("reading the chat template")?;
-        let name = model_path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let identity = model_content_id(model_path)?;
-        Engine::with_backend_identified(backend, tokenizer, chat_template, config, &name, &identity)
-    }
-
-    /// An engine running `model` on the CPU.
-    pub fn new(
-        model: Llama,
-        tokenizer: Tokenizer,
-        chat_template: ChatTemplate,
-        config: EngineConfig,
-        model_name: &str,
-    ) -> Result<Engine> {
-        let geometry = config.kv_geometry(&model.config)?;
-        let backend = Box::new(CpuBackend::new(model, geometry, config.kv_dtype));
-        Engine::with_backend(backend, tokenizer, chat_template, config, model_name)
-    }
-
-    /// An engine over any backend, whose pool must have `config.kv_geometry(backend.config())`
-    /// and `config.kv_dtype`.
-    pub fn with_backend(
-        backend: Box<dyn Backend>,
-        tokenizer: Tokenizer,
-        chat_template: ChatTemplate,
-        config: EngineConfig,
-        model_name: &str,
-    ) -> Result<Engine> {
-        Engine::with_backend_identified(
-            backend,
-            tokenizer,
-            chat_template,
-            config,
-            model_name,
-            model_name,
-        )
-    }
-
-    /// [`Engine::with_backend`], with `model_identity` naming the weights in every cache
-    /// key (the prefix cache's and the reuse connector's): [`model_content_id`] for a model
-    /// file, so that two different files of the same name sharing a store never read each
-    /// other's KV.
-    pub fn with_backend_identified(
-        backend: Box<dyn Backend>,
-        tokenizer: Tokenizer,
-        chat_template: ChatTemplate,
-        config: EngineConfig,
-        model_name: &str,
-        model_identity: &str,
-    ) -> Result<Engine> {
-        let geometry = Engine::check_pool(&*backend, &config)?;
-        let bs = geometry.block_size_tokens;
-        let (backend, window) = Engine::kv_cache_groups(backend, &config)?;
-        let num_blocks = backend.kv().geometry().num_blocks;
-        let kv = KvCacheManager::with_windows(num_blocks as u32, bs as u32, window);
-        let limits = Limits::new(&config, backend.config().vocab_size);
-        let cache_namespace = CacheNamespace::new(model_identity, config.kv_dtype, backend.name());
-        let reuse = match &config.reuse {
-            Some(r) => Some(reuse::open(
-                r,
-                model_name,
-                &cache_namespace,
-                bs,
-                geometry.bytes_per_token(config.kv_dtype),
-            )?),
-            None => None,
-        };
-        Ok(Engine {
-            eviction_stats: Default::default(),
-            tokenizer,
-            chat_template,
-            config,
-            model_name: model_name.to_string(),
-            stats: EngineStats::default(),
-            sched: Scheduler::new(kv, limits),
-            backend,
-            cache_namespace,
-            reuse,
-            grammar: None,
-        })
-    }
-
-    /// Checks the settings and that `backend`'s pool has the geometry and dtype they give;
-    /// returns that geometry.
-    fn check_pool(backend: &dyn Backend, config: &EngineConfig) -> Result<KvGeometry> {
-        let geometry = config.kv_geometry(backend.config())?;
-        if config.max_batch_tokens == 0 || config.max_running_seqs == 0 {
-            bail!("max_batch_tokens and max_running_seqs must be at least 1");
-        }
-        let interval = config.prefill_prune_interval_tokens;
-        if interval != 0 && interval < config.block_size_tokens as usize {
-            bail!(
-                "prefill_prune_interval_tokens ({interval}) must be 0 (off) or at least the block size ({} tokens)",
-                config.block_size_tokens
-            );
-        }
-        let pool = backend.kv().geometry();
-        let shape = |g: &KvGeometry| {
-            (
-                g.n_layers,
-                g.n_kv_heads,
-                g.head_dim,
-                g.block_size_tokens,
-                g.num_blocks,
-            )
-        };
-        if shape(&pool) != shape(&geometry) || backend.kv().dtype() != config.kv_dtype {
-            bail!("the {} backend's KV pool ({pool:?}, {}) is not the configured one ({geometry:?}, {})", backend.name(), backend.kv().dtype(), config.kv_dtype);
-        }
-        let (num_blocks, bs) = (geometry.num_blocks, geometry.block_size_tokens);
-        tracing::info!(
-            "KV cache ({}): {num_blocks} blocks x {bs} tokens = {} tokens, {:.1} MiB ({:?})",
-            backend.name(),
-            num_blocks * bs,
-            backend.kv().capacity_bytes() as f64 / (1 << 20) as f64,
-            config.kv_dtype
-        );
-        Ok(geometry)
-    }
-
-    /// Sets up KV cache groups when the model and settings allow (see
-    /// `EngineConfig::hybrid_kv_cache`): the pool is rebuilt with blocks of the group size,
-    /// as many as keep its bytes, and the manager gets the window groups.
-    fn kv_cache_groups(
-        mut backend: Box<dyn Backend>,
-        config: &EngineConfig,
-    ) -> Result<(Box<dyn Backend>, Option<pk_kv::WindowSpec>)> {
-        let wanted = config.hybrid_kv_cache && config.reuse.is_none();
-        let Some(layout) = backend.config().kv_group_layout().filter(|_| wanted) else {
-            return Ok((backend, None));
-        };
-        let g = backend.kv().geometry();
-        let num_blocks = g.num_blocks * g.n_layers / layout.layers_per_block;
-        if let Err(e) = backend.use_kv_groups(&layout, num_blocks) {
-            tracing::info!("one KV cache group: {e}");
-            return Ok((backend, None));
-        }
-        tracing::info!(
-            "KV cache groups: {} full-attention layers and {} window groups of up to {} layers ({} tokens), {num_blocks} blocks of {} layers",
-            layout.layers_per_block,
-            layout.num_window_groups,
-            layout.layers_per_block,
-            layout.window_tokens,
-            layout.layers_per_block
-        );
-        let window = pk_kv::WindowSpec {
-            num_groups: layout.num_window_groups as u32,
-            window_tokens: layout.window_tokens as u32,
-        };
-        Ok((backend, Some(window)))
-    }
-
     /// Bytes of one KV block (every layer slot, K and V).
     pub fn kv_block_bytes(&self) -> usize {
         self.backend.kv().capacity_bytes() / self.sched.kv.pool().num_blocks() as usize
@@ -275,9 +99,32 @@ impl Engine {
         self.backend.cpu_model()
     }
 
-    /// The KV reuse connector, for the accessors each connector's module adds to `Engine`.
-    pub(crate) fn reuse_connector(&self) -> Option<&dyn KvReuse> {
-        self.reuse.as_deref()
+    /// Attaches the connector through which prompt KV is stored and reused across
+    /// requests, restarts and servers (`pk_connectors` builds them, keyed by
+    /// [`Engine::cache_namespace`]). Refused while requests are in flight, and on an
+    /// engine with KV cache groups: today's connectors store and load every layer of every
+    /// token, which a window group does not keep (build it with `hybrid_kv_cache` off).
+    pub fn set_connector(&mut self, connector: Arc<dyn KvConnector>) -> Result<()> {
+        if self.has_work() {
+            bail!("a KV connector is attached before requests arrive");
+        }
+        if self.sched.kv.window_spec().is_some() {
+            bail!("this engine keeps sliding-window layers in KV cache groups of their own, which a KV connector does not store; build it with hybrid_kv_cache off");
+        }
+        self.connector = Some(connector);
+        Ok(())
+    }
+
+    /// The namespace every cache key of this engine is derived from (model identity, KV
+    /// precision, backend): connectors key what they store under it.
+    pub fn cache_namespace(&self) -> &CacheNamespace {
+        &self.cache_namespace
+    }
+
+    /// Bytes of one token's K and V in every layer, in the pool's precision.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        let g = self.backend.kv().geometry();
+        g.bytes_per_token(self.config.kv_dtype)
     }
 
     /// The codec fingerprint of this engine's KV (model and KV precision).
@@ -302,7 +149,7 @@ impl Engine {
     /// Returns the number of tokens run through the model.
     pub fn step(&mut self) -> usize {
         let mut kv_loads = loads::Loads {
-            reuse: self.reuse.as_deref_mut(),
+            connector: self.connector.as_deref(),
             backend: &mut *self.backend,
         };
         let schedule = self.sched.schedule(&mut kv_loads);
@@ -367,15 +214,15 @@ impl Engine {
     fn observe_prefill(&mut self, chunks: &[Chunk], seconds: f64) {
         if chunks.iter().all(|c| c.n_tokens() > 1) {
             let tokens = chunks.iter().map(Chunk::n_tokens).sum();
-            if let Some(r) = self.reuse.as_mut() {
+            if let Some(r) = &self.connector {
                 r.observe_prefill(tokens, seconds);
             }
         }
     }
 
     fn finish(&mut self, mut s: SeqState) {
-        if let Some(r) = self.reuse.as_mut() {
-            r.request_finished(&s.reuse);
+        if let Some(r) = &self.connector {
+            r.request_finished(s.request_key);
         }
         if let Some(seq) = s.seq.take() {
             self.sched.kv.free(seq);
@@ -390,8 +237,8 @@ impl Engine {
     }
 
     fn fail(&mut self, mut s: SeqState, err: RequestError) {
-        if let Some(r) = self.reuse.as_mut() {
-            r.request_finished(&s.reuse);
+        if let Some(r) = &self.connector {
+            r.request_finished(s.request_key);
         }
         if let Some(seq) = s.seq.take() {
             self.sched.kv.free(seq);

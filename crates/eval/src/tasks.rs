@@ -178,104 +178,56 @@ pub fn generate(
         }
         _ => {}
     }
-    let mut key = || format!("{}-{}", rng.pick(&ADJECTIVES), rng.pick(&NOUNS));
-    let (intro, question, answer_prefix, needles, expected, max_answer_tokens): (
-        String,
-        String,
-        String,
-        Vec<String>,
-        Vec<String>,
-        usize,
-    ) = match task {
-        Task::Passkey => {
-            let pass = rng.digits(5);
-            (
-                "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about it.".into(),
-                "What is the pass key?".into(),
-                // RULER's prefix is "The pass key is"; after it SmolLM2-135M often goes on
-                // with a definition ("a magical number that ...") or with the noise ("the
-                // grass is green"), even when the needle sits right before the question:
-                // with it the full cache failed 5 of 9 samples at 512–2048 tokens, with
-                // "the number" appended it answered all 9 (examples/task_probe.rs). The
-                // prefix fixes the form of the answer, not its content.
-                "The pass key is the number".into(),
-                vec![format!("The pass key is {pass}. Remember it. {pass} is the pass key.")],
-                vec![pass],
-                12,
-            )
-        }
-        Task::NiahSingle | Task::NiahMultiKey => {
-            let k = key();
-            let v = rng.digits(7);
-            let mut needles = vec![format!("One of the special magic numbers for {k} is: {v}.")];
-            if task == Task::NiahMultiKey {
-                // Three distractors with other keys.
-                let mut keys = vec![k.clone()];
-                while keys.len() < 4 {
-                    let other = format!("{}-{}", rng.pick(&ADJECTIVES), rng.pick(&NOUNS));
-                    if !keys.contains(&other) {
-                        needles.push(format!(
-                            "One of the special magic numbers for {other} is: {}.",
-                            rng.digits(7)
-                        ));
-                        keys.push(other);
-                    }
-                }
-            }
-            (
-                "Some special magic numbers are hidden within the following text. Make sure to memorize them. I will quiz you about the numbers afterwards.".into(),
-                format!("What is the special magic number for {k} mentioned in the provided text?"),
-                format!("The special magic number for {k} mentioned in the provided text is"),
-                needles,
-                vec![v],
-                16,
-            )
-        }
-        Task::NiahMultiValue => {
-            let k = key();
-            let values: Vec<String> = (0..4).map(|_| rng.digits(7)).collect();
-            (
-                "Some special magic numbers are hidden within the following text. Make sure to memorize them. I will quiz you about the numbers afterwards.".into(),
-                format!("What are all the special magic numbers for {k} mentioned in the provided text?"),
-                format!("The special magic numbers for {k} mentioned in the provided text are"),
-                values.iter().map(|v| format!("One of the special magic numbers for {k} is: {v}.")).collect(),
-                values,
-                48,
-            )
-        }
+    let spec = match task {
+        Task::Passkey => passkey(&mut rng),
+        Task::NiahSingle | Task::NiahMultiKey => niah(task, &mut rng),
+        Task::NiahMultiValue => niah_multi_value(&mut rng),
         Task::KvRetrieval => {
             return Ok(kv_retrieval(context_tokens, &mut rng, depth, count_tokens))
         }
-        Task::VariableTracking => {
-            let value = rng.digits(5);
-            let mut names: Vec<String> = Vec::new();
-            while names.len() < 5 {
-                let n: String = (0..5)
-                    .map(|_| (b'A' + rng.below(26) as u8) as char)
-                    .collect();
-                if !names.contains(&n) {
-                    names.push(n);
-                }
-            }
-            let mut needles = vec![format!("VAR {} = {value}.", names[0])];
-            needles.extend(
-                names
-                    .windows(2)
-                    .map(|w| format!("VAR {} = VAR {}.", w[1], w[0])),
-            );
-            (
-                "Memorize and track the chain of variable assignments hidden in the following text.".into(),
-                format!("Question: Find all variables that are assigned the value {value} in the text above."),
-                format!("According to the chain of variable assignments in the text above, 5 variables are assigned the value {value}, they are:"),
-                needles,
-                names,
-                32,
-            )
-        }
+        Task::VariableTracking => variable_tracking(&mut rng),
         Task::TextKl | Task::TextKlKeepContinuation | Task::CodeCompletion | Task::PassageCount => {
             unreachable!("handled above")
         }
     };
+    Ok(haystack_sample(
+        task,
+        spec,
+        context_tokens,
+        depth,
+        &mut rng,
+        count_tokens,
+    ))
+}
+
+/// What a needle-in-a-haystack task asks, before the haystack is laid around it.
+struct Spec {
+    intro: String,
+    question: String,
+    answer_prefix: String,
+    needles: Vec<String>,
+    expected: Vec<String>,
+    max_answer_tokens: usize,
+}
+
+/// The sample of `spec`: filler text of the task's kind to about `context_tokens` tokens,
+/// the first needle at `depth` and the others at random places.
+fn haystack_sample(
+    task: Task,
+    spec: Spec,
+    context_tokens: usize,
+    depth: f64,
+    rng: &mut SplitMix64,
+    count_tokens: &dyn Fn(&str) -> usize,
+) -> Sample {
+    let Spec {
+        intro,
+        question,
+        answer_prefix,
+        needles,
+        expected,
+        max_answer_tokens,
+    } = spec;
     let overhead: usize = [&intro, &question, &answer_prefix]
         .iter()
         .map(|s| count_tokens(s))
@@ -288,7 +240,7 @@ pub fn generate(
     let mut hay = filler::sentences(
         task.filler(),
         context_tokens.saturating_sub(overhead),
-        &mut rng,
+        rng,
         count_tokens,
     );
     insert_needles(
@@ -296,9 +248,9 @@ pub fn generate(
         needles,
         depth,
         task == Task::VariableTracking,
-        &mut rng,
+        rng,
     );
-    Ok(Sample {
+    Sample {
         user_message: format!("{intro}\n\n{}\n\n{question}", hay.join(" ")),
         answer_prefix,
         expected,
@@ -307,7 +259,101 @@ pub fn generate(
         scoring: Scoring::Contains,
         chat: true,
         source: None,
-    })
+    }
+}
+
+/// RULER's passkey retrieval.
+fn passkey(rng: &mut SplitMix64) -> Spec {
+    let pass = rng.digits(5);
+    Spec {
+        intro: "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about it.".into(),
+        question: "What is the pass key?".into(),
+        // RULER's prefix is "The pass key is"; after it SmolLM2-135M often goes on
+        // with a definition ("a magical number that ...") or with the noise ("the
+        // grass is green"), even when the needle sits right before the question:
+        // with it the full cache failed 5 of 9 samples at 512–2048 tokens, with
+        // "the number" appended it answered all 9 (examples/task_probe.rs). The
+        // prefix fixes the form of the answer, not its content.
+        answer_prefix: "The pass key is the number".into(),
+        needles: vec![format!("The pass key is {pass}. Remember it. {pass} is the pass key.")],
+        expected: vec![pass],
+        max_answer_tokens: 12,
+    }
+}
+
+/// A key of RULER's form (`adjective-noun`).
+fn magic_key(rng: &mut SplitMix64) -> String {
+    format!("{}-{}", rng.pick(&ADJECTIVES), rng.pick(&NOUNS))
+}
+
+/// RULER's single needle, or (`NiahMultiKey`) one among three distractors with other keys.
+fn niah(task: Task, rng: &mut SplitMix64) -> Spec {
+    let k = magic_key(rng);
+    let v = rng.digits(7);
+    let mut needles = vec![format!("One of the special magic numbers for {k} is: {v}.")];
+    if task == Task::NiahMultiKey {
+        let mut keys = vec![k.clone()];
+        while keys.len() < 4 {
+            let other = magic_key(rng);
+            if !keys.contains(&other) {
+                needles.push(format!(
+                    "One of the special magic numbers for {other} is: {}.",
+                    rng.digits(7)
+                ));
+                keys.push(other);
+            }
+        }
+    }
+    Spec {
+        intro: "Some special magic numbers are hidden within the following text. Make sure to memorize them. I will quiz you about the numbers afterwards.".into(),
+        question: format!("What is the special magic number for {k} mentioned in the provided text?"),
+        answer_prefix: format!("The special magic number for {k} mentioned in the provided text is"),
+        needles,
+        expected: vec![v],
+        max_answer_tokens: 16,
+    }
+}
+
+/// RULER's multi-value needle: four numbers under one key, all asked for.
+fn niah_multi_value(rng: &mut SplitMix64) -> Spec {
+    let k = magic_key(rng);
+    let values: Vec<String> = (0..4).map(|_| rng.digits(7)).collect();
+    Spec {
+        intro: "Some special magic numbers are hidden within the following text. Make sure to memorize them. I will quiz you about the numbers afterwards.".into(),
+        question: format!("What are all the special magic numbers for {k} mentioned in the provided text?"),
+        answer_prefix: format!("The special magic numbers for {k} mentioned in the provided text are"),
+        needles: values.iter().map(|v| format!("One of the special magic numbers for {k} is: {v}.")).collect(),
+        expected: values,
+        max_answer_tokens: 48,
+    }
+}
+
+/// RULER's variable tracking: a chain of five assignments from one value.
+fn variable_tracking(rng: &mut SplitMix64) -> Spec {
+    let value = rng.digits(5);
+    let mut names: Vec<String> = Vec::new();
+    while names.len() < 5 {
+        let n: String = (0..5)
+            .map(|_| (b'A' + rng.below(26) as u8) as char)
+            .collect();
+        if !names.contains(&n) {
+            names.push(n);
+        }
+    }
+    let mut needles = vec![format!("VAR {} = {value}.", names[0])];
+    needles.extend(
+        names
+            .windows(2)
+            .map(|w| format!("VAR {} = VAR {}.", w[1], w[0])),
+    );
+    Spec {
+        intro: "Memorize and track the chain of variable assignments hidden in the following text.".into(),
+        question: format!("Question: Find all variables that are assigned the value {value} in the text above."),
+        answer_prefix: format!("According to the chain of variable assignments in the text above, 5 variables are assigned the value {value}, they are:"),
+        needles,
+        expected: names,
+        max_answer_tokens: 32,
+    }
 }
 
 /// Puts the first needle at `depth` and the others at random places; a chain (variable

@@ -89,6 +89,147 @@ impl StreamUsage {
     }
 }
 
+/// One stream's state: the identity every chunk repeats, and per choice the tokens so far
+/// and the logprobs whose text is still held back. Each engine event becomes the chunks
+/// to send, so the async body below only moves them.
+struct StreamState {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    usage: StreamUsage,
+    prompt_tokens: usize,
+    /// vLLM's `continuous_usage_stats`: every chunk carries its choice's usage so far.
+    tokens_so_far: Vec<usize>,
+    logprobs: Option<StreamLogprobs>,
+    /// Per choice: logprobs of tokens whose text is still held back ride with its next text.
+    pending: Vec<Vec<pk_engine::TokenLogprob>>,
+    outputs: Vec<RequestOutput>,
+    n: usize,
+}
+
+/// What one engine event asks the stream to do.
+enum Step {
+    Send(Vec<Value>),
+    /// Send these, then end the stream.
+    End(Vec<Value>),
+}
+
+impl StreamState {
+    fn chunk(
+        &self,
+        index: usize,
+        text: Option<&str>,
+        finish: Option<&str>,
+        first: bool,
+        lp: Value,
+    ) -> Value {
+        let (id, model) = (self.id.as_str(), self.model.as_str());
+        chunk(
+            self.kind,
+            index,
+            id,
+            self.created,
+            model,
+            text,
+            finish,
+            first,
+            lp,
+        )
+    }
+
+    fn with_usage(&self, mut c: Value, completion_tokens: usize) -> Value {
+        if self.usage.every_chunk {
+            c["usage"] = json!(Usage::new(self.prompt_tokens, completion_tokens, 0));
+        }
+        c
+    }
+
+    /// Chat streams open every choice with its role; `echo` sends each choice's prompt text.
+    fn opening(&self, echo: &[String]) -> Vec<Value> {
+        let mut out = Vec::new();
+        if let Kind::Chat = self.kind {
+            for index in 0..self.n {
+                let c = self.chunk(index, Some(""), None, true, Value::Null);
+                out.push(self.with_usage(c, 0));
+            }
+        }
+        for (index, text) in echo.iter().enumerate().filter(|(_, t)| !t.is_empty()) {
+            let c = self.chunk(index, Some(text), None, false, Value::Null);
+            out.push(self.with_usage(c, 0));
+        }
+        out
+    }
+
+    fn on_event(&mut self, ev: SeqEvent) -> Step {
+        match ev {
+            SeqEvent::Logits(_) => Step::Send(Vec::new()),
+            SeqEvent::Text {
+                choice,
+                text,
+                logprobs,
+                token_ids,
+            } => Step::Send(self.on_text(choice, &text, token_ids.len(), logprobs)),
+            SeqEvent::Finished(o) => self.on_finished(*o),
+            SeqEvent::Error(e) => {
+                // The status line went out with the stream's first byte; the error
+                // event carries the status the request would have had.
+                let a = request_error(&e);
+                let v = json!({"error": {"message": a.message, "type": a.error_type(), "param": null, "code": a.status.as_u16()}});
+                Step::End(vec![v])
+            }
+        }
+    }
+
+    fn on_text(
+        &mut self,
+        choice: usize,
+        text: &str,
+        n_tokens: usize,
+        token_logprobs: Vec<pk_engine::TokenLogprob>,
+    ) -> Vec<Value> {
+        self.tokens_so_far[choice] += n_tokens;
+        self.pending[choice].extend(token_logprobs);
+        if text.is_empty() {
+            return Vec::new();
+        }
+        let tokens = std::mem::take(&mut self.pending[choice]);
+        let lp = StreamLogprobs::render(&mut self.logprobs, choice, &tokens);
+        let c = self.chunk(choice, Some(text), None, false, lp);
+        vec![self.with_usage(c, self.tokens_so_far[choice])]
+    }
+
+    /// A choice's last chunk; once every choice has finished, the usage chunk
+    /// (`include_usage`) and the end.
+    fn on_finished(&mut self, o: RequestOutput) -> Step {
+        let text = match self.kind {
+            Kind::Completion => Some(""),
+            Kind::Chat => None,
+        };
+        let tokens = std::mem::take(&mut self.pending[o.choice]);
+        let lp = match tokens.is_empty() {
+            true => Value::Null,
+            false => StreamLogprobs::render(&mut self.logprobs, o.choice, &tokens),
+        };
+        let c = self.chunk(o.choice, text, Some(finish_str(o.finish_reason)), false, lp);
+        let mut out = vec![self.with_usage(c, o.token_ids.len())];
+        self.outputs.push(o);
+        if self.outputs.len() < self.n {
+            return Step::Send(out);
+        }
+        if self.usage.at_end {
+            let obj = match self.kind {
+                Kind::Completion => "text_completion",
+                Kind::Chat => "chat.completion.chunk",
+            };
+            self.outputs.sort_by_key(|o| o.choice);
+            let usage = usage_of(self.prompt_tokens, &self.outputs);
+            out.push(json!({"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [], "usage": usage}));
+        }
+        Step::End(out)
+    }
+}
+
 pub(super) fn stream_response(
     kind: Kind,
     s: Submitted,
@@ -98,151 +239,46 @@ pub(super) fn stream_response(
     echo: Vec<String>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let n = s.n;
-    let include_usage = usage.at_end;
-    // vLLM's `continuous_usage_stats`: every chunk carries its choice's usage so far.
-    let mut tokens_so_far = vec![0usize; n];
-    let prompt_tokens = s.prompt_tokens;
-    let with_usage = move |mut c: Value, completion_tokens: usize| {
-        if usage.every_chunk {
-            c["usage"] = json!(Usage::new(prompt_tokens, completion_tokens, 0));
-        }
-        c
-    };
-    let mut logprobs = logprobs.map(|tokenizer| StreamLogprobs {
-        tokenizer,
+    let mut state = StreamState {
         kind,
-        text_offsets: vec![0; n],
-    });
-    let id = new_id(match kind {
-        Kind::Completion => "cmpl",
-        Kind::Chat => "chatcmpl",
-    });
-    let created = now_unix();
+        id: new_id(match kind {
+            Kind::Completion => "cmpl",
+            Kind::Chat => "chatcmpl",
+        }),
+        created: now_unix(),
+        model,
+        usage,
+        prompt_tokens: s.prompt_tokens,
+        tokens_so_far: vec![0; n],
+        logprobs: logprobs.map(|tokenizer| StreamLogprobs {
+            tokenizer,
+            kind,
+            text_offsets: vec![0; n],
+        }),
+        pending: vec![Vec::new(); n],
+        outputs: Vec::with_capacity(n),
+        n,
+    };
     let mut rx = s.rx;
     let stream = async_stream(move |yield_| async move {
-        // Chat streams open every choice with its role.
-        if let Kind::Chat = kind {
-            for index in 0..n {
-                let c = chunk(
-                    kind,
-                    index,
-                    &id,
-                    created,
-                    &model,
-                    Some(""),
-                    None,
-                    true,
-                    Value::Null,
-                );
-                let c = with_usage(c, 0);
-                if !yield_(Event::default().data(c.to_string())).await {
-                    return;
-                }
-            }
-        }
-        // `echo`: each choice's prompt text first.
-        for (index, text) in echo.iter().enumerate().filter(|(_, t)| !t.is_empty()) {
-            let c = chunk(
-                kind,
-                index,
-                &id,
-                created,
-                &model,
-                Some(text),
-                None,
-                false,
-                Value::Null,
-            );
-            let c = with_usage(c, 0);
+        for c in state.opening(&echo) {
             if !yield_(Event::default().data(c.to_string())).await {
                 return;
             }
         }
-        // Per choice: logprobs of tokens whose text is still held back ride with its next
-        // text.
-        let mut pending: Vec<Vec<pk_engine::TokenLogprob>> = vec![Vec::new(); n];
-        let mut outputs: Vec<RequestOutput> = Vec::with_capacity(n);
         while let Some(ev) = rx.recv().await {
-            match ev {
-                SeqEvent::Logits(_) => {}
-                SeqEvent::Text {
-                    choice,
-                    text,
-                    logprobs: token_logprobs,
-                    token_ids,
-                } => {
-                    tokens_so_far[choice] += token_ids.len();
-                    pending[choice].extend(token_logprobs);
-                    if !text.is_empty() {
-                        let tokens = std::mem::take(&mut pending[choice]);
-                        let lp = StreamLogprobs::render(&mut logprobs, choice, &tokens);
-                        let c = chunk(
-                            kind,
-                            choice,
-                            &id,
-                            created,
-                            &model,
-                            Some(&text),
-                            None,
-                            false,
-                            lp,
-                        );
-                        let c = with_usage(c, tokens_so_far[choice]);
-                        if !yield_(Event::default().data(c.to_string())).await {
-                            return;
-                        }
-                    }
+            let (chunks, end) = match state.on_event(ev) {
+                Step::Send(c) => (c, false),
+                Step::End(c) => (c, true),
+            };
+            for c in chunks {
+                // A client gone mid-stream ends it (at the end, the last sends are best effort).
+                if !yield_(Event::default().data(c.to_string())).await && !end {
+                    return;
                 }
-                SeqEvent::Finished(o) => {
-                    let fin = finish_str(o.finish_reason);
-                    let text = match kind {
-                        Kind::Completion => Some(""),
-                        Kind::Chat => None,
-                    };
-                    let tokens = std::mem::take(&mut pending[o.choice]);
-                    let lp = match tokens.is_empty() {
-                        true => Value::Null,
-                        false => StreamLogprobs::render(&mut logprobs, o.choice, &tokens),
-                    };
-                    let c = chunk(
-                        kind,
-                        o.choice,
-                        &id,
-                        created,
-                        &model,
-                        text,
-                        Some(fin),
-                        false,
-                        lp,
-                    );
-                    let c = with_usage(c, o.token_ids.len());
-                    if !yield_(Event::default().data(c.to_string())).await {
-                        return;
-                    }
-                    outputs.push(*o);
-                    if outputs.len() < n {
-                        continue;
-                    }
-                    if include_usage {
-                        let obj = match kind {
-                            Kind::Completion => "text_completion",
-                            Kind::Chat => "chat.completion.chunk",
-                        };
-                        outputs.sort_by_key(|o| o.choice);
-                        let usage = usage_of(prompt_tokens, &outputs);
-                        let v = json!({"id": id, "object": obj, "created": created, "model": model, "choices": [], "usage": usage});
-                        yield_(Event::default().data(v.to_string())).await;
-                    }
-                    break;
-                }
-                SeqEvent::Error(e) => {
-                    // The status line went out with the stream's first byte; the error
-                    // event carries the status the request would have had.
-                    let a = request_error(&e);
-                    let v = json!({"error": {"message": a.message, "type": a.error_type(), "param": null, "code": a.status.as_u16()}});
-                    yield_(Event::default().data(v.to_string())).await;
-                    break;
-                }
+            }
+            if end {
+                break;
             }
         }
         yield_(Event::default().data("[DONE]")).await;
