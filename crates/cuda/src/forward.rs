@@ -14,7 +14,7 @@ use pk_model::{ModelConfig, RopeStyle, SeqForward};
 use crate::attention::{plan, AttnPlan};
 use crate::device::{DevPtr, Gpu};
 use crate::kv_pool::GpuKvPool;
-use crate::weights::GpuWeights;
+use crate::weights::{GpuLayer, GpuWeights};
 use crate::{kargs, CudaError};
 
 pub struct GpuLlama {
@@ -445,174 +445,206 @@ impl GpuLlama {
         shape: Shape,
         capture: Option<Capture>,
     ) -> Result<(), CudaError> {
-        let c = &self.config;
-        let g = pool.geometry;
         let b = self
             .scratch
             .bufs
             .as_ref()
             .expect("allocated before launching");
-        let o = shape.offsets();
-        let (n, n_out) = (shape.n, shape.n_out);
-        let (d, qd, kvd, ff) = (c.d_model, c.q_dim(), c.kv_dim(), c.d_ff);
-        let qkv_stride = (qd + 2 * kvd) as i32;
-        let ip = |at: usize| -> DevPtr { gpu.ptr(&b.meta) + 4 * at as u64 };
-        let (x, h, qkv, attn, gate_up, act_ff, partial) = (
-            gpu.ptr(&b.x),
-            gpu.ptr(&b.h),
-            gpu.ptr(&b.qkv),
-            gpu.ptr(&b.attn),
-            gpu.ptr(&b.gate_up),
-            gpu.ptr(&b.act_ff),
-            gpu.ptr(&b.partial),
-        );
-        let neox = (c.rope_style == RopeStyle::Neox) as i32;
-        let null: DevPtr = 0;
-        let attn_smem = (2 * g.block_size_tokens * c.head_dim * 4) as u32;
-        let threads = (32 * self.tile_tokens() * c.group_size()) as u32;
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let w = &self.weights;
-        let n_i = n as i32;
-
-        // SAFETY: for every launch below, argument lists follow the kernels' signatures in
-        // kernels/*.cu; buffers were sized for the shape by `ensure_scratch`; slots and block
-        // ids were checked against the pool in `meta`, and the plan checked every block
-        // table's length; a capture buffer holds `n_layers × rows × q_dim` floats for rows
-        // below `n` (`forward_with_queries`).
+        let l = Launcher {
+            model: self,
+            gpu,
+            pool,
+            shape,
+            o: shape.offsets(),
+            meta: gpu.ptr(&b.meta),
+            x: gpu.ptr(&b.x),
+            h: gpu.ptr(&b.h),
+            qkv: gpu.ptr(&b.qkv),
+            attn: gpu.ptr(&b.attn),
+            gate_up: gpu.ptr(&b.gate_up),
+            act_ff: gpu.ptr(&b.act_ff),
+            partial: gpu.ptr(&b.partial),
+            logits: gpu.ptr(&b.logits),
+            argmax: gpu.ptr(&b.argmax),
+        };
+        let (w, d) = (&self.weights, self.config.d_model);
+        // SAFETY: for every launch here and in `Launcher`'s methods, argument lists follow
+        // the kernels' signatures in kernels/*.cu; buffers were sized for the shape by
+        // `ensure_scratch`; slots and block ids were checked against the pool in `meta`, and
+        // the plan checked every block table's length; a capture buffer holds
+        // `n_layers × rows × q_dim` floats for rows below `n` (`forward_with_queries`).
         unsafe {
-            gpu.launch(
-                "embed",
-                n as u32,
-                256,
-                0,
-                kargs![gpu.ptr(&w.token_embd), ip(o.tokens), x, d as i32],
-            )?;
+            let args = kargs![gpu.ptr(&w.token_embd), l.ip(l.o.tokens), l.x, d as i32];
+            gpu.launch("embed", shape.n as u32, 256, 0, args)?;
             for (li, lw) in w.layers.iter().enumerate() {
-                let (k_pool, v_pool) = pool.layer_ptrs(gpu, li);
-                gpu.launch(
-                    "rmsnorm",
-                    n as u32,
-                    256,
-                    0,
-                    kargs![x, gpu.ptr(&lw.attn_norm), h, null, d as i32, c.rms_eps],
-                )?;
-                gpu.gemm(gpu.ptr(&lw.wqkv), qd + 2 * kvd, d, h, n, qkv, 0.0)?;
-                gpu.launch(
-                    "rope_kv_write",
-                    n as u32,
-                    256,
-                    0,
-                    kargs![
-                        qkv,
-                        qkv_stride,
-                        ip(o.positions),
-                        gpu.ptr(&self.inv_freq),
-                        c.n_heads as i32,
-                        c.n_kv_heads as i32,
-                        c.head_dim as i32,
-                        neox,
-                        k_pool,
-                        v_pool,
-                        ip(o.slots),
-                        g.block_size_tokens as i32
-                    ],
-                )?;
-                if let Some((buf, rows)) = capture {
-                    // Q is each row's first q_dim floats, rotated in place just above.
-                    for (i, &r) in rows.iter().enumerate() {
-                        let dst = buf + (4 * (li * rows.len() + i) * qd) as u64;
-                        gpu.copy_raw(dst, qkv + 4 * (r * qkv_stride as usize) as u64, 4 * qd)?;
-                    }
-                }
-                gpu.launch(
-                    "paged_attention",
-                    shape.n_items as u32,
-                    threads,
-                    attn_smem,
-                    kargs![
-                        qkv,
-                        qkv_stride,
-                        k_pool,
-                        v_pool,
-                        ip(o.tables),
-                        ip(o.seqs),
-                        ip(o.items),
-                        partial,
-                        c.n_heads as i32,
-                        c.n_kv_heads as i32,
-                        c.head_dim as i32,
-                        g.block_size_tokens as i32,
-                        self.tile_tokens() as i32,
-                        n_i,
-                        scale
-                    ],
-                )?;
-                gpu.launch(
-                    "attn_combine",
-                    (n * c.n_heads) as u32,
-                    c.head_dim as u32,
-                    0,
-                    kargs![
-                        partial,
-                        ip(o.row_splits),
-                        attn,
-                        c.n_heads as i32,
-                        c.head_dim as i32,
-                        n_i
-                    ],
-                )?;
-                gpu.gemm(gpu.ptr(&lw.wo), d, qd, attn, n, x, 1.0)?;
-                gpu.launch(
-                    "rmsnorm",
-                    n as u32,
-                    256,
-                    0,
-                    kargs![x, gpu.ptr(&lw.ffn_norm), h, null, d as i32, c.rms_eps],
-                )?;
-                gpu.gemm(gpu.ptr(&lw.w_gate_up), 2 * ff, d, h, n, gate_up, 0.0)?;
-                gpu.launch(
-                    "swiglu",
-                    gpu.grid_for(n * ff),
-                    256,
-                    0,
-                    kargs![gate_up, act_ff, n_i, ff as i32],
-                )?;
-                gpu.gemm(gpu.ptr(&lw.w_down), d, ff, act_ff, n, x, 1.0)?;
+                l.attention(li, lw, capture)?;
+                l.mlp(lw)?;
             }
-            if n_out > 0 {
-                gpu.launch(
-                    "rmsnorm",
-                    n_out as u32,
-                    256,
-                    0,
-                    kargs![
-                        x,
-                        gpu.ptr(&w.output_norm),
-                        h,
-                        ip(o.out_rows),
-                        d as i32,
-                        c.rms_eps
-                    ],
-                )?;
-                gpu.gemm(
-                    gpu.ptr(w.output_head()),
-                    c.vocab_size,
-                    d,
-                    h,
-                    n_out,
-                    gpu.ptr(&b.logits),
-                    0.0,
-                )?;
-                if shape.argmax {
-                    gpu.launch(
-                        "argmax_rows",
-                        n_out as u32,
-                        1024,
-                        0,
-                        kargs![gpu.ptr(&b.logits), c.vocab_size as i32, gpu.ptr(&b.argmax)],
-                    )?;
-                }
+            if shape.n_out > 0 {
+                l.head()?;
             }
+        }
+        Ok(())
+    }
+}
+
+/// One call's launches: the model, the pool, the shape and the scratch buffers' pointers.
+struct Launcher<'a> {
+    model: &'a GpuLlama,
+    gpu: &'a Gpu,
+    pool: &'a GpuKvPool,
+    shape: Shape,
+    o: Offsets,
+    meta: DevPtr,
+    x: DevPtr,
+    h: DevPtr,
+    qkv: DevPtr,
+    attn: DevPtr,
+    gate_up: DevPtr,
+    act_ff: DevPtr,
+    partial: DevPtr,
+    logits: DevPtr,
+    argmax: DevPtr,
+}
+
+impl Launcher<'_> {
+    /// The device address of metadata entry `at` (in i32s).
+    fn ip(&self, at: usize) -> DevPtr {
+        self.meta + 4 * at as u64
+    }
+
+    /// Layer `li`'s attention half: RMSNorm, the QKV GEMM, RoPE with the K/V write into
+    /// the pool, the capture of Q, paged attention and its combine, the output GEMM added
+    /// into the residual.
+    ///
+    /// # Safety
+    /// As in `GpuLlama::launch_all`.
+    unsafe fn attention(
+        &self,
+        li: usize,
+        lw: &GpuLayer,
+        capture: Option<Capture>,
+    ) -> Result<(), CudaError> {
+        let (c, gpu, o, n) = (&self.model.config, self.gpu, &self.o, self.shape.n);
+        let g = self.pool.geometry;
+        let (d, qd, kvd) = (c.d_model, c.q_dim(), c.kv_dim());
+        let qkv_stride = (qd + 2 * kvd) as i32;
+        let (k_pool, v_pool) = self.pool.layer_ptrs(gpu, li);
+        let null: DevPtr = 0;
+        let (x, h, qkv) = (self.x, self.h, self.qkv);
+        let norm_args = kargs![x, gpu.ptr(&lw.attn_norm), h, null, d as i32, c.rms_eps];
+        gpu.launch("rmsnorm", n as u32, 256, 0, norm_args)?;
+        gpu.gemm(gpu.ptr(&lw.wqkv), qd + 2 * kvd, d, h, n, qkv, 0.0)?;
+        let neox = (c.rope_style == RopeStyle::Neox) as i32;
+        let rope_args = kargs![
+            qkv,
+            qkv_stride,
+            self.ip(o.positions),
+            gpu.ptr(&self.model.inv_freq),
+            c.n_heads as i32,
+            c.n_kv_heads as i32,
+            c.head_dim as i32,
+            neox,
+            k_pool,
+            v_pool,
+            self.ip(o.slots),
+            g.block_size_tokens as i32
+        ];
+        gpu.launch("rope_kv_write", n as u32, 256, 0, rope_args)?;
+        if let Some((buf, rows)) = capture {
+            // Q is each row's first q_dim floats, rotated in place just above.
+            for (i, &r) in rows.iter().enumerate() {
+                let dst = buf + (4 * (li * rows.len() + i) * qd) as u64;
+                gpu.copy_raw(dst, qkv + 4 * (r * qkv_stride as usize) as u64, 4 * qd)?;
+            }
+        }
+        self.paged_attention(k_pool, v_pool)?;
+        gpu.gemm(gpu.ptr(&lw.wo), d, qd, self.attn, n, x, 1.0)
+    }
+
+    /// Paged attention into per-split partials, then their combine into `attn`.
+    ///
+    /// # Safety
+    /// As in `GpuLlama::launch_all`.
+    unsafe fn paged_attention(&self, k_pool: DevPtr, v_pool: DevPtr) -> Result<(), CudaError> {
+        let (m, gpu, o, n) = (self.model, self.gpu, &self.o, self.shape.n);
+        let c = &m.config;
+        let g = self.pool.geometry;
+        let attn_smem = (2 * g.block_size_tokens * c.head_dim * 4) as u32;
+        let threads = (32 * m.tile_tokens() * c.group_size()) as u32;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let n_i = n as i32;
+        let attn_args = kargs![
+            self.qkv,
+            (c.q_dim() + 2 * c.kv_dim()) as i32,
+            k_pool,
+            v_pool,
+            self.ip(o.tables),
+            self.ip(o.seqs),
+            self.ip(o.items),
+            self.partial,
+            c.n_heads as i32,
+            c.n_kv_heads as i32,
+            c.head_dim as i32,
+            g.block_size_tokens as i32,
+            m.tile_tokens() as i32,
+            n_i,
+            scale
+        ];
+        let items = self.shape.n_items as u32;
+        gpu.launch("paged_attention", items, threads, attn_smem, attn_args)?;
+        let combine_args = kargs![
+            self.partial,
+            self.ip(o.row_splits),
+            self.attn,
+            c.n_heads as i32,
+            c.head_dim as i32,
+            n_i
+        ];
+        let rows = (n * c.n_heads) as u32;
+        gpu.launch("attn_combine", rows, c.head_dim as u32, 0, combine_args)
+    }
+
+    /// Layer's MLP half: RMSNorm, the gate/up GEMM, SwiGLU, the down GEMM added into the
+    /// residual.
+    ///
+    /// # Safety
+    /// As in `GpuLlama::launch_all`.
+    unsafe fn mlp(&self, lw: &GpuLayer) -> Result<(), CudaError> {
+        let (c, gpu, n) = (&self.model.config, self.gpu, self.shape.n);
+        let (d, ff) = (c.d_model, c.d_ff);
+        let null: DevPtr = 0;
+        let (x, h) = (self.x, self.h);
+        let norm_args = kargs![x, gpu.ptr(&lw.ffn_norm), h, null, d as i32, c.rms_eps];
+        gpu.launch("rmsnorm", n as u32, 256, 0, norm_args)?;
+        gpu.gemm(gpu.ptr(&lw.w_gate_up), 2 * ff, d, h, n, self.gate_up, 0.0)?;
+        let swiglu_args = kargs![self.gate_up, self.act_ff, n as i32, ff as i32];
+        gpu.launch("swiglu", gpu.grid_for(n * ff), 256, 0, swiglu_args)?;
+        gpu.gemm(gpu.ptr(&lw.w_down), d, ff, self.act_ff, n, x, 1.0)
+    }
+
+    /// The output rows' final norm, the output head, and each row's argmax when asked.
+    ///
+    /// # Safety
+    /// As in `GpuLlama::launch_all`.
+    unsafe fn head(&self) -> Result<(), CudaError> {
+        let (c, gpu, n_out) = (&self.model.config, self.gpu, self.shape.n_out);
+        let w = &self.model.weights;
+        let d = c.d_model;
+        let norm_args = kargs![
+            self.x,
+            gpu.ptr(&w.output_norm),
+            self.h,
+            self.ip(self.o.out_rows),
+            d as i32,
+            c.rms_eps
+        ];
+        gpu.launch("rmsnorm", n_out as u32, 256, 0, norm_args)?;
+        let head = gpu.ptr(w.output_head());
+        gpu.gemm(head, c.vocab_size, d, self.h, n_out, self.logits, 0.0)?;
+        if self.shape.argmax {
+            let args = kargs![self.logits, c.vocab_size as i32, self.argmax];
+            gpu.launch("argmax_rows", n_out as u32, 1024, 0, args)?;
         }
         Ok(())
     }

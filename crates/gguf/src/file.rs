@@ -286,71 +286,17 @@ impl GgufFile {
             })?,
             None => 32,
         };
-        let mut raw = Vec::with_capacity(n_tensors as usize);
-        for _ in 0..n_tensors {
-            let name = r.string()?;
-            let n_dims = r.u32()?;
-            if n_dims == 0 || n_dims > MAX_DIMS {
-                return Err(GgufError::Invalid(format!(
-                    "tensor {name} has {n_dims} dimensions"
-                )));
-            }
-            let mut dims = Vec::with_capacity(n_dims as usize);
-            for _ in 0..n_dims {
-                dims.push(r.u64()?);
-            }
-            let type_id = r.u32()?;
-            let rel_offset = r.u64()?;
-            raw.push((name, dims, type_id, rel_offset));
-        }
+        let raw = (0..n_tensors)
+            .map(|_| RawTensor::read(&mut r))
+            .collect::<Result<Vec<_>>>()?;
         let data_start = (r.pos as u64).div_ceil(alignment) * alignment;
         let file_len_bytes = mmap.len() as u64;
         let mut tensors = Vec::with_capacity(raw.len());
         let mut tensor_index = BTreeMap::new();
-        for (name, dims, type_id, rel_offset) in raw {
-            let ggml_type =
-                GgmlType::from_id(type_id).map_err(|type_name| GgufError::UnsupportedType {
-                    type_id,
-                    name: type_name,
-                    tensor: name.clone(),
-                })?;
-            let n_elems = dims
-                .iter()
-                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-                .ok_or_else(|| {
-                    GgufError::Invalid(format!("tensor {name}: element count overflows"))
-                })?;
-            if dims[0] % ggml_type.block_elems() as u64 != 0 {
-                return Err(GgufError::Invalid(format!(
-                    "tensor {name}: row length {} is not a multiple of the {} block size {}",
-                    dims[0],
-                    ggml_type,
-                    ggml_type.block_elems()
-                )));
-            }
-            let size_bytes =
-                n_elems / ggml_type.block_elems() as u64 * ggml_type.block_bytes() as u64;
-            let offset_bytes = data_start
-                .checked_add(rel_offset)
-                .ok_or_else(|| GgufError::Invalid(format!("tensor {name}: offset overflows")))?;
-            if offset_bytes
-                .checked_add(size_bytes)
-                .is_none_or(|end| end > file_len_bytes)
-            {
-                return Err(GgufError::Truncated {
-                    offset: offset_bytes,
-                    needed: size_bytes,
-                    file_len_bytes,
-                });
-            }
-            tensor_index.insert(name.clone(), tensors.len());
-            tensors.push(TensorInfo {
-                name,
-                dims,
-                ggml_type,
-                offset_bytes,
-                size_bytes,
-            });
+        for t in raw {
+            let info = t.checked(data_start, file_len_bytes)?;
+            tensor_index.insert(info.name.clone(), tensors.len());
+            tensors.push(info);
         }
         Ok(GgufFile {
             version,
@@ -458,5 +404,86 @@ impl GgufFile {
 
     pub fn file_len_bytes(&self) -> u64 {
         self.mmap.len() as u64
+    }
+}
+
+/// A tensor's header entry as read, before its type, size and offset are checked.
+struct RawTensor {
+    name: String,
+    dims: Vec<u64>,
+    type_id: u32,
+    rel_offset: u64,
+}
+
+impl RawTensor {
+    fn read(r: &mut Reader) -> Result<RawTensor> {
+        let name = r.string()?;
+        let n_dims = r.u32()?;
+        if n_dims == 0 || n_dims > MAX_DIMS {
+            return Err(GgufError::Invalid(format!(
+                "tensor {name} has {n_dims} dimensions"
+            )));
+        }
+        let mut dims = Vec::with_capacity(n_dims as usize);
+        for _ in 0..n_dims {
+            dims.push(r.u64()?);
+        }
+        let type_id = r.u32()?;
+        let rel_offset = r.u64()?;
+        Ok(RawTensor {
+            name,
+            dims,
+            type_id,
+            rel_offset,
+        })
+    }
+
+    /// The tensor with its type known, its rows whole blocks and its bytes inside the file.
+    fn checked(self, data_start: u64, file_len_bytes: u64) -> Result<TensorInfo> {
+        let RawTensor {
+            name,
+            dims,
+            type_id,
+            rel_offset,
+        } = self;
+        let ggml_type =
+            GgmlType::from_id(type_id).map_err(|type_name| GgufError::UnsupportedType {
+                type_id,
+                name: type_name,
+                tensor: name.clone(),
+            })?;
+        let n_elems = dims
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| GgufError::Invalid(format!("tensor {name}: element count overflows")))?;
+        if dims[0] % ggml_type.block_elems() as u64 != 0 {
+            return Err(GgufError::Invalid(format!(
+                "tensor {name}: row length {} is not a multiple of the {} block size {}",
+                dims[0],
+                ggml_type,
+                ggml_type.block_elems()
+            )));
+        }
+        let size_bytes = n_elems / ggml_type.block_elems() as u64 * ggml_type.block_bytes() as u64;
+        let offset_bytes = data_start
+            .checked_add(rel_offset)
+            .ok_or_else(|| GgufError::Invalid(format!("tensor {name}: offset overflows")))?;
+        if offset_bytes
+            .checked_add(size_bytes)
+            .is_none_or(|end| end > file_len_bytes)
+        {
+            return Err(GgufError::Truncated {
+                offset: offset_bytes,
+                needed: size_bytes,
+                file_len_bytes,
+            });
+        }
+        Ok(TensorInfo {
+            name,
+            dims,
+            ggml_type,
+            offset_bytes,
+            size_bytes,
+        })
     }
 }

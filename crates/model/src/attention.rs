@@ -11,9 +11,11 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use crate::kernels::dot_f32;
+mod tile;
+use tile::attend_task;
+
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::{attn, attn512, attn512q};
+use crate::kernels::{attn, attn512};
 use crate::kv_store::{KvStore, LayerKv};
 
 /// One sequence's share of an attention call.
@@ -322,287 +324,10 @@ pub(crate) unsafe fn attend_seq_kv_head(
     );
 }
 
-/// Computes one task's rows into `out`.
-///
-/// # Safety
-/// `out` must hold every row of `s`, and no other task may write this (tile, KV head).
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_task(
-    kernel: Kernel,
-    store: &KvStore,
-    layer: usize,
-    shape: AttnShape,
-    s: &AttnSeq,
-    t: &Task,
-    q: &[f32],
-    out: OutPtr,
-    first_visible: Option<&[usize]>,
-) {
-    debug_assert!(
-        first_visible.is_none() || kernel != Kernel::Avx2,
-        "windows run on the AVX-512 or the portable kernel"
-    );
-    let hd = shape.head_dim;
-    let group = shape.n_heads / shape.n_kv_heads;
-    let q_dim = shape.n_heads * hd;
-    let at = |tok: usize, g: usize| (s.row_offset + tok) * q_dim + (t.kv_head * group + g) * hd;
-    #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx512 {
-        let (k, v, f16, quant) = match store.layer(layer) {
-            LayerKv::F16 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, true, None),
-            LayerKv::F32 { k, v } => (
-                k.as_ptr() as *const u8,
-                v.as_ptr() as *const u8,
-                false,
-                None,
-            ),
-            LayerKv::Quant { k, v, layout } => (k.as_ptr(), v.as_ptr(), false, Some(layout)),
-        };
-        let g = &store.geometry;
-        let mut kv = attn512::HeadKv {
-            k,
-            v,
-            f16,
-            block_table: s.block_table,
-            n_kv_heads: g.n_kv_heads,
-            kv_head: t.kv_head,
-            block_size: g.block_size_tokens,
-            head_dim: hd,
-            prefetch: true,
-        };
-        debug_assert!(
-            quant.is_some() || store.head_offset(1, 0) == g.n_kv_heads * g.block_size_tokens * hd
-        );
-        let scale = 1.0 / (hd as f32).sqrt();
-        let attend = |kv: &attn512::HeadKv, rows: &[attn512::Row]| match &quant {
-            None => attn512::attend(kv, rows, scale),
-            Some(layout) => attn512q::attend(kv, layout, rows, scale),
-        };
-        let max_rows = attn512::max_rows(hd);
-        let mut rows = [attn512::Row {
-            q: std::ptr::null(),
-            out: std::ptr::null_mut(),
-            first_visible: 0,
-            n_visible: 0,
-        }; 4];
-        let mut n = 0;
-        for tok in t.t0..t.t1 {
-            for g in 0..group {
-                let n_visible = s.stored_start + tok + 1;
-                let first = first_visible.map_or(0, |f| f[s.row_offset + tok]);
-                rows[n] = attn512::Row {
-                    q: q.as_ptr().add(at(tok, g)),
-                    out: out.0.add(at(tok, g)),
-                    first_visible: first,
-                    n_visible,
-                };
-                n += 1;
-                if n == max_rows {
-                    attend(&kv, &rows[..n]);
-                    kv.prefetch = false;
-                    n = 0;
-                }
-            }
-        }
-        if n > 0 {
-            attend(&kv, &rows[..n]);
-        }
-        return;
-    }
-    let res = attend_tile(
-        kernel == Kernel::Avx2,
-        store,
-        layer,
-        shape,
-        s,
-        t.kv_head,
-        t.t0,
-        t.t1,
-        q,
-        first_visible,
-    );
-    for (ti, tok) in (t.t0..t.t1).enumerate() {
-        for g in 0..group {
-            let src = &res[(ti * group + g) * hd..(ti * group + g + 1) * hd];
-            std::ptr::copy_nonoverlapping(src.as_ptr(), out.0.add(at(tok, g)), hd);
-        }
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn attend_tile(
-    simd: bool,
-    store: &KvStore,
-    layer: usize,
-    shape: AttnShape,
-    s: &AttnSeq,
-    kvh: usize,
-    t0: usize,
-    t1: usize,
-    q: &[f32],
-    first_visible: Option<&[usize]>,
-) -> Vec<f32> {
-    let hd = shape.head_dim;
-    let group = shape.n_heads / shape.n_kv_heads;
-    let q_dim = shape.n_heads * hd;
-    let bs = store.geometry.block_size_tokens;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let n_rows = (t1 - t0) * group;
-    let mut m = vec![f32::NEG_INFINITY; n_rows];
-    let mut l = vec![0f32; n_rows];
-    let mut acc = vec![0f32; n_rows * hd];
-    let mut kbuf = vec![0f32; bs * hd];
-    let mut vbuf = vec![0f32; bs * hd];
-    let mut scores = vec![0f32; bs];
-    let last_visible = s.stored_start + t1 - 1;
-    let n_blocks = last_visible / bs + 1;
-    debug_assert!(
-        n_blocks <= s.block_table.len(),
-        "block table shorter than stored tokens"
-    );
-    #[cfg(target_arch = "x86_64")]
-    let simd = simd && attn::x86_supported(hd);
-    #[cfg(not(target_arch = "x86_64"))]
-    let simd = false;
-    let sp = bs.next_multiple_of(8);
-    #[cfg(target_arch = "x86_64")]
-    let f16c = is_x86_feature_detected!("f16c");
-    let mut kt = if simd {
-        vec![0f32; hd * sp]
-    } else {
-        Vec::new()
-    };
-    // The first stored index query token t sees (0 without a window).
-    let windowed = first_visible.is_some();
-    let first_visible = |t: usize| first_visible.map_or(0, |f| f[s.row_offset + t]);
-    debug_assert!(!windowed || !simd, "windows run on the portable kernel");
-    for b in first_visible(t0) / bs..n_blocks {
-        let block = s.block_table[b];
-        let n_valid = bs.min(last_visible + 1 - b * bs);
-        if simd {
-            #[cfg(target_arch = "x86_64")]
-            {
-                // Transposed K: one vector load then gives a dimension of 8 keys. An f16
-                // block whose size is a multiple of 8 is already laid out so (`[d][slot]`),
-                // and is widened in one pass.
-                match store.layer(layer) {
-                    LayerKv::F16 { k, v } if sp == bs && f16c => {
-                        let off = store.head_offset(block, kvh);
-                        // Blocks are scattered, which defeats the hardware prefetcher on a
-                        // decode step's one pass over them from DRAM: ask for the block two
-                        // ahead (about one DRAM latency of work), as `attn512` does.
-                        if let Some(&ahead) = s.block_table[..n_blocks].get(b + 2) {
-                            let at = store.head_offset(ahead, kvh);
-                            attn::prefetch(&k[at..at + hd * bs]);
-                            attn::prefetch(&v[at..at + hd * bs]);
-                        }
-                        // SAFETY: F16C was detected; kt holds hd × bs, vbuf bs × hd floats.
-                        unsafe {
-                            attn::f16_to_f32_x86(&k[off..off + hd * bs], &mut kt);
-                            attn::f16_to_f32_x86(&v[off..off + n_valid * hd], &mut vbuf);
-                        }
-                    }
-                    _ => {
-                        store.read_v(layer, block, kvh, &mut vbuf[..n_valid * hd]);
-                        store.read_k_transposed(layer, block, kvh, sp, &mut kt);
-                    }
-                }
-                let blk = attn::BlockF32 {
-                    kt: &kt,
-                    v: &vbuf,
-                    slots_padded: sp,
-                };
-                let mut rows = Vec::with_capacity(attn::ROWS);
-                let states = m
-                    .iter_mut()
-                    .zip(l.iter_mut())
-                    .zip(acc.chunks_mut(hd))
-                    .enumerate();
-                for (r, ((m, l), a)) in states {
-                    let t = t0 + r / group;
-                    let visible_end = s.stored_start + t + 1;
-                    if visible_end <= b * bs {
-                        continue;
-                    }
-                    let h = kvh * group + r % group;
-                    let qrow = &q[(s.row_offset + t) * q_dim + h * hd
-                        ..(s.row_offset + t) * q_dim + (h + 1) * hd];
-                    rows.push(attn::RowState {
-                        q: qrow,
-                        n_visible: n_valid.min(visible_end - b * bs),
-                        m,
-                        l,
-                        acc: a,
-                    });
-                    if rows.len() == attn::ROWS {
-                        // SAFETY: x86_supported(hd) was checked; kt/v hold this block.
-                        unsafe { attn::update_x86(&mut rows, &blk, hd, scale) };
-                        rows.clear();
-                    }
-                }
-                if !rows.is_empty() {
-                    // SAFETY: as above, x86_supported(hd) was checked; kt/v hold this block.
-                    unsafe { attn::update_x86(&mut rows, &blk, hd, scale) };
-                }
-            }
-            continue;
-        }
-        store.read_v(layer, block, kvh, &mut vbuf[..n_valid * hd]);
-        store.read_k(layer, block, kvh, &mut kbuf[..n_valid * hd]);
-        for t in t0..t1 {
-            let visible_end = s.stored_start + t + 1; // exclusive
-            if visible_end <= b * bs {
-                continue;
-            }
-            let n_vis = n_valid.min(visible_end - b * bs);
-            let j0 = first_visible(t).saturating_sub(b * bs);
-            if j0 >= n_vis {
-                continue;
-            }
-            for g in 0..group {
-                let h = kvh * group + g;
-                let qrow = &q[(s.row_offset + t) * q_dim + h * hd
-                    ..(s.row_offset + t) * q_dim + (h + 1) * hd];
-                let mut block_max = f32::NEG_INFINITY;
-                for j in j0..n_vis {
-                    let sc = dot_f32(qrow, &kbuf[j * hd..(j + 1) * hd]) * scale;
-                    scores[j] = sc;
-                    block_max = block_max.max(sc);
-                }
-                let r = (t - t0) * group + g;
-                let m_new = m[r].max(block_max);
-                let correction = (m[r] - m_new).exp();
-                let a = &mut acc[r * hd..(r + 1) * hd];
-                if correction != 1.0 {
-                    for x in a.iter_mut() {
-                        *x *= correction;
-                    }
-                }
-                let mut sum = l[r] * correction;
-                for j in j0..n_vis {
-                    let p = (scores[j] - m_new).exp();
-                    sum += p;
-                    for (x, &vv) in a.iter_mut().zip(&vbuf[j * hd..(j + 1) * hd]) {
-                        *x += p * vv;
-                    }
-                }
-                l[r] = sum;
-                m[r] = m_new;
-            }
-        }
-    }
-    for r in 0..n_rows {
-        let inv = 1.0 / l[r];
-        for x in &mut acc[r * hd..(r + 1) * hd] {
-            *x *= inv;
-        }
-    }
-    acc
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::dot_f32;
     use crate::kv_store::{KvDtype, KvGeometry};
     use rand::{Rng, SeedableRng};
 
@@ -771,6 +496,91 @@ mod tests {
         n_q: usize,
     ) {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let (store, table, ks, vs) = filled_store(&mut rng, dtype, n_kv, hd, bs, n_tokens);
+        // The last n_q tokens are "new" queries: causal among themselves.
+        let start = n_tokens - n_q;
+        let q: Vec<f32> = (0..n_q * n_heads * hd)
+            .map(|_| rng.gen_range(-2.0..2.0))
+            .collect();
+        let mut out = vec![0f32; q.len()];
+        let seq = AttnSeq {
+            block_table: &table,
+            stored_start: start,
+            n_queries: n_q,
+            row_offset: 0,
+        };
+        let shape = AttnShape {
+            n_heads,
+            n_kv_heads: n_kv,
+            head_dim: hd,
+        };
+        for kernel in kernels(hd) {
+            paged_attention_with(kernel, &store, 0, shape, &[seq], &q, &mut out);
+            for i in 0..n_q {
+                for h in 0..n_heads {
+                    let kvh = h / (n_heads / n_kv);
+                    let qrow = &q[(i * n_heads + h) * hd..(i * n_heads + h + 1) * hd];
+                    let want = naive(
+                        qrow,
+                        &ks[kvh][..start + i + 1],
+                        &vs[kvh][..start + i + 1],
+                        hd,
+                    );
+                    let got = &out[(i * n_heads + h) * hd..(i * n_heads + h + 1) * hd];
+                    for (a, b) in want.iter().zip(got) {
+                        assert!(
+                            (a - b).abs() < 1e-4,
+                            "{dtype:?} {kernel:?} bs {bs} token {i} head {h}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+            let what = format!("{dtype:?} {kernel:?} bs {bs}");
+            assert_rows_alone_match(kernel, &store, shape, &seq, &q, &out, &what);
+        }
+    }
+
+    /// Each query row of `seq`, computed alone (as in a decode step), has the same bits as
+    /// in the batch's `out`.
+    fn assert_rows_alone_match(
+        kernel: Kernel,
+        store: &KvStore,
+        shape: AttnShape,
+        seq: &AttnSeq,
+        q: &[f32],
+        out: &[f32],
+        what: &str,
+    ) {
+        let q_dim = shape.n_heads * shape.head_dim;
+        for i in 0..seq.n_queries {
+            let alone = AttnSeq {
+                stored_start: seq.stored_start + i,
+                n_queries: 1,
+                ..*seq
+            };
+            let mut one = vec![0f32; q_dim];
+            let qi = &q[i * q_dim..(i + 1) * q_dim];
+            paged_attention_with(kernel, store, 0, shape, &[alone], qi, &mut one);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&one),
+                bits(&out[i * q_dim..(i + 1) * q_dim]),
+                "{what}: token {i} alone differs"
+            );
+        }
+    }
+
+    /// K/V per (KV head, token) as one layer's store holds them, after writing `n_tokens`
+    /// random tokens through a shuffled block table, which it returns.
+    #[allow(clippy::type_complexity)]
+    fn filled_store(
+        rng: &mut rand::rngs::StdRng,
+        dtype: KvDtype,
+        n_kv: usize,
+        hd: usize,
+        bs: usize,
+        n_tokens: usize,
+    ) -> (KvStore, Vec<u32>, Vec<Vec<Vec<f32>>>, Vec<Vec<Vec<f32>>>) {
         let num_blocks = n_tokens.div_ceil(bs) + 3;
         let g = KvGeometry {
             n_layers: 1,
@@ -795,8 +605,8 @@ mod tests {
         let mut ks = vec![vec![vec![0f32; hd]; n_tokens]; n_kv];
         let mut vs = ks.clone();
         for t in 0..n_tokens {
-            let k: Vec<f32> = (0..n_kv * hd).map(|_| value(&mut rng)).collect();
-            let v: Vec<f32> = (0..n_kv * hd).map(|_| value(&mut rng)).collect();
+            let k: Vec<f32> = (0..n_kv * hd).map(|_| value(rng)).collect();
+            let v: Vec<f32> = (0..n_kv * hd).map(|_| value(rng)).collect();
             store.write_token(0, table[t / bs], t % bs, &k, &v);
             for h in 0..n_kv {
                 ks[h][t] = k[h * hd..(h + 1) * hd].to_vec();
@@ -814,81 +624,6 @@ mod tests {
                 vs[h][t].copy_from_slice(&buf[(t % bs) * hd..(t % bs + 1) * hd]);
             }
         }
-        // The last n_q tokens are "new" queries: causal among themselves.
-        let start = n_tokens - n_q;
-        let q: Vec<f32> = (0..n_q * n_heads * hd)
-            .map(|_| rng.gen_range(-2.0..2.0))
-            .collect();
-        let mut out = vec![0f32; q.len()];
-        let seq = AttnSeq {
-            block_table: &table,
-            stored_start: start,
-            n_queries: n_q,
-            row_offset: 0,
-        };
-        for kernel in kernels(hd) {
-            paged_attention_with(
-                kernel,
-                &store,
-                0,
-                AttnShape {
-                    n_heads,
-                    n_kv_heads: n_kv,
-                    head_dim: hd,
-                },
-                &[seq],
-                &q,
-                &mut out,
-            );
-            for i in 0..n_q {
-                for h in 0..n_heads {
-                    let kvh = h / (n_heads / n_kv);
-                    let qrow = &q[(i * n_heads + h) * hd..(i * n_heads + h + 1) * hd];
-                    let want = naive(
-                        qrow,
-                        &ks[kvh][..start + i + 1],
-                        &vs[kvh][..start + i + 1],
-                        hd,
-                    );
-                    let got = &out[(i * n_heads + h) * hd..(i * n_heads + h + 1) * hd];
-                    for (a, b) in want.iter().zip(got) {
-                        assert!(
-                            (a - b).abs() < 1e-4,
-                            "{dtype:?} {kernel:?} bs {bs} token {i} head {h}: {a} vs {b}"
-                        );
-                    }
-                }
-            }
-            let shape = AttnShape {
-                n_heads,
-                n_kv_heads: n_kv,
-                head_dim: hd,
-            };
-            let q_dim = n_heads * hd;
-            for i in 0..n_q {
-                let alone = AttnSeq {
-                    block_table: &table,
-                    stored_start: start + i,
-                    n_queries: 1,
-                    row_offset: 0,
-                };
-                let mut one = vec![0f32; q_dim];
-                paged_attention_with(
-                    kernel,
-                    &store,
-                    0,
-                    shape,
-                    &[alone],
-                    &q[i * q_dim..(i + 1) * q_dim],
-                    &mut one,
-                );
-                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                assert_eq!(
-                    bits(&one),
-                    bits(&out[i * q_dim..(i + 1) * q_dim]),
-                    "{dtype:?} {kernel:?} bs {bs}: token {i} alone differs"
-                );
-            }
-        }
+        (store, table, ks, vs)
     }
 }

@@ -330,88 +330,124 @@ fn apply_option(
     value: Option<&str>,
     option: &str,
 ) -> Option<Result<PolicySpec, PolicyError>> {
-    let policy = spec.name();
-    let valid = valid_options(&spec);
-    let number = |value: Option<&str>| positive(policy, option, value.unwrap_or(""), valid);
-    Some(match (spec, key, value) {
+    let opt = OptionText {
+        policy: spec.name(),
+        option,
+        valid: valid_options(&spec),
+    };
+    match (spec, key, value) {
         (PolicySpec::StreamingLlm { .. }, "n-sink", Some(v)) => {
-            number(Some(v)).map(|n| PolicySpec::StreamingLlm {
+            Some(opt.number(v).map(|n| PolicySpec::StreamingLlm {
                 n_sink_tokens: Some(n),
-            })
+            }))
         }
-        (
-            PolicySpec::SnapKv {
-                kernel_tokens,
-                avg_pool,
-                ..
-            },
-            "window",
-            Some(v),
-        ) => number(Some(v)).map(|n| PolicySpec::SnapKv {
-            window_tokens: n,
-            kernel_tokens,
-            avg_pool,
-        }),
-        (
-            PolicySpec::SnapKv {
-                window_tokens,
-                kernel_tokens,
-                ..
-            },
-            "pool",
-            Some(v),
-        ) => match v {
-            "max" | "avg" => Ok(PolicySpec::SnapKv {
-                window_tokens,
-                kernel_tokens,
-                avg_pool: v == "avg",
-            }),
-            _ => Err(PolicyError::InvalidOption {
-                policy,
-                option: option.to_string(),
-                valid,
-            }),
+        (PolicySpec::SnapKv { .. }, _, Some(v)) => apply_snapkv_option(spec, key, v, &opt),
+        (PolicySpec::ExpectedAttention { .. }, _, Some(v)) => {
+            apply_expected_option(spec, key, v, &opt)
+        }
+        (PolicySpec::PagedEviction { .. }, _, _) => apply_paged_option(spec, key, value, &opt),
+        _ => None,
+    }
+}
+
+/// One option as written, for its errors.
+struct OptionText<'a> {
+    policy: &'static str,
+    option: &'a str,
+    valid: &'static str,
+}
+
+impl OptionText<'_> {
+    fn invalid(&self) -> PolicyError {
+        PolicyError::InvalidOption {
+            policy: self.policy,
+            option: self.option.to_string(),
+            valid: self.valid,
+        }
+    }
+
+    fn number(&self, value: &str) -> Result<u32, PolicyError> {
+        positive(self.policy, self.option, value, self.valid)
+    }
+}
+
+/// SnapKV's `window=N`, `kernel=N` (odd) and `pool=max|avg`.
+fn apply_snapkv_option(
+    spec: PolicySpec,
+    key: &str,
+    v: &str,
+    opt: &OptionText,
+) -> Option<Result<PolicySpec, PolicyError>> {
+    let PolicySpec::SnapKv {
+        window_tokens,
+        kernel_tokens,
+        avg_pool,
+    } = spec
+    else {
+        return None;
+    };
+    let with = |window_tokens, kernel_tokens, avg_pool| PolicySpec::SnapKv {
+        window_tokens,
+        kernel_tokens,
+        avg_pool,
+    };
+    Some(match key {
+        "window" => opt.number(v).map(|n| with(n, kernel_tokens, avg_pool)),
+        "pool" => match v {
+            "max" | "avg" => Ok(with(window_tokens, kernel_tokens, v == "avg")),
+            _ => Err(opt.invalid()),
         },
-        (
-            PolicySpec::SnapKv {
-                window_tokens,
-                avg_pool,
-                ..
-            },
-            "kernel",
-            Some(v),
-        ) => match number(Some(v)) {
-            Ok(n) if n % 2 == 1 => Ok(PolicySpec::SnapKv {
-                window_tokens,
-                kernel_tokens: n,
-                avg_pool,
-            }),
-            Ok(_) => Err(PolicyError::InvalidOption {
-                policy,
-                option: option.to_string(),
-                valid,
-            }),
+        "kernel" => match opt.number(v) {
+            Ok(n) if n % 2 == 1 => Ok(with(window_tokens, n, avg_pool)),
+            Ok(_) => Err(opt.invalid()),
             Err(error) => Err(error),
         },
-        (PolicySpec::ExpectedAttention { n_sink_tokens, .. }, "window", Some(v)) => number(Some(v))
-            .map(|n| PolicySpec::ExpectedAttention {
-                window_queries: n,
-                n_sink_tokens,
+        _ => return None,
+    })
+}
+
+/// Expected attention's `window=N` and `n-sink=N` (zero allowed).
+fn apply_expected_option(
+    spec: PolicySpec,
+    key: &str,
+    v: &str,
+    opt: &OptionText,
+) -> Option<Result<PolicySpec, PolicyError>> {
+    let PolicySpec::ExpectedAttention {
+        window_queries,
+        n_sink_tokens,
+    } = spec
+    else {
+        return None;
+    };
+    Some(match key {
+        "window" => opt.number(v).map(|n| PolicySpec::ExpectedAttention {
+            window_queries: n,
+            n_sink_tokens,
+        }),
+        "n-sink" => match v.parse::<u32>() {
+            Ok(n) => Ok(PolicySpec::ExpectedAttention {
+                window_queries,
+                n_sink_tokens: n,
             }),
-        (PolicySpec::ExpectedAttention { window_queries, .. }, "n-sink", Some(v)) => {
-            match v.parse::<u32>() {
-                Ok(n) => Ok(PolicySpec::ExpectedAttention {
-                    window_queries,
-                    n_sink_tokens: n,
-                }),
-                Err(_) => Err(PolicyError::InvalidOption {
-                    policy,
-                    option: option.to_string(),
-                    valid,
-                }),
-            }
-        }
-        (PolicySpec::PagedEviction { local_topk, .. }, "ratio" | "v-norm" | "inv-k-norm", None) => {
+            Err(_) => Err(opt.invalid()),
+        },
+        _ => return None,
+    })
+}
+
+/// PagedEviction's score flags (`ratio`, `v-norm`, `inv-k-norm`) and `local[=N]`.
+fn apply_paged_option(
+    spec: PolicySpec,
+    key: &str,
+    value: Option<&str>,
+    opt: &OptionText,
+) -> Option<Result<PolicySpec, PolicyError>> {
+    let PolicySpec::PagedEviction { score, local_topk } = spec else {
+        return None;
+    };
+    Some(match (key, value) {
+        ("ratio" | "v-norm" | "inv-k-norm", None) => {
             let score = match key {
                 "v-norm" => PagedScore::VNorm,
                 "inv-k-norm" => PagedScore::InvKNorm,
@@ -419,10 +455,10 @@ fn apply_option(
             };
             Ok(PolicySpec::PagedEviction { score, local_topk })
         }
-        (PolicySpec::PagedEviction { score, .. }, "local", value) => {
+        ("local", value) => {
             let topk = match value {
                 None => Ok(LOCAL_TOPK_DEFAULT),
-                Some(v) => number(Some(v)),
+                Some(v) => opt.number(v),
             };
             topk.map(|n| PolicySpec::PagedEviction {
                 score,
