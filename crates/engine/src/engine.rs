@@ -224,11 +224,11 @@ impl Engine {
         if let Some(r) = &self.connector {
             r.request_finished(s.request_key);
         }
-        if let Some(seq) = s.seq.take() {
+        if let Some(seq) = s.kv.seq.take() {
             self.sched.kv.free(seq);
         }
-        self.stats.grammar_masks += s.grammar_masks;
-        self.stats.grammar_mask_seconds += s.grammar_mask_seconds;
+        self.stats.grammar_masks += s.sampling.grammar_masks;
+        self.stats.grammar_mask_seconds += s.sampling.grammar_mask_seconds;
         if s.aborted {
             return;
         }
@@ -240,7 +240,7 @@ impl Engine {
         if let Some(r) = &self.connector {
             r.request_finished(s.request_key);
         }
-        if let Some(seq) = s.seq.take() {
+        if let Some(seq) = s.kv.seq.take() {
             self.sched.kv.free(seq);
         }
         (s.req.sink)(SeqEvent::Error(err));

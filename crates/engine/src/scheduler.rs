@@ -174,7 +174,7 @@ impl Scheduler {
 
     /// The index in `running` of a running sequence.
     pub fn index_of(&self, seq: SeqId) -> Option<usize> {
-        self.running.iter().position(|s| s.seq == Some(seq))
+        self.running.iter().position(|s| s.kv.seq == Some(seq))
     }
 
     /// Frees the blocks of sequences whose clients went away.
@@ -182,7 +182,7 @@ impl Scheduler {
         let mut aborted = Vec::new();
         self.running.retain_mut(|s| {
             if s.aborted {
-                aborted.push(s.seq.take());
+                aborted.push(s.kv.seq.take());
             }
             !s.aborted
         });
@@ -213,20 +213,20 @@ impl Scheduler {
     fn reserved_prefill_blocks(&self) -> usize {
         self.running
             .iter()
-            .filter(|s| s.num_computed < s.n_prompt)
+            .filter(|s| s.kv.num_computed < s.n_prompt)
             .map(|s| self.prefill_blocks_left(s))
             .sum()
     }
 
     /// `reserved_prefill_blocks` of one sequence still in its prompt.
     fn prefill_blocks_left(&self, s: &SeqState) -> usize {
-        let left = s.n_prompt - s.num_computed;
+        let left = s.n_prompt - s.kv.num_computed;
         let chunk_peak = s
             .eviction
             .as_ref()
             .filter(|ev| ev.prune_interval_tokens.is_some())
             .map(|ev| ev.prefill_peak_tokens(s.n_prompt));
-        let need = match (chunk_peak, s.seq) {
+        let need = match (chunk_peak, s.kv.seq) {
             (Some(peak), Some(seq)) => {
                 let stored = self
                     .kv
@@ -375,14 +375,14 @@ impl Scheduler {
 
     /// An admitted sequence whose first `adopted` tokens are already in its cache.
     pub fn start_running(&mut self, mut s: SeqState, seq: SeqId, adopted: usize) {
-        if s.preemptions == 0 {
+        if s.kv.preemptions == 0 {
             self.stats.prefix_queries_tokens += s.n_prompt as u64;
             self.stats.prefix_hits_tokens += adopted as u64;
-            s.cached_prompt_tokens = adopted;
+            s.kv.cached_prompt_tokens = adopted;
         }
-        s.seq = Some(seq);
+        s.kv.seq = Some(seq);
         s.scheduled_at.get_or_insert_with(std::time::Instant::now);
-        s.num_computed = adopted;
+        s.kv.num_computed = adopted;
         self.running.push(s);
     }
 
@@ -400,12 +400,12 @@ impl Scheduler {
         let child_seq = self.new_seq_id();
         child.request_key = self.new_request_key();
         let Some(copies) = self.kv.fork(parent, child_seq) else {
-            child.num_computed = 0;
+            child.kv.num_computed = 0;
             self.waiting.push_front(child);
             return None;
         };
-        child.seq = Some(child_seq);
-        child.num_computed = to;
+        child.kv.seq = Some(child_seq);
+        child.kv.num_computed = to;
         Some((child, copies))
     }
 
@@ -414,16 +414,19 @@ impl Scheduler {
     fn preempt_one(&mut self, keep: SeqId) -> Option<SeqId> {
         let victim = (0..self.running.len())
             .rev()
-            .find(|&i| self.running[i].seq != Some(keep))?;
+            .find(|&i| self.running[i].kv.seq != Some(keep))?;
         let mut s = self.running.remove(victim);
-        let seq = s.seq.take().expect("running sequences hold a block table");
+        let seq =
+            s.kv.seq
+                .take()
+                .expect("running sequences hold a block table");
         self.kv.free(seq);
-        s.num_computed = 0;
+        s.kv.num_computed = 0;
         s.reuse = SeqReuse::default();
         if let Some(ev) = s.eviction.as_mut() {
             ev.reset();
         }
-        s.preemptions += 1;
+        s.kv.preemptions += 1;
         self.stats.preemptions += 1;
         tracing::debug!(
             "preempted a sequence ({} tokens) to free blocks",
@@ -440,7 +443,7 @@ impl Scheduler {
         let mut order: Vec<(bool, SeqId)> = self
             .running
             .iter()
-            .map(|s| (s.is_prefilling(), s.seq.expect("running")))
+            .map(|s| (s.is_prefilling(), s.kv.seq.expect("running")))
             .collect();
         order.sort_by_key(|&(prefilling, _)| prefilling);
         let mut budget = self.limits.max_batch_tokens;
@@ -456,7 +459,7 @@ impl Scheduler {
             };
             let cap = if prefilling { prefill_left } else { usize::MAX };
             let take = self.chunk_tokens(&self.running[i], budget.min(cap));
-            let from = self.running[i].num_computed;
+            let from = self.running[i].kv.num_computed;
             if take == 0 || !self.allocate_or_preempt(seq, take, &mut plan, failed) {
                 continue;
             }
@@ -476,7 +479,7 @@ impl Scheduler {
     /// Tokens of `s` the next chunk computes, at most `limit`: what is pending, within the
     /// sequence's own chunk bound and the rows of logits it returns.
     fn chunk_tokens(&self, s: &SeqState, limit: usize) -> usize {
-        let pending = s.all_ids.len() - s.num_computed;
+        let pending = s.all_ids.len() - s.kv.num_computed;
         pending
             .min(limit)
             .min(s.max_chunk())
@@ -528,7 +531,7 @@ impl Scheduler {
         let i = self.index_of(seq).expect("still running");
         let mut s = self.running.remove(i);
         // Its blocks go back now, so that the rest of this plan can use them.
-        if let Some(seq) = s.seq.take() {
+        if let Some(seq) = s.kv.seq.take() {
             self.kv.free(seq);
         }
         let msg =

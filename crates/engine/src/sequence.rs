@@ -36,32 +36,38 @@ impl SeqReuse {
     }
 }
 
-pub(crate) struct SeqState {
-    pub req: Request,
-    /// The request's name towards connectors (the scheduler gives it at enqueue and fork).
-    pub request_key: RequestKey,
-    /// Prefix-cache bytes: the engine's cache namespace and the request's salt.
-    pub namespace: Vec<u8>,
+/// A sequence's place in the KV cache: its block table and how much of it is computed.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SeqKv {
     /// The block table's id while admitted; `None` while waiting (also after preemption).
     pub seq: Option<SeqId>,
-    /// Prompt followed by generated tokens; index = absolute position.
-    pub all_ids: Vec<u32>,
-    pub n_prompt: usize,
     /// Tokens of `all_ids` whose K/V is in the cache.
     pub num_computed: usize,
+    /// Prompt tokens found in the prefix cache or a connector at first admission.
     pub cached_prompt_tokens: usize,
     pub preemptions: usize,
-    pub aborted: bool,
-    pub eviction: Option<SeqEviction>,
     /// Stored tokens after the last step, for the final report.
-    pub kv_stored_tokens: usize,
+    pub stored_tokens: usize,
     /// Blocks held after the last step (main table and window groups).
-    pub kv_blocks: usize,
-    /// What the sequence asked of, got from and gives to the engine's KV reuse connector.
-    pub reuse: SeqReuse,
+    pub blocks: usize,
+}
+
+/// How the next token is chosen: the sampler, the logits processors' history and the
+/// grammar.
+pub(crate) struct SeqSampling {
     sampler: Sampler,
     /// Generated-token counts (and the prompt's ids) for the logits processors.
     history: TokenHistory,
+    /// The request's grammar, advanced by every generated token (structured output).
+    pub matcher: Option<llguidance::Matcher>,
+    /// Masks computed for the grammar and their time, for the engine's stats.
+    pub grammar_masks: u64,
+    pub grammar_mask_seconds: f64,
+}
+
+/// What the sequence has reported and still holds back: text (detokenized, stop strings
+/// held back while one may be starting), ids, log-probabilities and token times.
+struct SeqOutput {
     /// Every generated token's log-probabilities (with `logprobs`), and those not yet
     /// reported with a `Text` event.
     logprobs: Vec<TokenLogprob>,
@@ -70,29 +76,43 @@ pub(crate) struct SeqState {
     stop: StopMatcher,
     /// Generated ids not yet reported with a `Text` event.
     unreported_ids: Vec<u32>,
-    arrival: Instant,
-    /// When the scheduler first admitted the sequence (a preempted one keeps its first
-    /// admission), for the queue and prefill times.
-    pub scheduled_at: Option<Instant>,
     /// When each generated token of `all_ids[n_prompt..]` was sampled, one per token, so
     /// that the server can observe every gap between consecutive tokens.
     token_times: Vec<Instant>,
-    /// Which of the request's `n` choices this sequence is (0 for the first).
-    pub choice: usize,
-    /// Sibling choices still to fork from this one when its first token is sampled.
-    pub choices_to_fork: usize,
-    /// The request's grammar, advanced by every generated token (structured output).
-    pub matcher: Option<llguidance::Matcher>,
-    /// Masks computed for the grammar and their time, for the engine's stats.
-    pub grammar_masks: u64,
-    pub grammar_mask_seconds: f64,
-    /// The request's sink once siblings share it.
-    shared_sink: Option<Arc<Mutex<EventSink>>>,
     first_token_at: Option<Instant>,
     finish_reason: Option<FinishReason>,
     /// With `prompt_logprobs`: entry `t` is prompt token `t`'s log-probability given the
     /// tokens before it (`None` for the first, which has none), filled as prefill runs.
     prompt_logprobs: Vec<Option<TokenLogprob>>,
+}
+
+/// One sequence: its request and tokens, then one part per concern.
+pub(crate) struct SeqState {
+    pub req: Request,
+    /// The request's name towards connectors (the scheduler gives it at enqueue and fork).
+    pub request_key: RequestKey,
+    /// Prefix-cache bytes: the engine's cache namespace and the request's salt.
+    pub namespace: Vec<u8>,
+    /// Prompt followed by generated tokens; index = absolute position.
+    pub all_ids: Vec<u32>,
+    pub n_prompt: usize,
+    pub kv: SeqKv,
+    pub eviction: Option<SeqEviction>,
+    /// What the sequence asked of, got from and gives to the engine's KV reuse connector.
+    pub reuse: SeqReuse,
+    pub sampling: SeqSampling,
+    output: SeqOutput,
+    pub aborted: bool,
+    arrival: Instant,
+    /// When the scheduler first admitted the sequence (a preempted one keeps its first
+    /// admission), for the queue and prefill times.
+    pub scheduled_at: Option<Instant>,
+    /// Which of the request's `n` choices this sequence is (0 for the first).
+    pub choice: usize,
+    /// Sibling choices still to fork from this one when its first token is sampled.
+    pub choices_to_fork: usize,
+    /// The request's sink once siblings share it.
+    shared_sink: Option<Arc<Mutex<EventSink>>>,
 }
 
 impl SeqState {
@@ -102,41 +122,40 @@ impl SeqState {
         let req_prompt_logprobs = req.params.prompt_logprobs.is_some();
         SeqState {
             n_prompt: all_ids.len(),
-            sampler: Sampler::new(req.params.sampling.clone()),
-            history: TokenHistory::new(&all_ids, &req.params.sampling),
-            logprobs: Vec::new(),
-            unreported_logprobs: Vec::new(),
-            stop: StopMatcher::new(&req.params.stop),
-            decoder: StreamDecoder::new(),
+            sampling: SeqSampling {
+                sampler: Sampler::new(req.params.sampling.clone()),
+                history: TokenHistory::new(&all_ids, &req.params.sampling),
+                matcher: None,
+                grammar_masks: 0,
+                grammar_mask_seconds: 0.0,
+            },
+            output: SeqOutput {
+                logprobs: Vec::new(),
+                unreported_logprobs: Vec::new(),
+                decoder: StreamDecoder::new(),
+                stop: StopMatcher::new(&req.params.stop),
+                unreported_ids: Vec::new(),
+                token_times: Vec::new(),
+                first_token_at: None,
+                finish_reason: None,
+                prompt_logprobs: match req_prompt_logprobs {
+                    true => vec![None],
+                    false => Vec::new(),
+                },
+            },
             req,
             namespace,
-            seq: None,
             all_ids,
-            num_computed: 0,
-            cached_prompt_tokens: 0,
-            preemptions: 0,
+            kv: SeqKv::default(),
             aborted: false,
             eviction: None,
-            kv_stored_tokens: 0,
-            kv_blocks: 0,
             reuse: SeqReuse::default(),
             request_key: 0,
-            unreported_ids: Vec::new(),
             arrival: Instant::now(),
             scheduled_at: None,
-            token_times: Vec::new(),
             choice: 0,
             choices_to_fork: req_n_minus_1,
             shared_sink: None,
-            matcher: None,
-            grammar_masks: 0,
-            grammar_mask_seconds: 0.0,
-            first_token_at: None,
-            finish_reason: None,
-            prompt_logprobs: match req_prompt_logprobs {
-                true => vec![None],
-                false => Vec::new(),
-            },
         }
     }
 
@@ -169,10 +188,10 @@ impl SeqState {
         let mut child = SeqState::new(req, self.namespace.clone());
         child.choice = index;
         child.shared_sink = self.shared_sink.clone();
-        child.matcher = self.matcher.as_ref().map(|m| m.deep_clone());
+        child.sampling.matcher = self.sampling.matcher.as_ref().map(|m| m.deep_clone());
         child.all_ids = self.all_ids.clone();
-        child.num_computed = self.num_computed;
-        child.cached_prompt_tokens = self.cached_prompt_tokens;
+        child.kv.num_computed = self.kv.num_computed;
+        child.kv.cached_prompt_tokens = self.kv.cached_prompt_tokens;
         child.arrival = self.arrival;
         child.scheduled_at = self.scheduled_at;
         child
@@ -184,21 +203,21 @@ impl SeqState {
     /// happens over the same cache as the first time.
     pub fn is_prefilling(&self) -> bool {
         if self.eviction.is_some() {
-            return self.num_computed < self.n_prompt;
+            return self.kv.num_computed < self.n_prompt;
         }
-        self.all_ids.len() - self.num_computed > 1 || self.num_computed < self.n_prompt
+        self.all_ids.len() - self.kv.num_computed > 1 || self.kv.num_computed < self.n_prompt
     }
 
     /// The most tokens the next chunk may compute: an evicting sequence's prompt ends its
     /// prefill chunk (its selection runs there), and its replayed tokens go one at a time.
     pub fn max_chunk(&self) -> usize {
-        match (&self.eviction, self.num_computed < self.n_prompt) {
+        match (&self.eviction, self.kv.num_computed < self.n_prompt) {
             (None, _) => usize::MAX,
             // A prompt pruned as its chunks arrive also ends chunks at its pruning points.
             (Some(ev), true) => {
-                let left = self.n_prompt - self.num_computed;
+                let left = self.n_prompt - self.kv.num_computed;
                 match ev.prune_interval_tokens {
-                    Some(n) => left.min(n - self.num_computed % n),
+                    Some(n) => left.min(n - self.kv.num_computed % n),
                     None => left,
                 }
             }
@@ -208,7 +227,8 @@ impl SeqState {
 
     /// Whether prompt tokens still lack their `prompt_logprobs` entry.
     pub fn wants_prompt_rows(&self) -> bool {
-        self.req.params.prompt_logprobs.is_some() && self.prompt_logprobs.len() < self.n_prompt
+        self.req.params.prompt_logprobs.is_some()
+            && self.output.prompt_logprobs.len() < self.n_prompt
     }
 
     /// The first position in `from..to` whose logits give a missing prompt logprob (the
@@ -217,7 +237,7 @@ impl SeqState {
         if !self.wants_prompt_rows() {
             return None;
         }
-        let pos = (self.prompt_logprobs.len() - 1).max(from);
+        let pos = (self.output.prompt_logprobs.len() - 1).max(from);
         (pos < to).then_some(pos)
     }
 
@@ -227,10 +247,10 @@ impl SeqState {
         let t = pos + 1;
         if let (Some(n_top), true) = (
             self.req.params.prompt_logprobs,
-            t == self.prompt_logprobs.len() && t < self.n_prompt,
+            t == self.output.prompt_logprobs.len() && t < self.n_prompt,
         ) {
             let lp = token_logprob(logits, self.all_ids[t], n_top);
-            self.prompt_logprobs.push(Some(lp));
+            self.output.prompt_logprobs.push(Some(lp));
         }
     }
 
@@ -258,29 +278,29 @@ impl SeqState {
         let Some(processed) = self.processed_logits(logits, tokenizer) else {
             // The grammar cannot continue (an engine limit): end here rather than emit text
             // outside it.
-            self.finish_reason = Some(FinishReason::Stop);
+            self.output.finish_reason = Some(FinishReason::Stop);
             return true;
         };
         let params = &self.req.params;
         let id = match params.forced_tokens.get(self.generated()) {
             Some(&forced) => forced,
-            None => self.sampler.sample(&processed),
+            None => self.sampling.sampler.sample(&processed),
         };
         let sampled_at = Instant::now();
-        self.first_token_at.get_or_insert(sampled_at);
+        self.output.first_token_at.get_or_insert(sampled_at);
         if !params.ignore_eos && tokenizer.is_eog(id) {
-            self.finish_reason = Some(FinishReason::Stop);
+            self.output.finish_reason = Some(FinishReason::Stop);
             return true;
         }
         if let Some(n_top) = params.logprobs {
             let lp = token_logprob(&processed, id, n_top);
-            self.logprobs.push(lp.clone());
-            self.unreported_logprobs.push(lp);
+            self.output.logprobs.push(lp.clone());
+            self.output.unreported_logprobs.push(lp);
         }
-        if let Some(m) = self.matcher.as_mut() {
+        if let Some(m) = self.sampling.matcher.as_mut() {
             if let Err(e) = m.consume_token(id) {
                 tracing::warn!("grammar refused token {id}: {e}");
-                self.finish_reason = Some(FinishReason::Stop);
+                self.output.finish_reason = Some(FinishReason::Stop);
                 return true;
             }
         }
@@ -300,16 +320,19 @@ impl SeqState {
             true => tokenizer.eog_ids(),
             false => &[],
         };
-        if !params.sampling.processes_logits() && banned.is_empty() && self.matcher.is_none() {
+        if !params.sampling.processes_logits()
+            && banned.is_empty()
+            && self.sampling.matcher.is_none()
+        {
             return Some(std::borrow::Cow::Borrowed(logits));
         }
         let mut l = logits.to_vec();
-        process_logits(&mut l, &params.sampling, &self.history, banned);
-        if let Some(m) = self.matcher.as_mut() {
+        process_logits(&mut l, &params.sampling, &self.sampling.history, banned);
+        if let Some(m) = self.sampling.matcher.as_mut() {
             let t0 = Instant::now();
             let masked = crate::grammar::mask_logits(m, &mut l);
-            self.grammar_masks += 1;
-            self.grammar_mask_seconds += t0.elapsed().as_secs_f64();
+            self.sampling.grammar_masks += 1;
+            self.sampling.grammar_mask_seconds += t0.elapsed().as_secs_f64();
             if let Err(e) = masked {
                 tracing::warn!("grammar stopped the sequence: {e}");
                 return None;
@@ -327,18 +350,18 @@ impl SeqState {
         tokenizer: &Tokenizer,
         context_length: usize,
     ) -> bool {
-        self.history.push_output(id);
+        self.sampling.history.push_output(id);
         self.all_ids.push(id);
-        self.token_times.push(sampled_at);
-        self.unreported_ids.push(id);
+        self.output.token_times.push(sampled_at);
+        self.output.unreported_ids.push(id);
         let piece = match self.req.params.skip_special_tokens && tokenizer.is_control(id) {
-            true => self.decoder.push_bytes(&[]),
-            false => self.decoder.push(tokenizer, id),
+            true => self.output.decoder.push_bytes(&[]),
+            false => self.output.decoder.push(tokenizer, id),
         };
-        let (text, hit) = self.stop.push(&piece);
+        let (text, hit) = self.output.stop.push(&piece);
         if !text.is_empty() || hit {
-            let ids = std::mem::take(&mut self.unreported_ids);
-            let logprobs = std::mem::take(&mut self.unreported_logprobs);
+            let ids = std::mem::take(&mut self.output.unreported_ids);
+            let logprobs = std::mem::take(&mut self.output.unreported_logprobs);
             if !(self.req.sink)(SeqEvent::Text {
                 choice: self.choice,
                 text,
@@ -350,12 +373,12 @@ impl SeqState {
             }
         }
         if hit {
-            self.finish_reason = Some(FinishReason::Stop);
+            self.output.finish_reason = Some(FinishReason::Stop);
             return true;
         }
         let params = &self.req.params;
         if self.generated() >= params.max_tokens || self.all_ids.len() >= context_length {
-            self.finish_reason = Some(FinishReason::Length);
+            self.output.finish_reason = Some(FinishReason::Length);
             return true;
         }
         false
@@ -363,33 +386,33 @@ impl SeqState {
 
     /// The final result; flushes held-back text as a last `Text` event.
     pub fn output(&mut self) -> RequestOutput {
-        let tail = self.stop.finish(&self.decoder.finish());
-        if !tail.is_empty() || !self.unreported_ids.is_empty() {
-            let ids = std::mem::take(&mut self.unreported_ids);
+        let tail = self.output.stop.finish(&self.output.decoder.finish());
+        if !tail.is_empty() || !self.output.unreported_ids.is_empty() {
+            let ids = std::mem::take(&mut self.output.unreported_ids);
             (self.req.sink)(SeqEvent::Text {
                 choice: self.choice,
                 text: tail,
                 token_ids: ids,
-                logprobs: std::mem::take(&mut self.unreported_logprobs),
+                logprobs: std::mem::take(&mut self.output.unreported_logprobs),
             });
         }
         RequestOutput {
             token_ids: self.all_ids[self.n_prompt..].to_vec(),
-            text: self.stop.text().to_string(),
-            finish_reason: self.finish_reason.unwrap_or(FinishReason::Length),
+            text: self.output.stop.text().to_string(),
+            finish_reason: self.output.finish_reason.unwrap_or(FinishReason::Length),
             prompt_tokens: self.n_prompt,
-            cached_prompt_tokens: self.cached_prompt_tokens,
+            cached_prompt_tokens: self.kv.cached_prompt_tokens,
             arrival: self.arrival,
             choice: self.choice,
             scheduled_at: self.scheduled_at,
-            first_token_at: self.first_token_at,
-            token_times: self.token_times.clone(),
+            first_token_at: self.output.first_token_at,
+            token_times: self.output.token_times.clone(),
             finished_at: Instant::now(),
-            num_preemptions: self.preemptions,
-            kv_stored_tokens: self.kv_stored_tokens,
-            kv_blocks: self.kv_blocks,
-            logprobs: self.logprobs.clone(),
-            prompt_logprobs: std::mem::take(&mut self.prompt_logprobs),
+            num_preemptions: self.kv.preemptions,
+            kv_stored_tokens: self.kv.stored_tokens,
+            kv_blocks: self.kv.blocks,
+            logprobs: self.output.logprobs.clone(),
+            prompt_logprobs: std::mem::take(&mut self.output.prompt_logprobs),
             context_load: self.reuse.load.clone(),
         }
     }

@@ -20,7 +20,7 @@ impl Engine {
     ) -> bool {
         let n_heads = self.backend.config().n_heads;
         let s = &mut self.sched.running[i];
-        let seq = s.seq.expect("running");
+        let seq = s.kv.seq.expect("running");
         let ev = s.eviction.as_mut().expect("an evicting sequence");
         let stats = self
             .eviction_stats

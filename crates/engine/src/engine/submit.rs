@@ -79,7 +79,7 @@ impl Engine {
         };
         let mut state = SeqState::new(req, namespace);
         state.eviction = eviction;
-        state.matcher = matcher;
+        state.sampling.matcher = matcher;
         self.sched.enqueue(state);
         Ok(())
     }

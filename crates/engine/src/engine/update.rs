@@ -89,7 +89,7 @@ impl Engine {
         if s.is_prefilling() {
             self.stats.prompt_tokens += c.n_tokens() as u64;
         }
-        s.num_computed = c.to;
+        s.kv.num_computed = c.to;
         let mut finished = false;
         if let Some(l) = logits {
             finished = s.sample_and_emit(l, &self.tokenizer, ctx);
@@ -119,7 +119,7 @@ impl Engine {
                 let s = &self.sched.running[i];
                 self.sched
                     .kv
-                    .cache_full_blocks(c.seq, &s.all_ids[..s.num_computed]);
+                    .cache_full_blocks(c.seq, &s.all_ids[..s.kv.num_computed]);
             }
         }
         sampled.finished
@@ -128,12 +128,12 @@ impl Engine {
     /// Records what `running[i]` holds in the cache after the step, for its final report.
     fn record_kv_held(&mut self, i: usize) {
         let s = &mut self.sched.running[i];
-        let seq = s.seq.expect("running");
+        let seq = s.kv.seq.expect("running");
         let kv = &self.sched.kv;
-        s.kv_stored_tokens = kv
+        s.kv.stored_tokens = kv
             .block_table(seq)
             .map_or(0, |t| t.num_stored_tokens() as usize);
-        s.kv_blocks = held_blocks(kv, seq);
+        s.kv.blocks = held_blocks(kv, seq);
     }
 
     /// The queries a step captured for `seq`: the last `n_captured` stored tokens'.
@@ -164,11 +164,11 @@ impl Engine {
             return;
         };
         let s = &mut self.sched.running[i];
-        let seq = s.seq.expect("running");
+        let seq = s.kv.seq.expect("running");
         s.reuse.wants_save = c.save(
             s.request_key,
             &s.all_ids,
-            s.num_computed,
+            s.kv.num_computed,
             &self.sched.kv,
             &mut *self.backend,
             seq,
@@ -183,7 +183,7 @@ impl Engine {
     fn fork_choices(&mut self, i: usize, to: usize, logits: &[f32]) {
         let ctx = self.backend.config().context_length;
         let n_more = std::mem::take(&mut self.sched.running[i].choices_to_fork);
-        let parent = self.sched.running[i].seq.expect("running");
+        let parent = self.sched.running[i].kv.seq.expect("running");
         for index in 1..=n_more {
             let child = self.sched.running[i].new_choice(index);
             let Some((mut child, copies)) = self.sched.fork(parent, child, to) else {

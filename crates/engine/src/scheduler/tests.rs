@@ -74,7 +74,7 @@ fn advance(s: &mut Scheduler, schedule: &Schedule) -> Vec<SeqId> {
     for c in &schedule.chunks {
         let i = s.index_of(c.seq).expect("scheduled sequences run");
         let seq = &mut s.running[i];
-        seq.num_computed = c.to;
+        seq.kv.num_computed = c.to;
         if c.to == seq.all_ids.len() {
             seq.all_ids.push(1);
             if seq.all_ids.len() - seq.n_prompt >= seq.req.params.max_tokens {
@@ -123,7 +123,7 @@ fn admission_keeps_blocks_for_prompts_still_prefilling() {
         let a_prefilling = s
             .running
             .iter()
-            .any(|q| q.all_ids[0] == 10_000 && q.num_computed < 150);
+            .any(|q| q.all_ids[0] == 10_000 && q.kv.num_computed < 150);
         let b_running = s.running.iter().any(|q| q.all_ids[0] == 20_000);
         assert!(
             !(a_prefilling && b_running),
@@ -160,7 +160,7 @@ fn preemption_recomputes_the_newest_sequence_with_its_generated_tokens() {
         if let (Some(len), None) = (preempted_at.map(|(_, len)| len), recompute) {
             // Once readmitted, its prompt and generated tokens are one prefill chunk.
             let b = s.running.iter().find(|q| q.all_ids[0] == 20_000);
-            if let Some(seq) = b.and_then(|q| q.seq) {
+            if let Some(seq) = b.and_then(|q| q.kv.seq) {
                 let c = sch.chunks.iter().find(|c| c.seq == seq).expect("scheduled");
                 recompute = Some((c.from, c.to));
                 assert_eq!((c.from, c.to), (0, len));
@@ -176,7 +176,7 @@ fn preemption_recomputes_the_newest_sequence_with_its_generated_tokens() {
                 "the newest (second) request is the victim"
             );
             assert_eq!(
-                (back.num_computed, back.seq, back.preemptions),
+                (back.kv.num_computed, back.kv.seq, back.kv.preemptions),
                 (0, None, 1)
             );
             assert!(back.all_ids.len() > 20, "it keeps the tokens it generated");
@@ -230,7 +230,7 @@ fn a_request_larger_than_the_pool_fails_alone() {
         matches!(err, RequestError::TooLarge(m) if m.contains("14 KV blocks")),
         "{err:?}"
     );
-    assert_eq!(failed.seq, None, "a failed request holds no blocks");
+    assert_eq!(failed.kv.seq, None, "a failed request holds no blocks");
     // The next request is admitted and scheduled in the same step.
     assert_eq!(chunk_sizes(&sch), vec![30]);
 }
@@ -270,7 +270,7 @@ fn n_choices_fork_the_computed_prompt_or_wait_to_recompute_it() {
     // Room for the partial last block's copy: the child shares the two full blocks.
     let child = s.running[0].new_choice(1);
     let (child, copies) = s.fork(parent_seq, child, 40).expect("a free block");
-    assert_eq!((child.num_computed, copies.len()), (40, 1));
+    assert_eq!((child.kv.num_computed, copies.len()), (40, 1));
     s.running.push(child);
     assert_eq!(s.kv.pool().num_free_blocks(), 6 - 3 - 1);
     // No room: the next child waits at the head of the queue to recompute its prompt.
@@ -283,7 +283,7 @@ fn n_choices_fork_the_computed_prompt_or_wait_to_recompute_it() {
     assert!(s.fork(parent_seq, child, 40).is_none());
     let queued = s.waiting.front().expect("queued");
     assert_eq!(
-        (queued.num_computed, queued.seq, queued.choice),
+        (queued.kv.num_computed, queued.kv.seq, queued.choice),
         (0, None, 2)
     );
     s.kv.check_invariants();
