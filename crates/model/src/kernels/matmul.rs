@@ -446,6 +446,51 @@ mod tests {
         }
     }
 
+    /// The largest quants against activations of ±127 in every element: the AVX2 kernel's
+    /// 16-bit partial sums (x86.rs, NOTE 3) stay exact, so it still equals the reference.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn extreme_quants_keep_the_16_bit_sums_exact() {
+        if x86::detect().is_none() {
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let formats = [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q8_0,
+            GgmlType::Q6S,
+        ];
+        for (ty, byte) in formats.into_iter().flat_map(|t| [(t, 0xffu8), (t, 0x00), (t, 0x80)]) {
+            let (rows, cols, n) = (16, 64, 5);
+            // Every quant byte set to `byte`, with valid scales (the first 2 or 4 bytes).
+            let mut data = vec![byte; rows * ty.row_bytes(cols).unwrap()];
+            let h = |v: f32| half::f16::from_f32(v).to_le_bytes();
+            for blk in data.chunks_exact_mut(ty.block_bytes()) {
+                blk[0..2].copy_from_slice(&h(rng.gen_range(0.001..0.02)));
+                if ty == GgmlType::Q4_1 || ty == GgmlType::Q6S {
+                    blk[2..4].copy_from_slice(&h(rng.gen_range(0.001..0.02)));
+                }
+            }
+            let w = QMatrix::new(ty, rows, cols, data);
+            let Storage::Packed(p) = &w.storage else {
+                panic!("{ty:?} is not packed")
+            };
+            for sign in [1.0f32, -1.0] {
+                let x = vec![sign; n * cols];
+                let mut acts = Q8Acts::default();
+                acts.quantize(&x);
+                let mut want = vec![0f32; n * rows];
+                matmul_q8_scalar(&w, &acts, n, &mut want);
+                let mut got = vec![f32::NAN; n * rows];
+                gemm_packed(x86::Isa::Avx2, p, &acts, n, &mut got);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{ty:?} byte {byte:#x} sign {sign}");
+            }
+        }
+    }
+
     /// The 8-bit activation path agrees with exact dequantise-and-dot up to the activation
     /// rounding (half a step of amax/127 per element), including rows with one large outlier
     /// like SmolLM2's attention-sink token.

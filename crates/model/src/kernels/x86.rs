@@ -18,6 +18,14 @@
 //! each half's sum, with `Q8Acts::sum_lo` the first half's `Σ a`). `vpmaddubsw` saturates
 //! its 16-bit pair sums, which only `(q + 128) · a` could reach (Q6S's weights are below 64,
 //! so `2 · 63 · 127` fits): AVX2 runs Q8_0 with the sign trick instead (`|q| · sign(a, q)`).
+//!
+//! NOTE 3: on AVX2 the multiply port is the prefill bottleneck (Zen 2 issues one
+//! `vpmaddubsw` or `vpmaddwd` a cycle), and each 4-byte dot product cost one of each. Their
+//! 16-bit pair sums are exact and small for narrow weights, so several are added in 16 bits
+//! (`vpaddw`, another port) before one `vpmaddwd` widens them: eight for 4-bit weights
+//! (8 · 2 · 15 · 128 < 2^15), four for Q5_0 (4 · 2 · 31 · 128 < 2^15), two for Q6S
+//! (2 · 2 · 63 · 128 < 2^15). Integer sums are exact in any order, so the results keep
+//! NOTE 1's bits.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -366,11 +374,35 @@ macro_rules! isa_module {
                         if FMT == Q6S {
                             // Two scales a block: one integer sum per half (NOTE 1).
                             let mut i = [_mm256_setzero_si256(); 4];
-                            for k in 0..8 {
-                                let ak = _mm256_set1_epi32(
-                                    (a.add(4 * k) as *const i32).read_unaligned(),
-                                );
-                                i[2 * (k / 4) + k % 2] = dot4(i[2 * (k / 4) + k % 2], v[k], ak);
+                            if $vnni {
+                                for k in 0..8 {
+                                    let ak = _mm256_set1_epi32(
+                                        (a.add(4 * k) as *const i32).read_unaligned(),
+                                    );
+                                    i[2 * (k / 4) + k % 2] = dot4(i[2 * (k / 4) + k % 2], v[k], ak);
+                                }
+                            } else {
+                                // Pairs of `vpmaddubsw` summed in 16 bits before one
+                                // `vpmaddwd` (NOTE 3): 2 · 2 · 63 · 128 < 2^15.
+                                for k in (0..8).step_by(2) {
+                                    let (a0, a1) = (
+                                        _mm256_set1_epi32(
+                                            (a.add(4 * k) as *const i32).read_unaligned(),
+                                        ),
+                                        _mm256_set1_epi32(
+                                            (a.add(4 * k + 4) as *const i32).read_unaligned(),
+                                        ),
+                                    );
+                                    let s16 = _mm256_add_epi16(
+                                        _mm256_maddubs_epi16(v[k], a0),
+                                        _mm256_maddubs_epi16(v[k + 1], a1),
+                                    );
+                                    let at = 2 * (k / 4) + (k / 2) % 2;
+                                    i[at] = _mm256_add_epi32(
+                                        i[at],
+                                        _mm256_madd_epi16(s16, _mm256_set1_epi16(1)),
+                                    );
+                                }
                             }
                             let (slo, s) = (*asum_lo.add(ab), *asum.add(ab));
                             let ilo = _mm256_sub_epi32(
@@ -393,18 +425,37 @@ macro_rules! isa_module {
                             continue;
                         }
                         let (mut i0, mut i1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                        for k in (0..8).step_by(2) {
-                            let mut a0 =
-                                _mm256_set1_epi32((a.add(4 * k) as *const i32).read_unaligned());
-                            let mut a1 = _mm256_set1_epi32(
-                                (a.add(4 * k + 4) as *const i32).read_unaligned(),
-                            );
-                            if FMT == Q8_0 && !$vnni {
-                                a0 = _mm256_sign_epi8(a0, sign[k]);
-                                a1 = _mm256_sign_epi8(a1, sign[k + 1]);
+                        // AVX2, 4-bit and 5-bit weights: `vpmaddubsw` results summed in 16
+                        // bits, one `vpmaddwd` per 8 (4-bit) or 4 (5-bit) of them (NOTE 3).
+                        if !$vnni && (FMT == Q4_0 || FMT == Q4_1 || FMT == Q5_0) {
+                            let per = if FMT == Q5_0 { 4 } else { 8 };
+                            let mut s16 = _mm256_setzero_si256();
+                            for k in 0..8 {
+                                let ak = _mm256_set1_epi32(
+                                    (a.add(4 * k) as *const i32).read_unaligned(),
+                                );
+                                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[k], ak));
+                                if (k + 1) % per == 0 {
+                                    let wide = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+                                    i0 = _mm256_add_epi32(i0, wide);
+                                    s16 = _mm256_setzero_si256();
+                                }
                             }
-                            i0 = dot4(i0, v[k], a0);
-                            i1 = dot4(i1, v[k + 1], a1);
+                        } else {
+                            for k in (0..8).step_by(2) {
+                                let mut a0 = _mm256_set1_epi32(
+                                    (a.add(4 * k) as *const i32).read_unaligned(),
+                                );
+                                let mut a1 = _mm256_set1_epi32(
+                                    (a.add(4 * k + 4) as *const i32).read_unaligned(),
+                                );
+                                if FMT == Q8_0 && !$vnni {
+                                    a0 = _mm256_sign_epi8(a0, sign[k]);
+                                    a1 = _mm256_sign_epi8(a1, sign[k + 1]);
+                                }
+                                i0 = dot4(i0, v[k], a0);
+                                i1 = dot4(i1, v[k + 1], a1);
+                            }
                         }
                         let mut isum = _mm256_add_epi32(i0, i1);
                         if offset != 0 {
