@@ -462,7 +462,10 @@ mod tests {
             GgmlType::Q8_0,
             GgmlType::Q6S,
         ];
-        for (ty, byte) in formats.into_iter().flat_map(|t| [(t, 0xffu8), (t, 0x00), (t, 0x80)]) {
+        for (ty, byte) in formats
+            .into_iter()
+            .flat_map(|t| [(t, 0xffu8), (t, 0x00), (t, 0x80)])
+        {
             let (rows, cols, n) = (16, 64, 5);
             // Every quant byte set to `byte`, with valid scales (the first 2 or 4 bytes).
             let mut data = vec![byte; rows * ty.row_bytes(cols).unwrap()];
