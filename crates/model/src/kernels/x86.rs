@@ -26,6 +26,11 @@
 //! (8 · 2 · 15 · 128 < 2^15), four for Q5_0 (4 · 2 · 31 · 128 < 2^15), two for Q6S
 //! (2 · 2 · 63 · 128 < 2^15). Integer sums are exact in any order, so the results keep
 //! NOTE 1's bits.
+//!
+//! NOTE 4: AVX2 has 16 vector registers. The general tile keeps a block's 8 unpacked weight
+//! vectors live across its tokens, and with the tokens' accumulators it spilled to the stack
+//! in its inner loop; 4-bit weights instead unpack one 32-byte load (two weight vectors) at
+//! a time and give every token its 16-bit sum (`avx2_q4`), so nothing spills.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -138,6 +143,8 @@ const Q6S: u8 = 4;
 
 /// Tokens per register tile: one group's 8 unpacked weight vectors are reused this often.
 const TILE_TOKENS: usize = 4;
+/// The same for `avx2_q4`, whose tokens share each unpacked pair of weight vectors.
+const Q4_TILE_TOKENS: usize = 4;
 
 /// Computes rows `8g..8g+8` (clipped to `p.rows`) for tokens `t0..t1` of `acts`, writing
 /// `out[t * out_stride + row]`.
@@ -170,13 +177,14 @@ pub unsafe fn gemm_group(
         lanes,
     );
     macro_rules! run {
-        ($m:ident, $fmt:expr) => {{
+        ($m:ident, $fmt:expr) => {
+            run!($m, $fmt, TILE_TOKENS)
+        };
+        ($m:ident, $fmt:expr, $nt:expr) => {{
             let mut t = t0;
-            while t + TILE_TOKENS <= t1 {
-                $m::tile::<{ $fmt }, TILE_TOKENS>(
-                    args.0, args.1, args.2, t, args.3, args.4, args.5,
-                );
-                t += TILE_TOKENS;
+            while t + $nt <= t1 {
+                $m::tile::<{ $fmt }, { $nt }>(args.0, args.1, args.2, t, args.3, args.4, args.5);
+                t += $nt;
             }
             while t < t1 {
                 $m::tile::<{ $fmt }, 1>(args.0, args.1, args.2, t, args.3, args.4, args.5);
@@ -196,9 +204,12 @@ pub unsafe fn gemm_group(
             }
         };
     }
-    match isa {
-        Isa::Avx2 => by_format!(avx2),
-        Isa::Avx512Vnni => by_format!(vnni),
+    match (isa, p.ty) {
+        // 4-bit weights on AVX2 take the kernel with few live registers (NOTE 4).
+        (Isa::Avx2, GgmlType::Q4_0) => run!(avx2_q4, Q4_0, Q4_TILE_TOKENS),
+        (Isa::Avx2, GgmlType::Q4_1) => run!(avx2_q4, Q4_1, Q4_TILE_TOKENS),
+        (Isa::Avx2, _) => by_format!(avx2),
+        (Isa::Avx512Vnni, _) => by_format!(vnni),
     }
 }
 
@@ -487,6 +498,89 @@ macro_rules! isa_module {
 }
 
 isa_module!(avx2, "avx2,fma,f16c", false);
+
+/// The AVX2 tile for 4-bit weights (Q4_0, Q4_1; NOTE 3 and NOTE 4): per block, each 32-byte
+/// load of quants is unpacked into its two weight vectors and used by every token at once,
+/// each token summing its eight `vpmaddubsw` in 16 bits; then the reference's scale updates.
+mod avx2_q4 {
+    use super::*;
+
+    /// See [`super::gemm_group`]; `NT` tokens from `t0`, `lanes` valid rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile<const FMT: u8, const NT: usize>(
+        group: *const u8,
+        bpr: usize,
+        acts: &Q8Acts,
+        t0: usize,
+        out: *mut f32,
+        out_stride: usize,
+        lanes: usize,
+    ) {
+        let (gbb, at) = if FMT == Q4_1 {
+            (32 + 128, 32)
+        } else {
+            (16 + 128, 16)
+        };
+        let offset: i32 = if FMT == Q4_0 { 8 } else { 0 };
+        let (low4, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
+        let qs = acts.qs.as_ptr();
+        let mut acc = [_mm256_setzero_ps(); NT];
+        for b in 0..bpr {
+            let gb = group.add(b * gbb);
+            if NT == 1 {
+                // Decode streams the weights from DRAM: as in the general tile.
+                let ahead = gb.wrapping_add(PREFETCH_AHEAD_BYTES);
+                for line in (0..gbb).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+                }
+            }
+            let mut s16 = [_mm256_setzero_si256(); NT];
+            for k in 0..4 {
+                let p = _mm256_loadu_si256(gb.add(at + 32 * k) as *const __m256i);
+                // Elements 4k..4k+4 and 16+4k..16+4k+4 of each of the 8 rows.
+                let lo = _mm256_and_si256(p, low4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
+                for (j, s) in s16.iter_mut().enumerate() {
+                    let a = qs.add(((t0 + j) * bpr + b) * QK);
+                    let a_lo = _mm256_set1_epi32((a.add(4 * k) as *const i32).read_unaligned());
+                    let a_hi =
+                        _mm256_set1_epi32((a.add(4 * k + 16) as *const i32).read_unaligned());
+                    let pair = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, a_lo),
+                        _mm256_maddubs_epi16(hi, a_hi),
+                    );
+                    *s = _mm256_add_epi16(*s, pair);
+                }
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
+            for (j, s) in s16.iter().enumerate() {
+                let ab = (t0 + j) * bpr + b;
+                let mut isum = _mm256_madd_epi16(*s, ones);
+                if offset != 0 {
+                    isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset * acts.sum[ab]));
+                }
+                // The reference's `(d_w * d_a) * isum [+ m_w * s_a]`, unfused (NOTE 1).
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(acts.d[ab]));
+                let mut x = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum));
+                if FMT == Q4_1 {
+                    let m = _mm256_cvtph_ps(_mm_loadu_si128(gb.add(16) as *const __m128i));
+                    x = _mm256_add_ps(x, _mm256_mul_ps(m, _mm256_set1_ps(acts.s[ab])));
+                }
+                acc[j] = _mm256_add_ps(acc[j], x);
+            }
+        }
+        for (j, a) in acc.iter().enumerate() {
+            let dst = out.add((t0 + j) * out_stride);
+            if lanes == GROUP_ROWS {
+                _mm256_storeu_ps(dst, *a);
+            } else {
+                let mut tmp = [0f32; GROUP_ROWS];
+                _mm256_storeu_ps(tmp.as_mut_ptr(), *a);
+                std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, lanes);
+            }
+        }
+    }
+}
 isa_module!(
     vnni,
     "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
