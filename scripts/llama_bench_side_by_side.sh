@@ -3,14 +3,17 @@
 # the same thread count, so that both see the same host load (issue 3's reference numbers
 # were llama-bench's pp512 and tg128).
 #
-# llama-bench is built from the llama.cpp that the PyPI package llama-cpp-python 0.3.8
-# vendors (its sdist carries the source; `-march=native`, Release, OpenMP), since nothing
-# but PyPI and crates.io can be reached here. Optional: no test needs it.
+# llama-bench is built from the newest llama.cpp on PyPI: the source that llama-cpp-python
+# 0.3.36 vendors in its sdist (llama.cpp 0c1e570, 2026-10-01; `-DGGML_NATIVE=ON`, Release,
+# OpenMP), since nothing but PyPI and crates.io can be reached here. Optional: no test
+# needs it.
 #
 # Usage: scripts/llama_bench_side_by_side.sh [ROUNDS] [THREADS...]   (default: 2 rounds, 1 2)
 # Env:   PK_BIN (default target/release/pagekeeper), PK_MODEL (default: the fetched
 #        SmolLM2-135M-Instruct Q4_1), LLAMA_WORK (build folder, default /tmp/llama-bench),
-#        LLAMA_BENCH (a llama-bench binary to use instead of building one).
+#        LLAMA_BENCH (a llama-bench binary to use instead of building one),
+#        LONG_PROMPTS (e.g. "4096 8192": also prefill of those lengths, llama.cpp with
+#        `-fa 0` and `-fa 1`, one repetition each; default none).
 set -euo pipefail
 
 rounds=${1:-2}
@@ -23,15 +26,19 @@ model=${PK_MODEL:-$HOME/.cache/pagekeeper/SmolLM2-135M-Instruct.Q4_1.gguf}
 quiet=../shared/tools/host-quiet
 [ -x "$quiet" ] || quiet=/work/shared/tools/host-quiet
 lb=${LLAMA_BENCH:-$work/src/vendor/llama.cpp/build/bin/llama-bench}
+long_prompts=${LONG_PROMPTS:-}
+# The sdist has no git history: the commit is the one its release vendors.
+LCP_VERSION=0.3.36
+LCP_COMMIT="0c1e570 (llama-cpp-python $LCP_VERSION)"
 
 if [ ! -x "$lb" ]; then
     mkdir -p "$work"
     python3 -m venv "$work/venv"
     "$work/venv/bin/pip" install -q cmake ninja scikit-build-core
     # --no-build-isolation: only the sdist is wanted, not a wheel built in an isolated env.
-    "$work/venv/bin/pip" download -q --no-deps --no-binary llama-cpp-python --no-build-isolation llama-cpp-python==0.3.8 -d "$work"
+    "$work/venv/bin/pip" download -q --no-deps --no-binary llama-cpp-python --no-build-isolation "llama-cpp-python==$LCP_VERSION" -d "$work"
     rm -rf "$work/src" && mkdir -p "$work/src"
-    tar xzf "$work"/llama_cpp_python-0.3.8.tar.gz -C "$work/src" --strip-components=1
+    tar xzf "$work/llama_cpp_python-$LCP_VERSION.tar.gz" -C "$work/src" --strip-components=1
     (cd "$work/src/vendor/llama.cpp" && PATH=$work/venv/bin:$PATH cmake -B build -G Ninja -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null \
         && PATH=$work/venv/bin:$PATH ninja -C build llama-bench >/dev/null)
 fi
@@ -39,7 +46,12 @@ fi
 # LLAMA_BENCH: a llama-bench built elsewhere (e.g. llama.cpp 0c1e570 from llama-cpp-python
 # 0.3.36's sdist, scripts/conformance/README.md); its source tree names the commit.
 src_dir=$(dirname "$(dirname "$(dirname "$(readlink -f "$lb")")")")
-echo "llama.cpp $(git -C "$src_dir" log -1 --format=%h 2>/dev/null || echo '(vendored by llama-cpp-python 0.3.8)')"
+if [ -z "${LLAMA_BENCH:-}" ]; then
+    echo "llama.cpp $LCP_COMMIT"
+else
+    echo "llama.cpp $(git -C "$src_dir" log -1 --format=%h 2>/dev/null || echo "at $src_dir (commit unknown)")"
+fi
+grep -o -w -E 'avx2|avx512f|avx512_vnni|amx_int8' /proc/cpuinfo | sort -u | tr '\n' ' ' | sed 's/^/CPU flags: /'; echo
 for round in $(seq "$rounds"); do
     for t in "${threads[@]}"; do
         # host-quiet exits non-zero when the host is busy; its figure is what matters.
@@ -59,5 +71,20 @@ for r in json.load(sys.stdin)["runs"]:
         print("pagekeeper  pp512  %8.1f tok/s   (decode after 512: %.1f tok/s)" % (r["prefill_tok_s"], r["decode_tok_s"]))
     else:
         print("pagekeeper  tg128  %8.1f tok/s   (after a %d-token prompt)" % (r["decode_tok_s"], c))'
+    done
+    for p in $long_prompts; do
+        t=${threads[-1]}
+        q=$("$quiet" 2>/dev/null) || true
+        echo "== round $round, threads $t, prompt $p, ${q:-host-quiet unavailable}"
+        for fa in 0 1; do
+            "$lb" -m "$model" -t "$t" -p "$p" -n 0 -r 1 -fa "$fa" -o csv 2>/dev/null | python3 -c '
+import csv, sys
+for r in csv.DictReader(sys.stdin):
+    print("llama.cpp   pp%-5s fa=%s %8.1f tok/s" % (r["n_prompt"], sys.argv[1], float(r["avg_ts"])))' "$fa"
+        done
+        "$pk" bench perf --model "$model" --contexts "$p" --decode-tokens 1 --threads "$t" --json 2>/dev/null | python3 -c '
+import json, sys
+for r in json.load(sys.stdin)["runs"]:
+    print("pagekeeper  pp%-5d      %8.1f tok/s" % (r["context_tokens"], r["prefill_tok_s"]))'
     done
 done
