@@ -1,7 +1,7 @@
 //! Prefill GEMM against the host's peak (issue 39): the int8 multiply-accumulate rate of
 //! this CPU's widest integer path, measured on one core with independent chains of its
 //! instruction (AVX2 `vpmaddubsw`, AVX-512 VNNI `vpdpbusd` on 256 and 512 bits), then the
-//! packed GEMM's rate at Qwen2.5-Coder-1.5B's shapes (Q4_1, 512 tokens) per core at 1 and
+//! packed GEMM's rate at Qwen2.5-Coder-1.5B's shapes (Q4_1 and Q6S, 512 tokens) per core at 1 and
 //! 2 threads, each as a fraction of that peak. An op is one multiply or one add, so a
 //! multiply-accumulate is 2 (as GFLOP/s counts them).
 //!
@@ -15,22 +15,30 @@ use pk_gguf::GgmlType;
 use pk_model::kernels::{matmul, QMatrix};
 use rand::{Rng, SeedableRng};
 
-/// Qwen2.5-Coder-1.5B's matrices of one layer: (name, rows, cols).
-const SHAPES: [(&str, usize, usize); 4] = [
-    ("q/o 1536->1536", 1536, 1536),
-    ("k/v 1536->256", 256, 1536),
-    ("gate/up 1536->8960", 8960, 1536),
-    ("down 8960->1536", 1536, 8960),
+/// Qwen2.5-Coder-1.5B's matrices of one layer: (name, rows, cols, format). Its Q4_K_M file
+/// has Q4_K (run as Q4_1) for most and Q6_K (run as Q6S) for `attn_v` and about half the
+/// layers' `ffn_down`.
+const SHAPES: [(&str, usize, usize, GgmlType); 6] = [
+    ("q/o 1536->1536", 1536, 1536, GgmlType::Q4_1),
+    ("k/v 1536->256", 256, 1536, GgmlType::Q4_1),
+    ("gate/up 1536->8960", 8960, 1536, GgmlType::Q4_1),
+    ("down 8960->1536", 1536, 8960, GgmlType::Q4_1),
+    ("v 1536->256", 256, 1536, GgmlType::Q6S),
+    ("down 8960->1536", 1536, 8960, GgmlType::Q6S),
 ];
 
-fn random_q4_1(rng: &mut impl Rng, rows: usize, cols: usize) -> QMatrix {
-    let ty = GgmlType::Q4_1;
+fn random_matrix(rng: &mut impl Rng, ty: GgmlType, rows: usize, cols: usize) -> QMatrix {
     let mut data = vec![0u8; rows * ty.row_bytes(cols).unwrap()];
     rng.fill(&mut data[..]);
     let h = |v: f32| half::f16::from_f32(v).to_le_bytes();
     for blk in data.chunks_exact_mut(ty.block_bytes()) {
         blk[0..2].copy_from_slice(&h(rng.gen_range(0.001..0.01)));
-        blk[2..4].copy_from_slice(&h(rng.gen_range(-0.01..0.0)));
+        if ty == GgmlType::Q4_1 {
+            blk[2..4].copy_from_slice(&h(rng.gen_range(-0.01..0.0)));
+        }
+        if ty == GgmlType::Q6S {
+            blk[2..4].copy_from_slice(&h(rng.gen_range(0.001..0.01)));
+        }
     }
     QMatrix::new(ty, rows, cols, data)
 }
@@ -174,7 +182,7 @@ fn main() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let mats: Vec<QMatrix> = SHAPES
         .iter()
-        .map(|&(_, rows, cols)| random_q4_1(&mut rng, rows, cols))
+        .map(|&(_, rows, cols, ty)| random_matrix(&mut rng, ty, rows, cols))
         .collect();
     for threads in [1usize, 2] {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -182,7 +190,7 @@ fn main() {
             .build()
             .unwrap();
         let (mut macs, mut secs) = (0f64, 0f64);
-        for ((name, rows, cols), w) in SHAPES.iter().zip(&mats) {
+        for ((name, rows, cols, ty), w) in SHAPES.iter().zip(&mats) {
             let x: Vec<f32> = (0..tokens * cols)
                 .map(|_| rng.gen_range(-1.0..1.0))
                 .collect();
@@ -194,7 +202,7 @@ fn main() {
             });
             let gops = 2.0 * (rows * cols * tokens) as f64 / t.as_secs_f64() / 1e9;
             println!(
-                "threads {threads} Q4_1 {name:<20} n={tokens} {gops:>7.1} GOPS ({:.1} per core)",
+                "threads {threads} {ty:<4} {name:<20} n={tokens} {gops:>7.1} GOPS ({:.1} per core)",
                 gops / threads as f64
             );
             macs += (rows * cols * tokens) as f64;
