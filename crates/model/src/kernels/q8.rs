@@ -30,7 +30,8 @@ pub struct Q8Acts {
 
 impl Q8Acts {
     /// Quantises `x` (any multiple of 32 long) block by block: with AVX-512 where the CPU
-    /// has it (bit-exact with [`Q8Acts::quantize_scalar`], tested), else the scalar code.
+    /// has it, else AVX2 (both bit-exact with [`Q8Acts::quantize_scalar`], tested), else
+    /// the scalar code.
     pub fn quantize(&mut self, x: &[f32]) {
         #[cfg(target_arch = "x86_64")]
         if super::x86::has_avx512() {
@@ -38,6 +39,22 @@ impl Q8Acts {
             // SAFETY: AVX-512 F/BW/VL checked; every buffer was sized for `x`.
             unsafe {
                 super::x86::quantize_avx512(
+                    x,
+                    &mut self.d,
+                    &mut self.s,
+                    &mut self.sum,
+                    &mut self.sum_lo,
+                    &mut self.qs,
+                )
+            };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if super::x86::detect().is_some() {
+            self.resize(x.len());
+            // SAFETY: `detect` found AVX2, FMA and F16C; every buffer was sized for `x`.
+            unsafe {
+                super::x86::quantize_avx2(
                     x,
                     &mut self.d,
                     &mut self.s,
@@ -216,9 +233,32 @@ mod rounding_tests {
         for (i, v) in x[128..160].iter_mut().enumerate() {
             *v = (i as f32 - 15.5) * 127.0 / 31.0;
         }
-        let (mut a, mut b) = (Q8Acts::default(), Q8Acts::default());
-        a.quantize(&x);
+        let mut b = Q8Acts::default();
         b.quantize_scalar(&x);
+        let mut a = Q8Acts::default();
+        a.quantize(&x);
+        check_equal(&a, &b);
+        // The AVX2 quantiser too, also on hosts where `quantize` takes AVX-512.
+        #[cfg(target_arch = "x86_64")]
+        if super::super::x86::detect().is_some() {
+            let mut a = Q8Acts::default();
+            a.resize(x.len());
+            // SAFETY: AVX2, FMA and F16C were detected; the buffers are sized for `x`.
+            unsafe {
+                super::super::x86::quantize_avx2(
+                    &x,
+                    &mut a.d,
+                    &mut a.s,
+                    &mut a.sum,
+                    &mut a.sum_lo,
+                    &mut a.qs,
+                )
+            };
+            check_equal(&a, &b);
+        }
+    }
+
+    fn check_equal(a: &Q8Acts, b: &Q8Acts) {
         assert_eq!(a.qs, b.qs);
         assert_eq!(a.sum, b.sum);
         assert_eq!(a.sum_lo, b.sum_lo);

@@ -135,6 +135,73 @@ pub unsafe fn quantize_avx512(
     }
 }
 
+/// [`Q8Acts::quantize_scalar`] with 8 lanes at a time, bit-exact as [`quantize_avx512`] is
+/// (the same steps on 256-bit vectors): on AVX2 hosts the scalar quantiser was about 3 % of
+/// a 512-token prefill.
+///
+/// # Safety
+/// The CPU must have AVX2 ([`detect`] is `Some`); the buffers are sized as for
+/// [`quantize_avx512`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_avx2(
+    x: &[f32],
+    d: &mut [f32],
+    s: &mut [f32],
+    sum: &mut [i32],
+    sum_lo: &mut [i32],
+    qs: &mut [i8],
+) {
+    let n_blocks = x.len() / QK;
+    debug_assert!(d.len() >= n_blocks && qs.len() >= x.len());
+    let (sign, half, mhalf) = (
+        _mm256_set1_ps(-0.0),
+        _mm256_set1_ps(0.5),
+        _mm256_set1_ps(-0.5),
+    );
+    let hsum = |v: __m256i| {
+        let v = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
+        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v));
+        _mm_cvtsi128_si32(v)
+    };
+    for b in 0..n_blocks {
+        let p = x.as_ptr().add(b * QK);
+        let v = [0, 8, 16, 24].map(|i| _mm256_loadu_ps(p.add(i)));
+        let a = v.map(|v| _mm256_andnot_ps(sign, v));
+        let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
+        let db = amax / 127.0;
+        let id = _mm256_set1_ps(if db != 0.0 { 1.0 / db } else { 0.0 });
+        // Half away from zero as the scalar code does it: truncate, then step by the exact
+        // remainder (a compare mask is -1 where it holds).
+        let r = v.map(|v| {
+            let y = _mm256_mul_ps(v, id);
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+            let frac = _mm256_sub_ps(y, t);
+            let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half));
+            let down = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(frac, mhalf));
+            _mm256_add_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(t), up), down)
+        });
+        // |r| <= 127, so the saturating packs keep every value; they interleave 128-bit
+        // lanes, which the permutation undoes.
+        let packed = _mm256_packs_epi16(
+            _mm256_packs_epi32(r[0], r[1]),
+            _mm256_packs_epi32(r[2], r[3]),
+        );
+        let ordered =
+            _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(qs.as_mut_ptr().add(b * QK) as *mut __m256i, ordered);
+        let slo = hsum(_mm256_add_epi32(r[0], r[1]));
+        let sb = slo + hsum(_mm256_add_epi32(r[2], r[3]));
+        d[b] = half::f16::from_f32(db).to_f32();
+        s[b] = half::f16::from_f32(db * sb as f32).to_f32();
+        sum[b] = sb;
+        sum_lo[b] = slo;
+    }
+}
+
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
