@@ -28,42 +28,41 @@ pub struct Q8Acts {
     pub qs: Vec<i8>,
 }
 
+/// A SIMD quantiser's signature (`x86::quantize_avx512`, `x86::quantize_avx2`): `x`, then
+/// the block scales, scaled sums, sums, first-half sums and quants to fill.
+#[cfg(target_arch = "x86_64")]
+type SimdQuantizer = unsafe fn(&[f32], &mut [f32], &mut [f32], &mut [i32], &mut [i32], &mut [i8]);
+
 impl Q8Acts {
     /// Quantises `x` (any multiple of 32 long) block by block: with AVX-512 where the CPU
     /// has it, else AVX2 (both bit-exact with [`Q8Acts::quantize_scalar`], tested), else
     /// the scalar code.
     pub fn quantize(&mut self, x: &[f32]) {
         #[cfg(target_arch = "x86_64")]
-        if super::x86::has_avx512() {
-            self.resize(x.len());
-            // SAFETY: AVX-512 F/BW/VL checked; every buffer was sized for `x`.
-            unsafe {
-                super::x86::quantize_avx512(
-                    x,
-                    &mut self.d,
-                    &mut self.s,
-                    &mut self.sum,
-                    &mut self.sum_lo,
-                    &mut self.qs,
-                )
+        {
+            let simd: Option<SimdQuantizer> = if super::x86::has_avx512() {
+                Some(super::x86::quantize_avx512)
+            } else if super::x86::detect().is_some() {
+                Some(super::x86::quantize_avx2)
+            } else {
+                None
             };
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if super::x86::detect().is_some() {
-            self.resize(x.len());
-            // SAFETY: `detect` found AVX2, FMA and F16C; every buffer was sized for `x`.
-            unsafe {
-                super::x86::quantize_avx2(
-                    x,
-                    &mut self.d,
-                    &mut self.s,
-                    &mut self.sum,
-                    &mut self.sum_lo,
-                    &mut self.qs,
-                )
-            };
-            return;
+            if let Some(f) = simd {
+                self.resize(x.len());
+                // SAFETY: `f` was chosen for the features detected just above (AVX-512
+                // F/BW/VL, or AVX2 with FMA and F16C); every buffer was sized for `x`.
+                unsafe {
+                    f(
+                        x,
+                        &mut self.d,
+                        &mut self.s,
+                        &mut self.sum,
+                        &mut self.sum_lo,
+                        &mut self.qs,
+                    )
+                };
+                return;
+            }
         }
         self.quantize_scalar(x);
     }
