@@ -34,7 +34,8 @@ pub struct ModelArgs {
     pub kv_dtype: String,
     /// Keep one block table for every layer, as before KV cache groups: sliding-window
     /// layers (Gemma 3) then keep every token's K/V instead of releasing the blocks behind
-    /// their window (vLLM's flag of the same name). Tiers turn groups off by themselves.
+    /// their window (vLLM's flag of the same name). The EVICPRESS store turns groups off by
+    /// itself; the chunk tiers keep them.
     #[arg(long)]
     pub disable_hybrid_kv_cache_manager: bool,
     #[command(flatten)]
@@ -83,10 +84,10 @@ impl ModelArgs {
             let gguf = pk_gguf::GgufFile::open(&path)
                 .with_context(|| format!("loading {}", path.display()))?;
             let model = pk_model::ModelConfig::from_gguf(&gguf)?;
-            check_hybrid_flag(true, &model, reuse.is_some())?;
+            check_hybrid_flag(true, &model, one_table_store(&reuse))?;
         }
-        // A connector stores every layer of every token: its engine keeps one table.
-        let one_table = one_table || args.disable_hybrid_kv_cache_manager || reuse.is_some();
+        let one_table =
+            one_table || args.disable_hybrid_kv_cache_manager || one_table_store(&reuse);
         let config = EngineConfig {
             block_size_tokens: args.block_size,
             kv_dtype,
@@ -151,16 +152,22 @@ pub fn set_threads(threads: Option<usize>) -> Result<()> {
 /// KV cache groups: for a model with sliding-window layers, in an engine that neither
 /// stores nor reuses prompt KV (such an engine keeps one block table already). Anywhere
 /// else it is refused rather than accepted and unused.
+/// Whether the configured KV store needs an engine with one block table for every layer
+/// (the EVICPRESS store does; the chunk tiers keep KV cache groups).
+pub fn one_table_store(reuse: &Option<pk_connectors::ReuseConfig>) -> bool {
+    reuse.as_ref().is_some_and(|r| r.needs_one_table())
+}
+
 pub fn check_hybrid_flag(
     disabled: bool,
     model: &pk_model::ModelConfig,
-    has_reuse: bool,
+    one_table_store: bool,
 ) -> Result<()> {
     if !disabled {
         return Ok(());
     }
-    if has_reuse {
-        bail!("--disable-hybrid-kv-cache-manager is not used with a tier: an engine that stores or reuses prompt KV keeps one block table for every layer already");
+    if one_table_store {
+        bail!("--disable-hybrid-kv-cache-manager is not used with --tier-policy evicpress: the EVICPRESS store keeps one block table for every layer already");
     }
     if model.extras.sliding_window.is_none() {
         bail!(

@@ -72,6 +72,8 @@ struct Bench {
     path: PathBuf,
     base: EngineConfig,
     chunk_tokens: usize,
+    /// `--tier-window-checkpoint-tokens` (models with KV cache groups).
+    window_checkpoint_tokens: Option<usize>,
     prompt: Vec<u32>,
     /// Chunks the context makes.
     chunks: usize,
@@ -111,16 +113,13 @@ impl Bench {
                 tiers: None,
             });
         };
-        // The tiers store every layer of every token: their engine keeps one table.
-        let one_table = EngineConfig {
-            hybrid_kv_cache: false,
-            ..self.base.clone()
-        };
-        let mut engine = Engine::load(&self.path, one_table)?;
+        // The chunk tiers keep KV cache groups: every row runs the same engine.
+        let mut engine = Engine::load(&self.path, self.base.clone())?;
         let reuse = ReuseConfig::Chunks(TieringConfig {
             store: Arc::new(TieredStore::new(vec![t])),
             chunk_size_tokens: self.chunk_tokens,
             max_pending_bytes: 1 << 30,
+            window_checkpoint_tokens: self.window_checkpoint_tokens,
         });
         let attached = pk_connectors::attach(&mut engine, &reuse)?;
         let tiers = attached.tiering().cloned();
@@ -309,7 +308,6 @@ impl Bench {
             let model = pk_model::ModelConfig::from_gguf(&gguf)?;
             crate::args::check_hybrid_flag(true, &model, false)?;
         }
-        // Only the recompute row's engine has no tier, so only it can keep KV cache groups.
         let base = EngineConfig {
             block_size_tokens: args.block_size,
             kv_dtype: args.kv_dtype()?,
@@ -323,6 +321,7 @@ impl Bench {
             path,
             base,
             chunk_tokens,
+            window_checkpoint_tokens: args.tiers.tier_window_checkpoint_tokens,
             prompt: Vec::new(),
             chunks: a.context_tokens / chunk_tokens,
         };

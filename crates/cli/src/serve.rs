@@ -168,7 +168,7 @@ pub fn plan(a: &ServeArgs, path: &Path, model_config: &pk_model::ModelConfig) ->
     crate::args::check_hybrid_flag(
         a.model.disable_hybrid_kv_cache_manager,
         model_config,
-        reuse.is_some(),
+        crate::args::one_table_store(&reuse),
     )?;
     let engine = EngineConfig {
         block_size_tokens: a.model.block_size,
@@ -182,8 +182,10 @@ pub fn plan(a: &ServeArgs, path: &Path, model_config: &pk_model::ModelConfig) ->
         default_kv_policy: a.kv.spec()?.unwrap_or_default(),
         default_kv_budget: a.kv.kv_budget,
         default_kv_granularity: a.kv.granularity()?.unwrap_or_default(),
-        // A connector stores every layer of every token: its engine keeps one table.
-        hybrid_kv_cache: !a.model.disable_hybrid_kv_cache_manager && reuse.is_none(),
+        // The EVICPRESS store writes every layer of every token: its engine keeps one
+        // table. The chunk tiers keep KV cache groups.
+        hybrid_kv_cache: !a.model.disable_hybrid_kv_cache_manager
+            && !crate::args::one_table_store(&reuse),
         ..Default::default()
     };
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)
@@ -308,6 +310,7 @@ mod tests {
             (&[], &["--tier-disk", &disk]),
             (&[], &["--tier-redis", "redis://127.0.0.1:1"]),
             (ram, &["--tier-chunk-tokens", "64"]),
+            (ram, &["--tier-window-checkpoint-tokens", "1024"]),
             (ram, &["--tier-policy", "evicpress"]),
             (evicpress, &["--evicpress-alpha", "2"]),
             (evicpress, &["--evicpress-grid", "q8,q4"]),

@@ -24,6 +24,12 @@ pub struct TierArgs {
     /// Tokens per stored chunk (a multiple of the block size; default 256).
     #[arg(long, env = "PAGEKEEPER_TIER_CHUNK_TOKENS")]
     pub tier_chunk_tokens: Option<usize>,
+    /// With a model whose sliding-window layers keep KV cache groups (Gemma 3): store those
+    /// layers' window at every multiple of this many tokens inside a prompt, besides its
+    /// end, so that a prompt sharing only a prefix still hits there (a multiple of the chunk
+    /// size; default 2048). Refused for a model without groups.
+    #[arg(long, env = "PAGEKEEPER_TIER_WINDOW_CHECKPOINT_TOKENS")]
+    pub tier_window_checkpoint_tokens: Option<usize>,
     /// How stored KV uses the tiers: lru (256-token chunks, uncompressed, LMCache-like) or
     /// evicpress (whole contexts, compression and tier chosen per context by utility).
     #[arg(long, env = "PAGEKEEPER_TIER_POLICY", default_value = "lru", value_parser = ["lru", "evicpress"])]
@@ -73,6 +79,7 @@ impl TierArgs {
             store,
             chunk_size_tokens: self.chunk_tokens(),
             max_pending_bytes: 256 << 20,
+            window_checkpoint_tokens: self.tier_window_checkpoint_tokens,
         }))
     }
 

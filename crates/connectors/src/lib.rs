@@ -23,7 +23,7 @@ use pk_engine::Engine;
 pub use calibrate::{calibrate_context_store, DelayCalibration};
 pub use contexts::{ContextReuse, ContextReuseConfig, ContextReuseStats};
 pub use prefix_kv::PrefixKv;
-pub use tiering::{Tiering, TieringConfig, TieringStats};
+pub use tiering::{Tiering, TieringConfig, TieringStats, DEFAULT_WINDOW_CHECKPOINT_TOKENS};
 
 /// Which connector an engine reuses prompt KV through.
 #[derive(Clone, Debug)]
@@ -32,6 +32,15 @@ pub enum ReuseConfig {
     Chunks(TieringConfig),
     /// Whole contexts in an EVICPRESS store (`--tier-policy evicpress`).
     Contexts(ContextReuseConfig),
+}
+
+impl ReuseConfig {
+    /// Whether the engine must keep one block table for every layer: the EVICPRESS store
+    /// writes every layer of every token of a context, which KV cache groups do not keep;
+    /// the chunk tiers store the groups as they are.
+    pub fn needs_one_table(&self) -> bool {
+        matches!(self, ReuseConfig::Contexts(_))
+    }
 }
 
 /// A connector attached to an engine, as the caller that built it keeps it: for its
@@ -59,7 +68,8 @@ impl Attached {
 }
 
 /// Builds the connector `cfg` describes, keyed by `engine`'s cache namespace, and attaches
-/// it (the engine must be built with `hybrid_kv_cache` off, and have nothing in flight).
+/// it (the engine must have nothing in flight; for the EVICPRESS store, be built with
+/// `hybrid_kv_cache` off: the chunk tiers store KV cache groups, the context store does not).
 pub fn attach(engine: &mut Engine, cfg: &ReuseConfig) -> Result<Attached> {
     let name = engine.model_name.clone();
     let namespace = engine.cache_namespace().clone();
@@ -67,7 +77,15 @@ pub fn attach(engine: &mut Engine, cfg: &ReuseConfig) -> Result<Attached> {
     let attached = match cfg {
         ReuseConfig::Chunks(t) => {
             let bytes_per_token = engine.kv_bytes_per_token();
-            let tiering = Tiering::new(t, &name, &namespace, block_tokens, bytes_per_token)?;
+            let groups = engine.kv_group_layout();
+            let tiering = Tiering::new(
+                t,
+                &name,
+                &namespace,
+                block_tokens,
+                bytes_per_token,
+                groups.as_ref(),
+            )?;
             Attached::Chunks(Arc::new(tiering))
         }
         ReuseConfig::Contexts(c) => {

@@ -9,16 +9,30 @@
 //! encoded on the engine thread (a memory copy and a conversion) and handed to a writer
 //! thread over a bounded channel; the engine never waits on a tier for stores, and when
 //! the channel is full a chunk is simply not stored (counted).
+//!
+//! An engine with KV cache groups (sliding-window layers in tables of their own) keeps
+//! them: its chunks are stored by group, the window layers only where a hit needs them
+//! (`groups`).
+
+mod groups;
 
 use std::collections::HashMap;
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 
-use pk_codec::{KvContext, Method};
+use pk_codec::{CodecError, KvContext, Method};
 use pk_engine::{block_ids as table_of, CacheNamespace, KvConnector, Loaded, Lookup, RequestKey};
 use pk_kv::{KvCacheManager, SeqId};
-use pk_model::{Backend, KvBlocks};
+use pk_model::{Backend, KvBlocks, KvGroupLayout};
 use pk_tiers::{ChunkKey, ChunkKeyer, Payload, TieredStore};
+
+use groups::GroupedChunks;
+
+/// Default interval of the window checkpoints of an engine with KV cache groups, in
+/// tokens (measured in BENCHMARKS.md, "KV cache groups in the tiers": on Gemma-3-270M at
+/// 8K it keeps the bytes written under 40 % of one table's while a prompt sharing 6,000
+/// tokens still hits 4,096).
+pub const DEFAULT_WINDOW_CHECKPOINT_TOKENS: usize = 2048;
 
 /// How the engine uses tiers.
 #[derive(Clone)]
@@ -28,6 +42,12 @@ pub struct TieringConfig {
     pub chunk_size_tokens: usize,
     /// Bound on encoded chunks waiting for the writer thread, in bytes.
     pub max_pending_bytes: usize,
+    /// With KV cache groups: the sliding-window layers are also stored at every multiple of
+    /// this many tokens inside a prompt (besides its end), so that a prompt sharing only a
+    /// prefix hits there. A multiple of the chunk size; `None`:
+    /// [`DEFAULT_WINDOW_CHECKPOINT_TOKENS`]. Refused for an engine without groups, which
+    /// stores every layer of every chunk.
+    pub window_checkpoint_tokens: Option<usize>,
 }
 
 impl std::fmt::Debug for TieringConfig {
@@ -35,6 +55,7 @@ impl std::fmt::Debug for TieringConfig {
         f.debug_struct("TieringConfig")
             .field("chunk_size_tokens", &self.chunk_size_tokens)
             .field("max_pending_bytes", &self.max_pending_bytes)
+            .field("window_checkpoint_tokens", &self.window_checkpoint_tokens)
             .finish()
     }
 }
@@ -48,6 +69,18 @@ pub struct TieringStats {
     pub chunks_queued: u64,
     pub chunks_skipped_queue_full: u64,
     pub load_failures: u64,
+    /// Bytes of encoded payloads queued, by layer kind: full-attention layers (every layer
+    /// without KV cache groups) and sliding-window layers.
+    pub full_attention_bytes_queued: u64,
+    pub window_bytes_queued: u64,
+    /// Window payloads (one chunk's sliding-window layers) queued and loaded.
+    pub window_chunks_queued: u64,
+    pub window_chunks_loaded: u64,
+    /// Window chunks a checkpoint needed whose blocks the pool had already released (a
+    /// prefix adopted from the pool's own cache): that checkpoint is not stored.
+    pub window_chunks_unavailable: u64,
+    /// Lookups whose hit was cut short because window KV was missing.
+    pub hits_shortened_by_window: u64,
 }
 
 /// What the connector keeps of a request between its lookup and its end.
@@ -55,8 +88,14 @@ pub struct TieringStats {
 struct RequestChunks {
     /// Chained keys of the prompt's whole chunks, leaving at least one token to compute.
     keys: Vec<ChunkKey>,
-    /// Chunks of `keys` the tiers hold, or that are queued for them.
+    /// Chunks of `keys` the tiers hold, or that are queued for them (their full-attention
+    /// layers, with KV cache groups).
     saved: usize,
+    /// With KV cache groups: per chunk of `keys`, whether its window layers are stored or
+    /// queued; and how many of the prompt's hit points (`GroupedChunks::hit_points`) are
+    /// dealt with.
+    window_present: Vec<bool>,
+    hits_done: usize,
 }
 
 /// The chunk tiers as a [`KvConnector`].
@@ -67,6 +106,8 @@ pub struct Tiering {
     /// `None` only while dropping (closing the channel ends the writer thread).
     tx: Option<SyncSender<(ChunkKey, Payload)>>,
     writer: Option<std::thread::JoinHandle<()>>,
+    /// The stored layout by KV cache group (`None`: one table, every layer in one payload).
+    groups: Option<GroupedChunks>,
     stats: Mutex<TieringStats>,
     /// Per request in flight (bounded by the engine's waiting and running requests).
     requests: Mutex<HashMap<RequestKey, RequestChunks>>,
@@ -93,14 +134,29 @@ impl Drop for Tiering {
 
 impl Tiering {
     /// The tiers `cfg` describes, keyed under `namespace` for `model_name`'s KV in blocks of
-    /// `block_size_tokens` (`bytes_per_token` sizes the writer's queue).
+    /// `block_size_tokens` (`bytes_per_token` sizes the writer's queue), for an engine with
+    /// the KV cache groups `groups` (`None`: one table). The namespace of an engine with
+    /// groups names their layout (`CacheNamespace::with_kv_groups`).
     pub fn new(
         cfg: &TieringConfig,
         model_name: &str,
         namespace: &CacheNamespace,
         block_size_tokens: usize,
         bytes_per_token: usize,
+        groups: Option<&KvGroupLayout>,
     ) -> anyhow::Result<Tiering> {
+        if groups.is_none() && cfg.window_checkpoint_tokens.is_some() {
+            anyhow::bail!("--tier-window-checkpoint-tokens applies to an engine with KV cache groups (a model with sliding-window layers, without --disable-hybrid-kv-cache-manager); this one stores every layer of every chunk");
+        }
+        let checkpoint_tokens = cfg
+            .window_checkpoint_tokens
+            .unwrap_or(DEFAULT_WINDOW_CHECKPOINT_TOKENS);
+        let groups = groups
+            .map(|g| {
+                GroupedChunks::new(g, cfg.chunk_size_tokens, checkpoint_tokens)
+                    .map_err(anyhow::Error::msg)
+            })
+            .transpose()?;
         let keyer = ChunkKeyer::new(
             model_name,
             namespace.as_bytes(),
@@ -129,6 +185,7 @@ impl Tiering {
             fingerprint: namespace.kv_fingerprint(),
             tx: Some(tx),
             writer: Some(writer),
+            groups,
             stats: Mutex::default(),
             requests: Mutex::default(),
         })
@@ -207,24 +264,48 @@ impl Tiering {
                 return keys.len();
             }
             let positions = ((next * chunk) as u32..((next + 1) * chunk) as u32).collect();
-            let encoded = KvContext::new(g.n_layers, g.n_kv_heads, g.head_dim, positions, k, v)
-                .and_then(|ctx| pk_codec::encode(&ctx, &Method::None, None, &self.fingerprint));
-            match encoded {
-                Ok(bytes) => match self
-                    .tx
-                    .as_ref()
-                    .expect("open until drop")
-                    .try_send((keys[next], Payload::from(bytes)))
-                {
-                    Ok(()) => lock(&self.stats).chunks_queued += 1,
-                    Err(TrySendError::Full(_)) => lock(&self.stats).chunks_skipped_queue_full += 1,
-                    Err(TrySendError::Disconnected(_)) => return keys.len(),
-                },
-                Err(e) => tracing::warn!("encoding a KV chunk failed: {e}"),
+            let ctx = KvContext::new(g.n_layers, g.n_kv_heads, g.head_dim, positions, k, v);
+            if !self.queue(keys[next], ctx, false) {
+                return keys.len();
             }
             next += 1;
         }
         next
+    }
+
+    /// Encodes one chunk's payload (every layer, the full-attention layers or the window
+    /// layers) and queues it for the writer thread, counting its bytes by layer kind.
+    /// Returns false once the writer is gone (nothing more can be stored).
+    fn queue(&self, key: ChunkKey, ctx: Result<KvContext, CodecError>, window: bool) -> bool {
+        let encoded =
+            ctx.and_then(|ctx| pk_codec::encode(&ctx, &Method::None, None, &self.fingerprint));
+        let bytes = match encoded {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                tracing::warn!("encoding a KV chunk failed: {e}");
+                return true;
+            }
+        };
+        let n_bytes = bytes.len() as u64;
+        let tx = self.tx.as_ref().expect("open until drop");
+        let mut stats = lock(&self.stats);
+        match tx.try_send((key, Payload::from(bytes))) {
+            Ok(()) if window => {
+                stats.window_chunks_queued += 1;
+                stats.window_bytes_queued += n_bytes;
+                metrics::counter!("pagekeeper:tier_group_bytes_queued_total", "layers" => "window")
+                    .increment(n_bytes);
+            }
+            Ok(()) => {
+                stats.chunks_queued += 1;
+                stats.full_attention_bytes_queued += n_bytes;
+                metrics::counter!("pagekeeper:tier_group_bytes_queued_total", "layers" => "full")
+                    .increment(n_bytes);
+            }
+            Err(TrySendError::Full(_)) => stats.chunks_skipped_queue_full += 1,
+            Err(TrySendError::Disconnected(_)) => return false,
+        }
+        true
     }
 }
 
@@ -234,11 +315,19 @@ impl KvConnector for Tiering {
         let usable = ids.len().saturating_sub(1);
         let keys = self.keyer.keys(&ids[..usable], salt.map(str::as_bytes));
         let found = self.store.lookup_prefix(&keys).chunks_found;
-        let answer = Lookup {
-            loadable_tokens: found * self.chunk_size_tokens(),
-            wants_save: found < keys.len(),
+        let mut chunks = RequestChunks {
+            keys,
+            saved: found,
+            ..Default::default()
         };
-        let chunks = RequestChunks { keys, saved: found };
+        let hit = match &self.groups {
+            None => found,
+            Some(g) => self.grouped_lookup(g, &mut chunks, found),
+        };
+        let answer = Lookup {
+            loadable_tokens: hit * self.chunk_size_tokens(),
+            wants_save: self.wants_more(&chunks),
+        };
         lock(&self.requests).insert(request, chunks);
         answer
     }
@@ -255,17 +344,32 @@ impl KvConnector for Tiering {
         let chunk = self.chunk_size_tokens();
         let keys = lock(&self.requests).get(&request)?.keys.clone();
         let found = (tokens / chunk).min(keys.len());
-        let loaded = self.load_into(&keys[..found], kv, backend.kv_mut(), seq);
-        // Chunks after a failed load are stored again once recomputed: that overwrites a
-        // corrupted entry.
-        let saved = loaded / chunk;
-        if let Some(r) = lock(&self.requests).get_mut(&request) {
-            r.saved = saved;
+        let loaded = match &self.groups {
+            None => self.load_into(&keys[..found], kv, backend.kv_mut(), seq),
+            Some(g) => match self.load_grouped(g, &keys, found, kv, backend.kv_mut(), seq) {
+                Ok(tokens) => tokens,
+                Err(bad_chunk) => {
+                    // Stored again once recomputed, which overwrites the corrupted entry.
+                    if let Some(r) = lock(&self.requests).get_mut(&request) {
+                        r.saved = r.saved.min(bad_chunk);
+                        r.window_present[bad_chunk] = false;
+                    }
+                    0
+                }
+            },
+        };
+        let mut requests = lock(&self.requests);
+        let r = requests.get_mut(&request)?;
+        if self.groups.is_none() {
+            // Chunks after a failed load are stored again once recomputed: that overwrites
+            // a corrupted entry.
+            r.saved = loaded / chunk;
         }
+        let wants_save = self.wants_more(r);
         (loaded > 0).then_some(Loaded {
             tokens: loaded,
             exact: true,
-            wants_save: saved < keys.len(),
+            wants_save,
             origin: None,
         })
     }
@@ -279,18 +383,47 @@ impl KvConnector for Tiering {
         backend: &mut dyn Backend,
         seq: SeqId,
     ) -> bool {
-        let Some(chunks) = lock(&self.requests).remove(&request) else {
+        let Some(mut chunks) = lock(&self.requests).remove(&request) else {
             return false;
         };
-        let saved = self.store_chunks(&chunks.keys, chunks.saved, computed, kv, backend.kv(), seq);
-        let wants_more = saved < chunks.keys.len();
-        let chunks = RequestChunks { saved, ..chunks };
+        match &self.groups {
+            None => {
+                chunks.saved =
+                    self.store_chunks(&chunks.keys, chunks.saved, computed, kv, backend.kv(), seq);
+            }
+            Some(g) => self.save_grouped(g, &mut chunks, computed, kv, backend.kv(), seq),
+        }
+        let wants_more = self.wants_more(&chunks);
         lock(&self.requests).insert(request, chunks);
         wants_more
     }
 
+    fn saves_during_prefill(&self) -> bool {
+        // Whole chunks go to the tiers as soon as they are computed; with KV cache groups
+        // this is also what lets a checkpoint's window be copied before the pool releases
+        // it.
+        true
+    }
+
+    fn supports_kv_groups(&self) -> bool {
+        true
+    }
+
     fn request_finished(&self, request: RequestKey) {
         lock(&self.requests).remove(&request);
+    }
+}
+
+impl Tiering {
+    /// Whether a request still has something to store: a whole chunk, or (with KV cache
+    /// groups) a hit point's window layers.
+    fn wants_more(&self, r: &RequestChunks) -> bool {
+        let n = r.keys.len();
+        r.saved < n
+            || self
+                .groups
+                .as_ref()
+                .is_some_and(|g| r.hits_done < g.hit_points(n).len())
     }
 }
 

@@ -32,6 +32,7 @@ fn config(store: Arc<TieredStore>) -> TieringConfig {
         store,
         chunk_size_tokens: 256,
         max_pending_bytes: 64 << 20,
+        window_checkpoint_tokens: None,
     }
 }
 
@@ -97,7 +98,7 @@ fn same_named_models_with_different_contents_never_share_tier_entries() {
 /// `redis-server` from PATH), as two servers sharing it would.
 #[test]
 fn same_named_models_with_different_contents_never_share_redis_entries() {
-    let (url, _server) = redis_for_test();
+    let (url, _server) = common::redis_for_test();
     let prefix = format!(
         "pktest:same-name:{}:{:?}:",
         std::process::id(),
@@ -110,44 +111,6 @@ fn same_named_models_with_different_contents_never_share_redis_entries() {
     })
     .unwrap();
     same_named_models_share_nothing(&|| Arc::new(TieredStore::new(vec![tier.clone()])));
-}
-
-/// A Redis URL for a test: `PAGEKEEPER_TEST_REDIS` if set, else a private server on a free
-/// loopback port (killed when the returned guard drops). Fails, never skips, without one.
-fn redis_for_test() -> (String, Option<KillOnDrop>) {
-    if let Ok(url) = std::env::var("PAGEKEEPER_TEST_REDIS") {
-        return (url, None);
-    }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = std::process::Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no"])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("redis-server must be on PATH (scripts/test.sh fetches one) or PAGEKEEPER_TEST_REDIS set");
-    let guard = KillOnDrop(child);
-    let t0 = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "redis-server did not start"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    (format!("redis://127.0.0.1:{port}"), Some(guard))
-}
-
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn same_named_models_share_nothing(store_for: &dyn Fn() -> Arc<TieredStore>) {

@@ -8,7 +8,8 @@
 //! The engine asks a connector once per waiting request how much of the prompt it holds
 //! ([`KvConnector::lookup`], vLLM's `get_num_new_matched_tokens`), tells it to load that into
 //! a new sequence's blocks when the pool holds less ([`KvConnector::load`]), hands it each
-//! computed prompt to save while it still wants one ([`KvConnector::save`]), and tells it
+//! computed prompt to save while it still wants one ([`KvConnector::save`]; after every
+//! prefill step for a connector that asks, [`KvConnector::saves_during_prefill`]), and tells it
 //! when a request ends ([`KvConnector::request_finished`]). What a connector keeps per
 //! request (its chunk keys, what it has saved) it keeps itself, under the [`RequestKey`] the
 //! engine gives each request; the engine keeps only what it decides by.
@@ -99,6 +100,22 @@ pub trait KvConnector: Send + Sync + std::fmt::Debug {
         backend: &mut dyn Backend,
         seq: SeqId,
     ) -> bool;
+
+    /// Whether `save` is also called after every prefill step of a prompt, not only once
+    /// the prompt is in. A connector that stores what the pool releases before the prompt
+    /// ends (the sliding-window layers of an engine with KV cache groups release every
+    /// block behind the window before the next step allocates) must copy it out between
+    /// steps, while the blocks are still held.
+    fn saves_during_prefill(&self) -> bool {
+        false
+    }
+
+    /// Whether the connector stores and loads the KV of an engine with KV cache groups
+    /// (sliding-window layers in tables of their own, `pk_kv::window`). Only such a
+    /// connector may be attached to one ([`crate::Engine::set_connector`]).
+    fn supports_kv_groups(&self) -> bool {
+        false
+    }
 
     /// Told when a request ends, before its blocks are freed (and for requests that failed
     /// before admission). Both store connectors copy a prompt's KV out at `save`, so

@@ -102,17 +102,26 @@ impl Engine {
     /// Attaches the connector through which prompt KV is stored and reused across
     /// requests, restarts and servers (`pk_connectors` builds them, keyed by
     /// [`Engine::cache_namespace`]). Refused while requests are in flight, and on an
-    /// engine with KV cache groups: today's connectors store and load every layer of every
-    /// token, which a window group does not keep (build it with `hybrid_kv_cache` off).
+    /// engine with KV cache groups unless the connector stores them
+    /// ([`KvConnector::supports_kv_groups`]: the chunk tiers do; a store of whole contexts
+    /// writes every layer of every token, which a window group does not keep, so build its
+    /// engine with `hybrid_kv_cache` off).
     pub fn set_connector(&mut self, connector: Arc<dyn KvConnector>) -> Result<()> {
         if self.has_work() {
             bail!("a KV connector is attached before requests arrive");
         }
-        if self.sched.kv.window_spec().is_some() {
-            bail!("this engine keeps sliding-window layers in KV cache groups of their own, which a KV connector does not store; build it with hybrid_kv_cache off");
+        if self.sched.kv.window_spec().is_some() && !connector.supports_kv_groups() {
+            bail!("this engine keeps sliding-window layers in KV cache groups of their own, which this KV connector does not store; build it with hybrid_kv_cache off");
         }
         self.connector = Some(connector);
         Ok(())
+    }
+
+    /// The KV cache groups this engine keeps (`None`: one block table for every layer), for
+    /// a connector that stores the groups' layers apart.
+    pub fn kv_group_layout(&self) -> Option<pk_model::KvGroupLayout> {
+        self.sched.kv.window_spec()?;
+        self.backend.config().kv_group_layout()
     }
 
     /// The namespace every cache key of this engine is derived from (model identity, KV

@@ -1,7 +1,7 @@
 //! The one name of "whose KV is this": every block hash of the prefix cache, every chunk key
 //! of the tiers and every stored context's codec fingerprint is derived from it.
 
-use pk_model::KvDtype;
+use pk_model::{KvDtype, KvGroupLayout};
 
 /// The cache namespace of an engine: the model's identity (the file's content hash, see
 /// `model_content_id` (engine.rs), so two different GGUFs of the same file name never
@@ -23,6 +23,24 @@ impl CacheNamespace {
         CacheNamespace {
             bytes: s.into_bytes(),
         }
+    }
+
+    /// This namespace for an engine that keeps the KV cache groups of `layout`: what a
+    /// connector stores then is laid out by group (the full-attention layers of every
+    /// chunk, the window layers only where a hit needs them), so it must never be read by
+    /// an engine with one table for all layers, nor the reverse, nor under another
+    /// grouping. The layout's every field is part of the name.
+    pub fn with_kv_groups(&self, layout: &KvGroupLayout) -> CacheNamespace {
+        let mut s = format!(
+            "|kv-groups|per-block {}|window {}|groups {}|layers",
+            layout.layers_per_block, layout.window_tokens, layout.num_window_groups
+        );
+        for (group, slot) in layout.layer_group.iter().zip(&layout.layer_slot) {
+            s.push_str(&format!(" {group}:{slot}"));
+        }
+        let mut bytes = self.bytes.clone();
+        bytes.extend_from_slice(s.as_bytes());
+        CacheNamespace { bytes }
     }
 
     pub fn as_bytes(&self) -> &[u8] {

@@ -138,6 +138,20 @@ impl KvCacheManager {
             .map_or(0, |w| w.num_held_blocks())
     }
 
+    /// Releases `seq`'s window blocks wholly behind the window of a token at `position`, as
+    /// the next `allocate_slots` from there would. A connector that loads a prefix calls it
+    /// before writing the window layers, so that every window block still held is one it
+    /// writes (a block it allocated on the way and did not write must never reach the
+    /// prefix cache). Nothing happens without window groups.
+    ///
+    /// Panics if `seq` does not exist.
+    pub fn release_window_blocks_behind(&mut self, seq: SeqId, position: u64) {
+        let state = Self::state_mut(&mut self.seqs, seq, "release_window_blocks_behind");
+        if let (Some(windows), Some(spec)) = (state.windows.as_mut(), self.window.as_ref()) {
+            windows.release_behind(spec, position, &mut self.pool);
+        }
+    }
+
     /// Window-group blocks a sequence holds at most while computing `num_tokens` positions
     /// in steps of at most `max_step_tokens` (0 without window groups): each group keeps
     /// the window before a step plus the step's own positions.

@@ -18,6 +18,7 @@ pub const DEFAULT_CHUNK_SIZE_TOKENS: usize = 256;
 
 const ROOT_DOMAIN: &[u8] = b"pagekeeper.tiers.chunk-root.v1";
 const CHUNK_DOMAIN: &[u8] = b"pagekeeper.tiers.chunk.v1";
+const WINDOW_DOMAIN: &[u8] = b"pagekeeper.tiers.chunk-window-layers.v1";
 
 /// The 32-byte name of one stored chunk. Displays as 64 lowercase hex digits.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -31,6 +32,16 @@ impl ChunkKey {
             s.push(char::from_digit(u32::from(b & 0xf), 16).unwrap());
         }
         s
+    }
+
+    /// The key of the same chunk's sliding-window layers, stored apart from its
+    /// full-attention layers (a model with KV cache groups stores them only where a hit can
+    /// use them). Derived from this key, so it names the same prefix.
+    pub fn window_layers(&self) -> ChunkKey {
+        let mut h = blake3::Hasher::new();
+        h.update(WINDOW_DOMAIN);
+        h.update(&self.0);
+        ChunkKey(*h.finalize().as_bytes())
     }
 
     /// Parses 64 hex digits (either case); `None` for anything else.
@@ -192,6 +203,10 @@ mod tests {
         assert_ne!(other_model.keys(&[1, 2, 3, 4], None)[0], a[0]);
         let other_fp = ChunkKeyer::new("qwen2.5-0.5b-instruct-q8_0", b"fp:2", 4, 2).unwrap();
         assert_ne!(other_fp.keys(&[1, 2, 3, 4], None)[0], a[0]);
+        // A chunk's window layers have a key of their own, never another chunk's.
+        assert_ne!(a[0].window_layers(), a[0]);
+        assert_ne!(a[0].window_layers(), a[1].window_layers());
+        assert_eq!(a[0].window_layers(), b[0].window_layers());
     }
 
     #[test]

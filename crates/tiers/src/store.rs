@@ -167,6 +167,28 @@ impl TieredStore {
         }
     }
 
+    /// Whether some tier holds each of `keys` (not only a leading run), asking each tier
+    /// only about the keys the faster tiers lack, in one batch per tier.
+    pub fn contains_each(&self, keys: &[ChunkKey]) -> Vec<bool> {
+        let mut found = vec![false; keys.len()];
+        for slot in &self.slots {
+            let wanted: Vec<usize> = (0..keys.len()).filter(|&i| !found[i]).collect();
+            if wanted.is_empty() {
+                break;
+            }
+            let batch: Vec<ChunkKey> = wanted.iter().map(|&i| keys[i]).collect();
+            match slot.tier.contains_many(&batch) {
+                Ok(hits) => {
+                    for (&i, hit) in wanted.iter().zip(hits) {
+                        found[i] |= hit;
+                    }
+                }
+                Err(e) => slot.error("contains", &e),
+            }
+        }
+        found
+    }
+
     /// The payload from the fastest tier that has it; a hit below tier 0 is copied into every
     /// faster tier (their victims cascade down).
     pub fn load(&self, key: &ChunkKey) -> Option<Loaded> {

@@ -1,6 +1,7 @@
 //! Shared helpers for the connectors' end-to-end tests against the real default model.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use pk_connectors::{ContextReuse, ContextReuseConfig, ReuseConfig, Tiering, TieringConfig};
 use pk_engine::{Engine, EngineConfig};
@@ -125,4 +126,43 @@ pub fn run_with_a_waiting_request(e: &mut Engine) -> usize {
     );
     e.check_invariants();
     waited_steps
+}
+
+/// A Redis URL for a test: `PAGEKEEPER_TEST_REDIS` if set, else a private server on a free
+/// loopback port (killed when the returned guard drops). Fails, never skips, without one.
+#[allow(dead_code)]
+pub fn redis_for_test() -> (String, Option<KillOnDrop>) {
+    if let Ok(url) = std::env::var("PAGEKEEPER_TEST_REDIS") {
+        return (url, None);
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server must be on PATH (scripts/test.sh fetches one) or PAGEKEEPER_TEST_REDIS set");
+    let guard = KillOnDrop(child);
+    let t0 = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "redis-server did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (format!("redis://127.0.0.1:{port}"), Some(guard))
+}
+
+pub struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

@@ -96,7 +96,13 @@ impl Engine {
         let num_blocks = backend.kv().geometry().num_blocks;
         let kv = KvCacheManager::with_windows(num_blocks as u32, bs as u32, window);
         let limits = Limits::new(&config, backend.config().vocab_size);
-        let cache_namespace = CacheNamespace::new(model_identity, config.kv_dtype, backend.name());
+        let mut cache_namespace =
+            CacheNamespace::new(model_identity, config.kv_dtype, backend.name());
+        if window.is_some() {
+            if let Some(layout) = backend.config().kv_group_layout() {
+                cache_namespace = cache_namespace.with_kv_groups(&layout);
+            }
+        }
         Ok(Engine {
             eviction_stats: Default::default(),
             tokenizer,

@@ -112,7 +112,11 @@ impl Engine {
             return self.apply_eviction(i, c, queries, prefill_done, sampled.finished);
         }
         if !s.reuse.inexact {
-            if prefill_done && s.reuse.wants_save() {
+            let during_prefill = self
+                .connector
+                .as_ref()
+                .is_some_and(|c| c.saves_during_prefill());
+            if (prefill_done || during_prefill) && s.reuse.wants_save() {
                 self.save_prompt(i);
             }
             if self.config.enable_prefix_caching {
@@ -157,8 +161,9 @@ impl Engine {
         }
     }
 
-    /// Once a non-evicting sequence's prompt is in, hands what the connector has not saved
-    /// of it to the connector.
+    /// Once a non-evicting sequence's prompt is in (or after each of its prefill steps, for
+    /// a connector that asks), hands what the connector has not saved of it to the
+    /// connector.
     fn save_prompt(&mut self, i: usize) {
         let Some(c) = &self.connector else {
             return;
