@@ -48,6 +48,7 @@ const TIER_ARGS: &[&str] = &[
     "tier_disk",
     "tier_redis",
     "tier_chunk_tokens",
+    "tier_window_checkpoint_tokens",
     "tier_policy",
     "evicpress_alpha",
     "evicpress_grid",
@@ -89,6 +90,22 @@ pub const RULES: &[Rule] = &[
         when: &[NOT_EVICPRESS],
         context: "without --tier-policy evicpress",
         why: "it configures the EVICPRESS store",
+    },
+    Rule {
+        command: "generate",
+        args: &["tier_window_checkpoint_tokens"],
+        when: &[When::Is("tier_policy", &["evicpress"])],
+        context: "with --tier-policy evicpress",
+        why: "window checkpoints are how the chunk tiers store KV cache groups, and the \
+              EVICPRESS store keeps one block table for every layer",
+    },
+    Rule {
+        command: "serve",
+        args: &["tier_window_checkpoint_tokens"],
+        when: &[When::Is("tier_policy", &["evicpress"])],
+        context: "with --tier-policy evicpress",
+        why: "window checkpoints are how the chunk tiers store KV cache groups, and the \
+              EVICPRESS store keeps one block table for every layer",
     },
     Rule {
         command: "serve",

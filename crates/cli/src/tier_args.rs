@@ -86,6 +86,9 @@ impl TierArgs {
     /// The engine's KV reuse connector: the EVICPRESS context store with `--tier-policy
     /// evicpress`, else the chunk tiers if any tier is configured.
     pub fn build_reuse(&self) -> Result<Option<pk_connectors::ReuseConfig>> {
+        if self.tier_window_checkpoint_tokens.is_some() && self.tier_configs()?.is_empty() {
+            bail!("--tier-window-checkpoint-tokens is not used without a tier: add --tier-ram, --tier-disk or --tier-redis");
+        }
         if self.tier_chunk_tokens.is_some() && self.tier_configs()?.is_empty() {
             bail!("--tier-chunk-tokens (or the config file's tiers.chunk_tokens) is not used without a tier: add --tier-ram, --tier-disk or --tier-redis");
         }

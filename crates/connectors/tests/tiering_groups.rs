@@ -175,13 +175,20 @@ fn gemma3_8k_prompt_hits_from_ram_and_disk_with_the_cold_runs_bits() {
     assert!(out.cached_prompt_tokens as f64 >= 0.95 * prompt.len() as f64);
     assert_eq!(out.token_ids, cold_out.token_ids);
     assert_eq!(logits, cold_logits, "the same bits from RAM");
-    assert_eq!(t2.unwrap().stats().window_chunks_loaded, 4, "2 per hit");
+    let t2 = t2.unwrap();
+    assert_eq!(t2.stats().window_chunks_loaded, 4, "2 per hit");
     // A prompt sharing only the first 6,000 tokens: the last checkpoint inside them.
+    let shortened = t2.stats().hits_shortened_by_window;
     let out = second.generate(&shared, &greedy(), &mut |_| {}).unwrap();
     assert_eq!(out.cached_prompt_tokens, 4096);
+    assert_eq!(
+        t2.stats().hits_shortened_by_window,
+        shortened + 1,
+        "23 chunks found"
+    );
     assert_eq!(out.token_ids, cold_shared.token_ids);
     second.check_invariants();
-    drop((first, t1, second, store));
+    drop((first, t1, second, t2, store));
 
     // A restart: an empty RAM tier over the same disk directory.
     let store = ram_and_disk(dir.path());
@@ -239,4 +246,158 @@ fn gemma3_prompt_stored_by_one_engine_hits_on_another_through_redis() {
     );
     assert_eq!(out.token_ids, cold_out.token_ids);
     assert_eq!(logits, cold_logits, "the same bits through Redis");
+}
+
+/// Prefill in steps of one chunk, so that the pool releases window blocks at every step:
+/// each checkpoint's window must be copied out after the step that computed it, before
+/// the next one releases it. A prompt sharing each checkpoint's prefix then hits exactly
+/// there, with the cold run's teacher-forced logits bit for bit: every stored window is
+/// the KV the cold run computed, none a block that had left the window.
+#[test]
+fn window_kv_is_copied_between_prefill_steps_and_restores_exactly_at_every_checkpoint() {
+    let stepped = EngineConfig {
+        max_batch_tokens: 256,
+        ..config()
+    };
+    let (mut cold, _) = engine(None, stepped.clone());
+    let (prompt, _) = book_tokens(&cold, 1800, 0);
+    let (_, other) = book_tokens(&cold, 4000, 300);
+    let store = Arc::new(TieredStore::new(vec![
+        Arc::new(RamTier::new(256 << 20)) as Arc<dyn Tier>
+    ]));
+    let (mut first, t1) = engine(Some(tiers(store.clone(), Some(512))), stepped.clone());
+    let t1 = t1.unwrap();
+    first.generate(&prompt, &greedy(), &mut |_| {}).unwrap();
+    let s = t1.stats();
+    // 7 whole chunks; hits at 2, 4, 6 (checkpoints) and 7 (the end) need window chunks
+    // 0-1, 2-3, 4-5 and 5-6.
+    assert_eq!((s.chunks_queued, s.window_chunks_queued), (7, 7), "{s:?}");
+    assert_eq!(s.window_chunks_unavailable, 0);
+    wait_stored(
+        &t1,
+        &store,
+        s.full_attention_bytes_queued + s.window_bytes_queued,
+    );
+
+    let (mut second, t2) = engine(Some(tiers(store.clone(), Some(512))), stepped);
+    // (tokens shared with the prompt, the hit). With checkpoints as close as the window
+    // every window chunk is stored, so 5 shared chunks hit at 5: the windows of the
+    // checkpoints at 4 and 6 together hold what position 1,280 sees.
+    for (shared_tokens, hit) in [(612, 512), (1124, 1024), (1380, 1280), (1636, 1536)] {
+        let shared: Vec<u32> = prompt[..shared_tokens]
+            .iter()
+            .chain(&other)
+            .copied()
+            .collect();
+        let (head, cont) = shared.split_at(shared.len() - 16);
+        let want = cold.teacher_force(head, cont, &greedy()).unwrap();
+        let out = second.generate(head, &greedy(), &mut |_| {}).unwrap();
+        assert_eq!(out.cached_prompt_tokens, hit, "hit at the checkpoint");
+        let got = second.teacher_force(head, cont, &greedy()).unwrap();
+        assert_eq!(got, want, "the same bits after a hit at {hit} tokens");
+        second.check_invariants();
+    }
+    assert_eq!(t2.unwrap().stats().hits_shortened_by_window, 0);
+}
+
+/// A prompt that adopts a prefix from the pool's own cache holds only the window blocks
+/// its first new token sees; when the tiers have lost the windows of checkpoints inside
+/// that prefix (a RAM tier too small for them), those checkpoints are not stored — never
+/// from a released block — and are counted. What is stored still restores exactly.
+#[test]
+fn checkpoints_whose_window_blocks_the_pool_released_are_not_stored() {
+    let stepped = EngineConfig {
+        max_batch_tokens: 256,
+        enable_prefix_caching: true,
+        ..config()
+    };
+    let (mut cold, _) = engine(None, config());
+    let (a, _) = book_tokens(&cold, 1800, 0);
+    let (_, other) = book_tokens(&cold, 4000, 300);
+    let b: Vec<u32> = a[..1700].iter().chain(&other).copied().collect();
+    let (b_head, b_cont) = b.split_at(b.len() - 16);
+    let want = cold.teacher_force(b_head, b_cont, &greedy()).unwrap();
+    let want_out = cold.generate(b_head, &greedy(), &mut |_| {}).unwrap();
+
+    // 6 MiB holds about one window chunk (3.9 MB) and two of full-attention layers.
+    let store = Arc::new(TieredStore::new(vec![
+        Arc::new(RamTier::new(6 << 20)) as Arc<dyn Tier>
+    ]));
+    let (mut e, t) = engine(Some(tiers(store.clone(), Some(512))), stepped);
+    let t = t.unwrap();
+    e.generate(&a, &greedy(), &mut |_| {}).unwrap();
+    let s = t.stats();
+    wait_stored(
+        &t,
+        &store,
+        s.full_attention_bytes_queued + s.window_bytes_queued,
+    );
+    let before = t.stats().window_chunks_unavailable;
+    let out = e.generate(b_head, &greedy(), &mut |_| {}).unwrap();
+    assert!(
+        out.cached_prompt_tokens >= 1600,
+        "from the pool's prefix cache"
+    );
+    assert_eq!(out.token_ids, want_out.token_ids);
+    let s = t.stats();
+    assert!(
+        s.window_chunks_unavailable > before,
+        "the checkpoints inside the adopted prefix had no window left to store: {s:?}"
+    );
+    wait_stored(&t, &store, 0);
+    drop(e);
+
+    // Whatever the tiers now hold for B restores exactly on a fresh engine.
+    let (mut fresh, _) = engine(Some(tiers(store, Some(512))), config());
+    let got = fresh.teacher_force(b_head, b_cont, &greedy()).unwrap();
+    assert_eq!(got, want);
+}
+
+/// A store written by an engine with one table for all layers is never a hit for one with
+/// KV cache groups, nor the reverse (their namespaces name the layout), while each hits
+/// what it stored itself.
+#[test]
+fn stores_written_with_and_without_groups_never_serve_each_other() {
+    let one_table = EngineConfig {
+        hybrid_kv_cache: false,
+        ..config()
+    };
+    let run_on = |store: &Arc<TieredStore>, grouped: bool, prompt: &[u32]| -> usize {
+        let cfg = if grouped { config() } else { one_table.clone() };
+        let mut e = Engine::load(&gemma_path(), cfg).unwrap();
+        assert_eq!(e.kv_group_layout().is_some(), grouped);
+        let attached =
+            pk_connectors::attach(&mut e, &ReuseConfig::Chunks(tiers(store.clone(), None)))
+                .unwrap();
+        let out = e.generate(prompt, &greedy(), &mut |_| {}).unwrap();
+        let t = attached.tiering().unwrap().clone();
+        let s = t.stats();
+        drop(e);
+        drop(attached);
+        wait_stored(
+            &t,
+            store,
+            (s.full_attention_bytes_queued + s.window_bytes_queued).min(1),
+        );
+        out.cached_prompt_tokens
+    };
+    let (probe, _) = engine(None, config());
+    let (prompt, _) = book_tokens(&probe, 600, 0);
+    drop(probe);
+    for writer_grouped in [false, true] {
+        let store = Arc::new(TieredStore::new(vec![
+            Arc::new(RamTier::new(256 << 20)) as Arc<dyn Tier>
+        ]));
+        assert_eq!(run_on(&store, writer_grouped, &prompt), 0);
+        assert_eq!(
+            run_on(&store, !writer_grouped, &prompt),
+            0,
+            "the other layout"
+        );
+        assert_eq!(
+            run_on(&store, writer_grouped, &prompt),
+            512,
+            "the same layout"
+        );
+    }
 }

@@ -427,6 +427,56 @@ pub const TABLE: &[Entry] = &[
     ),
     e(
         "generate",
+        "--tier-window-checkpoint-tokens",
+        Refused {
+            args: &[
+                "generate",
+                "--prompt",
+                PROMPT,
+                "--tier-window-checkpoint-tokens",
+                "512",
+            ],
+        },
+    ),
+    e(
+        "generate",
+        "--tier-window-checkpoint-tokens",
+        Refused {
+            args: &[
+                "generate",
+                "--prompt",
+                PROMPT,
+                "--tier-disk",
+                "{dir}/kv:1GiB",
+                "--tier-window-checkpoint-tokens",
+                "512",
+            ],
+        },
+    ),
+    e(
+        "generate",
+        "--tier-window-checkpoint-tokens",
+        SameAs { command: "serve" },
+    ),
+    e(
+        "generate",
+        "--tier-window-checkpoint-tokens",
+        Refused {
+            args: &[
+                "generate",
+                "--prompt",
+                PROMPT,
+                "--tier-disk",
+                "{dir}/kv:1GiB",
+                "--tier-policy",
+                "evicpress",
+                "--tier-window-checkpoint-tokens",
+                "512",
+            ],
+        },
+    ),
+    e(
+        "generate",
         "--tier-policy",
         Reuse {
             args: &[
@@ -995,6 +1045,19 @@ pub const TABLE: &[Entry] = &[
     ),
     e(
         "perplexity",
+        "--tier-window-checkpoint-tokens",
+        Refused {
+            args: &[
+                "perplexity",
+                "--file",
+                "{text}",
+                "--tier-window-checkpoint-tokens",
+                "512",
+            ],
+        },
+    ),
+    e(
+        "perplexity",
         "--tier-policy",
         Refused {
             args: &[
@@ -1193,6 +1256,37 @@ pub const TABLE: &[Entry] = &[
         "--tier-chunk-tokens",
         Refused {
             args: &["serve", "--port", "1", "--tier-chunk-tokens", "64"],
+        },
+    ),
+    e("serve", "--tier-window-checkpoint-tokens", SERVE_PLAN),
+    e(
+        "serve",
+        "--tier-window-checkpoint-tokens",
+        Refused {
+            args: &[
+                "serve",
+                "--port",
+                "1",
+                "--tier-window-checkpoint-tokens",
+                "512",
+            ],
+        },
+    ),
+    e(
+        "serve",
+        "--tier-window-checkpoint-tokens",
+        Refused {
+            args: &[
+                "serve",
+                "--port",
+                "1",
+                "--tier-ram",
+                "64MiB",
+                "--tier-policy",
+                "evicpress",
+                "--tier-window-checkpoint-tokens",
+                "512",
+            ],
         },
     ),
     e("serve", "--tier-policy", SERVE_PLAN),
@@ -1908,6 +2002,13 @@ pub const TABLE: &[Entry] = &[
     ),
     e(
         "bench perf",
+        "--tier-window-checkpoint-tokens",
+        Refused {
+            args: &["bench", "perf", "--tier-window-checkpoint-tokens", "512"],
+        },
+    ),
+    e(
+        "bench perf",
         "--tier-policy",
         Refused {
             args: &["bench", "perf", "--tier-policy", "evicpress"],
@@ -2514,6 +2615,24 @@ pub const TABLE: &[Entry] = &[
     ),
     e(
         "bench tiers",
+        "--tier-window-checkpoint-tokens",
+        Refused {
+            args: &[
+                "bench",
+                "tiers",
+                "--context-tokens",
+                "128",
+                "--tier-chunk-tokens",
+                "128",
+                "--runs",
+                "1",
+                "--tier-window-checkpoint-tokens",
+                "512",
+            ],
+        },
+    ),
+    e(
+        "bench tiers",
         "--tier-policy",
         Refused {
             args: &["bench", "tiers", "--tier-policy", "evicpress"],
@@ -2663,6 +2782,13 @@ pub const TABLE: &[Entry] = &[
         "--tier-chunk-tokens",
         Refused {
             args: &["bench", "codecs", "--config", "{cfg_chunk}"],
+        },
+    ),
+    e(
+        "bench codecs",
+        "--tier-window-checkpoint-tokens",
+        Refused {
+            args: &["bench", "codecs", "--tier-window-checkpoint-tokens", "512"],
         },
     ),
     e(
@@ -2886,6 +3012,18 @@ pub const TABLE: &[Entry] = &[
         "--tier-chunk-tokens",
         Refused {
             args: &["bench", "evicpress", "--tier-chunk-tokens", "64"],
+        },
+    ),
+    e(
+        "bench evicpress",
+        "--tier-window-checkpoint-tokens",
+        Refused {
+            args: &[
+                "bench",
+                "evicpress",
+                "--tier-window-checkpoint-tokens",
+                "512",
+            ],
         },
     ),
     e(
