@@ -274,8 +274,9 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
         a: &a,
         model_name: &model_name,
         chunk_tokens: bench.chunk_tokens,
-        chunks: chunks.len(),
-        chunk_bytes: chunks[0].1.len(),
+        chunks: bench.chunks,
+        payloads: chunks.len(),
+        stored_bytes: chunks.iter().map(|c| c.1.len()).sum(),
         recompute_runs_s: &recompute,
         rows: &rows,
     };
@@ -335,16 +336,22 @@ impl Bench {
         let ram = Arc::new(RamTier::new(4 << 30));
         let mut writer = self.engine(Some(ram.clone()))?;
         self.ttft_runs(&mut writer, 1, false, "writer")?;
+        let stats = writer.tiers.as_ref().expect("a tier").stats();
         drop(writer); // waits for its writer thread to store every chunk
         let chunks: Chunks = ram
             .keys_lru_first()
             .into_iter()
             .map(|k| (k, ram.load(&k).unwrap().unwrap()))
             .collect();
-        if chunks.len() != self.chunks {
+        // With KV cache groups a chunk's window layers are a payload of their own, stored
+        // only where a hit needs them.
+        let payloads = stats.chunks_queued + stats.window_chunks_queued;
+        if stats.chunks_queued as usize != self.chunks || chunks.len() as u64 != payloads {
             bail!(
-                "the engine stored {} chunks, expected {}",
+                "the engine stored {} payloads ({} chunks and {} chunks' window layers), expected {} chunks",
                 chunks.len(),
+                stats.chunks_queued,
+                stats.window_chunks_queued,
                 self.chunks
             );
         }
@@ -464,7 +471,10 @@ struct Report<'a> {
     model_name: &'a str,
     chunk_tokens: usize,
     chunks: usize,
-    chunk_bytes: usize,
+    /// Payloads stored: one per chunk, plus one per chunk whose window layers a hit needs
+    /// (KV cache groups).
+    payloads: usize,
+    stored_bytes: usize,
     recompute_runs_s: &'a [f64],
     rows: &'a [Row],
 }
@@ -492,7 +502,9 @@ impl Report<'_> {
             "context_tokens": self.a.context_tokens,
             "chunk_tokens": self.chunk_tokens,
             "chunks": self.chunks,
-            "chunk_bytes": self.chunk_bytes,
+            "chunk_bytes": self.stored_bytes / self.chunks.max(1),
+            "payloads": self.payloads,
+            "stored_bytes": self.stored_bytes,
             "recompute": {"ttft_s": recompute_s, "ttft_runs_s": self.recompute_runs_s},
             "tiers": tiers,
         });
@@ -501,16 +513,15 @@ impl Report<'_> {
 
     fn print_table(&self) {
         let recompute_s = median(self.recompute_runs_s);
-        let total_bytes = self.chunk_bytes * self.chunks;
         println!(
-            "model {} | threads {} | context {} tokens = {} chunks of {} tokens, {:.2} MB each ({:.1} MB) | median of {} runs",
+            "model {} | threads {} | context {} tokens = {} chunks of {} tokens in {} payloads, {:.1} MB | median of {} runs",
             self.model_name,
             rayon::current_num_threads(),
             self.a.context_tokens,
             self.chunks,
             self.chunk_tokens,
-            self.chunk_bytes as f64 / 1e6,
-            total_bytes as f64 / 1e6,
+            self.payloads,
+            self.stored_bytes as f64 / 1e6,
             self.a.runs
         );
         println!(

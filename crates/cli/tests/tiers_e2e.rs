@@ -196,6 +196,54 @@ fn two_servers_share_one_redis() {
     );
 }
 
+/// Gemma-3-270M (sliding-window layers, KV cache groups on) on two servers sharing one
+/// Redis: server A stores its prompt's full-attention layers per chunk and the window
+/// layers its end needs; server B, which never saw it, hits every whole chunk and loads
+/// the window payloads (`layers="window"`), and both answer the same greedy tokens.
+#[test]
+fn gemma3_two_servers_share_kv_cache_groups_through_redis() {
+    let gemma = tiers_support::model_dir().join("gemma-3-270m-q4_k_m.gguf");
+    assert!(
+        gemma.exists(),
+        "{} is missing: run `pagekeeper fetch-model --name all`",
+        gemma.display()
+    );
+    let redis = Redis::shared_or_private();
+    let prefix = unique_prefix("gemma3_groups");
+    let url = format!("{}?prefix={prefix}", redis.url);
+    let a = Server::start_model(&gemma, 4096, &["--tier-redis", &url]);
+    let b = Server::start_model(&gemma, 4096, &["--tier-redis", &url]);
+    let long: String = (0..6).map(prompt).collect::<Vec<_>>().join("\n");
+
+    let (prompt_tokens, cached, text_a) = a.complete_text(&long, 16).unwrap();
+    assert_eq!(cached, 0);
+    assert!(
+        prompt_tokens > 1024,
+        "{prompt_tokens} tokens: past two windows"
+    );
+    let chunks = stored_chunks(prompt_tokens);
+    // The window layers of the chunks the end's next token sees: 512 positions, 8 or 9
+    // chunks of 64.
+    wait_until("A's payloads in Redis", Duration::from_secs(60), || {
+        redis.entries(&prefix) >= chunks + 8
+    });
+    let (_, cached, text_b) = b.complete_text(&long, 16).unwrap();
+    assert_eq!(cached, chunks * CHUNK_TOKENS, "B reuses A's context");
+    assert_eq!(text_b, text_a, "the same greedy tokens from loaded KV");
+    let metrics = b.metrics();
+    let window_loads = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("pagekeeper:tier_chunks_loaded_total") && l.contains("layers=\"window\"")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(
+        window_loads >= 8.0,
+        "window payloads loaded on B: {window_loads}"
+    );
+}
+
 #[test]
 fn redis_killed_mid_run_fails_no_request_and_hits_resume() {
     let started = Instant::now();

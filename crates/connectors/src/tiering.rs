@@ -235,6 +235,8 @@ impl Tiering {
             store.write_tokens(&table, loaded_tokens, &ctx.k, &ctx.v);
             loaded_tokens += chunk;
             lock(&self.stats).chunks_loaded += 1;
+            metrics::counter!("pagekeeper:tier_chunks_loaded_total", "layers" => "all")
+                .increment(1);
         }
         loaded_tokens
     }
@@ -265,7 +267,7 @@ impl Tiering {
             }
             let positions = ((next * chunk) as u32..((next + 1) * chunk) as u32).collect();
             let ctx = KvContext::new(g.n_layers, g.n_kv_heads, g.head_dim, positions, k, v);
-            if !self.queue(keys[next], ctx, false) {
+            if !self.queue(keys[next], ctx, "all") {
                 return keys.len();
             }
             next += 1;
@@ -276,7 +278,14 @@ impl Tiering {
     /// Encodes one chunk's payload (every layer, the full-attention layers or the window
     /// layers) and queues it for the writer thread, counting its bytes by layer kind.
     /// Returns false once the writer is gone (nothing more can be stored).
-    fn queue(&self, key: ChunkKey, ctx: Result<KvContext, CodecError>, window: bool) -> bool {
+    /// `layers` labels the payload's layers in the metrics: `all` (one table), `full`
+    /// (the full-attention layers) or `window` (the sliding-window layers).
+    fn queue(
+        &self,
+        key: ChunkKey,
+        ctx: Result<KvContext, CodecError>,
+        layers: &'static str,
+    ) -> bool {
         let encoded =
             ctx.and_then(|ctx| pk_codec::encode(&ctx, &Method::None, None, &self.fingerprint));
         let bytes = match encoded {
@@ -290,16 +299,15 @@ impl Tiering {
         let tx = self.tx.as_ref().expect("open until drop");
         let mut stats = lock(&self.stats);
         match tx.try_send((key, Payload::from(bytes))) {
-            Ok(()) if window => {
-                stats.window_chunks_queued += 1;
-                stats.window_bytes_queued += n_bytes;
-                metrics::counter!("pagekeeper:tier_group_bytes_queued_total", "layers" => "window")
-                    .increment(n_bytes);
-            }
             Ok(()) => {
-                stats.chunks_queued += 1;
-                stats.full_attention_bytes_queued += n_bytes;
-                metrics::counter!("pagekeeper:tier_group_bytes_queued_total", "layers" => "full")
+                if layers == "window" {
+                    stats.window_chunks_queued += 1;
+                    stats.window_bytes_queued += n_bytes;
+                } else {
+                    stats.chunks_queued += 1;
+                    stats.full_attention_bytes_queued += n_bytes;
+                }
+                metrics::counter!("pagekeeper:tier_bytes_queued_total", "layers" => layers)
                     .increment(n_bytes);
             }
             Err(TrySendError::Full(_)) => stats.chunks_skipped_queue_full += 1,

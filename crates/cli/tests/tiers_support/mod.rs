@@ -29,11 +29,15 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-pub fn model_path() -> PathBuf {
-    let home = std::env::var_os("PAGEKEEPER_HOME")
+/// Where `fetch-model` puts the models.
+pub fn model_dir() -> PathBuf {
+    std::env::var_os("PAGEKEEPER_HOME")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/pagekeeper"));
-    let p = home.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/pagekeeper"))
+}
+
+pub fn model_path() -> PathBuf {
+    let p = model_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(
         p.exists(),
         "{} is missing: run `pagekeeper fetch-model` first",
@@ -56,7 +60,22 @@ impl Api {
 
     /// A completion of one token; returns (prompt_tokens, cached_tokens), or the failure.
     pub fn complete(&self, prompt: &str) -> Result<(usize, usize), String> {
-        let body = serde_json::json!({"prompt": prompt, "max_tokens": 1, "temperature": 0.0});
+        self.complete_text(prompt, 1).map(|(p, c, _)| (p, c))
+    }
+
+    /// A greedy completion of `max_tokens` (EOS ignored); returns (prompt_tokens,
+    /// cached_tokens, text), or the failure.
+    pub fn complete_text(
+        &self,
+        prompt: &str,
+        max_tokens: usize,
+    ) -> Result<(usize, usize, String), String> {
+        let body = serde_json::json!({
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": true,
+        });
         let response = self
             .client
             .post(self.url("/v1/completions"))
@@ -77,7 +96,11 @@ impl Api {
         let cached = usage["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
             .unwrap_or(0) as usize;
-        Ok((prompt_tokens, cached))
+        let text = v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        Ok((prompt_tokens, cached, text))
     }
 
     pub fn metrics(&self) -> String {
@@ -112,8 +135,13 @@ impl Server {
     /// Starts the server with the test model, 2 threads, a KV pool of `POOL_TOKENS`,
     /// `CHUNK_TOKENS`-token chunks and `extra` flags (the tiers); waits for `/health` 200.
     pub fn start(extra: &[&str]) -> Server {
+        Server::start_model(&model_path(), POOL_TOKENS, extra)
+    }
+
+    /// As `start`, with another model and pool size (`--max-model-len` too).
+    pub fn start_model(model: &std::path::Path, pool_tokens: usize, extra: &[&str]) -> Server {
         let port = free_port();
-        let pool = POOL_TOKENS.to_string();
+        let pool = pool_tokens.to_string();
         // The chunk size applies where a tier stores chunks; serve refuses it without one.
         let has_tier = extra
             .iter()
@@ -138,7 +166,7 @@ impl Server {
             .args(chunk)
             .args(extra)
             .arg("--model")
-            .arg(model_path())
+            .arg(model)
             // The outage test makes the tiers warn on every request; keep the test log short
             // unless the caller asks for more.
             .env(

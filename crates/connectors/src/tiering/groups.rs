@@ -258,6 +258,10 @@ impl Tiering {
         let mut stats = lock(&self.stats);
         stats.chunks_loaded += k as u64;
         stats.window_chunks_loaded += windows.len() as u64;
+        metrics::counter!("pagekeeper:tier_chunks_loaded_total", "layers" => "full")
+            .increment(k as u64);
+        metrics::counter!("pagekeeper:tier_chunks_loaded_total", "layers" => "window")
+            .increment(windows.len() as u64);
         Ok(k * c)
     }
 
@@ -308,7 +312,7 @@ impl Tiering {
         let table = table_of(kv, seq);
         let full: Vec<LayerTable<'_>> = g.full_layers.iter().map(|&l| (l, &table[..])).collect();
         while r.saved < n && (r.saved + 1) * c <= computed {
-            if !self.queue_layers(&full, r.keys[r.saved], r.saved * c, c, store, false) {
+            if !self.queue_layers(&full, r.keys[r.saved], r.saved * c, c, store, "full") {
                 r.saved = n;
                 r.hits_done = usize::MAX;
                 return;
@@ -335,7 +339,7 @@ impl Tiering {
                     continue;
                 }
                 let key = r.keys[j].window_layers();
-                if !self.queue_layers(&window, key, j * c, c, store, true) {
+                if !self.queue_layers(&window, key, j * c, c, store, "window") {
                     r.hits_done = usize::MAX;
                     return;
                 }
@@ -355,7 +359,7 @@ impl Tiering {
         first: usize,
         n: usize,
         store: &dyn KvBlocks,
-        window: bool,
+        kind: &'static str,
     ) -> bool {
         let geo = store.geometry();
         let floats = layers.len() * geo.n_kv_heads * n * geo.head_dim;
@@ -367,7 +371,7 @@ impl Tiering {
         let positions = (first as u32..(first + n) as u32).collect();
         let ctx =
             pk_codec::KvContext::new(layers.len(), geo.n_kv_heads, geo.head_dim, positions, k, v);
-        self.queue(key, ctx, window)
+        self.queue(key, ctx, kind)
     }
 }
 
