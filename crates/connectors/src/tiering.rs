@@ -14,7 +14,7 @@
 //! them: its chunks are stored by group, the window layers only where a hit needs them
 //! (`groups`).
 
-mod groups;
+pub(crate) mod groups;
 
 use std::collections::HashMap;
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};

@@ -401,3 +401,73 @@ fn stores_written_with_and_without_groups_never_serve_each_other() {
         );
     }
 }
+
+/// `prefix_kv` on an engine with KV cache groups: a whole context (here the KV a one-table
+/// engine stored in the chunk tiers, every layer of every token) is placed by group, its
+/// full-attention layers into the main table and its window layers' tail into the window
+/// tables, and gives the cold run's teacher-forced logits bit for bit; a context with
+/// dropped tokens is refused by name.
+#[test]
+fn a_whole_prefix_kv_is_placed_by_group_and_a_dropped_one_is_refused() {
+    let store = Arc::new(TieredStore::new(vec![
+        Arc::new(RamTier::new(256 << 20)) as Arc<dyn Tier>
+    ]));
+    let one_table = EngineConfig {
+        hybrid_kv_cache: false,
+        ..config()
+    };
+    let mut flat = Engine::load(&gemma_path(), one_table).unwrap();
+    let (prompt, cont) = book_tokens(&flat, 1200, 16);
+    let attached =
+        pk_connectors::attach(&mut flat, &ReuseConfig::Chunks(tiers(store.clone(), None))).unwrap();
+    flat.generate(&prompt, &greedy(), &mut |_| {}).unwrap();
+    let keyer =
+        pk_tiers::ChunkKeyer::new(&flat.model_name, flat.cache_namespace().as_bytes(), 256, 16)
+            .unwrap();
+    let fingerprint = flat.cache_namespace().kv_fingerprint();
+    drop(flat);
+    drop(attached);
+    let chunks: Vec<pk_codec::KvContext> = keyer
+        .keys(&prompt[..1024], None)
+        .iter()
+        .map(|key| pk_codec::decode(&store.load(key).unwrap().payload, &fingerprint).unwrap())
+        .collect();
+    let whole = concat_tokens(&chunks);
+
+    let (mut grouped, _) = engine(None, config());
+    let cold = grouped.teacher_force(&prompt, &cont, &greedy()).unwrap();
+    let given = GenerateParams {
+        prefix_kv: Some(pk_connectors::PrefixKv::given(whole.clone())),
+        ..greedy()
+    };
+    let placed = grouped.teacher_force(&prompt, &cont, &given).unwrap();
+    assert_eq!(placed, cold, "the same bits from a given whole context");
+    grouped.check_invariants();
+
+    let kept: Vec<usize> = (0..1024).filter(|t| t % 4 != 1).collect();
+    let dropped = GenerateParams {
+        prefix_kv: Some(pk_connectors::PrefixKv::given(whole.retain_tokens(&kept))),
+        ..greedy()
+    };
+    let err = grouped.teacher_force(&prompt, &cont, &dropped).unwrap_err();
+    assert!(format!("{err:#}").contains("prefix_kv"), "{err:#}");
+}
+
+/// Stored contexts of consecutive token ranges, joined into one.
+fn concat_tokens(parts: &[pk_codec::KvContext]) -> pk_codec::KvContext {
+    let p0 = &parts[0];
+    let (heads, d) = (p0.n_layers * p0.n_kv_heads, p0.head_dim);
+    let join = |of: &dyn Fn(&pk_codec::KvContext) -> &[f32]| -> Vec<f32> {
+        let mut out = Vec::new();
+        for h in 0..heads {
+            for p in parts {
+                let n = p.n_tokens();
+                out.extend_from_slice(&of(p)[h * n * d..(h + 1) * n * d]);
+            }
+        }
+        out
+    };
+    let positions = (0..parts.iter().map(|p| p.n_tokens()).sum::<usize>() as u32).collect();
+    let (k, v) = (join(&|p| &p.k), join(&|p| &p.v));
+    pk_codec::KvContext::new(p0.n_layers, p0.n_kv_heads, d, positions, k, v).unwrap()
+}

@@ -55,14 +55,10 @@ impl GroupedChunks {
                 "the window checkpoint interval ({checkpoint_tokens} tokens) must be a positive multiple of the chunk size ({chunk_tokens} tokens)"
             ));
         }
-        let groups = layout.layer_group.iter().copied().enumerate();
+        let (full_layers, window_layers) = layers_by_kind(layout);
         Ok(GroupedChunks {
-            full_layers: groups
-                .clone()
-                .filter(|&(_, g)| g == 0)
-                .map(|(l, _)| l)
-                .collect(),
-            window_layers: groups.filter(|&(_, g)| g > 0).collect(),
+            full_layers,
+            window_layers,
             window_tokens: layout.window_tokens,
             chunk_tokens,
             checkpoint_chunks: checkpoint_tokens / chunk_tokens,
@@ -98,6 +94,18 @@ impl GroupedChunks {
             })
             .unwrap_or(0)
     }
+}
+
+/// The full-attention layers of `layout` (group 0, the main table), in layer order, and
+/// the sliding-window layers with their window group (1..).
+pub(crate) fn layers_by_kind(layout: &KvGroupLayout) -> (Vec<usize>, Vec<(usize, usize)>) {
+    let groups = layout.layer_group.iter().copied().enumerate();
+    let full = groups
+        .clone()
+        .filter(|&(_, g)| g == 0)
+        .map(|(l, _)| l)
+        .collect();
+    (full, groups.filter(|&(_, g)| g > 0).collect())
 }
 
 /// One layer and the block table (position-indexed, `RELEASED` where a block left) that

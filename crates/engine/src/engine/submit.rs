@@ -162,8 +162,8 @@ impl Engine {
             param: "prefix_kv",
             message,
         };
-        if self.sched.kv.window_spec().is_some() {
-            return Err(invalid("prefix_kv writes every layer of every token, but this engine keeps sliding-window layers in KV cache groups of their own; build it with hybrid_kv_cache off".into()));
+        if self.sched.kv.window_spec().is_some() && !given.supports_kv_groups() {
+            return Err(invalid("prefix_kv with dropped tokens lacks window positions that this engine's sliding-window layers read (it keeps them in KV cache groups of their own); give a whole context, or build the engine with hybrid_kv_cache off".into()));
         }
         given
             .check_given(prompt_tokens, &self.backend.kv().geometry())
