@@ -11,8 +11,8 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release/pagekeeper}
 BOOK=tests/fixtures/around-the-world-in-80-days.txt
 # About 8,200 Gemma tokens, and about 6,000 of the same text followed by other text.
-FULL=$(head -c 33400 "$BOOK")
-SHARED="$(head -c 24200 "$BOOK") $(tail -c 4000 "$BOOK")"
+FULL=$(head -c 29500 "$BOOK")
+SHARED="$(head -c 21600 "$BOOK") $(tail -c 4000 "$BOOK")"
 echo "checkpoint_tokens  prompt_tokens  disk_bytes  shared_prompt_tokens  shared_cached"
 for cp in ${CHECKPOINTS:-1024 2048 4096 8192}; do
   dir=$(mktemp -d)

@@ -29,9 +29,10 @@ use pk_tiers::{ChunkKey, ChunkKeyer, Payload, TieredStore};
 use groups::GroupedChunks;
 
 /// Default interval of the window checkpoints of an engine with KV cache groups, in
-/// tokens (measured in BENCHMARKS.md, "KV cache groups in the tiers": on Gemma-3-270M at
-/// 8K it keeps the bytes written under 40 % of one table's while a prompt sharing 6,000
-/// tokens still hits 4,096).
+/// tokens: the shortest that keeps an 8K Gemma-3-270M prompt's stored bytes under 40 % of
+/// one table's (37.1 %; 1,024 stores 58 %), while a prompt sharing 6,000 of its tokens
+/// still hits 4,096 (BENCHMARKS.md, "KV cache groups in the tiers",
+/// `scripts/window_checkpoints.sh`).
 pub const DEFAULT_WINDOW_CHECKPOINT_TOKENS: usize = 2048;
 
 /// How the engine uses tiers.
