@@ -169,7 +169,7 @@ mod imp {
             gpu,
         };
         eprintln!(
-            "model {name} | block {bs} | CUDA graphs {} (PK_CUDA_GRAPHS=1) | KV pool {:.1} GiB | weights read per step {:.2} GB | device copy bandwidth {:.0} GB/s (read + write)",
+            "model {name} | block {bs} | CUDA graphs {} (PK_CUDA_GRAPHS=0 turns them off) | KV pool {:.1} GiB | weights read per step {:.2} GB | device copy bandwidth {:.0} GB/s (read + write)",
             if model.graphs_enabled() { "on" } else { "off" },
             run.pool.capacity_bytes() as f64 / (1u64 << 30) as f64,
             run.weight_bytes as f64 / 1e9,

@@ -22,9 +22,11 @@ pub struct GpuLlama {
     pub weights: GpuWeights,
     inv_freq: CudaSlice<f32>,
     scratch: Scratch,
-    /// Replay decode steps from CUDA graphs (`PK_CUDA_GRAPHS=1`): one launch per step instead
-    /// of about ten per layer. Off by default until measured on a GPU; a capture that fails
-    /// turns it off with a warning and the step runs eagerly.
+    /// Replay decode steps from CUDA graphs: one launch per step instead of about ten per
+    /// layer. On by default (`PK_CUDA_GRAPHS=0` turns it off): on an H200, batch-1 decode of
+    /// Llama-3.1-8B shapes reached 63 % of the copy bandwidth with graphs against 59 %
+    /// eager (BENCHMARKS.md, 2026-12-04). A capture that fails turns it off with a warning
+    /// and the step runs eagerly.
     use_graphs: bool,
     /// Captured graphs by (shape, pool address, scratch generation).
     graphs: std::collections::HashMap<(Shape, DevPtr, u64), cudarc::driver::CudaGraph>,
@@ -158,7 +160,7 @@ impl GpuLlama {
         // The same frequencies as `Llama::new` (base, Llama 3.1's frequency factors, linear
         // scaling), so both rotate by the same angles.
         let inv_freq = config.rope_inv_freq(false);
-        let use_graphs = std::env::var("PK_CUDA_GRAPHS").as_deref() == Ok("1");
+        let use_graphs = std::env::var("PK_CUDA_GRAPHS").as_deref() != Ok("0");
         Ok(GpuLlama {
             inv_freq: gpu.upload(&inv_freq)?,
             config,
