@@ -26,7 +26,7 @@ use pk_kv::{KvCacheManager, SeqId};
 use pk_model::{Backend, KvBlocks, KvGroupLayout};
 use pk_tiers::{ChunkKey, ChunkKeyer, Payload, TieredStore};
 
-use groups::GroupedChunks;
+use groups::{Failed, GroupedChunks};
 
 /// Default interval of the window checkpoints of an engine with KV cache groups, in
 /// tokens: the shortest that keeps an 8K Gemma-3-270M prompt's stored bytes under 40 % of
@@ -82,6 +82,16 @@ pub struct TieringStats {
     pub window_chunks_unavailable: u64,
     /// Lookups whose hit was cut short because window KV was missing.
     pub hits_shortened_by_window: u64,
+}
+
+/// What became of a payload handed to the writer thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Queued {
+    Yes,
+    /// Not stored (the queue was full, or encoding failed); counted.
+    Skipped,
+    /// The writer is gone: nothing more can be stored.
+    Closed,
 }
 
 /// What the connector keeps of a request between its lookup and its end.
@@ -268,7 +278,7 @@ impl Tiering {
             }
             let positions = ((next * chunk) as u32..((next + 1) * chunk) as u32).collect();
             let ctx = KvContext::new(g.n_layers, g.n_kv_heads, g.head_dim, positions, k, v);
-            if !self.queue(keys[next], ctx, "all") {
+            if self.queue(keys[next], ctx, "all") == Queued::Closed {
                 return keys.len();
             }
             next += 1;
@@ -286,14 +296,14 @@ impl Tiering {
         key: ChunkKey,
         ctx: Result<KvContext, CodecError>,
         layers: &'static str,
-    ) -> bool {
+    ) -> Queued {
         let encoded =
             ctx.and_then(|ctx| pk_codec::encode(&ctx, &Method::None, None, &self.fingerprint));
         let bytes = match encoded {
             Ok(bytes) => bytes,
             Err(e) => {
                 tracing::warn!("encoding a KV chunk failed: {e}");
-                return true;
+                return Queued::Skipped;
             }
         };
         let n_bytes = bytes.len() as u64;
@@ -311,10 +321,13 @@ impl Tiering {
                 metrics::counter!("pagekeeper:tier_bytes_queued_total", "layers" => layers)
                     .increment(n_bytes);
             }
-            Err(TrySendError::Full(_)) => stats.chunks_skipped_queue_full += 1,
-            Err(TrySendError::Disconnected(_)) => return false,
+            Err(TrySendError::Full(_)) => {
+                stats.chunks_skipped_queue_full += 1;
+                return Queued::Skipped;
+            }
+            Err(TrySendError::Disconnected(_)) => return Queued::Closed,
         }
-        true
+        Queued::Yes
     }
 }
 
@@ -357,11 +370,14 @@ impl KvConnector for Tiering {
             None => self.load_into(&keys[..found], kv, backend.kv_mut(), seq),
             Some(g) => match self.load_grouped(g, &keys, found, kv, backend.kv_mut(), seq) {
                 Ok(tokens) => tokens,
-                Err(bad_chunk) => {
-                    // Stored again once recomputed, which overwrites the corrupted entry.
+                Err(failed) => {
+                    // Stored again once recomputed, which overwrites a corrupted entry;
+                    // only the payload that failed is.
                     if let Some(r) = lock(&self.requests).get_mut(&request) {
-                        r.saved = r.saved.min(bad_chunk);
-                        r.window_present[bad_chunk] = false;
+                        match failed {
+                            Failed::Window(j) => r.window_present[j] = false,
+                            Failed::Full(j) => r.saved = r.saved.min(j),
+                        }
                     }
                     0
                 }
@@ -415,7 +431,11 @@ impl KvConnector for Tiering {
     }
 
     fn supports_kv_groups(&self) -> bool {
-        true
+        self.groups.is_some()
+    }
+
+    fn requires_kv_groups(&self) -> bool {
+        self.groups.is_some()
     }
 
     fn request_finished(&self, request: RequestKey) {

@@ -471,3 +471,41 @@ fn concat_tokens(parts: &[pk_codec::KvContext]) -> pk_codec::KvContext {
     let (k, v) = (join(&|p| &p.k), join(&|p| &p.v));
     pk_codec::KvContext::new(p0.n_layers, p0.n_kv_heads, d, positions, k, v).unwrap()
 }
+
+/// A tier connector built for a grouped layout is refused by an engine with one table, and
+/// one built for one table by an engine with groups: neither could read the other's pool.
+#[test]
+fn a_connector_for_the_other_layout_is_refused() {
+    let store = Arc::new(TieredStore::new(vec![
+        Arc::new(RamTier::new(64 << 20)) as Arc<dyn Tier>
+    ]));
+    let (mut grouped, _) = engine(None, config());
+    let layout = grouped.kv_group_layout().unwrap();
+    let tiering = |e: &Engine, groups: Option<&pk_model::KvGroupLayout>| {
+        Arc::new(
+            Tiering::new(
+                &tiers(store.clone(), None),
+                &e.model_name,
+                e.cache_namespace(),
+                16,
+                e.kv_bytes_per_token(),
+                groups,
+            )
+            .unwrap(),
+        )
+    };
+    let err = grouped.set_connector(tiering(&grouped, None)).unwrap_err();
+    assert!(err.to_string().contains("KV cache groups"), "{err}");
+    let mut flat = Engine::load(
+        &gemma_path(),
+        EngineConfig {
+            hybrid_kv_cache: false,
+            ..config()
+        },
+    )
+    .unwrap();
+    let err = flat
+        .set_connector(tiering(&flat, Some(&layout)))
+        .unwrap_err();
+    assert!(err.to_string().contains("one block table"), "{err}");
+}

@@ -117,6 +117,13 @@ pub trait KvConnector: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// Whether the connector stores KV only by group, so that an engine with one block
+    /// table for every layer must refuse it (a chunk-tier connector built for a grouped
+    /// layout).
+    fn requires_kv_groups(&self) -> bool {
+        false
+    }
+
     /// Told when a request ends, before its blocks are freed (and for requests that failed
     /// before admission). Both store connectors copy a prompt's KV out at `save`, so
     /// neither holds blocks past it; they forget the request's keys here.

@@ -110,8 +110,12 @@ impl Engine {
         if self.has_work() {
             bail!("a KV connector is attached before requests arrive");
         }
-        if self.sched.kv.window_spec().is_some() && !connector.supports_kv_groups() {
+        let grouped = self.sched.kv.window_spec().is_some();
+        if grouped && !connector.supports_kv_groups() {
             bail!("this engine keeps sliding-window layers in KV cache groups of their own, which this KV connector does not store; build it with hybrid_kv_cache off");
+        }
+        if !grouped && connector.requires_kv_groups() {
+            bail!("this KV connector stores KV by cache group, but this engine keeps one block table for every layer");
         }
         self.connector = Some(connector);
         Ok(())

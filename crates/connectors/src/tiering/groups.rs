@@ -27,7 +27,7 @@ use pk_kv::{KvCacheManager, SeqId, RELEASED};
 use pk_model::{BackendError, KvBlocks, KvGroupLayout};
 use pk_tiers::ChunkKey;
 
-use super::{lock, RequestChunks, Tiering};
+use super::{lock, Queued, RequestChunks, Tiering};
 
 /// The stored layout for one engine's KV cache groups and chunk size.
 #[derive(Clone, Debug)]
@@ -50,6 +50,14 @@ impl GroupedChunks {
         chunk_tokens: usize,
         checkpoint_tokens: usize,
     ) -> Result<GroupedChunks, String> {
+        if !layout.window_tokens.is_multiple_of(chunk_tokens) {
+            // A hit needs whole chunks of window KV from `k·C − W` on; a chunk that starts
+            // before the first position a prefill step still holds could never be copied.
+            return Err(format!(
+                "with KV cache groups the chunk size ({chunk_tokens} tokens) must divide the sliding window ({} tokens)",
+                layout.window_tokens
+            ));
+        }
         if checkpoint_tokens == 0 || !checkpoint_tokens.is_multiple_of(chunk_tokens) {
             return Err(format!(
                 "the window checkpoint interval ({checkpoint_tokens} tokens) must be a positive multiple of the chunk size ({chunk_tokens} tokens)"
@@ -108,6 +116,14 @@ pub(crate) fn layers_by_kind(layout: &KvGroupLayout) -> (Vec<usize>, Vec<(usize,
     (full, groups.filter(|&(_, g)| g > 0).collect())
 }
 
+/// The payload a grouped load could not fetch or decode: a chunk's window layers or its
+/// full-attention layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Failed {
+    Window(usize),
+    Full(usize),
+}
+
 /// One layer and the block table (position-indexed, `RELEASED` where a block left) that
 /// holds it.
 pub(crate) type LayerTable<'a> = (usize, &'a [u32]);
@@ -122,7 +138,9 @@ pub(crate) fn all_held(layers: &[LayerTable<'_>], first: usize, n: usize, bs: us
 
 /// Reads positions `[first, first + n)` of `layers` into `k` and `v` in a stored context's
 /// layout (`[layer][kv_head][token][head_dim]`, layers in the given order). Every block
-/// must be held (`all_held`).
+/// must be held (`all_held`). It reads through `KvBlocks::read_k`/`read_v`, which cannot
+/// report a device failure: only the CPU store keeps KV cache groups today (a GPU backend
+/// refuses `use_kv_groups`); one that keeps them must get a fallible grouped read first.
 pub(crate) fn read_layers(
     store: &dyn KvBlocks,
     layers: &[LayerTable<'_>],
@@ -219,8 +237,8 @@ impl Tiering {
     /// Loads a hit of `k` chunks into `seq` (empty): the window layers it needs first
     /// (without them the rest is useless), then every chunk's full-attention layers into
     /// the main table, then, once the window tables hold only what the next token sees,
-    /// the window layers into them. `Err(chunk)`: the first chunk that could not be
-    /// fetched or decoded (nothing usable is in `seq`; the engine frees it).
+    /// the window layers into them. `Err`: the first payload that could not be fetched or
+    /// decoded (nothing usable is in `seq`; the engine frees it).
     pub(super) fn load_grouped(
         &self,
         g: &GroupedChunks,
@@ -229,18 +247,20 @@ impl Tiering {
         kv: &mut KvCacheManager,
         store: &mut dyn KvBlocks,
         seq: SeqId,
-    ) -> Result<usize, usize> {
+    ) -> Result<usize, Failed> {
         let c = g.chunk_tokens;
         let first_w = g.first_window_chunk(k);
         let mut windows = Vec::with_capacity(k - first_w);
         for (j, key) in keys.iter().enumerate().take(k).skip(first_w) {
             windows.push(
                 self.fetch(&key.window_layers(), g.window_layers.len(), store)
-                    .ok_or(j)?,
+                    .ok_or(Failed::Window(j))?,
             );
         }
         for (j, key) in keys.iter().enumerate().take(k) {
-            let ctx = self.fetch(key, g.full_layers.len(), store).ok_or(j)?;
+            let ctx = self
+                .fetch(key, g.full_layers.len(), store)
+                .ok_or(Failed::Full(j))?;
             if kv.allocate_slots(seq, c as u32).is_none() {
                 return Ok(0);
             }
@@ -320,7 +340,9 @@ impl Tiering {
         let table = table_of(kv, seq);
         let full: Vec<LayerTable<'_>> = g.full_layers.iter().map(|&l| (l, &table[..])).collect();
         while r.saved < n && (r.saved + 1) * c <= computed {
-            if !self.queue_layers(&full, r.keys[r.saved], r.saved * c, c, store, "full") {
+            if self.queue_layers(&full, r.keys[r.saved], r.saved * c, c, store, "full")
+                == Queued::Closed
+            {
                 r.saved = n;
                 r.hits_done = usize::MAX;
                 return;
@@ -338,28 +360,36 @@ impl Tiering {
         let points = g.hit_points(n);
         while r.hits_done < points.len() && points[r.hits_done] * c <= computed {
             let k = points[r.hits_done];
-            for j in g.first_window_chunk(k)..k {
-                if r.window_present[j] {
-                    continue;
-                }
-                if !all_held(&window, j * c, c, geo.block_size_tokens) {
-                    lock(&self.stats).window_chunks_unavailable += 1;
-                    continue;
-                }
-                let key = r.keys[j].window_layers();
-                if !self.queue_layers(&window, key, j * c, c, store, "window") {
-                    r.hits_done = usize::MAX;
-                    return;
-                }
-                r.window_present[j] = true;
-            }
             r.hits_done += 1;
+            let first_w = g.first_window_chunk(k);
+            let missing: Vec<usize> = (first_w..k).filter(|&j| !r.window_present[j]).collect();
+            // Half a hit point's window is of no use: store it whole or not at all.
+            if !all_held(
+                &window,
+                first_w * c,
+                (k - first_w) * c,
+                geo.block_size_tokens,
+            ) {
+                lock(&self.stats).window_chunks_unavailable += missing.len() as u64;
+                continue;
+            }
+            for j in missing {
+                let key = r.keys[j].window_layers();
+                match self.queue_layers(&window, key, j * c, c, store, "window") {
+                    Queued::Yes => r.window_present[j] = true,
+                    Queued::Skipped => {}
+                    Queued::Closed => {
+                        r.hits_done = usize::MAX;
+                        return;
+                    }
+                }
+            }
         }
     }
 
     /// Reads `n` positions from `first` of `layers` out of the pool and queues them under
-    /// `key`. Returns false when nothing more can be stored (the writer is gone, or the
-    /// pool failed a read: the next forward pass fails too).
+    /// `key`. `Closed` when nothing more can be stored (the writer is gone, or the pool
+    /// failed a read: the next forward pass fails too).
     fn queue_layers(
         &self,
         layers: &[LayerTable<'_>],
@@ -368,13 +398,13 @@ impl Tiering {
         n: usize,
         store: &dyn KvBlocks,
         kind: &'static str,
-    ) -> bool {
+    ) -> Queued {
         let geo = store.geometry();
         let floats = layers.len() * geo.n_kv_heads * n * geo.head_dim;
         let (mut k, mut v) = (vec![0f32; floats], vec![0f32; floats]);
         if let Err(e) = read_layers(store, layers, first, n, &mut k, &mut v) {
             tracing::warn!("reading a KV chunk out of the pool failed: {e}");
-            return false;
+            return Queued::Closed;
         }
         let positions = (first as u32..(first + n) as u32).collect();
         let ctx =
@@ -415,6 +445,10 @@ mod tests {
         assert_eq!(g.hit_points(0), Vec::<usize>::new());
         assert!(GroupedChunks::new(&layout(), 256, 1000).is_err());
         assert!(GroupedChunks::new(&layout(), 256, 0).is_err());
+        // A chunk that does not divide the window could start before what a prefill step
+        // still holds.
+        assert!(GroupedChunks::new(&layout(), 384, 768).is_err());
+        assert!(GroupedChunks::new(&layout(), 64, 2048).is_ok());
     }
 
     #[test]
