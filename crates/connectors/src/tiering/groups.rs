@@ -54,7 +54,7 @@ impl GroupedChunks {
             // A hit needs whole chunks of window KV from `k·C − W` on; a chunk that starts
             // before the first position a prefill step still holds could never be copied.
             return Err(format!(
-                "with KV cache groups the chunk size ({chunk_tokens} tokens) must divide the sliding window ({} tokens)",
+                "with KV cache groups the chunk size (--tier-chunk-tokens, {chunk_tokens} tokens) must divide the sliding window ({} tokens), or use --disable-hybrid-kv-cache-manager",
                 layout.window_tokens
             ));
         }
