@@ -10,14 +10,15 @@
 //! Llama-3.1-8B's KV shape at 4,096 tokens. Prints one line per shape and direction with
 //! GB/s of f16 KV moved, the ratio to the per-block path, and for writes the time until
 //! the call returns (the host is free from then on) beside the time until the data is in
-//! the pool. Skips (exit 0) without a GPU.
+//! the pool. First, on any machine, the staged path's host side alone (packing and
+//! unpacking every piece, no device); the rest skips (exit 0) without a GPU.
 
 use std::time::Instant;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use pk_cuda::kv_pool::Side;
-use pk_cuda::transfer::{Transfers, DEFAULT_STAGING_BYTES};
+use pk_cuda::transfer::{pack_piece, plan_pieces, unpack_piece, Transfers, DEFAULT_STAGING_BYTES};
 use pk_cuda::{cuda_or_skip, ActDtype, Gpu, GpuKvPool};
 use pk_model::{block_runs, KvGeometry};
 
@@ -83,6 +84,54 @@ fn median(mut x: Vec<f64>) -> f64 {
     x[x.len() / 2]
 }
 
+/// The two shapes, as (name, layers, KV heads, head_dim, tokens).
+const SHAPES: [(&str, usize, usize, usize, usize); 2] = [
+    ("smollm2-135m", 30, 3, 64, 1536),
+    ("llama-3.1-8b", 32, 8, 128, 4096),
+];
+
+/// The staged path's host side alone, no device: every piece of the plan packed (f32 → f16
+/// into a staging-sized buffer, one thread) and unpacked, as `write_tokens`/`read_tokens`
+/// do between copies. Its GB/s bound the staged path whatever the link does.
+fn host_side_only(repeats: usize) {
+    for (name, n_layers, n_kv_heads, head_dim, n_tokens) in SHAPES {
+        let g = KvGeometry {
+            n_layers,
+            n_kv_heads,
+            head_dim,
+            block_size_tokens: 16,
+            num_blocks: n_tokens / 16,
+        };
+        let len = n_layers * n_kv_heads * n_tokens * head_dim;
+        let k: Vec<f32> = (0..len).map(|i| (i % 2003) as f32 / 256.0).collect();
+        let v = k.clone();
+        let (mut k2, mut v2) = (vec![0f32; len], vec![0f32; len]);
+        let cap = DEFAULT_STAGING_BYTES / 2;
+        let pieces = plan_pieces(&g, n_tokens, cap);
+        let mut staged = vec![f16::ZERO; cap];
+        let (mut pack, mut unpack) = (Vec::new(), Vec::new());
+        for _ in 0..repeats {
+            let t = Instant::now();
+            for &p in &pieces {
+                pack_piece(&g, n_tokens, p, &k, &v, &mut staged);
+            }
+            pack.push(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            for &p in &pieces {
+                unpack_piece(&g, n_tokens, p, &staged, &mut k2, &mut v2);
+            }
+            unpack.push(t.elapsed().as_secs_f64());
+        }
+        let bytes = (4 * len) as f64;
+        println!(
+            "{name}: host side alone (one thread, {} pieces): pack f32 → f16 {:.2} GB/s, unpack {:.2} GB/s (of f16 K/V)",
+            pieces.len(),
+            bytes / median(pack) / 1e9,
+            bytes / median(unpack) / 1e9
+        );
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let repeats: usize = args
@@ -91,6 +140,7 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .and_then(|s| s.parse().ok())
         .unwrap_or(5);
+    host_side_only(repeats);
     let Some(gpu) = cuda_or_skip(ActDtype::F16) else {
         return;
     };
@@ -99,10 +149,7 @@ fn main() {
         gpu.name,
         DEFAULT_STAGING_BYTES >> 20
     );
-    for (name, n_layers, n_kv_heads, head_dim, n_tokens) in [
-        ("smollm2-135m", 30, 3, 64, 1536),
-        ("llama-3.1-8b", 32, 8, 128, 4096),
-    ] {
+    for (name, n_layers, n_kv_heads, head_dim, n_tokens) in SHAPES {
         let bs = 16;
         let n_blocks = n_tokens / bs;
         // A table in reverse order with gaps, as a pool that has served for a while.
