@@ -91,8 +91,9 @@ const SHAPES: [(&str, usize, usize, usize, usize); 2] = [
 ];
 
 /// The staged path's host side alone, no device: every piece of the plan packed (f32 → f16
-/// into a staging-sized buffer, one thread) and unpacked, as `write_tokens`/`read_tokens`
-/// do between copies. Its GB/s bound the staged path whatever the link does.
+/// into a staging-sized buffer, on rayon's threads) and unpacked, as
+/// `write_tokens`/`read_tokens` do between copies. Its GB/s bound the staged path whatever
+/// the link does.
 fn host_side_only(repeats: usize) {
     for (name, n_layers, n_kv_heads, head_dim, n_tokens) in SHAPES {
         let g = KvGeometry {
@@ -124,7 +125,8 @@ fn host_side_only(repeats: usize) {
         }
         let bytes = (4 * len) as f64;
         println!(
-            "{name}: host side alone (one thread, {} pieces): pack f32 → f16 {:.2} GB/s, unpack {:.2} GB/s (of f16 K/V)",
+            "{name}: host side alone ({} threads, {} pieces): pack f32 → f16 {:.2} GB/s, unpack {:.2} GB/s (of f16 K/V)",
+            rayon::current_num_threads(),
             pieces.len(),
             bytes / median(pack) / 1e9,
             bytes / median(unpack) / 1e9

@@ -29,6 +29,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use pk_model::{block_runs, token_range_len, KvGeometry};
+use rayon::prelude::*;
 
 use crate::device::Gpu;
 use crate::kargs;
@@ -124,6 +125,11 @@ fn piece_rows(
     })
 }
 
+/// Elements one thread converts at a time: the staged path's speed is the host's f32 ↔ f16
+/// conversion (one thread did 2.2–3.0 GB/s on the H200 host against the link's 45–55 GB/s,
+/// BENCHMARKS.md), so a piece's rows are converted in parts on every core.
+const CONVERT_PART_ELEMS: usize = 1 << 15;
+
 /// Packs piece `p` of a range of `n_tokens` tokens (`k`, `v` in the context layout) into
 /// `out` in the staging layout (`[layer][K, V][kv_head][token][head_dim]`) as f16.
 pub fn pack_piece(
@@ -135,10 +141,16 @@ pub fn pack_piece(
     out: &mut [f16],
 ) {
     let run = p.n * g.head_dim;
-    for ((is_v, at), dst) in piece_rows(g, n_tokens, p).zip(out[..p.elems(g)].chunks_exact_mut(run))
-    {
-        dst.convert_from_f32_slice(&(if is_v { v } else { k })[at..at + run]);
-    }
+    let rows: Vec<(bool, usize)> = piece_rows(g, n_tokens, p).collect();
+    out[..p.elems(g)]
+        .par_chunks_exact_mut(run)
+        .zip(rows.par_iter())
+        .for_each(|(dst, &(is_v, at))| {
+            let src = &(if is_v { v } else { k })[at..at + run];
+            dst.par_chunks_mut(CONVERT_PART_ELEMS)
+                .zip(src.par_chunks(CONVERT_PART_ELEMS))
+                .for_each(|(d, s)| d.convert_from_f32_slice(s));
+        });
 }
 
 /// The inverse of [`pack_piece`]: staged f16 values back into the context layout as f32.
@@ -150,10 +162,23 @@ pub fn unpack_piece(
     k: &mut [f32],
     v: &mut [f32],
 ) {
-    let run = p.n * g.head_dim;
-    for ((is_v, at), src) in piece_rows(g, n_tokens, p).zip(staged[..p.elems(g)].chunks_exact(run))
-    {
-        src.convert_to_f32_slice(&mut (if is_v { &mut *v } else { &mut *k })[at..at + run]);
+    let (hd, heads) = (g.head_dim, g.n_kv_heads);
+    let run = p.n * hd;
+    let layers = p.layer0..p.layer0 + p.n_layers;
+    for (side, dst) in [(0, k), (1, v)] {
+        // One chunk per (layer, KV head) of the context layout; the piece fills its tokens
+        // `t0..t0 + n` of the chunks of its layers.
+        dst.par_chunks_mut(n_tokens * hd)
+            .enumerate()
+            .filter(|(lh, _)| layers.contains(&(lh / heads)))
+            .for_each(|(lh, head_rows)| {
+                let row = ((lh / heads - p.layer0) * 2 + side) * heads + lh % heads;
+                let src = &staged[row * run..(row + 1) * run];
+                head_rows[p.t0 * hd..p.t0 * hd + run]
+                    .par_chunks_mut(CONVERT_PART_ELEMS)
+                    .zip(src.par_chunks(CONVERT_PART_ELEMS))
+                    .for_each(|(d, s)| s.convert_to_f32_slice(d));
+            });
     }
 }
 
