@@ -509,3 +509,78 @@ fn a_connector_for_the_other_layout_is_refused() {
         .unwrap_err();
     assert!(err.to_string().contains("one block table"), "{err}");
 }
+
+/// A corrupted window payload on disk (one byte flipped in the middle of its file) is
+/// detected at load: the hit is dropped whole, the prompt is recomputed with the cold run's
+/// tokens, only that payload is stored again, and the next engine hits in full.
+#[test]
+fn a_corrupted_window_payload_is_detected_recomputed_and_stored_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = || -> (Arc<TieredStore>, Arc<DiskTier>) {
+        let tier = Arc::new(
+            DiskTier::open(DiskTierConfig {
+                dir: dir.path().to_path_buf(),
+                capacity_bytes: 1 << 30,
+                name: "disk".into(),
+                sync_writes: true,
+                drop_page_cache: false,
+            })
+            .unwrap(),
+        );
+        let store = Arc::new(TieredStore::new(vec![tier.clone() as Arc<dyn Tier>]));
+        (store, tier)
+    };
+    let (mut cold, _) = engine(None, config());
+    let (prompt, _) = book_tokens(&cold, 1200, 0);
+    let want = cold.generate(&prompt, &greedy(), &mut |_| {}).unwrap();
+    drop(cold);
+
+    let (store, tier) = disk();
+    let (mut first, t1) = engine(Some(tiers(store.clone(), None)), config());
+    first.generate(&prompt, &greedy(), &mut |_| {}).unwrap();
+    let t1 = t1.unwrap();
+    let s = t1.stats();
+    wait_stored(
+        &t1,
+        &store,
+        s.full_attention_bytes_queued + s.window_bytes_queued,
+    );
+    let keyer = pk_tiers::ChunkKeyer::new(
+        &first.model_name,
+        first.cache_namespace().as_bytes(),
+        256,
+        16,
+    )
+    .unwrap();
+    drop((first, t1, store));
+    // 1,199 tokens before the last: 4 chunks; the end's window needs chunks 2 and 3.
+    let window_key = keyer.keys(&prompt[..1024], None)[3].window_layers();
+    let path = tier.entry_path(&window_key);
+    let mut bytes = std::fs::read(&path).expect("the window payload is on disk");
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+    drop(tier);
+
+    let (store, _) = disk();
+    let (mut second, t2) = engine(Some(tiers(store.clone(), None)), config());
+    let t2 = t2.unwrap();
+    let out = second.generate(&prompt, &greedy(), &mut |_| {}).unwrap();
+    assert_eq!(out.cached_prompt_tokens, 0, "the corrupted hit is not used");
+    assert_eq!(out.token_ids, want.token_ids);
+    let s = t2.stats();
+    assert!(s.load_failures >= 1, "{s:?}");
+    assert_eq!(
+        (s.chunks_queued, s.window_chunks_queued),
+        (0, 1),
+        "only it is stored again"
+    );
+    wait_stored(&t2, &store, 1);
+    drop((second, t2, store));
+
+    let (store, _) = disk();
+    let (mut third, _) = engine(Some(tiers(store, None)), config());
+    let out = third.generate(&prompt, &greedy(), &mut |_| {}).unwrap();
+    assert_eq!(out.cached_prompt_tokens, 1024);
+    assert_eq!(out.token_ids, want.token_ids);
+}
