@@ -16,7 +16,7 @@ use pk_engine::{block_ids as table_of, KvConnector, Loaded, Lookup, RequestKey};
 use pk_kv::{KvCacheManager, SeqId};
 use pk_model::{Backend, KvBlocks, KvGeometry, KvGroupLayout};
 
-use crate::tiering::groups::{layers_by_kind, write_layers, LayerTable};
+use crate::tiering::groups::{layers_by_kind, window_layer_tables, write_layers, LayerTable};
 
 /// A given KV for the first `kv.n_original_tokens` prompt tokens (stored tokens carry their
 /// positions). Used by profiling, evaluation and the context store.
@@ -200,13 +200,7 @@ pub(crate) fn place_grouped(
     write_layers(store, &full_tables, 0, n, &k, &v);
     let bs = g.block_size_tokens;
     let tail = (n + 1).saturating_sub(layout.window_tokens) / bs * bs;
-    let tables = kv
-        .window_tables(seq)
-        .expect("an engine with KV cache groups");
-    let window_tables: Vec<LayerTable<'_>> = window
-        .iter()
-        .map(|&(l, group)| (l, &tables[group - 1][..]))
-        .collect();
+    let window_tables = window_layer_tables(&window, kv, seq);
     let window_ids: Vec<usize> = window.iter().map(|&(l, _)| l).collect();
     let (k, v) = layer_rows(ctx, &window_ids, tail, n - tail);
     write_layers(store, &window_tables, tail, n - tail, &k, &v);

@@ -128,6 +128,22 @@ pub(crate) enum Failed {
 /// holds it.
 pub(crate) type LayerTable<'a> = (usize, &'a [u32]);
 
+/// Each sliding-window layer of `window_layers` (layer, window group) with `seq`'s table of
+/// its group.
+pub(crate) fn window_layer_tables<'a>(
+    window_layers: &[(usize, usize)],
+    kv: &'a KvCacheManager,
+    seq: SeqId,
+) -> Vec<LayerTable<'a>> {
+    let tables = kv
+        .window_tables(seq)
+        .expect("an engine with KV cache groups");
+    window_layers
+        .iter()
+        .map(|&(l, group)| (l, &tables[group - 1][..]))
+        .collect()
+}
+
 /// Whether every block of positions `[first, first + n)` is held in each table.
 pub(crate) fn all_held(layers: &[LayerTable<'_>], first: usize, n: usize, bs: usize) -> bool {
     let blocks = first / bs..(first + n).div_ceil(bs);
@@ -272,14 +288,7 @@ impl Tiering {
         // Window blocks allocated on the way and behind the next token's window hold
         // nothing: released before anything can cache them.
         kv.release_window_blocks_behind(seq, (k * c) as u64);
-        let tables = kv
-            .window_tables(seq)
-            .expect("an engine with KV cache groups");
-        let layers: Vec<LayerTable<'_>> = g
-            .window_layers
-            .iter()
-            .map(|&(l, group)| (l, &tables[group - 1][..]))
-            .collect();
+        let layers = window_layer_tables(&g.window_layers, kv, seq);
         for (j, ctx) in (first_w..k).zip(&windows) {
             write_layers(store, &layers, j * c, c, &ctx.k, &ctx.v);
         }
@@ -349,14 +358,7 @@ impl Tiering {
             }
             r.saved += 1;
         }
-        let tables = kv
-            .window_tables(seq)
-            .expect("an engine with KV cache groups");
-        let window: Vec<LayerTable<'_>> = g
-            .window_layers
-            .iter()
-            .map(|&(l, group)| (l, &tables[group - 1][..]))
-            .collect();
+        let window = window_layer_tables(&g.window_layers, kv, seq);
         let points = g.hit_points(n);
         while r.hits_done < points.len() && points[r.hits_done] * c <= computed {
             let k = points[r.hits_done];
