@@ -63,7 +63,13 @@ impl KvShape {
 ///
 /// Invariants (`validate`): every dimension at least 1 and within the `MAX_*` limits;
 /// `positions` strictly increasing; `k.len() == v.len() == layers × heads × tokens × dim`;
-/// `n_original_tokens >= positions.len()`.
+/// `n_original_tokens >= positions.len()`; a `window` part is valid on its own, has no
+/// window part of its own, the same heads and head dim, and is whole: consecutive
+/// positions ending at `n_original_tokens - 1`.
+///
+/// With a `window` part (a model with sliding-window layers stored by KV cache groups),
+/// `k`/`v` hold only the full-attention layers, in model order, and the window part holds
+/// the sliding-window layers for the positions the next token's window sees.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KvContext {
     pub n_layers: usize,
@@ -75,6 +81,53 @@ pub struct KvContext {
     pub positions: Vec<u32>,
     pub k: Vec<f32>,
     pub v: Vec<f32>,
+    /// The sliding-window layers' tail, for a context stored with KV cache groups.
+    pub window: Option<Box<WindowKv>>,
+}
+
+/// The sliding-window layers of a context stored with KV cache groups: only the tail
+/// window that a token placed right after the context sees. Token dropping never touches
+/// it (its layers read positions, and the tail is what they read); quantization does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WindowKv {
+    /// Model layer index of each sliding-window layer, strictly increasing. The
+    /// context's own `k`/`v` hold the other layers; model layers number
+    /// `n_layers + layers.len()` in all.
+    pub layers: Vec<u32>,
+    /// The window layers' KV (`kv.n_layers == layers.len()`), whole and ending at the
+    /// context's last position.
+    pub kv: KvContext,
+}
+
+impl WindowKv {
+    /// Checks the invariants against the context `main` it belongs to.
+    fn validate_in(&self, main: &KvContext) -> Result<(), CodecError> {
+        let kv = &self.kv;
+        kv.validate()?;
+        let n_model_layers = main.n_layers + self.layers.len();
+        let layers_ok = self.layers.windows(2).all(|w| w[0] < w[1])
+            && self.layers.last().is_some_and(|&l| (l as usize) < n_model_layers)
+            && n_model_layers <= MAX_LAYERS;
+        if !layers_ok || kv.n_layers != self.layers.len() {
+            return Err(CodecError::context(
+                "window layers must be strictly increasing model layers, one per window layer",
+            ));
+        }
+        if kv.window.is_some() || (kv.n_kv_heads, kv.head_dim) != (main.n_kv_heads, main.head_dim) {
+            return Err(CodecError::context(
+                "a window part must have the context's heads and no window of its own",
+            ));
+        }
+        let first = main.n_original_tokens.saturating_sub(kv.n_tokens());
+        let whole_tail = kv.n_original_tokens == kv.n_tokens()
+            && kv.positions.iter().enumerate().all(|(i, &p)| p as usize == first + i);
+        if !whole_tail || kv.n_tokens() > main.n_original_tokens {
+            return Err(CodecError::context(
+                "a window part must hold consecutive positions ending at the context's last",
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl KvContext {
@@ -96,6 +149,7 @@ impl KvContext {
             positions,
             k,
             v,
+            window: None,
         };
         ctx.validate()?;
         Ok(ctx)
@@ -173,11 +227,21 @@ impl KvContext {
                 self.n_tokens()
             )));
         }
-        Ok(())
+        match &self.window {
+            Some(w) => w.validate_in(self),
+            None => Ok(()),
+        }
+    }
+
+    /// Stored f32 elements of K and V together, the window part's included: what the
+    /// context pins in memory.
+    pub fn n_elements(&self) -> usize {
+        self.k.len() + self.v.len() + self.window.as_ref().map_or(0, |w| w.kv.n_elements())
     }
 
     /// The context restricted to the stored tokens at indices `kept` (strictly increasing,
-    /// in range), positions preserved and `n_original_tokens` unchanged. Panics on bad
+    /// in range), positions preserved and `n_original_tokens` unchanged; a window part is
+    /// kept as it is. Panics on bad
     /// indices: they come from the caller's own selection, not from untrusted input.
     pub fn retain_tokens(&self, kept: &[usize]) -> KvContext {
         assert!(
@@ -207,6 +271,7 @@ impl KvContext {
             positions: kept.iter().map(|&t| self.positions[t]).collect(),
             k: gather(&self.k),
             v: gather(&self.v),
+            window: self.window.clone(),
         }
     }
 }

@@ -62,6 +62,8 @@ pub struct Header {
 
 /// Compresses `ctx` with `method`. Dropping methods need `scores` (one per stored token,
 /// higher = keep); other methods ignore them. Errors only on invalid input.
+/// A context with a window part (`KvContext::window`) is written as a grouped container
+/// (`crate::grouped`): the window part is quantized as `method` says but never dropped.
 pub fn encode(
     ctx: &KvContext,
     method: &Method,
@@ -70,6 +72,20 @@ pub fn encode(
 ) -> Result<Vec<u8>, CodecError> {
     method.validate()?;
     ctx.validate()?;
+    match &ctx.window {
+        None => encode_frame(ctx, method, scores, fingerprint),
+        Some(w) => crate::grouped::encode(ctx, w, method, scores, fingerprint),
+    }
+}
+
+/// One frame of `ctx`'s own layers (its window part, if any, is not in it); `ctx` and
+/// `method` already validated.
+pub(crate) fn encode_frame(
+    ctx: &KvContext,
+    method: &Method,
+    scores: Option<&[f32]>,
+    fingerprint: &Fingerprint,
+) -> Result<Vec<u8>, CodecError> {
     let dropped;
     let ctx = match method.drop_spec() {
         None => ctx,
@@ -121,8 +137,19 @@ pub fn encode(
     Ok(out)
 }
 
-/// Validates `bytes` in full (NOTE 4) and returns its header.
+/// Validates `bytes` in full (NOTE 4) and returns its header; for a grouped container,
+/// both frames are validated and the main frame's header is returned.
 pub fn inspect(bytes: &[u8]) -> Result<Header, CodecError> {
+    if bytes.starts_with(&crate::grouped::GROUPED_MAGIC) {
+        let parts = crate::grouped::split(bytes)?;
+        inspect_frame(parts.tail)?;
+        return inspect_frame(parts.main);
+    }
+    inspect_frame(bytes)
+}
+
+/// `inspect` of one frame.
+pub(crate) fn inspect_frame(bytes: &[u8]) -> Result<Header, CodecError> {
     let fixed = bytes
         .get(..FIXED_HEADER_BYTES)
         .ok_or(CodecError::Truncated {
@@ -184,7 +211,14 @@ pub fn inspect(bytes: &[u8]) -> Result<Header, CodecError> {
 /// Validates `bytes` (NOTE 4), checks it was made for `expected_fingerprint`, and
 /// decompresses it. Dropped tokens stay dropped: the result holds the stored tokens.
 pub fn decode(bytes: &[u8], expected_fingerprint: &Fingerprint) -> Result<KvContext, CodecError> {
-    let mut ctx = KvContext {
+    let mut ctx = empty_context();
+    decode_into(bytes, expected_fingerprint, &mut ctx)?;
+    Ok(ctx)
+}
+
+/// A context with no data, for decoding into.
+pub(crate) fn empty_context() -> KvContext {
+    KvContext {
         n_layers: 0,
         n_kv_heads: 0,
         head_dim: 0,
@@ -192,9 +226,8 @@ pub fn decode(bytes: &[u8], expected_fingerprint: &Fingerprint) -> Result<KvCont
         positions: Vec::new(),
         k: Vec::new(),
         v: Vec::new(),
-    };
-    decode_into(bytes, expected_fingerprint, &mut ctx)?;
-    Ok(ctx)
+        window: None,
+    }
 }
 
 /// As `decode`, into `out`, reusing its buffers: a tier decoding chunk after chunk of the
@@ -204,7 +237,21 @@ pub fn decode_into(
     expected_fingerprint: &Fingerprint,
     out: &mut KvContext,
 ) -> Result<(), CodecError> {
-    let header = inspect(bytes)?;
+    if bytes.starts_with(&crate::grouped::GROUPED_MAGIC) {
+        return crate::grouped::decode_into(bytes, expected_fingerprint, out);
+    }
+    decode_frame_into(bytes, expected_fingerprint, out)?;
+    out.window = None;
+    Ok(())
+}
+
+/// `decode_into` of one frame (`out.window` untouched).
+pub(crate) fn decode_frame_into(
+    bytes: &[u8],
+    expected_fingerprint: &Fingerprint,
+    out: &mut KvContext,
+) -> Result<(), CodecError> {
+    let header = inspect_frame(bytes)?;
     if &header.fingerprint != expected_fingerprint {
         return Err(CodecError::FingerprintMismatch);
     }
@@ -258,6 +305,15 @@ pub fn compressed_bytes_estimate(method: &Method, shape: &KvShape) -> usize {
         ..*shape
     };
     FIXED_HEADER_BYTES + 4 * n_stored + payload_bytes(method, &stored) + CHECKSUM_BYTES
+}
+
+/// The exact length of `encode`'s output for `ctx` (not dropped before) under `method`,
+/// its window part included: what a stored context of a model with KV cache groups costs.
+pub fn context_bytes_estimate(method: &Method, ctx: &KvContext) -> usize {
+    match &ctx.window {
+        None => compressed_bytes_estimate(method, &ctx.shape()),
+        Some(w) => crate::grouped::bytes_estimate(method, &ctx.shape(), &w.kv.shape()),
+    }
 }
 
 /// Payload bytes for `shape` (stored tokens) under `method`.

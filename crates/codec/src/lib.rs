@@ -9,7 +9,8 @@
 //! - **Token dropping** (`drop`): keep the `1 − r` highest-scored tokens given the caller's
 //!   per-token scores, always keeping the first and last tokens; kept positions are stored.
 //! - **A versioned format** (`format`): header + positions + payload + BLAKE3 trailer,
-//!   validated in full on decode.
+//!   validated in full on decode; a context stored with KV cache groups (a window part)
+//!   is a container of two such frames (`grouped`).
 //!
 //! ```
 //! use pk_codec::{decode, encode, KvContext, Method, Precision, QuantSpec};
@@ -34,7 +35,8 @@
 //!
 //! Code map: `context` (`KvContext`, `KvShape`, limits), `method` (`Method` and its
 //! specs), `drop` (which tokens to keep), `quant` (section kernels and their sizes),
-//! `format` (header, `encode`, `decode`, `decode_into`, `inspect`, `compressed_bytes_estimate`), `error`.
+//! `format` (header, `encode`, `decode`, `decode_into`, `inspect`, `compressed_bytes_estimate`),
+//! `grouped` (the container of a context with a window part), `error`.
 // One audited unsafe block (marked `allow(unsafe_code)`); none elsewhere.
 #![deny(unsafe_code)]
 
@@ -42,15 +44,18 @@ mod context;
 pub mod drop;
 mod error;
 mod format;
+mod grouped;
 mod method;
 mod quant;
 
-pub use context::{KvContext, KvShape, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS, MAX_TOKENS};
+pub use context::{KvContext, KvShape, WindowKv, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS, MAX_TOKENS};
 pub use error::CodecError;
 pub use format::{
-    compressed_bytes_estimate, decode, decode_into, encode, inspect, Fingerprint, Header,
+    compressed_bytes_estimate, context_bytes_estimate, decode, decode_into, encode, inspect,
+    Fingerprint, Header,
     CHECKSUM_BYTES, FIXED_HEADER_BYTES, FORMAT_VERSION, MAGIC,
 };
+pub use grouped::{window_method, GROUPED_MAGIC, GROUPED_VERSION};
 pub use method::{
     DropSpec, Method, Precision, QuantSpec, DEFAULT_GROUP_SIZE, DEFAULT_KEEP_FIRST_TOKENS,
     DEFAULT_KEEP_LAST_TOKENS, MAX_WINDOW_TOKENS,
