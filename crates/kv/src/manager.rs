@@ -465,6 +465,49 @@ impl KvCacheManager {
         }
     }
 
+    /// Allocates empty `seq` for a context written with its original positions: its main
+    /// table stores one token per entry of `positions` (strictly increasing) and its next
+    /// token goes to `next_position`; window tables (with window groups) hold positions up
+    /// to `next_position` with only the blocks that token's window sees. This is
+    /// `allocate_slots` plus `set_positions` for a sequence that may have window groups
+    /// (whose tables are indexed by position, so they cannot be placed after the fact).
+    /// All or nothing: false means not enough free blocks, and nothing changed.
+    ///
+    /// Panics if `seq` does not exist or holds anything, or on positions `set_positions`
+    /// refuses.
+    #[must_use = "allocation can fail; check the result"]
+    pub fn allocate_placed(&mut self, seq: SeqId, positions: Vec<u32>, next_position: u64) -> bool {
+        let bs = self.pool.block_size_tokens();
+        let state = Self::state_mut(&mut self.seqs, seq, "allocate_placed");
+        assert_eq!(
+            state.table.next_position(),
+            0,
+            "allocate_placed: {seq:?} is not empty"
+        );
+        let n = u32::try_from(positions.len()).expect("a context fits in u32 tokens");
+        let mut needed = state.table.num_new_blocks_needed(n);
+        if let (Some(windows), Some(spec)) = (state.windows.as_ref(), self.window.as_ref()) {
+            needed += windows.num_blocks_to_skip_to(spec, next_position, bs);
+        }
+        if needed > self.pool.num_free_blocks() as u64 {
+            return false;
+        }
+        if let (Some(windows), Some(spec)) = (state.windows.as_mut(), self.window.as_ref()) {
+            windows
+                .skip_to(spec, next_position, &mut self.pool)
+                .expect("checked free blocks");
+        }
+        state
+            .table
+            .append_tokens(n, &mut self.pool)
+            .expect("checked free blocks");
+        state.table.set_positions(positions, next_position);
+        if state.table.positions().is_some() {
+            Self::stop_prefix_caching(state);
+        }
+        true
+    }
+
     /// Keeps only the stored tokens listed in `keep` (strictly increasing stored indices),
     /// densely and in order: prefill pruning. Returns the K/V copies the caller must make,
     /// in order, before anything else allocates from the pool (see `TokenMove`). Blocks

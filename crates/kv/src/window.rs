@@ -152,6 +152,47 @@ impl WindowTables {
         Some(())
     }
 
+    /// New blocks (over all groups) that [`WindowTables::skip_to`] allocates.
+    pub(crate) fn num_blocks_to_skip_to(
+        &self,
+        spec: &WindowSpec,
+        position: u64,
+        block_size_tokens: u32,
+    ) -> u64 {
+        let total = position.div_ceil(block_size_tokens as u64);
+        let first = spec.first_visible_block(position, block_size_tokens).min(total);
+        (total - first) * self.tables.len() as u64
+    }
+
+    /// Makes empty tables hold positions `[0, position)` with only the blocks a token at
+    /// `position` sees: a context written with its original positions, whose window layers
+    /// were stored as that window alone. All or nothing.
+    ///
+    /// Panics unless the tables are empty.
+    #[must_use]
+    pub(crate) fn skip_to(
+        &mut self,
+        spec: &WindowSpec,
+        position: u64,
+        pool: &mut BlockPool,
+    ) -> Option<()> {
+        assert_eq!(self.num_positions, 0, "window: skip_to on non-empty tables");
+        let bs = pool.block_size_tokens();
+        let total = position.div_ceil(bs as u64) as usize;
+        let first = (spec.first_visible_block(position, bs) as usize).min(total);
+        let needed = u32::try_from(self.num_blocks_to_skip_to(spec, position, bs)).ok()?;
+        let mut ids = pool.allocate_n(needed)?.into_iter();
+        for table in &mut self.tables {
+            table.clear();
+            table.resize(first, RELEASED);
+            table.extend(ids.by_ref().take(total - first).map(|b| b.0));
+        }
+        self.num_positions = position;
+        self.num_released = first;
+        self.num_registered = first;
+        Some(())
+    }
+
     /// Registers the full blocks still held under their window hashes; `main_hashes` are
     /// the main table's chained hashes by position block.
     pub(crate) fn cache_full_blocks(

@@ -80,6 +80,47 @@ fn a_long_prefill_step_holds_its_own_positions_then_releases_them() {
 }
 
 #[test]
+fn a_placed_context_holds_dropped_main_tokens_and_only_the_next_tokens_window() {
+    // A 40-token context with 10 tokens kept in the main table; window 8, blocks of 4:
+    // the next token (position 40) sees 33..=40, so the windows hold blocks 8 and 9.
+    let mut manager = windowed(64, 2, 8);
+    let seq = SeqId(1);
+    start(&mut manager, seq, &[]);
+    let kept: Vec<u32> = vec![0, 1, 2, 3, 10, 20, 36, 37, 38, 39];
+    assert!(manager.allocate_placed(seq, kept.clone(), 40));
+    manager.check_invariants();
+    let table = manager.block_table(seq).unwrap();
+    assert_eq!((table.num_stored_tokens(), table.next_position()), (10, 40));
+    assert_eq!(table.positions(), Some(&kept[..]));
+    for t in manager.window_tables(seq).unwrap() {
+        assert_eq!(t.len(), 10);
+        assert!(t[..8].iter().all(|&b| b == RELEASED));
+        assert!(t[8..].iter().all(|&b| b != RELEASED));
+    }
+    assert_eq!(manager.pool().num_free_blocks(), 64 - 3 - 2 * 2);
+    // Decoding goes on as for any sequence: one new block per group at position 40.
+    manager.allocate_slots(seq, 1).unwrap();
+    manager.check_invariants();
+    assert_eq!(manager.num_window_blocks(seq), 2 * 3);
+    assert!(manager.free(seq));
+    manager.check_invariants();
+    assert_eq!(manager.pool().num_free_blocks(), 64);
+}
+
+#[test]
+fn placing_is_all_or_nothing() {
+    let mut manager = windowed(5, 2, 8);
+    let seq = SeqId(1);
+    start(&mut manager, seq, &[]);
+    // 3 main blocks + 2 × 2 window blocks > 5 free; then 1 + 2 × 2 fits.
+    assert!(!manager.allocate_placed(seq, (0..12).collect(), 40));
+    manager.check_invariants();
+    assert_eq!(manager.pool().num_free_blocks(), 5);
+    assert!(manager.allocate_placed(seq, vec![5, 39], 40));
+    manager.check_invariants();
+}
+
+#[test]
 fn cached_prefixes_adopt_only_the_window_blocks_they_need() {
     let mut manager = windowed(200, 2, 8);
     let prompt: Vec<u32> = (0..41).collect();
