@@ -84,10 +84,9 @@ impl ModelArgs {
             let gguf = pk_gguf::GgufFile::open(&path)
                 .with_context(|| format!("loading {}", path.display()))?;
             let model = pk_model::ModelConfig::from_gguf(&gguf)?;
-            check_hybrid_flag(true, &model, one_table_store(&reuse))?;
+            check_hybrid_flag(true, &model)?;
         }
-        let one_table =
-            one_table || args.disable_hybrid_kv_cache_manager || one_table_store(&reuse);
+        let one_table = one_table || args.disable_hybrid_kv_cache_manager;
         let config = EngineConfig {
             block_size_tokens: args.block_size,
             kv_dtype,
@@ -149,27 +148,10 @@ pub fn set_threads(threads: Option<usize>) -> Result<()> {
 }
 
 /// `--disable-hybrid-kv-cache-manager` changes something only where the engine would make
-/// KV cache groups: for a model with sliding-window layers, in an engine that neither
-/// stores nor reuses prompt KV (such an engine keeps one block table already). Anywhere
-/// else it is refused rather than accepted and unused.
-/// Whether the configured KV store needs an engine with one block table for every layer
-/// (the EVICPRESS store does; the chunk tiers keep KV cache groups).
-pub fn one_table_store(reuse: &Option<pk_connectors::ReuseConfig>) -> bool {
-    reuse.as_ref().is_some_and(|r| r.needs_one_table())
-}
-
-pub fn check_hybrid_flag(
-    disabled: bool,
-    model: &pk_model::ModelConfig,
-    one_table_store: bool,
-) -> Result<()> {
-    if !disabled {
-        return Ok(());
-    }
-    if one_table_store {
-        bail!("--disable-hybrid-kv-cache-manager is not used with --tier-policy evicpress: the EVICPRESS store keeps one block table for every layer already");
-    }
-    if model.extras.sliding_window.is_none() {
+/// KV cache groups: for a model with sliding-window layers. Anywhere else it is refused
+/// rather than accepted and unused.
+pub fn check_hybrid_flag(disabled: bool, model: &pk_model::ModelConfig) -> Result<()> {
+    if disabled && model.extras.sliding_window.is_none() {
         bail!(
             "--disable-hybrid-kv-cache-manager is not used with {}: it has no sliding-window layers, so it keeps one block table for every layer already",
             model.name

@@ -203,7 +203,7 @@ fn build_engine(a: &PerfArgs, capacity_tokens: usize) -> Result<Engine> {
             pk_model::config::DUMMY_SHAPES.join(", ")
         )
     })?;
-    check_hybrid_flag(args.disable_hybrid_kv_cache_manager, &cfg, false)?;
+    check_hybrid_flag(args.disable_hybrid_kv_cache_manager, &cfg)?;
     let weights = pk_model::weights::Weights::random(&cfg, dummy_type(&a.dummy_type)?, 1);
     // The tokenizer only decodes generated ids for streaming; the default model's serves.
     let gguf = pk_gguf::GgufFile::open(pk_engine::model_store::resolve_model(None, true)?)?;

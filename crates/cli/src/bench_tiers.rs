@@ -307,7 +307,7 @@ impl Bench {
         if args.disable_hybrid_kv_cache_manager {
             let gguf = pk_gguf::GgufFile::open(&path)?;
             let model = pk_model::ModelConfig::from_gguf(&gguf)?;
-            crate::args::check_hybrid_flag(true, &model, false)?;
+            crate::args::check_hybrid_flag(true, &model)?;
         }
         let base = EngineConfig {
             block_size_tokens: args.block_size,

@@ -165,11 +165,7 @@ pub fn plan(a: &ServeArgs, path: &Path, model_config: &pk_model::ModelConfig) ->
         max_request_tokens(model_config.context_length, a.max_model_len, pool_tokens)?;
     let model_name = served_name(a, path);
     let reuse = a.model.tiers.build_reuse()?;
-    crate::args::check_hybrid_flag(
-        a.model.disable_hybrid_kv_cache_manager,
-        model_config,
-        crate::args::one_table_store(&reuse),
-    )?;
+    crate::args::check_hybrid_flag(a.model.disable_hybrid_kv_cache_manager, model_config)?;
     let engine = EngineConfig {
         block_size_tokens: a.model.block_size,
         kv_dtype,
@@ -182,10 +178,8 @@ pub fn plan(a: &ServeArgs, path: &Path, model_config: &pk_model::ModelConfig) ->
         default_kv_policy: a.kv.spec()?.unwrap_or_default(),
         default_kv_budget: a.kv.kv_budget,
         default_kv_granularity: a.kv.granularity()?.unwrap_or_default(),
-        // The EVICPRESS store writes every layer of every token: its engine keeps one
-        // table. The chunk tiers keep KV cache groups.
-        hybrid_kv_cache: !a.model.disable_hybrid_kv_cache_manager
-            && !crate::args::one_table_store(&reuse),
+        // Both KV stores keep the KV cache groups, as the engine does without them.
+        hybrid_kv_cache: !a.model.disable_hybrid_kv_cache_manager,
         ..Default::default()
     };
     let addr: SocketAddr = format!("{}:{}", a.host, a.port)

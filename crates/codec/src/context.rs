@@ -106,7 +106,10 @@ impl WindowKv {
         kv.validate()?;
         let n_model_layers = main.n_layers + self.layers.len();
         let layers_ok = self.layers.windows(2).all(|w| w[0] < w[1])
-            && self.layers.last().is_some_and(|&l| (l as usize) < n_model_layers)
+            && self
+                .layers
+                .last()
+                .is_some_and(|&l| (l as usize) < n_model_layers)
             && n_model_layers <= MAX_LAYERS;
         if !layers_ok || kv.n_layers != self.layers.len() {
             return Err(CodecError::context(
@@ -120,7 +123,11 @@ impl WindowKv {
         }
         let first = main.n_original_tokens.saturating_sub(kv.n_tokens());
         let whole_tail = kv.n_original_tokens == kv.n_tokens()
-            && kv.positions.iter().enumerate().all(|(i, &p)| p as usize == first + i);
+            && kv
+                .positions
+                .iter()
+                .enumerate()
+                .all(|(i, &p)| p as usize == first + i);
         if !whole_tail || kv.n_tokens() > main.n_original_tokens {
             return Err(CodecError::context(
                 "a window part must hold consecutive positions ending at the context's last",

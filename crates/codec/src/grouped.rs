@@ -51,7 +51,8 @@ pub(crate) fn encode(
 ) -> Result<Vec<u8>, CodecError> {
     let main = format::encode_frame(ctx, method, scores, fingerprint)?;
     let tail = format::encode_frame(&window.kv, &window_method(method), None, fingerprint)?;
-    let mut out = Vec::with_capacity(FIXED_BYTES + 4 * window.layers.len() + main.len() + tail.len());
+    let mut out =
+        Vec::with_capacity(FIXED_BYTES + 4 * window.layers.len() + main.len() + tail.len());
     out.extend_from_slice(&GROUPED_MAGIC);
     out.extend_from_slice(&GROUPED_VERSION.to_le_bytes());
     out.extend_from_slice(&[0, 0]);
@@ -154,7 +155,10 @@ pub(crate) fn decode_into(
     format::decode_frame_into(parts.tail, expected_fingerprint, &mut window.kv)?;
     let tail_header = format::inspect_frame(parts.tail)?;
     if tail_header.method.drop_spec().is_some() {
-        return Err(CodecError::header("window frame", "a window part is never dropped"));
+        return Err(CodecError::header(
+            "window frame",
+            "a window part is never dropped",
+        ));
     }
     window.layers = parts.layers;
     out.window = Some(window);

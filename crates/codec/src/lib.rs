@@ -48,12 +48,13 @@ mod grouped;
 mod method;
 mod quant;
 
-pub use context::{KvContext, KvShape, WindowKv, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS, MAX_TOKENS};
+pub use context::{
+    KvContext, KvShape, WindowKv, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS, MAX_TOKENS,
+};
 pub use error::CodecError;
 pub use format::{
     compressed_bytes_estimate, context_bytes_estimate, decode, decode_into, encode, inspect,
-    Fingerprint, Header,
-    CHECKSUM_BYTES, FIXED_HEADER_BYTES, FORMAT_VERSION, MAGIC,
+    Fingerprint, Header, CHECKSUM_BYTES, FIXED_HEADER_BYTES, FORMAT_VERSION, MAGIC,
 };
 pub use grouped::{window_method, GROUPED_MAGIC, GROUPED_VERSION};
 pub use method::{

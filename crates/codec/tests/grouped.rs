@@ -21,7 +21,8 @@ fn grouped_context() -> KvContext {
     let main = KvContext::new(2, 2, 12, (0..N_TOKENS as u32).collect(), main.k, main.v).unwrap();
     let tail = random_context(shape(4, 2, 12, WINDOW_TOKENS), 2);
     let first = (N_TOKENS - WINDOW_TOKENS) as u32;
-    let tail = KvContext::new(4, 2, 12, (first..N_TOKENS as u32).collect(), tail.k, tail.v).unwrap();
+    let tail =
+        KvContext::new(4, 2, 12, (first..N_TOKENS as u32).collect(), tail.k, tail.v).unwrap();
     let ctx = KvContext {
         window: Some(Box::new(WindowKv {
             layers: vec![1, 2, 4, 5],
@@ -56,7 +57,9 @@ fn uncompressed_round_trip_is_exact() {
     let ctx = grouped_context();
     let back = decode(&encode(&ctx, &Method::None, None, &FP).unwrap(), &FP).unwrap();
     let round = |xs: &[f32]| -> Vec<f32> {
-        xs.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
+        xs.iter()
+            .map(|&x| half::f16::from_f32(x).to_f32())
+            .collect()
     };
     assert_eq!(back.k, round(&ctx.k));
     let (w, bw) = (ctx.window.as_ref().unwrap(), back.window.as_ref().unwrap());
@@ -74,7 +77,11 @@ fn dropping_touches_only_the_full_attention_layers_and_the_estimate_is_exact() {
         assert_eq!(&bytes[..4], &GROUPED_MAGIC);
         let back = decode(&bytes, &FP).unwrap();
         let w = back.window.as_ref().unwrap();
-        assert_eq!(w.kv.n_tokens(), WINDOW_TOKENS, "{m:?}: the tail is never dropped");
+        assert_eq!(
+            w.kv.n_tokens(),
+            WINDOW_TOKENS,
+            "{m:?}: the tail is never dropped"
+        );
         assert_eq!(back.n_original_tokens, N_TOKENS);
         let kept = m
             .drop_spec()
@@ -94,16 +101,25 @@ fn decode_into_reuses_and_clears_the_window_part() {
     decode_into(&grouped, &FP, &mut out).unwrap();
     assert!(out.window.is_some());
     decode_into(&plain, &FP, &mut out).unwrap();
-    assert!(out.window.is_none(), "a one-frame context has no window part");
+    assert!(
+        out.window.is_none(),
+        "a one-frame context has no window part"
+    );
 }
 
 #[test]
 fn wrong_model_and_bad_window_parts_are_refused() {
     let bytes = encode(&grouped_context(), &Method::None, None, &FP).unwrap();
-    assert_eq!(decode(&bytes, &[0; 32]), Err(CodecError::FingerprintMismatch));
+    assert_eq!(
+        decode(&bytes, &[0; 32]),
+        Err(CodecError::FingerprintMismatch)
+    );
     let mut ctx = grouped_context();
     ctx.window.as_mut().unwrap().layers = vec![1, 1, 4, 5];
-    assert!(encode(&ctx, &Method::None, None, &FP).is_err(), "repeated layer");
+    assert!(
+        encode(&ctx, &Method::None, None, &FP).is_err(),
+        "repeated layer"
+    );
     let mut ctx = grouped_context();
     ctx.n_original_tokens += 1;
     assert!(

@@ -10,6 +10,15 @@
 //! context's KV is copied out of the pool and offered to the store, whose worker thread
 //! stores and places it; the engine never waits for that.
 //!
+//! With KV cache groups (Gemma 3's sliding-window layers in tables of their own), a
+//! context is stored by group (`KvContext::window`): every full-attention layer of every
+//! token, under the configuration EVICPRESS chose, and the sliding-window layers' tail
+//! window only, quantized as the configuration says but never dropped. The pool releases
+//! window blocks as prefill moves on, so the context is copied out after the prefill step
+//! that computes its last token, while that window is held; a hit writes the window back
+//! and the full-attention layers at their original positions
+//! (`KvCacheManager::allocate_placed`).
+//!
 //! SnapKV scores a stored context by the attention of its last 64 tokens' queries, which
 //! the pool does not keep. When the store's grid has a SnapKV configuration, the offer runs
 //! those tokens through the forward pass once more to capture their queries
@@ -27,10 +36,10 @@ use pk_engine::{
 };
 use pk_evicpress::{ContextStore, LoadReport, StoreConfig, WindowQueries};
 use pk_kv::{KvCacheManager, SeqId};
-use pk_model::{Backend, SeqForward};
+use pk_model::{Backend, KvGroupLayout, SeqForward};
 use pk_tiers::{ChunkKey, ChunkKeyer};
 
-use crate::prefix_kv::{place_prefix, read_prefix};
+use crate::prefix_kv::{place_context, read_by_group, read_prefix};
 use crate::tiering::lock;
 
 /// How the engine uses an EVICPRESS store.
@@ -61,6 +70,10 @@ pub struct ContextReuseStats {
     pub load_failures: u64,
     pub offered: u64,
     pub hit_tokens: u64,
+    /// Contexts not offered because their window had left the pool (KV cache groups: a
+    /// prompt whose first prefill step already ran past the context's window, as after a
+    /// prefix-cache hit beyond it).
+    pub window_gone: u64,
 }
 
 /// The EVICPRESS context store as a [`KvConnector`].
@@ -72,6 +85,8 @@ pub struct ContextReuse {
     /// Each request's chunk keys, from its lookup to its end (bounded by the engine's
     /// waiting and running requests).
     requests: Mutex<HashMap<RequestKey, Vec<ChunkKey>>>,
+    /// The engine's KV cache groups, when it keeps them: contexts are then stored by group.
+    groups: Option<KvGroupLayout>,
 }
 
 impl std::fmt::Debug for ContextReuse {
@@ -89,6 +104,7 @@ impl ContextReuse {
         model_name: &str,
         namespace: &CacheNamespace,
         block_size_tokens: usize,
+        groups: Option<&KvGroupLayout>,
     ) -> anyhow::Result<ContextReuse> {
         let keyer = ChunkKeyer::new(
             model_name,
@@ -99,12 +115,20 @@ impl ContextReuse {
         .map_err(anyhow::Error::msg)?;
         let mut store_cfg = cfg.store.clone();
         store_cfg.fingerprint = namespace.kv_fingerprint();
+        let snapkv = store_cfg.grid.configs().iter().find(|c| {
+            c.drop_score()
+                .is_some_and(pk_evicpress::DropScore::needs_queries)
+        });
+        if let (Some(c), Some(_)) = (snapkv, groups) {
+            anyhow::bail!("--tier-grid configuration {c} scores by the queries of a context's last tokens, which an engine with KV cache groups does not capture (its window layers have released what a second pass would read); leave it out for this model, or turn the groups off with --disable-hybrid-kv-cache-manager");
+        }
         Ok(ContextReuse {
             store: ContextStore::new(store_cfg).map_err(anyhow::Error::msg)?,
             keyer,
             stats: Mutex::default(),
             profile_metric: cfg.profile_metric,
             requests: Mutex::default(),
+            groups: groups.cloned(),
         })
     }
 
@@ -225,8 +249,7 @@ impl KvConnector for ContextReuse {
         let key = *lock(&self.requests).get(&request)?.get(index)?;
         let (ctx, mut report) = self.load_context(&key, query)?;
         let t0 = std::time::Instant::now();
-        let written =
-            ctx.n_original_tokens == tokens && place_prefix(&ctx, kv, backend.kv_mut(), seq);
+        let written = ctx.n_original_tokens == tokens && place_context(&ctx, kv, backend, seq);
         report.restore_s = t0.elapsed().as_secs_f64();
         if written {
             self.store.observe_restore(ctx.n_tokens(), report.restore_s);
@@ -245,28 +268,57 @@ impl KvConnector for ContextReuse {
         &self,
         request: RequestKey,
         ids: &[u32],
-        _computed: usize,
+        computed: usize,
         kv: &KvCacheManager,
         backend: &mut dyn Backend,
         seq: SeqId,
     ) -> bool {
-        let Some(key) = lock(&self.requests)
+        let Some((key, n_chunks)) = lock(&self.requests)
             .get(&request)
-            .and_then(|k| k.last().copied())
+            .and_then(|k| Some((*k.last()?, k.len())))
         else {
             return false;
         };
-        let n_chunks = lock(&self.requests).get(&request).map_or(0, Vec::len);
         let tokens = n_chunks * self.chunk_size_tokens();
-        let Some(kv_copy) = read_prefix(kv, backend.kv(), seq, tokens) else {
+        let Some(layout) = &self.groups else {
+            let Some(kv_copy) = read_prefix(kv, backend.kv(), seq, tokens) else {
+                return false;
+            };
+            let window = match self.wants_window() {
+                true => window_queries(backend, kv, seq, &ids[..tokens]),
+                false => None,
+            };
+            self.offer(key, kv_copy, window);
             return false;
         };
-        let window = match self.wants_window() {
-            true => window_queries(backend, kv, seq, &ids[..tokens]),
-            false => None,
-        };
-        self.offer(key, kv_copy, window);
+        // By group: called after every prefill step; the context is copied out after the
+        // step that computed its last token, while the window that token's successor sees
+        // is still held.
+        if computed < tokens {
+            return true;
+        }
+        match read_by_group(kv, backend.kv(), layout, seq, tokens) {
+            Some(kv_copy) => self.offer(key, kv_copy, None),
+            None => {
+                tracing::debug!(
+                    "a context's window left the pool before it was copied; not offered"
+                );
+                lock(&self.stats).window_gone += 1;
+            }
+        }
         false
+    }
+
+    fn saves_during_prefill(&self) -> bool {
+        self.groups.is_some()
+    }
+
+    fn supports_kv_groups(&self) -> bool {
+        true
+    }
+
+    fn requires_kv_groups(&self) -> bool {
+        self.groups.is_some()
     }
 
     fn request_finished(&self, request: RequestKey) {

@@ -34,15 +34,6 @@ pub enum ReuseConfig {
     Contexts(ContextReuseConfig),
 }
 
-impl ReuseConfig {
-    /// Whether the engine must keep one block table for every layer: the EVICPRESS store
-    /// writes every layer of every token of a context, which KV cache groups do not keep;
-    /// the chunk tiers store the groups as they are.
-    pub fn needs_one_table(&self) -> bool {
-        matches!(self, ReuseConfig::Contexts(_))
-    }
-}
-
 /// A connector attached to an engine, as the caller that built it keeps it: for its
 /// statistics, its store and, for the EVICPRESS store, profiling.
 #[derive(Clone, Debug)]
@@ -68,8 +59,8 @@ impl Attached {
 }
 
 /// Builds the connector `cfg` describes, keyed by `engine`'s cache namespace, and attaches
-/// it (the engine must have nothing in flight; for the EVICPRESS store, be built with
-/// `hybrid_kv_cache` off: the chunk tiers store KV cache groups, the context store does not).
+/// it (the engine must have nothing in flight). Both stores keep an engine's KV cache
+/// groups, keyed by a namespace that names them.
 pub fn attach(engine: &mut Engine, cfg: &ReuseConfig) -> Result<Attached> {
     let name = engine.model_name.clone();
     let namespace = engine.cache_namespace().clone();
@@ -89,7 +80,8 @@ pub fn attach(engine: &mut Engine, cfg: &ReuseConfig) -> Result<Attached> {
             Attached::Chunks(Arc::new(tiering))
         }
         ReuseConfig::Contexts(c) => {
-            let contexts = ContextReuse::new(c, &name, &namespace, block_tokens)?;
+            let groups = engine.kv_group_layout();
+            let contexts = ContextReuse::new(c, &name, &namespace, block_tokens, groups.as_ref())?;
             Attached::Contexts(Arc::new(contexts))
         }
     };

@@ -14,9 +14,12 @@ use std::sync::Arc;
 use pk_codec::KvContext;
 use pk_engine::{block_ids as table_of, KvConnector, Loaded, Lookup, RequestKey};
 use pk_kv::{KvCacheManager, SeqId};
-use pk_model::{Backend, KvBlocks, KvGeometry, KvGroupLayout};
+use pk_model::{Backend, KvBlocks, KvGeometry};
 
-use crate::tiering::groups::{layers_by_kind, window_layer_tables, write_layers, LayerTable};
+mod groups;
+
+pub(crate) use groups::read_by_group;
+use groups::{place_by_group, place_grouped};
 
 /// A given KV for the first `kv.n_original_tokens` prompt tokens (stored tokens carry their
 /// positions). Used by profiling, evaluation and the context store.
@@ -57,14 +60,7 @@ impl KvConnector for PrefixKv {
         backend: &mut dyn Backend,
         seq: SeqId,
     ) -> Option<Loaded> {
-        let groups = kv
-            .window_spec()
-            .and_then(|_| backend.config().kv_group_layout());
-        let placed = match groups {
-            None => place_prefix(&self.kv, kv, backend.kv_mut(), seq),
-            Some(layout) => place_grouped(&self.kv, &layout, kv, backend.kv_mut(), seq),
-        };
-        placed.then(|| Loaded {
+        place_context(&self.kv, kv, backend, seq).then(|| Loaded {
             tokens: self.n_tokens(),
             exact: false,
             wants_save: false,
@@ -86,10 +82,11 @@ impl KvConnector for PrefixKv {
 
     /// A whole context (every position, whatever its precision) is placed by group: its
     /// full-attention layers into the main table, its window layers' tail into the window
-    /// tables. One with dropped tokens is not: its window layers miss positions the window
-    /// tables would read.
+    /// tables; so is one stored by group (a window part), dropped or not. One with dropped
+    /// tokens in every layer is not: its window layers miss positions the window tables
+    /// would read.
     fn supports_kv_groups(&self) -> bool {
-        is_whole(&self.kv)
+        is_whole(&self.kv) || self.kv.window.is_some()
     }
 
     fn check_given(&self, prompt_tokens: usize, g: &KvGeometry) -> Result<(), String> {
@@ -99,7 +96,8 @@ impl KvConnector for PrefixKv {
                 "prefix_kv covers {n} tokens of a {prompt_tokens}-token prompt"
             ));
         }
-        let shape = (self.kv.n_layers, self.kv.n_kv_heads, self.kv.head_dim);
+        let n_layers = self.kv.n_layers + self.kv.window.as_ref().map_or(0, |w| w.layers.len());
+        let shape = (n_layers, self.kv.n_kv_heads, self.kv.head_dim);
         if shape != (g.n_layers, g.n_kv_heads, g.head_dim) {
             return Err("prefix_kv has another model's shape".into());
         }
@@ -129,6 +127,28 @@ fn write_prefix(
     true
 }
 
+/// Writes `ctx` into `seq` (empty) the way the engine keeps KV: into one table, or by KV
+/// cache group (a whole context, or one stored by group with a window part). Returns
+/// false, having written nothing the caller would use (it frees the sequence), when the
+/// pool has no room or `ctx` does not fit the engine's layout (a context stored by group
+/// on an engine with one table: its window layers lack the positions behind the tail).
+pub(crate) fn place_context(
+    ctx: &KvContext,
+    kv: &mut KvCacheManager,
+    backend: &mut dyn Backend,
+    seq: SeqId,
+) -> bool {
+    let groups = kv
+        .window_spec()
+        .and_then(|_| backend.config().kv_group_layout());
+    match (groups, &ctx.window) {
+        (None, None) => place_prefix(ctx, kv, backend.kv_mut(), seq),
+        (None, Some(_)) => false,
+        (Some(layout), None) => place_grouped(ctx, &layout, kv, backend.kv_mut(), seq),
+        (Some(layout), Some(_)) => place_by_group(ctx, &layout, kv, backend.kv_mut(), seq),
+    }
+}
+
 /// Writes `ctx` into `seq` (empty) as [`write_prefix`] does, then gives the block table the
 /// stored tokens' original positions and the next token's (`n_original_tokens`), so the
 /// query is placed after the context's full length. Returns false, having written nothing
@@ -153,79 +173,13 @@ pub(crate) fn place_prefix(
 
 /// Whether `ctx` holds every position of its context, in order (a quantised context does;
 /// one with dropped tokens does not).
-fn is_whole(ctx: &KvContext) -> bool {
+pub(crate) fn is_whole(ctx: &KvContext) -> bool {
     ctx.n_tokens() == ctx.n_original_tokens
         && ctx
             .positions
             .iter()
             .enumerate()
             .all(|(i, &p)| p as usize == i)
-}
-
-/// Writes a whole context (`is_whole`) into `seq` (empty) on an engine with the KV cache
-/// groups of `layout`: every token's full-attention layers into the main table, and the
-/// window layers of the positions the next token sees into the window tables (the blocks
-/// behind are released first, so every window block still held is written). Returns
-/// false, having written nothing the caller would use, when the pool has no room or `ctx`
-/// is not a whole context of this model.
-pub(crate) fn place_grouped(
-    ctx: &KvContext,
-    layout: &KvGroupLayout,
-    kv: &mut KvCacheManager,
-    store: &mut dyn KvBlocks,
-    seq: SeqId,
-) -> bool {
-    let g = store.geometry();
-    let n = ctx.n_tokens();
-    let shape = (ctx.n_layers, ctx.n_kv_heads, ctx.head_dim);
-    if ctx.validate().is_err() || !is_whole(ctx) || shape != (g.n_layers, g.n_kv_heads, g.head_dim)
-    {
-        return false;
-    }
-    // In steps, so that the window tables release what falls behind as they go.
-    let step_tokens = layout.window_tokens.max(g.block_size_tokens);
-    for first in (0..n).step_by(step_tokens) {
-        if kv
-            .allocate_slots(seq, (n - first).min(step_tokens) as u32)
-            .is_none()
-        {
-            return false;
-        }
-    }
-    kv.release_window_blocks_behind(seq, n as u64);
-    let (full, window) = layers_by_kind(layout);
-    let table = table_of(kv, seq);
-    let full_tables: Vec<LayerTable<'_>> = full.iter().map(|&l| (l, &table[..])).collect();
-    let (k, v) = layer_rows(ctx, &full, 0, n);
-    write_layers(store, &full_tables, 0, n, &k, &v);
-    let bs = g.block_size_tokens;
-    let tail = (n + 1).saturating_sub(layout.window_tokens) / bs * bs;
-    let window_tables = window_layer_tables(&window, kv, seq);
-    let window_ids: Vec<usize> = window.iter().map(|&(l, _)| l).collect();
-    let (k, v) = layer_rows(ctx, &window_ids, tail, n - tail);
-    write_layers(store, &window_tables, tail, n - tail, &k, &v);
-    true
-}
-
-/// K and V of `layers` (in that order) for stored tokens `[first, first + count)` of `ctx`,
-/// in a stored context's layout.
-fn layer_rows(
-    ctx: &KvContext,
-    layers: &[usize],
-    first: usize,
-    count: usize,
-) -> (Vec<f32>, Vec<f32>) {
-    let (n, hd) = (ctx.n_tokens(), ctx.head_dim);
-    let mut k = Vec::with_capacity(layers.len() * ctx.n_kv_heads * count * hd);
-    let mut v = Vec::with_capacity(k.capacity());
-    for &l in layers {
-        for h in 0..ctx.n_kv_heads {
-            let row0 = (l * ctx.n_kv_heads + h) * n + first;
-            k.extend_from_slice(&ctx.k[row0 * hd..(row0 + count) * hd]);
-            v.extend_from_slice(&ctx.v[row0 * hd..(row0 + count) * hd]);
-        }
-    }
-    (k, v)
 }
 
 /// Copies the first `n_tokens` stored tokens of `seq` (not evicted, so stored index =

@@ -113,6 +113,12 @@ impl Compression {
         pk_codec::compressed_bytes_estimate(&self.method(), shape) as u64
     }
 
+    /// Encoded size of `ctx` (not dropped before) under this configuration, its window
+    /// part (a context stored with KV cache groups) included.
+    pub fn bytes_of(&self, ctx: &pk_codec::KvContext) -> u64 {
+        pk_codec::context_bytes_estimate(&self.method(), ctx) as u64
+    }
+
     /// Parses `none`, `q8`, `q4`, `q2`, `k8v4` (any two of 16/8/4/2), or
     /// `<score>-<ratio>` / `drop-<score>-<ratio>` with a score name of [`DropScore`].
     pub fn parse(s: &str) -> Result<Compression, GridError> {

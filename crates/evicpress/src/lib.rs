@@ -29,6 +29,7 @@ pub use model::{DecayedCount, DelayModel, QualityCurve, QualityPrior, QualitySou
 pub use placement::{Item, Placer, Policy, Ranking};
 pub use scores::{snapkv_scores, WindowQueries};
 pub use store::{
-    copy_key, ContextReport, ContextStore, DelayProvenance, DelayReport, LoadReport, OptionReport,
-    Provenance, StoreConfig, StoreError, StoreStats, TierCalibration, MIN_PREFILL_SAMPLE_TOKENS,
+    copy_key, BytesByGroup, ContextReport, ContextStore, DelayProvenance, DelayReport, LoadReport,
+    OptionReport, Provenance, StoreConfig, StoreError, StoreStats, TierCalibration,
+    MIN_PREFILL_SAMPLE_TOKENS,
 };

@@ -88,8 +88,20 @@ pub struct ContextReport {
     pub quality_source: QualitySource,
     pub served_quality: Option<f64>,
     pub hits: u64,
+    /// For a context stored with KV cache groups: how `bytes` divides between the
+    /// full-attention layers (every kept token) and the sliding-window layers (the tail
+    /// window). Absent for one block table.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes_by_group: Option<BytesByGroup>,
     /// Utility of every (tier, configuration), best first (the placement's inputs).
     pub options: Vec<OptionReport>,
+}
+
+/// A stored copy's bytes by KV cache group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct BytesByGroup {
+    pub full_attention: u64,
+    pub sliding_window: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -135,6 +147,9 @@ struct Entry {
     /// Hits since the last profile: a profile made from a few early queries is refreshed
     /// with the queries actually served (`REFRESH_PROFILE_AFTER_HITS`).
     hits_since_profile: u64,
+    /// Per configuration, the bytes of its sliding-window part (a context stored with KV
+    /// cache groups); `None` for one block table.
+    window_bytes: Option<Vec<u64>>,
 }
 
 /// A profiled context is profiled again, with its recent queries, after this many hits:
@@ -428,7 +443,7 @@ impl ContextStore {
         if self.contains(&key) {
             return true;
         }
-        let bytes = ((kv.k.len() + kv.v.len()) * 4 + SnapKvSource::bytes(&snapkv)) as u64;
+        let bytes = (kv.n_elements() * 4 + SnapKvSource::bytes(&snapkv)) as u64;
         if self.pending_bytes.load(Ordering::Relaxed) + bytes > self.max_pending_bytes {
             self.state.lock().unwrap().stats.skipped_queue_full += 1;
             return false;
@@ -771,6 +786,13 @@ impl ContextStore {
                     quality_source: e.quality.source,
                     served_quality: e.served_quality,
                     hits: e.hits,
+                    bytes_by_group: e.window_bytes.as_ref().map(|w| {
+                        let all = e.item.bytes[e.item.config];
+                        BytesByGroup {
+                            full_attention: all - w[e.item.config],
+                            sliding_window: w[e.item.config],
+                        }
+                    }),
                     options,
                 }
             })

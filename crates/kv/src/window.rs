@@ -160,7 +160,9 @@ impl WindowTables {
         block_size_tokens: u32,
     ) -> u64 {
         let total = position.div_ceil(block_size_tokens as u64);
-        let first = spec.first_visible_block(position, block_size_tokens).min(total);
+        let first = spec
+            .first_visible_block(position, block_size_tokens)
+            .min(total);
         (total - first) * self.tables.len() as u64
     }
 

@@ -18,7 +18,7 @@ pub(super) fn worker_loop(rx: Receiver<Job>, store: std::sync::Weak<ContextStore
         let Some(store) = store.upgrade() else { return };
         match job {
             Job::Insert(key, kv, snapkv) => {
-                let bytes = ((kv.k.len() + kv.v.len()) * 4 + SnapKvSource::bytes(&snapkv)) as u64;
+                let bytes = (kv.n_elements() * 4 + SnapKvSource::bytes(&snapkv)) as u64;
                 let snapkv = match snapkv {
                     Some(SnapKvSource::Scores(s)) => Some(s),
                     Some(SnapKvSource::Window(w)) if !store.contains(&key) => {
@@ -87,12 +87,7 @@ impl ContextStore {
             let mut freq = DecayedCount::default();
             freq.bump(now, self.half_life_s);
             let item = Item {
-                bytes: self
-                    .grid
-                    .configs()
-                    .iter()
-                    .map(|c| c.bytes(&shape))
-                    .collect(),
+                bytes: self.grid.configs().iter().map(|c| c.bytes_of(kv)).collect(),
                 kept_tokens: self
                     .grid
                     .configs()
@@ -121,6 +116,7 @@ impl ContextStore {
                     queries: Vec::new(),
                     needs_profile: true,
                     hits_since_profile: 0,
+                    window_bytes: window_bytes(&self.grid, kv),
                 },
             );
         }
@@ -258,4 +254,15 @@ impl ContextStore {
                 .set(spec.read_bytes_per_s);
         }
     }
+}
+
+/// Per configuration of `grid`, the bytes of `kv`'s sliding-window part as stored (with
+/// the container around the two parts), or `None` for a context of one block table.
+fn window_bytes(grid: &Grid, kv: &KvContext) -> Option<Vec<u64>> {
+    kv.window.as_ref()?;
+    let by_config = grid.configs().iter().map(|c| {
+        let all = pk_codec::context_bytes_estimate(&c.method(), kv);
+        (all - pk_codec::compressed_bytes_estimate(&c.method(), &kv.shape())) as u64
+    });
+    Some(by_config.collect())
 }
