@@ -96,16 +96,18 @@ pub const RULES: &[Rule] = &[
         args: &["tier_window_checkpoint_tokens"],
         when: &[When::Is("tier_policy", &["evicpress"])],
         context: "with --tier-policy evicpress",
-        why: "window checkpoints are how the chunk tiers store KV cache groups, and the \
-              EVICPRESS store keeps one block table for every layer",
+        why: "window checkpoints are how the chunk tiers store KV cache groups; the \
+              EVICPRESS store keeps each context's tail window only (a context is stored \
+              whole, so a hit is at its end)",
     },
     Rule {
         command: "serve",
         args: &["tier_window_checkpoint_tokens"],
         when: &[When::Is("tier_policy", &["evicpress"])],
         context: "with --tier-policy evicpress",
-        why: "window checkpoints are how the chunk tiers store KV cache groups, and the \
-              EVICPRESS store keeps one block table for every layer",
+        why: "window checkpoints are how the chunk tiers store KV cache groups; the \
+              EVICPRESS store keeps each context's tail window only (a context is stored \
+              whole, so a hit is at its end)",
     },
     Rule {
         command: "serve",

@@ -1,12 +1,14 @@
 //! `pagekeeper serve --tier-policy evicpress` end to end: a context stored after its first
 //! request is loaded from the EVICPRESS store by a later one, `GET /v1/kv/contexts`
-//! explains where it lives, and the server profiles it in its idle time.
+//! explains where it lives, and the server profiles it in its idle time; on Gemma-3-270M,
+//! with KV cache groups, a second server reuses a context stored by the first through
+//! Redis.
 
 mod tiers_support;
 
 use std::time::Duration;
 
-use tiers_support::{prompt, wait_until, Server, POOL_TOKENS};
+use tiers_support::{prompt, unique_prefix, wait_until, Redis, Server, POOL_TOKENS};
 
 fn contexts(server: &Server) -> serde_json::Value {
     reqwest::blocking::get(server.url("/v1/kv/contexts"))
@@ -145,4 +147,73 @@ fn contexts_endpoint_is_404_without_evicpress() {
     let r = reqwest::blocking::get(server.url("/v1/kv/contexts")).unwrap();
     assert_eq!(r.status().as_u16(), 404);
     assert!(r.text().unwrap().contains("--tier-policy evicpress"));
+}
+
+/// Gemma-3-270M (sliding-window layers, KV cache groups on) on two EVICPRESS servers over
+/// one Redis: A stores a context by group (`bytes_by_group` in `/v1/kv/contexts`), B, which
+/// never saw it, adopts and loads it uncompressed (α makes quality dominate) and answers
+/// A's greedy tokens, then profiles it in its idle time.
+#[test]
+fn gemma3_two_evicpress_servers_share_a_context_by_group_through_redis() {
+    let gemma = tiers_support::model_dir().join("gemma-3-270m-q4_k_m.gguf");
+    assert!(
+        gemma.exists(),
+        "{} is missing: run `pagekeeper fetch-model --name all`",
+        gemma.display()
+    );
+    let redis = Redis::shared_or_private();
+    let url = format!("{}?prefix={}", redis.url, unique_prefix("gemma3_evicpress"));
+    let flags = [
+        "--tier-policy",
+        "evicpress",
+        "--tier-ram",
+        "64MiB",
+        "--tier-redis",
+        &url,
+        "--evicpress-grid",
+        "q8,q4",
+        "--evicpress-alpha",
+        "1000",
+    ];
+    let a = Server::start_model(&gemma, 4096, &flags);
+    let b = Server::start_model(&gemma, 4096, &flags);
+    let long: String = (0..6).map(prompt).collect::<Vec<_>>().join("\n");
+
+    let (prompt_tokens, cached, text_a) = a.complete_text(&long, 16).unwrap();
+    assert_eq!(cached, 0);
+    assert!(
+        prompt_tokens > 1024,
+        "{prompt_tokens} tokens: past two windows"
+    );
+    wait_until("A's context stored", Duration::from_secs(60), || {
+        contexts(&a)["contexts"]
+            .as_array()
+            .is_some_and(|c| !c.is_empty())
+    });
+    let row = contexts(&a)["contexts"][0].clone();
+    let by_group = &row["bytes_by_group"];
+    let (full, window) = (
+        by_group["full_attention"].as_u64().unwrap(),
+        by_group["sliding_window"].as_u64().unwrap(),
+    );
+    assert_eq!(full + window, row["bytes"].as_u64().unwrap(), "{row}");
+    // 15 window layers of at most 511 positions, 3 full-attention layers of every token.
+    let stored_tokens = row["n_tokens"].as_u64().unwrap();
+    assert!(window < 15 * 512 * 1024 + 4096, "{row}");
+    assert!(full >= 3 * stored_tokens * 1024, "{row}");
+
+    let (_, cached, text_b) = b.complete_text(&long, 16).unwrap();
+    assert_eq!(cached as u64, stored_tokens, "B reuses A's context");
+    assert_eq!(
+        text_b, text_a,
+        "the same greedy tokens from the stored context"
+    );
+    assert!(b.metrics().contains("pagekeeper:evicpress_hits_total"));
+    wait_until("B profiles the context", Duration::from_secs(180), || {
+        contexts(&b)["contexts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["quality_source"] == "profiled")
+    });
 }
