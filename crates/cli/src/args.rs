@@ -34,8 +34,8 @@ pub struct ModelArgs {
     pub kv_dtype: String,
     /// Keep one block table for every layer, as before KV cache groups: sliding-window
     /// layers (Gemma 3) then keep every token's K/V instead of releasing the blocks behind
-    /// their window (vLLM's flag of the same name). The EVICPRESS store turns groups off by
-    /// itself; the chunk tiers keep them.
+    /// their window (vLLM's flag of the same name). The chunk tiers and the EVICPRESS store
+    /// keep the groups without it (and store by group).
     #[arg(long)]
     pub disable_hybrid_kv_cache_manager: bool,
     #[command(flatten)]
