@@ -209,6 +209,14 @@ fn gemma3_two_evicpress_servers_share_a_context_by_group_through_redis() {
         "the same greedy tokens from the stored context"
     );
     assert!(b.metrics().contains("pagekeeper:evicpress_hits_total"));
+    let metrics = a.metrics();
+    for layers in ["full", "window"] {
+        let counted = metrics.lines().any(|l| {
+            l.starts_with("pagekeeper:evicpress_master_bytes_total")
+                && l.contains(&format!("layers=\"{layers}\""))
+        });
+        assert!(counted, "{layers}: {metrics}");
+    }
     wait_until("B profiles the context", Duration::from_secs(180), || {
         contexts(&b)["contexts"]
             .as_array()

@@ -51,7 +51,9 @@ impl ContextStore {
         }
         let last = self.tiers.len() - 1;
         let master = pk_codec::encode(kv, &pk_codec::Method::None, None, &self.fingerprint)?;
+        let master_bytes = master.len() as u64;
         self.tiers[last].store(&copy_key(&key, 0), &Payload::from(master))?;
+        count_master_bytes(kv, master_bytes);
         self.register(key, kv, snapkv);
         self.state.lock().unwrap().stats.inserted += 1;
         self.place(key, Some(kv));
@@ -265,4 +267,18 @@ fn window_bytes(grid: &Grid, kv: &KvContext) -> Option<Vec<u64>> {
         (all - pk_codec::compressed_bytes_estimate(&c.method(), &kv.shape())) as u64
     });
     Some(by_config.collect())
+}
+
+/// Counts a stored master's bytes by the layers they hold: `all` for one block table;
+/// `full` (the full-attention layers) and `window` (the sliding-window layers' tail, with
+/// the container) for a context stored by KV cache group.
+fn count_master_bytes(kv: &KvContext, master_bytes: u64) {
+    const NAME: &str = "pagekeeper:evicpress_master_bytes_total";
+    if kv.window.is_none() {
+        metrics::counter!(NAME, "layers" => "all").increment(master_bytes);
+        return;
+    }
+    let full = pk_codec::compressed_bytes_estimate(&pk_codec::Method::None, &kv.shape()) as u64;
+    metrics::counter!(NAME, "layers" => "full").increment(full);
+    metrics::counter!(NAME, "layers" => "window").increment(master_bytes - full);
 }
