@@ -12,6 +12,11 @@ implementations are compared on identical text and weights; only the arithmetic 
     /tmp/refvenv/bin/python scripts/kvpress_reference.py MODEL.gguf OUT/text-kl-tokens.jsonl \
         --ratios 0.5,0.75,0.875 --presses snapkv,streaming-llm,knorm,keydiff
 
+KVzip (issue 37; kvpress's `KVzipPress`, query-agnostic by construction): presses `kvzip`
+(one threshold over all scores, kvpress's default), `kvzip:layer` (kvpress's layerwise) and
+`kvzip:uniform` (the same count per KV head), with `--kvzip-ids FILE`, the token ids of
+the reconstruction prompts in the model's vocabulary (`scripts/kvzip_ids.sh MODEL`).
+
 Llama (SmolLM2) only: RoPE as GGUF stores Q/K (adjacent pairs), tied or separate output.
 """
 
@@ -63,10 +68,12 @@ class Model:
         out[..., 1::2] = a * sin + b * cos
         return out
 
-    def forward(self, tokens, pos, cache, press=None):
-        """Runs `tokens` at positions `pos` after `cache` (per layer (K, V), [kv, n, hd],
-        post-RoPE). Returns logits and the new cache; `press(layer, q, k, v)` compresses a
-        layer's K/V after its (exact) attention, as kvpress's forward hook does."""
+    def forward(self, tokens, pos, cache, press=None, hook=None):
+        """Runs `tokens` at positions `pos` after `cache` (per layer (K, V) or (K, V, keep),
+        [kv, n, hd], post-RoPE; `keep` [kv, n] masks pruned keys per KV head, as kvpress's
+        masked_key_indices do). Returns logits and the new cache; `press(q, K, V)` compresses a
+        layer's K/V after its (exact) attention, as kvpress's forward hook does, and
+        `hook(layer, q, K)` sees every layer's post-RoPE queries and keys."""
         x = self.embd[tokens]
         n = len(tokens)
         g = self.n_heads // self.n_kv
@@ -77,13 +84,20 @@ class Model:
             k = self.rope((h @ L["attn_k"].T).reshape(n, self.n_kv, self.hd), pos)
             v = (h @ L["attn_v"].T).reshape(n, self.n_kv, self.hd)
             k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
-            pk, pv = cache[li] if cache else (np.zeros((self.n_kv, 0, self.hd), np.float32),) * 2
+            entry = cache[li] if cache else (np.zeros((self.n_kv, 0, self.hd), np.float32),) * 2
+            pk, pv = entry[0], entry[1]
             K, V = np.concatenate([pk, k], 1), np.concatenate([pv, v], 1)
             m = K.shape[1] - n
             qh = q.transpose(1, 0, 2)  # [heads, n, hd]
             att = np.einsum("hnd,hmd->hnm", qh, np.repeat(K, g, 0)) / math.sqrt(self.hd)
             mask = np.triu(np.ones((n, n), bool), 1)
             att[:, :, m:][:, mask] = -np.inf
+            keep = None
+            if len(entry) == 3:
+                keep = np.concatenate([entry[2], np.ones((self.n_kv, n), bool)], 1)
+                att[:, :, :m] += np.where(np.repeat(entry[2], g, 0)[:, None, :], 0.0, -np.inf).astype(np.float32)
+            if hook is not None:
+                hook(li, qh, K)
             att = np.exp(att - att.max(-1, keepdims=True))
             att /= att.sum(-1, keepdims=True)
             o = np.einsum("hnm,hmd->hnd", att, np.repeat(V, g, 0)).transpose(1, 0, 2).reshape(n, self.dim)
@@ -93,7 +107,7 @@ class Model:
             x = x + ((a / (1 + np.exp(-a))) * (h @ L["ffn_up"].T)) @ L["ffn_down"].T
             if press is not None:
                 K, V = press(qh, K, V)
-            new_cache.append((K, V))
+            new_cache.append((K, V) if keep is None else (K, V, keep))
         return self.rms(x, self.out_norm) @ self.out.T, new_cache
 
 
@@ -144,6 +158,69 @@ def press_for(name, ratio):
     return press
 
 
+KVZIP_SINKS = 4
+KVZIP_CHUNK_TOKENS = 2048
+KVZIP_PREV_POSTFIX_TOKENS = 8
+
+
+def kvzip_scores(m, ctx, cache, ids):
+    """kvpress 0.5.5's KVzipPress.score_kvzip over the context `ctx` (no template prefix: the
+    text-kl protocol's prefix is plain text) already in `cache`: per chunk of 2,048 tokens,
+    the reconstruction prompt `ids["first"]` (later chunks: `ids["later"]` and the previous
+    chunk's last 8 tokens), then `ids["suffix"]` (the chat template's end of the user turn
+    and start of the assistant's), then the chunk, teacher-forced after the whole context;
+    a context token's score per (layer, KV head) is the largest attention any query of that
+    pass and any query head of its group gives it, the softmax taken over the sinks, the
+    chunk and the pass's own tokens only. The pass's KV is discarded. Returns [layer, kv, n]."""
+    n = len(ctx)
+    scores = np.zeros((m.n_layers, m.n_kv, n), np.float32)
+    scores[..., :KVZIP_SINKS] = 1.0
+    g = m.n_heads // m.n_kv
+    chunks = [ctx[i : i + KVZIP_CHUNK_TOKENS] for i in range(0, n, KVZIP_CHUNK_TOKENS)]
+    for c, chunk in enumerate(chunks):
+        start, end = c * KVZIP_CHUNK_TOKENS, c * KVZIP_CHUNK_TOKENS + len(chunk)
+        prompt = ids["first"] if c == 0 else ids["later"] + list(chunks[c - 1][-KVZIP_PREV_POSTFIX_TOKENS:])
+        repeat = np.array(prompt + ids["suffix"] + list(chunk))
+        r = len(repeat)
+        sink = min(KVZIP_SINKS, start)
+
+        def hook(li, q, K):
+            sub = np.concatenate([K[:, :sink], K[:, start:end], K[:, -r:]], 1)
+            att = np.einsum("hnd,hmd->hnm", q, np.repeat(sub, g, 0)) / math.sqrt(m.hd)
+            att[:, :, -r:] += np.triu(np.full((r, r), -np.inf, np.float32), 1)
+            att = np.exp(att - att.max(-1, keepdims=True))
+            att /= att.sum(-1, keepdims=True)
+            part = att[:, :, sink : sink + end - start].reshape(m.n_kv, g, r, end - start)
+            scores[li, :, start:end] = part.max(axis=(1, 2))
+
+        m.forward(repeat, np.arange(n, n + r), cache, hook=hook)
+    return scores
+
+
+def kvzip_compress(cache, scores, ratio, budget):
+    """The context's cache with `ratio` of its (layer, KV head, token) entries masked:
+    `global` (kvpress's default: one threshold over every score), `layer` (kvpress's
+    `layerwise`: the same count per layer, heads free) or `uniform` (the same count per KV
+    head, what a paged cache with one table per head holds)."""
+    n_layers, n_kv, n = scores.shape
+    keep = np.ones(scores.shape, bool)
+    flat = scores.reshape(-1)
+    if budget == "global":
+        pruned = np.argsort(flat, kind="stable")[: int(flat.size * ratio)]
+        keep.reshape(-1)[pruned] = False
+    elif budget == "layer":
+        for li in range(n_layers):
+            s = scores[li].reshape(-1)
+            keep[li].reshape(-1)[np.argsort(s, kind="stable")[: int(s.size * ratio)]] = False
+    elif budget == "uniform":
+        for li in range(n_layers):
+            for h in range(n_kv):
+                keep[li, h, np.argsort(scores[li, h], kind="stable")[: int(n * ratio)]] = False
+    else:
+        raise SystemExit(f"unknown kvzip budget {budget}")
+    return [(K, V, keep[li]) for li, (K, V, *_) in enumerate(cache)]
+
+
 def log_softmax(x):
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
@@ -157,7 +234,14 @@ def main():
     ap.add_argument("--presses", default="snapkv,streaming-llm,knorm,keydiff")
     ap.add_argument("--samples", type=int, default=99, help="only samples below this")
     ap.add_argument("--first-sample", type=int, default=0, help="only samples from this on")
+    ap.add_argument(
+        "--kvzip-ids",
+        help="JSON {first, later, suffix}: token ids of the reconstruction prompts and the chat template's turn change (kvzip presses)",
+    )
     a = ap.parse_args()
+    kvzip_ids = json.load(open(a.kvzip_ids)) if a.kvzip_ids else None
+    if "kvzip" in a.presses and kvzip_ids is None:
+        raise SystemExit("kvzip presses need --kvzip-ids")
     m = Model(a.model)
     seen = set()
     for line in open(a.tokens):
@@ -168,13 +252,22 @@ def main():
         seen.add(key)
         pre, cont = np.array(s["prefix"]), np.array(s["continuation"])
         pp, cp = np.arange(len(pre)), np.arange(len(pre), len(pre) + len(cont))
-        last, cache = m.forward(pre, pp, None)
+        full_last, full_cache = m.forward(pre, pp, None)
         # Row i predicts continuation[i]: row 0 is the prefix's last position.
-        full = np.concatenate([last[-1:], m.forward(cont[:-1], cp[:-1], cache)[0]])
+        full = np.concatenate([full_last[-1:], m.forward(cont[:-1], cp[:-1], full_cache)[0]])
         lf = log_softmax(full)
+        zip_scores = None
         for name in a.presses.split(","):
             for r in [float(x) for x in a.ratios.split(",")]:
-                last, cache = m.forward(pre, pp, None, press_for(name, r))
+                if name.startswith("kvzip"):
+                    # Query-agnostic: the context alone is scored, then compressed, then the
+                    # continuation is read after it (kvpress's protocol, as for the others).
+                    if zip_scores is None:
+                        zip_scores = kvzip_scores(m, pre, full_cache, kvzip_ids)
+                    budget = name.split(":")[1] if ":" in name else "global"
+                    last, cache = full_last, kvzip_compress(full_cache, zip_scores, r, budget)
+                else:
+                    last, cache = m.forward(pre, pp, None, press_for(name, r))
                 pol = np.concatenate([last[-1:], m.forward(cont[:-1], cp[:-1], cache)[0]])
                 lp = log_softmax(pol)
                 kl = (np.exp(lf[1:]) * (lf[1:] - lp[1:])).sum(-1).mean()

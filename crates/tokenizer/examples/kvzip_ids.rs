@@ -1,0 +1,40 @@
+//! Prints, as JSON, the token ids KVzip's reconstruction pass needs in a model's vocabulary
+//! (issue 37; kvpress 0.5.5's `KVzipPress.prepare`): `first`, the prompt before the first
+//! chunk ("\n\nRepeat the previous context exactly."), `later`, the one before later
+//! chunks (followed there by the previous chunk's last tokens), and `suffix`, what the
+//! model's own chat template writes between a user turn's text and the assistant's answer
+//! (found as kvpress does: a one-message conversation rendered with the generation prompt,
+//! split after a separator). For `scripts/kvpress_reference.py --kvzip-ids`.
+//!
+//! `cargo run --release -p pk-tokenizer --example kvzip_ids -- MODEL.gguf > ids.json`
+
+use pk_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
+
+const FIRST: &str = "\n\nRepeat the previous context exactly.";
+const LATER: &str = "\n\nRepeat the part of the previous context exactly, starting with";
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let path = std::env::args()
+        .nth(1)
+        .ok_or("usage: kvzip_ids MODEL.gguf")?;
+    let file = pk_gguf::GgufFile::open(&path)?;
+    let tokenizer = Tokenizer::from_gguf(&file)?;
+    let template = ChatTemplate::from_gguf(&file)?;
+    let dummy = "dummy context";
+    let separator = format!("\n{}", "#".repeat(dummy.len()));
+    let rendered = template.render(
+        &[ChatMessage::new("user", format!("{dummy}{separator}"))],
+        true,
+    )?;
+    let (_, suffix) = rendered
+        .split_once(&separator)
+        .ok_or("the template does not write the user's text verbatim")?;
+    let ids = serde_json::json!({
+        "first": tokenizer.encode(FIRST, false),
+        "later": tokenizer.encode(LATER, false),
+        "suffix": tokenizer.encode(suffix, true),
+        "suffix_text": suffix,
+    });
+    println!("{ids}");
+    Ok(())
+}
