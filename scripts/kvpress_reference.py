@@ -163,6 +163,20 @@ KVZIP_CHUNK_TOKENS = 2048
 KVZIP_PREV_POSTFIX_TOKENS = 8
 
 
+def kvzip_layer_scores(q, K, sink, start, end, r):
+    """One layer's scores of context tokens start..end from a pass of `r` tokens: `q`
+    [heads, r, hd] post-RoPE, `K` [kv, n + r, hd] (the pass's keys last). Returns [kv, end - start]."""
+    n_kv, hd = K.shape[0], K.shape[2]
+    g = q.shape[0] // n_kv
+    sub = np.concatenate([K[:, :sink], K[:, start:end], K[:, -r:]], 1)
+    att = np.einsum("hnd,hmd->hnm", q, np.repeat(sub, g, 0)) / math.sqrt(hd)
+    att[:, :, -r:] += np.triu(np.full((r, r), -np.inf, np.float32), 1)
+    att = np.exp(att - att.max(-1, keepdims=True))
+    att /= att.sum(-1, keepdims=True)
+    part = att[:, :, sink : sink + end - start].reshape(n_kv, g, r, end - start)
+    return part.max(axis=(1, 2))
+
+
 def kvzip_scores(m, ctx, cache, ids):
     """kvpress 0.5.5's KVzipPress.score_kvzip over the context `ctx` (no template prefix: the
     text-kl protocol's prefix is plain text) already in `cache`: per chunk of 2,048 tokens,
@@ -175,7 +189,6 @@ def kvzip_scores(m, ctx, cache, ids):
     n = len(ctx)
     scores = np.zeros((m.n_layers, m.n_kv, n), np.float32)
     scores[..., :KVZIP_SINKS] = 1.0
-    g = m.n_heads // m.n_kv
     chunks = [ctx[i : i + KVZIP_CHUNK_TOKENS] for i in range(0, n, KVZIP_CHUNK_TOKENS)]
     for c, chunk in enumerate(chunks):
         start, end = c * KVZIP_CHUNK_TOKENS, c * KVZIP_CHUNK_TOKENS + len(chunk)
@@ -185,13 +198,7 @@ def kvzip_scores(m, ctx, cache, ids):
         sink = min(KVZIP_SINKS, start)
 
         def hook(li, q, K):
-            sub = np.concatenate([K[:, :sink], K[:, start:end], K[:, -r:]], 1)
-            att = np.einsum("hnd,hmd->hnm", q, np.repeat(sub, g, 0)) / math.sqrt(m.hd)
-            att[:, :, -r:] += np.triu(np.full((r, r), -np.inf, np.float32), 1)
-            att = np.exp(att - att.max(-1, keepdims=True))
-            att /= att.sum(-1, keepdims=True)
-            part = att[:, :, sink : sink + end - start].reshape(m.n_kv, g, r, end - start)
-            scores[li, :, start:end] = part.max(axis=(1, 2))
+            scores[li, :, start:end] = kvzip_layer_scores(q, K, sink, start, end, r)
 
         m.forward(repeat, np.arange(n, n + r), cache, hook=hook)
     return scores
