@@ -120,7 +120,7 @@ impl ContextReuse {
                 .is_some_and(pk_evicpress::DropScore::needs_queries)
         });
         if let (Some(c), Some(_)) = (snapkv, groups) {
-            anyhow::bail!("--tier-grid configuration {c} scores by the queries of a context's last tokens, which an engine with KV cache groups does not capture (its window layers have released what a second pass would read); leave it out for this model, or turn the groups off with --disable-hybrid-kv-cache-manager");
+            anyhow::bail!("--evicpress-grid configuration {c} scores by the queries of a context's last tokens, which an engine with KV cache groups does not capture (its window layers have released what a second pass would read); leave it out for this model, or turn the groups off with --disable-hybrid-kv-cache-manager");
         }
         Ok(ContextReuse {
             store: ContextStore::new(store_cfg).map_err(anyhow::Error::msg)?,

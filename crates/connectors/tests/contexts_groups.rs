@@ -310,5 +310,9 @@ fn gemma3_refuses_a_snapkv_grid_with_groups() {
         profile_metric: Default::default(),
     };
     let err = pk_connectors::attach(&mut e, &ReuseConfig::Contexts(cfg)).unwrap_err();
-    assert!(err.to_string().contains("snapkv-0.5"), "{err}");
+    let err = err.to_string();
+    assert!(
+        err.contains("--evicpress-grid configuration snapkv-0.5"),
+        "{err}"
+    );
 }
