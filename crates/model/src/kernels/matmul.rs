@@ -128,6 +128,19 @@ unsafe impl Send for OutPtr {}
 // SAFETY: as for `Send`: tasks that share the pointer write disjoint rows of the output.
 unsafe impl Sync for OutPtr {}
 
+/// The integer matmul kernel this host runs: `amx` (AMX tiles for batches of 16 tokens or
+/// more, AVX-512 VNNI below), `avx512-vnni`, `avx2` or `scalar`; `PK_AMX=0` turns AMX off.
+pub fn matmul_isa() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    match x86::detect() {
+        Some(x86::Isa::Amx) => return "amx",
+        Some(x86::Isa::Avx512Vnni) => return "avx512-vnni",
+        Some(x86::Isa::Avx2) => return "avx2",
+        None => {}
+    }
+    "scalar"
+}
+
 /// `out[t * w.rows + r] = dot(W[r], x[t * w.cols ..])` for t in 0..n_tokens.
 ///
 /// Formats with 32-element blocks take llama.cpp's path: activations quantised to 8-bit
@@ -241,7 +254,12 @@ fn gemm_jobs(isa: x86::Isa, jobs: &[(&Packed, OutPtr)], acts: &Q8Acts, n_tokens:
     } else {
         (units / MIN_TASK_UNITS).clamp(1, n_groups)
     };
-    let groups_per_task = n_groups.div_ceil(n_tasks);
+    let mut groups_per_task = n_groups.div_ceil(n_tasks);
+    // The AMX kernel computes groups in pairs; a task boundary inside a pair would leave
+    // half of a tile product unused.
+    if isa == x86::Isa::Amx {
+        groups_per_task += groups_per_task % 2;
+    }
     let run = |task: usize| {
         run_groups(
             isa,
@@ -277,6 +295,19 @@ fn run_groups(
     let mut base = 0;
     for ((p, ptr), &ng) in jobs.iter().zip(groups) {
         let (lo, hi) = (g0.max(base), g1.min(base + ng));
+        if isa == x86::Isa::Amx
+            && n_tokens >= super::amx::TILE_TOKENS
+            && super::amx::supports(p.ty)
+            && lo < hi
+        {
+            // SAFETY: as below; `detect` returned Amx only where `amx::available` holds, and
+            // every packed format is supported.
+            unsafe {
+                super::amx::gemm_groups(p, (lo - base, hi - base), acts, n_tokens, ptr.0, p.rows)
+            };
+            base += ng;
+            continue;
+        }
         for g in lo..hi {
             // SAFETY: `detect` checked the ISA; `acts` holds n_tokens tokens; group g of this
             // job writes only rows 8g..8g+8 of each token of its own output, which no other
@@ -387,11 +418,13 @@ mod tests {
     #[test]
     fn simd_matches_scalar_reference_exactly() {
         let Some(best) = x86::detect() else { return };
-        let isas = if best == x86::Isa::Avx512Vnni {
-            vec![x86::Isa::Avx2, best]
-        } else {
-            vec![best]
+        let isas = match best {
+            x86::Isa::Avx2 => vec![best],
+            x86::Isa::Avx512Vnni => vec![x86::Isa::Avx2, best],
+            x86::Isa::Amx => vec![x86::Isa::Avx2, x86::Isa::Avx512Vnni, best],
         };
+        // Says which kernels this host checked: each runs only where the CPU has it.
+        eprintln!("simd_matches_scalar_reference_exactly: {isas:?}");
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         for ty in [
             GgmlType::Q4_0,
@@ -405,7 +438,7 @@ mod tests {
             let Storage::Packed(p) = &w.storage else {
                 panic!("{ty:?} is not packed")
             };
-            for n in [1, 3, 4, 6, 9] {
+            for n in [1, 3, 4, 6, 9, 16, 37, 150] {
                 let mut x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
                 x[cols / 2] = -250.0;
                 let mut acts = Q8Acts::default();
@@ -443,6 +476,44 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// The AMX kernel over a row width whose activations span more than one of its token
+    /// chunks (8,960 columns: 112 tokens a chunk), with a 16-token tail and an unpaired last
+    /// row group: the reference's bits. Runs where the host has AMX and says so otherwise.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn amx_matches_reference_across_token_chunks() {
+        if x86::detect() != Some(x86::Isa::Amx) {
+            eprintln!(
+                "amx_matches_reference_across_token_chunks: no AMX here ({})",
+                matmul_isa()
+            );
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let (rows, cols, n) = (40, 8960, 150);
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q8_0,
+            GgmlType::Q6S,
+        ] {
+            let w = random_weights(&mut rng, ty, rows, cols);
+            let Storage::Packed(p) = &w.storage else {
+                panic!("{ty:?} is not packed")
+            };
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let mut acts = Q8Acts::default();
+            acts.quantize(&x);
+            let mut want = vec![0f32; n * rows];
+            matmul_q8_scalar(&w, &acts, n, &mut want);
+            let mut got = vec![f32::NAN; n * rows];
+            gemm_packed(x86::Isa::Amx, p, &acts, n, &mut got);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{ty:?}");
         }
     }
 

@@ -44,6 +44,8 @@ use super::q8::{Q8Acts, QK};
 pub enum Isa {
     Avx2,
     Avx512Vnni,
+    /// AVX-512 VNNI with the AMX tile kernel for batches of 16 tokens or more (`amx`).
+    Amx,
 }
 
 /// The best instruction set this CPU runs, or `None` without AVX2/FMA/F16C.
@@ -57,6 +59,7 @@ pub fn detect() -> Option<Isa> {
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512bw");
         match (avx2, vnni) {
+            (true, true) if super::amx::available() => Some(Isa::Amx),
             (true, true) => Some(Isa::Avx512Vnni),
             (true, false) => Some(Isa::Avx2),
             _ => None,
@@ -202,11 +205,11 @@ pub unsafe fn quantize_avx2(
     }
 }
 
-const Q4_0: u8 = 0;
-const Q4_1: u8 = 1;
-const Q8_0: u8 = 2;
-const Q5_0: u8 = 3;
-const Q6S: u8 = 4;
+pub(super) const Q4_0: u8 = 0;
+pub(super) const Q4_1: u8 = 1;
+pub(super) const Q8_0: u8 = 2;
+pub(super) const Q5_0: u8 = 3;
+pub(super) const Q6S: u8 = 4;
 
 /// Tokens per register tile: one group's 8 unpacked weight vectors are reused this often.
 const TILE_TOKENS: usize = 4;
@@ -276,7 +279,7 @@ pub unsafe fn gemm_group(
         (Isa::Avx2, GgmlType::Q4_0) => run!(avx2_q4, Q4_0, Q4_TILE_TOKENS),
         (Isa::Avx2, GgmlType::Q4_1) => run!(avx2_q4, Q4_1, Q4_TILE_TOKENS),
         (Isa::Avx2, _) => by_format!(avx2),
-        (Isa::Avx512Vnni, _) => by_format!(vnni),
+        (Isa::Avx512Vnni | Isa::Amx, _) => by_format!(vnni),
     }
 }
 
@@ -286,6 +289,66 @@ pub unsafe fn gemm_group(
 /// host), and asking for the lines 1 KiB ahead (about six Q4_1 group blocks, roughly a
 /// DRAM latency of work) raised decode by a quarter (BENCHMARKS.md, "Weight prefetch").
 const PREFETCH_AHEAD_BYTES: usize = 1024;
+
+/// A group block's quants as 8 vectors of unsigned weights (vector k: elements 4k..4k+4 of
+/// each of the 8 rows for k < 4, elements 16+4(k-4).. for k >= 4; see `pack`), for every
+/// format but Q8_0, whose vectors are stored as they are used. A macro so that it is compiled
+/// with the features of the function it is used in (`x86`'s modules, `amx`).
+macro_rules! unpack_group_block {
+    ($fmt:expr, $gb:expr) => {{
+        let (fmt, gb): (u8, *const u8) = ($fmt, $gb);
+        let low4 = _mm256_set1_epi8(0x0f);
+        let mut v = [_mm256_setzero_si256(); 8];
+        if fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q6S {
+            let at = if fmt == Q4_1 || fmt == Q6S { 32 } else { 16 };
+            for k in 0..4 {
+                let p = _mm256_loadu_si256(gb.add(at + 32 * k) as *const __m256i);
+                v[k] = _mm256_and_si256(p, low4);
+                v[k + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
+            }
+            if fmt == Q5_0 {
+                // Bit j of the high-bit vector is vector j's fifth bit (see
+                // `pack`): move it to bit 4. The 16-bit shifts carry bits across
+                // bytes only into positions the 0x10 mask clears.
+                let h =
+                    _mm256_loadu_si256(gb.add(crate::kernels::pack::Q5_HIGH_AT) as *const __m256i);
+                let bit4 = _mm256_set1_epi8(0x10);
+                v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+                v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+                v[2] = _mm256_or_si256(v[2], _mm256_and_si256(_mm256_slli_epi16(h, 2), bit4));
+                v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_slli_epi16(h, 1), bit4));
+                v[4] = _mm256_or_si256(v[4], _mm256_and_si256(h, bit4));
+                v[5] = _mm256_or_si256(v[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), bit4));
+                v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4));
+                v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4));
+            }
+            if fmt == Q6S {
+                // Bits 2j..2j+2 of H0 (H1) are vector j's (4 + j's) two high bits
+                // (see `pack`): move them to bits 4..6. The 16-bit shifts carry
+                // bits across bytes only into positions the 0x30 mask clears.
+                let hi2 = _mm256_set1_epi8(0x30);
+                for (h, at) in [
+                    (0, crate::kernels::pack::Q6_HIGH_AT),
+                    (4, crate::kernels::pack::Q6_HIGH_AT + 32),
+                ] {
+                    let hv = _mm256_loadu_si256(gb.add(at) as *const __m256i);
+                    v[h] = _mm256_or_si256(v[h], _mm256_and_si256(_mm256_slli_epi16(hv, 4), hi2));
+                    v[h + 1] =
+                        _mm256_or_si256(v[h + 1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), hi2));
+                    v[h + 2] = _mm256_or_si256(v[h + 2], _mm256_and_si256(hv, hi2));
+                    v[h + 3] =
+                        _mm256_or_si256(v[h + 3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), hi2));
+                }
+            }
+        } else {
+            for k in 0..8 {
+                v[k] = _mm256_loadu_si256(gb.add(16 + 32 * k) as *const __m256i);
+            }
+        }
+        v
+    }};
+}
+pub(super) use unpack_group_block;
 
 /// One module per instruction set, from the same source: `target_feature` must be on every
 /// function for the intrinsics to inline.
@@ -334,7 +397,6 @@ macro_rules! isa_module {
                     Q8_0 if $vnni => 128,
                     _ => 0,
                 };
-                let low4 = _mm256_set1_epi8(0x0f);
                 let (qs, ad, asum, as_, asum_lo) = (
                     acts.qs.as_ptr(),
                     acts.d.as_ptr(),
@@ -362,82 +424,7 @@ macro_rules! isa_module {
                         _mm256_setzero_ps()
                     };
                     // v[k]: 4 quants (elements 4k..4k+4) of each of the 8 rows.
-                    let mut v = [_mm256_setzero_si256(); 8];
-                    if FMT == Q4_0 || FMT == Q4_1 || FMT == Q5_0 || FMT == Q6S {
-                        let at = if FMT == Q4_1 || FMT == Q6S { 32 } else { 16 };
-                        for k in 0..4 {
-                            let p = _mm256_loadu_si256(gb.add(at + 32 * k) as *const __m256i);
-                            v[k] = _mm256_and_si256(p, low4);
-                            v[k + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
-                        }
-                        if FMT == Q5_0 {
-                            // Bit j of the high-bit vector is vector j's fifth bit (see
-                            // `pack`): move it to bit 4. The 16-bit shifts carry bits across
-                            // bytes only into positions the 0x10 mask clears.
-                            let h = _mm256_loadu_si256(
-                                gb.add(super::super::pack::Q5_HIGH_AT) as *const __m256i
-                            );
-                            let bit4 = _mm256_set1_epi8(0x10);
-                            v[0] = _mm256_or_si256(
-                                v[0],
-                                _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4),
-                            );
-                            v[1] = _mm256_or_si256(
-                                v[1],
-                                _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4),
-                            );
-                            v[2] = _mm256_or_si256(
-                                v[2],
-                                _mm256_and_si256(_mm256_slli_epi16(h, 2), bit4),
-                            );
-                            v[3] = _mm256_or_si256(
-                                v[3],
-                                _mm256_and_si256(_mm256_slli_epi16(h, 1), bit4),
-                            );
-                            v[4] = _mm256_or_si256(v[4], _mm256_and_si256(h, bit4));
-                            v[5] = _mm256_or_si256(
-                                v[5],
-                                _mm256_and_si256(_mm256_srli_epi16(h, 1), bit4),
-                            );
-                            v[6] = _mm256_or_si256(
-                                v[6],
-                                _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4),
-                            );
-                            v[7] = _mm256_or_si256(
-                                v[7],
-                                _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4),
-                            );
-                        }
-                        if FMT == Q6S {
-                            // Bits 2j..2j+2 of H0 (H1) are vector j's (4 + j's) two high bits
-                            // (see `pack`): move them to bits 4..6. The 16-bit shifts carry
-                            // bits across bytes only into positions the 0x30 mask clears.
-                            let hi2 = _mm256_set1_epi8(0x30);
-                            for (h, at) in [
-                                (0, super::super::pack::Q6_HIGH_AT),
-                                (4, super::super::pack::Q6_HIGH_AT + 32),
-                            ] {
-                                let hv = _mm256_loadu_si256(gb.add(at) as *const __m256i);
-                                v[h] = _mm256_or_si256(
-                                    v[h],
-                                    _mm256_and_si256(_mm256_slli_epi16(hv, 4), hi2),
-                                );
-                                v[h + 1] = _mm256_or_si256(
-                                    v[h + 1],
-                                    _mm256_and_si256(_mm256_slli_epi16(hv, 2), hi2),
-                                );
-                                v[h + 2] = _mm256_or_si256(v[h + 2], _mm256_and_si256(hv, hi2));
-                                v[h + 3] = _mm256_or_si256(
-                                    v[h + 3],
-                                    _mm256_and_si256(_mm256_srli_epi16(hv, 2), hi2),
-                                );
-                            }
-                        }
-                    } else {
-                        for k in 0..8 {
-                            v[k] = _mm256_loadu_si256(gb.add(16 + 32 * k) as *const __m256i);
-                        }
-                    }
+                    let mut v = unpack_group_block!(FMT, gb);
                     // AVX2 Q8_0: v becomes |q| and `sign` keeps q for the activations' sign.
                     let mut sign = [_mm256_setzero_si256(); 8];
                     if FMT == Q8_0 && !$vnni {
