@@ -268,6 +268,7 @@ pub fn perf(a: PerfArgs) -> Result<()> {
         )?);
     }
     if !a.json {
+        eprintln!("matmul kernel: {}", pk_model::kernels::matmul_isa());
         let (split, inline) = pk_model::kernels::pool::global().step_counts();
         if split + inline > 0 {
             eprintln!("decode pool: {split} steps split over {threads} threads, {inline} run on one (chosen by measured speed)");
@@ -277,6 +278,7 @@ pub fn perf(a: PerfArgs) -> Result<()> {
         let v = serde_json::json!({
             "model": engine.model_name,
             "threads": threads,
+            "matmul_isa": pk_model::kernels::matmul_isa(),
             "kv_policy": a.kv.label(),
             "kv_budget": a.kv.kv_budget,
             "kv_granularity": a.kv.granularity()?.unwrap_or_default().name(),

@@ -49,22 +49,49 @@ impl Q8Acts {
             };
             if let Some(f) = simd {
                 self.resize(x.len());
-                // SAFETY: `f` was chosen for the features detected just above (AVX-512
-                // F/BW/VL, or AVX2 with FMA and F16C); every buffer was sized for `x`.
-                unsafe {
-                    f(
-                        x,
-                        &mut self.d,
-                        &mut self.s,
-                        &mut self.sum,
-                        &mut self.sum_lo,
-                        &mut self.qs,
-                    )
-                };
+                self.quantize_pieces(x, f);
                 return;
             }
         }
         self.quantize_scalar(x);
+    }
+
+    /// Runs the SIMD quantiser `f` over `x`, in pieces on rayon's threads when `x` is a
+    /// prefill's batch (blocks are independent, so the bits do not depend on the split).
+    #[cfg(target_arch = "x86_64")]
+    fn quantize_pieces(&mut self, x: &[f32], f: SimdQuantizer) {
+        use rayon::prelude::*;
+        let (piece, piece_blocks) = (
+            super::ops::PAR_CHUNK_ELEMS,
+            super::ops::PAR_CHUNK_ELEMS / QK,
+        );
+        if x.len() < super::ops::PAR_MIN_ELEMS || rayon::current_num_threads() == 1 {
+            // SAFETY: `f` was chosen for the features `quantize` detected (AVX-512 F/BW/VL,
+            // or AVX2 with FMA and F16C); every buffer was sized for `x`.
+            unsafe {
+                f(
+                    x,
+                    &mut self.d,
+                    &mut self.s,
+                    &mut self.sum,
+                    &mut self.sum_lo,
+                    &mut self.qs,
+                )
+            };
+            return;
+        }
+        let n_blocks = x.len() / QK;
+        x.par_chunks(piece)
+            .zip(self.d[..n_blocks].par_chunks_mut(piece_blocks))
+            .zip(self.s[..n_blocks].par_chunks_mut(piece_blocks))
+            .zip(self.sum[..n_blocks].par_chunks_mut(piece_blocks))
+            .zip(self.sum_lo[..n_blocks].par_chunks_mut(piece_blocks))
+            .zip(self.qs[..x.len()].par_chunks_mut(piece))
+            .for_each(|(((((x, d), s), sum), sum_lo), qs)| {
+                // SAFETY: as above; each piece of every buffer was cut from buffers sized for
+                // `x` at the same block boundaries.
+                unsafe { f(x, d, s, sum, sum_lo, qs) }
+            });
     }
 
     fn resize(&mut self, len: usize) {
@@ -255,6 +282,24 @@ mod rounding_tests {
             };
             check_equal(&a, &b);
         }
+    }
+
+    /// A prefill-sized batch (over `ops::PAR_MIN_ELEMS`, and not a whole number of pieces)
+    /// quantised in pieces on two threads: the scalar reference's bits.
+    #[test]
+    fn quantize_in_parallel_pieces_matches_scalar_exactly() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(10);
+        let n = super::super::ops::PAR_MIN_ELEMS * 2 + 32 * 7;
+        let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-3.0..3.0)).collect();
+        let mut b = Q8Acts::default();
+        b.quantize_scalar(&x);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let mut a = Q8Acts::default();
+        pool.install(|| a.quantize(&x));
+        check_equal(&a, &b);
     }
 
     fn check_equal(a: &Q8Acts, b: &Q8Acts) {
