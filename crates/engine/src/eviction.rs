@@ -584,5 +584,6 @@ fn recent_as_view(
     })
 }
 
+pub(crate) mod kvzip;
 #[cfg(test)]
 mod tests;

@@ -22,6 +22,7 @@ fn stored_tokens_stay_within_budget_for_every_policy() {
         "h2o",
         "tova",
         "expected-attention",
+        "kvzip:chunk=256",
     ] {
         let spec: PolicySpec = name.parse().unwrap();
         let params = GenerateParams {
@@ -71,6 +72,7 @@ fn per_layer_and_per_head_selection_stay_within_budget() {
             "h2o",
             "tova",
             "expected-attention",
+            "kvzip:chunk=256",
         ] {
             let spec: PolicySpec = name.parse().unwrap();
             let params = GenerateParams {

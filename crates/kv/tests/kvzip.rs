@@ -111,3 +111,31 @@ fn later_passes_quote_the_previous_chunk() {
         [1, 9]
     );
 }
+
+/// The `kvzip` policy keeps the sinks and then the highest of the scores the engine's
+/// passes handed it (ties to the earlier token), and scores decode blocks as the sinks.
+#[test]
+fn the_policy_keeps_sinks_then_the_highest_reconstruction_scores() {
+    let spec: pk_kv::PolicySpec = "kvzip".parse().unwrap();
+    assert_eq!(spec.reconstruction_chunk_tokens(), Some(2048));
+    let chunked: pk_kv::PolicySpec = "kvzip:chunk=512".parse().unwrap();
+    assert_eq!(chunked.to_string(), "kvzip:chunk=512");
+    assert!("kvzip:chunk=0".parse::<pk_kv::PolicySpec>().is_err());
+    let mut policy = spec.build();
+    let n = 40;
+    let kv = pk_kv::DenseKv::from_fn(1, 1, 2, n, |_, _, _, key, value| {
+        key.copy_from_slice(&[1.0, 0.0]);
+        value.copy_from_slice(&[1.0, 0.0]);
+    });
+    // Sinks score 0 here to show they are kept for being sinks; token t > 3 scores t % 10.
+    let scores: Vec<f32> = (0..n)
+        .map(|t| if t < 4 { 0.0 } else { (t % 10) as f32 })
+        .collect();
+    policy.set_prior_scores(scores);
+    let keep = policy.select_prefill(&kv, None, 16, 4);
+    // 4 sinks, then the 12 best of tokens 4..40: the four 9s, four 8s, four 7s.
+    let mut want: Vec<u32> = (0..4).collect();
+    want.extend((4..n as u32).filter(|t| t % 10 >= 7));
+    want.sort_unstable();
+    assert_eq!(keep, want);
+}

@@ -441,6 +441,10 @@ fn every_policy_holds_one_score_per_full_block_after_prefill() {
         let queries = pk_kv::DenseQueries::from_fn(1, 2, 2, (0..23).collect(), |_, _, _, q| {
             q.copy_from_slice(&[0.1, 0.2])
         });
+        // KVzip's scores come from the engine's reconstruction passes: hand some over.
+        if spec.reconstruction_chunk_tokens().is_some() {
+            policy.set_prior_scores((0..23).map(|t| (t % 7) as f32).collect());
+        }
         // 23 tokens under a budget of 18 with B = 4: 18 kept (full keeps 23).
         let keep = policy.select_prefill(&kv, Some(&queries), 18, 4);
         let expected = if spec.evicts() { 18 } else { 23 };

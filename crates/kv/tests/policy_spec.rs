@@ -41,7 +41,7 @@ fn canonical_names_round_trip() {
 #[test]
 fn every_default_spec_round_trips_and_builds() {
     let specs = PolicySpec::all_defaults();
-    assert_eq!(specs.len(), 12);
+    assert_eq!(specs.len(), 13);
     for spec in specs {
         assert_eq!(parse(&spec.to_string()).unwrap(), spec, "{spec}");
         assert_eq!(spec.build().spec(), spec, "{spec} builds itself");

@@ -8,7 +8,7 @@
 //!
 //! `cargo run --release -p pk-tokenizer --example kvzip_ids -- MODEL.gguf > ids.json`
 
-use pk_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
+use pk_tokenizer::{ChatTemplate, Tokenizer};
 
 const FIRST: &str = "\n\nRepeat the previous context exactly.";
 const LATER: &str = "\n\nRepeat the part of the previous context exactly, starting with";
@@ -20,15 +20,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let file = pk_gguf::GgufFile::open(&path)?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let template = ChatTemplate::from_gguf(&file)?;
-    let dummy = "dummy context";
-    let separator = format!("\n{}", "#".repeat(dummy.len()));
-    let rendered = template.render(
-        &[ChatMessage::new("user", format!("{dummy}{separator}"))],
-        true,
-    )?;
-    let (_, suffix) = rendered
-        .split_once(&separator)
-        .ok_or("the template does not write the user's text verbatim")?;
+    let suffix = template.user_turn_suffix()?;
+    let suffix = suffix.as_str();
     let ids = serde_json::json!({
         "first": tokenizer.encode(FIRST, false),
         "later": tokenizer.encode(LATER, false),

@@ -221,6 +221,25 @@ impl ChatTemplate {
             .map_err(render_error)
     }
 
+    /// What the template writes between a user turn's text and the start of the assistant's
+    /// answer (the end-of-turn marker and the assistant's header), found as kvpress's
+    /// KVzip finds it: a one-message conversation rendered with the generation prompt and
+    /// split after a separator at the end of the user's text.
+    pub fn user_turn_suffix(&self) -> Result<String, TokenizerError> {
+        let dummy = "dummy context";
+        let separator = format!("\n{}", "#".repeat(dummy.len()));
+        let rendered = self.render(
+            &[ChatMessage::new("user", format!("{dummy}{separator}"))],
+            true,
+        )?;
+        let (_, suffix) = rendered.split_once(&separator).ok_or_else(|| {
+            TokenizerError::TemplateShape(
+                "the template does not write a user message's text verbatim".into(),
+            )
+        })?;
+        Ok(suffix.to_string())
+    }
+
     /// Whether the template reads the variable `name` (so that a caller can refuse a
     /// `chat_template_kwargs` entry the template would ignore).
     pub fn reads_variable(&self, name: &str) -> bool {

@@ -31,6 +31,10 @@ pub enum TokenizerError {
         source: minijinja::Error,
     },
 
+    /// The chat template renders, but not in the shape a caller relies on.
+    #[error("chat template: {0}")]
+    TemplateShape(String),
+
     /// A `chat_template_kwargs` entry names a variable the renderer sets itself.
     #[error("chat template variable {0:?} is set by the renderer and cannot be given as a template keyword argument")]
     ReservedTemplateVariable(String),

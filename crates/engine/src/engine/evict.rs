@@ -3,6 +3,7 @@
 
 use super::Engine;
 use crate::eviction;
+use crate::eviction::kvzip::{self, KvzipPrompts};
 use crate::request::{RequestError, SeqEvent};
 use crate::scheduler::Chunk;
 
@@ -19,6 +20,20 @@ impl Engine {
         finished: bool,
     ) -> bool {
         let n_heads = self.backend.config().n_heads;
+        let ev = self.sched.running[i].eviction.as_ref().expect("an evicting sequence");
+        if let (false, true, false, Some(chunk)) = (
+            ev.initialised,
+            prefill_done,
+            finished,
+            ev.spec.reconstruction_chunk_tokens(),
+        ) {
+            if let Err(why) = self.kvzip_prior(i, chunk) {
+                let s = &mut self.sched.running[i];
+                s.aborted = true;
+                (s.req.sink)(SeqEvent::Error(RequestError::CacheFull(why)));
+                return true;
+            }
+        }
         let s = &mut self.sched.running[i];
         let seq = s.kv.seq.expect("running");
         let ev = s.eviction.as_mut().expect("an evicting sequence");
@@ -63,5 +78,37 @@ impl Engine {
             "the KV cache is full: no block to compact the pruned prompt into".into(),
         )));
         true
+    }
+
+    /// KVzip's reconstruction passes over sequence `i`'s stored context, then each unit's
+    /// scores handed to its policy. A context within the budget is kept whole at prefill
+    /// and needs no passes: its tokens all score 1, and decode then evicts the oldest
+    /// blocks first. `Err`: no block for a pass, or the pass failed.
+    fn kvzip_prior(&mut self, i: usize, chunk_tokens: usize) -> Result<(), String> {
+        let seq = self.sched.running[i].kv.seq.expect("running");
+        let n_stored = self.sched.kv.block_table(seq).expect("live").num_stored_tokens() as usize;
+        let budget = self.sched.running[i].eviction.as_ref().expect("evicting").budget_tokens;
+        let n_kv_heads = self.backend.config().n_kv_heads;
+        let scores = if n_stored <= budget as usize {
+            vec![1.0; self.backend.config().n_layers * n_kv_heads * n_stored]
+        } else {
+            let prompts = KvzipPrompts::new(&self.tokenizer, &self.chat_template)?;
+            let context = self.sched.running[i].all_ids[..n_stored].to_vec();
+            let child = self.sched.new_seq_id();
+            kvzip::reconstruction_scores(
+                &mut *self.backend,
+                &mut self.sched.kv,
+                (seq, child),
+                &context,
+                &prompts,
+                chunk_tokens,
+            )?
+        };
+        let ev = self.sched.running[i].eviction.as_mut().expect("evicting");
+        for u in &mut ev.units {
+            let unit = kvzip::unit_scores(&scores, &u.unit, n_kv_heads, n_stored);
+            u.policy.set_prior_scores(unit);
+        }
+        Ok(())
     }
 }

@@ -212,6 +212,10 @@ impl Engine {
         };
         spec.validate(budget, self.config.block_size_tokens)
             .map_err(|e| invalid("kv_budget", e.to_string()))?;
+        if spec.reconstruction_chunk_tokens().is_some() {
+            crate::eviction::kvzip::KvzipPrompts::new(&self.tokenizer, &self.chat_template)
+                .map_err(|e| invalid("kv_policy", e))?;
+        }
         let granularity = p
             .kv_granularity
             .unwrap_or(self.config.default_kv_granularity);

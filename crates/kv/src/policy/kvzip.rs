@@ -13,7 +13,38 @@
 
 use std::ops::Range;
 
+use super::scored::TokenScorer;
 use super::view::{KvView, QueryView};
+
+/// The `kvzip` policy's scorer: the scores of the engine's reconstruction passes for its
+/// unit (one per stored token of the context), handed over before prefill selection. Tokens
+/// stored after the context (decode) score 1, as the sinks do: KVzip scores a context
+/// once, and at decode the lowest-scored context blocks leave first.
+#[derive(Debug, Default)]
+pub(crate) struct KvzipScorer {
+    prior: Option<Vec<f32>>,
+}
+
+impl TokenScorer for KvzipScorer {
+    fn set_prior(&mut self, scores: Vec<f32>) {
+        self.prior = Some(scores);
+    }
+
+    fn score(
+        &mut self,
+        _kv: &dyn KvView,
+        _queries: Option<&dyn QueryView>,
+        tokens: Range<usize>,
+        out: &mut Vec<f32>,
+    ) {
+        let prior = self
+            .prior
+            .as_ref()
+            .expect("kvzip: no reconstruction scores; the engine runs KVzip's passes first");
+        out.clear();
+        out.extend(tokens.map(|t| prior.get(t).copied().unwrap_or(1.0)));
+    }
+}
 
 /// The first tokens, always kept (score 1, the largest an attention weight can be).
 pub const KVZIP_SINK_TOKENS: usize = 4;

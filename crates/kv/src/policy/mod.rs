@@ -123,6 +123,14 @@ pub trait EvictionPolicy: fmt::Debug + Send {
         QueryNeed::None
     }
 
+    /// Hands over scores computed outside the policy, one per stored token, for the next
+    /// `select_prefill`: the engine's KVzip reconstruction passes, for a spec with
+    /// [`PolicySpec::reconstruction_chunk_tokens`]. Other policies are never given any.
+    fn set_prior_scores(&mut self, scores: Vec<f32>) {
+        let _ = scores;
+        unreachable!("{} computes its own scores", self.spec());
+    }
+
     /// Chooses the prompt tokens to keep: sorted, distinct stored indices of `kv`, all of
     /// them when `kv.n_tokens() <= budget_tokens`, else exactly `budget_tokens`. Resets
     /// the policy's state to one score per full block of the kept layout.

@@ -25,6 +25,12 @@ pub(crate) trait TokenScorer: fmt::Debug + Send {
     fn decode_queries(&self) -> QueryNeed {
         QueryNeed::None
     }
+    /// Scores computed outside the policy, one per stored token (KVzip's reconstruction
+    /// passes); scorers that compute their own never receive any.
+    fn set_prior(&mut self, scores: Vec<f32>) {
+        let _ = scores;
+        unreachable!("{self:?} computes its own scores");
+    }
     /// Writes one score per token of `tokens` (a range of `kv`'s stored indices) to `out`,
     /// replacing its contents. `kv` shows every stored token, as context.
     fn score(
@@ -114,6 +120,10 @@ impl ScoredPolicy {
 impl EvictionPolicy for ScoredPolicy {
     fn spec(&self) -> PolicySpec {
         self.spec
+    }
+
+    fn set_prior_scores(&mut self, scores: Vec<f32>) {
+        self.scorer.set_prior(scores);
     }
 
     fn prefill_queries(&self) -> QueryNeed {

@@ -11,6 +11,7 @@ use std::str::FromStr;
 
 use super::attention::{ExpectedAttentionScorer, H2oScorer, SnapKvScorer, TovaScorer};
 use super::scored::{Candidates, Protect, ScoredPolicy};
+use super::kvzip::KvzipScorer;
 use super::scorers::{KNormScorer, KeyDiffScorer, PagedScorer};
 use super::simple::{FullCache, StreamingLlm};
 use super::{validate_budget, EvictionPolicy, PolicyError};
@@ -73,6 +74,9 @@ pub enum PolicySpec {
         score: PagedScore,
         local_topk: Option<u32>,
     },
+    /// `kvzip[:chunk=N]`: KVzip (issue 37), scored by the engine's context-reconstruction
+    /// passes over chunks of `chunk_tokens` context tokens (`policy::kvzip`).
+    Kvzip { chunk_tokens: u32 },
 }
 
 impl Default for PolicySpec {
@@ -97,6 +101,16 @@ impl PolicySpec {
             PolicySpec::Tova => "tova",
             PolicySpec::ExpectedAttention { .. } => "expected-attention",
             PolicySpec::PagedEviction { .. } => "paged-eviction",
+            PolicySpec::Kvzip { .. } => "kvzip",
+        }
+    }
+
+    /// Context tokens per reconstruction pass, for a policy whose scores come from the
+    /// engine's KVzip passes rather than from the policy itself; `None` for the others.
+    pub fn reconstruction_chunk_tokens(&self) -> Option<usize> {
+        match *self {
+            PolicySpec::Kvzip { chunk_tokens } => Some(chunk_tokens as usize),
+            _ => None,
         }
     }
 
@@ -201,6 +215,11 @@ impl PolicySpec {
                 Protect::FirstTokens(n_sink_tokens as usize),
                 Candidates::AllOlder,
             ),
+            PolicySpec::Kvzip { .. } => scored(
+                Box::<KvzipScorer>::default(),
+                Protect::FirstTokens(super::kvzip::KVZIP_SINK_TOKENS),
+                Candidates::AllOlder,
+            ),
             PolicySpec::PagedEviction { score, local_topk } => scored(
                 Box::new(PagedScorer { score }),
                 Protect::FirstBlockAndTail,
@@ -227,6 +246,7 @@ impl PolicySpec {
             "paged-eviction:v-norm",
             "paged-eviction:inv-k-norm",
             "paged-eviction:local",
+            "kvzip",
         ]
         .iter()
         .map(|name| name.parse().expect("built-in names parse"))
@@ -276,6 +296,9 @@ impl FromStr for PolicySpec {
                 n_sink_tokens: EXPECTED_N_SINK_DEFAULT,
             },
             "paged-eviction" => PolicySpec::default(),
+            "kvzip" => PolicySpec::Kvzip {
+                chunk_tokens: super::kvzip::KVZIP_CHUNK_TOKENS as u32,
+            },
             _ => {
                 return Err(PolicyError::UnknownPolicy {
                     name: text.to_string(),
@@ -319,6 +342,7 @@ fn valid_options(spec: &PolicySpec) -> &'static str {
         PolicySpec::PagedEviction { .. } => {
             "ratio (default), v-norm, inv-k-norm, local, local=N (N >= 1)"
         }
+        PolicySpec::Kvzip { .. } => "chunk=N (N >= 1 context tokens per reconstruction pass)",
         _ => "none (this policy takes no options)",
     }
 }
@@ -346,6 +370,9 @@ fn apply_option(
             apply_expected_option(spec, key, v, &opt)
         }
         (PolicySpec::PagedEviction { .. }, _, _) => apply_paged_option(spec, key, value, &opt),
+        (PolicySpec::Kvzip { .. }, "chunk", Some(v)) => {
+            Some(opt.number(v).map(|n| PolicySpec::Kvzip { chunk_tokens: n }))
+        }
         _ => None,
     }
 }
@@ -500,6 +527,11 @@ impl fmt::Display for PolicySpec {
                 }
                 if n_sink_tokens != EXPECTED_N_SINK_DEFAULT {
                     write!(f, ":n-sink={n_sink_tokens}")?;
+                }
+            }
+            PolicySpec::Kvzip { chunk_tokens } => {
+                if chunk_tokens as usize != super::kvzip::KVZIP_CHUNK_TOKENS {
+                    write!(f, ":chunk={chunk_tokens}")?;
                 }
             }
             PolicySpec::PagedEviction { score, local_topk } => {

@@ -342,6 +342,12 @@ impl Engine<'_> {
 
         let count = self.policy.prefill_queries().count(sim.prompt_len as usize);
         let queries = self.queries(count);
+        if self.policy.spec().reconstruction_chunk_tokens().is_some() {
+            // KVzip's scores come from the engine's reconstruction passes; any scores
+            // exercise the selection and the decode evictions that follow.
+            let scores = (0..sim.prompt_len as usize).map(|t| ((t * 7919) % 101) as f32);
+            self.policy.set_prior_scores(scores.collect());
+        }
         let keep = self.policy.select_prefill(
             &view(&self.manager, &self.store),
             queries.as_ref().map(|q| q as &dyn QueryView),

@@ -1,0 +1,161 @@
+//! KVzip's reconstruction passes (issue 37), run by the engine once a `kvzip` sequence's
+//! prompt is in the cache: for each chunk of the context, the model is teacher-forced on
+//! the request to repeat it (`pk_kv::policy::kvzip`) in a fork of the sequence, the pass's
+//! queries score the chunk's tokens, and the fork is freed. The sequence itself is not
+//! touched: its table, positions and K/V are as the prefill left them, so the pass's K/V
+//! never mixes with the context's and its extra blocks are bounded by one chunk's pass.
+//!
+//! The whole prompt is the context: a chat template's prefix (the system and user headers)
+//! is scored like any other token, where kvpress scores only the text between them. The
+//! first `KVZIP_SINK_TOKENS` (4) tokens are kept regardless (score 1), as kvpress keeps them.
+
+use pk_kv::{
+    kvzip_chunks, kvzip_initial_scores, kvzip_pass_ids, kvzip_pass_scores, KvCacheManager,
+    SeqId, SelectionUnit, KVZIP_FIRST_PROMPT, KVZIP_LATER_PROMPT,
+};
+use pk_model::{Backend, SeqForward};
+use pk_tokenizer::{ChatTemplate, Tokenizer};
+
+use super::{table_of, CapturedQueries, StoreView};
+
+/// The token ids a pass is built from, in the model's vocabulary and template.
+#[derive(Clone, Debug)]
+pub(crate) struct KvzipPrompts {
+    pub first: Vec<u32>,
+    pub later: Vec<u32>,
+    /// What the chat template writes between a user turn and the assistant's answer.
+    pub turn_change: Vec<u32>,
+}
+
+impl KvzipPrompts {
+    /// The prompts as kvpress builds them, with this model's chat template.
+    pub fn new(tokenizer: &Tokenizer, template: &ChatTemplate) -> Result<KvzipPrompts, String> {
+        let suffix = template
+            .user_turn_suffix()
+            .map_err(|e| format!("kvzip needs the model's chat template: {e}"))?;
+        Ok(KvzipPrompts {
+            first: tokenizer.encode(KVZIP_FIRST_PROMPT, false),
+            later: tokenizer.encode(KVZIP_LATER_PROMPT, false),
+            turn_change: tokenizer.encode(&suffix, true),
+        })
+    }
+}
+
+/// Scores `[layer][kv_head][token]` of `seq`'s context (`context`, every token stored at
+/// its position) from one reconstruction pass per chunk of `chunk_tokens`. `child` is a
+/// fresh sequence id for the passes' forks. Errors name what was missing (a free block).
+pub(crate) fn reconstruction_scores(
+    backend: &mut dyn Backend,
+    kv: &mut KvCacheManager,
+    (seq, child): (SeqId, SeqId),
+    context: &[u32],
+    prompts: &KvzipPrompts,
+    chunk_tokens: usize,
+) -> Result<Vec<f32>, String> {
+    let c = backend.config();
+    let (n_layers, n_kv_heads, n_heads, head_dim) =
+        (c.n_layers, c.n_kv_heads, c.n_heads, c.head_dim);
+    let n_context = context.len();
+    let mut scores = kvzip_initial_scores(n_layers, n_kv_heads, n_context);
+    let chunks = kvzip_chunks(0, n_context, chunk_tokens);
+    for ci in 0..chunks.len() {
+        let ids = kvzip_pass_ids(
+            context,
+            &chunks,
+            ci,
+            &prompts.first,
+            &prompts.later,
+            &prompts.turn_change,
+        );
+        let queries = run_pass(backend, kv, (seq, child), n_context, &ids)?;
+        let table = table_of(kv, child);
+        let view = StoreView::new(backend.kv(), &table, n_context + ids.len());
+        let captured = CapturedQueries {
+            n_heads,
+            head_dim,
+            positions: (n_context..n_context + ids.len()).collect(),
+            data: queries,
+        };
+        let repeat = n_context..n_context + ids.len();
+        kvzip_pass_scores(
+            &view,
+            &captured,
+            chunks[ci].clone(),
+            repeat,
+            n_context,
+            &mut scores,
+        );
+        assert!(kv.free(child), "kvzip: the pass's fork was live");
+    }
+    Ok(scores)
+}
+
+/// Forks `seq` as `child`, appends the pass `ids` after its `n_context` tokens and runs
+/// them, returning every pass token's queries (`[layer][token][n_heads * head_dim]`). The
+/// fork stays live for the caller to read its keys and free.
+fn run_pass(
+    backend: &mut dyn Backend,
+    kv: &mut KvCacheManager,
+    (seq, child): (SeqId, SeqId),
+    n_context: usize,
+    ids: &[u32],
+) -> Result<Vec<f32>, String> {
+    let no_room = |what: &str| format!("no free KV block for KVzip's reconstruction pass ({what})");
+    let copies = kv.fork(seq, child).ok_or_else(|| no_room("the fork"))?;
+    for copy in copies {
+        for slot in 0..copy.num_tokens as usize {
+            backend
+                .kv_mut()
+                .copy_slot((copy.src.0, slot), (copy.dst.0, slot));
+        }
+    }
+    if kv.allocate_slots(child, ids.len() as u32).is_none() {
+        kv.free(child);
+        return Err(no_room(&format!("{} pass tokens", ids.len())));
+    }
+    let table = table_of(kv, child);
+    // Sliding-window layers (Gemma 3) read their own tables; the pass scores every layer,
+    // and only the full-attention layers' units use the scores.
+    let window_tables = kv.window_tables(child).map(<[_]>::to_vec).unwrap_or_default();
+    let forward = SeqForward {
+        tokens: ids,
+        start_position: n_context,
+        stored_start: n_context,
+        block_table: &table,
+        logits_from: ids.len(),
+        stored_positions: &[],
+        window_tables: &window_tables,
+    };
+    let result = backend.forward_with_queries(&[forward], &[ids.len()]);
+    match result {
+        Ok((_, mut queries)) => Ok(queries.pop().unwrap_or_default()),
+        Err(e) => {
+            kv.free(child);
+            Err(format!("KVzip's reconstruction pass failed: {e}"))
+        }
+    }
+}
+
+/// One unit's scores from the `[layer][kv_head][token]` matrix: the mean over the unit's
+/// layers and KV heads (one row at `head` granularity).
+pub(crate) fn unit_scores(
+    scores: &[f32],
+    unit: &SelectionUnit,
+    n_kv_heads: usize,
+    n_tokens: usize,
+) -> Vec<f32> {
+    let heads: Vec<usize> = match unit.kv_head {
+        Some(h) => vec![h],
+        None => (0..n_kv_heads).collect(),
+    };
+    let mut out = vec![0f32; n_tokens];
+    for &layer in &unit.layers {
+        for &h in &heads {
+            let row = &scores[(layer * n_kv_heads + h) * n_tokens..][..n_tokens];
+            out.iter_mut().zip(row).for_each(|(o, s)| *o += s);
+        }
+    }
+    let n = (unit.layers.len() * heads.len()).max(1) as f32;
+    out.iter_mut().for_each(|o| *o /= n);
+    out
+}
