@@ -244,7 +244,11 @@ pub fn perf(a: PerfArgs) -> Result<()> {
     let llamacpp_model = llamacpp_model(&a)?;
     // --compare-threads decodes decode_tokens per listed count in one more generation.
     let decode_max = a.decode_tokens * a.compare_threads.len().max(1) + 1;
-    let mut engine = build_engine(&a, max_ctx + decode_max + 64)?;
+    // An evicting policy's extra slots after the prompt (KVzip's reconstruction pass).
+    let pass =
+        a.kv.spec()?
+            .map_or(0, |spec| spec.pass_peak_tokens(max_ctx, 64));
+    let mut engine = build_engine(&a, max_ctx + decode_max + 64 + pass)?;
     let model_ctx = engine.model_config().context_length;
     if max_ctx + decode_max > model_ctx {
         bail!("context {max_ctx} + {decode_max} decode tokens exceeds the model's context {model_ctx}");

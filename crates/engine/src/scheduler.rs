@@ -236,7 +236,15 @@ impl Scheduler {
             }
             _ => left,
         };
-        need.div_ceil(self.limits.block_size_tokens)
+        (need + self.pass_peak_tokens(s)).div_ceil(self.limits.block_size_tokens)
+    }
+
+    /// The KV slots `s` needs after its prompt is in (KVzip's reconstruction pass).
+    fn pass_peak_tokens(&self, s: &SeqState) -> usize {
+        s.eviction.as_ref().map_or(0, |ev| {
+            ev.spec
+                .pass_peak_tokens(s.n_prompt, self.limits.block_size_tokens)
+        })
     }
 
     /// Moves waiting requests into the running set while blocks and slots allow; a request
@@ -321,7 +329,7 @@ impl Scheduler {
                 ev.prefill_peak_tokens(s.all_ids.len())
             }
             _ => s.all_ids.len() - cached,
-        };
+        } + self.pass_peak_tokens(s);
         let needed = self.blocks_for(to_compute) + prefix.block_ids().len();
         (Start::Pool(prefix), needed)
     }

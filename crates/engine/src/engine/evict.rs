@@ -20,7 +20,10 @@ impl Engine {
         finished: bool,
     ) -> bool {
         let n_heads = self.backend.config().n_heads;
-        let ev = self.sched.running[i].eviction.as_ref().expect("an evicting sequence");
+        let ev = self.sched.running[i]
+            .eviction
+            .as_ref()
+            .expect("an evicting sequence");
         if let (false, true, false, Some(chunk)) = (
             ev.initialised,
             prefill_done,
@@ -86,8 +89,17 @@ impl Engine {
     /// blocks first. `Err`: no block for a pass, or the pass failed.
     fn kvzip_prior(&mut self, i: usize, chunk_tokens: usize) -> Result<(), String> {
         let seq = self.sched.running[i].kv.seq.expect("running");
-        let n_stored = self.sched.kv.block_table(seq).expect("live").num_stored_tokens() as usize;
-        let budget = self.sched.running[i].eviction.as_ref().expect("evicting").budget_tokens;
+        let n_stored = self
+            .sched
+            .kv
+            .block_table(seq)
+            .expect("live")
+            .num_stored_tokens() as usize;
+        let budget = self.sched.running[i]
+            .eviction
+            .as_ref()
+            .expect("evicting")
+            .budget_tokens;
         let n_kv_heads = self.backend.config().n_kv_heads;
         let scores = if n_stored <= budget as usize {
             vec![1.0; self.backend.config().n_layers * n_kv_heads * n_stored]

@@ -10,13 +10,15 @@
 //! first `KVZIP_SINK_TOKENS` (4) tokens are kept regardless (score 1), as kvpress keeps them.
 
 use pk_kv::{
-    kvzip_chunks, kvzip_initial_scores, kvzip_pass_ids, kvzip_pass_scores, KvCacheManager,
-    SeqId, SelectionUnit, KVZIP_FIRST_PROMPT, KVZIP_LATER_PROMPT,
+    kvzip_chunks, kvzip_initial_scores, kvzip_pass_ids, kvzip_span, kvzip_unit_pass_scores,
+    KvCacheManager, KvView, SelectionUnit, SeqId, KVZIP_FIRST_PROMPT, KVZIP_LATER_PROMPT,
+    KVZIP_PROMPT_MAX_TOKENS,
 };
 use pk_model::{Backend, SeqForward};
 use pk_tokenizer::{ChatTemplate, Tokenizer};
+use rayon::prelude::*;
 
-use super::{table_of, CapturedQueries, StoreView};
+use super::{table_of, StoreView};
 
 /// The token ids a pass is built from, in the model's vocabulary and template.
 #[derive(Clone, Debug)]
@@ -67,27 +69,81 @@ pub(crate) fn reconstruction_scores(
             &prompts.later,
             &prompts.turn_change,
         );
-        let queries = run_pass(backend, kv, (seq, child), n_context, &ids)?;
-        let table = table_of(kv, child);
-        let view = StoreView::new(backend.kv(), &table, n_context + ids.len());
-        let captured = CapturedQueries {
-            n_heads,
-            head_dim,
-            positions: (n_context..n_context + ids.len()).collect(),
-            data: queries,
-        };
-        let repeat = n_context..n_context + ids.len();
-        kvzip_pass_scores(
-            &view,
-            &captured,
-            chunks[ci].clone(),
-            repeat,
-            n_context,
-            &mut scores,
+        assert!(
+            ids.len() - chunks[ci].len() <= KVZIP_PROMPT_MAX_TOKENS,
+            "kvzip: a pass prompt of {} tokens exceeds the {KVZIP_PROMPT_MAX_TOKENS} reserved",
+            ids.len() - chunks[ci].len()
         );
+        let queries = run_pass(backend, kv, (seq, child), n_context, &ids)?;
+        let span = kvzip_span(chunks[ci].clone(), n_context..n_context + ids.len());
+        let keys = span_keys(backend, kv, child, &span);
         assert!(kv.free(child), "kvzip: the pass's fork was live");
+        let pass = Pass {
+            queries: &queries,
+            keys: &keys,
+            geometry: (n_kv_heads, n_heads, head_dim),
+            n_queries: ids.len(),
+            n_sink: span.len() - chunks[ci].len() - ids.len(),
+        };
+        pass.score(chunks[ci].clone(), n_context, &mut scores);
     }
     Ok(scores)
+}
+
+/// The keys of `span` (stored indices of `child`), `[layer][kv_head][span][head_dim]`.
+fn span_keys(backend: &dyn Backend, kv: &KvCacheManager, child: SeqId, span: &[usize]) -> Vec<f32> {
+    let c = backend.config();
+    let (n_layers, n_kv, hd) = (c.n_layers, c.n_kv_heads, c.head_dim);
+    let table = table_of(kv, child);
+    let n_stored = span.last().map_or(0, |&t| t + 1);
+    let view = StoreView::prefetched(backend.kv(), &table, n_stored);
+    let mut keys = vec![0f32; n_layers * n_kv * span.len() * hd];
+    for (unit, out) in keys.chunks_exact_mut(span.len() * hd).enumerate() {
+        let (layer, kvh) = (unit / n_kv, unit % n_kv);
+        for (i, &t) in span.iter().enumerate() {
+            view.key(layer, kvh, t, &mut out[i * hd..(i + 1) * hd]);
+        }
+    }
+    keys
+}
+
+/// One pass's keys and queries, scored one (layer, KV head) per rayon task.
+struct Pass<'a> {
+    /// `[layer][token][n_heads * head_dim]`, as the forward pass captured them.
+    queries: &'a [f32],
+    /// `[layer][kv_head][span][head_dim]`.
+    keys: &'a [f32],
+    /// KV heads, query heads, head dimension.
+    geometry: (usize, usize, usize),
+    n_queries: usize,
+    n_sink: usize,
+}
+
+impl Pass<'_> {
+    /// Writes `chunk`'s scores of every (layer, KV head) row of `scores`.
+    fn score(&self, chunk: std::ops::Range<usize>, n_context: usize, scores: &mut [f32]) {
+        let (n_kv, n_heads, hd) = self.geometry;
+        let group = n_heads / n_kv;
+        let unit_keys = self.keys.len() / (scores.len() / n_context);
+        scores
+            .par_chunks_mut(n_context)
+            .enumerate()
+            .for_each(|(unit, row)| {
+                let (layer, kvh) = (unit / n_kv, unit % n_kv);
+                let mut q = vec![0f32; group * self.n_queries * hd];
+                for g in 0..group {
+                    let head = kvh * group + g;
+                    for qi in 0..self.n_queries {
+                        let at = ((layer * self.n_queries + qi) * n_heads + head) * hd;
+                        let to = (g * self.n_queries + qi) * hd;
+                        q[to..to + hd].copy_from_slice(&self.queries[at..at + hd]);
+                    }
+                }
+                let keys = &self.keys[unit * unit_keys..(unit + 1) * unit_keys];
+                let row = &mut row[chunk.clone()];
+                kvzip_unit_pass_scores(keys, &q, hd, self.n_queries, self.n_sink, row);
+            });
+    }
 }
 
 /// Forks `seq` as `child`, appends the pass `ids` after its `n_context` tokens and runs
@@ -116,7 +172,10 @@ fn run_pass(
     let table = table_of(kv, child);
     // Sliding-window layers (Gemma 3) read their own tables; the pass scores every layer,
     // and only the full-attention layers' units use the scores.
-    let window_tables = kv.window_tables(child).map(<[_]>::to_vec).unwrap_or_default();
+    let window_tables = kv
+        .window_tables(child)
+        .map(<[_]>::to_vec)
+        .unwrap_or_default();
     let forward = SeqForward {
         tokens: ids,
         start_position: n_context,

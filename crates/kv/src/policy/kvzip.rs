@@ -50,6 +50,9 @@ impl TokenScorer for KvzipScorer {
 pub const KVZIP_SINK_TOKENS: usize = 4;
 /// Context tokens a reconstruction pass repeats.
 pub const KVZIP_CHUNK_TOKENS: usize = 2048;
+/// The most tokens a pass may add to its chunk (the prompt, the quote of the previous
+/// chunk and the template's turn change): what admission reserves beyond the chunk.
+pub const KVZIP_PROMPT_MAX_TOKENS: usize = 64;
 /// Tokens of the previous chunk a later chunk's prompt quotes ("…starting with …").
 pub const KVZIP_PREV_POSTFIX_TOKENS: usize = 8;
 
@@ -109,7 +112,9 @@ pub fn kvzip_initial_scores(n_layers: usize, n_kv_heads: usize, n_context: usize
 
 /// Writes the scores of `chunk`'s tokens into `scores` (`[layer][kv_head][n_context]`)
 /// from one pass: `queries` are the pass's (query `q` at stored index `repeat.start + q`,
-/// post-RoPE), `kv` holds the context and then the pass's own tokens at `repeat`.
+/// post-RoPE), `kv` holds the context and then the pass's own tokens at `repeat`. One
+/// (layer, KV head) at a time through [`kvzip_unit_pass_scores`], which the engine runs in
+/// parallel instead.
 pub fn kvzip_pass_scores(
     kv: &dyn KvView,
     queries: &dyn QueryView,
@@ -120,39 +125,63 @@ pub fn kvzip_pass_scores(
 ) {
     let (hd, n_kv) = (kv.head_dim(), kv.n_kv_heads());
     let group = queries.n_heads() / n_kv;
-    let sink = KVZIP_SINK_TOKENS.min(chunk.start);
-    // The keys a pass's softmax spans, in order: sinks, the chunk, the pass's own tokens.
-    let span: Vec<usize> = (0..sink)
-        .chain(chunk.clone())
-        .chain(repeat.clone())
-        .collect();
-    let n_fixed = sink + chunk.len();
-    let scale = 1.0 / (hd as f32).sqrt();
-    let (mut keys, mut q, mut logits) = (
-        vec![0f32; span.len() * hd],
-        vec![0f32; hd],
-        vec![0f32; span.len()],
-    );
+    let span = kvzip_span(chunk.clone(), repeat);
+    let n_q = queries.n_queries();
+    let (mut keys, mut q) = (vec![0f32; span.len() * hd], vec![0f32; group * n_q * hd]);
     for layer in 0..kv.n_layers() {
         for kvh in 0..n_kv {
             for (i, &t) in span.iter().enumerate() {
                 kv.key(layer, kvh, t, &mut keys[i * hd..(i + 1) * hd]);
             }
-            let row = &mut scores[(layer * n_kv + kvh) * n_context..][..n_context];
-            // A pass sets its chunk's scores, the sinks' too when the chunk holds them (no
-            // template prefix), as kvpress does: its sinks are meant to be the prefix's.
-            row[chunk.clone()].fill(0.0);
-            for h in kvh * group..(kvh + 1) * group {
-                for qi in 0..queries.n_queries() {
-                    queries.query(layer, h, qi, &mut q);
-                    // Causal: the query at repeat.start + qi sees the pass's tokens 0..=qi.
-                    let visible = n_fixed + qi + 1;
-                    softmax_row(&q, &keys[..visible * hd], scale, &mut logits[..visible]);
-                    for (j, t) in chunk.clone().enumerate() {
-                        row[t] = row[t].max(logits[sink + j]);
-                    }
+            for (g, h) in (kvh * group..(kvh + 1) * group).enumerate() {
+                for qi in 0..n_q {
+                    let at = (g * n_q + qi) * hd;
+                    queries.query(layer, h, qi, &mut q[at..at + hd]);
                 }
             }
+            let row = &mut scores[(layer * n_kv + kvh) * n_context..][..n_context];
+            let sinks = span.len() - chunk.len() - n_q;
+            kvzip_unit_pass_scores(&keys, &q, hd, n_q, sinks, &mut row[chunk.clone()]);
+        }
+    }
+}
+
+/// The stored indices a pass's softmax spans, in order: the sinks (those before the
+/// chunk), the chunk, the pass's own tokens.
+pub fn kvzip_span(chunk: Range<usize>, repeat: Range<usize>) -> Vec<usize> {
+    let sink = KVZIP_SINK_TOKENS.min(chunk.start);
+    (0..sink).chain(chunk).chain(repeat).collect()
+}
+
+/// One (layer, KV head)'s scores from one pass: `keys` holds the span's keys
+/// ([`kvzip_span`]: `n_sink` sinks, the chunk, then the pass's `n_queries` tokens; `span ×
+/// head_dim`), `queries` the pass queries of the KV head's query heads (`group ×
+/// n_queries × head_dim`). Each of the chunk's `chunk_scores` becomes the largest attention
+/// any query gives it, the softmax over the span causally (the query of pass token `q`
+/// sees pass tokens `0..=q`). A pass sets its chunk's scores, the sinks' too when the chunk
+/// holds them (no template prefix), as kvpress does: its sinks are meant to be the prefix's.
+pub fn kvzip_unit_pass_scores(
+    keys: &[f32],
+    queries: &[f32],
+    head_dim: usize,
+    n_queries: usize,
+    n_sink: usize,
+    chunk_scores: &mut [f32],
+) {
+    let n_fixed = n_sink + chunk_scores.len();
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let mut logits = vec![0f32; n_fixed + n_queries];
+    chunk_scores.fill(0.0);
+    for (i, q) in queries.chunks_exact(head_dim).enumerate() {
+        let visible = n_fixed + i % n_queries + 1;
+        softmax_row(
+            q,
+            &keys[..visible * head_dim],
+            scale,
+            &mut logits[..visible],
+        );
+        for (s, &p) in chunk_scores.iter_mut().zip(&logits[n_sink..n_fixed]) {
+            *s = s.max(p);
         }
     }
 }
@@ -162,7 +191,7 @@ fn softmax_row(q: &[f32], keys: &[f32], scale: f32, out: &mut [f32]) {
     let hd = q.len();
     let mut max = f32::NEG_INFINITY;
     for (o, k) in out.iter_mut().zip(keys.chunks_exact(hd)) {
-        *o = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+        *o = dot(q, k) * scale;
         max = max.max(*o);
     }
     let mut sum = 0f32;
@@ -171,6 +200,24 @@ fn softmax_row(q: &[f32], keys: &[f32], scale: f32, out: &mut [f32]) {
         sum += *o;
     }
     out.iter_mut().for_each(|o| *o /= sum);
+}
+
+/// `a · b` in eight independent partial sums, so that the loop vectorises.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 /// How KVzip spends a budget over (layer, KV head, token) scores.

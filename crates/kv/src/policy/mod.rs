@@ -73,9 +73,9 @@ mod view;
 pub use attention::snapkv_token_scores;
 pub use granularity::{selection_units, KvGranularity, SelectionUnit, VALID_GRANULARITIES};
 pub use kvzip::{
-    kvzip_chunks, kvzip_initial_scores, kvzip_kept, kvzip_pass_ids, kvzip_pass_scores, KvzipBudget,
-    KVZIP_CHUNK_TOKENS, KVZIP_FIRST_PROMPT, KVZIP_LATER_PROMPT, KVZIP_PREV_POSTFIX_TOKENS,
-    KVZIP_SINK_TOKENS,
+    kvzip_chunks, kvzip_initial_scores, kvzip_kept, kvzip_pass_ids, kvzip_pass_scores, kvzip_span,
+    kvzip_unit_pass_scores, KvzipBudget, KVZIP_CHUNK_TOKENS, KVZIP_FIRST_PROMPT,
+    KVZIP_LATER_PROMPT, KVZIP_PREV_POSTFIX_TOKENS, KVZIP_PROMPT_MAX_TOKENS, KVZIP_SINK_TOKENS,
 };
 pub use scorers::kv_token_scores;
 pub use spec::{PagedScore, PolicySpec, SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT};

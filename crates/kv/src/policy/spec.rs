@@ -10,8 +10,8 @@ use std::fmt;
 use std::str::FromStr;
 
 use super::attention::{ExpectedAttentionScorer, H2oScorer, SnapKvScorer, TovaScorer};
-use super::scored::{Candidates, Protect, ScoredPolicy};
 use super::kvzip::KvzipScorer;
+use super::scored::{Candidates, Protect, ScoredPolicy};
 use super::scorers::{KNormScorer, KeyDiffScorer, PagedScorer};
 use super::simple::{FullCache, StreamingLlm};
 use super::{validate_budget, EvictionPolicy, PolicyError};
@@ -102,6 +102,18 @@ impl PolicySpec {
             PolicySpec::ExpectedAttention { .. } => "expected-attention",
             PolicySpec::PagedEviction { .. } => "paged-eviction",
             PolicySpec::Kvzip { .. } => "kvzip",
+        }
+    }
+
+    /// KV slots a sequence of `n_prompt` prompt tokens needs beyond its prompt once the
+    /// prompt is in: KVzip's reconstruction pass, in a fork of the sequence (a chunk, its
+    /// prompts, and a copy of the partial last block). Admission reserves them.
+    pub fn pass_peak_tokens(&self, n_prompt: usize, block_size_tokens: usize) -> usize {
+        match self.reconstruction_chunk_tokens() {
+            Some(chunk) => {
+                chunk.min(n_prompt) + super::kvzip::KVZIP_PROMPT_MAX_TOKENS + block_size_tokens
+            }
+            None => 0,
         }
     }
 
