@@ -141,7 +141,10 @@ impl Pass<'_> {
                 }
                 let keys = &self.keys[unit * unit_keys..(unit + 1) * unit_keys];
                 let row = &mut row[chunk.clone()];
-                kvzip_unit_pass_scores(keys, &q, hd, self.n_queries, self.n_sink, row);
+                let (n_q, n_sink) = (self.n_queries, self.n_sink);
+                if !pk_model::kernels::kvzip_max_attention(keys, &q, hd, n_q, n_sink, row) {
+                    kvzip_unit_pass_scores(keys, &q, hd, n_q, n_sink, row);
+                }
             });
     }
 }
@@ -217,4 +220,33 @@ pub(crate) fn unit_scores(
     let n = (unit.layers.len() * heads.len()).max(1) as f32;
     out.iter_mut().for_each(|o| *o /= n);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    /// The vector kernel against `pk-kv`'s reference on random keys and queries (two query
+    /// heads, a span of sinks, a chunk and pass tokens that are not whole vectors).
+    #[test]
+    fn vector_scores_match_the_reference() {
+        let (hd, n_q, n_sink, chunk) = (64, 21, 4, 37);
+        let mut seed = 7u64;
+        let mut rand = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 6.0
+        };
+        let keys: Vec<f32> = (0..(n_sink + chunk + n_q) * hd).map(|_| rand()).collect();
+        let queries: Vec<f32> = (0..2 * n_q * hd).map(|_| rand()).collect();
+        let (mut want, mut got) = (vec![0f32; chunk], vec![0f32; chunk]);
+        pk_kv::kvzip_unit_pass_scores(&keys, &queries, hd, n_q, n_sink, &mut want);
+        if !pk_model::kernels::kvzip_max_attention(&keys, &queries, hd, n_q, n_sink, &mut got) {
+            eprintln!("vector_scores_match_the_reference: no AVX2/FMA here, nothing to compare");
+            return;
+        }
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-6 + 1e-4 * b.abs(), "{a} vs {b}");
+        }
+        assert!(want.iter().any(|&x| x > 0.01), "{want:?}");
+    }
 }

@@ -168,6 +168,19 @@ pub fn kvzip_unit_pass_scores(
     n_sink: usize,
     chunk_scores: &mut [f32],
 ) {
+    unit_pass_scores_portable(keys, queries, head_dim, n_queries, n_sink, chunk_scores);
+}
+
+/// One dot product and one `exp` at a time: the reference of the engine's vector kernel
+/// (`pk_model::kernels::kvzip_max_attention`), and the path of CPUs without AVX2.
+fn unit_pass_scores_portable(
+    keys: &[f32],
+    queries: &[f32],
+    head_dim: usize,
+    n_queries: usize,
+    n_sink: usize,
+    chunk_scores: &mut [f32],
+) {
     let n_fixed = n_sink + chunk_scores.len();
     let scale = 1.0 / (head_dim as f32).sqrt();
     let mut logits = vec![0f32; n_fixed + n_queries];

@@ -541,10 +541,10 @@ impl fmt::Display for PolicySpec {
                     write!(f, ":n-sink={n_sink_tokens}")?;
                 }
             }
-            PolicySpec::Kvzip { chunk_tokens } => {
-                if chunk_tokens as usize != super::kvzip::KVZIP_CHUNK_TOKENS {
-                    write!(f, ":chunk={chunk_tokens}")?;
-                }
+            PolicySpec::Kvzip { chunk_tokens }
+                if chunk_tokens as usize != super::kvzip::KVZIP_CHUNK_TOKENS =>
+            {
+                write!(f, ":chunk={chunk_tokens}")?;
             }
             PolicySpec::PagedEviction { score, local_topk } => {
                 match score {

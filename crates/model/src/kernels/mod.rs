@@ -13,6 +13,8 @@ pub mod attn512;
 pub mod attn512q;
 pub mod hugebuf;
 pub mod kv_quant;
+#[cfg(target_arch = "x86_64")]
+mod kvzip_scores;
 mod matmul;
 mod ops;
 mod pack;
@@ -30,6 +32,32 @@ pub use ops::{
     softmax_in_place,
 };
 pub use q8::Q8Acts;
+
+/// KVzip's scores of one (layer, KV head) on AVX2/FMA; false where the CPU lacks them
+/// (and off x86-64), leaving the caller to run `pk_kv::kvzip_unit_pass_scores`.
+pub fn kvzip_max_attention(
+    keys: &[f32],
+    queries: &[f32],
+    head_dim: usize,
+    n_queries: usize,
+    n_sink: usize,
+    chunk_scores: &mut [f32],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return kvzip_scores::kvzip_max_attention(
+        keys,
+        queries,
+        head_dim,
+        n_queries,
+        n_sink,
+        chunk_scores,
+    );
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (keys, queries, head_dim, n_queries, n_sink, chunk_scores);
+        false
+    }
+}
 
 /// Whether this process may execute AMX instructions (CPU, OS and Linux's permission);
 /// false off x86-64.
