@@ -27,8 +27,8 @@ const PANEL_HEIGHT_PX: u32 = 260;
 /// The strip above the panels: figure title and the legend.
 const HEADER_HEIGHT_PX: u32 = 70;
 
-/// Distinguishable line colours (Tableau 10), one per policy (see `colour`).
-const PALETTE: [RGBColor; 10] = [
+/// Distinguishable line colours (Tableau 10 and black), one per policy (see `colour`).
+const PALETTE: [RGBColor; 11] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -39,6 +39,7 @@ const PALETTE: [RGBColor; 10] = [
     RGBColor(127, 127, 127),
     RGBColor(188, 189, 34),
     RGBColor(23, 190, 207),
+    RGBColor(0, 0, 0),
 ];
 
 fn register_font() -> Result<()> {
@@ -142,7 +143,7 @@ fn series(
 
 /// Policies with a fixed colour, so that a policy looks the same in every figure and every
 /// sweep (PagedEviction first: it is the subject).
-const KNOWN_POLICIES: [&str; 10] = [
+const KNOWN_POLICIES: [&str; 11] = [
     "paged-eviction",
     "streaming-llm",
     "keydiff",
@@ -153,6 +154,7 @@ const KNOWN_POLICIES: [&str; 10] = [
     "tova",
     "h2o",
     "expected-attention",
+    "kvzip",
 ];
 
 /// A known policy's fixed colour; others take the colours after the known ones in use.
