@@ -39,7 +39,17 @@ if [ ! -x "$lb" ]; then
     "$work/venv/bin/pip" download -q --no-deps --no-binary llama-cpp-python --no-build-isolation "llama-cpp-python==$LCP_VERSION" -d "$work"
     rm -rf "$work/src" && mkdir -p "$work/src"
     tar xzf "$work/llama_cpp_python-$LCP_VERSION.tar.gz" -C "$work/src" --strip-components=1
-    (cd "$work/src/vendor/llama.cpp" && PATH=$work/venv/bin:$PATH cmake -B build -G Ninja -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null \
+    # On a CPU with AMX, GGML_NATIVE compiles llama.cpp's AMX kernels, and 0c1e570's
+    # llama-bench then dies of SIGILL in `tinygemm_kernel_amx` at the first prompt (a
+    # `tileloadd` with no tile configuration loaded; granting the tile permission first
+    # does not help). Such hosts build without AMX, keeping everything else native
+    # (AVX-512 VNNI and llama.cpp's CPU repacking), which is the best llama.cpp that runs.
+    no_amx=()
+    if grep -q -w amx_int8 /proc/cpuinfo; then
+        flags="-mno-amx-int8 -mno-amx-tile -mno-amx-bf16"
+        no_amx=(-DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags")
+    fi
+    (cd "$work/src/vendor/llama.cpp" && PATH=$work/venv/bin:$PATH cmake -B build -G Ninja -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release "${no_amx[@]}" >/dev/null \
         && PATH=$work/venv/bin:$PATH ninja -C build llama-bench >/dev/null)
 fi
 
@@ -52,6 +62,9 @@ else
     echo "llama.cpp $(git -C "$src_dir" log -1 --format=%h 2>/dev/null || echo "at $src_dir (commit unknown)")"
 fi
 grep -o -w -E 'avx2|avx512f|avx512_vnni|amx_int8' /proc/cpuinfo | sort -u | tr '\n' ' ' | sed 's/^/CPU flags: /'; echo
+if grep -q -w amx_int8 /proc/cpuinfo; then
+    echo "llama.cpp built without its AMX kernels (they crash here; see the build step); pagekeeper's matmul kernel: AMX unless PK_AMX=0"
+fi
 for round in $(seq "$rounds"); do
     for t in "${threads[@]}"; do
         # host-quiet exits non-zero when the host is busy; its figure is what matters.
