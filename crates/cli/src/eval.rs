@@ -58,6 +58,12 @@ pub struct EvalArgs {
     /// protocols are reported side by side.
     #[arg(long)]
     pub text_kl_keep_continuation: bool,
+    /// kvpress's query-agnostic convention for the tasks that ask a question: the context is
+    /// prefilled and compressed before the question is read (forced after it, and kept),
+    /// then the answer is generated; rows carry `query_agnostic`. The text-kl tasks read
+    /// their continuation after the compressed prefix already; code completion asks none.
+    #[arg(long)]
+    pub query_agnostic: bool,
     /// Forced tokens after the prefix in the text-kl tasks (default 64; kvpress's comparison
     /// used 256). Lengths include them.
     #[arg(long)]
@@ -139,6 +145,7 @@ fn config(a: &EvalArgs) -> Result<SweepConfig> {
             .collect::<Result<_>>()?;
     }
     c.progress = !a.no_progress;
+    c.query_agnostic = a.query_agnostic;
     c.kv_dtype = pk_model::KvDtype::parse(&a.kv_dtype).with_context(|| {
         format!(
             "unknown --kv-dtype {:?} (expected {})",
@@ -166,6 +173,15 @@ fn check_used(a: &EvalArgs, c: &SweepConfig) -> Result<()> {
         .tasks
         .iter()
         .any(|t| matches!(t, Task::TextKl | Task::TextKlKeepContinuation));
+    let asks_question = c.tasks.iter().any(|t| {
+        !matches!(
+            t,
+            Task::TextKl | Task::TextKlKeepContinuation | Task::CodeCompletion
+        )
+    });
+    if a.query_agnostic && !asks_question {
+        bail!("--query-agnostic is not used by `eval` without a task that asks a question: the text-kl tasks read their continuation after the compressed prefix already, and code completion asks none");
+    }
     if a.continuation_tokens.is_some() && !text_kl {
         bail!("--continuation-tokens is not used by `eval` without a text-kl task: only text-kl and text-kl-keep-continuation force a continuation");
     }
@@ -193,9 +209,11 @@ pub fn run(a: EvalArgs) -> Result<()> {
         let p = cfg.out_dir.join(name);
         std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
     };
-    // The report plus the sweep's KV precision (a field added to the --json contract).
+    // The report plus the sweep's KV precision and protocol (fields added to the --json
+    // contract).
     let mut json = serde_json::to_value(&report)?;
     json["kv_dtype"] = cfg.kv_dtype.to_string().into();
+    json["query_agnostic"] = cfg.query_agnostic.into();
     let json = serde_json::to_string(&json)?;
     write("summary.json", json.clone() + "\n")?;
     write("summary.csv", report::csv(&report))?;

@@ -125,6 +125,8 @@ pub struct GenerateParams {
     pub kv_keep_generated: bool,
     /// Teacher forcing: generated token i is `forced_tokens[i]` instead of a sample (while
     /// there are any), so that two cache configurations can be compared on the same text.
+    /// A forced end-of-generation token does not end the sequence; a sampled one after the
+    /// forced tokens does (unless `ignore_eos`).
     pub forced_tokens: Vec<u32>,
     /// Send each step's full logits as `SeqEvent::Logits` before its token (evaluation).
     pub return_logits: bool,

@@ -282,13 +282,16 @@ impl SeqState {
             return true;
         };
         let params = &self.req.params;
-        let id = match params.forced_tokens.get(self.generated()) {
-            Some(&forced) => forced,
+        let forced = params.forced_tokens.get(self.generated()).copied();
+        let id = match forced {
+            Some(forced) => forced,
             None => self.sampling.sampler.sample(&processed),
         };
         let sampled_at = Instant::now();
         self.output.first_token_at.get_or_insert(sampled_at);
-        if !params.ignore_eos && tokenizer.is_eog(id) {
+        // A forced end-of-generation token is text the caller chose (a chat turn's end
+        // inside a forced question), not the model ending its answer.
+        if !params.ignore_eos && forced.is_none() && tokenizer.is_eog(id) {
             self.output.finish_reason = Some(FinishReason::Stop);
             return true;
         }

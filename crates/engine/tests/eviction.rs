@@ -259,3 +259,22 @@ fn teacher_forcing_full_cache_matches_scoring() {
         "after pruning to 64 tokens the next step must differ"
     );
 }
+
+/// A forced end-of-generation token is read like any other forced token (eval's
+/// query-agnostic mode forces a chat turn's end before the answer): the sequence goes on
+/// and samples after the forced tokens, where a sampled end would stop it.
+#[test]
+fn a_forced_end_of_turn_does_not_end_the_sequence() {
+    let mut engine = common::engine(EngineConfig::default());
+    let prompt = engine.tokenizer.encode("The capital of France is", false);
+    let eos = engine.tokenizer.eos_id();
+    let forced = vec![eos, engine.tokenizer.encode(" Paris", false)[0]];
+    let params = GenerateParams {
+        max_tokens: 6,
+        forced_tokens: forced.clone(),
+        ..Default::default()
+    };
+    let out = engine.generate(&prompt, &params, &mut |_| {}).unwrap();
+    assert!(out.token_ids.len() > forced.len(), "{:?}", out.token_ids);
+    assert_eq!(out.token_ids[..2], forced[..]);
+}

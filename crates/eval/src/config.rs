@@ -74,6 +74,11 @@ pub struct SweepConfig {
     pub kv_dtype: KvDtype,
     /// Eviction granularities: every evicting (policy, budget) runs at each.
     pub granularities: Vec<pk_kv::KvGranularity>,
+    /// kvpress's query-agnostic convention for the tasks that ask a question: the context
+    /// is prefilled and compressed first, then the question and the answer prefix are
+    /// read (forced tokens, all kept) and the answer generated, so no policy sees the
+    /// question before it selects (how a stored context is reused).
+    pub query_agnostic: bool,
 }
 
 /// The seeds' comparison: PagedEviction against StreamingLLM, KeyDiff and inverse key L2.
@@ -106,6 +111,7 @@ impl SweepConfig {
             progress: true,
             kv_dtype: KvDtype::F16,
             granularities: vec![pk_kv::KvGranularity::Shared],
+            query_agnostic: false,
         }
     }
 

@@ -182,6 +182,7 @@ pub fn code_completion(
             scoring: Scoring::EditSimilarity,
             chat: false,
             source: Some(crate_file.display().to_string()),
+            question: String::new(),
         });
     }
     Err("no file with a completable line found in 64 draws".into())
@@ -279,6 +280,7 @@ pub fn passage_count(
         scoring: Scoring::Count,
         chat: true,
         source: None,
+        question: question.to_string(),
     }
 }
 

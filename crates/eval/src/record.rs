@@ -40,6 +40,9 @@ pub struct RawResult {
     /// Eviction granularity (`shared` in records written before the field existed).
     #[serde(default = "default_kv_granularity")]
     pub kv_granularity: String,
+    /// Run query-agnostic (`SweepConfig::query_agnostic`; false in older records).
+    #[serde(default)]
+    pub query_agnostic: bool,
 }
 
 fn default_kv_granularity() -> String {
@@ -63,6 +66,7 @@ pub struct CellKey {
     pub block_size: u32,
     pub kv_dtype: String,
     pub kv_granularity: String,
+    pub query_agnostic: bool,
 }
 
 impl RawResult {
@@ -78,6 +82,7 @@ impl RawResult {
             block_size: self.block_size,
             kv_dtype: self.kv_dtype.clone(),
             kv_granularity: self.kv_granularity.clone(),
+            query_agnostic: self.query_agnostic,
         }
     }
 

@@ -274,6 +274,7 @@ mod tests {
             seconds: 0.0,
             kv_dtype: "f16".into(),
             kv_granularity: "shared".into(),
+            query_agnostic: false,
         }
     }
 

@@ -72,6 +72,36 @@ pub fn generate(
     run(engine, prompt_ids, params, salt)
 }
 
+/// Query-agnostic greedy generation: `prompt_ids` (the context) is prefilled and, under an
+/// evicting setting, compressed before `question` is read; `question` is then forced and
+/// kept whatever the budget (`kv_keep_generated`), and at most `max_tokens` follow. The
+/// output's text and ids are the answer alone.
+pub fn generate_after(
+    engine: &mut Engine,
+    prompt_ids: &[u32],
+    question: &[u32],
+    max_tokens: usize,
+    kv: KvSetting,
+    salt: Option<String>,
+) -> Result<RunOutput> {
+    let params = GenerateParams {
+        max_tokens: question.len() + max_tokens,
+        forced_tokens: question.to_vec(),
+        kv_policy: kv.policy,
+        kv_budget: kv.budget,
+        kv_keep_generated: kv.policy.is_some(),
+        kv_granularity: kv.granularity,
+        ..Default::default()
+    };
+    let mut out = run(engine, prompt_ids, params, salt)?;
+    let answer = out
+        .token_ids
+        .split_off(question.len().min(out.token_ids.len()));
+    out.text = engine.tokenizer.decode(&answer);
+    out.token_ids = answer;
+    Ok(out)
+}
+
 /// Teacher-forces `continuation` after `prompt_ids`; returns one logits row per token.
 pub fn teacher_force(
     engine: &mut Engine,

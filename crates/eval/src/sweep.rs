@@ -124,6 +124,7 @@ fn key(cfg: &SweepConfig, model: &str, u: &Unit, cell: Cell) -> CellKey {
         block_size: u.block_size,
         kv_dtype: cfg.kv_dtype.to_string(),
         kv_granularity: granularity.name().to_string(),
+        query_agnostic: cfg.query_agnostic,
     }
 }
 
@@ -282,6 +283,7 @@ impl UnitRun<'_> {
             seconds: 0.0,
             kv_dtype: self.cfg.kv_dtype.to_string(),
             kv_granularity: granularity.name().to_string(),
+            query_agnostic: self.cfg.query_agnostic,
         }
     }
 
@@ -322,15 +324,22 @@ impl UnitRun<'_> {
             }
             false => sample.user_message.clone() + &sample.answer_prefix,
         };
-        let prompt = e.tokenizer.encode_prompt(&text, true);
+        let (prompt, question) = self.split_question(e, &text, &sample);
         let ctx = e.model_config().context_length;
-        if prompt.len() + sample.max_answer_tokens >= ctx {
+        if prompt.len() + question.len() + sample.max_answer_tokens >= ctx {
             bail!("{} at {} tokens: the prompt has {} tokens, too many for the model's context of {ctx}", u.task.name(), u.context_tokens, prompt.len());
         }
         let mut new = Vec::new();
         // The full cache first: calibration, the reference answer, and a warm prefix cache.
         let t0 = Instant::now();
-        let full = runner::generate(e, &prompt, sample.max_answer_tokens, KvSetting::FULL, None)?;
+        let answer = |e: &mut Engine, kv: KvSetting, salt: Option<String>| match question.is_empty()
+        {
+            true => runner::generate(e, &prompt, sample.max_answer_tokens, kv, salt),
+            false => {
+                runner::generate_after(e, &prompt, &question, sample.max_answer_tokens, kv, salt)
+            }
+        };
+        let full = answer(e, KvSetting::FULL, None)?;
         let mut full_rec = self.base(Cell::FULL, prompt.len());
         full_rec.seconds = t0.elapsed().as_secs_f64();
         full_rec.kv_stored_tokens = full.kv_stored_tokens;
@@ -342,13 +351,7 @@ impl UnitRun<'_> {
                 continue;
             };
             let t0 = Instant::now();
-            let out = runner::generate(
-                e,
-                &prompt,
-                sample.max_answer_tokens,
-                cell.setting(false),
-                salt(spec, cell.budget),
-            )?;
+            let out = answer(e, cell.setting(false), salt(spec, cell.budget))?;
             let mut r = self.base(cell, prompt.len());
             r.seconds = t0.elapsed().as_secs_f64();
             r.kv_stored_tokens = out.kv_stored_tokens;
@@ -357,6 +360,29 @@ impl UnitRun<'_> {
             bar.inc(1);
         }
         Ok(new)
+    }
+
+    /// The prompt's token ids, and in a query-agnostic sweep the question's: the rendered
+    /// prompt is cut where the sample's question starts (the question, the template's end of
+    /// turn and the answer prefix are read after the context). Empty question ids where the
+    /// sweep is not query-agnostic or the task asks none (code completion).
+    fn split_question(
+        &self,
+        e: &Engine,
+        text: &str,
+        sample: &tasks::Sample,
+    ) -> (Vec<u32>, Vec<u32>) {
+        let cut = match (self.cfg.query_agnostic, sample.question.is_empty()) {
+            (true, false) => text.rfind(sample.question.as_str()),
+            _ => None,
+        };
+        match cut {
+            Some(at) => (
+                e.tokenizer.encode_prompt(&text[..at], true),
+                e.tokenizer.encode(&text[at..], true),
+            ),
+            None => (e.tokenizer.encode_prompt(text, true), Vec::new()),
+        }
     }
 
     /// Appends the unit's token ids to `OUT/text-kl-tokens.jsonl`, so that another

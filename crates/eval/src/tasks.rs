@@ -118,6 +118,10 @@ pub struct Sample {
     pub chat: bool,
     /// Where real material came from (the source file of a code sample), for the record.
     pub source: Option<String>,
+    /// The end of `user_message` that asks for the answer (the question), which a
+    /// query-agnostic run reads only after the context is compressed; empty where the task
+    /// has none (code completion: the context is the question).
+    pub question: String,
 }
 
 /// Tokens of the chat template around the user message and before the answer prefix
@@ -259,6 +263,7 @@ fn haystack_sample(
         scoring: Scoring::Contains,
         chat: true,
         source: None,
+        question,
     }
 }
 
@@ -422,8 +427,12 @@ fn kv_retrieval(
         .iter()
         .map(|(k, v)| format!("\"{k}\": \"{v}\""))
         .collect();
+    let question = format!("Key: \"{k}\"\nThe value associated with the specified key is:");
     Sample {
-        user_message: format!("{intro}\n\nJSON data:\n{{{}}}\n\nKey: \"{k}\"\nThe value associated with the specified key is:", body.join(", ")),
+        user_message: format!(
+            "{intro}\n\nJSON data:\n{{{}}}\n\n{question}",
+            body.join(", ")
+        ),
         answer_prefix: "The value associated with the specified key is:".into(),
         expected: vec![v],
         depth,
@@ -431,6 +440,7 @@ fn kv_retrieval(
         scoring: Scoring::Contains,
         chat: true,
         source: None,
+        question,
     }
 }
 

@@ -1671,6 +1671,32 @@ pub const TABLE: &[Entry] = &[
     ),
     e(
         "eval",
+        "--query-agnostic",
+        Json {
+            base: EVAL,
+            with: &[
+                "eval",
+                "--tasks",
+                "passkey",
+                "--lengths",
+                "128",
+                "--samples",
+                "1",
+                "--policies",
+                "knorm",
+                "--budgets",
+                "50%",
+                "--no-progress",
+                "--json",
+                "--out",
+                "{dir}",
+                "--query-agnostic",
+            ],
+            pointer: "/query_agnostic",
+        },
+    ),
+    e(
+        "eval",
         "--text-kl-keep-continuation",
         Json {
             base: EVAL_KL,
