@@ -109,10 +109,42 @@ const MIN_TASK_UNITS: usize = 2048;
 /// far less to start and finish than rayon's; larger batches and prefill keep rayon.
 const POOL_MAX_TOKENS: usize = super::pool::DECODE_MAX_TOKENS;
 
-/// Work per chunk of a pool region, in the units of `MIN_TASK_UNITS`: ≈ 2 µs when the
-/// weights stream from DRAM as in decode, so that a region has enough chunks for a late
-/// helper to share and the last chunk leaves little imbalance.
-const POOL_CHUNK_UNITS: usize = 256;
+/// The smallest chunk of a pool region, in the units of `MIN_TASK_UNITS` (≈ 4 µs when the
+/// weights stream from DRAM as in decode): the last chunks of a region shrink to this, so
+/// that a late helper still finds work and the threads finish close together.
+const POOL_MIN_CHUNK_UNITS: usize = 512;
+
+/// Most chunks of one pool region (the guided split below makes about 20 for the largest
+/// matrices, so this only bounds the stack array).
+const POOL_MAX_REGION_CHUNKS: usize = 64;
+
+/// Splits `n_groups` row groups into guided chunks for `threads` threads: each chunk takes
+/// `1 / (2 · threads)` of what is left, but at least `min_groups`, so the first chunks are
+/// long and the last short. Fixed chunks of ≈ 2 µs (this function's predecessor) held two
+/// threads to 54 % of the DRAM bound on Qwen2.5-1.5B (AMX host): every chunk started a new
+/// stream with its first lines unfetched and claimed through the pool's shared counter, and
+/// decode ran 17.4 tok/s against 22.8 with long chunks (BENCHMARKS.md, "Guided decode
+/// chunks"). Writes the chunk ends into `ends` and returns how many there are.
+fn guided_chunk_ends(
+    n_groups: usize,
+    min_groups: usize,
+    threads: usize,
+    ends: &mut [usize; POOL_MAX_REGION_CHUNKS],
+) -> usize {
+    let (mut start, mut n) = (0, 0);
+    while start < n_groups {
+        let left = n_groups - start;
+        let size = if n + 1 == POOL_MAX_REGION_CHUNKS {
+            left
+        } else {
+            (left / (2 * threads)).max(min_groups).min(left)
+        };
+        start += size;
+        ends[n] = start;
+        n += 1;
+    }
+    n
+}
 
 thread_local! {
     /// Quantised activations, reused across calls so that decode does not allocate.
@@ -228,24 +260,21 @@ fn gemm_jobs(isa: x86::Isa, jobs: &[(&Packed, OutPtr)], acts: &Q8Acts, n_tokens:
     // chunks inline), so that its thread count alone decides how decode is spread.
     let pool = super::pool::global();
     if n_tokens <= POOL_MAX_TOKENS {
-        let n_chunks = if pool.active_threads() > 1 {
-            (units / POOL_CHUNK_UNITS).clamp(1, n_groups.min(super::pool::MAX_CHUNKS))
+        let threads = pool.active_threads();
+        let mut ends = [0usize; POOL_MAX_REGION_CHUNKS];
+        let n_chunks = if threads > 1 {
+            let units_per_group = (units / n_groups.max(1)).max(1);
+            let min_groups = POOL_MIN_CHUNK_UNITS.div_ceil(units_per_group);
+            guided_chunk_ends(n_groups, min_groups, threads, &mut ends)
         } else {
+            ends[0] = n_groups;
             1
         };
-        let groups_per_chunk = n_groups.div_ceil(n_chunks);
         let run = |chunk: usize| {
-            run_groups(
-                isa,
-                jobs,
-                &groups,
-                acts,
-                n_tokens,
-                chunk * groups_per_chunk,
-                ((chunk + 1) * groups_per_chunk).min(n_groups),
-            )
+            let g0 = if chunk == 0 { 0 } else { ends[chunk - 1] };
+            run_groups(isa, jobs, &groups, acts, n_tokens, g0, ends[chunk])
         };
-        pool.run(n_groups.div_ceil(groups_per_chunk), &run);
+        pool.run(n_chunks, &run);
         return;
     }
     let threads = rayon::current_num_threads();
@@ -393,6 +422,39 @@ pub fn matmul_reference(w: &QMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn guided_chunks_cover_every_group_once_and_shrink() {
+        for (n_groups, min_groups, threads) in [
+            (1, 1, 2),
+            (7, 11, 2),
+            (192, 11, 2),
+            (2240, 11, 2),
+            (100_000, 1, 2),
+            (2240, 4, 3),
+        ] {
+            let mut ends = [0usize; POOL_MAX_REGION_CHUNKS];
+            let n = guided_chunk_ends(n_groups, min_groups, threads, &mut ends);
+            assert!(n >= 1 && n <= POOL_MAX_REGION_CHUNKS);
+            assert_eq!(
+                ends[n - 1],
+                n_groups,
+                "the chunks must end at the last group"
+            );
+            let sizes: Vec<usize> = (0..n)
+                .map(|i| ends[i] - if i == 0 { 0 } else { ends[i - 1] })
+                .collect();
+            assert!(sizes.iter().all(|&s| s > 0), "{sizes:?}");
+            // Every chunk but the capped last one is at most as long as the one before it.
+            let shrinking = n < POOL_MAX_REGION_CHUNKS;
+            if shrinking {
+                assert!(sizes.windows(2).all(|w| w[1] <= w[0]), "{sizes:?}");
+            }
+            if n_groups >= 2 * threads * min_groups {
+                assert_eq!(sizes[0], n_groups / (2 * threads), "{sizes:?}");
+            }
+        }
+    }
 
     /// Random weights with valid f16 scales (both of Q6S's; Q4_1's min negative).
     fn random_weights(rng: &mut impl Rng, ty: GgmlType, rows: usize, cols: usize) -> QMatrix {

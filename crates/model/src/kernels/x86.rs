@@ -283,12 +283,58 @@ pub unsafe fn gemm_group(
     }
 }
 
-/// How far ahead of a decode step's weight stream each group block asks for its cache lines.
-/// A token's matrix-vector product reads each weight once from DRAM; the hardware
-/// prefetcher alone left one thread at 57 % of the read bandwidth on Qwen2.5-1.5B (AVX2
-/// host), and asking for the lines 1 KiB ahead (about six Q4_1 group blocks, roughly a
-/// DRAM latency of work) raised decode by a quarter (BENCHMARKS.md, "Weight prefetch").
+/// How far ahead of a decode step's weight stream each group block asks for its cache lines
+/// into L1 (`prefetcht0`). A token's matrix-vector product reads each weight once from
+/// DRAM; the hardware prefetcher alone left one thread at 57 % of the read bandwidth on
+/// Qwen2.5-1.5B (AVX2 host), and asking for the lines 1 KiB ahead (about six Q4_1 group
+/// blocks, roughly a DRAM latency of work) raised decode by a quarter (BENCHMARKS.md,
+/// "Weight prefetch").
 const PREFETCH_AHEAD_BYTES: usize = 1024;
+
+/// The two-level plan for Intel hosts: lines are first asked for into L2 (`prefetcht2`) this
+/// far ahead, then into L1 [`PREFETCH_NEAR_BYTES`] ahead. An L1 prefetch holds one of the
+/// core's few line-fill buffers until its line arrives from DRAM, so a far `prefetcht0`
+/// stalls the loads behind it, while an L2 request waits in the much deeper L2 queue; on
+/// the AMX host the far L2 + near L1 pair raised Qwen2.5-1.5B decode from 13.8 to 15.4 tok/s
+/// at 1 thread (to 90 % of the DRAM bound) and from 25.2 to 28.6 at 2 (BENCHMARKS.md,
+/// "Two-level weight prefetch"). AMD's cores fill L1 on every hint, so they keep the
+/// single near prefetch that was measured there.
+const PREFETCH_FAR_BYTES: usize = 4096;
+const PREFETCH_NEAR_BYTES: usize = 512;
+
+/// Whether decode tiles use the two-level prefetch: on Intel CPUs, unless
+/// `PK_PREFETCH_PLAN=near` asks for the single L1 prefetch (`far` forces the two levels
+/// elsewhere; any other value is refused by name), so that benchmarks can compare the plans
+/// without rebuilding.
+pub fn two_level_prefetch() -> bool {
+    static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *YES.get_or_init(|| match std::env::var("PK_PREFETCH_PLAN").as_deref() {
+        Ok("far") => true,
+        Ok("near") => false,
+        Ok(other) => panic!("PK_PREFETCH_PLAN={other:?} is not one of \"far\", \"near\""),
+        Err(_) => is_intel(),
+    })
+}
+
+fn is_intel() -> bool {
+    let v = __cpuid(0);
+    (v.ebx, v.edx, v.ecx) == (0x756e_6547, 0x4965_6e69, 0x6c65_746e)
+}
+
+/// Asks for the cache lines of the group block `gbb` bytes long that a decode tile will read
+/// after the one at `gb` (see [`two_level_prefetch`]). Past the matrix's end a prefetch is
+/// harmless: it never faults.
+#[inline(always)]
+unsafe fn prefetch_weights(gb: *const u8, gbb: usize, two_level: bool) {
+    for line in (0..gbb).step_by(64) {
+        if two_level {
+            _mm_prefetch::<_MM_HINT_T2>(gb.wrapping_add(PREFETCH_FAR_BYTES + line) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(gb.wrapping_add(PREFETCH_NEAR_BYTES + line) as *const i8);
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(gb.wrapping_add(PREFETCH_AHEAD_BYTES + line) as *const i8);
+        }
+    }
+}
 
 /// A group block's quants as 8 vectors of unsigned weights (vector k: elements 4k..4k+4 of
 /// each of the 8 rows for k < 4, elements 16+4(k-4).. for k >= 4; see `pack`), for every
@@ -405,16 +451,13 @@ macro_rules! isa_module {
                     acts.sum_lo.as_ptr(),
                 );
                 let mut acc = [_mm256_setzero_ps(); NT];
+                let two_level = NT == 1 && two_level_prefetch();
                 for b in 0..bpr {
                     let gb = group.add(b * gbb);
                     // Decode only: a prefill tile does 4 tokens of work per byte and is
-                    // bound by arithmetic. Past the matrix's end a prefetch is harmless: it never
-                    // faults.
+                    // bound by arithmetic.
                     if NT == 1 {
-                        let ahead = gb.wrapping_add(PREFETCH_AHEAD_BYTES);
-                        for line in (0..gbb).step_by(64) {
-                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
-                        }
+                        prefetch_weights(gb, gbb, two_level);
                     }
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
                     // Q4_1's mins, or Q6S's second scales (elements 16..32).
@@ -579,14 +622,12 @@ mod avx2_q4 {
         let (low4, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
         let qs = acts.qs.as_ptr();
         let mut acc = [_mm256_setzero_ps(); NT];
+        let two_level = NT == 1 && two_level_prefetch();
         for b in 0..bpr {
             let gb = group.add(b * gbb);
             if NT == 1 {
                 // Decode streams the weights from DRAM: as in the general tile.
-                let ahead = gb.wrapping_add(PREFETCH_AHEAD_BYTES);
-                for line in (0..gbb).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
-                }
+                prefetch_weights(gb, gbb, two_level);
             }
             let mut s16 = [_mm256_setzero_si256(); NT];
             for k in 0..4 {
