@@ -11,6 +11,8 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+mod ranged;
 mod tile;
 use tile::attend_task;
 
@@ -372,6 +374,10 @@ mod tests {
             (8, 2, 128, 128, 150, 2),
             (4, 1, 256, 16, 70, 70),
             (4, 1, 256, 16, 70, 1),
+            // Past `tile::RANGED_MIN_KEYS` stored keys: the ranged walk (`ranged`).
+            (8, 2, 128, 16, 1300, 40),
+            (9, 3, 64, 32, 1100, 9),
+            (4, 1, 256, 16, 1030, 5),
         ] {
             for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8, KvDtype::Q4] {
                 if dtype.quant_bits().is_some() && hd % 32 != 0 {
@@ -393,6 +399,8 @@ mod tests {
             (4, 1, 256, 16, 90, 90, 37),
             (4, 2, 64, 16, 130, 40, 50),
             (4, 2, 128, 32, 100, 100, 17),
+            (4, 2, 128, 16, 1200, 40, 300),
+            (4, 2, 64, 16, 1100, 20, 700),
             (4, 2, 8, 4, 40, 9, 7),
             (4, 2, 8, 16, 40, 40, 16),
             (2, 1, 8, 4, 12, 12, 100),

@@ -66,6 +66,11 @@ fn row_at(shape: AttnShape, s: &AttnSeq, kvh: usize, tok: usize, g: usize) -> us
     (s.row_offset + tok) * shape.n_heads * hd + (kvh * group + g) * hd
 }
 
+/// From this many stored keys, a task's rows walk the keys range by range
+/// (`ranged::attend_rows_ranged`) instead of each batch of rows walking all of them.
+#[cfg(target_arch = "x86_64")]
+const RANGED_MIN_KEYS: usize = 1024;
+
 /// The AVX-512 kernel over one task: rows of (token, group head) handed over in batches
 /// of `attn512::max_rows`, K/V read in place (f16 widened in registers, or quantised).
 ///
@@ -118,6 +123,28 @@ unsafe fn attend_task_avx512(
         Some(layout) => attn512q::attend(kv, layout, rows, scale),
     };
     let max_rows = attn512::max_rows(hd);
+    let n_rows = (t.t1 - t.t0) * group;
+    if quant.is_none()
+        && s.stored_start + t.t1 >= RANGED_MIN_KEYS
+        && n_rows > max_rows
+        && std::env::var("PK_RANGED").map_or(true, |v| v != "0")
+    {
+        let rows: Vec<attn512::Row> = (t.t0..t.t1)
+            .flat_map(|tok| (0..group).map(move |g| (tok, g)))
+            .map(|(tok, g)| {
+                let at = row_at(shape, s, t.kv_head, tok, g);
+                attn512::Row {
+                    q: q.as_ptr().add(at),
+                    out: out.0.add(at),
+                    first_visible: first_visible.map_or(0, |f| f[s.row_offset + tok]),
+                    n_visible: s.stored_start + tok + 1,
+                }
+            })
+            .collect();
+        kv.prefetch = false;
+        super::ranged::attend_rows_ranged(&kv, &rows, max_rows, scale);
+        return;
+    }
     let mut rows = [attn512::Row {
         q: std::ptr::null(),
         out: std::ptr::null_mut(),

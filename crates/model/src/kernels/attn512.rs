@@ -26,6 +26,19 @@
 //! same operations in the same order, so the results have the same bits as a chunk-by-chunk
 //! walk (checked against the previous kernel on random K/V: 0 of 36,864 outputs differed);
 //! measured 1.04–1.08× faster (`hit_bench`'s shapes: 72 rows or 3 rows × 1,560 keys).
+//!
+//! NOTE 3 (key ranges): a row's arithmetic is a sequence of per-chunk steps in key order,
+//! and nothing carries from one chunk to the next but its softmax state (running max, sum
+//! and accumulators). [`attend_range`] runs the steps of one range of chunks and leaves
+//! that state in memory (f32 stores and loads are exact), so a walk cut into ranges has
+//! the bits of one uninterrupted walk. Long prefill uses it to take a range of keys
+//! through every row of a tile while the range's K/V stay in L2 (`attention::tile`).
+//!
+//! NOTE 4 (independent chains): a chunk's scores are two FMA chains per row (even and odd
+//! `d`), so with 2 rows (head_dim 128) one chunk kept 4 chains of a 4-cycle FMA in flight,
+//! half of what two FMA ports need. Stage 1 takes `SCORE_CHUNKS` chunks in one pass over
+//! `d`: more independent chains, and each chunk's own operations are unchanged, so the
+//! bits are too (BENCHMARKS.md, "Attention score chains").
 
 use std::arch::x86_64::*;
 
@@ -82,13 +95,48 @@ pub fn max_rows(head_dim: usize) -> usize {
 /// `supported(kv.head_dim)` must hold; every row's `q` and `out` must point at `head_dim`
 /// floats; the block table must cover each row's visible keys, and `k`/`v` the blocks in it.
 pub unsafe fn attend(kv: &HeadKv, rows: &[Row], scale: f32) {
+    attend_range(kv, rows, scale, 0..usize::MAX, None);
+}
+
+/// A row's online-softmax state between two key ranges (NOTE 3).
+#[derive(Clone)]
+pub struct RowState {
+    pub m: f32,
+    pub l: f32,
+    pub acc: [f32; 256],
+}
+
+impl Default for RowState {
+    fn default() -> Self {
+        RowState {
+            m: f32::NEG_INFINITY,
+            l: 0.0,
+            acc: [0.0; 256],
+        }
+    }
+}
+
+/// Like [`attend`], over the stored keys of `keys` only (both ends multiples of 16 from a
+/// block start), continuing from `state` and leaving the rows' state there instead of
+/// writing their outputs (NOTE 3); with `state` `None`, from scratch to the outputs.
+///
+/// # Safety
+/// As for [`attend`]; `state` has one entry per row.
+pub unsafe fn attend_range(
+    kv: &HeadKv,
+    rows: &[Row],
+    scale: f32,
+    keys: std::ops::Range<usize>,
+    state: Option<&mut [RowState]>,
+) {
     macro_rules! go {
         ($hd16:literal, $r:literal) => {{
             let r: &[Row; $r] = rows.try_into().unwrap();
+            let st = state.map(|s| <&mut [RowState; $r]>::try_from(s).unwrap());
             if kv.f16 {
-                kernel::<$hd16, $r, true>(kv, r, scale)
+                kernel::<$hd16, $r, true>(kv, r, scale, keys, st)
             } else {
-                kernel::<$hd16, $r, false>(kv, r, scale)
+                kernel::<$hd16, $r, false>(kv, r, scale, keys, st)
             }
         }};
     }
@@ -104,9 +152,40 @@ pub unsafe fn attend(kv: &HeadKv, rows: &[Row], scale: f32) {
     }
 }
 
+/// Writes each row's output from its final state: `acc · (1 / l)`, the operations the
+/// kernel's own epilogue does.
+///
+/// # Safety
+/// As for [`attend`]: `supported(head_dim)`, each row's `out` holds `head_dim` floats.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+pub unsafe fn finish(rows: &[Row], state: &[RowState], head_dim: usize) {
+    for (row, st) in rows.iter().zip(state) {
+        let inv = _mm512_set1_ps(1.0 / st.l);
+        for i in 0..head_dim / 16 {
+            let a = _mm512_loadu_ps(st.acc.as_ptr().add(16 * i));
+            _mm512_storeu_ps(row.out.add(16 * i), _mm512_mul_ps(a, inv));
+        }
+    }
+}
+
+/// Widens `n` f16 values (a multiple of 16) at `src` to f32 at `dst`, exactly.
+///
+/// # Safety
+/// The CPU has AVX-512 F and F16C; `src` holds `n` values and `dst` room for them.
+#[target_feature(enable = "avx512f,f16c")]
+pub unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {
+    for i in (0..n).step_by(16) {
+        let h = _mm256_loadu_si256(src.add(i) as *const __m256i);
+        _mm512_storeu_ps(dst.add(i), _mm512_cvtph_ps(h));
+    }
+}
+
 /// Chunks of 16 keys whose scores are computed before any of their softmax updates, and
 /// whose softmax updates all come before their value updates (NOTE 2).
 const GROUP_CHUNKS: usize = 4;
+
+/// Chunks whose scores are computed in one pass over `d` (NOTE 4).
+const SCORE_CHUNKS: usize = 2;
 
 // Indices such as `j` and `i` address several parallel register arrays and pointer
 // offsets (`vrows[g].add(j * hd * esz)`, `out.add(16 * i)`) at once, so the index form
@@ -117,6 +196,8 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(
     kv: &HeadKv,
     rows: &[Row; R],
     scale: f32,
+    keys: std::ops::Range<usize>,
+    state: Option<&mut [RowState; R]>,
 ) {
     let hd = HD16 * 16;
     let bs = kv.block_size;
@@ -152,11 +233,21 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(
     let mut m = [f32::NEG_INFINITY; R];
     let mut l = [0f32; R];
     let mut acc = [[_mm512_setzero_ps(); HD16]; R];
+    if let Some(st) = state.as_deref() {
+        for r in 0..R {
+            (m[r], l[r]) = (st[r].m, st[r].l);
+            for i in 0..HD16 {
+                acc[r][i] = _mm512_loadu_ps(st[r].acc.as_ptr().add(16 * i));
+            }
+        }
+    }
     // Per chunk of the current group: its first stored index, width and V rows; per row
     // and chunk: the scaled scores, then (stage 2) the weights, and the rescale factor.
     let mut bases = [0usize; GROUP_CHUNKS];
     let mut widths = [0usize; GROUP_CHUNKS];
     let mut vrows = [std::ptr::null::<u8>(); GROUP_CHUNKS];
+    let mut kbs = [std::ptr::null::<u8>(); GROUP_CHUNKS];
+    let mut wmasks: [__mmask16; GROUP_CHUNKS] = [0; GROUP_CHUNKS];
     let mut j_max = [0usize; GROUP_CHUNKS];
     let mut sp = [[[0f32; 16]; GROUP_CHUNKS]; R];
     let mut corr = [[0f32; GROUP_CHUNKS]; R];
@@ -171,10 +262,11 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(
         (*kv.block_table.get_unchecked(b) as usize * kv.n_kv_heads + kv.kv_head) * block_bytes
     };
     let chunks_per_block = bs.div_ceil(16);
-    let n_chunks = n_blocks * chunks_per_block;
-    let mut c = (first_min / bs) * chunks_per_block + (first_min % bs) / 16;
+    let chunk_of = |key: usize| (key / bs) * chunks_per_block + (key % bs) / 16;
+    let n_chunks = (n_blocks * chunks_per_block).min(chunk_of(keys.end.min(n_blocks * bs)));
+    let mut c = chunk_of(first_min).max(chunk_of(keys.start));
     while c < n_chunks {
-        // Stage 1: scores of the group's chunks.
+        // Stage 1a: the group's chunks.
         let mut n_group = 0;
         while n_group < GROUP_CHUNKS && c < n_chunks {
             let (b, c0) = (c / chunks_per_block, (c % chunks_per_block) * 16);
@@ -195,30 +287,51 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(
                 }
             }
             let off = block_at(b);
-            let kb = kv.k.add(off);
             let w = (bs - c0).min(16);
-            let wmask: __mmask16 = if w == 16 { 0xFFFF } else { (1 << w) - 1 };
-            // Two accumulators per row (even and odd d) halve the FMA chain.
-            let mut s0 = [_mm512_setzero_ps(); R];
-            let mut s1 = [_mm512_setzero_ps(); R];
-            for d in (0..hd).step_by(2) {
-                let k0 = load!(kb, d * bs + c0, wmask);
-                let k1 = load!(kb, (d + 1) * bs + c0, wmask);
-                for r in 0..R {
-                    s0[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r][d]), k0, s0[r]);
-                    s1[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r][d + 1]), k1, s1[r]);
-                }
-            }
-            for r in 0..R {
-                _mm512_storeu_ps(
-                    sp[r][n_group].as_mut_ptr(),
-                    _mm512_mul_ps(_mm512_add_ps(s0[r], s1[r]), scale_v),
-                );
-            }
+            kbs[n_group] = kv.k.add(off + c0 * esz);
+            wmasks[n_group] = if w == 16 { 0xFFFF } else { (1 << w) - 1 };
             bases[n_group] = b * bs + c0;
             widths[n_group] = w;
             vrows[n_group] = kv.v.add(off + c0 * hd * esz);
             n_group += 1;
+        }
+        // Stage 1b: the chunks' scores, `SCORE_CHUNKS` chunks at a time (NOTE 4).
+        let mut g0 = 0;
+        while g0 < n_group {
+            let np = (n_group - g0).min(SCORE_CHUNKS);
+            // Two accumulators per row and chunk (even and odd d) halve the FMA chain.
+            let mut s0 = [[_mm512_setzero_ps(); R]; SCORE_CHUNKS];
+            let mut s1 = [[_mm512_setzero_ps(); R]; SCORE_CHUNKS];
+            macro_rules! scores {
+                ($np:expr) => {
+                    for d in (0..hd).step_by(2) {
+                        for x in 0..$np {
+                            let (kb, wm) = (kbs[g0 + x], wmasks[g0 + x]);
+                            let k0 = load!(kb, d * bs, wm);
+                            let k1 = load!(kb, (d + 1) * bs, wm);
+                            for r in 0..R {
+                                s0[x][r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r][d]), k0, s0[x][r]);
+                                s1[x][r] =
+                                    _mm512_fmadd_ps(_mm512_set1_ps(qs[r][d + 1]), k1, s1[x][r]);
+                            }
+                        }
+                    }
+                };
+            }
+            if np == SCORE_CHUNKS {
+                scores!(SCORE_CHUNKS);
+            } else {
+                scores!(np);
+            }
+            for x in 0..np {
+                for r in 0..R {
+                    _mm512_storeu_ps(
+                        sp[r][g0 + x].as_mut_ptr(),
+                        _mm512_mul_ps(_mm512_add_ps(s0[x][r], s1[x][r]), scale_v),
+                    );
+                }
+            }
+            g0 += np;
         }
         // Stage 2: each row's online softmax over the chunks it sees, in order (NOTE 1).
         for g in 0..n_group {
@@ -266,6 +379,15 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(
                 }
             }
         }
+    }
+    if let Some(st) = state {
+        for r in 0..R {
+            (st[r].m, st[r].l) = (m[r], l[r]);
+            for i in 0..HD16 {
+                _mm512_storeu_ps(st[r].acc.as_mut_ptr().add(16 * i), acc[r][i]);
+            }
+        }
+        return;
     }
     for r in 0..R {
         let inv = _mm512_set1_ps(1.0 / l[r]);

@@ -435,7 +435,7 @@ mod tests {
         ] {
             let mut ends = [0usize; POOL_MAX_REGION_CHUNKS];
             let n = guided_chunk_ends(n_groups, min_groups, threads, &mut ends);
-            assert!(n >= 1 && n <= POOL_MAX_REGION_CHUNKS);
+            assert!((1..=POOL_MAX_REGION_CHUNKS).contains(&n));
             assert_eq!(
                 ends[n - 1],
                 n_groups,

@@ -1,0 +1,119 @@
+//! Long-prefill attention on the AVX-512 kernel: a task's rows (its query tokens × the
+//! heads of one KV head's group) walk the keys one range at a time, every row through a
+//! range before any row moves to the next, with each row's softmax state kept in memory
+//! between ranges (`attn512` NOTE 3: the same bits as one uninterrupted walk).
+//!
+//! Why: at 8K keys one KV head's f16 K and V take 4 MiB, more than a core's L2, and the
+//! task's 96 pairs of rows (32 tokens × 6 heads of Qwen2.5-1.5B, two rows a kernel call)
+//! each streamed all of it again from L3, widening every f16 value to f32 on the way. Here
+//! a range's K/V are widened once into an f32 scratch that stays in L2 while every row
+//! pair reads it (BENCHMARKS.md, "Ranged prefill attention").
+
+use std::cell::RefCell;
+
+use crate::kernels::attn512::{self, HeadKv, Row, RowState};
+
+/// Keys per range, rounded down to whole blocks (at least one): K and V of 256 keys of a
+/// 128-wide head take 256 KiB in f32, which leaves most of a 2 MiB L2 for the rows'
+/// states and queries.
+const RANGE_KEYS: usize = 256;
+
+thread_local! {
+    /// The current range's K and V in f32 (store layout, one KV head) and the block table
+    /// that maps the range's blocks onto it; reused across tasks so prefill does not
+    /// allocate per task.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>, Vec<u32>)> = const {
+        RefCell::new((Vec::new(), Vec::new(), Vec::new()))
+    };
+}
+
+/// Computes every row of `rows` (batches of `max_rows` as `attn512::attend` takes them).
+///
+/// # Safety
+/// As for `attn512::attend` on every batch; `kv` is an f16 or f32 store (not quantised).
+pub(super) unsafe fn attend_rows_ranged(kv: &HeadKv, rows: &[Row], max_rows: usize, scale: f32) {
+    let n_max = rows.iter().map(|r| r.n_visible).max().unwrap_or(0);
+    let first_min = rows.iter().map(|r| r.first_visible).min().unwrap_or(0);
+    let bs = kv.block_size;
+    let range_blocks = (RANGE_KEYS / bs).max(1);
+    let range_keys = range_blocks * bs;
+    let mut states = vec![RowState::default(); rows.len()];
+    SCRATCH.with_borrow_mut(|(k32, v32, table)| {
+        let block_elems = bs * kv.head_dim;
+        if kv.f16 {
+            k32.resize(range_blocks * block_elems, 0.0);
+            v32.resize(range_blocks * block_elems, 0.0);
+            table.clear();
+            table.resize(n_max.div_ceil(bs), 0);
+        }
+        let mut k0 = first_min / range_keys * range_keys;
+        while k0 < n_max {
+            let k1 = k0 + range_keys;
+            let scratch;
+            let kv_range = if kv.f16 {
+                scratch = widen_range(
+                    kv,
+                    k0 / bs..(k1 / bs).min(n_max.div_ceil(bs)),
+                    k32,
+                    v32,
+                    table,
+                );
+                &scratch
+            } else {
+                kv
+            };
+            for (batch, st) in rows.chunks(max_rows).zip(states.chunks_mut(max_rows)) {
+                let batch_end = batch.iter().map(|r| r.n_visible).max().unwrap_or(0);
+                let batch_start = batch.iter().map(|r| r.first_visible).min().unwrap_or(0);
+                if batch_end <= k0 || batch_start >= k1 {
+                    continue;
+                }
+                attn512::attend_range(kv_range, batch, scale, k0..k1, Some(st));
+            }
+            k0 = k1;
+        }
+    });
+    for (batch, st) in rows.chunks(max_rows).zip(states.chunks(max_rows)) {
+        attn512::finish(batch, st, kv.head_dim);
+    }
+}
+
+/// Widens the K and V of blocks `blocks` of `kv`'s head into the scratch, points the
+/// scratch table's entries for those blocks at it, and returns a view of the scratch that
+/// `attn512` walks like the store (one head, f32).
+unsafe fn widen_range<'t>(
+    kv: &HeadKv,
+    blocks: std::ops::Range<usize>,
+    k32: &mut [f32],
+    v32: &mut [f32],
+    table: &'t mut [u32],
+) -> HeadKv<'t> {
+    let block_elems = kv.block_size * kv.head_dim;
+    for (i, b) in blocks.enumerate() {
+        let src = (kv.block_table[b] as usize * kv.n_kv_heads + kv.kv_head) * block_elems;
+        // f16 elements are 2 bytes: the store's layer arrays hold u16 bit patterns.
+        let (ks, vs) = (kv.k as *const u16, kv.v as *const u16);
+        attn512::widen_f16(
+            ks.add(src),
+            k32.as_mut_ptr().add(i * block_elems),
+            block_elems,
+        );
+        attn512::widen_f16(
+            vs.add(src),
+            v32.as_mut_ptr().add(i * block_elems),
+            block_elems,
+        );
+        table[b] = i as u32;
+    }
+    HeadKv {
+        k: k32.as_ptr() as *const u8,
+        v: v32.as_ptr() as *const u8,
+        f16: false,
+        block_table: table,
+        n_kv_heads: 1,
+        kv_head: 0,
+        block_size: kv.block_size,
+        head_dim: kv.head_dim,
+        prefetch: false,
+    }
+}
