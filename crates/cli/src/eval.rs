@@ -28,8 +28,9 @@ pub struct EvalArgs {
     /// KV budgets: percentages of the context (25%) or token counts (512), comma-separated.
     #[arg(long, value_delimiter = ',')]
     pub budgets: Option<Vec<String>>,
-    /// passkey, niah-single, niah-multikey, niah-multivalue, kv-retrieval, variable-tracking, text-kl,
-    /// text-kl-keep-continuation.
+    /// passkey, niah-single, niah-multikey, niah-multivalue, kv-retrieval, variable-tracking, text-kl
+    /// (the default set), and text-kl-keep-continuation, code-completion (LongBench's LCC
+    /// style on the dependency crates' sources), passage-count (LongBench's, on the book).
     #[arg(long, value_delimiter = ',')]
     pub tasks: Option<Vec<String>>,
     /// Context lengths in tokens, comma-separated.
