@@ -51,13 +51,11 @@ pub(super) unsafe fn attend_rows_ranged(kv: &HeadKv, rows: &[Row], max_rows: usi
             let k1 = k0 + range_keys;
             let scratch;
             let kv_range = if kv.f16 {
-                scratch = widen_range(
-                    kv,
-                    k0 / bs..(k1 / bs).min(n_max.div_ceil(bs)),
-                    k32,
-                    v32,
-                    table,
-                );
+                // Blocks wholly before every row's window may have been released (a
+                // sliding-window layer's table holds no valid block there): never read them.
+                let first_block = (k0 / bs).max(first_min / bs);
+                let blocks = first_block..(k1 / bs).min(n_max.div_ceil(bs));
+                scratch = widen_range(kv, blocks, k0 / bs, k32, v32, table);
                 &scratch
             } else {
                 kv
@@ -84,12 +82,14 @@ pub(super) unsafe fn attend_rows_ranged(kv: &HeadKv, rows: &[Row], max_rows: usi
 unsafe fn widen_range<'t>(
     kv: &HeadKv,
     blocks: std::ops::Range<usize>,
+    range_first_block: usize,
     k32: &mut [f32],
     v32: &mut [f32],
     table: &'t mut [u32],
 ) -> HeadKv<'t> {
     let block_elems = kv.block_size * kv.head_dim;
-    for (i, b) in blocks.enumerate() {
+    for b in blocks {
+        let i = b - range_first_block;
         let src = (kv.block_table[b] as usize * kv.n_kv_heads + kv.kv_head) * block_elems;
         // f16 elements are 2 bytes: the store's layer arrays hold u16 bit patterns.
         let (ks, vs) = (kv.k as *const u16, kv.v as *const u16);
