@@ -124,11 +124,7 @@ unsafe fn attend_task_avx512(
     };
     let max_rows = attn512::max_rows(hd);
     let n_rows = (t.t1 - t.t0) * group;
-    if quant.is_none()
-        && s.stored_start + t.t1 >= RANGED_MIN_KEYS
-        && n_rows > max_rows
-        && std::env::var("PK_RANGED").map_or(true, |v| v != "0")
-    {
+    if quant.is_none() && s.stored_start + t.t1 >= RANGED_MIN_KEYS && n_rows > max_rows {
         let rows: Vec<attn512::Row> = (t.t0..t.t1)
             .flat_map(|tok| (0..group).map(move |g| (tok, g)))
             .map(|(tok, g)| {
