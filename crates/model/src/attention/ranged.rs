@@ -7,7 +7,7 @@
 //! task's 96 pairs of rows (32 tokens × 6 heads of Qwen2.5-1.5B, two rows a kernel call)
 //! each streamed all of it again from L3, widening every f16 value to f32 on the way. Here
 //! a range's K/V are widened once into an f32 scratch that stays in L2 while every row
-//! pair reads it (BENCHMARKS.md, "Ranged prefill attention").
+//! pair reads it (BENCHMARKS.md, "Issue 39 on an Intel Xeon with AMX").
 
 use std::cell::RefCell;
 

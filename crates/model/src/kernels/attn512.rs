@@ -38,7 +38,7 @@
 //! `d`), so with 2 rows (head_dim 128) one chunk kept 4 chains of a 4-cycle FMA in flight,
 //! half of what two FMA ports need. Stage 1 takes `SCORE_CHUNKS` chunks in one pass over
 //! `d`: more independent chains, and each chunk's own operations are unchanged, so the
-//! bits are too (BENCHMARKS.md, "Attention score chains").
+//! bits are too (BENCHMARKS.md, "Issue 39 on an Intel Xeon with AMX").
 
 use std::arch::x86_64::*;
 

@@ -123,8 +123,8 @@ const POOL_MAX_REGION_CHUNKS: usize = 64;
 /// long and the last short. Fixed chunks of ≈ 2 µs (this function's predecessor) held two
 /// threads to 54 % of the DRAM bound on Qwen2.5-1.5B (AMX host): every chunk started a new
 /// stream with its first lines unfetched and claimed through the pool's shared counter, and
-/// decode ran 17.4 tok/s against 22.8 with long chunks (BENCHMARKS.md, "Guided decode
-/// chunks"). Writes the chunk ends into `ends` and returns how many there are.
+/// decode ran 17.4 tok/s against 22.8 with long fixed chunks and 23.3–23.7 guided
+/// (BENCHMARKS.md, "Issue 39 on an Intel Xeon with AMX"). Writes the chunk ends into `ends` and returns how many there are.
 fn guided_chunk_ends(
     n_groups: usize,
     min_groups: usize,

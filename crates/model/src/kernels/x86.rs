@@ -295,9 +295,9 @@ const PREFETCH_AHEAD_BYTES: usize = 1024;
 /// far ahead, then into L1 [`PREFETCH_NEAR_BYTES`] ahead. An L1 prefetch holds one of the
 /// core's few line-fill buffers until its line arrives from DRAM, so a far `prefetcht0`
 /// stalls the loads behind it, while an L2 request waits in the much deeper L2 queue; on
-/// the AMX host the far L2 + near L1 pair raised Qwen2.5-1.5B decode from 13.8 to 15.4 tok/s
-/// at 1 thread (to 90 % of the DRAM bound) and from 25.2 to 28.6 at 2 (BENCHMARKS.md,
-/// "Two-level weight prefetch"). AMD's cores fill L1 on every hint, so they keep the
+/// the AMX host the far L2 + near L1 pair raised Qwen2.5-1.5B decode 1.10–1.12× at 1 and 2
+/// threads, alternating with the near prefetch alone (BENCHMARKS.md, "Issue 39 on an Intel
+/// Xeon with AMX"). AMD's cores fill L1 on every hint, so they keep the
 /// single near prefetch that was measured there.
 const PREFETCH_FAR_BYTES: usize = 4096;
 const PREFETCH_NEAR_BYTES: usize = 512;
