@@ -22,7 +22,9 @@ pub struct EvalArgs {
     #[arg(long)]
     pub full: bool,
     /// Evicting policies to compare with the full cache, comma-separated
-    /// (default: paged-eviction, streaming-llm, keydiff, knorm).
+    /// (default: paged-eviction, streaming-llm, keydiff, knorm). A policy written
+    /// `NAME/GRANULARITY` (`snapkv/head`) runs at that granularity only; the others run at
+    /// every `--kv-granularity`.
     #[arg(long, value_delimiter = ',')]
     pub policies: Option<Vec<String>>,
     /// KV budgets: percentages of the context (25%) or token counts (512), comma-separated.
@@ -94,14 +96,29 @@ fn config(a: &EvalArgs) -> Result<SweepConfig> {
         SweepConfig::quick(model, a.out.clone())
     };
     if let Some(p) = &a.policies {
-        c.policies = p
-            .iter()
-            .map(|s| {
-                s.parse::<pk_kv::PolicySpec>()
-                    .map_err(|e| anyhow::anyhow!("--policies: {e}"))
-            })
-            .collect::<Result<_>>()?;
-        c.policies.retain(|p| p.evicts()); // the full cache always runs as the reference
+        (c.policies, c.pinned_policies) = (Vec::new(), Vec::new());
+        for s in p {
+            let (name, granularity) = match s.split_once('/') {
+                Some((name, g)) => (name, Some(g)),
+                None => (s.as_str(), None),
+            };
+            let spec = name
+                .parse::<pk_kv::PolicySpec>()
+                .map_err(|e| anyhow::anyhow!("--policies: {e}"))?;
+            // The full cache always runs as the reference, and takes no granularity.
+            match (spec.evicts(), granularity) {
+                (false, None) => {}
+                (false, Some(_)) => {
+                    bail!("--policies: {s:?}: a granularity needs an evicting policy")
+                }
+                (true, None) => c.policies.push(spec),
+                (true, Some(g)) => c.pinned_policies.push((
+                    spec,
+                    g.parse()
+                        .map_err(|e| anyhow::anyhow!("--policies: {s:?}: {e}"))?,
+                )),
+            }
+        }
     }
     if let Some(b) = &a.budgets {
         c.budgets = b
@@ -186,7 +203,10 @@ fn check_used(a: &EvalArgs, c: &SweepConfig) -> Result<()> {
     if a.continuation_tokens.is_some() && !text_kl {
         bail!("--continuation-tokens is not used by `eval` without a text-kl task: only text-kl and text-kl-keep-continuation force a continuation");
     }
-    if c.policies.is_empty() {
+    if c.policies.is_empty() && !c.pinned_policies.is_empty() && a.kv_granularity.is_some() {
+        bail!("--kv-granularity is not used by `eval` when every policy in --policies names its own (`snapkv/head`)");
+    }
+    if c.policies.is_empty() && c.pinned_policies.is_empty() {
         for (set, flag) in [
             (a.budgets.is_some(), "--budgets"),
             (a.kv_granularity.is_some(), "--kv-granularity"),

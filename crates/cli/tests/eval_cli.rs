@@ -177,3 +177,78 @@ fn quick_preset() {
     check_png(&out.join("kl_B16.png"), pk_eval::plot::figure_size(2, 2));
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// A policy written `NAME/GRANULARITY` runs at that granularity only, beside the others
+/// at every `--kv-granularity`; naming one for the full cache, or `--kv-granularity` when
+/// every policy names its own, is refused.
+#[test]
+fn pinned_policy_granularity_runs_once() {
+    let out = out_dir("pinned");
+    let args = [
+        "--tasks",
+        "passkey",
+        "--lengths",
+        "512",
+        "--samples",
+        "1",
+        "--policies",
+        "streaming-llm,knorm/head",
+        "--kv-granularity",
+        "layer",
+        "--budgets",
+        "256",
+    ];
+    let (v, err) = eval(&out, &args);
+    assert!(err.contains("ran 3 new of 3 cells"), "{err}");
+    let mut rows: Vec<(String, String)> = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["policy"].as_str().unwrap().to_string(),
+                r["kv_granularity"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    rows.sort();
+    let expected = [
+        ("full", "shared"),
+        ("knorm/head", "head"),
+        ("streaming-llm/layer", "layer"),
+    ];
+    let expected: Vec<(String, String)> = expected
+        .iter()
+        .map(|(p, g)| (p.to_string(), g.to_string()))
+        .collect();
+    assert_eq!(rows, expected);
+    let _ = std::fs::remove_dir_all(&out);
+
+    for (policies, granularity, named) in [
+        ("full/head", None, "full/head"),
+        ("knorm/head", Some("layer"), "--kv-granularity"),
+        ("knorm/sideways", None, "knorm/sideways"),
+    ] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pagekeeper"));
+        cmd.args([
+            "eval",
+            "--tasks",
+            "passkey",
+            "--lengths",
+            "512",
+            "--samples",
+            "1",
+        ])
+        .args(["--policies", policies, "--no-progress", "--model"])
+        .arg(model_path())
+        .arg("--out")
+        .arg(out_dir("pinned-refused"));
+        if let Some(g) = granularity {
+            cmd.args(["--kv-granularity", g]);
+        }
+        let o = cmd.output().expect("running pagekeeper");
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{policies} was accepted");
+        assert!(stderr.contains(named), "{policies}: {stderr}");
+    }
+}

@@ -4,7 +4,8 @@
 //! `summary.md`.
 //!
 //! Only calibrated cells count for the generated tasks: where the full cache itself scores
-//! below 80%, a policy's score says nothing about eviction. Budgets are grouped by their
+//! below 80% (code completion: 0.6 edit similarity, `report::calibration_min_score`), a
+//! policy's score says nothing about eviction. Budgets are grouped by their
 //! share of the context (the `--full` budgets are fractions, so 25% of 1K and 25% of 2K
 //! fall in one group).
 
@@ -67,7 +68,7 @@ pub fn markdown(report: &Report, subject: &str) -> String {
         .collect();
     let mut s = format!("## {subject} against each policy\n\n");
     s += &format!(
-        "Generated tasks, calibrated cells only (task × length where the full cache scores ≥ 80%). \
+        "Generated tasks, calibrated cells only (task × length where the full cache scores ≥ 80%; code completion ≥ 0.6 edit similarity). \
          A cell is one (task, length, budget); win / tie / loss compares {subject}'s mean score with the other \
          policy's in that cell, Δ is the mean of ({subject} − other). text-kl: ΔKL is the mean of \
          ({subject} − other) over lengths, in nats (negative: {subject} is closer to the full cache), and \

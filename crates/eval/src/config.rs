@@ -72,8 +72,12 @@ pub struct SweepConfig {
     /// Live KV precision of every run except `text-kl`'s reference, which is always the
     /// f16 full cache (so a q8 sweep's `full` text-kl row measures q8 itself).
     pub kv_dtype: KvDtype,
-    /// Eviction granularities: every evicting (policy, budget) runs at each.
+    /// Eviction granularities: every evicting (policy, budget) of `policies` runs at each.
     pub granularities: Vec<pk_kv::KvGranularity>,
+    /// Evicting policies that run at one granularity only (`--policies snapkv/head`), so
+    /// that a comparison of one policy's granularities does not multiply every other
+    /// policy's runs.
+    pub pinned_policies: Vec<(PolicySpec, pk_kv::KvGranularity)>,
     /// kvpress's query-agnostic convention for the tasks that ask a question: the context
     /// is prefilled and compressed first, then the question and the answer prefix are
     /// read (forced tokens, all kept) and the answer generated, so no policy sees the
@@ -111,6 +115,7 @@ impl SweepConfig {
             progress: true,
             kv_dtype: KvDtype::F16,
             granularities: vec![pk_kv::KvGranularity::Shared],
+            pinned_policies: Vec::new(),
             query_agnostic: false,
         }
     }

@@ -15,6 +15,20 @@ use crate::record::RawResult;
 
 /// Below this full-cache score a (task, length) cell says nothing about eviction.
 pub const CALIBRATION_MIN_SCORE: f64 = 0.8;
+/// The same line for code completion's edit similarity, which is not a fraction of
+/// answers found: a plausible line that differs from the file's in a name or an argument
+/// scores 0.5–0.8, so a model that completes most lines well lands near 0.7 (LongBench's
+/// published LCC scores for 7B chat models are 0.5–0.6). Measured here: 0.78 for the 1.5B
+/// model with the whole context at 2K (docs/results/eval-issue38).
+pub const CALIBRATION_MIN_EDIT_SIMILARITY: f64 = 0.6;
+
+/// The full-cache score at which a task's cells are calibrated.
+pub fn calibration_min_score(task: &str) -> f64 {
+    match task {
+        "code-completion" => CALIBRATION_MIN_EDIT_SIMILARITY,
+        _ => CALIBRATION_MIN_SCORE,
+    }
+}
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct SummaryRow {
@@ -35,7 +49,7 @@ pub struct SummaryRow {
     /// Perplexity of the continuation under this cache minus under the full cache (text-kl).
     pub delta_ppl: Option<f64>,
     /// The full cache's score on this (task, length, block size); `calibrated` is whether
-    /// it reaches `CALIBRATION_MIN_SCORE`.
+    /// it reaches `calibration_min_score` of its task.
     pub full_score: Option<f64>,
     pub calibrated: bool,
 }
@@ -86,7 +100,7 @@ pub fn summarise(model: &str, records: &[RawResult]) -> Report {
                     .get(&(task.clone(), context_tokens, block_size))
                     .copied();
                 SummaryRow {
-                    calibrated: full.is_some_and(|f| f >= CALIBRATION_MIN_SCORE),
+                    calibrated: full.is_some_and(|f| f >= calibration_min_score(&task)),
                     full_score: full,
                     score: mean(rs.iter().map(|r| r.score)).unwrap_or(0.0),
                     kl_mean: mean(rs.iter().filter_map(|r| r.kl_mean)),
@@ -155,12 +169,12 @@ fn cells(r: &SummaryRow) -> [String; 12] {
 /// Calibration lines: the full cache's score per (task, length, block size).
 pub fn calibration_text(report: &Report) -> String {
     let mut s =
-        String::from("Calibration (full cache; cells below 80% say nothing about eviction):\n");
+        String::from("Calibration (full cache; cells below 80% (code completion: 0.6 edit similarity) say nothing about eviction):\n");
     for r in report.results.iter().filter(|r| r.policy == "full") {
         let mark = if r.calibrated {
             ""
         } else {
-            "  <- below 80%, uncalibrated"
+            "  <- below the line, uncalibrated"
         };
         let _ = writeln!(
             s,
@@ -205,9 +219,9 @@ pub fn markdown(report: &Report, command: &str) -> String {
         "# pagekeeper eval: {}\n\nCommand: `{command}`\n\n",
         report.model
     );
-    s += "Score: exact match of the expected strings (generative tasks), top-1 agreement with the full cache (text-kl). \
+    s += "Score: exact match of the expected strings (generative tasks; code-completion: edit similarity of the first code line; passage-count: LongBench's count score), top-1 agreement with the full cache (text-kl). \
           F1 / ROUGE-L: the greedy answer against the full cache's. KL: mean per-token KL(p_full || p_policy), nats. \
-          \"uncalibrated\": the full cache scores below 80% there.\n\n";
+          \"uncalibrated\": the full cache scores below 80% there (code completion: below 0.6 edit similarity).\n\n";
     s += &format!("```\n{}```\n\n", calibration_text(report));
     // The seed's question first, then every cell.
     s += &crate::compare::markdown(report, "paged-eviction");
@@ -306,6 +320,17 @@ mod tests {
         );
         assert!(!r.results[1].calibrated);
         assert_eq!(r.results[1].full_score, Some(0.75));
+        // The same full score calibrates code completion, whose edit similarity has a
+        // lower line.
+        let code: Vec<RawResult> = recs
+            .iter()
+            .cloned()
+            .map(|mut r| {
+                r.task = "code-completion".into();
+                r
+            })
+            .collect();
+        assert!(summarise("m", &code).results.iter().all(|r| r.calibrated));
         let json = serde_json::to_value(&r).unwrap();
         assert_eq!(json["results"][1]["kv_budget"], 256);
         assert!(json["results"][0]["kv_budget"].is_null());
@@ -313,7 +338,7 @@ mod tests {
         assert_eq!(csv(&r).lines().count(), 3);
         let md = markdown(&r, "pagekeeper eval");
         assert!(
-            md.contains("full score 0.750  <- below 80%")
+            md.contains("full score 0.750  <- below the line")
                 && md.contains("| passkey (uncalibrated) | 1024 | 16 | knorm | 256 | 0.500 |"),
             "{md}"
         );

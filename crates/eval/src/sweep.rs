@@ -84,14 +84,18 @@ fn units(cfg: &SweepConfig) -> Vec<Unit> {
                 let budgets = cfg.budget_tokens(context_tokens, block_size);
                 for sample in 0..cfg.samples {
                     let mut cells = vec![Cell::FULL];
-                    for &granularity in &cfg.granularities {
-                        for p in cfg.policies.iter().filter(|p| p.evicts()) {
-                            cells.extend(budgets.iter().map(|&b| Cell {
-                                policy: Some(*p),
-                                budget: Some(b),
-                                granularity,
-                            }));
-                        }
+                    let every = cfg.granularities.iter().flat_map(|&g| {
+                        cfg.policies
+                            .iter()
+                            .filter(|p| p.evicts())
+                            .map(move |&p| (p, g))
+                    });
+                    for (p, granularity) in every.chain(cfg.pinned_policies.iter().copied()) {
+                        cells.extend(budgets.iter().map(|&b| Cell {
+                            policy: Some(p),
+                            budget: Some(b),
+                            granularity,
+                        }));
                     }
                     out.push(Unit {
                         block_size,
