@@ -132,6 +132,7 @@ fn prefix_kv(engine: &Engine, tokens: &[u32]) -> Result<KvContext> {
             logits_from: tokens.len(),
             stored_positions: &[],
             window_tables: &[],
+            head_first_keys: &[],
         }],
     );
     let (n, hd) = (tokens.len(), g.head_dim);

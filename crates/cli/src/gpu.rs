@@ -95,6 +95,7 @@ mod imp {
                 logits_from: first,
                 stored_positions: &[],
                 window_tables: &[],
+                head_first_keys: &[],
             };
             Ok(model.forward(&gpu, &mut pool, &[seq])?)
         };
@@ -329,6 +330,7 @@ mod imp {
                     logits_from: ctx - 1,
                     stored_positions: &[],
                     window_tables: &[],
+                    head_first_keys: &[],
                 };
                 next.push(model.forward_argmax(&self.gpu, &mut self.pool, &[seq])?[0]);
             }
@@ -359,6 +361,7 @@ mod imp {
                         logits_from: 0,
                         stored_positions: &[],
                         window_tables: &[],
+                        head_first_keys: &[],
                     })
                     .collect();
                 let t = Instant::now();

@@ -205,6 +205,7 @@ pub(crate) fn window_queries(
         logits_from: w,
         stored_positions: &[],
         window_tables: &[],
+        head_first_keys: &[],
     };
     match backend.forward_with_queries(&[fwd], &[w]) {
         Ok((_, mut captured)) if !captured.is_empty() => Some(WindowQueries {

@@ -481,6 +481,7 @@ fn a_snapkv_grid_scores_a_context_by_its_last_queries_and_serves_it_dropped() {
         logits_from: context.len(),
         stored_positions: &[],
         window_tables: &[],
+        head_first_keys: &[],
     };
     let (_, mut captured) = model.forward_with_queries(&mut kv, &[fwd], &[64]);
     let window = pk_evicpress::WindowQueries {

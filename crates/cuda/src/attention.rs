@@ -126,6 +126,7 @@ mod tests {
             logits_from: 0,
             stored_positions: &[],
             window_tables: &[],
+            head_first_keys: &[],
         }
     }
 

@@ -397,6 +397,12 @@ impl GpuLlama {
                 g.block_size_tokens, c.head_dim
             )));
         }
+        if seqs.iter().any(|s| !s.head_first_keys.is_empty()) {
+            return Err(CudaError::Unsupported(
+                "per-head first keys (a ragged eviction such as kvzip:global) run on the CPU only"
+                    .into(),
+            ));
+        }
         if seqs.iter().all(|s| s.tokens.is_empty()) {
             return Ok(0);
         }
@@ -669,6 +675,7 @@ mod tests {
             logits_from: 0,
             stored_positions: &[],
             window_tables: &[],
+            head_first_keys: &[],
         });
         // Sequence 1 asks for more than it has; sequence 2 has no entry.
         let (rows, counts) = capture_rows(&seqs, &[2, 4]);

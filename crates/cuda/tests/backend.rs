@@ -206,6 +206,7 @@ fn forward_with_queries_matches_the_cpu_backend() {
             logits_from: 39,
             stored_positions: &[],
             window_tables: &[],
+            head_first_keys: &[],
         },
         SeqForward {
             tokens: &b,
@@ -215,6 +216,7 @@ fn forward_with_queries_matches_the_cpu_backend() {
             logits_from: 20,
             stored_positions: &[],
             window_tables: &[],
+            head_first_keys: &[],
         },
     ];
     // Sequence 0 captures its last 3 queries, sequence 1 its last one (a missing entry: none

@@ -88,6 +88,7 @@ fn run(act: ActDtype, abs: f32, graphs: bool) {
             logits_from: 0,
             stored_positions: &[],
             window_tables: &[],
+            head_first_keys: &[],
         }],
         "prefill",
     );
@@ -102,6 +103,7 @@ fn run(act: ActDtype, abs: f32, graphs: bool) {
                 logits_from: 0,
                 stored_positions: &[],
                 window_tables: &[],
+                head_first_keys: &[],
             },
             SeqForward {
                 tokens: &other,
@@ -111,6 +113,7 @@ fn run(act: ActDtype, abs: f32, graphs: bool) {
                 logits_from: 19,
                 stored_positions: &[],
                 window_tables: &[],
+                head_first_keys: &[],
             },
         ],
         "decode + prompt",
@@ -127,6 +130,7 @@ fn run(act: ActDtype, abs: f32, graphs: bool) {
             logits_from: 0,
             stored_positions: &[],
             window_tables: &[],
+            head_first_keys: &[],
         }],
         "decode after eviction",
     );
@@ -142,6 +146,7 @@ fn run(act: ActDtype, abs: f32, graphs: bool) {
                 logits_from: 0,
                 stored_positions: &[],
                 window_tables: &[],
+                head_first_keys: &[],
             }],
             "decode",
         );
@@ -202,6 +207,7 @@ fn random_weights_are_made_on_the_device_and_run() {
         logits_from: 0,
         stored_positions: &[],
         window_tables: &[],
+        head_first_keys: &[],
     };
     assert!(model.forward(&gpu, &mut pool, &[empty]).unwrap().is_empty());
     assert!(model
@@ -221,6 +227,7 @@ fn random_weights_are_made_on_the_device_and_run() {
                 logits_from: 0,
                 stored_positions: &[],
                 window_tables: &[],
+                head_first_keys: &[],
             }],
         )
         .unwrap();

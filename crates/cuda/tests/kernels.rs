@@ -509,6 +509,7 @@ fn attention_case(
             logits_from: 0,
             stored_positions: &[],
             window_tables: &[],
+            head_first_keys: &[],
         },
         SeqForward {
             tokens: &qb,
@@ -518,6 +519,7 @@ fn attention_case(
             logits_from: 0,
             stored_positions: &[],
             window_tables: &[],
+            head_first_keys: &[],
         },
         SeqForward {
             tokens: &qc,
@@ -527,6 +529,7 @@ fn attention_case(
             logits_from: 0,
             stored_positions: &[],
             window_tables: &[],
+            head_first_keys: &[],
         },
     ];
     let kvd = n_kv_heads * head_dim;
@@ -666,6 +669,7 @@ fn attention_case(
                 stored_start: s.stored_start,
                 n_queries: s.tokens.len(),
                 row_offset: row,
+                head_first_keys: &[],
             };
             row += s.tokens.len();
             a

@@ -48,6 +48,7 @@ pub(crate) fn execute(
             logits_from: first_logits_row(s, c),
             stored_positions: table.positions().unwrap_or(&[]),
             window_tables: &window_tables[k],
+            head_first_keys: &[],
         });
         capture.push(capture_count(s, c));
     }

@@ -121,6 +121,7 @@ fn our_logits(model: &Llama, ids: &[u32], positions: &[usize]) -> Vec<Vec<f32>> 
                 logits_from: positions[i] - done,
                 stored_positions: &[],
                 window_tables: &[],
+                head_first_keys: &[],
             }],
         );
         out.extend(logits.chunks_exact(c.vocab_size).map(|r| r.to_vec()));
@@ -314,6 +315,7 @@ fn our_logits_one_by_one(model: &Llama, ids: &[u32], n_prompt: usize) -> Vec<Vec
                 logits_from: tokens.len() - 1,
                 stored_positions: &[],
                 window_tables: &[],
+                head_first_keys: &[],
             }],
         );
         out.push(logits);

@@ -143,6 +143,7 @@ fn greedy_continuations_agree_with_llama_cpp_up_to_near_ties() {
                 logits_from: prompt.len() - 1,
                 stored_positions: &[],
                 window_tables: &[],
+                head_first_keys: &[],
             }],
         );
         for (i, &want) in cont.iter().enumerate() {

@@ -554,6 +554,23 @@ impl KvCacheManager {
         Some(moves)
     }
 
+    /// Ragged per-unit compaction of `seq` (one budget over every unit): see
+    /// `BlockTable::compact_units_ragged`, whose first keys it returns with the moves. The
+    /// sequence stops adding blocks to the prefix cache. `None`: no free block for a
+    /// private copy; nothing changed.
+    #[must_use = "allocation can fail, and the returned moves must be performed"]
+    #[allow(clippy::type_complexity)]
+    pub fn compact_units_ragged(
+        &mut self,
+        seq: SeqId,
+        keeps: &[Vec<u32>],
+    ) -> Option<(Vec<TokenMove>, Vec<Vec<TokenMove>>, Vec<u32>)> {
+        let state = Self::state_mut(&mut self.seqs, seq, "compact_units_ragged");
+        let moves = state.table.compact_units_ragged(keeps, &mut self.pool)?;
+        Self::stop_prefix_caching(state);
+        Some(moves)
+    }
+
     /// Keeps the first `new_num_stored_tokens` tokens of `seq` and frees the blocks past
     /// them (see `BlockTable::truncate`; usually no moves). If tokens were dropped, the
     /// sequence stops adding blocks to the prefix cache. Positions do not change.

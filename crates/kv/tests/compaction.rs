@@ -357,3 +357,99 @@ proptest! {
         prop_assert_eq!(manager.pool().num_free_blocks(), num_blocks);
     }
 }
+
+proptest! {
+    /// Ragged compaction (one budget over every unit): each unit ends up holding its own
+    /// keep list right-aligned before the table's end, from its first key on, performing
+    /// the moves in the order given and in place; shared and cached blocks are never
+    /// written, and tokens stored afterwards follow every unit's directly.
+    #[test]
+    fn ragged_compaction_right_aligns_each_units_tokens(
+        prompt_len in 1u32..=30,
+        n_units in 1usize..=4,
+        seeds in proptest::collection::vec(any::<u64>(), 4),
+        keep_lens in proptest::collection::vec(0u32..=30, 4),
+        donor in 0u8..3,
+    ) {
+        let num_blocks = 24;
+        let mut manager = KvCacheManager::new(num_blocks, B);
+        let mut contents: Vec<SlotContents> = (0..n_units).map(|_| SlotContents { positions: vec![None; (num_blocks * B) as usize] }).collect();
+        let prompt: Vec<u32> = (0..prompt_len).collect();
+        let mut run_prompt = |manager: &mut KvCacheManager, seq: SeqId| {
+            let prefix = manager.get_computed_prefix(&prompt, b"");
+            let cached = manager.add_sequence(seq, &prefix);
+            let new_slots = manager.allocate_slots(seq, prompt_len - cached).unwrap();
+            for c in contents.iter_mut() {
+                for (i, slot) in new_slots.slots.iter().enumerate() {
+                    c.set(*slot, Some(new_slots.first_position as u32 + i as u32));
+                }
+            }
+            manager.cache_full_blocks(seq, &prompt);
+        };
+        if donor > 0 {
+            run_prompt(&mut manager, SeqId(2));
+            if donor == 2 {
+                manager.free(SeqId(2));
+            }
+        }
+        run_prompt(&mut manager, SeqId(1));
+        let keeps: Vec<Vec<u32>> = seeds[..n_units].iter().zip(&keep_lens).map(|(&seed, &len)| {
+            let mut order: Vec<u32> = (0..prompt_len).collect();
+            let mut x = seed | 1;
+            for i in (1..order.len()).rev() {
+                x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+                order.swap(i, (x % (i as u64 + 1)) as usize);
+            }
+            let mut keep = order[..len.min(prompt_len) as usize].to_vec();
+            keep.sort_unstable();
+            keep
+        }).collect();
+        let longest = keeps.iter().map(Vec::len).max().unwrap() as u32;
+        let (private, unit_moves, first_keys) = manager.compact_units_ragged(SeqId(1), &keeps).unwrap();
+        for m in &private {
+            for c in contents.iter_mut() {
+                let position = c.get(m.src);
+                c.set(m.dst, position);
+            }
+        }
+        for (u, moves) in unit_moves.iter().enumerate() {
+            for m in moves {
+                prop_assert_ne!(m.from_stored_index, m.to_stored_index);
+                let position = contents[u].get(m.src);
+                contents[u].set(m.dst, position);
+            }
+        }
+        manager.check_invariants();
+        let table = manager.block_table(SeqId(1)).unwrap();
+        prop_assert_eq!(table.num_stored_tokens(), longest);
+        for (u, keep) in keeps.iter().enumerate() {
+            prop_assert_eq!(first_keys[u], longest - keep.len() as u32);
+            for (j, &position) in keep.iter().enumerate() {
+                let index = first_keys[u] + j as u32;
+                prop_assert_eq!(contents[u].get(table.slot(index)), Some(position), "unit {} token {}", u, j);
+            }
+        }
+        let prefix = manager.get_computed_prefix(&prompt, b"");
+        for (k, block_id) in prefix.block_ids().iter().enumerate() {
+            for offset in 0..B {
+                let slot = Slot { block_id: *block_id, offset_tokens: offset };
+                for c in &contents {
+                    prop_assert_eq!(c.get(slot), Some(k as u32 * B + offset));
+                }
+            }
+        }
+        if donor == 1 {
+            let donor_table = manager.block_table(SeqId(2)).unwrap();
+            for index in 0..prompt_len {
+                for c in &contents {
+                    prop_assert_eq!(c.get(donor_table.slot(index)), Some(index));
+                }
+            }
+        }
+        let next = manager.allocate_slots(SeqId(1), 3).unwrap();
+        prop_assert_eq!(next.slots[0], manager.block_table(SeqId(1)).unwrap().slot(longest));
+        manager.free(SeqId(1));
+        manager.free(SeqId(2));
+        prop_assert_eq!(manager.pool().num_free_blocks(), num_blocks);
+    }
+}

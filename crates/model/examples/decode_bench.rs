@@ -81,6 +81,7 @@ fn main() {
             logits_from: context - 1,
             stored_positions: &[],
             window_tables: &[],
+            head_first_keys: &[],
         }],
     );
     let prefill = t.elapsed().as_secs_f64();
@@ -104,6 +105,7 @@ fn main() {
                     logits_from: 0,
                     stored_positions: &[],
                     window_tables: &[],
+                    head_first_keys: &[],
                 }],
             );
             times[m].push(t.elapsed().as_secs_f64());

@@ -63,6 +63,7 @@ fn main() {
             logits_from: context,
             stored_positions: &[],
             window_tables: &[],
+            head_first_keys: &[],
         }],
     );
     let q_ids: Vec<u32> = (0..query as u32).map(|i| 100 + i * 13).collect();
@@ -74,6 +75,7 @@ fn main() {
         logits_from: query - 1,
         stored_positions: &[],
         window_tables: &[],
+        head_first_keys: &[],
     };
     let mut hit = Vec::new();
     for _ in 0..reps {
@@ -95,6 +97,7 @@ fn main() {
         stored_start: context,
         n_queries: query,
         row_offset: 0,
+        head_first_keys: &[],
     };
     let mut attn = Vec::new();
     for _ in 0..reps {

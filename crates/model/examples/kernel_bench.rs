@@ -155,6 +155,7 @@ fn main() {
                 stored_start: ctx - n_q,
                 n_queries: n_q,
                 row_offset: 0,
+                head_first_keys: &[],
             };
             let t = best_of(Duration::from_millis(300), || {
                 paged_attention(&store, 0, shape, &[seq], &q, &mut out)

@@ -31,6 +31,9 @@ pub struct AttnSeq<'a> {
     pub n_queries: usize,
     /// Row of this sequence's first query in the batched `q` / `out` matrices.
     pub row_offset: usize,
+    /// Per (layer, KV head), the first stored index that head sees
+    /// (`SeqForward::head_first_keys`); empty: every head sees from index 0.
+    pub head_first_keys: &'a [u32],
 }
 
 /// Which implementation computes a tile. All three agree within 1e-4 (tests below), and
@@ -238,6 +241,14 @@ fn attention_impl(
         Kernel::Avx512 if !cfg!(target_arch = "x86_64") => Kernel::Scalar,
         k => k,
     };
+    let head_visible = head_first_visible(store, layer, shape, seqs, first_visible);
+    // Per-head bounds take the kernels that take a range of keys, as windows do.
+    let quant = matches!(store.layer(layer), LayerKv::Quant { .. });
+    let kernel = match (&head_visible, kernel) {
+        (Some(_), Kernel::Avx512) if !quant => Kernel::Avx512,
+        (Some(_), _) => Kernel::Scalar,
+        (None, k) => k,
+    };
     let group = shape.n_heads / shape.n_kv_heads;
     let row_keys: usize = seqs
         .iter()
@@ -262,6 +273,10 @@ fn attention_impl(
         // whose length was checked above; block tables were checked to cover every visible
         // key.
         let run = |t: &Task| unsafe {
+            let visible = match &head_visible {
+                Some(per_head) => Some(per_head[t.kv_head].as_slice()),
+                None => first_visible,
+            };
             attend_task(
                 kernel,
                 store,
@@ -271,7 +286,7 @@ fn attention_impl(
                 t,
                 q,
                 ptr,
-                first_visible,
+                visible,
             )
         };
         if rayon::current_num_threads() > 1 && tasks.len() > 1 && row_keys >= MIN_PARALLEL_ROW_KEYS
@@ -281,6 +296,51 @@ fn attention_impl(
             tasks.iter().for_each(run);
         }
     });
+}
+
+/// Each row's first visible stored index per KV head, where some sequence's heads start
+/// at their own index (`AttnSeq::head_first_keys`, after a ragged eviction): the later of
+/// the row's window bound and its head's first key. `None` when no sequence has any, so
+/// that the common case allocates nothing.
+fn head_first_visible(
+    store: &KvStore,
+    layer: usize,
+    shape: AttnShape,
+    seqs: &[AttnSeq],
+    first_visible: Option<&[usize]>,
+) -> Option<Vec<Vec<usize>>> {
+    if seqs.iter().all(|s| s.head_first_keys.is_empty()) {
+        return None;
+    }
+    let n_rows: usize = seqs
+        .iter()
+        .map(|s| s.row_offset + s.n_queries)
+        .max()
+        .unwrap_or(0);
+    let n_kv = shape.n_kv_heads;
+    assert_eq!(store.geometry.n_kv_heads, n_kv, "the store's KV heads");
+    let per_head = (0..n_kv)
+        .map(|h| {
+            let mut rows = vec![0usize; n_rows];
+            for s in seqs {
+                let first_key = s
+                    .head_first_keys
+                    .get(layer * n_kv + h)
+                    .map_or(0, |&k| k as usize);
+                for i in 0..s.n_queries {
+                    let r = s.row_offset + i;
+                    let window = first_visible.map_or(0, |f| f[r]);
+                    rows[r] = window.max(first_key);
+                    assert!(
+                        rows[r] <= s.stored_start + i,
+                        "a head's first key must come before the query's own token"
+                    );
+                }
+            }
+            rows
+        })
+        .collect();
+    Some(per_head)
 }
 
 /// One sequence's rows against one KV head with the AVX2 kernel, written into `out`: the
@@ -438,6 +498,7 @@ mod tests {
                 stored_start: n_tokens - n_q,
                 n_queries: n_q,
                 row_offset: 0,
+                head_first_keys: &[],
             };
             let first: Vec<usize> = (0..n_q)
                 .map(|i| (n_tokens - n_q + i + 1).saturating_sub(w))
@@ -470,6 +531,7 @@ mod tests {
                         stored_start: end - 1,
                         n_queries: 1,
                         row_offset: 0,
+                        head_first_keys: &[],
                     };
                     let mut o1 = vec![0f32; q_dim];
                     paged_attention_window_with(
@@ -488,6 +550,81 @@ mod tests {
                         "{kernel:?} row {i} alone vs batched"
                     );
                 }
+            }
+        }
+    }
+
+    /// After a ragged eviction each KV head starts at its own stored index: every kernel
+    /// matches naive attention over that head's keys from its first key on, a row alone
+    /// (a decode step) has the batch's bits, and the decode pool's split path leaves such
+    /// sequences to this one.
+    #[test]
+    fn head_first_keys_hide_each_heads_leading_slots() {
+        for (n_heads, n_kv, hd, bs, n_tokens, n_q, firsts) in [
+            (
+                4usize,
+                2usize,
+                64usize,
+                16usize,
+                100usize,
+                20usize,
+                vec![0u32, 37],
+            ),
+            (9, 3, 64, 8, 70, 1, vec![5, 0, 60]),
+            (8, 2, 128, 16, 1300, 24, vec![900, 12]),
+            (4, 1, 256, 16, 1030, 3, vec![1000]),
+        ] {
+            for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+                let (store, table, ks, vs) = filled_store(&mut rng, dtype, n_kv, hd, bs, n_tokens);
+                let start = n_tokens - n_q;
+                let q: Vec<f32> = (0..n_q * n_heads * hd)
+                    .map(|_| rng.gen_range(-2.0..2.0))
+                    .collect();
+                let seq = AttnSeq {
+                    block_table: &table,
+                    stored_start: start,
+                    n_queries: n_q,
+                    row_offset: 0,
+                    head_first_keys: &firsts,
+                };
+                let shape = AttnShape {
+                    n_heads,
+                    n_kv_heads: n_kv,
+                    head_dim: hd,
+                };
+                let q_dim = n_heads * hd;
+                let mut out = vec![0f32; q.len()];
+                for kernel in kernels(hd) {
+                    paged_attention_with(kernel, &store, 0, shape, &[seq], &q, &mut out);
+                    for i in 0..n_q {
+                        for h in 0..n_heads {
+                            let kvh = h / (n_heads / n_kv);
+                            let lo = firsts[kvh] as usize;
+                            let row = i * q_dim + h * hd..i * q_dim + (h + 1) * hd;
+                            let end = start + i + 1;
+                            let want =
+                                naive(&q[row.clone()], &ks[kvh][lo..end], &vs[kvh][lo..end], hd);
+                            for (a, b) in want.iter().zip(&out[row]) {
+                                assert!(
+                                    (a - b).abs() < 1e-4,
+                                    "{dtype:?} {kernel:?} row {i} head {h}: {a} vs {b}"
+                                );
+                            }
+                        }
+                    }
+                    let what = format!("{dtype:?} {kernel:?} ragged");
+                    assert_rows_alone_match(kernel, &store, shape, &seq, &q, &out, &what);
+                }
+                let mut split_out = vec![0f32; q.len()];
+                assert!(!crate::kernels::split_attention(
+                    &store,
+                    0,
+                    shape,
+                    &[seq],
+                    &q,
+                    &mut split_out
+                ));
             }
         }
     }
@@ -516,6 +653,7 @@ mod tests {
             stored_start: start,
             n_queries: n_q,
             row_offset: 0,
+            head_first_keys: &[],
         };
         let shape = AttnShape {
             n_heads,

@@ -474,6 +474,7 @@ mod tests {
             logits_from: 38,
             stored_positions: &[],
             window_tables: &[],
+            head_first_keys: &[],
         }];
         let want = direct.forward_with_queries(&mut store, &seq, &[3]);
         let got = backend.forward_with_queries(&seq, &[3]).unwrap();

@@ -42,6 +42,12 @@ pub struct SeqForward<'a> {
     /// table, indexed by position (entry `p / B` holds position `p`; entries wholly behind
     /// the window may name freed blocks and are never read). Empty without groups.
     pub window_tables: &'a [Vec<u32>],
+    /// After a ragged eviction (`kvzip:global`: each (layer, KV head) keeps its own number
+    /// of tokens), per (layer, KV head) at `layer * n_kv_heads + kv_head`: the first stored
+    /// index that head attends to. Its kept tokens sit right-aligned just before the
+    /// tokens stored after the eviction, and the slots before them hold nothing for it.
+    /// Empty: every head sees every stored token. Not with sliding-window layers.
+    pub head_first_keys: &'a [u32],
 }
 
 impl SeqForward<'_> {
@@ -209,6 +215,7 @@ mod tests {
             block_table: &table,
             stored_positions: &pos,
             window_tables: &[],
+            head_first_keys: &[],
             ..Default::default()
         };
         // Window 4 at position 10 covers positions 7..=10: stored 8 and 9 (indices 3, 4).
@@ -254,6 +261,7 @@ mod tests {
                     logits_from: 30,
                     stored_positions: &[],
                     window_tables: &[],
+                    head_first_keys: &[],
                 }],
             );
             let mut out = Vec::new();
@@ -269,6 +277,7 @@ mod tests {
                         logits_from: 0,
                         stored_positions: &[],
                         window_tables: &[],
+                        head_first_keys: &[],
                     }],
                 );
                 out.extend(l.iter().map(|v| v.to_bits()));
@@ -293,6 +302,7 @@ mod tests {
                 logits_from: 30,
                 stored_positions: &[],
                 window_tables: &[],
+                head_first_keys: &[],
             }],
         );
         assert_eq!(one, whole.iter().map(|v| v.to_bits()).collect::<Vec<_>>());

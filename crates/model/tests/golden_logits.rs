@@ -105,6 +105,7 @@ fn teacher_forced(model_file: &str, fixture_file: &str) -> Vec<PromptReport> {
                 logits_from: prompt.len() - 1,
                 stored_positions: &[],
                 window_tables: &[],
+                head_first_keys: &[],
             }],
         );
         let (mut max_abs, mut sum_abs, mut n) = (0f32, 0f32, 0usize);

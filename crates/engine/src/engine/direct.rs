@@ -146,6 +146,7 @@ impl Engine {
                 logits_from: from,
                 stored_positions: &[],
                 window_tables: &window_tables,
+                head_first_keys: &[],
             };
             match self.backend.forward(&[fwd]) {
                 Ok(rows) => logits.extend(rows),

@@ -187,6 +187,7 @@ fn run_pass(
         logits_from: ids.len(),
         stored_positions: &[],
         window_tables: &window_tables,
+        head_first_keys: &[],
     };
     let result = backend.forward_with_queries(&[forward], &[ids.len()]);
     match result {

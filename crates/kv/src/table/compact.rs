@@ -154,6 +154,72 @@ impl BlockTable {
         Some((private_copies, unit_moves))
     }
 
+    /// Ragged per-unit compaction (one budget over every unit, as `kvzip:global` spends
+    /// it): unit `u` keeps `keeps[u]`, strictly increasing, of its own length `n_u`. The
+    /// table keeps `T = max n_u` tokens, and unit `u`'s kept tokens go right-aligned into
+    /// stored indices `T - n_u .. T`, so that the tokens stored after this call follow
+    /// every unit's own directly and each unit's live keys stay one range, from its first
+    /// key `T - n_u` on; the slots before that hold nothing for it.
+    ///
+    /// Returns `(private_copies, unit_moves, first_keys)`, the first two as for
+    /// `compact_units`. Within a unit, destinations rise by exactly one along its keep list
+    /// and sources by at least one, so the displacement never grows: the first tokens may
+    /// move right, the later ones left. Right moves are listed last to first, then left
+    /// moves first to last, so in place no move overwrites a slot a later one still reads.
+    ///
+    /// `None`: no free block for a private copy; nothing has changed. Panics as
+    /// `compact_units` does, except on unequal lengths.
+    #[must_use = "allocation can fail, and the returned moves must be performed"]
+    #[allow(clippy::type_complexity)]
+    pub fn compact_units_ragged(
+        &mut self,
+        keeps: &[Vec<u32>],
+        pool: &mut BlockPool,
+    ) -> Option<(Vec<TokenMove>, Vec<Vec<TokenMove>>, Vec<u32>)> {
+        for (unit, keep) in keeps.iter().enumerate() {
+            for pair in keep.windows(2) {
+                assert!(pair[0] < pair[1], "BlockTable::compact_units_ragged: unit {unit}'s keep list is not strictly increasing ({} then {})", pair[0], pair[1]);
+            }
+            if let Some(&last) = keep.last() {
+                assert!(last < self.num_stored_tokens, "BlockTable::compact_units_ragged: token {last} is not stored (num_stored_tokens = {})", self.num_stored_tokens);
+            }
+        }
+        let longest = keeps
+            .iter()
+            .enumerate()
+            .max_by_key(|&(u, k)| (k.len(), std::cmp::Reverse(u)));
+        let n = longest.map_or(0, |(_, k)| k.len()) as u32;
+        let old_slots: Vec<Slot> = (0..self.num_stored_tokens).map(|i| self.slot(i)).collect();
+        let private_copies = self.compact_with(n, |to| to, true, pool)?;
+        // Positions follow the longest unit's tokens: only sliding-window layers read them,
+        // and a ragged eviction is refused on models that have any.
+        self.keep_positions(longest.into_iter().flat_map(|(_, k)| k.iter().copied()));
+        let first_keys: Vec<u32> = keeps.iter().map(|k| n - k.len() as u32).collect();
+        let unit_moves = keeps
+            .iter()
+            .zip(&first_keys)
+            .map(|(keep, &first)| {
+                let mv = |(j, &from): (usize, &u32)| TokenMove {
+                    from_stored_index: from,
+                    to_stored_index: first + j as u32,
+                    src: old_slots[from as usize],
+                    dst: self.slot(first + j as u32),
+                };
+                let right = keep
+                    .iter()
+                    .enumerate()
+                    .rev()
+                    .filter(|&(j, &from)| first + j as u32 > from);
+                let left = keep
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, &from)| first + (j as u32) < from);
+                right.chain(left).map(mv).collect()
+            })
+            .collect();
+        Some((private_copies, unit_moves, first_keys))
+    }
+
     /// The shared body: new stored token `to` is old stored token `source(to)`, for `to` in
     /// `0..new_num_stored_tokens`, with `source` strictly increasing and `source(to) >= to`.
     /// `all_private`: every block of the new layout that is shared or cached gets a private

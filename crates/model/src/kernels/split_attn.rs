@@ -42,7 +42,9 @@ pub fn split_attention(
         // At one active thread the chunks run inline here too (the same work as
         // `paged_attention`'s serial path), so the pool's thread count alone decides.
         let kernel = Kernel::best(shape.head_dim);
-        if rows > MAX_SPLIT_ROWS || pairs < 2 || kernel == Kernel::Scalar {
+        // Heads with their own first key take `paged_attention`'s ranged kernels.
+        let ragged = seqs.iter().any(|s| !s.head_first_keys.is_empty());
+        if rows > MAX_SPLIT_ROWS || pairs < 2 || kernel == Kernel::Scalar || ragged {
             return false;
         }
         if kernel == Kernel::Avx2 {
@@ -274,12 +276,14 @@ mod tests {
                     stored_start: 300,
                     n_queries: 1,
                     row_offset: 0,
+                    head_first_keys: &[],
                 },
                 AttnSeq {
                     block_table: &t2,
                     stored_start: 17,
                     n_queries: 3,
                     row_offset: 1,
+                    head_first_keys: &[],
                 },
             ];
             let q: Vec<f32> = (0..4 * 9 * 64).map(|_| rng.gen_range(-1.0..1.0)).collect();

@@ -311,11 +311,18 @@ fn batch_layout<'a>(
     let mut attn_seqs = Vec::with_capacity(seqs.len());
     let mut row = 0;
     for s in seqs {
+        assert!(
+            s.head_first_keys.is_empty()
+                || (s.head_first_keys.len() == c.n_layers * c.n_kv_heads
+                    && c.extras.sliding_window.is_none()),
+            "head_first_keys: one per (layer, KV head), and not with sliding-window layers"
+        );
         attn_seqs.push(AttnSeq {
             block_table: s.block_table,
             stored_start: s.stored_start,
             n_queries: s.tokens.len(),
             row_offset: row,
+            head_first_keys: s.head_first_keys,
         });
         row += s.tokens.len();
     }
@@ -335,6 +342,7 @@ fn batch_layout<'a>(
                         stored_start: s.start_position,
                         n_queries: a.n_queries,
                         row_offset: a.row_offset,
+                        head_first_keys: &[],
                     }
                 })
                 .collect()
