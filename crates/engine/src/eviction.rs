@@ -41,6 +41,12 @@ pub(crate) struct SeqEviction {
     /// Prune the prompt at every multiple of this many prompt tokens as it is prefilled
     /// (`EngineConfig::prefill_prune_interval_tokens`, for policies that allow it).
     pub prune_interval_tokens: Option<usize>,
+    /// A ragged budget (`kvzip:global`): each unit's own count at prefill, set with its
+    /// scores before selection. `None`: every unit keeps `budget_tokens`.
+    pub unit_budgets: Option<Vec<u32>>,
+    /// After a ragged compaction, each (layer, KV head)'s first stored key
+    /// (`SeqForward::head_first_keys`); empty otherwise.
+    pub head_first_keys: Vec<u32>,
 }
 
 impl SeqEviction {
@@ -66,6 +72,8 @@ impl SeqEviction {
             initialised: false,
             recent_queries: Vec::new(),
             prune_interval_tokens: None,
+            unit_budgets: None,
+            head_first_keys: Vec::new(),
         }
     }
 
@@ -91,6 +99,8 @@ impl SeqEviction {
         }
         self.initialised = false;
         self.recent_queries.clear();
+        self.unit_budgets = None;
+        self.head_first_keys.clear();
     }
 }
 
@@ -301,10 +311,13 @@ fn select_and_compact(
     let bs = kv.block_size_tokens();
     let keeps: Vec<Vec<u32>> = {
         let view = StoreView::prefetched(&*store, &table, n_stored);
-        let budget = ev.budget_tokens;
+        let budgets = ev.unit_budgets.clone();
+        let default_budget = ev.budget_tokens;
         ev.units
             .iter_mut()
-            .map(|u| {
+            .enumerate()
+            .map(|(i, u)| {
+                let budget = budgets.as_ref().map_or(default_budget, |b| b[i]);
                 let unit_view = UnitView {
                     inner: &view,
                     unit: &u.unit,
@@ -323,14 +336,62 @@ fn select_and_compact(
             })
             .collect()
     };
-    if keeps[0].len() == n_stored {
+    if keeps.iter().all(|k| k.len() == n_stored) {
         return true;
     }
-    if !compact(ev, kv, store, seq, &keeps, stats) {
+    let kept = match ev.unit_budgets.is_some() {
+        true => compact_ragged(ev, kv, store, seq, &keeps, stats),
+        false => compact(ev, kv, store, seq, &keeps, stats).then_some(keeps[0].len()),
+    };
+    let Some(kept) = kept else {
         return false;
-    }
-    stats.pruned_prompt_tokens += (n_stored - keeps[0].len()) as u64;
+    };
+    stats.pruned_prompt_tokens += (n_stored - kept) as u64;
     true
+}
+
+/// Keeps `keeps[u]` in unit `u` (one KV head of one layer each), of unequal lengths,
+/// right-aligned (`KvCacheManager::compact_units_ragged`), and records each head's first
+/// key for attention. Returns the mean count kept, or `None` when no block was free for a
+/// copy-on-write.
+fn compact_ragged(
+    ev: &mut SeqEviction,
+    kv: &mut KvCacheManager,
+    store: &mut dyn KvBlocks,
+    seq: SeqId,
+    keeps: &[Vec<u32>],
+    stats: &mut EvictionStats,
+) -> Option<usize> {
+    let g = store.geometry();
+    let blocks_before = kv.block_table(seq).expect("live").num_blocks();
+    let (private, unit_moves, first_keys) = kv.compact_units_ragged(seq, keeps)?;
+    let slot = |m: &TokenMove| {
+        (
+            (m.src.block_id.0, m.src.offset_tokens as usize),
+            (m.dst.block_id.0, m.dst.offset_tokens as usize),
+        )
+    };
+    for m in &private {
+        let (src, dst) = slot(m);
+        store.copy_slot(src, dst);
+    }
+    stats.kv_slot_copies += private.len() as u64 * (g.n_layers * g.n_kv_heads) as u64;
+    ev.head_first_keys = vec![0; g.n_layers * g.n_kv_heads];
+    for ((u, moves), &first) in ev.units.iter().zip(&unit_moves).zip(&first_keys) {
+        let head = u.unit.kv_head.expect("a ragged budget selects per KV head");
+        for m in moves {
+            let (src, dst) = slot(m);
+            for &layer in &u.unit.layers {
+                store.copy_slot_in(layer..layer + 1, head..head + 1, src, dst);
+            }
+        }
+        for &layer in &u.unit.layers {
+            ev.head_first_keys[layer * g.n_kv_heads + head] = first;
+        }
+        stats.kv_slot_copies += (moves.len() * u.unit.layers.len()) as u64;
+    }
+    count_freed(kv, seq, blocks_before, stats);
+    Some(keeps.iter().map(Vec::len).sum::<usize>() / keeps.len().max(1))
 }
 
 /// Keeps `keeps[u]` in unit `u` and performs the K/V moves: through `compact` (every layer
@@ -410,7 +471,9 @@ pub(crate) fn after_decode(
         return;
     }
     score_filled_block(ev, kv, &*store, seq, n_heads, n_stored);
+    // A ragged layout selects once: its heads' counts differ, so no block is one to drop.
     while !ev.keep_generated
+        && ev.head_first_keys.is_empty()
         && kv.block_table(seq).expect("live").num_stored_tokens() > ev.budget_tokens
     {
         let n_blocks = kv.block_table(seq).expect("live").num_blocks();

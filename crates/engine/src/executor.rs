@@ -48,7 +48,7 @@ pub(crate) fn execute(
             logits_from: first_logits_row(s, c),
             stored_positions: table.positions().unwrap_or(&[]),
             window_tables: &window_tables[k],
-            head_first_keys: &[],
+            head_first_keys: s.eviction.as_ref().map_or(&[], |e| &e.head_first_keys),
         });
         capture.push(capture_count(s, c));
     }

@@ -278,3 +278,48 @@ fn a_forced_end_of_turn_does_not_end_the_sequence() {
     assert!(out.token_ids.len() > forced.len(), "{:?}", out.token_ids);
     assert_eq!(out.token_ids[..2], forced[..]);
 }
+
+/// KVzip's global budget on the real model: one threshold over every KV head's scores,
+/// so heads keep unequal counts, right-aligned in one table whose length is the largest
+/// count; generation runs on, the pool stays consistent, and the layout is refused where
+/// it cannot hold (not per KV head).
+#[test]
+fn kvzip_global_keeps_unequal_counts_per_head() {
+    let mut engine = common::engine(EngineConfig::default());
+    let book = common::book_ids();
+    let prompt = &book[1000..1600];
+    let params = GenerateParams {
+        max_tokens: 40,
+        ignore_eos: true,
+        kv_policy: Some("kvzip:chunk=256:global".parse().unwrap()),
+        kv_budget: Some(128),
+        kv_granularity: Some(KvGranularity::Head),
+        ..Default::default()
+    };
+    let out = engine.generate(prompt, &params, &mut |_| {}).unwrap();
+    assert_eq!(out.token_ids.len(), 40);
+    // The table holds the largest head's count (at least the mean, 128) plus the 39
+    // generated tokens fed back, which a ragged layout keeps.
+    assert!(
+        (128 + 39..=600 + 39).contains(&out.kv_stored_tokens),
+        "{} stored tokens",
+        out.kv_stored_tokens
+    );
+    let stats = &engine.eviction_stats["kvzip"];
+    // The mean count kept is the budget, raised a little by the three-block floor per head.
+    assert!(
+        (600 - 2 * 128..600 - 128).contains(&stats.pruned_prompt_tokens),
+        "{stats:?}"
+    );
+    engine.check_invariants();
+    assert_eq!(
+        engine.kv_manager().pool().num_free_blocks(),
+        engine.kv_manager().pool().num_blocks()
+    );
+    let shared = GenerateParams {
+        kv_granularity: Some(KvGranularity::Shared),
+        ..params
+    };
+    let err = engine.generate(prompt, &shared, &mut |_| {}).unwrap_err();
+    assert!(err.to_string().contains("kv_granularity head"), "{err}");
+}

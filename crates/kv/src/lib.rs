@@ -113,7 +113,8 @@ pub use policy::{
     validate_budget, DenseKv, DenseQueries, EvictionPolicy, KvGranularity, KvView, KvzipBudget,
     PagedScore, PolicyError, PolicySpec, QueryNeed, QueryView, SelectionUnit, KVZIP_CHUNK_TOKENS,
     KVZIP_FIRST_PROMPT, KVZIP_LATER_PROMPT, KVZIP_PREV_POSTFIX_TOKENS, KVZIP_PROMPT_MAX_TOKENS,
-    KVZIP_SINK_TOKENS, SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT, VALID_GRANULARITIES,
+    KVZIP_SINK_TOKENS, MIN_BUDGET_BLOCKS, SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT,
+    VALID_GRANULARITIES,
 };
 pub use pool::BlockPool;
 pub use table::{AppendedTokens, BlockCopy, BlockTable, Slot, TokenMove};

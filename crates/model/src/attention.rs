@@ -527,11 +527,9 @@ mod tests {
                     }
                     // The row alone (a decode step) has the same bits as in the batch.
                     let one = AttnSeq {
-                        block_table: &table,
                         stored_start: end - 1,
                         n_queries: 1,
-                        row_offset: 0,
-                        head_first_keys: &[],
+                        ..seq
                     };
                     let mut o1 = vec![0f32; q_dim];
                     paged_attention_window_with(

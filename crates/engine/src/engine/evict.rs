@@ -117,9 +117,17 @@ impl Engine {
             )?
         };
         let ev = self.sched.running[i].eviction.as_mut().expect("evicting");
-        for u in &mut ev.units {
-            let unit = kvzip::unit_scores(&scores, &u.unit, n_kv_heads, n_stored);
-            u.policy.set_prior_scores(unit);
+        let unit_scores: Vec<Vec<f32>> = ev
+            .units
+            .iter()
+            .map(|u| kvzip::unit_scores(&scores, &u.unit, n_kv_heads, n_stored))
+            .collect();
+        if ev.spec.ragged() && n_stored > budget as usize {
+            let floor = pk_kv::MIN_BUDGET_BLOCKS * self.config.block_size_tokens as u32;
+            ev.unit_budgets = Some(kvzip::ragged_budgets(&unit_scores, budget, n_stored, floor));
+        }
+        for (u, scores) in ev.units.iter_mut().zip(unit_scores) {
+            u.policy.set_prior_scores(scores);
         }
         Ok(())
     }

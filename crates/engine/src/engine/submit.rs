@@ -231,8 +231,18 @@ impl Engine {
             }
             units.retain(|unit| !unit.layers.is_empty());
         }
+        if spec.ragged()
+            && (granularity != pk_kv::KvGranularity::Head
+                || units.len() != c.n_layers * c.n_kv_heads)
+        {
+            return Err(invalid(
+                "kv_policy",
+                format!("kv_policy {spec} spends one budget over every KV head of every layer: it needs kv_granularity head, on a model without sliding-window layers"),
+            ));
+        }
         let mut ev = SeqEviction::new(spec, budget, granularity, units);
-        ev.keep_generated = p.kv_keep_generated;
+        // A ragged layout selects once, at prefill (see `eviction::after_decode`).
+        ev.keep_generated = p.kv_keep_generated || spec.ragged();
         let interval = self.config.prefill_prune_interval_tokens;
         if interval > 0 && spec.prunes_as_chunks_arrive() && self.sched.kv.window_spec().is_none() {
             ev.prune_interval_tokens = Some(interval);

@@ -223,6 +223,36 @@ pub(crate) fn unit_scores(
     out
 }
 
+/// A ragged budget (`kvzip:global`): how many tokens each unit keeps when one threshold
+/// runs over every unit's scores and `budget_tokens` per unit are kept on average, as
+/// kvpress's KVzip spends its budget. Ties go to the earlier (unit, token). Each unit keeps
+/// at least `min_unit_tokens` (the smallest budget a block policy takes, three blocks), so
+/// the mean can exceed the budget by what that floor adds: kvpress's global threshold may
+/// leave a head nothing.
+pub(crate) fn ragged_budgets(
+    unit_scores: &[Vec<f32>],
+    budget_tokens: u32,
+    n_tokens: usize,
+    min_unit_tokens: u32,
+) -> Vec<u32> {
+    let n_units = unit_scores.len();
+    let total = (budget_tokens as usize * n_units).min(n_tokens * n_units);
+    let mut entries: Vec<(usize, usize)> = (0..n_units)
+        .flat_map(|u| (0..n_tokens).map(move |t| (u, t)))
+        .collect();
+    entries.sort_by(|&(ua, ta), &(ub, tb)| {
+        unit_scores[ub][tb]
+            .total_cmp(&unit_scores[ua][ta])
+            .then((ua, ta).cmp(&(ub, tb)))
+    });
+    let mut counts = vec![0u32; n_units];
+    for &(u, _) in &entries[..total] {
+        counts[u] += 1;
+    }
+    let floor = min_unit_tokens.min(n_tokens as u32);
+    counts.iter().map(|&c| c.max(floor)).collect()
+}
+
 #[cfg(test)]
 mod tests {
     /// The vector kernel against `pk-kv`'s reference on random keys and queries (two query
@@ -249,5 +279,18 @@ mod tests {
             assert!((a - b).abs() <= 1e-6 + 1e-4 * b.abs(), "{a} vs {b}");
         }
         assert!(want.iter().any(|&x| x > 0.01), "{want:?}");
+    }
+
+    /// One threshold over all units: the unit with the higher scores keeps more, the mean
+    /// is the budget, and no unit keeps fewer than the sinks.
+    #[test]
+    fn ragged_budgets_follow_one_threshold() {
+        let high: Vec<f32> = (0..10).map(|t| 1.0 + t as f32).collect();
+        let low = vec![0.5f32; 10];
+        let counts = super::ragged_budgets(&[high, low], 6, 10, 4);
+        assert_eq!(counts, vec![10, 4]);
+        let a: Vec<f32> = (0..20).map(|t| (2 * t) as f32).collect();
+        let b: Vec<f32> = (0..20).map(|t| (2 * t + 1) as f32).collect();
+        assert_eq!(super::ragged_budgets(&[a, b], 10, 20, 4), vec![10, 10]);
     }
 }

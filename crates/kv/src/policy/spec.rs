@@ -19,7 +19,7 @@ use super::{validate_budget, EvictionPolicy, PolicyError};
 /// Every policy name, with its options, for error messages and `--help`.
 pub(crate) const VALID_POLICIES: &str = "full, streaming-llm[:n-sink=N], knorm, keydiff, \
      snapkv[:window=N][:kernel=N], h2o, tova, expected-attention[:window=N][:n-sink=N], \
-     paged-eviction[:v-norm|:inv-k-norm][:local[=N]] (default: paged-eviction)";
+     paged-eviction[:v-norm|:inv-k-norm][:local[=N]], kvzip[:chunk=N][:global] (default: paged-eviction)";
 
 /// SnapKV's observation window and pooling kernel (spec `baselines.md`: w = 64, kernel = 5).
 pub const SNAPKV_WINDOW_DEFAULT: u32 = 64;
@@ -74,9 +74,12 @@ pub enum PolicySpec {
         score: PagedScore,
         local_topk: Option<u32>,
     },
-    /// `kvzip[:chunk=N]`: KVzip (issue 37), scored by the engine's context-reconstruction
-    /// passes over chunks of `chunk_tokens` context tokens (`policy::kvzip`).
-    Kvzip { chunk_tokens: u32 },
+    /// `kvzip[:chunk=N][:global]`: KVzip (issue 37), scored by the engine's
+    /// context-reconstruction passes over chunks of `chunk_tokens` context tokens
+    /// (`policy::kvzip`). `global`: one threshold over every (layer, KV head, token) score,
+    /// so each KV head keeps its own count (the budget is their mean; at `head`
+    /// granularity only, once at prefill, generated tokens kept).
+    Kvzip { chunk_tokens: u32, global: bool },
 }
 
 impl Default for PolicySpec {
@@ -105,6 +108,12 @@ impl PolicySpec {
         }
     }
 
+    /// Whether the budget is spent by one threshold over every unit's scores, so that units
+    /// keep different counts (`kvzip:global`).
+    pub fn ragged(&self) -> bool {
+        matches!(self, PolicySpec::Kvzip { global: true, .. })
+    }
+
     /// KV slots a sequence of `n_prompt` prompt tokens needs beyond its prompt once the
     /// prompt is in: KVzip's reconstruction pass, in a fork of the sequence (a chunk, its
     /// prompts, and a copy of the partial last block). Admission reserves them.
@@ -121,7 +130,7 @@ impl PolicySpec {
     /// engine's KVzip passes rather than from the policy itself; `None` for the others.
     pub fn reconstruction_chunk_tokens(&self) -> Option<usize> {
         match *self {
-            PolicySpec::Kvzip { chunk_tokens } => Some(chunk_tokens as usize),
+            PolicySpec::Kvzip { chunk_tokens, .. } => Some(chunk_tokens as usize),
             _ => None,
         }
     }
@@ -310,6 +319,7 @@ impl FromStr for PolicySpec {
             "paged-eviction" => PolicySpec::default(),
             "kvzip" => PolicySpec::Kvzip {
                 chunk_tokens: super::kvzip::KVZIP_CHUNK_TOKENS as u32,
+                global: false,
             },
             _ => {
                 return Err(PolicyError::UnknownPolicy {
@@ -354,7 +364,9 @@ fn valid_options(spec: &PolicySpec) -> &'static str {
         PolicySpec::PagedEviction { .. } => {
             "ratio (default), v-norm, inv-k-norm, local, local=N (N >= 1)"
         }
-        PolicySpec::Kvzip { .. } => "chunk=N (N >= 1 context tokens per reconstruction pass)",
+        PolicySpec::Kvzip { .. } => {
+            "chunk=N (N >= 1 context tokens per reconstruction pass), global"
+        }
         _ => "none (this policy takes no options)",
     }
 }
@@ -382,9 +394,16 @@ fn apply_option(
             apply_expected_option(spec, key, v, &opt)
         }
         (PolicySpec::PagedEviction { .. }, _, _) => apply_paged_option(spec, key, value, &opt),
-        (PolicySpec::Kvzip { .. }, "chunk", Some(v)) => {
-            Some(opt.number(v).map(|n| PolicySpec::Kvzip { chunk_tokens: n }))
+        (PolicySpec::Kvzip { global, .. }, "chunk", Some(v)) => {
+            Some(opt.number(v).map(|n| PolicySpec::Kvzip {
+                chunk_tokens: n,
+                global,
+            }))
         }
+        (PolicySpec::Kvzip { chunk_tokens, .. }, "global", None) => Some(Ok(PolicySpec::Kvzip {
+            chunk_tokens,
+            global: true,
+        })),
         _ => None,
     }
 }
@@ -541,10 +560,16 @@ impl fmt::Display for PolicySpec {
                     write!(f, ":n-sink={n_sink_tokens}")?;
                 }
             }
-            PolicySpec::Kvzip { chunk_tokens }
-                if chunk_tokens as usize != super::kvzip::KVZIP_CHUNK_TOKENS =>
-            {
-                write!(f, ":chunk={chunk_tokens}")?;
+            PolicySpec::Kvzip {
+                chunk_tokens,
+                global,
+            } => {
+                if chunk_tokens as usize != super::kvzip::KVZIP_CHUNK_TOKENS {
+                    write!(f, ":chunk={chunk_tokens}")?;
+                }
+                if global {
+                    f.write_str(":global")?;
+                }
             }
             PolicySpec::PagedEviction { score, local_topk } => {
                 match score {
