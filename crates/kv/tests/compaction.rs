@@ -261,6 +261,22 @@ proptest! {
 // Per-unit compaction (`layer`/`head` granularity): each unit keeps its own tokens.
 // -----------------------------------------------------------------------------------------
 
+/// A sorted subset of `keep_len` of the stored indices `0..prompt_len`, chosen by a seeded
+/// shuffle (xorshift), so that each unit of a test keeps different tokens.
+fn seeded_keep(seed: u64, prompt_len: u32, keep_len: u32) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..prompt_len).collect();
+    let mut x = seed | 1;
+    for i in (1..order.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        order.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    let mut keep = order[..keep_len as usize].to_vec();
+    keep.sort_unstable();
+    keep
+}
+
 proptest! {
     /// Every unit ends up holding exactly its own keep list, in order, in the new layout;
     /// a donor's shared blocks and the prefix cache's blocks are never written, in any unit.
@@ -297,17 +313,7 @@ proptest! {
         }
         run_prompt(&mut manager, SeqId(1));
         // A different sorted subset of `keep_len` tokens per unit (a seeded shuffle).
-        let keeps: Vec<Vec<u32>> = seeds[..n_units].iter().map(|&seed| {
-            let mut order: Vec<u32> = (0..prompt_len).collect();
-            let mut x = seed | 1;
-            for i in (1..order.len()).rev() {
-                x ^= x << 13; x ^= x >> 7; x ^= x << 17;
-                order.swap(i, (x % (i as u64 + 1)) as usize);
-            }
-            let mut keep = order[..keep_len as usize].to_vec();
-            keep.sort_unstable();
-            keep
-        }).collect();
+        let keeps: Vec<Vec<u32>> = seeds[..n_units].iter().map(|&seed| seeded_keep(seed, prompt_len, keep_len)).collect();
         let (private, unit_moves) = manager.compact_units(SeqId(1), &keeps).unwrap();
         for m in &private {
             prop_assert_eq!(m.from_stored_index, m.to_stored_index, "private copies keep tokens in place");
@@ -393,17 +399,7 @@ proptest! {
             }
         }
         run_prompt(&mut manager, SeqId(1));
-        let keeps: Vec<Vec<u32>> = seeds[..n_units].iter().zip(&keep_lens).map(|(&seed, &len)| {
-            let mut order: Vec<u32> = (0..prompt_len).collect();
-            let mut x = seed | 1;
-            for i in (1..order.len()).rev() {
-                x ^= x << 13; x ^= x >> 7; x ^= x << 17;
-                order.swap(i, (x % (i as u64 + 1)) as usize);
-            }
-            let mut keep = order[..len.min(prompt_len) as usize].to_vec();
-            keep.sort_unstable();
-            keep
-        }).collect();
+        let keeps: Vec<Vec<u32>> = seeds[..n_units].iter().zip(&keep_lens).map(|(&seed, &len)| seeded_keep(seed, prompt_len, len.min(prompt_len))).collect();
         let longest = keeps.iter().map(Vec::len).max().unwrap() as u32;
         let (private, unit_moves, first_keys) = manager.compact_units_ragged(SeqId(1), &keeps).unwrap();
         for m in &private {
