@@ -164,7 +164,8 @@ pub fn check_hybrid_flag(disabled: bool, model: &pk_model::ModelConfig) -> Resul
 #[derive(Args, Clone, Default)]
 pub struct KvPolicyArgs {
     /// full, streaming-llm, knorm, keydiff, snapkv, h2o, tova, expected-attention,
-    /// paged-eviction (variants: paged-eviction:v-norm, paged-eviction:inv-k-norm, …).
+    /// paged-eviction (‖v‖, victims among the oldest 3 blocks; variants:
+    /// paged-eviction:ratio, paged-eviction:inv-k-norm, paged-eviction:global, …).
     #[arg(long)]
     pub kv_policy: Option<String>,
     /// Tokens each sequence may keep in the KV cache (at least 3 blocks).

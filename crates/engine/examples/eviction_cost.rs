@@ -21,12 +21,15 @@ use pk_engine::{Engine, EngineConfig, EvictionStats, GenerateParams};
 
 const BUDGET_TOKENS: u32 = 1024;
 
-/// The policies compared, with the granularity each runs at: PagedEviction shared (our
-/// default) and per KV head (its authors' `v-norm` per head), and the baselines the issue
-/// names at their defaults.
-const CONFIGS: [(&str, &str); 6] = [
+/// The policies compared, with the granularity each runs at: PagedEviction's default
+/// (`v-norm`, victims among the oldest 3 blocks) shared and per KV head, its default
+/// before issue 38 (the ratio score, global victims) shared and `v-norm` with global
+/// victims per head, and the baselines the issue names at their defaults.
+const CONFIGS: [(&str, &str); 8] = [
     ("paged-eviction", "shared"),
-    ("paged-eviction:v-norm", "head"),
+    ("paged-eviction", "head"),
+    ("paged-eviction:ratio:global", "shared"),
+    ("paged-eviction:global", "head"),
     ("streaming-llm", "shared"),
     ("h2o", "shared"),
     ("tova", "shared"),

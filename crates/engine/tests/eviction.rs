@@ -13,7 +13,7 @@ fn stored_tokens_stay_within_budget_for_every_policy() {
     let prompt = &book[1000..1600];
     for name in [
         "paged-eviction",
-        "paged-eviction:v-norm",
+        "paged-eviction:ratio:global",
         "paged-eviction:inv-k-norm",
         "streaming-llm",
         "knorm",

@@ -150,7 +150,7 @@ const KNOWN_POLICIES: [&str; 11] = [
     "knorm",
     "snapkv",
     "paged-eviction:inv-k-norm",
-    "paged-eviction:v-norm",
+    "paged-eviction:ratio:global",
     "tova",
     "h2o",
     "expected-attention",

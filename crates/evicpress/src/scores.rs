@@ -111,11 +111,16 @@ pub fn token_scores(ctx: &KvContext, score: DropScore) -> Option<Vec<f32>> {
 
 /// Recency for StreamingLLM (the protected first block is the sink; the rest ranks by
 /// position); otherwise pk-kv's own scorer of the policy, so a context dropped here ranks
-/// its tokens exactly as the eviction policy of the same name does.
+/// its tokens exactly as the eviction policy of the same name does. The `paged-eviction-R`
+/// codec keeps the paper's ‖v‖/‖k‖ (`paged-eviction:ratio`), which every EVICPRESS result
+/// so far was measured with; the eviction policy's default score became ‖v‖ in issue 38.
 fn kv_scores(ctx: &KvContext, score: DropScore) -> Vec<f32> {
     let spec = match score {
         DropScore::StreamingLlm => return ctx.positions.iter().map(|&p| p as f32).collect(),
-        DropScore::PagedEviction => pk_kv::PolicySpec::default(),
+        DropScore::PagedEviction => pk_kv::PolicySpec::PagedEviction {
+            score: pk_kv::PagedScore::VOverK,
+            local_topk: None,
+        },
         DropScore::KNorm => pk_kv::PolicySpec::KNorm,
         DropScore::KeyDiff => pk_kv::PolicySpec::KeyDiff,
         DropScore::SnapKv => unreachable!("needs queries: token_scores returns None first"),

@@ -103,7 +103,7 @@ fn paged_eviction_keeps_sink_block_tail_and_highest_ratio() {
     // T = 30, B = 4: tail = B + 30 mod 4 = 6 tokens (24..30). Middle 4..24 keeps
     // C - 2B - 2 = 6: 5 (8), 9 and 13 (4), 15 (3), then of the ties at 2 the lower
     // indices 10 and 18 (20 and 22 dropped).
-    let (kept, evictions) = trace("paged-eviction", 16, &norms_data());
+    let (kept, evictions) = trace("paged-eviction:ratio:global", 16, &norms_data());
     assert_eq!(
         kept,
         vec![0, 1, 2, 3, 5, 9, 10, 13, 15, 18, 24, 25, 26, 27, 28, 29]
@@ -118,7 +118,7 @@ fn paged_eviction_keeps_sink_block_tail_and_highest_ratio() {
 #[test]
 fn paged_eviction_v_norm_keeps_large_values() {
     // ‖v‖ in the middle: 5 and 12: 8, 9 and 13: 4, 15: 3, then 10 (2, lowest of the ties).
-    let (kept, evictions) = trace("paged-eviction:v-norm", 16, &norms_data());
+    let (kept, evictions) = trace("paged-eviction:v-norm:global", 16, &norms_data());
     assert_eq!(
         kept,
         vec![0, 1, 2, 3, 5, 9, 10, 12, 13, 15, 24, 25, 26, 27, 28, 29]
@@ -132,7 +132,7 @@ fn paged_eviction_v_norm_keeps_large_values() {
 #[test]
 fn paged_eviction_inv_k_norm_keeps_small_keys() {
     // 1/‖k‖ in the middle: 7: 4, then ties at 1 (5 9 10 13 15 18 20 22): 5 9 10 13 15.
-    let (kept, evictions) = trace("paged-eviction:inv-k-norm", 16, &norms_data());
+    let (kept, evictions) = trace("paged-eviction:inv-k-norm:global", 16, &norms_data());
     assert_eq!(
         kept,
         vec![0, 1, 2, 3, 5, 7, 9, 10, 13, 15, 24, 25, 26, 27, 28, 29]
@@ -145,7 +145,7 @@ fn paged_eviction_inv_k_norm_keeps_small_keys() {
 
 #[test]
 fn paged_eviction_local_restricts_candidates_to_the_oldest_blocks() {
-    let (kept, evictions) = trace("paged-eviction:local=2", 16, &norms_data());
+    let (kept, evictions) = trace("paged-eviction:ratio:local=2", 16, &norms_data());
     assert_eq!(
         kept,
         vec![0, 1, 2, 3, 5, 9, 10, 13, 15, 18, 24, 25, 26, 27, 28, 29]
@@ -170,7 +170,10 @@ fn paged_eviction_tail_is_last_full_block_plus_partial_block() {
         key.copy_from_slice(&[key_norm, 0.0, 0.0, 0.0]);
         value.copy_from_slice(&[0.0, value_norm, 0.0, 0.0]);
     });
-    let mut policy = PolicySpec::default().build();
+    let mut policy = "paged-eviction:ratio"
+        .parse::<PolicySpec>()
+        .unwrap()
+        .build();
     let keep = policy.select_prefill(&kv, None, 16, 4);
     assert_eq!(
         keep,
@@ -200,16 +203,16 @@ fn paged_eviction_polarity_drops_the_lowest_score() {
     let all_but_6 = vec![0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12];
     // Ratio: ‖v‖/‖k‖ = 1, 2, 0.5, 3 -> token 6 goes, although its ‖v‖ is not the lowest.
     assert_eq!(
-        prefill_13("paged-eviction", [2.0, 1.0, 4.0, 1.0], [2.0, 2.0, 2.0, 3.0]),
+        prefill_13("paged-eviction:ratio", [2.0, 1.0, 4.0, 1.0], [2.0, 2.0, 2.0, 3.0]),
         all_but_6
     );
     // High ‖v‖ with equal keys is kept; high ‖k‖ with equal values is dropped.
     assert_eq!(
-        prefill_13("paged-eviction", [1.0; 4], [1.0, 2.0, 0.5, 3.0]),
+        prefill_13("paged-eviction:ratio", [1.0; 4], [1.0, 2.0, 0.5, 3.0]),
         all_but_6
     );
     assert_eq!(
-        prefill_13("paged-eviction", [1.0, 0.5, 2.0, 0.25], [1.0; 4]),
+        prefill_13("paged-eviction:ratio", [1.0, 0.5, 2.0, 0.25], [1.0; 4]),
         all_but_6
     );
     assert_eq!(

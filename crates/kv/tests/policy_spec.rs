@@ -27,10 +27,12 @@ fn canonical_names_round_trip() {
         "expected-attention",
         "expected-attention:window=128:n-sink=0",
         "paged-eviction",
-        "paged-eviction:v-norm",
+        "paged-eviction:ratio",
         "paged-eviction:inv-k-norm",
-        "paged-eviction:local=3",
-        "paged-eviction:v-norm:local=5",
+        "paged-eviction:global",
+        "paged-eviction:ratio:global",
+        "paged-eviction:local=5",
+        "paged-eviction:inv-k-norm:local=2",
     ] {
         let spec = parse(name).unwrap();
         assert_eq!(spec.to_string(), name, "display of {name}");
@@ -50,9 +52,19 @@ fn every_default_spec_round_trips_and_builds() {
 
 #[test]
 fn defaults_and_aliases() {
+    // Since issue 38 the default is the authors' configuration: ‖v‖ with the victim among
+    // the oldest 3 blocks.
     assert_eq!(PolicySpec::default().to_string(), "paged-eviction");
     assert_eq!(
         PolicySpec::default(),
+        PolicySpec::PagedEviction {
+            score: PagedScore::VNorm,
+            local_topk: Some(3)
+        }
+    );
+    // The default before issue 38 stays reachable by name.
+    assert_eq!(
+        parse("paged-eviction:ratio:global").unwrap(),
         PolicySpec::PagedEviction {
             score: PagedScore::VOverK,
             local_topk: None
@@ -60,16 +72,20 @@ fn defaults_and_aliases() {
     );
     // Explicit defaults print in the short form.
     assert_eq!(
-        parse("paged-eviction:ratio").unwrap().to_string(),
+        parse("paged-eviction:v-norm:local=3").unwrap().to_string(),
         "paged-eviction"
+    );
+    assert_eq!(
+        parse("paged-eviction:v-norm:global").unwrap().to_string(),
+        "paged-eviction:global"
     );
     assert_eq!(
         parse("snapkv:window=64:kernel=5").unwrap().to_string(),
         "snapkv"
     );
     assert_eq!(
-        parse("paged-eviction:local").unwrap().to_string(),
-        "paged-eviction:local=3"
+        parse("paged-eviction:ratio:local").unwrap().to_string(),
+        "paged-eviction:ratio"
     );
     assert_eq!(parse(" tova ").unwrap(), PolicySpec::Tova);
     assert_eq!(
@@ -115,10 +131,12 @@ fn bad_options_name_the_valid_ones() {
         ("snapkv:size=3", "window=N"),
         ("snapkv:pool=median", "pool=max|avg"),
         ("streaming-llm:n-sink=x", "n-sink=N"),
-        ("paged-eviction:l2", "v-norm, inv-k-norm"),
-        ("paged-eviction:v-norm=1", "v-norm, inv-k-norm"),
+        ("paged-eviction:l2", "ratio, inv-k-norm"),
+        ("paged-eviction:v-norm=1", "ratio, inv-k-norm"),
         ("paged-eviction:local=0", "local=N"),
         ("paged-eviction:v-norm:inv-k-norm", "at most once"),
+        ("paged-eviction:local=2:global", "at most once"),
+        ("paged-eviction:global=1", "global"),
         ("h2o:window=3", "takes no options"),
         ("full:", "takes no options"),
     ];

@@ -36,17 +36,19 @@
 //! `on_block_removed`. The partial last block is scored when it fills.
 //!
 //! PagedEviction decisions (spec `paged-eviction.md`):
-//! - Default score `‖v‖/(‖k‖+eps)` (`paged-eviction`), eps = 1e-6: it is the paper's
-//!   stated formula, and it combines both signals the variants use alone (low-norm keys
-//!   attract attention, as KNorm found; large values move the output most). The authors'
-//!   code ended up on `v_norm`; it and `inv_k_norm` are kept as `paged-eviction:v-norm`
-//!   and `paged-eviction:inv-k-norm` so the choice can be measured, not argued.
+//! - Default score `‖v‖` (`paged-eviction`, or `:v-norm` by name), what the authors' code
+//!   runs. The paper's stated formula `‖v‖/(‖k‖+eps)`, eps = 1e-6, is `paged-eviction:ratio`
+//!   (the default until issue 38), and `1/(‖k‖+eps)` is `paged-eviction:inv-k-norm`.
+//!   Issue 38's comparison on Qwen2.5-Coder-1.5B (`docs/results/eval-issue38/NOTE.md`)
+//!   chose: `v-norm` with local victims had lower text-kl than the ratio in every cell.
 //! - Prefill counts: the spec keeps the first block, the tail (`B + T mod B` tokens) and
 //!   `C - 2B` middle tokens, which stores `C + T mod B` tokens, over the budget. We keep
 //!   `C - 2B - T mod B` middle tokens, so prefill stores exactly `C` and decode cycles
 //!   between `C` and `C + B` as the spec says. (`C >= 3B` keeps this count positive.)
-//! - Global candidates by default; `paged-eviction:local[=topk]` (authors' topk = 3)
-//!   restricts decode candidates to the oldest `topk` non-sink blocks.
+//! - Local candidates by default, as the authors' HF harness: the decode victim is the
+//!   lowest-scoring of the oldest `topk = 3` non-sink blocks (`paged-eviction:local=N`
+//!   for another `topk`); `paged-eviction:global` considers every evictable block (the
+//!   default until issue 38). Choosing among the oldest blocks keeps recent context.
 //!
 //! Ties are deterministic everywhere: at prefill, of equal scores the lower stored index
 //! is kept; at decode, of equal block scores the lower table index is evicted. Scores are

@@ -19,23 +19,24 @@ use super::{validate_budget, EvictionPolicy, PolicyError};
 /// Every policy name, with its options, for error messages and `--help`.
 pub(crate) const VALID_POLICIES: &str = "full, streaming-llm[:n-sink=N], knorm, keydiff, \
      snapkv[:window=N][:kernel=N], h2o, tova, expected-attention[:window=N][:n-sink=N], \
-     paged-eviction[:v-norm|:inv-k-norm][:local[=N]], kvzip[:chunk=N][:global] (default: paged-eviction)";
+     paged-eviction[:v-norm|:ratio|:inv-k-norm][:local[=N]|:global], kvzip[:chunk=N][:global] (default: paged-eviction)";
 
 /// SnapKV's observation window and pooling kernel (spec `baselines.md`: w = 64, kernel = 5).
 pub const SNAPKV_WINDOW_DEFAULT: u32 = 64;
 pub const SNAPKV_KERNEL_DEFAULT: u32 = 5;
 const EXPECTED_WINDOW_DEFAULT: u32 = 64;
 const EXPECTED_N_SINK_DEFAULT: u32 = 4;
-/// The authors' scripts use topk = 3 for the local variant.
+/// The authors' scripts use topk = 3 for the local variant, and so does our default.
 const LOCAL_TOPK_DEFAULT: u32 = 3;
 
 /// PagedEviction's token importance (spec "Token importance"); higher is kept.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Default)]
 pub enum PagedScore {
-    /// `‖v‖ / (‖k‖ + eps)`: the paper's formula, and our default.
-    #[default]
+    /// `‖v‖ / (‖k‖ + eps)`: the paper's formula (`paged-eviction:ratio`), our default until
+    /// issue 38's comparison (`docs/results/eval-issue38/NOTE.md`).
     VOverK,
-    /// `‖v‖`: what the authors' code ended up using.
+    /// `‖v‖`: what the authors' code uses, and our default since issue 38's comparison.
+    #[default]
     VNorm,
     /// `1 / (‖k‖ + eps)`: the inverse-key-norm variant.
     InvKNorm,
@@ -68,8 +69,10 @@ pub enum PolicySpec {
         window_queries: u32,
         n_sink_tokens: u32,
     },
-    /// `paged-eviction[:v-norm|:inv-k-norm][:local[=N]]`: the method of the spec.
-    /// `local_topk`: restrict decode candidates to the oldest N non-sink blocks.
+    /// `paged-eviction[:v-norm|:ratio|:inv-k-norm][:local[=N]|:global]`: the method of the
+    /// spec. `local_topk`: restrict decode candidates to the oldest N non-sink blocks
+    /// (`None`: every evictable block, `global`). The default is the authors' own
+    /// configuration, `v-norm` with `local=3`, the best of their family in issue 38.
     PagedEviction {
         score: PagedScore,
         local_topk: Option<u32>,
@@ -85,8 +88,8 @@ pub enum PolicySpec {
 impl Default for PolicySpec {
     fn default() -> Self {
         PolicySpec::PagedEviction {
-            score: PagedScore::VOverK,
-            local_topk: None,
+            score: PagedScore::default(),
+            local_topk: Some(LOCAL_TOPK_DEFAULT),
         }
     }
 }
@@ -264,9 +267,9 @@ impl PolicySpec {
             "tova",
             "expected-attention",
             "paged-eviction",
-            "paged-eviction:v-norm",
+            "paged-eviction:ratio:global",
             "paged-eviction:inv-k-norm",
-            "paged-eviction:local",
+            "paged-eviction:global",
             "kvzip",
         ]
         .iter()
@@ -333,11 +336,12 @@ impl FromStr for PolicySpec {
                 Some((key, value)) => (key, Some(value)),
                 None => (option, None),
             };
-            // `v-norm` and `inv-k-norm` both set the score; count them as one key.
-            let slot = if matches!(key, "ratio" | "v-norm" | "inv-k-norm") {
-                "score"
-            } else {
-                key
+            // `ratio`, `v-norm` and `inv-k-norm` all set the score, and `local` and
+            // `global` the victim choice: count each family as one key.
+            let slot = match key {
+                "ratio" | "v-norm" | "inv-k-norm" => "score",
+                "local" | "global" => "victim",
+                _ => key,
             };
             let invalid = |valid| PolicyError::InvalidOption {
                 policy: spec.name(),
@@ -362,7 +366,7 @@ fn valid_options(spec: &PolicySpec) -> &'static str {
         PolicySpec::SnapKv { .. } => "window=N (N >= 1), kernel=N (odd, N >= 1), pool=max|avg",
         PolicySpec::ExpectedAttention { .. } => "window=N (N >= 1), n-sink=N (N >= 0)",
         PolicySpec::PagedEviction { .. } => {
-            "ratio (default), v-norm, inv-k-norm, local, local=N (N >= 1)"
+            "v-norm (default), ratio, inv-k-norm; local=N (N >= 1; local is local=3, the default), global"
         }
         PolicySpec::Kvzip { .. } => {
             "chunk=N (N >= 1 context tokens per reconstruction pass), global"
@@ -523,6 +527,10 @@ fn apply_paged_option(
                 local_topk: Some(n),
             })
         }
+        ("global", None) => Ok(PolicySpec::PagedEviction {
+            score,
+            local_topk: None,
+        }),
         _ => return None,
     })
 }
@@ -573,12 +581,14 @@ impl fmt::Display for PolicySpec {
             }
             PolicySpec::PagedEviction { score, local_topk } => {
                 match score {
-                    PagedScore::VOverK => {}
-                    PagedScore::VNorm => f.write_str(":v-norm")?,
+                    PagedScore::VNorm => {}
+                    PagedScore::VOverK => f.write_str(":ratio")?,
                     PagedScore::InvKNorm => f.write_str(":inv-k-norm")?,
                 }
-                if let Some(topk) = local_topk {
-                    write!(f, ":local={topk}")?;
+                match local_topk {
+                    Some(LOCAL_TOPK_DEFAULT) => {}
+                    Some(topk) => write!(f, ":local={topk}")?,
+                    None => f.write_str(":global")?,
                 }
             }
             _ => {}
