@@ -203,7 +203,11 @@ fn paged_eviction_polarity_drops_the_lowest_score() {
     let all_but_6 = vec![0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12];
     // Ratio: ‖v‖/‖k‖ = 1, 2, 0.5, 3 -> token 6 goes, although its ‖v‖ is not the lowest.
     assert_eq!(
-        prefill_13("paged-eviction:ratio", [2.0, 1.0, 4.0, 1.0], [2.0, 2.0, 2.0, 3.0]),
+        prefill_13(
+            "paged-eviction:ratio",
+            [2.0, 1.0, 4.0, 1.0],
+            [2.0, 2.0, 2.0, 3.0]
+        ),
         all_but_6
     );
     // High ‖v‖ with equal keys is kept; high ‖k‖ with equal values is dropped.
