@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 
-use pk_kv::{CachedPrefix, KvCacheManager, SeqId};
+use pk_kv::{CachedPrefix, KvCacheManager, QueryNeed, SeqId};
 
 use crate::connector::{Lookup, RequestKey};
 use crate::params::{EngineConfig, MAX_PROMPT_LOGITS_BYTES, PREFILL_TOKENS_PER_DECODE};
@@ -307,6 +307,28 @@ impl Scheduler {
         self.limits.enable_prefix_caching && !chunk_pruned && !s.wants_prompt_rows()
     }
 
+    /// The tokens of `s` a prefix-cache hit may cover. A policy that selects with the
+    /// queries of the prompt's last `n` tokens (SnapKV, TOVA, expected attention) must
+    /// compute at least those itself, so its hit stops `n` tokens before the prompt's end;
+    /// one that reads every prompt query (H2O) computes the whole prompt.
+    fn cacheable_ids<'a>(&self, s: &'a SeqState) -> &'a [u32] {
+        if !self.adopts_cached_prefix(s) {
+            return &[];
+        }
+        let own_queries = match &s.eviction {
+            Some(ev) if !ev.initialised => match ev.policy().prefill_queries() {
+                QueryNeed::None => 0,
+                QueryNeed::Last(n) => n,
+                QueryNeed::All => s.n_prompt,
+            },
+            _ => 0,
+        };
+        match own_queries {
+            0 => &s.all_ids,
+            n => &s.all_ids[..s.n_prompt - n.min(s.n_prompt)],
+        }
+    }
+
     /// Where a waiting sequence's first tokens would come from, and the blocks it needs to
     /// be admitted: a given prefix KV, else the connector when it holds more of the prompt
     /// than the pool's prefix cache, else the pool.
@@ -314,11 +336,9 @@ impl Scheduler {
         if s.req.params.prefix_kv.is_some() {
             return (Start::Given, self.blocks_for(s.all_ids.len()));
         }
-        let ids: &[u32] = match self.adopts_cached_prefix(s) {
-            true => &s.all_ids,
-            false => &[],
-        };
-        let prefix = self.kv.get_computed_prefix(ids, &s.namespace);
+        let prefix = self
+            .kv
+            .get_computed_prefix(self.cacheable_ids(s), &s.namespace);
         let cached = prefix.num_cached_tokens() as usize;
         let loadable = s.reuse.probe.as_ref().map_or(0, |p| p.1.loadable_tokens);
         if loadable > cached {
@@ -363,12 +383,9 @@ impl Scheduler {
                 // Nothing placed: the sequence was freed; the prefix is looked up again,
                 // since a failed placement may have taken cached blocks off the free list.
                 s.reuse.inexact = false;
-                let ids: &[u32] = match self.limits.enable_prefix_caching && !s.wants_prompt_rows()
-                {
-                    true => &s.all_ids,
-                    false => &[],
-                };
-                let prefix = self.kv.get_computed_prefix(ids, &s.namespace);
+                let prefix = self
+                    .kv
+                    .get_computed_prefix(self.cacheable_ids(&s), &s.namespace);
                 self.kv.add_sequence(seq, &prefix) as usize
             }
         };

@@ -160,6 +160,42 @@ fn keep_generated_prunes_the_prompt_only() {
     }
 }
 
+/// SnapKV selects with the queries of the prompt's last 64 tokens: after a full-cache run
+/// of the same prompt, its prefix-cache hit stops at least 64 tokens before the prompt's
+/// end, and it generates what it generates from a cold cache.
+#[test]
+fn a_window_policy_reuses_the_prefix_cache_up_to_its_window() {
+    let book = common::book_ids();
+    let prompt = &book[3000..3600];
+    let params = GenerateParams {
+        max_tokens: 24,
+        ignore_eos: true,
+        kv_policy: Some("snapkv".parse().unwrap()),
+        kv_budget: Some(128),
+        kv_granularity: Some(KvGranularity::Head),
+        ..Default::default()
+    };
+    let cold = common::engine(EngineConfig::default())
+        .generate(prompt, &params, &mut |_| {})
+        .unwrap();
+    assert_eq!(cold.cached_prompt_tokens, 0);
+    let mut engine = common::engine(EngineConfig::default());
+    let full = GenerateParams {
+        max_tokens: 1,
+        ..Default::default()
+    };
+    engine.generate(prompt, &full, &mut |_| {}).unwrap();
+    let warm = engine.generate(prompt, &params, &mut |_| {}).unwrap();
+    assert!(
+        (prompt.len() - 64 - 16..=prompt.len() - 64).contains(&warm.cached_prompt_tokens),
+        "{} of {} prompt tokens cached",
+        warm.cached_prompt_tokens,
+        prompt.len()
+    );
+    assert_eq!(warm.token_ids, cold.token_ids);
+    engine.check_invariants();
+}
+
 #[test]
 fn budget_at_least_context_changes_nothing() {
     // With a budget above prompt + output, PagedEviction never prunes or evicts, so the

@@ -3,8 +3,9 @@
 //!
 //! The full run also fills the prefix cache, so key/value-scored policies reuse its blocks
 //! and only prefill the last partial block; pruning then copies what it keeps. Policies
-//! that score with prompt queries (SnapKV, …) run with a cache salt and prefill everything,
-//! because a prefix-cache hit would leave them only the last chunk's queries.
+//! that score with the last `n` prompt queries (SnapKV, …) reuse all but the blocks that
+//! hold those (the scheduler stops their hit there); H2O, which reads every prompt query,
+//! runs with a cache salt and prefills everything.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -501,8 +502,10 @@ impl UnitRun<'_> {
     }
 }
 
-/// Policies that score with prompt queries must not start from a prefix-cache hit.
+/// A policy that reads every prompt query (H2O) must not start from a prefix-cache hit;
+/// one that reads the last `n` (SnapKV, TOVA, …) may, since the scheduler stops its hit
+/// `n` tokens before the prompt's end (`Scheduler::cacheable_ids`).
 fn salt(spec: PolicySpec, budget: Option<u32>) -> Option<String> {
-    (spec.build().prefill_queries() != pk_kv::QueryNeed::None)
+    (spec.build().prefill_queries() == pk_kv::QueryNeed::All)
         .then(|| format!("eval|{spec}|{budget:?}"))
 }
