@@ -174,6 +174,8 @@ pub struct KvPolicyArgs {
     /// Which parts of the model choose their kept tokens together: shared (one selection
     /// for every layer and head), layer (each layer its own), head (each KV head of each
     /// layer its own, as kvpress). The budget is per unit, so the bytes are the same.
+    /// Default: the policy's own (layer for paged-eviction, head for kvzip:global, shared
+    /// for the others).
     #[arg(long)]
     pub kv_granularity: Option<String>,
 }
@@ -187,6 +189,19 @@ impl KvPolicyArgs {
                     .map_err(|e| anyhow::anyhow!("--kv-granularity: {e}"))
             })
             .transpose()
+    }
+
+    /// The granularity eviction runs at: the one given, else the policy's own (the
+    /// default policy's when only a budget is given); `shared` when nothing evicts.
+    pub fn effective_granularity(&self) -> Result<pk_kv::KvGranularity> {
+        if let Some(g) = self.granularity()? {
+            return Ok(g);
+        }
+        Ok(match (self.spec()?, self.kv_budget) {
+            (Some(spec), _) => spec.default_granularity(),
+            (None, Some(_)) => pk_kv::PolicySpec::default().default_granularity(),
+            (None, None) => pk_kv::KvGranularity::Shared,
+        })
     }
 
     pub fn spec(&self) -> Result<Option<pk_kv::PolicySpec>> {

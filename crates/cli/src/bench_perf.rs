@@ -285,7 +285,7 @@ pub fn perf(a: PerfArgs) -> Result<()> {
             "matmul_isa": pk_model::kernels::matmul_isa(),
             "kv_policy": a.kv.label(),
             "kv_budget": a.kv.kv_budget,
-            "kv_granularity": a.kv.granularity()?.unwrap_or_default().name(),
+            "kv_granularity": a.kv.effective_granularity()?.name(),
             "runs": runs,
         });
         println!("{v}");

@@ -80,7 +80,8 @@ pub struct EvalArgs {
     pub kv_dtype: String,
     /// Eviction granularities to sweep, comma-separated (shared, layer, head): each evicting
     /// policy and budget runs at every one; rows carry `kv_granularity`, and summaries name
-    /// a non-shared one after the policy (`snapkv/head`).
+    /// a non-shared one after the policy (`snapkv/head`). Default: each policy at its own
+    /// (layer for paged-eviction, head for kvzip:global, shared for the others).
     #[arg(long, value_delimiter = ',')]
     pub kv_granularity: Option<Vec<String>>,
     /// Worker threads for the kernels (default: all cores). Scores do not depend on it.
@@ -172,13 +173,8 @@ fn config(a: &EvalArgs) -> Result<SweepConfig> {
         )
     })?;
     check_used(a, &c)?;
-    if c.samples == 0
-        || c.lengths.is_empty()
-        || c.tasks.is_empty()
-        || c.block_sizes.is_empty()
-        || c.granularities.is_empty()
-    {
-        bail!("nothing to run: samples, lengths, tasks, block sizes and granularities must not be empty");
+    if c.samples == 0 || c.lengths.is_empty() || c.tasks.is_empty() || c.block_sizes.is_empty() {
+        bail!("nothing to run: samples, lengths, tasks and block sizes must not be empty");
     }
     Ok(c)
 }

@@ -177,7 +177,7 @@ pub fn plan(a: &ServeArgs, path: &Path, model_config: &pk_model::ModelConfig) ->
         max_waiting_requests: a.max_waiting_requests,
         default_kv_policy: a.kv.spec()?.unwrap_or_default(),
         default_kv_budget: a.kv.kv_budget,
-        default_kv_granularity: a.kv.granularity()?.unwrap_or_default(),
+        default_kv_granularity: a.kv.granularity()?,
         // Both KV stores keep the KV cache groups, as the engine does without them.
         hybrid_kv_cache: !a.model.disable_hybrid_kv_cache_manager,
         ..Default::default()

@@ -22,10 +22,11 @@ use pk_engine::{Engine, EngineConfig, EvictionStats, GenerateParams};
 const BUDGET_TOKENS: u32 = 1024;
 
 /// The policies compared, with the granularity each runs at: PagedEviction's default
-/// (`v-norm`, victims among the oldest 3 blocks) shared and per KV head, its default
-/// before issue 38 (the ratio score, global victims) shared and `v-norm` with global
-/// victims per head, and the baselines the issue names at their defaults.
-const CONFIGS: [(&str, &str); 8] = [
+/// (`v-norm`, victims among the oldest 3 blocks, per layer) and the same shared and per KV
+/// head, its default before issue 38 (the ratio score, global victims, shared) and `v-norm`
+/// with global victims per head, and the baselines the issue names at their defaults.
+const CONFIGS: [(&str, &str); 9] = [
+    ("paged-eviction", "layer"),
     ("paged-eviction", "shared"),
     ("paged-eviction", "head"),
     ("paged-eviction:ratio:global", "shared"),

@@ -39,8 +39,9 @@ pub struct EngineConfig {
     pub default_kv_policy: PolicySpec,
     /// Budget applied to requests that give none (`None`: no eviction by default).
     pub default_kv_budget: Option<u32>,
-    /// Eviction granularity for requests that give none.
-    pub default_kv_granularity: KvGranularity,
+    /// Eviction granularity for requests that give none (`None`: the policy's own,
+    /// `PolicySpec::default_granularity`).
+    pub default_kv_granularity: Option<KvGranularity>,
     /// Reuse computed blocks across requests through the pool's prefix cache (vLLM's
     /// automatic prefix caching; on by default). Benchmarks of a reuse connector turn it off
     /// so that every reuse is a load.
@@ -96,7 +97,7 @@ impl Default for EngineConfig {
             max_waiting_requests: 256,
             default_kv_policy: PolicySpec::default(),
             default_kv_budget: None,
-            default_kv_granularity: KvGranularity::Shared,
+            default_kv_granularity: None,
             enable_prefix_caching: true,
             hybrid_kv_cache: true,
             prefill_prune_interval_tokens: 0,

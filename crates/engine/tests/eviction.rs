@@ -196,6 +196,38 @@ fn a_window_policy_reuses_the_prefix_cache_up_to_its_window() {
     engine.check_invariants();
 }
 
+/// A request that names no granularity runs at its policy's own: PagedEviction per layer,
+/// so it generates what an explicit `layer` generates.
+#[test]
+fn paged_eviction_selects_per_layer_unless_told_otherwise() {
+    let mut engine = common::engine(EngineConfig::default());
+    let book = common::book_ids();
+    let prompt = &book[4000..4500];
+    let run = |engine: &mut pk_engine::Engine, granularity| {
+        let params = GenerateParams {
+            max_tokens: 32,
+            ignore_eos: true,
+            kv_budget: Some(96),
+            kv_granularity: granularity,
+            ..Default::default()
+        };
+        let out = engine.generate(prompt, &params, &mut |_| {}).unwrap();
+        (
+            out.token_ids,
+            engine.eviction_stats["paged-eviction"].kv_slot_copies,
+        )
+    };
+    let (own, own_copies) = run(&mut engine, None);
+    let (layer, layer_copies) = run(&mut engine, Some(KvGranularity::Layer));
+    assert_eq!(own, layer);
+    // Per-layer units compact their own slots; the counters are cumulative.
+    assert!(
+        own_copies > 0 && layer_copies == 2 * own_copies,
+        "{own_copies} {layer_copies}"
+    );
+    engine.check_invariants();
+}
+
 #[test]
 fn budget_at_least_context_changes_nothing() {
     // With a budget above prompt + output, PagedEviction never prunes or evicts, so the

@@ -72,7 +72,8 @@ pub struct SweepConfig {
     /// Live KV precision of every run except `text-kl`'s reference, which is always the
     /// f16 full cache (so a q8 sweep's `full` text-kl row measures q8 itself).
     pub kv_dtype: KvDtype,
-    /// Eviction granularities: every evicting (policy, budget) of `policies` runs at each.
+    /// Eviction granularities: every evicting (policy, budget) of `policies` runs at each;
+    /// empty (the default): each at its own (`PolicySpec::default_granularity`).
     pub granularities: Vec<pk_kv::KvGranularity>,
     /// Evicting policies that run at one granularity only (`--policies snapkv/head`), so
     /// that a comparison of one policy's granularities does not multiply every other
@@ -114,7 +115,7 @@ impl SweepConfig {
             out_dir,
             progress: true,
             kv_dtype: KvDtype::F16,
-            granularities: vec![pk_kv::KvGranularity::Shared],
+            granularities: Vec::new(),
             pinned_policies: Vec::new(),
             query_agnostic: false,
         }

@@ -85,13 +85,20 @@ fn units(cfg: &SweepConfig) -> Vec<Unit> {
                 let budgets = cfg.budget_tokens(context_tokens, block_size);
                 for sample in 0..cfg.samples {
                     let mut cells = vec![Cell::FULL];
-                    let every = cfg.granularities.iter().flat_map(|&g| {
-                        cfg.policies
-                            .iter()
-                            .filter(|p| p.evicts())
-                            .map(move |&p| (p, g))
-                    });
-                    for (p, granularity) in every.chain(cfg.pinned_policies.iter().copied()) {
+                    let evicting = || cfg.policies.iter().filter(|p| p.evicts());
+                    // No granularity asked for: each policy runs at its own default.
+                    let own = evicting().map(|&p| (p, p.default_granularity()));
+                    let every = cfg
+                        .granularities
+                        .iter()
+                        .flat_map(|&g| evicting().map(move |&p| (p, g)));
+                    let every: Vec<_> = match cfg.granularities.is_empty() {
+                        true => own.collect(),
+                        false => every.collect(),
+                    };
+                    for (p, granularity) in
+                        every.into_iter().chain(cfg.pinned_policies.iter().copied())
+                    {
                         cells.extend(budgets.iter().map(|&b| Cell {
                             policy: Some(p),
                             budget: Some(b),

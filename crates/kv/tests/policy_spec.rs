@@ -62,6 +62,22 @@ fn defaults_and_aliases() {
             local_topk: Some(3)
         }
     );
+    // A request that names no granularity runs at the policy's own.
+    assert_eq!(
+        PolicySpec::default().default_granularity(),
+        pk_kv::KvGranularity::Layer
+    );
+    assert_eq!(
+        parse("kvzip:global").unwrap().default_granularity(),
+        pk_kv::KvGranularity::Head
+    );
+    for name in ["snapkv", "streaming-llm", "kvzip", "tova"] {
+        assert_eq!(
+            parse(name).unwrap().default_granularity(),
+            pk_kv::KvGranularity::Shared,
+            "{name}"
+        );
+    }
     // The default before issue 38 stays reachable by name.
     assert_eq!(
         parse("paged-eviction:ratio:global").unwrap(),

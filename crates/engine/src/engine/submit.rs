@@ -218,7 +218,8 @@ impl Engine {
         }
         let granularity = p
             .kv_granularity
-            .unwrap_or(self.config.default_kv_granularity);
+            .or(self.config.default_kv_granularity)
+            .unwrap_or_else(|| spec.default_granularity());
         let c = self.backend.config();
         let mut units = pk_kv::selection_units(granularity, c.n_layers, c.n_kv_heads, |layer| {
             c.layer_window(layer).is_some()

@@ -26,6 +26,8 @@ pub const SNAPKV_WINDOW_DEFAULT: u32 = 64;
 pub const SNAPKV_KERNEL_DEFAULT: u32 = 5;
 const EXPECTED_WINDOW_DEFAULT: u32 = 64;
 const EXPECTED_N_SINK_DEFAULT: u32 = 4;
+/// PagedEviction's granularity when a request names none (`default_granularity`).
+const PAGED_EVICTION_GRANULARITY: super::KvGranularity = super::KvGranularity::Layer;
 /// The authors' scripts use topk = 3 for the local variant, and so does our default.
 const LOCAL_TOPK_DEFAULT: u32 = 3;
 
@@ -135,6 +137,18 @@ impl PolicySpec {
         match *self {
             PolicySpec::Kvzip { chunk_tokens, .. } => Some(chunk_tokens as usize),
             _ => None,
+        }
+    }
+
+    /// The granularity a request that names none runs at: PagedEviction's is its
+    /// authors' (issue 38's comparison, `docs/results/eval-issue38/NOTE.md`), a ragged
+    /// KVzip budget needs one unit per KV head, and every other policy selects once for
+    /// all layers and heads, which evicts whole blocks of one table and copies no K/V.
+    pub fn default_granularity(&self) -> super::KvGranularity {
+        match self {
+            PolicySpec::PagedEviction { .. } => PAGED_EVICTION_GRANULARITY,
+            spec if spec.ragged() => super::KvGranularity::Head,
+            _ => super::KvGranularity::Shared,
         }
     }
 
