@@ -245,7 +245,12 @@ def main():
         "--kvzip-ids",
         help="JSON {first, later, suffix}: token ids of the reconstruction prompts and the chat template's turn change (kvzip presses)",
     )
+    ap.add_argument(
+        "--dump-kept",
+        help="JSON lines: for each kvzip press, sample and ratio, the token indices each (layer, KV head) keeps (to compare kept sets with pagekeeper's)",
+    )
     a = ap.parse_args()
+    dump = open(a.dump_kept, "a") if a.dump_kept else None
     kvzip_ids = json.load(open(a.kvzip_ids)) if a.kvzip_ids else None
     if "kvzip" in a.presses and kvzip_ids is None:
         raise SystemExit("kvzip presses need --kvzip-ids")
@@ -273,6 +278,10 @@ def main():
                         zip_scores = kvzip_scores(m, pre, full_cache, kvzip_ids)
                     budget = name.split(":")[1] if ":" in name else "global"
                     last, cache = full_last, kvzip_compress(full_cache, zip_scores, r, budget)
+                    if dump:
+                        kept = [[np.flatnonzero(keep[h]).tolist() for h in range(m.n_kv)] for _, _, keep in cache]
+                        dump.write(json.dumps({"sample": s["sample"], "press": name, "ratio": r, "kept": kept}) + "\n")
+                        dump.flush()
                 else:
                     last, cache = m.forward(pre, pp, None, press_for(name, r))
                 pol = np.concatenate([last[-1:], m.forward(cont[:-1], cp[:-1], cache)[0]])

@@ -15,6 +15,8 @@ use pk_kv::{
 };
 use pk_model::{KvBlocks, KvGeometry};
 
+use crate::request::PrefillKeep;
+
 /// One unit of selection (`KvGranularity`) and its own policy instance.
 pub(crate) struct UnitPolicy {
     pub unit: SelectionUnit,
@@ -47,6 +49,9 @@ pub(crate) struct SeqEviction {
     /// After a ragged compaction, each (layer, KV head)'s first stored key
     /// (`SeqForward::head_first_keys`); empty otherwise.
     pub head_first_keys: Vec<u32>,
+    /// `GenerateParams::record_prefill_keeps`: keep the last selection's kept lists.
+    pub record_keeps: bool,
+    pub recorded_keeps: Option<Vec<PrefillKeep>>,
 }
 
 impl SeqEviction {
@@ -74,6 +79,8 @@ impl SeqEviction {
             prune_interval_tokens: None,
             unit_budgets: None,
             head_first_keys: Vec::new(),
+            record_keeps: false,
+            recorded_keeps: None,
         }
     }
 
@@ -336,6 +343,14 @@ fn select_and_compact(
             })
             .collect()
     };
+    if ev.record_keeps {
+        let record = ev.units.iter().zip(&keeps).map(|(u, kept)| PrefillKeep {
+            layers: u.unit.layers.clone(),
+            kv_head: u.unit.kv_head,
+            kept: kept.clone(),
+        });
+        ev.recorded_keeps = Some(record.collect());
+    }
     if keeps.iter().all(|k| k.len() == n_stored) {
         return true;
     }

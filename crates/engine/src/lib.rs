@@ -32,5 +32,5 @@ pub use engine::{
 pub use eviction::EvictionStats;
 pub use grammar::{CompiledGrammar, Grammar, GrammarCompiler, GrammarSpec};
 pub use namespace::{kv_fingerprint, CacheNamespace};
-pub use request::{GenerateOutput, Request, RequestError, RequestOutput, SeqEvent};
+pub use request::{GenerateOutput, PrefillKeep, Request, RequestError, RequestOutput, SeqEvent};
 pub use sampler::{Sampler, SamplingParams, TokenLogprob};

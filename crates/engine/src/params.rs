@@ -124,6 +124,10 @@ pub struct GenerateParams {
     /// kept, as kvpress's presses compress the context at prefill and leave decode alone.
     /// Evaluation uses it to compare with kvpress's numbers (`eval --text-kl-keep-continuation`).
     pub kv_keep_generated: bool,
+    /// Return what prefill selection kept in each selection unit
+    /// (`GenerateOutput::prefill_keeps`), to compare kept sets with a second implementation.
+    /// Only with an evicting policy; not an API field.
+    pub record_prefill_keeps: bool,
     /// Teacher forcing: generated token i is `forced_tokens[i]` instead of a sample (while
     /// there are any), so that two cache configurations can be compared on the same text.
     /// A forced end-of-generation token does not end the sequence; a sampled one after the
@@ -186,6 +190,7 @@ impl Default for GenerateParams {
             kv_budget: None,
             kv_granularity: None,
             kv_keep_generated: false,
+            record_prefill_keeps: false,
             forced_tokens: Vec::new(),
             return_logits: false,
             prefix_kv: None,

@@ -88,6 +88,19 @@ pub struct RequestOutput {
     pub prompt_logprobs: Vec<Option<crate::sampler::TokenLogprob>>,
     /// Where the prompt's stored context came from (EVICPRESS store), if it was loaded.
     pub context_load: Option<crate::connector::LoadOrigin>,
+    /// With `GenerateParams::record_prefill_keeps`: each selection unit's kept tokens.
+    pub prefill_keeps: Option<Vec<PrefillKeep>>,
+}
+
+/// What prefill selection kept in one selection unit: the stored indices at selection,
+/// which are prompt positions when nothing was pruned before (every policy that selects
+/// once, from the whole prompt).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillKeep {
+    pub layers: Vec<usize>,
+    /// `None`: every KV head of `layers`.
+    pub kv_head: Option<usize>,
+    pub kept: Vec<u32>,
 }
 
 /// Result of a blocking `generate` call.
@@ -108,4 +121,6 @@ pub struct GenerateOutput {
     pub logprobs: Vec<crate::sampler::TokenLogprob>,
     /// Where a stored context came from (EVICPRESS store), if one was loaded.
     pub context_load: Option<crate::connector::LoadOrigin>,
+    /// With `GenerateParams::record_prefill_keeps`: each selection unit's kept tokens.
+    pub prefill_keeps: Option<Vec<PrefillKeep>>,
 }

@@ -417,6 +417,10 @@ impl SeqState {
             logprobs: self.output.logprobs.clone(),
             prompt_logprobs: std::mem::take(&mut self.output.prompt_logprobs),
             context_load: self.reuse.load.clone(),
+            prefill_keeps: self
+                .eviction
+                .as_mut()
+                .and_then(|ev| ev.recorded_keeps.take()),
         }
     }
 }

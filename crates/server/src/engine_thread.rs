@@ -321,6 +321,7 @@ mod tests {
             logprobs: Vec::new(),
             prompt_logprobs: Vec::new(),
             context_load: None,
+            prefill_keeps: None,
         };
         metrics::with_local_recorder(&recorder, || record_finished(&output));
         let text = recorder.handle().render();

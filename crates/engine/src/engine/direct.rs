@@ -62,6 +62,7 @@ impl Engine {
             kv_bytes: o.kv_blocks * self.kv_block_bytes(),
             logprobs: o.logprobs,
             context_load: o.context_load,
+            prefill_keeps: o.prefill_keeps,
         }
     }
 

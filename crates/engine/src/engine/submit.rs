@@ -181,14 +181,18 @@ impl Engine {
         let invalid =
             |param: &'static str, message: String| SubmitError::InvalidParam { param, message };
         let budget = p.kv_budget.or(self.config.default_kv_budget);
-        let no_eviction = || match p.kv_granularity {
+        let no_eviction = || match (p.kv_granularity, p.record_prefill_keeps) {
             // A granularity chooses how eviction selects; with nothing evicted it would be
             // accepted and unused.
-            Some(g) => Err(invalid(
+            (Some(g), _) => Err(invalid(
                 "kv_granularity",
                 format!("kv_granularity {g} applies only when a kv_budget evicts"),
             )),
-            None => Ok(None),
+            (None, true) => Err(invalid(
+                "record_prefill_keeps",
+                "record_prefill_keeps needs an evicting kv_policy and a kv_budget".into(),
+            )),
+            (None, false) => Ok(None),
         };
         let spec = match (p.kv_policy, budget) {
             (Some(spec), _) => spec,
@@ -244,6 +248,7 @@ impl Engine {
         let mut ev = SeqEviction::new(spec, budget, granularity, units);
         // A ragged layout selects once, at prefill (see `eviction::after_decode`).
         ev.keep_generated = p.kv_keep_generated || spec.ragged();
+        ev.record_keeps = p.record_prefill_keeps;
         let interval = self.config.prefill_prune_interval_tokens;
         if interval > 0 && spec.prunes_as_chunks_arrive() && self.sched.kv.window_spec().is_none() {
             ev.prune_interval_tokens = Some(interval);

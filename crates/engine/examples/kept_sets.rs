@@ -1,0 +1,63 @@
+//! The tokens each selection unit keeps at prefill, for comparison with a second
+//! implementation (issue 37: KVzip's kept sets against `scripts/kvpress_reference.py
+//! --dump-kept`, compared by `scripts/compare_kept_sets.py`).
+//!
+//! Reads the prefixes of a `text-kl-tokens.jsonl` (written by `eval`), runs each through
+//! the engine under POLICY at each budget with one generated token, and prints one JSON
+//! line per (sample, budget): `{"sample", "budget", "policy", "granularity", "units":
+//! [{"layers", "kv_head", "kept"}]}`.
+//!
+//!     cargo run --release -p pk-engine --example kept_sets -- MODEL TOKENS.jsonl \
+//!         POLICY GRANULARITY BUDGETS SAMPLES > kept.jsonl
+//!
+//! for example `… kvzip:global head 1024,512,256 4`.
+
+use pk_engine::{Engine, EngineConfig, GenerateParams};
+use pk_kv::{KvGranularity, PolicySpec};
+use serde_json::{json, Value};
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let [_, model, tokens, policy, granularity, budgets, samples] = &args[..] else {
+        anyhow::bail!("usage: kept_sets MODEL TOKENS.jsonl POLICY GRANULARITY BUDGETS SAMPLES");
+    };
+    let policy: PolicySpec = policy.parse()?;
+    let granularity: KvGranularity = granularity.parse()?;
+    let budgets: Vec<u32> = budgets
+        .split(',')
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    let samples: u64 = samples.parse()?;
+    let mut engine = Engine::load(std::path::Path::new(model), EngineConfig::default())?;
+    let mut seen = std::collections::HashSet::new();
+    for line in std::fs::read_to_string(tokens)?.lines() {
+        let row: Value = serde_json::from_str(line)?;
+        let sample = row["sample"].as_u64().unwrap_or(u64::MAX);
+        if sample >= samples || !seen.insert(sample) {
+            continue;
+        }
+        let prefix: Vec<u32> = serde_json::from_value(row["prefix"].clone())?;
+        for &budget in &budgets {
+            let params = GenerateParams {
+                max_tokens: 1,
+                ignore_eos: true,
+                kv_policy: Some(policy),
+                kv_budget: Some(budget),
+                kv_granularity: Some(granularity),
+                record_prefill_keeps: true,
+                ..Default::default()
+            };
+            let out = engine.generate(&prefix, &params, &mut |_| {})?;
+            let units: Vec<Value> = out
+                .prefill_keeps
+                .unwrap_or_default()
+                .into_iter()
+                .map(|k| json!({"layers": k.layers, "kv_head": k.kv_head, "kept": k.kept}))
+                .collect();
+            let line = json!({"sample": sample, "budget": budget, "prompt_tokens": prefix.len(),
+                "policy": policy.to_string(), "granularity": granularity.name(), "units": units});
+            println!("{line}");
+        }
+    }
+    Ok(())
+}
