@@ -9,7 +9,9 @@ layer and one KV head each). REFERENCE: lines of `scripts/kvpress_reference.py
 Overlap of a (layer, head): |E ∩ R| / max(|E|, |R|), so that keeping more or fewer tokens
 than the reference counts against it as much as keeping other ones. Prints, per ratio,
 the mean, 10th percentile and minimum overlap over every (sample, layer, head), the share
-of heads at or above 0.9, and the mean counts kept.
+of heads at or above 0.9, and the mean counts kept; then the same share over the heads
+where the reference keeps at least `--floor` tokens (pagekeeper keeps at least three
+blocks per head, 48 tokens, where kvpress's threshold may leave a head fewer).
 
 Usage: compare_kept_sets.py ENGINE.jsonl REFERENCE.jsonl [--press kvzip]
 """
@@ -23,6 +25,7 @@ def main():
     ap.add_argument("engine")
     ap.add_argument("reference")
     ap.add_argument("--press", default="kvzip")
+    ap.add_argument("--floor", type=int, default=48)
     a = ap.parse_args()
     ref = {}
     for line in open(a.reference):
@@ -41,15 +44,18 @@ def main():
             mine, theirs = set(u["kept"]), set(kept[u["layers"][0]][u["kv_head"]])
             overlap = len(mine & theirs) / max(len(mine), len(theirs), 1)
             per_ratio.setdefault(ratio, []).append((overlap, len(mine), len(theirs), e["sample"]))
-    print("| removed | samples | heads | mean overlap | p10 | min | heads >= 0.9 | mean kept, ours | mean kept, reference |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| removed | samples | heads | mean overlap | p10 | min | heads >= 0.9 | reference below the floor | heads >= 0.9 of the rest | mean kept, ours | mean kept, reference |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for ratio, rows in sorted(per_ratio.items()):
         ov = sorted(r[0] for r in rows)
         p10 = ov[len(ov) // 10]
         share = sum(o >= 0.9 for o in ov) / len(ov)
+        rest = [r[0] for r in rows if r[2] >= a.floor]
+        rest_share = sum(o >= 0.9 for o in rest) / max(len(rest), 1)
         print(
             f"| {ratio * 100:.1f} % | {len({r[3] for r in rows})} | {len(rows)} | {statistics.mean(ov):.3f} | {p10:.3f} | {ov[0]:.3f} "
-            f"| {share * 100:.0f} % | {statistics.mean(r[1] for r in rows):.0f} | {statistics.mean(r[2] for r in rows):.0f} |"
+            f"| {share * 100:.0f} % | {len(rows) - len(rest)} | {rest_share * 100:.0f} % "
+            f"| {statistics.mean(r[1] for r in rows):.0f} | {statistics.mean(r[2] for r in rows):.0f} |"
         )
 
 

@@ -3,7 +3,7 @@
 //! --dump-kept`, compared by `scripts/compare_kept_sets.py`).
 //!
 //! Reads the prefixes of a `text-kl-tokens.jsonl` (written by `eval`), runs each through
-//! the engine under POLICY at each budget with one generated token, and prints one JSON
+//! the engine under POLICY at each budget with two generated tokens, and prints one JSON
 //! line per (sample, budget): `{"sample", "budget", "policy", "granularity", "units":
 //! [{"layers", "kv_head", "kept"}]}`.
 //!
@@ -38,8 +38,9 @@ fn main() -> anyhow::Result<()> {
         }
         let prefix: Vec<u32> = serde_json::from_value(row["prefix"].clone())?;
         for &budget in &budgets {
+            // A request whose first token ends it is never pruned: generate two.
             let params = GenerateParams {
-                max_tokens: 1,
+                max_tokens: 2,
                 ignore_eos: true,
                 kv_policy: Some(policy),
                 kv_budget: Some(budget),

@@ -362,10 +362,23 @@ fn kvzip_global_keeps_unequal_counts_per_head() {
         kv_policy: Some("kvzip:chunk=256:global".parse().unwrap()),
         kv_budget: Some(128),
         kv_granularity: Some(KvGranularity::Head),
+        record_prefill_keeps: true,
         ..Default::default()
     };
     let out = engine.generate(prompt, &params, &mut |_| {}).unwrap();
     assert_eq!(out.token_ids.len(), 40);
+    // One kept list per (layer, KV head), of unequal lengths averaging the budget (raised
+    // a little by the floor), each sorted prompt positions with the 4 sinks.
+    let keeps = out.prefill_keeps.as_ref().expect("recorded");
+    assert_eq!(keeps.len(), 30 * 3);
+    let lens: Vec<usize> = keeps.iter().map(|k| k.kept.len()).collect();
+    assert!(lens.iter().any(|&n| n != lens[0]), "{lens:?}");
+    let mean = lens.iter().sum::<usize>() / lens.len();
+    assert!((128..128 + 48).contains(&mean), "{mean}");
+    for k in keeps {
+        assert!(k.kept.windows(2).all(|w| w[0] < w[1]) && k.kept[..4] == [0, 1, 2, 3]);
+        assert!(k.layers.len() == 1 && k.kv_head.is_some() && k.kept[k.kept.len() - 1] < 600);
+    }
     // The table holds the largest head's count (at least the mean, 128) plus the 39
     // generated tokens fed back, which a ragged layout keeps.
     assert!(
@@ -386,6 +399,7 @@ fn kvzip_global_keeps_unequal_counts_per_head() {
     );
     let shared = GenerateParams {
         kv_granularity: Some(KvGranularity::Shared),
+        record_prefill_keeps: false,
         ..params
     };
     let err = engine.generate(prompt, &shared, &mut |_| {}).unwrap_err();
