@@ -174,7 +174,7 @@ pub struct KvPolicyArgs {
     /// Which parts of the model choose their kept tokens together: shared (one selection
     /// for every layer and head), layer (each layer its own), head (each KV head of each
     /// layer its own, as kvpress). The budget is per unit, so the bytes are the same.
-    /// Default: the policy's own (layer for paged-eviction, head for kvzip:global, shared
+    /// Default: the policy's own (head for paged-eviction and kvzip:global, shared
     /// for the others).
     #[arg(long)]
     pub kv_granularity: Option<String>,

@@ -81,7 +81,7 @@ pub struct EvalArgs {
     /// Eviction granularities to sweep, comma-separated (shared, layer, head): each evicting
     /// policy and budget runs at every one; rows carry `kv_granularity`, and summaries name
     /// a non-shared one after the policy (`snapkv/head`). Default: each policy at its own
-    /// (layer for paged-eviction, head for kvzip:global, shared for the others).
+    /// (head for paged-eviction and kvzip:global, shared for the others).
     #[arg(long, value_delimiter = ',')]
     pub kv_granularity: Option<Vec<String>>,
     /// Worker threads for the kernels (default: all cores). Scores do not depend on it.

@@ -196,10 +196,10 @@ fn a_window_policy_reuses_the_prefix_cache_up_to_its_window() {
     engine.check_invariants();
 }
 
-/// A request that names no granularity runs at its policy's own: PagedEviction per layer,
-/// so it generates what an explicit `layer` generates.
+/// A request that names no granularity runs at its policy's own: PagedEviction per KV
+/// head, so it generates what an explicit `head` generates.
 #[test]
-fn paged_eviction_selects_per_layer_unless_told_otherwise() {
+fn paged_eviction_selects_per_head_unless_told_otherwise() {
     let mut engine = common::engine(EngineConfig::default());
     let book = common::book_ids();
     let prompt = &book[4000..4500];
@@ -218,12 +218,12 @@ fn paged_eviction_selects_per_layer_unless_told_otherwise() {
         )
     };
     let (own, own_copies) = run(&mut engine, None);
-    let (layer, layer_copies) = run(&mut engine, Some(KvGranularity::Layer));
-    assert_eq!(own, layer);
-    // Per-layer units compact their own slots; the counters are cumulative.
+    let (head, head_copies) = run(&mut engine, Some(KvGranularity::Head));
+    assert_eq!(own, head);
+    // Per-head units compact their own slots; the counters are cumulative.
     assert!(
-        own_copies > 0 && layer_copies == 2 * own_copies,
-        "{own_copies} {layer_copies}"
+        own_copies > 0 && head_copies == 2 * own_copies,
+        "{own_copies} {head_copies}"
     );
     engine.check_invariants();
 }

@@ -65,7 +65,7 @@ fn defaults_and_aliases() {
     // A request that names no granularity runs at the policy's own.
     assert_eq!(
         PolicySpec::default().default_granularity(),
-        pk_kv::KvGranularity::Layer
+        pk_kv::KvGranularity::Head
     );
     assert_eq!(
         parse("kvzip:global").unwrap().default_granularity(),
