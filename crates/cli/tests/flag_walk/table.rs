@@ -2290,7 +2290,7 @@ pub const TABLE: &[Entry] = &[
                 "--kv-budget",
                 "48",
                 "--kv-granularity",
-                "head",
+                "layer",
             ],
             pointer: "/kv_granularity",
         },
