@@ -124,7 +124,9 @@ impl SweepConfig {
     /// The report, sized for a shared 2-core machine with one thread (about an hour):
     /// every task at 1K and 2K tokens, budgets 12.5–75%, B = 16, 4 samples (needle depths
     /// 0, 1/3, 2/3, 1), the seeds' four policies plus PagedEviction's default before issue
-    /// 38 (the paper's ratio score, global victims) and its inverse-key variant, and SnapKV. Capped on purpose: 4K and 8K prompts, block sizes 8/32, fixed token
+    /// 38 (the paper's ratio score, global victims) and its inverse-key variant, and
+    /// SnapKV, each at its own granularity. Capped on purpose: 4K and 8K prompts, block
+    /// sizes 8/32, fixed token
     /// budgets, TOVA and H2O would multiply the time (SnapKV and TOVA prefill the whole
     /// prompt again for every cell, while the others reuse the full cache's prefix); ask
     /// for them with `--lengths`, `--block-sizes`, `--budgets` and `--policies`.
