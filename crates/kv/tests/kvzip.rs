@@ -139,3 +139,27 @@ fn the_policy_keeps_sinks_then_the_highest_reconstruction_scores() {
     want.sort_unstable();
     assert_eq!(keep, want);
 }
+
+/// A head's share of `kvzip:global`'s budget may be as small as its sinks: it selects once
+/// and evicts no block afterwards. Below the sinks, and for the uniform budget below three
+/// blocks, selection refuses the budget.
+#[test]
+fn a_global_share_may_hold_only_the_sinks() {
+    let n = 40;
+    let kv = pk_kv::DenseKv::from_fn(1, 1, 2, n, |_, _, _, key, value| {
+        key.copy_from_slice(&[1.0, 0.0]);
+        value.copy_from_slice(&[1.0, 0.0]);
+    });
+    let select = |spec: &str, budget_tokens: u32| {
+        let mut policy = spec.parse::<pk_kv::PolicySpec>().unwrap().build();
+        policy.set_prior_scores((0..n).map(|t| t as f32).collect());
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            policy.select_prefill(&kv, None, budget_tokens, 16)
+        }))
+    };
+    assert_eq!(select("kvzip:global", 4).unwrap(), vec![0, 1, 2, 3]);
+    assert_eq!(select("kvzip:global", 6).unwrap(), vec![0, 1, 2, 3, 38, 39]);
+    assert!(select("kvzip:global", 3).is_err());
+    assert!(select("kvzip", 6).is_err());
+    assert_eq!(select("kvzip", 48).unwrap().len(), 40);
+}

@@ -123,7 +123,8 @@ impl Engine {
             .map(|u| kvzip::unit_scores(&scores, &u.unit, n_kv_heads, n_stored))
             .collect();
         if ev.spec.ragged() && n_stored > budget as usize {
-            let floor = pk_kv::MIN_BUDGET_BLOCKS * self.config.block_size_tokens;
+            // Each head keeps at least its sinks, as kvpress's threshold keeps them.
+            let floor = pk_kv::KVZIP_SINK_TOKENS as u32;
             ev.unit_budgets = Some(kvzip::ragged_budgets(&unit_scores, budget, n_stored, floor));
         }
         for (u, scores) in ev.units.iter_mut().zip(unit_scores) {

@@ -226,9 +226,8 @@ pub(crate) fn unit_scores(
 /// A ragged budget (`kvzip:global`): how many tokens each unit keeps when one threshold
 /// runs over every unit's scores and `budget_tokens` per unit are kept on average, as
 /// kvpress's KVzip spends its budget. Ties go to the earlier (unit, token). Each unit keeps
-/// at least `min_unit_tokens` (the smallest budget a block policy takes, three blocks), so
-/// the mean can exceed the budget by what that floor adds: kvpress's global threshold may
-/// leave a head nothing.
+/// at least `min_unit_tokens` (the engine passes the 4 sinks), so the mean can exceed the
+/// budget by what that floor adds: kvpress's global threshold may leave a head nothing.
 pub(crate) fn ragged_budgets(
     unit_scores: &[Vec<f32>],
     budget_tokens: u32,

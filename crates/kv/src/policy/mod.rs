@@ -191,6 +191,23 @@ pub fn validate_budget(budget_tokens: u32, block_size_tokens: u32) -> Result<(),
     Ok(())
 }
 
+/// Checks one unit's share of a ragged budget (`kvzip:global`): `B > 0` and at least the
+/// `KVZIP_SINK_TOKENS` sinks. A ragged selection happens once, at prefill, so it holds no
+/// evictable block and no block being filled; kvpress's global threshold may leave a head
+/// nothing, and this keeps its sinks.
+pub fn validate_ragged_budget(
+    budget_tokens: u32,
+    block_size_tokens: u32,
+) -> Result<(), PolicyError> {
+    if block_size_tokens == 0 {
+        return Err(PolicyError::ZeroBlockSize);
+    }
+    if (budget_tokens as usize) < KVZIP_SINK_TOKENS {
+        return Err(PolicyError::RaggedBudgetTooSmall { budget_tokens });
+    }
+    Ok(())
+}
+
 /// Invalid policy names, options or budgets. Messages name what would be valid.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum PolicyError {
@@ -208,6 +225,9 @@ pub enum PolicyError {
     BudgetTooSmall {
         budget_tokens: u32,
         block_size_tokens: u32,
+    },
+    RaggedBudgetTooSmall {
+        budget_tokens: u32,
     },
     ZeroBlockSize,
 }
@@ -242,6 +262,11 @@ impl fmt::Display for PolicyError {
                  ({MIN_BUDGET_BLOCKS} blocks of {block_size_tokens}: the sink block, one evictable \
                  block and the block being filled)",
                 MIN_BUDGET_BLOCKS as u64 * *block_size_tokens as u64
+            ),
+            PolicyError::RaggedBudgetTooSmall { budget_tokens } => write!(
+                f,
+                "a KV head's share of a global budget is {budget_tokens} tokens: it must hold \
+                 at least the {KVZIP_SINK_TOKENS} sink tokens"
             ),
             PolicyError::ZeroBlockSize => write!(f, "KV block size must be at least 1 token"),
         }

@@ -15,7 +15,7 @@ use std::fmt;
 use std::ops::Range;
 
 use super::select::{mean, select_top, BlockScores};
-use super::{validate_budget, EvictionPolicy, KvView, PolicySpec, QueryNeed, QueryView};
+use super::{validate_budget, validate_ragged_budget, EvictionPolicy, KvView, PolicySpec, QueryNeed, QueryView};
 
 /// Scores stored tokens. Higher is kept.
 pub(crate) trait TokenScorer: fmt::Debug + Send {
@@ -141,7 +141,16 @@ impl EvictionPolicy for ScoredPolicy {
         budget_tokens: u32,
         block_size_tokens: u32,
     ) -> Vec<u32> {
-        if let Err(error) = validate_budget(budget_tokens, block_size_tokens) {
+        // A ragged budget (`kvzip:global`) is one unit's share of a threshold over every
+        // unit: it selects once, at prefill, and never evicts a block afterwards, so it
+        // needs no evictable block and may be as small as the protected sinks. Every
+        // other budget must leave the block policy a sink block, one evictable block and
+        // the tail.
+        let valid = match self.spec.ragged() {
+            true => validate_ragged_budget(budget_tokens, block_size_tokens),
+            false => validate_budget(budget_tokens, block_size_tokens),
+        };
+        if let Err(error) = valid {
             panic!("{}: {error}", self.spec);
         }
         self.budget_tokens = budget_tokens as usize;
