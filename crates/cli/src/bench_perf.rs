@@ -374,15 +374,23 @@ fn run_context(
         ..Default::default()
     };
     engine.stats.kv_bytes_peak = 0;
+    let passes_before = reconstruction_seconds(engine, &params);
     let rss_reset = reset_peak_rss();
     let out = engine.generate(prompt, &params, &mut |_| {})?;
     let peak_rss = run_peak_rss(&rss_reset);
+    let passes = reconstruction_seconds(engine, &params).map(|(f, s)| {
+        let (f0, s0) = passes_before.unwrap_or_default();
+        (f - f0, s - s0)
+    });
     let decoded = out.token_ids.len().saturating_sub(1);
+    // KVzip's passes run once the first token is out (it comes from the full prompt's
+    // logits), so they fall in the decode time: they are reported on their own.
+    let pass_seconds = passes.map_or(0.0, |(f, s)| f + s);
     let mut run = serde_json::json!({
         "context_tokens": ctx,
         "prefill_tok_s": ctx as f64 / out.prefill_seconds,
         "decode_tokens": out.token_ids.len(),
-        "decode_tok_s": decoded as f64 / out.decode_seconds.max(1e-9),
+        "decode_tok_s": decoded as f64 / (out.decode_seconds - pass_seconds).max(1e-9),
         // The blocks the sequence held at its end (window groups' included), and the
         // most the pool held at once during the run.
         "kv_bytes": out.kv_bytes,
@@ -394,6 +402,9 @@ fn run_context(
     });
     if let Err(why) = &peak_rss {
         run["peak_rss_error"] = serde_json::json!(why);
+    }
+    if let Some((forward, scoring)) = passes.filter(|&(f, s)| f + s > 0.0) {
+        add_reconstruction_cost(&mut run, out.prefill_seconds, forward, scoring, a.json);
     }
     // llama.cpp right after ours on the same prompt, so both see the same host load.
     let lc = match llamacpp_model {
@@ -420,6 +431,42 @@ fn run_context(
         print_row(&run, ctx, out.token_ids.len(), &peak_rss, lc.as_ref());
     }
     Ok(run)
+}
+
+/// KVzip's reconstruction passes so far, (forward, scoring) seconds, for a run whose policy
+/// has them; `None` for every other policy.
+fn reconstruction_seconds(engine: &Engine, params: &GenerateParams) -> Option<(f64, f64)> {
+    let spec = params.kv_policy?;
+    spec.reconstruction_chunk_tokens()?;
+    let stats = engine
+        .eviction_stats
+        .get(spec.name())
+        .cloned()
+        .unwrap_or_default();
+    Some((
+        stats.reconstruction_forward_seconds,
+        stats.reconstruction_scoring_seconds,
+    ))
+}
+
+/// The cost of KVzip's passes beside the prefill they follow, in one run (the passes run
+/// after the prefill, between the first token and the second).
+fn add_reconstruction_cost(
+    run: &mut serde_json::Value,
+    prefill_seconds: f64,
+    forward: f64,
+    scoring: f64,
+    json: bool,
+) {
+    let ratio = (forward + scoring) / prefill_seconds;
+    run["reconstruction_forward_seconds"] = serde_json::json!(forward);
+    run["reconstruction_scoring_seconds"] = serde_json::json!(scoring);
+    run["reconstruction_cost_ratio"] = serde_json::json!(ratio);
+    if !json {
+        eprintln!(
+            "KVzip's passes: forward {forward:.2} s + scoring {scoring:.2} s against the prefill's {prefill_seconds:.2} s: {ratio:.2}x a prefill"
+        );
+    }
 }
 
 /// One context's row of the table (and its thread-count comparison's lines).

@@ -125,6 +125,11 @@ pub struct EvictionStats {
     pub table_entries_shifted: u64,
     /// Blocks the sequence's main table held before eviction and no longer holds.
     pub blocks_freed: u64,
+    /// KVzip's reconstruction passes: their forward (the pass tokens run in a fork of the
+    /// sequence) and the scoring of their queries, in seconds. Both are part of the
+    /// request's time to first token.
+    pub reconstruction_forward_seconds: f64,
+    pub reconstruction_scoring_seconds: f64,
 }
 
 /// `KvView` over one sequence's stored tokens. Reads convert a whole block of one (K or V,

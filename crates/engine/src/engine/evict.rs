@@ -107,14 +107,27 @@ impl Engine {
             let prompts = KvzipPrompts::new(&self.tokenizer, &self.chat_template)?;
             let context = self.sched.running[i].all_ids[..n_stored].to_vec();
             let child = self.sched.new_seq_id();
-            kvzip::reconstruction_scores(
+            let mut seconds = kvzip::PassSeconds::default();
+            let scores = kvzip::reconstruction_scores(
                 &mut *self.backend,
                 &mut self.sched.kv,
                 (seq, child),
                 &context,
-                &prompts,
-                chunk_tokens,
-            )?
+                (&prompts, chunk_tokens),
+                &mut seconds,
+            );
+            let spec = self.sched.running[i]
+                .eviction
+                .as_ref()
+                .expect("evicting")
+                .spec;
+            let stats = self
+                .eviction_stats
+                .entry(spec.name().to_string())
+                .or_default();
+            stats.reconstruction_forward_seconds += seconds.forward;
+            stats.reconstruction_scoring_seconds += seconds.scoring;
+            scores?
         };
         let ev = self.sched.running[i].eviction.as_mut().expect("evicting");
         let unit_scores: Vec<Vec<f32>> = ev

@@ -43,16 +43,25 @@ impl KvzipPrompts {
     }
 }
 
+/// Where a sequence's reconstruction passes spent their time, in seconds: the passes'
+/// forward (fork, pass tokens, attention) and the scoring of their queries.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct PassSeconds {
+    pub forward: f64,
+    pub scoring: f64,
+}
+
 /// Scores `[layer][kv_head][token]` of `seq`'s context (`context`, every token stored at
-/// its position) from one reconstruction pass per chunk of `chunk_tokens`. `child` is a
-/// fresh sequence id for the passes' forks. Errors name what was missing (a free block).
+/// its position) from one reconstruction pass per chunk of `chunk_tokens`, adding the
+/// passes' time to `seconds`. `child` is a fresh sequence id for the passes' forks. Errors
+/// name what was missing (a free block).
 pub(crate) fn reconstruction_scores(
     backend: &mut dyn Backend,
     kv: &mut KvCacheManager,
     (seq, child): (SeqId, SeqId),
     context: &[u32],
-    prompts: &KvzipPrompts,
-    chunk_tokens: usize,
+    (prompts, chunk_tokens): (&KvzipPrompts, usize),
+    seconds: &mut PassSeconds,
 ) -> Result<Vec<f32>, String> {
     let c = backend.config();
     let (n_layers, n_kv_heads, n_heads, head_dim) =
@@ -74,7 +83,10 @@ pub(crate) fn reconstruction_scores(
             "kvzip: a pass prompt of {} tokens exceeds the {KVZIP_PROMPT_MAX_TOKENS} reserved",
             ids.len() - chunks[ci].len()
         );
+        let started = std::time::Instant::now();
         let queries = run_pass(backend, kv, (seq, child), n_context, &ids)?;
+        seconds.forward += started.elapsed().as_secs_f64();
+        let started = std::time::Instant::now();
         let span = kvzip_span(chunks[ci].clone(), n_context..n_context + ids.len());
         let keys = span_keys(backend, kv, child, &span);
         assert!(kv.free(child), "kvzip: the pass's fork was live");
@@ -86,6 +98,7 @@ pub(crate) fn reconstruction_scores(
             n_sink: span.len() - chunks[ci].len() - ids.len(),
         };
         pass.score(chunks[ci].clone(), n_context, &mut scores);
+        seconds.scoring += started.elapsed().as_secs_f64();
     }
     Ok(scores)
 }

@@ -15,7 +15,10 @@ use std::fmt;
 use std::ops::Range;
 
 use super::select::{mean, select_top, BlockScores};
-use super::{validate_budget, validate_ragged_budget, EvictionPolicy, KvView, PolicySpec, QueryNeed, QueryView};
+use super::{
+    validate_budget, validate_ragged_budget, EvictionPolicy, KvView, PolicySpec, QueryNeed,
+    QueryView,
+};
 
 /// Scores stored tokens. Higher is kept.
 pub(crate) trait TokenScorer: fmt::Debug + Send {
