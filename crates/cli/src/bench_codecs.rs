@@ -12,6 +12,8 @@
 //! Dropping uses the eviction policies of `pk-kv` (`select_prefill` over the prefix's KV at
 //! the budget the codec will keep), so "drop 0.5 by knorm" keeps exactly the tokens
 //! `--kv-policy knorm` would keep at that budget; the codec then receives 1/0 scores.
+//! KVzip ("drop 0.5 kvzip", EVICPRESS's `kvzip-0.5`) ranks by its reconstruction scores,
+//! averaged over layers and KV heads, from the engine's own passes over the prefix.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -60,6 +62,10 @@ struct Config {
     policy: Option<PolicySpec>,
 }
 
+/// KVzip drops by the scores of its reconstruction passes (issue 37), which need the model:
+/// they come from one engine run per sample, not from the KV alone.
+const KVZIP: &str = "kvzip";
+
 fn configs(ratios: &[f32]) -> Result<Vec<Config>> {
     let q = |p| QuantSpec::uniform(p);
     let mut out = vec![Config {
@@ -79,8 +85,8 @@ fn configs(ratios: &[f32]) -> Result<Vec<Config>> {
             policy: None,
         });
     }
-    for policy in DROP_POLICIES {
-        let spec: PolicySpec = policy.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+    for policy in DROP_POLICIES.into_iter().chain([KVZIP]) {
+        let spec = drop_spec(policy)?;
         for &r in ratios {
             out.push(Config {
                 name: format!("drop {r:.1} {policy}"),
@@ -89,10 +95,8 @@ fn configs(ratios: &[f32]) -> Result<Vec<Config>> {
             });
         }
     }
-    // Dropping then quantising, with the default policy of the engine (PagedEviction).
-    let spec: PolicySpec = "paged-eviction"
-        .parse()
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    // Dropping then quantising, with PagedEviction's scores.
+    let spec = drop_spec("paged-eviction")?;
     for (qname, qs) in [("q8", q(Precision::Q8)), ("q4", q(Precision::Q4))] {
         for &r in ratios {
             out.push(Config {
@@ -103,6 +107,18 @@ fn configs(ratios: &[f32]) -> Result<Vec<Config>> {
         }
     }
     Ok(out)
+}
+
+/// The policy whose choice a drop row uses. PagedEviction's is its ‖v‖/‖k‖ ratio over
+/// every token (`paged-eviction:ratio:global`), the score EVICPRESS's `paged-eviction-R`
+/// codec drops by, so that these rows are the codec EVICPRESS places; the engine's own
+/// default (‖v‖, per KV head) selects per head, which one position list cannot hold.
+fn drop_spec(policy: &str) -> Result<PolicySpec> {
+    let name = match policy {
+        "paged-eviction" => "paged-eviction:ratio:global",
+        other => other,
+    };
+    name.parse().map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 /// Runs `tokens` through the model into a fresh f16 store and returns their KV as the
@@ -191,6 +207,39 @@ fn policy_scores(ctx: &KvContext, policy: PolicySpec, spec: &DropSpec) -> Vec<f3
     scores
 }
 
+/// KVzip's score of each of `context`'s tokens, one for all layers and KV heads (their
+/// mean, sinks 1), from the engine's own reconstruction passes: a `kvzip` run at `shared`
+/// granularity records the scores its selection ranked by. The codec then keeps its
+/// protected ends and the highest-scored middle, as for every other score.
+fn kvzip_scores(engine: &mut Engine, context: &[u32]) -> Result<Vec<f32>> {
+    let params = GenerateParams {
+        // The passes run once the prompt is in and a second token is due.
+        max_tokens: 2,
+        ignore_eos: true,
+        kv_policy: Some(KVZIP.parse().map_err(|e| anyhow::anyhow!("{e}"))?),
+        // Any budget below the context makes the passes run; the kept set is not used.
+        kv_budget: Some(48),
+        kv_granularity: Some(pk_kv::KvGranularity::Shared),
+        record_prefill_keeps: true,
+        ..Default::default()
+    };
+    let out = engine.generate(context, &params, &mut |_| {})?;
+    let keeps = out.prefill_keeps.context("kvzip recorded no selection")?;
+    let scores = keeps
+        .into_iter()
+        .next()
+        .map(|k| k.prior_scores)
+        .unwrap_or_default();
+    if scores.len() != context.len() {
+        bail!(
+            "kvzip scored {} of {} context tokens",
+            scores.len(),
+            context.len()
+        );
+    }
+    Ok(scores)
+}
+
 #[derive(Default, Clone, serde::Serialize)]
 struct Row {
     method: String,
@@ -212,7 +261,10 @@ pub fn run(a: CodecsArgs) -> Result<()> {
     let total = a.prefix_tokens + a.continuation_tokens;
     // Stored contexts are loaded through `prefix_kv`, which writes every layer of every
     // token: one block table for all layers.
-    let mut engine = a.model.engine_one_table(Some(total + 64))?;
+    // Room for KVzip's reconstruction pass beside the prefix (one chunk and its prompts).
+    let kvzip: PolicySpec = KVZIP.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let pass_tokens = kvzip.pass_peak_tokens(total, a.model.block_size as usize);
+    let mut engine = a.model.engine_one_table(Some(total + 64 + pass_tokens))?;
     let book = engine
         .tokenizer
         .encode(pk_eval::filler::verne_body(), false);
@@ -282,8 +334,10 @@ fn add_sample(
     let params = GenerateParams::default();
     let reference = engine.teacher_force(prompt, cont, &params)?;
     let f16_bytes = encode(&full_ctx, &Method::None, None, &fingerprint)?.len();
+    let kvzip = kvzip_scores(engine, &prompt[..prompt.len() - 1])?;
     for (c, sum) in configs.iter().zip(sums.iter_mut()) {
         let scores = match (c.policy, c.method.drop_spec()) {
+            (Some(p), Some(_)) if p.reconstruction_chunk_tokens().is_some() => Some(kvzip.clone()),
             (Some(p), Some(spec)) => Some(policy_scores(&full_ctx, p, &spec)),
             _ => None,
         };

@@ -52,6 +52,8 @@ pub(crate) struct SeqEviction {
     /// `GenerateParams::record_prefill_keeps`: keep the last selection's kept lists.
     pub record_keeps: bool,
     pub recorded_keeps: Option<Vec<PrefillKeep>>,
+    /// With `record_keeps`: each unit's prior scores (KVzip's), kept for the record.
+    pub recorded_prior_scores: Vec<Vec<f32>>,
 }
 
 impl SeqEviction {
@@ -81,6 +83,7 @@ impl SeqEviction {
             head_first_keys: Vec::new(),
             record_keeps: false,
             recorded_keeps: None,
+            recorded_prior_scores: Vec::new(),
         }
     }
 
@@ -349,11 +352,18 @@ fn select_and_compact(
             .collect()
     };
     if ev.record_keeps {
-        let record = ev.units.iter().zip(&keeps).map(|(u, kept)| PrefillKeep {
-            layers: u.unit.layers.clone(),
-            kv_head: u.unit.kv_head,
-            kept: kept.clone(),
-        });
+        let priors = &ev.recorded_prior_scores;
+        let record = ev
+            .units
+            .iter()
+            .zip(&keeps)
+            .enumerate()
+            .map(|(i, (u, kept))| PrefillKeep {
+                layers: u.unit.layers.clone(),
+                kv_head: u.unit.kv_head,
+                kept: kept.clone(),
+                prior_scores: priors.get(i).cloned().unwrap_or_default(),
+            });
         ev.recorded_keeps = Some(record.collect());
     }
     if keeps.iter().all(|k| k.len() == n_stored) {

@@ -95,12 +95,17 @@ pub struct RequestOutput {
 /// What prefill selection kept in one selection unit: the stored indices at selection,
 /// which are prompt positions when nothing was pruned before (every policy that selects
 /// once, from the whole prompt).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PrefillKeep {
     pub layers: Vec<usize>,
     /// `None`: every KV head of `layers`.
     pub kv_head: Option<usize>,
     pub kept: Vec<u32>,
+    /// The scores the selection ranked by, one per stored token, where they came from
+    /// outside the KV: KVzip's reconstruction scores (the unit's mean over its layers and
+    /// KV heads; sinks score 1). Empty for policies that score from the KV itself. A
+    /// stored-context codec ranks by these (`bench codecs`' KVzip rows).
+    pub prior_scores: Vec<f32>,
 }
 
 /// Result of a blocking `generate` call.

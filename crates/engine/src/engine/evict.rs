@@ -140,6 +140,9 @@ impl Engine {
             let floor = pk_kv::KVZIP_SINK_TOKENS as u32;
             ev.unit_budgets = Some(kvzip::ragged_budgets(&unit_scores, budget, n_stored, floor));
         }
+        if ev.record_keeps {
+            ev.recorded_prior_scores = unit_scores.clone();
+        }
         for (u, scores) in ev.units.iter_mut().zip(unit_scores) {
             u.policy.set_prior_scores(scores);
         }
