@@ -61,6 +61,8 @@ pub struct Engine {
     connector: Option<Arc<dyn KvConnector>>,
     /// Built on the first request with a grammar (the token trie costs a moment).
     grammar: Option<crate::grammar::GrammarCompiler>,
+    /// KVzip's scores of the last contexts it scored.
+    kvzip_scores: crate::eviction::kvzip::ScoreCache,
 }
 
 impl Engine {

@@ -400,6 +400,21 @@ fn kvzip_global_keeps_unequal_counts_per_head() {
         engine.kv_manager().pool().num_free_blocks(),
         engine.kv_manager().pool().num_blocks()
     );
+    // The same context again: its scores come from the engine's cache (no pass runs) and
+    // select the same sets; the uniform budget reuses them too.
+    let passes = engine.eviction_stats["kvzip"].reconstruction_forward_seconds;
+    assert!(passes > 0.0);
+    let again = engine.generate(prompt, &params, &mut |_| {}).unwrap();
+    assert_eq!(again.prefill_keeps, out.prefill_keeps);
+    let uniform = GenerateParams {
+        kv_policy: Some("kvzip:chunk=256".parse().unwrap()),
+        ..params.clone()
+    };
+    engine.generate(prompt, &uniform, &mut |_| {}).unwrap();
+    assert_eq!(
+        engine.eviction_stats["kvzip"].reconstruction_forward_seconds,
+        passes
+    );
     let shared = GenerateParams {
         kv_granularity: Some(KvGranularity::Shared),
         record_prefill_keeps: false,

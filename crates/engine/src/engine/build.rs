@@ -115,6 +115,7 @@ impl Engine {
             cache_namespace,
             connector: None,
             grammar: None,
+            kvzip_scores: Default::default(),
         })
     }
 

@@ -101,11 +101,17 @@ impl Engine {
             .expect("evicting")
             .budget_tokens;
         let n_kv_heads = self.backend.config().n_kv_heads;
+        let context = self.sched.running[i].all_ids[..n_stored].to_vec();
+        let exact = !self.sched.running[i].reuse.inexact;
+        let cached = exact
+            .then(|| self.kvzip_scores.get(chunk_tokens, &context))
+            .flatten();
         let scores = if n_stored <= budget as usize {
             vec![1.0; self.backend.config().n_layers * n_kv_heads * n_stored]
+        } else if let Some(scores) = cached {
+            scores
         } else {
             let prompts = KvzipPrompts::new(&self.tokenizer, &self.chat_template)?;
-            let context = self.sched.running[i].all_ids[..n_stored].to_vec();
             let child = self.sched.new_seq_id();
             let mut seconds = kvzip::PassSeconds::default();
             let scores = kvzip::reconstruction_scores(
@@ -127,7 +133,11 @@ impl Engine {
                 .or_default();
             stats.reconstruction_forward_seconds += seconds.forward;
             stats.reconstruction_scoring_seconds += seconds.scoring;
-            scores?
+            let scores = scores?;
+            if exact {
+                self.kvzip_scores.insert(chunk_tokens, &context, &scores);
+            }
+            scores
         };
         let ev = self.sched.running[i].eviction.as_mut().expect("evicting");
         let unit_scores: Vec<Vec<f32>> = ev

@@ -43,6 +43,48 @@ impl KvzipPrompts {
     }
 }
 
+/// Bytes of scores [`ScoreCache`] holds at most (16 MiB: a 4K context of a 28-layer model
+/// with 2 KV heads takes 0.9 MiB, a 32K one of a 32-layer model with 8 KV heads 32 MiB,
+/// which is then not kept).
+pub(crate) const SCORE_CACHE_BYTES: usize = 16 << 20;
+
+/// KVzip's scores of the last contexts scored, by their tokens and chunk size: the scores
+/// depend only on the context's KV, so a context compressed again (at another budget, by
+/// the uniform and the global budget alike, or asked again) needs no second pass. Only
+/// contexts whose KV is what prefill computes are kept (not a loaded, compressed one).
+/// Oldest first out, within [`SCORE_CACHE_BYTES`].
+#[derive(Default)]
+pub(crate) struct ScoreCache {
+    entries: std::collections::VecDeque<(usize, Vec<u32>, Vec<f32>)>,
+}
+
+impl ScoreCache {
+    pub fn get(&self, chunk_tokens: usize, context: &[u32]) -> Option<Vec<f32>> {
+        self.entries
+            .iter()
+            .find(|(c, ids, _)| *c == chunk_tokens && ids[..] == *context)
+            .map(|(_, _, scores)| scores.clone())
+    }
+
+    pub fn insert(&mut self, chunk_tokens: usize, context: &[u32], scores: &[f32]) {
+        let bytes = |ids: &[u32], s: &[f32]| 4 * (ids.len() + s.len());
+        if bytes(context, scores) > SCORE_CACHE_BYTES || self.get(chunk_tokens, context).is_some() {
+            return;
+        }
+        self.entries
+            .push_back((chunk_tokens, context.to_vec(), scores.to_vec()));
+        while self
+            .entries
+            .iter()
+            .map(|(_, i, s)| bytes(i, s))
+            .sum::<usize>()
+            > SCORE_CACHE_BYTES
+        {
+            self.entries.pop_front();
+        }
+    }
+}
+
 /// Where a sequence's reconstruction passes spent their time, in seconds: the passes'
 /// forward (fork, pass tokens, attention) and the scoring of their queries.
 #[derive(Clone, Copy, Debug, Default)]
@@ -291,6 +333,24 @@ mod tests {
             assert!((a - b).abs() <= 1e-6 + 1e-4 * b.abs(), "{a} vs {b}");
         }
         assert!(want.iter().any(|&x| x > 0.01), "{want:?}");
+    }
+
+    /// The score cache answers only the same tokens at the same chunk size, drops the
+    /// oldest past its byte bound, and keeps nothing larger than the bound.
+    #[test]
+    fn the_score_cache_is_exact_and_bounded() {
+        let mut cache = super::ScoreCache::default();
+        let big = super::SCORE_CACHE_BYTES / 4 / 3;
+        let ids = |first: u32| (first..first + 16).collect::<Vec<u32>>();
+        cache.insert(2048, &ids(0), &vec![0.5; big]);
+        assert_eq!(cache.get(2048, &ids(0)).map(|s| s.len()), Some(big));
+        assert!(cache.get(1024, &ids(0)).is_none() && cache.get(2048, &ids(1)).is_none());
+        cache.insert(2048, &ids(1), &vec![0.25; big]);
+        cache.insert(2048, &ids(2), &vec![0.125; big]);
+        assert!(cache.get(2048, &ids(0)).is_none(), "the oldest goes past the bound");
+        assert!(cache.get(2048, &ids(1)).is_some() && cache.get(2048, &ids(2)).is_some());
+        cache.insert(2048, &ids(3), &vec![1.0; 2 * big + big]);
+        assert!(cache.get(2048, &ids(3)).is_none() && cache.get(2048, &ids(2)).is_some());
     }
 
     /// One threshold over all units: the unit with the higher scores keeps more, the mean
