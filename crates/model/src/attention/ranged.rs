@@ -6,17 +6,58 @@
 //! Why: at 8K keys one KV head's f16 K and V take 4 MiB, more than a core's L2, and the
 //! task's 96 pairs of rows (32 tokens × 6 heads of Qwen2.5-1.5B, two rows a kernel call)
 //! each streamed all of it again from L3, widening every f16 value to f32 on the way. Here
-//! a range's K/V are widened once into an f32 scratch that stays in L2 while every row
-//! pair reads it (BENCHMARKS.md, "Issue 39 on an Intel Xeon with AMX").
+//! a range's K/V are widened once into an f32 scratch small enough to stay in L1 while
+//! every row pair reads it ([`range_keys`]; BENCHMARKS.md, "Issue 39 on an Intel Xeon with
+//! AMX").
 
 use std::cell::RefCell;
 
 use crate::kernels::attn512::{self, HeadKv, Row, RowState};
 
-/// Keys per range, rounded down to whole blocks (at least one): K and V of 256 keys of a
-/// 128-wide head take 256 KiB in f32, which leaves most of a 2 MiB L2 for the rows'
-/// states and queries.
-const RANGE_KEYS: usize = 256;
+/// Keys per range: as many as keep the range's K and V in f32 within two thirds of the
+/// core's L1 data cache (the rest holds the rows' queries and states), rounded down to
+/// whole blocks, at least one. Each pair of rows then reads the range from L1 instead of
+/// L2: with ranges of 256 keys (256 KiB of a 128-wide head, the L2-sized first choice)
+/// every pair streamed 16 KiB from L2 per 512 multiply-adds, and L2 bandwidth, not the FMA
+/// ports, bounded the kernel. On a 48 KiB L1 (Sapphire Rapids) a 128-wide head gets 32
+/// keys: `bench perf --contexts 8192` on Qwen2.5-Coder-1.5B went from 87.6 to 99.4 tok/s
+/// (BENCHMARKS.md, "Long-prompt attention from L1"); 16 and 48 keys were slower than 32.
+fn range_keys(head_dim: usize, block_size: usize) -> usize {
+    let budget_bytes = l1d_bytes() * 2 / 3;
+    let keys = budget_bytes / (head_dim * 2 * std::mem::size_of::<f32>()).max(1);
+    (keys / block_size).max(1) * block_size
+}
+
+/// The L1 data cache of CPU 0 in bytes (Linux's sysfs), or 32 KiB where it cannot be read.
+fn l1d_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        let dir = "/sys/devices/system/cpu/cpu0/cache";
+        let read = |index: usize, file: &str| {
+            std::fs::read_to_string(format!("{dir}/index{index}/{file}")).ok()
+        };
+        (0..8)
+            .find(|&i| {
+                read(i, "level").is_some_and(|l| l.trim() == "1")
+                    && read(i, "type").is_some_and(|t| t.trim() == "Data")
+            })
+            .and_then(|i| read(i, "size"))
+            .and_then(|size| parse_cache_size(size.trim()))
+            .unwrap_or(32 << 10)
+    })
+}
+
+/// `48K`, `1M` or a plain byte count, as sysfs writes a cache's size.
+fn parse_cache_size(text: &str) -> Option<usize> {
+    let (digits, unit) = match text.strip_suffix('K') {
+        Some(d) => (d, 1 << 10),
+        None => match text.strip_suffix('M') {
+            Some(d) => (d, 1 << 20),
+            None => (text, 1),
+        },
+    };
+    digits.parse::<usize>().ok().map(|n| n * unit)
+}
 
 thread_local! {
     /// The current range's K and V in f32 (store layout, one KV head) and the block table
@@ -35,8 +76,8 @@ pub(super) unsafe fn attend_rows_ranged(kv: &HeadKv, rows: &[Row], max_rows: usi
     let n_max = rows.iter().map(|r| r.n_visible).max().unwrap_or(0);
     let first_min = rows.iter().map(|r| r.first_visible).min().unwrap_or(0);
     let bs = kv.block_size;
-    let range_blocks = (RANGE_KEYS / bs).max(1);
-    let range_keys = range_blocks * bs;
+    let range_keys = range_keys(kv.head_dim, bs);
+    let range_blocks = range_keys / bs;
     let mut states = vec![RowState::default(); rows.len()];
     SCRATCH.with_borrow_mut(|(k32, v32, table)| {
         let block_elems = bs * kv.head_dim;
@@ -115,5 +156,24 @@ unsafe fn widen_range<'t>(
         block_size: kv.block_size,
         head_dim: kv.head_dim,
         prefetch: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_cache_size, range_keys};
+
+    #[test]
+    fn ranges_fit_the_l1_in_whole_blocks() {
+        assert_eq!(parse_cache_size("48K"), Some(48 << 10));
+        assert_eq!(parse_cache_size("2M"), Some(2 << 20));
+        assert_eq!(parse_cache_size("32768"), Some(32768));
+        assert_eq!(parse_cache_size("big"), None);
+        for (hd, bs) in [(64, 16), (128, 16), (256, 16), (128, 32)] {
+            let keys = range_keys(hd, bs);
+            assert!(keys >= bs && keys.is_multiple_of(bs), "{hd} {bs}: {keys}");
+            // Never more than the L1 can hold beside the rows, unless one block already is.
+            assert!(keys == bs || keys * hd * 8 <= super::l1d_bytes(), "{hd} {bs}: {keys}");
+        }
     }
 }
