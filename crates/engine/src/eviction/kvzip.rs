@@ -347,7 +347,10 @@ mod tests {
         assert!(cache.get(1024, &ids(0)).is_none() && cache.get(2048, &ids(1)).is_none());
         cache.insert(2048, &ids(1), &vec![0.25; big]);
         cache.insert(2048, &ids(2), &vec![0.125; big]);
-        assert!(cache.get(2048, &ids(0)).is_none(), "the oldest goes past the bound");
+        assert!(
+            cache.get(2048, &ids(0)).is_none(),
+            "the oldest goes past the bound"
+        );
         assert!(cache.get(2048, &ids(1)).is_some() && cache.get(2048, &ids(2)).is_some());
         cache.insert(2048, &ids(3), &vec![1.0; 2 * big + big]);
         assert!(cache.get(2048, &ids(3)).is_none() && cache.get(2048, &ids(2)).is_some());

@@ -173,7 +173,10 @@ mod tests {
             let keys = range_keys(hd, bs);
             assert!(keys >= bs && keys.is_multiple_of(bs), "{hd} {bs}: {keys}");
             // Never more than the L1 can hold beside the rows, unless one block already is.
-            assert!(keys == bs || keys * hd * 8 <= super::l1d_bytes(), "{hd} {bs}: {keys}");
+            assert!(
+                keys == bs || keys * hd * 8 <= super::l1d_bytes(),
+                "{hd} {bs}: {keys}"
+            );
         }
     }
 }
