@@ -33,6 +33,9 @@ fn canonical_names_round_trip() {
         "paged-eviction:ratio:global",
         "paged-eviction:local=5",
         "paged-eviction:inv-k-norm:local=2",
+        "kvzip",
+        "kvzip:chunk=512:global",
+        "kvzip:global:floor=4",
     ] {
         let spec = parse(name).unwrap();
         assert_eq!(spec.to_string(), name, "display of {name}");
@@ -249,4 +252,31 @@ fn query_needs_are_declared() {
     assert_eq!(QueryNeed::Last(64).count(10), 10);
     assert_eq!(QueryNeed::All.count(10), 10);
     assert_eq!(QueryNeed::None.count(10), 0);
+}
+
+/// `kvzip:global`'s per-head floor: three blocks by default, `floor=N` down to the 4
+/// sinks (kvpress's threshold), and only with `global`.
+#[test]
+fn kvzip_floor_is_global_only_and_keeps_the_sinks() {
+    assert_eq!(parse("kvzip:global").unwrap().ragged_floor_tokens(16), 48);
+    assert_eq!(
+        parse("kvzip:floor=4:global")
+            .unwrap()
+            .ragged_floor_tokens(16),
+        4
+    );
+    assert_eq!(
+        parse("kvzip:global:floor=100")
+            .unwrap()
+            .ragged_floor_tokens(16),
+        100
+    );
+    assert_eq!(parse("kvzip").unwrap().ragged_floor_tokens(16), 0);
+    let uniform = parse("kvzip:floor=4").unwrap_err();
+    assert!(
+        uniform.contains("floor=4") && uniform.contains("global"),
+        "{uniform}"
+    );
+    let below = parse("kvzip:global:floor=3").unwrap_err();
+    assert!(below.contains("floor=N (N >= 4"), "{below}");
 }

@@ -146,8 +146,7 @@ impl Engine {
             .map(|u| kvzip::unit_scores(&scores, &u.unit, n_kv_heads, n_stored))
             .collect();
         if ev.spec.ragged() && n_stored > budget as usize {
-            // Each head keeps at least its sinks, as kvpress's threshold keeps them.
-            let floor = pk_kv::KVZIP_SINK_TOKENS as u32;
+            let floor = ev.spec.ragged_floor_tokens(self.config.block_size_tokens);
             ev.unit_budgets = Some(kvzip::ragged_budgets(&unit_scores, budget, n_stored, floor));
         }
         if ev.record_keeps {
