@@ -6,8 +6,8 @@ use std::process::Command;
 
 use serde_json::Value;
 
-#[test]
-fn bench_perf_reports_kvzips_passes_beside_the_prefill() {
+/// `pagekeeper bench perf --json --threads 1 --model DEFAULT ARGS`: its first run's object.
+fn perf_run(args: &[&str]) -> Value {
     let model = pk_engine::model_store::default_model_path();
     assert!(
         model.exists(),
@@ -15,23 +15,8 @@ fn bench_perf_reports_kvzips_passes_beside_the_prefill() {
         model.display()
     );
     let o = Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
-        .args([
-            "bench",
-            "perf",
-            "--json",
-            "--contexts",
-            "512",
-            "--decode-tokens",
-            "4",
-        ])
-        .args([
-            "--kv-policy",
-            "kvzip:chunk=256",
-            "--kv-budget",
-            "128",
-            "--threads",
-            "1",
-        ])
+        .args(["bench", "perf", "--json", "--threads", "1"])
+        .args(args)
         .arg("--model")
         .arg(&model)
         .output()
@@ -39,16 +24,28 @@ fn bench_perf_reports_kvzips_passes_beside_the_prefill() {
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "bench perf failed: {stderr}");
     let v: Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
-    let run = &v["runs"][0];
+    v["runs"][0].clone()
+}
+
+#[test]
+fn bench_perf_reports_kvzips_passes_beside_the_prefill() {
+    let run = perf_run(&[
+        "--contexts",
+        "512",
+        "--decode-tokens",
+        "4",
+        "--kv-policy",
+        "kvzip:chunk=256",
+        "--kv-budget",
+        "128",
+    ]);
     let f = |k: &str| {
         run[k]
             .as_f64()
             .unwrap_or_else(|| panic!("{k} missing: {run}"))
     };
-    let (forward, scoring) = (
-        f("reconstruction_forward_seconds"),
-        f("reconstruction_scoring_seconds"),
-    );
+    let forward = f("reconstruction_forward_seconds");
+    let scoring = f("reconstruction_scoring_seconds");
     assert!(forward > 0.0 && scoring > 0.0, "{run}");
     // The ratio is the passes' time over the prefill's: 512 tokens at the prefill's rate.
     let prefill_seconds = 512.0 / f("prefill_tok_s");
@@ -62,32 +59,16 @@ fn bench_perf_reports_kvzips_passes_beside_the_prefill() {
     assert!((0.2..20.0).contains(&ratio), "{run}");
     assert!(f("decode_tok_s") > 0.0);
 
-    let full = Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
-        .args([
-            "bench",
-            "perf",
-            "--json",
-            "--contexts",
-            "64",
-            "--decode-tokens",
-            "2",
-        ])
-        .args([
-            "--kv-policy",
-            "streaming-llm",
-            "--kv-budget",
-            "48",
-            "--threads",
-            "1",
-        ])
-        .arg("--model")
-        .arg(&model)
-        .output()
-        .expect("running pagekeeper");
-    assert!(full.status.success());
-    let v: Value = serde_json::from_slice(&full.stdout).expect("one JSON object");
-    assert!(
-        v["runs"][0].get("reconstruction_cost_ratio").is_none(),
-        "{v}"
-    );
+    // A policy without passes reports none.
+    let plain = perf_run(&[
+        "--contexts",
+        "64",
+        "--decode-tokens",
+        "2",
+        "--kv-policy",
+        "streaming-llm",
+        "--kv-budget",
+        "48",
+    ]);
+    assert!(plain.get("reconstruction_cost_ratio").is_none(), "{plain}");
 }
