@@ -87,6 +87,9 @@ pub struct ContextReuse {
     requests: Mutex<HashMap<RequestKey, Vec<ChunkKey>>>,
     /// The engine's KV cache groups, when it keeps them: contexts are then stored by group.
     groups: Option<KvGroupLayout>,
+    /// KVzip scores the engine computed for a request's coming save (one entry per
+    /// running request at most, taken by its save or dropped when it ends).
+    kvzip_scores: Mutex<HashMap<RequestKey, Vec<f32>>>,
 }
 
 impl std::fmt::Debug for ContextReuse {
@@ -115,12 +118,12 @@ impl ContextReuse {
         .map_err(anyhow::Error::msg)?;
         let mut store_cfg = cfg.store.clone();
         store_cfg.fingerprint = namespace.kv_fingerprint();
-        let snapkv = store_cfg.grid.configs().iter().find(|c| {
+        let supplied = store_cfg.grid.configs().iter().find(|c| {
             c.drop_score()
-                .is_some_and(pk_evicpress::DropScore::needs_queries)
+                .is_some_and(pk_evicpress::DropScore::is_supplied)
         });
-        if let (Some(c), Some(_)) = (snapkv, groups) {
-            anyhow::bail!("--evicpress-grid configuration {c} scores by the queries of a context's last tokens, which an engine with KV cache groups does not capture (its window layers have released what a second pass would read); leave it out for this model, or turn the groups off with --disable-hybrid-kv-cache-manager");
+        if let (Some(c), Some(_)) = (supplied, groups) {
+            anyhow::bail!("--evicpress-grid configuration {c} scores a context by a second pass over it (SnapKV's window queries, KVzip's reconstruction), which an engine with KV cache groups does not run (its window layers have released what a second pass would read); leave it out for this model, or turn the groups off with --disable-hybrid-kv-cache-manager");
         }
         Ok(ContextReuse {
             store: ContextStore::new(store_cfg).map_err(anyhow::Error::msg)?,
@@ -129,6 +132,7 @@ impl ContextReuse {
             profile_metric: cfg.profile_metric,
             requests: Mutex::default(),
             groups: groups.cloned(),
+            kvzip_scores: Mutex::default(),
         })
     }
 
@@ -164,12 +168,16 @@ impl ContextReuse {
     }
 
     /// Offers a prefilled context to the store, with the queries of its last tokens when
-    /// the store scores by SnapKV.
-    fn offer(&self, key: ChunkKey, kv: KvContext, window: Option<WindowQueries>) {
-        let offered = match window {
-            Some(w) => self.store.offer_with_window(key, kv, w),
-            None => self.store.offer(key, kv),
-        };
+    /// the store scores by SnapKV and the KVzip scores the engine computed when it scores
+    /// by KVzip.
+    fn offer(
+        &self,
+        key: ChunkKey,
+        kv: KvContext,
+        window: Option<WindowQueries>,
+        kvzip: Option<Vec<f32>>,
+    ) {
+        let offered = self.store.offer_scored(key, kv, window, kvzip);
         if offered {
             lock(&self.stats).offered += 1;
         }
@@ -289,7 +297,8 @@ impl KvConnector for ContextReuse {
                 true => window_queries(backend, kv, seq, &ids[..tokens]),
                 false => None,
             };
-            self.offer(key, kv_copy, window);
+            let kvzip = lock(&self.kvzip_scores).remove(&request);
+            self.offer(key, kv_copy, window, kvzip);
             return false;
         };
         // By group: called after every prefill step; the context is copied out after the
@@ -299,7 +308,7 @@ impl KvConnector for ContextReuse {
             return true;
         }
         match read_by_group(kv, backend.kv(), layout, seq, tokens) {
-            Some(kv_copy) => self.offer(key, kv_copy, None),
+            Some(kv_copy) => self.offer(key, kv_copy, None, None),
             None => {
                 tracing::debug!(
                     "a context's window left the pool before it was copied; not offered"
@@ -324,6 +333,21 @@ impl KvConnector for ContextReuse {
 
     fn request_finished(&self, request: RequestKey) {
         lock(&self.requests).remove(&request);
+        lock(&self.kvzip_scores).remove(&request);
+    }
+
+    /// The whole context the save offers, when the store drops by KVzip and the engine
+    /// keeps one block table (with KV cache groups no grid may hold KVzip: `new`).
+    fn kvzip_scores_wanted(&self, request: RequestKey) -> Option<usize> {
+        if !self.store.wants_kvzip() || self.groups.is_some() {
+            return None;
+        }
+        let n_chunks = lock(&self.requests).get(&request)?.len();
+        (n_chunks > 0).then(|| n_chunks * self.chunk_size_tokens())
+    }
+
+    fn give_kvzip_scores(&self, request: RequestKey, scores: Vec<f32>) {
+        lock(&self.kvzip_scores).insert(request, scores);
     }
 
     fn observe_prefill(&self, tokens: usize, seconds: f64) {

@@ -437,6 +437,73 @@ fn background_requests_yield_to_waiting_user_requests() {
 }
 
 #[test]
+fn a_kvzip_grid_scores_a_context_by_its_reconstruction_and_serves_it_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let book = common::book_ids();
+    let context = &book[6000..6512];
+    let query = &book[10..30];
+    let mut cfg = store_config(dir.path(), Policy::Fixed(2), 256 << 20);
+    cfg.grid = Grid::parse("q8,kvzip-0.5").unwrap();
+    let (mut e, c) = engine_with(cfg);
+    let key = c.context_key(context, None).unwrap();
+    let params = GenerateParams {
+        max_tokens: 4,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    e.generate(&[context, query].concat(), &params, &mut |_| {})
+        .unwrap();
+    let store = c.store();
+    store.flush();
+    assert_eq!(e.stats.kvzip_store_scored, 1);
+    assert_eq!(e.stats.kvzip_store_failed, 0);
+    assert!(e.stats.kvzip_store_seconds > 0.0);
+    assert!(
+        store.is_available(&key, 2),
+        "the offer carried KVzip scores"
+    );
+
+    // The same scores from a kvzip run over the context alone on a fresh engine: the
+    // passes covered the stored context, not the question after it, and each token's
+    // score is the mean over every layer and KV head (`shared` granularity's unit).
+    let mut fresh = common::engine(EngineConfig::default());
+    let reference = GenerateParams {
+        max_tokens: 2,
+        ignore_eos: true,
+        kv_policy: Some("kvzip".parse().unwrap()),
+        kv_budget: Some(48),
+        kv_granularity: Some(pk_kv::KvGranularity::Shared),
+        record_prefill_keeps: true,
+        ..Default::default()
+    };
+    let out = fresh.generate(context, &reference, &mut |_| {}).unwrap();
+    let want = out.prefill_keeps.unwrap().swap_remove(0).prior_scores;
+    let got = store.kvzip_scores_of(&key).unwrap();
+    assert_eq!(got.len(), 512);
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst <= 1e-6, "scores differ by up to {worst}");
+
+    // Placed with half its tokens dropped by those scores, and served from that copy.
+    let b = e
+        .generate(&[context, &book[40..60]].concat(), &params, &mut |_| {})
+        .unwrap();
+    let load = b.context_load.expect("hit");
+    assert_eq!(load.config, "kvzip-0.5");
+    assert_eq!(b.cached_prompt_tokens, 512);
+    assert!(
+        b.kv_stored_tokens <= 256 + 20 + 4 + 16,
+        "{}",
+        b.kv_stored_tokens
+    );
+    assert_eq!(e.stats.kvzip_store_scored, 1, "a hit runs no passes");
+    e.check_invariants();
+}
+
+#[test]
 fn a_snapkv_grid_scores_a_context_by_its_last_queries_and_serves_it_dropped() {
     let dir = tempfile::tempdir().unwrap();
     let book = common::book_ids();

@@ -101,6 +101,20 @@ pub trait KvConnector: Send + Sync + std::fmt::Debug {
         seq: SeqId,
     ) -> bool;
 
+    /// How many of `request`'s first prompt tokens its coming `save` stores with KVzip's
+    /// scores, when the connector wants them (a store whose grid drops by KVzip, issue 37).
+    /// The engine then runs KVzip's reconstruction passes over that prefix, after the
+    /// request's first token is out, and hands the scores over with
+    /// [`KvConnector::give_kvzip_scores`] just before `save`.
+    fn kvzip_scores_wanted(&self, _request: RequestKey) -> Option<usize> {
+        None
+    }
+
+    /// KVzip's scores of the tokens [`KvConnector::kvzip_scores_wanted`] named: one per
+    /// token, the mean over every layer and KV head of the most attention it received in
+    /// the passes.
+    fn give_kvzip_scores(&self, _request: RequestKey, _scores: Vec<f32>) {}
+
     /// Whether `save` is also called after every prefill step of a prompt, not only once
     /// the prompt is in. A connector that stores what the pool releases before the prompt
     /// ends (the sliding-window layers of an engine with KV cache groups release every

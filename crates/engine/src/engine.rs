@@ -34,6 +34,7 @@ mod build;
 mod direct;
 mod evict;
 mod loads;
+mod store_scores;
 mod submit;
 mod update;
 

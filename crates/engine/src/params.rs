@@ -250,4 +250,10 @@ pub struct EngineStats {
     /// Grammars compiled by `submit`, on the engine's thread, because the request brought
     /// no `CompiledGrammar` (the server always brings one; tests check that it does).
     pub grammar_compilations: u64,
+    /// Contexts KVzip-scored for the connector's store (its grid drops by KVzip), the
+    /// seconds their reconstruction passes took, and those that could not be scored (no
+    /// free block for a pass: the context is stored without the scores).
+    pub kvzip_store_scored: u64,
+    pub kvzip_store_seconds: f64,
+    pub kvzip_store_failed: u64,
 }

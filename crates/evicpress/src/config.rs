@@ -11,11 +11,12 @@ use std::fmt;
 
 use pk_codec::{DropSpec, KvShape, Method, Precision, QuantSpec};
 
-/// How tokens are ranked for dropping. Every score but SnapKV's is computed from the stored
-/// keys and values alone. SnapKV needs the queries of the context's last tokens, which a
-/// stored context no longer has: the engine computes its scores when it offers the context
-/// (`ContextStore::offer_with_snapkv`) and the store keeps them with the index entry and in
-/// the persisted meta; a context stored without them cannot use SnapKV configurations.
+/// How tokens are ranked for dropping. Every score but SnapKV's and KVzip's is computed from
+/// the stored keys and values alone. SnapKV needs the queries of the context's last tokens,
+/// and KVzip the model's reconstruction passes over the context, neither of which a stored
+/// context has: the engine supplies their scores when it offers the context
+/// (`ContextStore::offer_scored`) and the store keeps them with the index entry and in the
+/// persisted meta; a context stored without them cannot use those configurations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DropScore {
     /// PagedEviction's ‖v‖/‖k‖ (spec `paged-eviction.md`).
@@ -29,6 +30,10 @@ pub enum DropScore {
     /// SnapKV: attention from the context's last 64 tokens (its observation window),
     /// pooled over 5 neighbours (spec `baselines.md`); scores supplied by the engine.
     SnapKv,
+    /// KVzip (issue 37): the most attention each token receives while the model is
+    /// teacher-forced to repeat the context, averaged over layers and KV heads; scores
+    /// supplied by the engine, whose reconstruction passes compute them once per context.
+    KvZip,
 }
 
 impl DropScore {
@@ -39,6 +44,7 @@ impl DropScore {
             DropScore::KeyDiff => "keydiff",
             DropScore::StreamingLlm => "streaming-llm",
             DropScore::SnapKv => "snapkv",
+            DropScore::KvZip => "kvzip",
         }
     }
 
@@ -47,12 +53,19 @@ impl DropScore {
         self == DropScore::SnapKv
     }
 
-    pub const ALL: [DropScore; 5] = [
+    /// Whether the scores come from the engine with the context (SnapKV's and KVzip's),
+    /// not from its stored keys and values.
+    pub fn is_supplied(self) -> bool {
+        matches!(self, DropScore::SnapKv | DropScore::KvZip)
+    }
+
+    pub const ALL: [DropScore; 6] = [
         DropScore::PagedEviction,
         DropScore::KNorm,
         DropScore::KeyDiff,
         DropScore::StreamingLlm,
         DropScore::SnapKv,
+        DropScore::KvZip,
     ];
 }
 
@@ -174,7 +187,7 @@ impl fmt::Display for Compression {
 /// A compression name or grid that cannot be used.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum GridError {
-    #[error("unknown compression {input:?} (expected none, q8, q4, q2, k8v4, or <paged-eviction|knorm|keydiff|streaming-llm|snapkv>-<ratio>)")]
+    #[error("unknown compression {input:?} (expected none, q8, q4, q2, k8v4, or <paged-eviction|knorm|keydiff|streaming-llm|snapkv|kvzip>-<ratio>)")]
     Unknown { input: String },
     #[error("the drop ratio in {input:?} must be a number in [0, 1)")]
     BadRatio { input: String },
@@ -220,7 +233,9 @@ impl Grid {
     /// The default grid: quantization 8/4/2-bit and K8V4, and dropping by PagedEviction,
     /// KNorm and KeyDiff scores at the paper's ratios. SnapKV (`snapkv-<ratio>`) is opt-in:
     /// its scores cost an attention pass of the context's last 64 queries over the whole
-    /// context on the store's worker thread for every new context.
+    /// context on the store's worker thread for every new context. KVzip (`kvzip-<ratio>`)
+    /// is opt-in too: its scores cost about two prefills of every new context on the
+    /// engine's thread.
     pub fn default_grid() -> Grid {
         let mut others = vec![
             Compression::Quant {
@@ -287,6 +302,13 @@ mod tests {
             Compression::Drop {
                 score: DropScore::KNorm,
                 ratio: 0.5
+            }
+        );
+        assert_eq!(
+            Compression::parse("kvzip-0.25").unwrap(),
+            Compression::Drop {
+                score: DropScore::KvZip,
+                ratio: 0.25
             }
         );
         assert!(Compression::parse("knorm-1.5").is_err());

@@ -32,6 +32,10 @@ pub(crate) struct ContextMeta {
     /// be recomputed from the KV). Absent in entries written before they existed.
     #[serde(default)]
     pub snapkv_scores: Option<Vec<f32>>,
+    /// KVzip token scores (computed by the engine's reconstruction passes when it offered
+    /// the context). Absent in entries written before they existed.
+    #[serde(default)]
+    pub kvzip_scores: Option<Vec<f32>>,
 }
 
 /// Where a context's meta entry lives on the last tier.
@@ -116,6 +120,7 @@ mod tests {
             saved_unix_s: 1.0e9,
             queries: vec![vec![1, 2, 3]],
             snapkv_scores: Some(vec![0.5, 0.25]),
+            kvzip_scores: Some(vec![0.75, 0.125]),
         }
     }
 

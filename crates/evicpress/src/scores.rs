@@ -101,9 +101,9 @@ pub fn snapkv_scores(ctx: &KvContext, queries: &WindowQueries) -> Option<Vec<f32
 }
 
 /// Scores of every stored token of `ctx` under `score` (higher = keep); `None` for a score
-/// that needs queries (SnapKV), which the KV alone cannot give.
+/// the engine supplies (SnapKV's, KVzip's), which the KV alone cannot give.
 pub fn token_scores(ctx: &KvContext, score: DropScore) -> Option<Vec<f32>> {
-    if score.needs_queries() {
+    if score.is_supplied() {
         return None;
     }
     Some(kv_scores(ctx, score))
@@ -123,7 +123,9 @@ fn kv_scores(ctx: &KvContext, score: DropScore) -> Vec<f32> {
         },
         DropScore::KNorm => pk_kv::PolicySpec::KNorm,
         DropScore::KeyDiff => pk_kv::PolicySpec::KeyDiff,
-        DropScore::SnapKv => unreachable!("needs queries: token_scores returns None first"),
+        DropScore::SnapKv | DropScore::KvZip => {
+            unreachable!("supplied scores: token_scores returns None first")
+        }
     };
     pk_kv::kv_token_scores(spec, &ContextView(ctx)).expect("a key/value-only policy")
 }
@@ -162,6 +164,10 @@ mod tests {
         assert!(
             token_scores(&c, DropScore::SnapKv).is_none(),
             "SnapKV needs queries"
+        );
+        assert!(
+            token_scores(&c, DropScore::KvZip).is_none(),
+            "KVzip needs the model's passes"
         );
     }
 

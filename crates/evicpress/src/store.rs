@@ -184,9 +184,25 @@ impl SnapKvSource {
     }
 }
 
+/// What the engine supplies with a new context: the sources of the scores that the stored
+/// KV alone cannot give.
+#[derive(Default)]
+pub(crate) struct Supplied {
+    pub snapkv: Option<SnapKvSource>,
+    /// KVzip's token scores (one per stored token).
+    pub kvzip: Option<Vec<f32>>,
+}
+
+impl Supplied {
+    /// Bytes it holds while queued (counted against `max_pending_bytes`).
+    fn bytes(&self) -> usize {
+        SnapKvSource::bytes(&self.snapkv) + self.kvzip.as_ref().map_or(0, |s| s.len() * 4)
+    }
+}
+
 enum Job {
-    /// A new context, with what its SnapKV scores come from when the caller has it.
-    Insert(ChunkKey, Box<KvContext>, Option<SnapKvSource>),
+    /// A new context, with the scores (or their sources) the caller supplies.
+    Insert(ChunkKey, Box<KvContext>, Supplied),
     Place(ChunkKey),
     /// Write the context's meta entry (profile, frequency) beside its master.
     SaveMeta(ChunkKey),
@@ -250,7 +266,7 @@ pub enum StoreError {
     CopyMissing,
     #[error("the master copy is unreadable: {0}")]
     MasterUnreadable(Box<StoreError>),
-    #[error("{0}: this context was stored without SnapKV scores")]
+    #[error("{0}: this context was stored without the scores it drops by (SnapKV's and KVzip's come from the engine with the context)")]
     NoSnapKvScores(crate::config::Compression),
     #[error("{got} qualities for a grid of {grid}")]
     ProfileLength { got: usize, grid: usize },
@@ -363,7 +379,7 @@ impl ContextStore {
     fn adopt(&self, key: &ChunkKey) -> Result<(), StoreError> {
         let kv = self.load_master(key)?;
         if !self.contains(key) {
-            self.register(*key, &kv, None);
+            self.register(*key, &kv, HashMap::new());
             self.state.lock().unwrap().stats.adopted += 1;
             self.restore_meta(key);
         }
@@ -408,48 +424,102 @@ impl ContextStore {
         kv: KvContext,
         snapkv_scores: Option<Vec<f32>>,
     ) -> bool {
-        let snapkv = snapkv_scores
-            .filter(|s| s.len() == kv.n_tokens())
-            .map(SnapKvSource::Scores);
-        self.offer_job(key, kv, snapkv)
+        self.offer_with_scores(key, kv, snapkv_scores, None)
+    }
+
+    /// [`ContextStore::offer`] with the scores the engine supplies: SnapKV's and KVzip's
+    /// token scores (one per stored token). A score the grid does not drop by is not
+    /// kept; without one (or with a wrong count) its configurations are unavailable.
+    pub fn offer_with_scores(
+        &self,
+        key: ChunkKey,
+        kv: KvContext,
+        snapkv_scores: Option<Vec<f32>>,
+        kvzip_scores: Option<Vec<f32>>,
+    ) -> bool {
+        let n = kv.n_tokens();
+        let fits = |s: &Vec<f32>| s.len() == n;
+        let supplied = Supplied {
+            snapkv: snapkv_scores
+                .filter(|s| fits(s) && self.grid_drops_by(DropScore::SnapKv))
+                .map(SnapKvSource::Scores),
+            kvzip: kvzip_scores.filter(|s| fits(s) && self.grid_drops_by(DropScore::KvZip)),
+        };
+        self.offer_job(key, kv, supplied)
     }
 
     /// [`ContextStore::offer`] with the queries of the context's last tokens, from which
     /// the worker computes its SnapKV scores (when the grid has a SnapKV configuration).
     pub fn offer_with_window(&self, key: ChunkKey, kv: KvContext, window: WindowQueries) -> bool {
-        let wanted = self.wants_snapkv();
-        self.offer_job(key, kv, wanted.then_some(SnapKvSource::Window(window)))
+        self.offer_scored(key, kv, Some(window), None)
+    }
+
+    /// The engine's offer: the context with its window queries (for SnapKV, scored on the
+    /// worker) and its KVzip scores, each when the engine has them.
+    pub fn offer_scored(
+        &self,
+        key: ChunkKey,
+        kv: KvContext,
+        window: Option<WindowQueries>,
+        kvzip_scores: Option<Vec<f32>>,
+    ) -> bool {
+        let n = kv.n_tokens();
+        let supplied = Supplied {
+            snapkv: window
+                .filter(|_| self.grid_drops_by(DropScore::SnapKv))
+                .map(SnapKvSource::Window),
+            kvzip: kvzip_scores.filter(|s| s.len() == n && self.grid_drops_by(DropScore::KvZip)),
+        };
+        self.offer_job(key, kv, supplied)
     }
 
     /// A stored context's SnapKV scores, if it has them (to offer it to another store).
     pub fn snapkv_scores_of(&self, key: &ChunkKey) -> Option<Vec<f32>> {
+        self.supplied_scores_of(key, DropScore::SnapKv)
+    }
+
+    /// A stored context's KVzip scores, if it has them (to offer it to another store).
+    pub fn kvzip_scores_of(&self, key: &ChunkKey) -> Option<Vec<f32>> {
+        self.supplied_scores_of(key, DropScore::KvZip)
+    }
+
+    fn supplied_scores_of(&self, key: &ChunkKey, score: DropScore) -> Option<Vec<f32>> {
         self.state
             .lock()
             .unwrap()
             .entries
             .get(key)
-            .and_then(|e| e.scores.get(&DropScore::SnapKv).cloned())
+            .and_then(|e| e.scores.get(&score).cloned())
     }
 
     /// Whether the grid drops by SnapKV scores (and offers should carry them).
     pub fn wants_snapkv(&self) -> bool {
+        self.grid_drops_by(DropScore::SnapKv)
+    }
+
+    /// Whether the grid drops by KVzip scores (and offers should carry them).
+    pub fn wants_kvzip(&self) -> bool {
+        self.grid_drops_by(DropScore::KvZip)
+    }
+
+    pub(crate) fn grid_drops_by(&self, score: DropScore) -> bool {
         self.grid
             .configs()
             .iter()
-            .any(|c| c.drop_score().is_some_and(DropScore::needs_queries))
+            .any(|c| c.drop_score() == Some(score))
     }
 
-    fn offer_job(&self, key: ChunkKey, kv: KvContext, snapkv: Option<SnapKvSource>) -> bool {
+    fn offer_job(&self, key: ChunkKey, kv: KvContext, supplied: Supplied) -> bool {
         if self.contains(&key) {
             return true;
         }
-        let bytes = (kv.n_elements() * 4 + SnapKvSource::bytes(&snapkv)) as u64;
+        let bytes = (kv.n_elements() * 4 + supplied.bytes()) as u64;
         if self.pending_bytes.load(Ordering::Relaxed) + bytes > self.max_pending_bytes {
             self.state.lock().unwrap().stats.skipped_queue_full += 1;
             return false;
         }
         self.pending_bytes.fetch_add(bytes, Ordering::Relaxed);
-        if !self.send(Job::Insert(key, Box::new(kv), snapkv)) {
+        if !self.send(Job::Insert(key, Box::new(kv), supplied)) {
             self.pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
             self.state.lock().unwrap().stats.skipped_queue_full += 1;
             return false;
@@ -651,7 +721,7 @@ impl ContextStore {
     /// but a SnapKV configuration only for a context stored with its SnapKV scores.
     pub fn is_available(&self, key: &ChunkKey, config: usize) -> bool {
         match self.grid.configs().get(config).and_then(|c| c.drop_score()) {
-            Some(s) if s.needs_queries() => self
+            Some(s) if s.is_supplied() => self
                 .state
                 .lock()
                 .unwrap()
@@ -669,7 +739,7 @@ impl ContextStore {
         it.frequency = frequency;
         for (c, q) in self.grid.configs().iter().zip(it.quality.iter_mut()) {
             if c.drop_score()
-                .is_some_and(|s| s.needs_queries() && !e.scores.contains_key(&s))
+                .is_some_and(|s| s.is_supplied() && !e.scores.contains_key(&s))
             {
                 *q = f32::NEG_INFINITY;
             }

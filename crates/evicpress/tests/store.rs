@@ -383,6 +383,73 @@ fn the_worker_computes_snapkv_scores_from_the_window_queries() {
     assert!(!plain.wants_snapkv());
 }
 
+#[test]
+fn kvzip_configurations_drop_by_the_scores_the_engine_supplied() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 128;
+    // KVzip's ranking: keep every third token. SnapKV's (in the same grid): the even ones.
+    let kvzip: Vec<f32> = (0..n).map(|t| if t % 3 == 0 { 0.9 } else { 0.1 }).collect();
+    let snapkv: Vec<f32> = (0..n).map(|t| if t % 2 == 0 { 1.0 } else { 0.0 }).collect();
+    let (with, without) = (ChunkKey([51; 32]), ChunkKey([52; 32]));
+    let grid = "q8,snapkv-0.5,kvzip-0.6";
+    let middle_of = |s: &pk_evicpress::ContextStore, key: &ChunkKey, config: usize| {
+        let full = s.load_master(key).unwrap();
+        let kept = s.compress(key, &full, config).unwrap().positions;
+        assert_eq!(
+            kept.len(),
+            pk_codec::drop::n_kept_tokens(n, &pk_codec::DropSpec::new(0.6))
+        );
+        kept.into_iter()
+            .filter(|&p| (16..n as u32 - 16).contains(&p))
+            .collect::<Vec<u32>>()
+    };
+    {
+        let s = store_with_grid(
+            Arc::new(RamTier::new(1 << 30)),
+            dir.path(),
+            1 << 29,
+            Policy::Lru,
+            grid,
+        );
+        assert!(s.wants_kvzip() && s.wants_snapkv());
+        assert!(s.offer_with_scores(with, kv(51, n), Some(snapkv), Some(kvzip.clone())));
+        assert!(s.offer_with_scores(without, kv(52, n), None, Some(vec![1.0; n + 1])));
+        s.flush();
+        assert_eq!(s.kvzip_scores_of(&with).unwrap(), kvzip);
+        assert!(s.is_available(&with, 3) && !s.is_available(&without, 3));
+        assert!(s
+            .compress(&without, &s.load_master(&without).unwrap(), 3)
+            .is_err());
+        let middle = middle_of(&s, &with, 3);
+        assert!(middle.iter().all(|p| p % 3 == 0), "{middle:?}");
+    }
+    // The scores come back after a restart with the meta entry beside the master.
+    let s = store_with_grid(
+        Arc::new(RamTier::new(1 << 30)),
+        dir.path(),
+        1 << 29,
+        Policy::Lru,
+        grid,
+    );
+    assert_eq!(s.longest_stored(&[with]), Some(0));
+    s.flush();
+    assert!(s.is_available(&with, 3));
+    let middle = middle_of(&s, &with, 3);
+    assert!(middle.iter().all(|p| p % 3 == 0), "{middle:?}");
+    // A grid that does not drop by KVzip keeps no KVzip scores.
+    let plain = store_with_grid(
+        Arc::new(RamTier::new(1 << 30)),
+        tempfile::tempdir().unwrap().path(),
+        1 << 29,
+        Policy::Lru,
+        "q8",
+    );
+    assert!(!plain.wants_kvzip());
+    assert!(plain.offer_with_scores(with, kv(51, n), None, Some(kvzip)));
+    plain.flush();
+    assert!(plain.kvzip_scores_of(&with).is_none());
+}
+
 /// A RAM tier whose reads can be slowed down, timed by a real `BandwidthMeter` (the RAM
 /// tier's own loads are zero-copy, so its meter holds a calibrated memcpy rate instead).
 struct SlowTier {

@@ -168,6 +168,15 @@ impl Engine {
         let Some(c) = &self.connector else {
             return;
         };
+        let s = &self.sched.running[i];
+        if !s.is_prefilling() {
+            if let Some(n) = c.kvzip_scores_wanted(s.request_key) {
+                self.give_kvzip_scores(i, n);
+            }
+        }
+        let Some(c) = &self.connector else {
+            return;
+        };
         let s = &mut self.sched.running[i];
         let seq = s.kv.seq.expect("running");
         s.reuse.wants_save = c.save(

@@ -23,6 +23,7 @@ impl ContextStore {
                 saved_unix_s: unix_now_s(),
                 queries: e.queries.clone(),
                 snapkv_scores: e.scores.get(&DropScore::SnapKv).cloned(),
+                kvzip_scores: e.scores.get(&DropScore::KvZip).cloned(),
             }
         };
         let last = self.tiers.len() - 1;
@@ -78,14 +79,13 @@ impl ContextStore {
         e.freq = DecayedCount::new(e.freq.value_at(now, self.half_life_s) + restored, now);
         e.hits += meta.hits;
         e.queries = meta.queries.into_iter().take(self.max_queries).collect();
-        if let Some(s) = meta.snapkv_scores.filter(|s| s.len() == e.n_tokens) {
-            if self
-                .grid
-                .configs()
-                .iter()
-                .any(|c| c.drop_score() == Some(DropScore::SnapKv))
-            {
-                e.scores.insert(DropScore::SnapKv, s);
+        let supplied = [
+            (DropScore::SnapKv, meta.snapkv_scores),
+            (DropScore::KvZip, meta.kvzip_scores),
+        ];
+        for (score, s) in supplied {
+            if let Some(s) = s.filter(|s| s.len() == e.n_tokens && self.grid_drops_by(score)) {
+                e.scores.insert(score, s);
             }
         }
         st.stats.meta_restored += 1;

@@ -17,16 +17,24 @@ pub(super) fn worker_loop(rx: Receiver<Job>, store: std::sync::Weak<ContextStore
     while let Ok(job) = rx.recv() {
         let Some(store) = store.upgrade() else { return };
         match job {
-            Job::Insert(key, kv, snapkv) => {
-                let bytes = (kv.n_elements() * 4 + SnapKvSource::bytes(&snapkv)) as u64;
-                let snapkv = match snapkv {
-                    Some(SnapKvSource::Scores(s)) => Some(s),
-                    Some(SnapKvSource::Window(w)) if !store.contains(&key) => {
-                        snapkv_scores(&kv, &w)
+            Job::Insert(key, kv, supplied) => {
+                let bytes = (kv.n_elements() * 4 + supplied.bytes()) as u64;
+                let mut scores = HashMap::new();
+                match supplied.snapkv {
+                    Some(SnapKvSource::Scores(s)) => {
+                        scores.insert(DropScore::SnapKv, s);
                     }
-                    _ => None,
-                };
-                if let Err(e) = store.insert(key, &kv, snapkv) {
+                    Some(SnapKvSource::Window(w)) if !store.contains(&key) => {
+                        if let Some(s) = snapkv_scores(&kv, &w) {
+                            scores.insert(DropScore::SnapKv, s);
+                        }
+                    }
+                    _ => {}
+                }
+                if let Some(s) = supplied.kvzip {
+                    scores.insert(DropScore::KvZip, s);
+                }
+                if let Err(e) = store.insert(key, &kv, scores) {
                     tracing::warn!("EVICPRESS: storing a context failed: {e}");
                 }
                 store.pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
@@ -44,7 +52,7 @@ impl ContextStore {
         &self,
         key: ChunkKey,
         kv: &KvContext,
-        snapkv: Option<Vec<f32>>,
+        supplied: HashMap<DropScore, Vec<f32>>,
     ) -> Result<(), StoreError> {
         if self.contains(&key) {
             return Ok(());
@@ -54,15 +62,27 @@ impl ContextStore {
         let master_bytes = master.len() as u64;
         self.tiers[last].store(&copy_key(&key, 0), &Payload::from(master))?;
         count_master_bytes(kv, master_bytes);
-        self.register(key, kv, snapkv);
+        // Supplied scores cannot be recomputed from the master: write them beside it now,
+        // not only with the first profile, so that a restart before it keeps them.
+        let keep_scores = supplied.keys().any(|s| self.grid_drops_by(*s));
+        self.register(key, kv, supplied);
+        if keep_scores {
+            self.save_meta(&key);
+        }
         self.state.lock().unwrap().stats.inserted += 1;
         self.place(key, Some(kv));
         Ok(())
     }
 
-    /// Adds an index entry for a context whose master is on the last tier; `snapkv`: its
-    /// SnapKV scores, if known (else its SnapKV configurations are unavailable).
-    pub(super) fn register(&self, key: ChunkKey, kv: &KvContext, snapkv: Option<Vec<f32>>) {
+    /// Adds an index entry for a context whose master is on the last tier; `supplied`: the
+    /// scores the engine gave with it (SnapKV's, KVzip's), where known (a configuration
+    /// that drops by a score it lacks is unavailable for this context).
+    pub(super) fn register(
+        &self,
+        key: ChunkKey,
+        kv: &KvContext,
+        supplied: HashMap<DropScore, Vec<f32>>,
+    ) {
         let last = self.tiers.len() - 1;
         let shape = kv.shape();
         let mut scores: HashMap<DropScore, Vec<f32>> = self
@@ -72,14 +92,9 @@ impl ContextStore {
             .filter_map(|c| c.drop_score())
             .filter_map(|s| Some((s, token_scores(kv, s)?)))
             .collect();
-        if let Some(s) = snapkv.filter(|s| s.len() == kv.n_tokens()) {
-            if self
-                .grid
-                .configs()
-                .iter()
-                .any(|c| c.drop_score() == Some(DropScore::SnapKv))
-            {
-                scores.insert(DropScore::SnapKv, s);
+        for (score, s) in supplied {
+            if score.is_supplied() && s.len() == kv.n_tokens() && self.grid_drops_by(score) {
+                scores.insert(score, s);
             }
         }
         {
