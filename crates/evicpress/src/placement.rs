@@ -10,7 +10,14 @@
 //! options (a smaller configuration on S, or any configuration on the next tier) and the
 //! option with the smallest utility drop is applied: by absolute drop (EVICPRESS) or by
 //! drop per byte freed (AdaptCache). What is demoted is then subject to the next tier's
-//! capacity. The last tier is unlimited.
+//! capacity. The store's last tier is unlimited (it keeps every master).
+//!
+//! Bounded tiers (the simulator's scenarios where all tiers together hold less than the
+//! working set, the regime of the EVICPRESS paper): a last capacity other than `u64::MAX`
+//! is enforced too, and what is demoted from the last tier is dropped (`tier ==
+//! n_tiers`): its next request recomputes it at full quality, at the delay model's
+//! `recompute_s`. A context kept only compressed has no master to re-encode from
+//! (`Item::master` false): it can move down or be dropped, never change configuration.
 //!
 //! The baselines use the same machinery: `Lru` places every context uncompressed and
 //! demotes the least recently used one; `Fixed` does the same with one configuration for
@@ -62,8 +69,12 @@ pub struct Item {
     pub quality: Vec<f32>,
     pub frequency: f64,
     pub last_access_s: f64,
+    /// Tier index, or `n_tiers` for a context dropped from bounded tiers.
     pub tier: usize,
     pub config: usize,
+    /// Whether the full KV exists to encode another configuration from (a master copy,
+    /// or the KV a miss just computed); false only for bounded tiers' compressed copies.
+    pub master: bool,
 }
 
 /// Greedy steps per tier and decision; generous (a step moves one context) but finite.
@@ -77,23 +88,40 @@ pub struct Placer<'a> {
 }
 
 impl Placer<'_> {
-    fn n_tiers(&self) -> usize {
+    pub fn n_tiers(&self) -> usize {
         self.capacities_bytes.len()
     }
 
+    /// Whether the last tier's capacity is enforced (anything but `u64::MAX`), so that
+    /// contexts may be dropped.
+    pub fn bounded(&self) -> bool {
+        self.capacities_bytes.last().is_some_and(|&c| c != u64::MAX)
+    }
+
+    /// The utility of serving `item` from `config` on `tier`; on the dropped "tier" past
+    /// the last, a recompute at full quality.
     pub fn utility(&self, item: &Item, config: usize, tier: usize) -> f64 {
         let alpha = match self.policy {
             Policy::Evicpress { alpha, .. } => *alpha,
             _ => 1.0,
         };
-        let ttft = self
-            .delay
-            .ttft_s(tier, item.bytes[config], item.kept_tokens[config]);
-        utility(alpha, item.quality[config] as f64, ttft, item.frequency)
+        let (quality, ttft) = if tier >= self.n_tiers() {
+            (item.quality[0], self.delay.recompute_s(item.kept_tokens[0]))
+        } else {
+            let ttft = self
+                .delay
+                .ttft_s(tier, item.bytes[config], item.kept_tokens[config]);
+            (item.quality[config], ttft)
+        };
+        utility(alpha, quality as f64, ttft, item.frequency)
     }
 
-    /// The configuration a context gets when it (re)enters `tier`.
+    /// The configuration a context gets when it (re)enters `tier`: without a master, the
+    /// one it has.
     fn entry_config(&self, item: &Item, tier: usize) -> usize {
+        if !item.master {
+            return item.config;
+        }
         match self.policy {
             Policy::Lru => 0,
             Policy::Fixed(c) => *c,
@@ -124,7 +152,8 @@ impl Placer<'_> {
             items[a].config = config;
         }
         let mut steps = 0;
-        for tier in 0..self.n_tiers().saturating_sub(1) {
+        let limited = self.n_tiers() - usize::from(!self.bounded());
+        for tier in 0..limited {
             let capacity = self.capacities_bytes[tier];
             let mut usage = Self::usage(items, tier);
             let mut tier_steps = 0;
@@ -142,6 +171,12 @@ impl Placer<'_> {
                 tier_steps += 1;
             }
             steps += tier_steps;
+        }
+        if self.bounded() {
+            // Bounded tiers keep one copy per context: a compressed one is all there is.
+            for it in items.iter_mut().filter(|it| it.config != 0) {
+                it.master = false;
+            }
         }
         steps
     }
@@ -171,11 +206,18 @@ impl Placer<'_> {
                             best = Some((key, i, to_tier, to_config));
                         }
                     };
+                    if !it.master {
+                        consider(tier + 1, it.config, current_bytes);
+                        continue;
+                    }
                     for c in 0..it.bytes.len() {
                         if it.bytes[c] < current_bytes {
                             consider(tier, c, current_bytes - it.bytes[c]);
                         }
-                        consider(tier + 1, c, current_bytes);
+                        // Dropped is one option, not one per configuration.
+                        if tier + 1 < self.n_tiers() || c == 0 {
+                            consider(tier + 1, c, current_bytes);
+                        }
                     }
                 }
                 best.map(|(_, i, t, c)| (i, t, c))
@@ -219,6 +261,7 @@ mod tests {
             last_access_s: last,
             tier: 2,
             config: 0,
+            master: true,
         }
     }
 
@@ -267,6 +310,59 @@ mod tests {
         for (tier, &cap) in caps.iter().enumerate().take(2) {
             assert!(Placer::usage(&items, tier) <= cap);
         }
+    }
+
+    #[test]
+    fn bounded_tiers_drop_what_does_not_fit() {
+        let d = delay([1000.0, 100.0, 10.0]);
+        // 200 + 100 + 100 bytes for five 100-byte masters.
+        let caps = [200, 100, 100];
+        let lru = Placer {
+            delay: &d,
+            policy: &Policy::Lru,
+            capacities_bytes: &caps,
+        };
+        assert!(lru.bounded());
+        let mut items: Vec<Item> = (0..5).map(|i| item(1.0, i as f64)).collect();
+        for i in 0..5 {
+            lru.place(&mut items, Some(i));
+        }
+        let at: Vec<_> = items.iter().map(|i| i.tier).collect();
+        assert_eq!(at, vec![3, 2, 1, 0, 0], "the least recent is dropped");
+        // A recompute costs (10 tokens) / 1000 tok/s at full quality.
+        let u = lru.utility(&items[0], 0, 3);
+        assert!((u - (1.0 - 0.01)).abs() < 1e-9, "{u}");
+    }
+
+    #[test]
+    fn a_compressed_copy_without_master_keeps_its_configuration() {
+        let d = delay([1000.0, 100.0, 10.0]);
+        let caps = [50, 50, 50];
+        let p = Placer {
+            delay: &d,
+            policy: &Policy::Evicpress {
+                alpha: 1.0,
+                ranking: Ranking::AbsoluteDrop,
+            },
+            capacities_bytes: &caps,
+        };
+        let mut items = vec![item(1.0, 0.0)];
+        items[0].config = 2;
+        items[0].master = false;
+        p.place(&mut items, Some(0));
+        assert_eq!(
+            (items[0].tier, items[0].config),
+            (0, 2),
+            "hit: no master, so no better configuration"
+        );
+        // Over-full RAM: it can only move down, configuration unchanged.
+        let mut items = vec![item(1.0, 0.0), item(1.0, 1.0)];
+        for it in items.iter_mut() {
+            (it.tier, it.config, it.master) = (0, 1, false);
+        }
+        p.place(&mut items, None);
+        assert!(items.iter().all(|i| i.config == 1), "{items:?}");
+        assert_eq!(items.iter().filter(|i| i.tier == 0).count(), 1);
     }
 
     #[test]

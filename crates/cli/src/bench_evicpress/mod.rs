@@ -27,6 +27,7 @@
 //! the trace.
 
 mod delay;
+mod families;
 mod load;
 mod report;
 mod runner;
@@ -112,6 +113,16 @@ pub struct EvicpressArgs {
     /// and the ground-truth task score are reported beside it either way.
     #[arg(long, default_value = "f1", value_parser = crate::tier_args::parse_profile_metric)]
     pub quality_metric: pk_connectors::profiler::QualityMetric,
+    /// Configurations added to the preset's grid, e.g. `kvzip-0.5,kvzip-0.25`. When KVzip
+    /// configurations are added, every EVICPRESS run (real and simulated) is also run with
+    /// them unavailable (`evicpress-no-kvzip`), side by side.
+    #[arg(long, value_delimiter = ',')]
+    pub grid_add: Vec<String>,
+    /// Simulated scenarios in which all tiers together hold this fraction of the working
+    /// set's f16 bytes (`bounded-<F>`): what does not fit is dropped and recomputed when
+    /// asked for, and a context kept compressed has no master left. Empty: none.
+    #[arg(long, value_delimiter = ',', default_value = "0.5,0.25")]
+    pub tiers_fractions: Vec<f64>,
     /// Keep the cold-read behaviour of an SSD: drop written and read disk files from the
     /// page cache (posix_fadvise), so that the OS does not turn the disk tier into RAM.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -144,6 +155,7 @@ fn preset(a: &EvicpressArgs) -> Result<Preset> {
             Grid::parse(quick_grid).map_err(anyhow::Error::msg)?,
         )
     };
+    let grid = with_added(grid, &a.grid_add)?;
     Ok(Preset {
         spec: WorkloadSpec {
             n_contexts: n,
@@ -159,6 +171,26 @@ fn preset(a: &EvicpressArgs) -> Result<Preset> {
         answer_tokens: 10,
     })
 }
+
+/// `grid` with the `--grid-add` configurations after its own.
+fn with_added(grid: Grid, added: &[String]) -> Result<Grid> {
+    let mut configs: Vec<Compression> = grid.configs()[1..].to_vec();
+    for name in added {
+        configs
+            .push(Compression::parse(name).map_err(|e| anyhow::anyhow!("--grid-add {name}: {e}"))?);
+    }
+    Grid::new(configs).map_err(|e| anyhow::anyhow!("--grid-add: {e}"))
+}
+
+/// Whether the grid drops by KVzip (and every EVICPRESS run is also run without it).
+pub(crate) fn has_kvzip(grid: &Grid) -> bool {
+    grid.configs()
+        .iter()
+        .any(|c| c.drop_score() == Some(pk_evicpress::DropScore::KvZip))
+}
+
+/// The policy name of EVICPRESS runs with the grid's KVzip configurations unavailable.
+pub(crate) const NO_KVZIP: &str = "evicpress-no-kvzip";
 
 /// One row of the JSON output (the contract, plus extra fields).
 #[derive(Serialize, Clone)]
@@ -176,6 +208,9 @@ pub struct RunRow {
     /// full-KV answer instead.
     pub task_score: Option<f64>,
     pub hits_per_tier: BTreeMap<String, u64>,
+    /// Mean quality of the requests served from the fastest tier (what the policy chose to
+    /// keep closest), where any were.
+    pub fastest_tier_quality: Option<f64>,
     /// "real" (engine and tiers) or "sim" (trace-driven simulator).
     pub source: String,
     pub scenario: String,
@@ -241,6 +276,10 @@ fn check_numbers(a: &EvicpressArgs) -> Result<()> {
         (
             !a.alphas.is_empty() && a.alphas.iter().all(|&x| positive(x)),
             "--alphas must be positive numbers",
+        ),
+        (
+            a.tiers_fractions.iter().all(|&x| positive(x) && x < 1.0),
+            "--tiers-fractions must be numbers in (0, 1)",
         ),
         (
             a.zipf.is_finite() && a.zipf >= 0.0,
@@ -377,15 +416,21 @@ fn real_policies(a: &EvicpressArgs, grid: &Grid) -> Result<Vec<RealPolicy>> {
             .with_context(|| format!("--fixed {f} is not in the grid"))?;
         policies.push((format!("fixed-{c}"), None, Policy::Fixed(idx)));
     }
-    for &alpha in &a.alphas {
-        policies.push((
-            "evicpress".into(),
-            Some(alpha),
-            Policy::Evicpress {
-                alpha,
-                ranking: Ranking::AbsoluteDrop,
-            },
-        ));
+    let names: &[&str] = match has_kvzip(grid) {
+        true => &["evicpress", NO_KVZIP],
+        false => &["evicpress"],
+    };
+    for name in names {
+        for &alpha in &a.alphas {
+            policies.push((
+                name.to_string(),
+                Some(alpha),
+                Policy::Evicpress {
+                    alpha,
+                    ranking: Ranking::AbsoluteDrop,
+                },
+            ));
+        }
     }
     Ok(policies)
 }
@@ -576,6 +621,7 @@ fn row_of(
         quality_f1: None,
         task_score: (!task.is_empty()).then(|| mean(task)),
         hits_per_tier: hits,
+        fastest_tier_quality: None,
         source: source.into(),
         scenario: scenario.into(),
         ram_fraction,

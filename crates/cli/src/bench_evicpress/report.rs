@@ -68,6 +68,8 @@ fn sim_row(
         r.hits_per_tier,
     );
     row.quality_f1 = Some(super::sim::mean(&r.f1));
+    row.fastest_tier_quality =
+        (!r.fastest_quality.is_empty()).then(|| super::sim::mean(&r.fastest_quality));
     row
 }
 
@@ -84,10 +86,12 @@ pub fn sweeps(
     real: &[(String, Option<f64>, Policy)],
     rows: &mut Vec<RunRow>,
 ) -> Vec<Validation> {
+    let no_kvzip = super::has_kvzip(grid).then(|| without_kvzip(grid, contexts));
     let sweep = Sweep {
         a,
         grid,
         contexts,
+        no_kvzip: no_kvzip.as_deref(),
         working_set,
         n_tiers: delay.tiers.len(),
         full,
@@ -95,11 +99,21 @@ pub fn sweeps(
     let base = Scenario {
         name: "base".into(),
         ram_fraction: a.ram_fraction,
+        tiers_fraction: None,
         trace,
         delay,
     };
     let validation = sweep.validation(&base, real, rows);
     sweep.add(rows, &base, true);
+    // The paper's regime: all tiers together hold less than the working set.
+    for &f in &a.tiers_fractions {
+        let bounded = Scenario {
+            name: bounded_name(f),
+            tiers_fraction: Some(f),
+            ..base
+        };
+        sweep.add(rows, &bounded, true);
+    }
     for f in [0.1, 0.4] {
         if (f - a.ram_fraction).abs() > 1e-9 {
             let sc = Scenario {
@@ -164,11 +178,44 @@ pub fn sweeps(
     validation
 }
 
+/// The scenario name of tiers holding `fraction` of the working set.
+pub fn bounded_name(fraction: f64) -> String {
+    format!("bounded-{fraction}")
+}
+
+/// `contexts` with the grid's KVzip configurations unavailable (quality −∞ to placement,
+/// as a store gives a context stored without KVzip scores).
+fn without_kvzip(grid: &Grid, contexts: &[SimContext]) -> Vec<SimContext> {
+    let kvzip: Vec<bool> = grid
+        .configs()
+        .iter()
+        .map(|c| c.drop_score() == Some(pk_evicpress::DropScore::KvZip))
+        .collect();
+    contexts
+        .iter()
+        .map(|c| SimContext {
+            bytes: c.bytes.clone(),
+            kept_tokens: c.kept_tokens.clone(),
+            profile_quality: c
+                .profile_quality
+                .iter()
+                .zip(&kvzip)
+                .map(|(&q, &k)| if k { f32::NEG_INFINITY } else { q })
+                .collect(),
+            test_quality: c.test_quality.clone(),
+            test_f1: c.test_f1.clone(),
+            test_task: c.test_task.clone(),
+        })
+        .collect()
+}
+
 /// What every simulated row of the sweeps shares.
 struct Sweep<'a> {
     a: &'a EvicpressArgs,
     grid: &'a Grid,
     contexts: &'a [SimContext],
+    /// The contexts with KVzip unavailable, when the grid has KVzip configurations.
+    no_kvzip: Option<&'a [SimContext]>,
     working_set: u64,
     /// Tiers of the measured delay model (3 with Redis).
     n_tiers: usize,
@@ -181,6 +228,8 @@ struct Sweep<'a> {
 struct Scenario<'a> {
     name: String,
     ram_fraction: f64,
+    /// All tiers together hold this fraction of the working set (bounded tiers).
+    tiers_fraction: Option<f64>,
     trace: &'a [Request],
     delay: &'a DelayModel,
 }
@@ -188,13 +237,27 @@ struct Scenario<'a> {
 impl Sweep<'_> {
     /// Tier capacities in bytes with RAM holding `ram_fraction` of the working set, the disk
     /// `--disk-fraction` of it when Redis is last, and the last tier unlimited.
-    fn caps(&self, ram_fraction: f64) -> Vec<u64> {
-        let mut c = vec![(ram_fraction * self.working_set as f64) as u64];
+    ///
+    /// Bounded (`tiers_fraction` F): RAM holds the smaller of its share and F/2, a middle
+    /// disk the smaller of its share and half of what is left, and the last tier the rest
+    /// of F, enforced.
+    fn caps(&self, sc: &Scenario) -> Vec<u64> {
+        let ws = self.working_set as f64;
+        let Some(total) = sc.tiers_fraction else {
+            let mut c = vec![(sc.ram_fraction * ws) as u64];
+            if self.n_tiers == 3 {
+                c.push((self.a.disk_fraction * ws) as u64);
+            }
+            c.push(u64::MAX);
+            return c;
+        };
+        let ram = sc.ram_fraction.min(total / 2.0);
+        let mut fractions = vec![ram];
         if self.n_tiers == 3 {
-            c.push((self.a.disk_fraction * self.working_set as f64) as u64);
+            fractions.push(self.a.disk_fraction.min((total - ram) / 2.0));
         }
-        c.push(u64::MAX);
-        c
+        fractions.push(total - fractions.iter().sum::<f64>());
+        fractions.iter().map(|f| (f * ws) as u64).collect()
     }
 
     fn row(
@@ -204,15 +267,19 @@ impl Sweep<'_> {
         alpha: Option<f64>,
         policy: Option<&Policy>,
     ) -> RunRow {
+        let contexts = match (label, self.no_kvzip) {
+            (super::NO_KVZIP, Some(masked)) => masked,
+            _ => self.contexts,
+        };
         sim_row(
             label,
             alpha,
             &sc.name,
             sc.ram_fraction,
-            self.contexts,
+            contexts,
             sc.trace,
             sc.delay,
-            &self.caps(sc.ram_fraction),
+            &self.caps(sc),
             policy,
             self.full,
         )
@@ -273,6 +340,9 @@ impl Sweep<'_> {
                 ranking: Ranking::DropPerByte,
             };
             rows.push(self.row(&per_byte, "evicpress", Some(alpha), Some(&by_byte)));
+            if self.no_kvzip.is_some() {
+                rows.push(self.row(sc, super::NO_KVZIP, Some(alpha), Some(&absolute)));
+            }
         }
     }
 }
@@ -346,6 +416,7 @@ pub fn headline(
     let full = of("full-prefill").next();
     let m = |r: &RunRow| metric.of(r);
     let best = of("evicpress")
+        .filter(|r| r.policy == "evicpress")
         .filter(|r| m(r) >= (1.0 - tolerance) * m(lru))
         .min_by(|a, b| a.ttft_mean_s.total_cmp(&b.ttft_mean_s));
     let fixed = best.and_then(|b| {
@@ -440,7 +511,8 @@ pub fn write(
     let headlines = headlines(a, rows);
     let ceiling = ceiling(rows);
     let ceiling_json = ceiling.map(|(base, free)| serde_json::json!({ "lru_ttft_mean_s": base, "lru_free_load_ttft_mean_s": free, "max_speedup_keeping_every_token": base / free.max(1e-9) }));
-    let summary = serde_json::json!({ "ceiling": ceiling_json, "headlines": headlines, "validation": validation, "under_load": under_load, "delay_model": delay, "setup": setup, "wall_s": wall_s });
+    let families = super::families::families(rows, 0.03);
+    let summary = serde_json::json!({ "ceiling": ceiling_json, "headlines": headlines, "families": families, "validation": validation, "under_load": under_load, "delay_model": delay, "setup": setup, "wall_s": wall_s });
     std::fs::write(
         a.out.join("results.json"),
         serde_json::to_string_pretty(
@@ -461,6 +533,7 @@ pub fn write(
     let mut md = String::new();
     report.intro(&mut md);
     report.headlines(&mut md, &headlines);
+    super::families::markdown(&mut md, &families, 0.03);
     report.ceiling(&mut md, ceiling);
     report.under_load(&mut md);
     report.validation(&mut md);
@@ -508,6 +581,17 @@ impl Markdown<'_> {
         flags.push_str(&format!(
             " --profile-metric {} --quality-metric {} --ram-fraction {} --zipf {} --seed {}",
             a.profile_metric, a.quality_metric, a.ram_fraction, a.zipf, a.seed
+        ));
+        if !a.grid_add.is_empty() {
+            flags.push_str(&format!(" --grid-add {}", a.grid_add.join(",")));
+        }
+        flags.push_str(&format!(
+            " --tiers-fractions {}",
+            a.tiers_fractions
+                .iter()
+                .map(f64::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
         ));
         if a.loaded_repeats > 1 {
             flags.push_str(&format!(" --loaded-repeats {}", a.loaded_repeats));

@@ -59,6 +59,8 @@ pub struct Runner {
     f1_mismatches: usize,
     task: Vec<f64>,
     hits: BTreeMap<String, u64>,
+    /// Quality of the requests served from the fastest tier.
+    fastest_quality: Vec<f64>,
     loads: Vec<Load>,
 }
 
@@ -88,7 +90,12 @@ impl Runner {
         let store = contexts.store().clone();
         for (c, ctx) in s.contexts.iter().enumerate() {
             let key = contexts.context_key(&ctx.tokens, None).expect("aligned");
-            store.offer_with_snapkv(key, s.masters[c].clone(), s.snapkv_scores[c].clone());
+            // Without KVzip scores the grid's KVzip configurations are unavailable.
+            let kvzip = (name != super::NO_KVZIP)
+                .then(|| s.kvzip_scores[c].clone())
+                .flatten();
+            let snapkv = s.snapkv_scores[c].clone();
+            store.offer_with_scores(key, s.masters[c].clone(), snapkv, kvzip);
             store.flush();
             store
                 .set_profile(&key, s.profiles[c].clone())
@@ -107,6 +114,7 @@ impl Runner {
             f1_mismatches: 0,
             task: Vec::new(),
             hits: BTreeMap::new(),
+            fastest_quality: Vec::new(),
             loads: Vec::new(),
         })
     }
@@ -147,6 +155,10 @@ impl Runner {
             .as_ref()
             .map_or("recompute".to_string(), |l| l.tier.clone());
         *self.hits.entry(tier).or_insert(0u64) += 1;
+        if out.context_load.as_ref().is_some_and(|l| l.tier_index == 0) {
+            self.fastest_quality
+                .push(s.test_scores[r.context][config][r.query]);
+        }
         if let Some(l) = &out.context_load {
             let answered = c.test_queries[r.query].len() + out.token_ids.len();
             self.loads.push(Load {
@@ -248,6 +260,8 @@ impl Runner {
             self.hits,
         );
         row.quality_f1 = Some(mean(&self.f1));
+        row.fastest_tier_quality =
+            (!self.fastest_quality.is_empty()).then(|| mean(&self.fastest_quality));
         row.service_s = self.service;
         row.bytes_moved = Some(st.bytes_moved);
         row.placement_cpu_ms_mean =

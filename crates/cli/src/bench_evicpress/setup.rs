@@ -23,6 +23,8 @@ pub struct Setup {
     pub masters: Vec<pk_codec::KvContext>,
     /// Each context's SnapKV scores, computed when the setup's engine offered it.
     pub snapkv_scores: Vec<Option<Vec<f32>>>,
+    /// KVzip scores per context, computed by the engine when setup stored it.
+    pub kvzip_scores: Vec<Option<Vec<f32>>>,
     pub master_bytes: Vec<u64>,
     pub full_prefill_s: Vec<f64>,
     /// Full prefill and the answer's decode, per context.
@@ -93,7 +95,7 @@ fn setup_engine(a: &EvicpressArgs, p: &Preset) -> Result<(Engine, Arc<ContextReu
     )
 }
 
-/// Context `i`'s full prefill (timed), master KV and SnapKV scores from the store, and the
+/// Context `i`'s full prefill (timed), master KV and SnapKV and KVzip scores from the store, and the
 /// full-KV answers to its test queries. Returns the tokens prefilled.
 fn add_references(
     e: &mut Engine,
@@ -120,6 +122,10 @@ fn add_references(
         .context("context key")?;
     let master = store.load_master(&key).map_err(anyhow::Error::msg)?;
     s.snapkv_scores.push(store.snapkv_scores_of(&key));
+    s.kvzip_scores.push(store.kvzip_scores_of(&key));
+    if super::has_kvzip(&p.grid) && s.kvzip_scores.last().is_some_and(Option::is_none) {
+        anyhow::bail!("context {i} was stored without KVzip scores (see the engine's warning)");
+    }
     s.master_bytes
         .push(p.grid.configs()[0].bytes(&master.shape()));
     let prefix = Arc::new(PrefixKv { kv: master.clone() });

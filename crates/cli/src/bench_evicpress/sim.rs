@@ -30,6 +30,8 @@ pub struct SimResult {
     pub task: Vec<f64>,
     pub f1: Vec<f64>,
     pub hits_per_tier: BTreeMap<String, u64>,
+    /// Quality of the requests served from the fastest tier.
+    pub fastest_quality: Vec<f64>,
 }
 
 /// Replays `trace` with contexts inserted in order at the start (warm store), as the
@@ -49,6 +51,7 @@ pub fn simulate(
         task: Vec::new(),
         f1: Vec::new(),
         hits_per_tier: BTreeMap::new(),
+        fastest_quality: Vec::new(),
     };
     let Some(policy) = policy else {
         for r in trace {
@@ -77,25 +80,36 @@ pub fn simulate(
             last_access_s: 0.0,
             tier: last,
             config: 0,
+            master: true,
         });
-        placer.place(&mut items, Some(i));
+        warm_place(&placer, &mut items, i);
     }
     for i in 0..contexts.len() {
-        placer.place(&mut items, Some(i));
+        warm_place(&placer, &mut items, i);
     }
     for r in trace {
         let now = r.arrival_s;
-        let it = &items[r.context];
-        out.ttft_s
-            .push(delay.ttft_s(it.tier, it.bytes[it.config], it.kept_tokens[it.config]));
-        out.quality
-            .push(contexts[r.context].test_quality[it.config] as f64);
-        out.task
-            .push(contexts[r.context].test_task[it.config] as f64);
-        out.f1.push(contexts[r.context].test_f1[it.config] as f64);
-        *out.hits_per_tier
-            .entry(delay.tiers[it.tier].name.clone())
-            .or_default() += 1;
+        let it = &mut items[r.context];
+        let c = &contexts[r.context];
+        if it.tier >= capacities_bytes.len() {
+            // Dropped from bounded tiers: recomputed at full quality, then stored again
+            // from the KV the recompute made.
+            out.ttft_s.push(full_prefill_s[r.context]);
+            (it.config, it.master) = (0, true);
+            *out.hits_per_tier.entry(RECOMPUTED.into()).or_default() += 1;
+        } else {
+            out.ttft_s
+                .push(delay.ttft_s(it.tier, it.bytes[it.config], it.kept_tokens[it.config]));
+            *out.hits_per_tier
+                .entry(delay.tiers[it.tier].name.clone())
+                .or_default() += 1;
+        }
+        if it.tier == 0 {
+            out.fastest_quality.push(c.test_quality[it.config] as f64);
+        }
+        out.quality.push(c.test_quality[it.config] as f64);
+        out.task.push(c.test_task[it.config] as f64);
+        out.f1.push(c.test_f1[it.config] as f64);
         freq[r.context].bump(now, half_life_s);
         for (k, item) in items.iter_mut().enumerate() {
             item.frequency = freq[k].value_at(now, half_life_s).max(1e-9);
@@ -104,6 +118,19 @@ pub fn simulate(
         placer.place(&mut items, Some(r.context));
     }
     out
+}
+
+/// `hits_per_tier`'s name for requests to a context dropped from bounded tiers.
+pub const RECOMPUTED: &str = "recomputed";
+
+/// Warm-up: context `i` stored from setup's master (every warm-up copy is encoded from
+/// it, so even a context that bounded tiers compressed earlier has it here) and placed.
+fn warm_place(placer: &Placer, items: &mut [Item], i: usize) {
+    items.iter_mut().for_each(|it| it.master = true);
+    if items[i].tier >= placer.n_tiers() {
+        items[i].config = 0;
+    }
+    placer.place(items, Some(i));
 }
 
 pub fn mean(xs: &[f64]) -> f64 {
@@ -121,4 +148,85 @@ pub fn percentile(xs: &[f64], p: f64) -> f64 {
     v.sort_by(f64::total_cmp);
     let rank = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
     v[rank.min(v.len() - 1)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pk_evicpress::{Ranking, TierSpec};
+
+    fn context() -> SimContext {
+        SimContext {
+            bytes: vec![100, 50],
+            kept_tokens: vec![100, 100],
+            profile_quality: vec![1.0, 0.95],
+            test_quality: vec![1.0, 0.9],
+            test_f1: vec![1.0, 0.9],
+            test_task: vec![1.0, 1.0],
+        }
+    }
+
+    #[test]
+    fn bounded_tiers_recompute_what_lru_dropped_and_evicpress_compresses_instead() {
+        let tier = |name: &str| TierSpec {
+            name: name.into(),
+            capacity_bytes: 0,
+            read_bytes_per_s: 1e4,
+            access_latency_s: 0.0,
+        };
+        let delay = DelayModel {
+            tiers: vec![tier("ram"), tier("disk")],
+            decode_s_per_byte: 0.0,
+            restore_s_per_token: 0.0,
+            prefill_tokens_per_s: 100.0,
+            query_tokens: 0,
+        };
+        let contexts: Vec<SimContext> = (0..3).map(|_| context()).collect();
+        let trace: Vec<Request> = (0..12)
+            .map(|i| Request {
+                context: i % 3,
+                query: 0,
+                arrival_s: i as f64,
+            })
+            .collect();
+        // 200 bytes of tiers for 300 bytes of masters.
+        let caps = [100, 100];
+        let full = [1.0; 3];
+        let lru = simulate(
+            &contexts,
+            &trace,
+            &delay,
+            &caps,
+            Some(&Policy::Lru),
+            60.0,
+            &full,
+        );
+        let recomputed = lru.hits_per_tier.get(RECOMPUTED).copied().unwrap_or(0);
+        // Round-robin over 3 with room for 2: once the warm-up's ties are gone (every
+        // context warmed at time 0), LRU always drops the next one asked for.
+        assert!(recomputed >= 10, "{:?}", lru.hits_per_tier);
+        assert!(lru.quality.iter().all(|&q| q == 1.0));
+        let evicpress = Policy::Evicpress {
+            alpha: 1.0,
+            ranking: Ranking::AbsoluteDrop,
+        };
+        let e = simulate(
+            &contexts,
+            &trace,
+            &delay,
+            &caps,
+            Some(&evicpress),
+            60.0,
+            &full,
+        );
+        assert_eq!(
+            e.hits_per_tier.get(RECOMPUTED),
+            None,
+            "{:?}",
+            e.hits_per_tier
+        );
+        // Two compressed and one whole fit the 200 bytes: nothing is recomputed.
+        assert!(e.quality.iter().all(|&q| q > 0.89), "{:?}", e.quality);
+        assert!(mean(&e.ttft_s) < mean(&lru.ttft_s));
+    }
 }

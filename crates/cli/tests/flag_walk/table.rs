@@ -3217,4 +3217,20 @@ pub const TABLE: &[Entry] = &[
     ),
     e("bench evicpress", "--quality-metric", EVICPRESS_MINUTES),
     e("bench evicpress", "--cold-disk", EVICPRESS_MINUTES),
+    e(
+        "bench evicpress",
+        "--grid-add",
+        Read {
+            args: &["bench", "evicpress", "--grid-add", "kvzip-0.5,q3"],
+            error: "--grid-add q3",
+        },
+    ),
+    e(
+        "bench evicpress",
+        "--tiers-fractions",
+        Read {
+            args: &["bench", "evicpress", "--tiers-fractions", "0.5,1"],
+            error: "--tiers-fractions",
+        },
+    ),
 ];

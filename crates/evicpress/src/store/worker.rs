@@ -119,6 +119,7 @@ impl ContextStore {
                 last_access_s: now,
                 tier: last,
                 config: 0,
+                master: true,
             };
             st.entries.insert(
                 key,
