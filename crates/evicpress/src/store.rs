@@ -290,9 +290,13 @@ impl ContextStore {
             }
         }
         let (tx, rx) = sync_channel::<Job>(MAX_QUEUED_JOBS);
+        // The last tier keeps every master: its capacity is not the placer's to enforce
+        // (a bounded last tier would drop contexts, which only the simulator models).
+        let mut capacities_bytes = cfg.capacities_bytes;
+        *capacities_bytes.last_mut().expect("checked non-empty") = u64::MAX;
         let store = Arc::new(ContextStore {
             tiers: cfg.tiers,
-            capacities_bytes: cfg.capacities_bytes,
+            capacities_bytes,
             grid: cfg.grid,
             policy: cfg.policy,
             fingerprint: cfg.fingerprint,
