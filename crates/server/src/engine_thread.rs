@@ -288,6 +288,14 @@ fn publish(
     // compiled here instead stalled every running stream while it compiled.
     metrics::counter!("pagekeeper:engine_thread_grammar_compilations_total")
         .increment(s.grammar_compilations - last.grammar_compilations);
+    // KVzip's passes over contexts the EVICPRESS store keeps (a grid with `kvzip-R`): they
+    // run on the engine thread between a miss's first and second token.
+    metrics::counter!("pagekeeper:kvzip_store_scored_total")
+        .increment(s.kvzip_store_scored - last.kvzip_store_scored);
+    metrics::counter!("pagekeeper:kvzip_store_failed_total")
+        .increment(s.kvzip_store_failed - last.kvzip_store_failed);
+    // The metrics crate's counters count integers; the passes' seconds so far are a gauge.
+    metrics::gauge!("pagekeeper:kvzip_store_seconds").set(s.kvzip_store_seconds);
     *last = s.clone();
 }
 
