@@ -436,14 +436,22 @@ fn background_requests_yield_to_waiting_user_requests() {
     );
 }
 
-#[test]
-fn a_kvzip_grid_scores_a_context_by_its_reconstruction_and_serves_it_dropped() {
-    let dir = tempfile::tempdir().unwrap();
+/// An engine whose store has `grid` and places every context under the grid's second
+/// configuration, after `context` (and a 20-token question) was generated from once and
+/// stored; with the context's key and the greedy parameters used.
+fn stored_under(
+    grid: &str,
+    dir: &std::path::Path,
+    context: &[u32],
+) -> (
+    Engine,
+    Arc<ContextReuse>,
+    pk_tiers::ChunkKey,
+    GenerateParams,
+) {
     let book = common::book_ids();
-    let context = &book[6000..6512];
-    let query = &book[10..30];
-    let mut cfg = store_config(dir.path(), Policy::Fixed(2), 256 << 20);
-    cfg.grid = Grid::parse("q8,kvzip-0.5").unwrap();
+    let mut cfg = store_config(dir, Policy::Fixed(2), 256 << 20);
+    cfg.grid = Grid::parse(grid).unwrap();
     let (mut e, c) = engine_with(cfg);
     let key = c.context_key(context, None).unwrap();
     let params = GenerateParams {
@@ -451,10 +459,19 @@ fn a_kvzip_grid_scores_a_context_by_its_reconstruction_and_serves_it_dropped() {
         ignore_eos: true,
         ..Default::default()
     };
-    e.generate(&[context, query].concat(), &params, &mut |_| {})
+    e.generate(&[context, &book[10..30]].concat(), &params, &mut |_| {})
         .unwrap();
+    c.store().flush();
+    (e, c, key, params)
+}
+
+#[test]
+fn a_kvzip_grid_scores_a_context_by_its_reconstruction_and_serves_it_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let book = common::book_ids();
+    let context = &book[6000..6512];
+    let (mut e, c, key, params) = stored_under("q8,kvzip-0.5", dir.path(), context);
     let store = c.store();
-    store.flush();
     assert_eq!(e.stats.kvzip_store_scored, 1);
     assert_eq!(e.stats.kvzip_store_failed, 0);
     assert!(e.stats.kvzip_store_seconds > 0.0);
@@ -508,20 +525,8 @@ fn a_snapkv_grid_scores_a_context_by_its_last_queries_and_serves_it_dropped() {
     let dir = tempfile::tempdir().unwrap();
     let book = common::book_ids();
     let context = &book[5000..5512];
-    let query = &book[10..30];
-    let mut cfg = store_config(dir.path(), Policy::Fixed(2), 256 << 20);
-    cfg.grid = Grid::parse("q8,snapkv-0.5").unwrap();
-    let (mut e, c) = engine_with(cfg);
-    let key = c.context_key(context, None).unwrap();
-    let params = GenerateParams {
-        max_tokens: 4,
-        ignore_eos: true,
-        ..Default::default()
-    };
-    e.generate(&[context, query].concat(), &params, &mut |_| {})
-        .unwrap();
+    let (mut e, c, key, params) = stored_under("q8,snapkv-0.5", dir.path(), context);
     let store = c.store();
-    store.flush();
     assert!(
         store.is_available(&key, 2),
         "the offer carried the window's queries"
