@@ -26,6 +26,11 @@
 //! pass is batch-invariant; a GPU's GEMMs may round the last bits differently for another
 //! batch shape, which moves those 64 tokens' K/V by at most that rounding), and the store's
 //! worker turns the queries into scores.
+//!
+//! KVzip (`kvzip-R`) scores a stored context by the model's reconstruction passes over it.
+//! By default the engine runs them when the context is stored (`kvzip_scores_wanted`); a
+//! server asks for idle time instead (`score_kvzip_in_idle_time`): the context is offered
+//! with its token ids, and `crate::kvzip_scoring` scores it later from its master.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -90,6 +95,10 @@ pub struct ContextReuse {
     /// KVzip scores the engine computed for a request's coming save (one entry per
     /// running request at most, taken by its save or dropped when it ends).
     kvzip_scores: Mutex<HashMap<RequestKey, Vec<f32>>>,
+    /// Whether KVzip scores are computed in idle time ([`crate::kvzip_scoring`]) instead
+    /// of when a context is stored: a server's choice, so that the passes never stall
+    /// the streams batched with the request that stored the context.
+    kvzip_in_idle_time: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for ContextReuse {
@@ -133,11 +142,24 @@ impl ContextReuse {
             requests: Mutex::default(),
             groups: groups.cloned(),
             kvzip_scores: Mutex::default(),
+            kvzip_in_idle_time: Default::default(),
         })
     }
 
     pub fn chunk_size_tokens(&self) -> usize {
         self.keyer.chunk_size_tokens()
+    }
+
+    /// From now on, contexts are offered with their token ids instead of KVzip scores, and
+    /// their scores are computed in idle time (`kvzip_scoring::maybe_start_kvzip_scoring`).
+    pub fn score_kvzip_in_idle_time(&self) {
+        self.kvzip_in_idle_time
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn kvzip_in_idle_time(&self) -> bool {
+        self.kvzip_in_idle_time
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Chained keys of the prompt's full chunks, leaving at least one token to compute.
@@ -176,8 +198,10 @@ impl ContextReuse {
         kv: KvContext,
         window: Option<WindowQueries>,
         kvzip: Option<Vec<f32>>,
+        ids: &[u32],
     ) {
-        let offered = self.store.offer_scored(key, kv, window, kvzip);
+        let pending = (self.kvzip_in_idle_time() && kvzip.is_none()).then(|| ids.to_vec());
+        let offered = self.store.offer_scored(key, kv, window, kvzip, pending);
         if offered {
             lock(&self.stats).offered += 1;
         }
@@ -298,7 +322,7 @@ impl KvConnector for ContextReuse {
                 false => None,
             };
             let kvzip = lock(&self.kvzip_scores).remove(&request);
-            self.offer(key, kv_copy, window, kvzip);
+            self.offer(key, kv_copy, window, kvzip, &ids[..tokens]);
             return false;
         };
         // By group: called after every prefill step; the context is copied out after the
@@ -308,7 +332,7 @@ impl KvConnector for ContextReuse {
             return true;
         }
         match read_by_group(kv, backend.kv(), layout, seq, tokens) {
-            Some(kv_copy) => self.offer(key, kv_copy, None, None),
+            Some(kv_copy) => self.offer(key, kv_copy, None, None, &[]),
             None => {
                 tracing::debug!(
                     "a context's window left the pool before it was copied; not offered"
@@ -339,7 +363,7 @@ impl KvConnector for ContextReuse {
     /// The whole context the save offers, when the store drops by KVzip and the engine
     /// keeps one block table (with KV cache groups no grid may hold KVzip: `new`).
     fn kvzip_scores_wanted(&self, request: RequestKey) -> Option<usize> {
-        if !self.store.wants_kvzip() || self.groups.is_some() {
+        if !self.store.wants_kvzip() || self.groups.is_some() || self.kvzip_in_idle_time() {
             return None;
         }
         let n_chunks = lock(&self.requests).get(&request)?.len();

@@ -5,12 +5,13 @@
 //! - [`tiering`]: chunks of prompt KV in tiers below the pool (RAM → disk → Redis), keyed by
 //!   chained chunk hashes, written by a worker thread;
 //! - [`contexts`]: whole contexts in an EVICPRESS store, compressed and placed by utility,
-//!   with its [`profiler`] (a client of the engine's public API that submits background
-//!   requests) and the start-up [`calibrate`] of its delay model;
+//!   with its [`profiler`] and [`kvzip_scoring`] (clients of the engine's public API that
+//!   submit background requests) and the start-up [`calibrate`] of its delay model;
 //! - [`prefix_kv`]: a request's given, possibly compressed, prefix KV.
 
 pub mod calibrate;
 pub mod contexts;
+pub mod kvzip_scoring;
 pub mod prefix_kv;
 pub mod profiler;
 pub mod tiering;

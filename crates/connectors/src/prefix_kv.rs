@@ -89,6 +89,12 @@ impl KvConnector for PrefixKv {
         is_whole(&self.kv) || self.kv.window.is_some()
     }
 
+    /// Every token at its own position, with no window part (an engine with KV cache
+    /// groups refuses evicting policies on its own).
+    fn given_is_whole(&self) -> bool {
+        is_whole(&self.kv) && self.kv.window.is_none()
+    }
+
     fn check_given(&self, prompt_tokens: usize, g: &KvGeometry) -> Result<(), String> {
         let n = self.n_tokens();
         if n >= prompt_tokens || self.kv.positions.last().is_some_and(|&x| x as usize >= n) {

@@ -436,6 +436,59 @@ fn background_requests_yield_to_waiting_user_requests() {
     );
 }
 
+#[test]
+fn kvzip_scores_computed_in_idle_time_are_those_of_the_passes_at_store_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let book = common::book_ids();
+    let context = &book[6000..6512];
+    let mut cfg = store_config(dir.path(), Policy::Fixed(2), 256 << 20);
+    cfg.grid = Grid::parse("q8,kvzip-0.5").unwrap();
+    let (mut e, c) = engine_with(cfg);
+    c.score_kvzip_in_idle_time();
+    let key = c.context_key(context, None).unwrap();
+    let params = GenerateParams {
+        max_tokens: 4,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    e.generate(&[context, &book[10..30]].concat(), &params, &mut |_| {})
+        .unwrap();
+    let store = c.store();
+    store.flush();
+    assert_eq!(e.stats.kvzip_store_scored, 0, "nothing ran at store time");
+    assert!(!store.is_available(&key, 2));
+    assert_eq!(store.kvzip_candidates(4).len(), 1);
+
+    // The idle hook's request: the master (all but its last token) and the kvzip policy.
+    let n = pk_connectors::kvzip_scoring::score_pending_blocking(&mut e, &c).unwrap();
+    assert_eq!(n, 1);
+    assert!(store.is_available(&key, 2) && store.kvzip_candidates(4).is_empty());
+    let got = store.kvzip_scores_of(&key).unwrap();
+
+    // The same scores as the passes at store time (the other test's reference: a kvzip
+    // run over the context alone on a fresh engine).
+    let mut fresh = common::engine(EngineConfig::default());
+    let reference = GenerateParams {
+        max_tokens: 2,
+        ignore_eos: true,
+        kv_policy: Some("kvzip".parse().unwrap()),
+        kv_budget: Some(48),
+        kv_granularity: Some(pk_kv::KvGranularity::Shared),
+        record_prefill_keeps: true,
+        ..Default::default()
+    };
+    let out = fresh.generate(context, &reference, &mut |_| {}).unwrap();
+    let want = out.prefill_keeps.unwrap().swap_remove(0).prior_scores;
+    assert_eq!(got.len(), want.len());
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst <= 1e-5, "scores differ by up to {worst}");
+    e.check_invariants();
+}
+
 /// An engine whose store has `grid` and places every context under the grid's second
 /// configuration, after `context` (and a 20-token question) was generated from once and
 /// stored; with the context's key and the greedy parameters used.

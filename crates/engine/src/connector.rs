@@ -147,6 +147,14 @@ pub trait KvConnector: Send + Sync + std::fmt::Debug {
     /// store that weighs loading against recomputing keeps its prefill speed current.
     fn observe_prefill(&self, _tokens: usize, _seconds: f64) {}
 
+    /// For a connector a request brings (`GenerateParams::prefix_kv`): whether its KV is
+    /// what a prefill computes, every token at its own position in one block table, so
+    /// that an evicting policy may select over it as over a computed prompt (KVzip's
+    /// scores of a stored context, computed from its master in idle time).
+    fn given_is_whole(&self) -> bool {
+        false
+    }
+
     /// For a connector a request brings (`GenerateParams::prefix_kv`): whether its KV fits
     /// a prompt of `prompt_tokens` on a pool of `geometry`, checked at submission so that
     /// a bad one is refused by name.

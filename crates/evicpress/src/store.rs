@@ -150,6 +150,9 @@ struct Entry {
     /// Per configuration, the bytes of its sliding-window part (a context stored with KV
     /// cache groups); `None` for one block table.
     window_bytes: Option<Vec<u64>>,
+    /// The context's token ids, kept while its KVzip scores are wanted and missing, for
+    /// the engine to compute them in idle time ([`ContextStore::kvzip_candidates`]).
+    pending_kvzip_ids: Option<Vec<u32>>,
 }
 
 /// A profiled context is profiled again, with its recent queries, after this many hits:
@@ -191,12 +194,16 @@ pub(crate) struct Supplied {
     pub snapkv: Option<SnapKvSource>,
     /// KVzip's token scores (one per stored token).
     pub kvzip: Option<Vec<f32>>,
+    /// The context's token ids, when its KVzip scores are to be computed later.
+    pub context_ids: Option<Vec<u32>>,
 }
 
 impl Supplied {
     /// Bytes it holds while queued (counted against `max_pending_bytes`).
     fn bytes(&self) -> usize {
-        SnapKvSource::bytes(&self.snapkv) + self.kvzip.as_ref().map_or(0, |s| s.len() * 4)
+        SnapKvSource::bytes(&self.snapkv)
+            + self.kvzip.as_ref().map_or(0, |s| s.len() * 4)
+            + self.context_ids.as_ref().map_or(0, |s| s.len() * 4)
     }
 }
 
@@ -270,6 +277,8 @@ pub enum StoreError {
     NoSnapKvScores(crate::config::Compression),
     #[error("{got} qualities for a grid of {grid}")]
     ProfileLength { got: usize, grid: usize },
+    #[error("{got} KVzip scores for a context of {tokens} tokens (or a grid without KVzip)")]
+    ScoresLength { got: usize, tokens: usize },
     #[error(transparent)]
     Tier(#[from] TierError),
     #[error("stored KV: {0}")]
@@ -448,6 +457,7 @@ impl ContextStore {
                 .filter(|s| fits(s) && self.grid_drops_by(DropScore::SnapKv))
                 .map(SnapKvSource::Scores),
             kvzip: kvzip_scores.filter(|s| fits(s) && self.grid_drops_by(DropScore::KvZip)),
+            context_ids: None,
         };
         self.offer_job(key, kv, supplied)
     }
@@ -455,26 +465,87 @@ impl ContextStore {
     /// [`ContextStore::offer`] with the queries of the context's last tokens, from which
     /// the worker computes its SnapKV scores (when the grid has a SnapKV configuration).
     pub fn offer_with_window(&self, key: ChunkKey, kv: KvContext, window: WindowQueries) -> bool {
-        self.offer_scored(key, kv, Some(window), None)
+        self.offer_scored(key, kv, Some(window), None, None)
     }
 
     /// The engine's offer: the context with its window queries (for SnapKV, scored on the
-    /// worker) and its KVzip scores, each when the engine has them.
+    /// worker) and its KVzip scores, each when the engine has them. Without KVzip scores
+    /// but with the context's token ids (`context_ids`), the context waits for the engine
+    /// to score it in idle time ([`ContextStore::kvzip_candidates`]).
     pub fn offer_scored(
         &self,
         key: ChunkKey,
         kv: KvContext,
         window: Option<WindowQueries>,
         kvzip_scores: Option<Vec<f32>>,
+        context_ids: Option<Vec<u32>>,
     ) -> bool {
         let n = kv.n_tokens();
+        let wants_kvzip = self.grid_drops_by(DropScore::KvZip);
+        let kvzip = kvzip_scores.filter(|s| s.len() == n && wants_kvzip);
         let supplied = Supplied {
             snapkv: window
                 .filter(|_| self.grid_drops_by(DropScore::SnapKv))
                 .map(SnapKvSource::Window),
-            kvzip: kvzip_scores.filter(|s| s.len() == n && self.grid_drops_by(DropScore::KvZip)),
+            context_ids: context_ids.filter(|ids| ids.len() == n && wants_kvzip && kvzip.is_none()),
+            kvzip,
         };
         self.offer_job(key, kv, supplied)
+    }
+
+    /// Stored contexts that wait for KVzip scores, with their token ids, the most
+    /// frequently used first, at most `max`.
+    pub fn kvzip_candidates(&self, max: usize) -> Vec<(ChunkKey, Vec<u32>)> {
+        let st = self.state.lock().unwrap();
+        let mut v: Vec<_> = st
+            .entries
+            .iter()
+            .filter_map(|(k, e)| {
+                let ids = e.pending_kvzip_ids.as_ref()?;
+                Some((
+                    *k,
+                    ids.clone(),
+                    e.freq.value_at(self.now_s(), self.half_life_s),
+                ))
+            })
+            .collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v.into_iter()
+            .take(max)
+            .map(|(k, ids, _)| (k, ids))
+            .collect()
+    }
+
+    /// Stops waiting for `key`'s KVzip scores (its scoring failed): its KVzip
+    /// configurations stay unavailable, and the idle hook does not try it again.
+    pub fn forget_kvzip_candidate(&self, key: &ChunkKey) {
+        if let Some(e) = self.state.lock().unwrap().entries.get_mut(key) {
+            e.pending_kvzip_ids = None;
+        }
+        metrics::counter!("pagekeeper:evicpress_kvzip_failed_total").increment(1);
+    }
+
+    /// Gives a stored context the KVzip scores the engine computed in idle time (one per
+    /// token). Its KVzip configurations become available; it is profiled again (a profile
+    /// made before could not run them) and re-placed.
+    pub fn attach_kvzip_scores(&self, key: &ChunkKey, scores: Vec<f32>) -> Result<(), StoreError> {
+        {
+            let mut st = self.state.lock().unwrap();
+            let e = st.entries.get_mut(key).ok_or(StoreError::NotStored)?;
+            if scores.len() != e.n_tokens || !self.grid_drops_by(DropScore::KvZip) {
+                return Err(StoreError::ScoresLength {
+                    got: scores.len(),
+                    tokens: e.n_tokens,
+                });
+            }
+            e.scores.insert(DropScore::KvZip, scores);
+            e.pending_kvzip_ids = None;
+            e.needs_profile = true;
+        }
+        metrics::counter!("pagekeeper:evicpress_kvzip_scored_total").increment(1);
+        self.send(Job::Place(*key));
+        self.send(Job::SaveMeta(*key));
+        Ok(())
     }
 
     /// A stored context's SnapKV scores, if it has them (to offer it to another store).

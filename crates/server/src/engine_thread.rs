@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pk_connectors::kvzip_scoring::{maybe_start_kvzip_scoring, KvzipScoring};
 use pk_connectors::profiler::{maybe_start_background_profile, Profiling};
 use pk_connectors::ContextReuse;
 use pk_engine::{Engine, EngineStats, FinishReason, Request, RequestOutput, SeqEvent, SubmitError};
@@ -155,9 +156,21 @@ fn run(served: Served, mut rx: mpsc::Receiver<Command>) {
     let mut published_eviction = std::collections::BTreeMap::new();
     let mut last_log = Instant::now();
     let mut logged = EngineStats::default();
-    // EVICPRESS profiling runs in idle capacity, batched with whatever arrives meanwhile.
+    // EVICPRESS profiling runs in idle capacity, batched with whatever arrives meanwhile,
+    // and so do KVzip's passes over stored contexts (a grid with `kvzip-R`), first: a
+    // profile can only run the KVzip configurations of a context that has its scores.
     let mut profiling: Option<Profiling> = None;
+    let mut scoring: Option<KvzipScoring> = None;
+    if let Some(c) = &contexts {
+        c.score_kvzip_in_idle_time();
+    }
     loop {
+        if scoring.as_ref().is_some_and(KvzipScoring::is_done) {
+            scoring = None;
+        }
+        if let (None, None, Some(c)) = (&scoring, &profiling, &contexts) {
+            scoring = maybe_start_kvzip_scoring(&mut engine, c);
+        }
         // A profile that cannot submit its second phase (a full queue) is dropped without
         // recording anything; the context stays eligible and is tried again when idle.
         let finished = match profiling.as_mut().map(|p| p.poll(&mut engine)) {
@@ -172,7 +185,7 @@ fn run(served: Served, mut rx: mpsc::Receiver<Command>) {
         if let (Some(p), Some(c)) = (finished, &contexts) {
             let _ = c.store().set_profile(&p.key, p.qualities());
         }
-        if let (None, Some(c)) = (&profiling, &contexts) {
+        if let (None, None, Some(c)) = (&profiling, &scoring, &contexts) {
             profiling = maybe_start_background_profile(&mut engine, c, PROFILE_ANSWER_TOKENS);
         }
         if !engine.has_work() {
@@ -288,14 +301,6 @@ fn publish(
     // compiled here instead stalled every running stream while it compiled.
     metrics::counter!("pagekeeper:engine_thread_grammar_compilations_total")
         .increment(s.grammar_compilations - last.grammar_compilations);
-    // KVzip's passes over contexts the EVICPRESS store keeps (a grid with `kvzip-R`): they
-    // run on the engine thread between a miss's first and second token.
-    metrics::counter!("pagekeeper:kvzip_store_scored_total")
-        .increment(s.kvzip_store_scored - last.kvzip_store_scored);
-    metrics::counter!("pagekeeper:kvzip_store_failed_total")
-        .increment(s.kvzip_store_failed - last.kvzip_store_failed);
-    // The metrics crate's counters count integers; the passes' seconds so far are a gauge.
-    metrics::gauge!("pagekeeper:kvzip_store_seconds").set(s.kvzip_store_seconds);
     *last = s.clone();
 }
 

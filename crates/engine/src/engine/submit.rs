@@ -168,9 +168,9 @@ impl Engine {
         given
             .check_given(prompt_tokens, &self.backend.kv().geometry())
             .map_err(invalid)?;
-        if evicting {
+        if evicting && !given.given_is_whole() {
             return Err(invalid(
-                "prefix_kv and an evicting kv_policy are exclusive".into(),
+                "prefix_kv with dropped tokens and an evicting kv_policy are exclusive".into(),
             ));
         }
         Ok(())

@@ -34,7 +34,7 @@ pub(super) fn worker_loop(rx: Receiver<Job>, store: std::sync::Weak<ContextStore
                 if let Some(s) = supplied.kvzip {
                     scores.insert(DropScore::KvZip, s);
                 }
-                if let Err(e) = store.insert(key, &kv, scores) {
+                if let Err(e) = store.insert(key, &kv, scores, supplied.context_ids) {
                     tracing::warn!("EVICPRESS: storing a context failed: {e}");
                 }
                 store.pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
@@ -53,6 +53,7 @@ impl ContextStore {
         key: ChunkKey,
         kv: &KvContext,
         supplied: HashMap<DropScore, Vec<f32>>,
+        context_ids: Option<Vec<u32>>,
     ) -> Result<(), StoreError> {
         if self.contains(&key) {
             return Ok(());
@@ -66,6 +67,14 @@ impl ContextStore {
         // not only with the first profile, so that a restart before it keeps them.
         let keep_scores = supplied.keys().any(|s| self.grid_drops_by(*s));
         self.register(key, kv, supplied);
+        if let Some(ids) = context_ids {
+            let mut st = self.state.lock().unwrap();
+            if let Some(e) = st.entries.get_mut(&key) {
+                if !e.scores.contains_key(&DropScore::KvZip) {
+                    e.pending_kvzip_ids = Some(ids);
+                }
+            }
+        }
         if keep_scores {
             self.save_meta(&key);
         }
@@ -135,6 +144,7 @@ impl ContextStore {
                     needs_profile: true,
                     hits_since_profile: 0,
                     window_bytes: window_bytes(&self.grid, kv),
+                    pending_kvzip_ids: None,
                 },
             );
         }
