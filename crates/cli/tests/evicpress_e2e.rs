@@ -29,7 +29,7 @@ fn evicpress_store_serves_explains_and_profiles_contexts() {
         "--tier-disk",
         &disk,
         "--evicpress-grid",
-        "q8,q4,paged-eviction-0.5,snapkv-0.5",
+        "q8,q4,paged-eviction-0.5,snapkv-0.5,kvzip-0.5",
     ]);
 
     // The delay model was measured at start-up, not taken from constants: the prefill
@@ -94,7 +94,7 @@ fn evicpress_store_serves_explains_and_profiles_contexts() {
     let options = ours["options"].as_array().unwrap();
     assert_eq!(
         options.len(),
-        2 * 5,
+        2 * 6,
         "every (tier, configuration) with its utility"
     );
     assert!(options
@@ -115,6 +115,27 @@ fn evicpress_store_serves_explains_and_profiles_contexts() {
         "{snapkv}"
     );
     assert!(server.metrics().contains("pagekeeper:evicpress_hits_total"));
+    // The idle server scores the context by KVzip's passes over its master, after which
+    // its KVzip configuration is an option too. (Contexts whose passes do not fit this
+    // 640-token pool beside them are counted as failed and keep KVzip unavailable.)
+    let key = ours["key"].clone();
+    wait_until(
+        "KVzip scores in idle time",
+        Duration::from_secs(120),
+        || {
+            contexts(&server)["contexts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|r| r["key"] == key)
+                .flat_map(|r| r["options"].as_array().unwrap().iter())
+                .filter(|o| o["config"].as_str().is_some_and(|c| c.starts_with("kvzip")))
+                .any(|o| o["quality"].as_f64().is_some_and(f64::is_finite))
+        },
+    );
+    assert!(server
+        .metrics()
+        .contains("pagekeeper:evicpress_kvzip_scored_total"));
     // Serving updated the model: the prefills it ran and the load it served.
     let delay = &explained["delay_model"]["provenance"];
     assert_eq!(

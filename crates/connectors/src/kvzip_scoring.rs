@@ -30,10 +30,11 @@ impl KvzipScoring {
     }
 }
 
-/// A server's idle hook: if nothing waits and a stored context waits for KVzip scores,
-/// submits its scoring request.
+/// A server's idle hook: if nothing runs or waits and a stored context waits for KVzip
+/// scores, submits its scoring request.
 pub fn maybe_start_kvzip_scoring(e: &mut Engine, contexts: &ContextReuse) -> Option<KvzipScoring> {
-    if e.num_waiting() > 0 || e.num_running() * 2 > e.config.max_running_seqs {
+    // Only on an idle engine: the passes need about two contexts' worth of free blocks.
+    if e.num_waiting() > 0 || e.num_running() > 0 {
         return None;
     }
     let (key, ids) = contexts.store().kvzip_candidates(1).into_iter().next()?;
@@ -42,7 +43,7 @@ pub fn maybe_start_kvzip_scoring(e: &mut Engine, contexts: &ContextReuse) -> Opt
         Err(err) => {
             // Not tried again: an idle loop must not spin on a context it cannot score.
             tracing::warn!("KVzip scoring of a stored context not started: {err}");
-            contexts.store().forget_kvzip_candidate(&key);
+            contexts.store().kvzip_scoring_failed(&key, false);
             None
         }
     }
@@ -92,13 +93,15 @@ pub fn start_kvzip_scoring(
                 });
                 if let Err(err) = attached {
                     tracing::warn!("KVzip scores of a stored context: {err}");
-                    store.forget_kvzip_candidate(&key);
+                    store.kvzip_scoring_failed(&key, false);
                 }
                 finished.store(true, Ordering::Release);
             }
             SeqEvent::Error(err) => {
+                // A pass that found no free block (requests arrived meanwhile) may fit
+                // another time; the store gives up after a few tries.
                 tracing::warn!("KVzip scoring of a stored context failed: {err}");
-                store.forget_kvzip_candidate(&key);
+                store.kvzip_scoring_failed(&key, true);
                 finished.store(true, Ordering::Release);
             }
             _ => {}

@@ -153,7 +153,12 @@ struct Entry {
     /// The context's token ids, kept while its KVzip scores are wanted and missing, for
     /// the engine to compute them in idle time ([`ContextStore::kvzip_candidates`]).
     pending_kvzip_ids: Option<Vec<u32>>,
+    /// Failed scoring attempts (a pass that found no free block while requests ran).
+    kvzip_failures: u32,
 }
+
+/// A context whose KVzip scoring failed this many times is not tried again.
+pub const MAX_KVZIP_ATTEMPTS: u32 = 3;
 
 /// A profiled context is profiled again, with its recent queries, after this many hits:
 /// the server cannot measure served quality itself (it has no full-KV answer to compare
@@ -516,11 +521,15 @@ impl ContextStore {
             .collect()
     }
 
-    /// Stops waiting for `key`'s KVzip scores (its scoring failed): its KVzip
+    /// Records a failed KVzip scoring of `key`. After [`MAX_KVZIP_ATTEMPTS`] (or with
+    /// `retry` false: it cannot succeed) the store stops waiting for its scores: its KVzip
     /// configurations stay unavailable, and the idle hook does not try it again.
-    pub fn forget_kvzip_candidate(&self, key: &ChunkKey) {
+    pub fn kvzip_scoring_failed(&self, key: &ChunkKey, retry: bool) {
         if let Some(e) = self.state.lock().unwrap().entries.get_mut(key) {
-            e.pending_kvzip_ids = None;
+            e.kvzip_failures += 1;
+            if !retry || e.kvzip_failures >= MAX_KVZIP_ATTEMPTS {
+                e.pending_kvzip_ids = None;
+            }
         }
         metrics::counter!("pagekeeper:evicpress_kvzip_failed_total").increment(1);
     }

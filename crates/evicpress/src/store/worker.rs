@@ -145,6 +145,7 @@ impl ContextStore {
                     hits_since_profile: 0,
                     window_bytes: window_bytes(&self.grid, kv),
                     pending_kvzip_ids: None,
+                    kvzip_failures: 0,
                 },
             );
         }
