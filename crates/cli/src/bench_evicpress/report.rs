@@ -131,29 +131,14 @@ pub fn sweeps(
         ..base
     };
     sweep.add(rows, &ram_holds_all, false);
-    let mut flat = delay.clone();
-    let fastest = flat.tiers[0].clone();
-    for t in flat.tiers.iter_mut() {
-        t.read_bytes_per_s = fastest.read_bytes_per_s;
-        t.access_latency_s = fastest.access_latency_s;
-    }
+    let flat = equal_bandwidth(delay);
     let equal_bandwidth = Scenario {
         name: "equal-bandwidth".into(),
         delay: &flat,
         ..base
     };
     sweep.add(rows, &equal_bandwidth, false);
-    // The ceiling of any placement or quantisation: moving bytes costs nothing (every tier
-    // infinitely fast, no decode), so a hit pays only what compression cannot shrink
-    // without dropping tokens: writing the kept tokens into the pool and attending over
-    // them, and the query's own prefill. LRU here is the fastest TTFT any policy that
-    // keeps every token can reach.
-    let mut free = delay.clone();
-    for t in free.tiers.iter_mut() {
-        t.read_bytes_per_s = 1e18;
-        t.access_latency_s = 0.0;
-    }
-    free.decode_s_per_byte = 0.0;
+    let free = free_loads(delay);
     let free_load = Scenario {
         name: FREE_LOAD.into(),
         delay: &free,
@@ -176,6 +161,32 @@ pub fn sweeps(
     };
     sweep.add(rows, &drifting, false);
     validation
+}
+
+/// `delay` with every tier as fast as the fastest.
+fn equal_bandwidth(delay: &DelayModel) -> DelayModel {
+    let mut flat = delay.clone();
+    let fastest = flat.tiers[0].clone();
+    for t in flat.tiers.iter_mut() {
+        t.read_bytes_per_s = fastest.read_bytes_per_s;
+        t.access_latency_s = fastest.access_latency_s;
+    }
+    flat
+}
+
+/// The ceiling of any placement or quantisation: moving bytes costs nothing (every tier
+/// infinitely fast, no decode), so a hit pays only what compression cannot shrink without
+/// dropping tokens: writing the kept tokens into the pool and attending over them, and
+/// the query's own prefill. LRU here is the fastest TTFT any policy that keeps every
+/// token can reach.
+fn free_loads(delay: &DelayModel) -> DelayModel {
+    let mut free = delay.clone();
+    for t in free.tiers.iter_mut() {
+        t.read_bytes_per_s = 1e18;
+        t.access_latency_s = 0.0;
+    }
+    free.decode_s_per_byte = 0.0;
+    free
 }
 
 /// The scenario name of tiers holding `fraction` of the working set.
