@@ -467,6 +467,15 @@ fn kvzip_scores_computed_in_idle_time_are_those_of_the_passes_at_store_time() {
 
     // The same scores as the passes at store time (the other test's reference: a kvzip
     // run over the context alone on a fresh engine).
+    let worst = kvzip_score_gap(&got, context);
+    assert!(worst <= 1e-5, "scores differ by up to {worst}");
+    e.check_invariants();
+}
+
+/// The largest difference between `got` and the KVzip scores of a `kvzip` run at `shared`
+/// granularity (the mean over every layer and KV head) over `context` alone on a fresh
+/// engine; the lengths must match.
+fn kvzip_score_gap(got: &[f32], context: &[u32]) -> f32 {
     let mut fresh = common::engine(EngineConfig::default());
     let reference = GenerateParams {
         max_tokens: 2,
@@ -480,13 +489,10 @@ fn kvzip_scores_computed_in_idle_time_are_those_of_the_passes_at_store_time() {
     let out = fresh.generate(context, &reference, &mut |_| {}).unwrap();
     let want = out.prefill_keeps.unwrap().swap_remove(0).prior_scores;
     assert_eq!(got.len(), want.len());
-    let worst = got
-        .iter()
+    got.iter()
         .zip(&want)
         .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
-    assert!(worst <= 1e-5, "scores differ by up to {worst}");
-    e.check_invariants();
+        .fold(0f32, f32::max)
 }
 
 /// An engine whose store has `grid` and places every context under the grid's second
@@ -536,25 +542,9 @@ fn a_kvzip_grid_scores_a_context_by_its_reconstruction_and_serves_it_dropped() {
     // The same scores from a kvzip run over the context alone on a fresh engine: the
     // passes covered the stored context, not the question after it, and each token's
     // score is the mean over every layer and KV head (`shared` granularity's unit).
-    let mut fresh = common::engine(EngineConfig::default());
-    let reference = GenerateParams {
-        max_tokens: 2,
-        ignore_eos: true,
-        kv_policy: Some("kvzip".parse().unwrap()),
-        kv_budget: Some(48),
-        kv_granularity: Some(pk_kv::KvGranularity::Shared),
-        record_prefill_keeps: true,
-        ..Default::default()
-    };
-    let out = fresh.generate(context, &reference, &mut |_| {}).unwrap();
-    let want = out.prefill_keeps.unwrap().swap_remove(0).prior_scores;
     let got = store.kvzip_scores_of(&key).unwrap();
     assert_eq!(got.len(), 512);
-    let worst = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let worst = kvzip_score_gap(&got, context);
     assert!(worst <= 1e-6, "scores differ by up to {worst}");
 
     // Placed with half its tokens dropped by those scores, and served from that copy.
