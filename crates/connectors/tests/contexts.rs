@@ -472,6 +472,23 @@ fn kvzip_scores_computed_in_idle_time_are_those_of_the_passes_at_store_time() {
     e.check_invariants();
 }
 
+/// Asks `context` (512 tokens, stored) again with another question and checks that the
+/// hit was served from `config`'s copy, half of the context's tokens dropped.
+fn served_half_dropped(e: &mut Engine, context: &[u32], params: &GenerateParams, config: &str) {
+    let book = common::book_ids();
+    let b = e
+        .generate(&[context, &book[40..60]].concat(), params, &mut |_| {})
+        .unwrap();
+    let load = b.context_load.expect("hit");
+    assert_eq!(load.config, config);
+    assert_eq!(b.cached_prompt_tokens, 512);
+    assert!(
+        b.kv_stored_tokens <= 256 + 20 + 4 + 16,
+        "{}",
+        b.kv_stored_tokens
+    );
+}
+
 /// The largest difference between `got` and the KVzip scores of a `kvzip` run at `shared`
 /// granularity (the mean over every layer and KV head) over `context` alone on a fresh
 /// engine; the lengths must match.
@@ -548,17 +565,7 @@ fn a_kvzip_grid_scores_a_context_by_its_reconstruction_and_serves_it_dropped() {
     assert!(worst <= 1e-6, "scores differ by up to {worst}");
 
     // Placed with half its tokens dropped by those scores, and served from that copy.
-    let b = e
-        .generate(&[context, &book[40..60]].concat(), &params, &mut |_| {})
-        .unwrap();
-    let load = b.context_load.expect("hit");
-    assert_eq!(load.config, "kvzip-0.5");
-    assert_eq!(b.cached_prompt_tokens, 512);
-    assert!(
-        b.kv_stored_tokens <= 256 + 20 + 4 + 16,
-        "{}",
-        b.kv_stored_tokens
-    );
+    served_half_dropped(&mut e, context, &params, "kvzip-0.5");
     assert_eq!(e.stats.kvzip_store_scored, 1, "a hit runs no passes");
     e.check_invariants();
 }
@@ -609,17 +616,7 @@ fn a_snapkv_grid_scores_a_context_by_its_last_queries_and_serves_it_dropped() {
     assert_eq!(store.snapkv_scores_of(&key).unwrap(), want);
 
     // Placed with half its tokens dropped by those scores, and served from that copy.
-    let b = e
-        .generate(&[context, &book[40..60]].concat(), &params, &mut |_| {})
-        .unwrap();
-    let load = b.context_load.expect("hit");
-    assert_eq!(load.config, "snapkv-0.5");
-    assert_eq!(b.cached_prompt_tokens, 512);
-    assert!(
-        b.kv_stored_tokens <= 256 + 20 + 4 + 16,
-        "{}",
-        b.kv_stored_tokens
-    );
+    served_half_dropped(&mut e, context, &params, "snapkv-0.5");
     e.check_invariants();
 }
 
