@@ -25,6 +25,20 @@ fn available() -> bool {
     *YES.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
 }
 
+/// Whether this CPU runs [`super::kvzip_scores512::unit_pass_scores`] (AVX-512), unless
+/// `PK_KVZIP_SCORES_AVX2=1` keeps the 256-bit kernel for a side-by-side measurement.
+fn available_512() -> bool {
+    static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *YES.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("f16c")
+            && is_x86_feature_detected!("fma")
+            && std::env::var("PK_KVZIP_SCORES_AVX2").as_deref() != Ok("1")
+    })
+}
+
 /// KVzip's scores of one (layer, KV head) from one pass, with the contract of
 /// `pk_kv::kvzip_unit_pass_scores` (the portable reference): `keys` are the span's (`n_sink`
 /// sinks, the chunk, the pass's `n_queries` tokens), `queries` the KV head's query heads'
@@ -39,6 +53,20 @@ pub fn kvzip_max_attention(
     n_sink: usize,
     chunk_scores: &mut [f32],
 ) -> bool {
+    if available_512() {
+        // SAFETY: AVX-512F/BW/VL, F16C and FMA were detected.
+        unsafe {
+            super::kvzip_scores512::unit_pass_scores(
+                keys,
+                queries,
+                head_dim,
+                n_queries,
+                n_sink,
+                chunk_scores,
+            )
+        };
+        return true;
+    }
     if !available() {
         return false;
     }
@@ -52,7 +80,7 @@ pub fn kvzip_max_attention(
 /// # Safety
 /// The CPU must have AVX2 and FMA ([`available`]).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn unit_pass_scores(
+pub(super) unsafe fn unit_pass_scores(
     keys: &[f32],
     queries: &[f32],
     head_dim: usize,

@@ -15,6 +15,8 @@ pub mod hugebuf;
 pub mod kv_quant;
 #[cfg(target_arch = "x86_64")]
 mod kvzip_scores;
+#[cfg(target_arch = "x86_64")]
+mod kvzip_scores512;
 mod matmul;
 mod ops;
 mod pack;

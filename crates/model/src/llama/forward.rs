@@ -88,9 +88,18 @@ impl Llama {
         };
         let x = &mut sc.x[..n * c.d_model];
         let mut captured: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
+        // The last layer's attention output and MLP feed only the logits. Without logits to
+        // return (a prefill chunk before the last, KVzip's reconstruction pass), that layer
+        // stops once it has written its KV and given its queries.
+        let wants_logits = seqs.iter().any(|s| s.logits_from < s.tokens.len());
+        let n_layers = self.weights.layers.len();
         for (li, lw) in self.weights.layers.iter().enumerate() {
-            self.attention_block(li, lw, x, &mut bufs, &rope, &layout, store, &mut captured);
-            self.mlp_block(lw, x, &mut bufs);
+            let kv_only = !wants_logits && li + 1 == n_layers;
+            let parts = (&rope, &layout);
+            self.attention_block(li, lw, x, &mut bufs, parts, store, &mut captured, kv_only);
+            if !kv_only {
+                self.mlp_block(lw, x, &mut bufs);
+            }
         }
         let logits = self.output_logits(x, seqs, &layout.attn_seqs, &mut sc.normed);
         (logits, captured)
@@ -151,7 +160,8 @@ impl Llama {
 
     /// `x += attention(norm(x))` for layer `li`: Q/K/V projections (with biases and Q/K
     /// norms where the architecture has them), RoPE, the new K/V written to the store,
-    /// attention over the layer's table, the output projection.
+    /// attention over the layer's table, the output projection. With `kv_only` it stops
+    /// once the new K/V are written and the queries captured (`x` is left as it was).
     #[allow(clippy::too_many_arguments)]
     fn attention_block(
         &self,
@@ -159,10 +169,10 @@ impl Llama {
         lw: &LayerWeights,
         x: &mut [f32],
         b: &mut LayerBufs,
-        rope: &RopeRows,
-        layout: &BatchLayout,
+        (rope, layout): (&RopeRows, &BatchLayout),
         store: &mut KvStore,
         captured: &mut [Vec<f32>],
+        kv_only: bool,
     ) {
         let c = &self.config;
         self.norm_rows(x, &lw.attn_norm, b.h);
@@ -198,6 +208,9 @@ impl Llama {
             g => &layout.window_attn_seqs[g - 1],
         };
         write_new_kv(store, li, layer_seqs, b.k, b.v, c.kv_dim());
+        if kv_only {
+            return;
+        }
         let shape = AttnShape {
             n_heads: c.n_heads,
             n_kv_heads: c.n_kv_heads,
