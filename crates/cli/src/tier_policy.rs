@@ -4,7 +4,9 @@
 //!   uncompressed, LRU demotion, write-through to the slowest tier.
 //! - `evicpress`: an EVICPRESS `ContextStore` on the same tiers: whole chunk-aligned
 //!   contexts, each with its own compression and tier chosen by utility; the slowest tier
-//!   keeps the uncompressed masters and is treated as unlimited. The delay model starts
+//!   keeps the uncompressed masters, within its capacity (past it the store drops whole
+//!   contexts, the least valuable first; Redis without a size is unlimited, left to its
+//!   `maxmemory`). The delay model starts
 //!   from per-kind priors (RAM 5 GB/s, disk 1 GB/s, Redis 300 MB/s, prefill 400 tokens/s),
 //!   which are only placeholders: `serve` measures every figure at start-up
 //!   (`pk_connectors::calibrate_context_store`) and serving keeps them current; `/v1/kv/contexts`
@@ -34,7 +36,7 @@ pub fn evicpress_config(
     let mut opened = Vec::new();
     let mut capacities = Vec::new();
     let mut specs = Vec::new();
-    for (i, (origin, cfg)) in tiers.iter().enumerate() {
+    for (origin, cfg) in tiers {
         let (name, capacity, bw, latency) = match cfg {
             TierConfig::Ram { capacity_bytes } => ("ram", *capacity_bytes, 5e9, 1e-5),
             TierConfig::Disk { capacity_bytes, .. } => ("disk", *capacity_bytes, 1e9, 2e-4),
@@ -57,14 +59,20 @@ pub fn evicpress_config(
                 capacity_bytes: capacity_bytes.saturating_mul(2),
                 drop_page_cache: *drop_page_cache,
             },
-            other => other.clone(),
+            TierConfig::Redis {
+                url,
+                capacity_bytes,
+                key_prefix,
+            } => TierConfig::Redis {
+                url: url.clone(),
+                capacity_bytes: capacity_bytes.map(|c| c.saturating_mul(2)),
+                key_prefix: key_prefix.clone(),
+            },
         };
         opened.push(pk_tiers::open_tier(&physical).map_err(|e| anyhow::anyhow!("{origin}: {e}"))?);
-        capacities.push(if i + 1 == tiers.len() {
-            u64::MAX
-        } else {
-            capacity
-        });
+        // The last tier's capacity bounds the masters: the store drops whole contexts past
+        // it (`pk_evicpress::ContextStore::enforce_last_capacity`).
+        capacities.push(capacity);
         specs.push(TierSpec {
             name: name.into(),
             capacity_bytes: capacity,
@@ -97,4 +105,44 @@ pub fn evicpress_config(
         max_pending_bytes: 1 << 30,
         max_queries_per_context: 8,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every tier's capacity reaches the store, the last one's included (it bounds the
+    /// masters); the tier objects get slack above them; Redis without a size is unlimited.
+    #[test]
+    fn the_last_tiers_capacity_reaches_the_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let ram = (
+            "--tier-ram".to_string(),
+            TierConfig::Ram {
+                capacity_bytes: 1 << 20,
+            },
+        );
+        let disk = TierConfig::Disk {
+            dir: dir.path().to_path_buf(),
+            capacity_bytes: 8 << 20,
+            drop_page_cache: false,
+        };
+        let cfg = evicpress_config(
+            &[ram.clone(), ("--tier-disk".into(), disk)],
+            1.0,
+            None,
+            false,
+        )
+        .unwrap();
+        assert_eq!(cfg.capacities_bytes, vec![1 << 20, 8 << 20]);
+        assert_eq!(cfg.tiers[1].capacity_bytes(), 16 << 20);
+        let redis = TierConfig::Redis {
+            url: "redis://127.0.0.1:1".into(),
+            capacity_bytes: None,
+            key_prefix: None,
+        };
+        let cfg =
+            evicpress_config(&[ram, ("--tier-redis".into(), redis)], 1.0, None, false).unwrap();
+        assert_eq!(cfg.capacities_bytes, vec![1 << 20, u64::MAX]);
+    }
 }

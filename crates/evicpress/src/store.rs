@@ -1,8 +1,10 @@
 //! [`ContextStore`]: stored contexts, their copies on the tiers, and the worker thread that
 //! encodes, moves and deletes them.
 //!
-//! Every context has an uncompressed master copy on the last (slowest, unlimited) tier,
-//! written before the context becomes visible (spec: "the remote tier keeps everything").
+//! Every context has an uncompressed master copy on the last (slowest) tier, written
+//! before the context becomes visible (spec: "the remote tier keeps everything"). A last
+//! tier with a capacity drops whole contexts past it (`store/bounded.rs`), never a master
+//! alone.
 //! Its placed copy, (tier, configuration), is what a hit loads; when that copy is the
 //! master itself nothing else is stored. Copies are keyed by `blake3(context key ‖
 //! configuration)`, so every process and server computes the same keys.
@@ -33,6 +35,7 @@ use crate::model::{DecayedCount, DelayModel, QualityCurve, QualityPrior, Quality
 use crate::placement::{Item, Placer, Policy};
 use crate::scores::{snapkv_scores, token_scores, WindowQueries};
 
+mod bounded;
 mod measure;
 mod persist;
 mod worker;
@@ -43,9 +46,11 @@ pub use measure::{
 
 #[derive(Clone)]
 pub struct StoreConfig {
-    /// Fastest first; the last one keeps the master copies and is treated as unlimited.
+    /// Fastest first; the last one keeps the master copies.
     pub tiers: Vec<Arc<dyn Tier>>,
-    /// Bytes EVICPRESS may place on each tier (the last entry is ignored).
+    /// Bytes EVICPRESS may place on each tier. The last entry bounds the masters and what
+    /// is placed beside them: past it, whole contexts are dropped (`store::bounded`);
+    /// `u64::MAX` leaves the last tier unlimited.
     pub capacities_bytes: Vec<u64>,
     pub grid: Grid,
     pub policy: Policy,
@@ -127,6 +132,11 @@ pub struct StoreStats {
     pub moves: u64,
     pub bytes_moved: u64,
     pub fallbacks_to_master: u64,
+    /// Contexts dropped whole (master, copy, meta entry) to keep the last tier within its
+    /// capacity.
+    pub dropped: u64,
+    /// Contexts not stored because their master alone exceeds the last tier's capacity.
+    pub skipped_too_large: u64,
     pub reprofiles_requested: u64,
     pub placement_decisions: u64,
     pub placement_cpu_s_total: f64,
@@ -226,7 +236,11 @@ const SAVE_META_EVERY_HITS: u64 = 16;
 
 pub struct ContextStore {
     tiers: Vec<Arc<dyn Tier>>,
+    /// The placer's capacities: the configured ones, with the last tier unlimited (the
+    /// placer keeps its bounded model for the simulator; see `store::bounded`).
     capacities_bytes: Vec<u64>,
+    /// The configured capacity of the last tier (`u64::MAX`: unlimited).
+    last_capacity_bytes: u64,
     grid: Grid,
     policy: Policy,
     fingerprint: [u8; 32],
@@ -305,12 +319,15 @@ impl ContextStore {
         }
         let (tx, rx) = sync_channel::<Job>(MAX_QUEUED_JOBS);
         // The last tier keeps every master: its capacity is not the placer's to enforce
-        // (a bounded last tier would drop contexts, which only the simulator models).
+        // (the placer's bounded model lets compressed copies outlive their masters, which
+        // only the simulator runs); the store enforces it by dropping whole contexts.
         let mut capacities_bytes = cfg.capacities_bytes;
-        *capacities_bytes.last_mut().expect("checked non-empty") = u64::MAX;
+        let last = capacities_bytes.last_mut().expect("checked non-empty");
+        let last_capacity_bytes = std::mem::replace(last, u64::MAX);
         let store = Arc::new(ContextStore {
             tiers: cfg.tiers,
             capacities_bytes,
+            last_capacity_bytes,
             grid: cfg.grid,
             policy: cfg.policy,
             fingerprint: cfg.fingerprint,

@@ -61,6 +61,16 @@ impl ContextStore {
         let last = self.tiers.len() - 1;
         let master = pk_codec::encode(kv, &pk_codec::Method::None, None, &self.fingerprint)?;
         let master_bytes = master.len() as u64;
+        if master_bytes > self.last_capacity_bytes {
+            tracing::warn!(
+                "EVICPRESS: a context's master ({master_bytes} bytes) exceeds the {} tier's \
+                 capacity ({} bytes); not stored",
+                self.tiers[last].name(),
+                self.last_capacity_bytes
+            );
+            self.state.lock().unwrap().stats.skipped_too_large += 1;
+            return Ok(());
+        }
         self.tiers[last].store(&copy_key(&key, 0), &Payload::from(master))?;
         count_master_bytes(kv, master_bytes);
         // Supplied scores cannot be recomputed from the master: write them beside it now,
@@ -198,6 +208,7 @@ impl ContextStore {
                 tracing::warn!("EVICPRESS: moving a context failed: {e}");
             }
         }
+        self.enforce_last_capacity(&key);
         self.publish_metrics();
     }
 
