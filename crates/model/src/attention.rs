@@ -140,7 +140,23 @@ pub fn paged_attention_with(
     q: &[f32],
     out: &mut [f32],
 ) {
-    attention_impl(kernel, store, layer, shape, seqs, q, out, None)
+    attention_impl(kernel, store, layer, shape, seqs, q, (out, None), None)
+}
+
+/// [`paged_attention`], also writing each row's log-sum-exp of its scaled scores into
+/// `lse[row][head]` (`ln Σ_j exp(q·k_j/√d)`) where the AVX-512 kernel computes the row;
+/// other kernels leave `lse` as it was (callers fill it with NaN to tell).
+pub fn paged_attention_lse(
+    store: &KvStore,
+    layer: usize,
+    shape: AttnShape,
+    seqs: &[AttnSeq],
+    q: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    let kernel = Kernel::best(shape.head_dim);
+    attention_impl(kernel, store, layer, shape, seqs, q, (out, Some(lse)), None)
 }
 
 /// [`paged_attention`] over a sliding window (Gemma 3's local layers): query row r (of the
@@ -202,7 +218,7 @@ pub fn paged_attention_window_with(
         shape,
         seqs,
         q,
-        out,
+        (out, None),
         Some(first_visible),
     )
 }
@@ -215,7 +231,7 @@ fn attention_impl(
     shape: AttnShape,
     seqs: &[AttnSeq],
     q: &[f32],
-    out: &mut [f32],
+    (out, lse): (&mut [f32], Option<&mut [f32]>),
     first_visible: Option<&[usize]>,
 ) {
     let q_dim = shape.n_heads * shape.head_dim;
@@ -227,6 +243,11 @@ fn attention_impl(
     assert!(
         q.len() >= n_rows * q_dim && out.len() >= n_rows * q_dim,
         "q/out shorter than the rows"
+    );
+    assert!(
+        lse.as_ref()
+            .is_none_or(|l| l.len() >= n_rows * shape.n_heads),
+        "lse shorter than the rows"
     );
     for s in seqs {
         if s.n_queries > 0 {
@@ -255,6 +276,7 @@ fn attention_impl(
         .map(|s| s.n_queries * group * shape.n_kv_heads * (s.stored_start + s.n_queries))
         .sum();
     let ptr = OutPtr(out.as_mut_ptr());
+    let lse_ptr = lse.map(|l| OutPtr(l.as_mut_ptr()));
     TASKS.with_borrow_mut(|tasks| {
         tasks.clear();
         for (si, s) in seqs.iter().enumerate() {
@@ -285,7 +307,7 @@ fn attention_impl(
                 &seqs[t.seq],
                 t,
                 q,
-                ptr,
+                (ptr, lse_ptr),
                 visible,
             )
         };
@@ -381,7 +403,7 @@ pub(crate) unsafe fn attend_seq_kv_head(
         s,
         &t,
         q,
-        OutPtr(out),
+        (OutPtr(out), None),
         None,
     );
 }
@@ -444,6 +466,68 @@ mod tests {
                     continue;
                 }
                 check_paged(dtype, n_heads, n_kv, hd, bs, n_tokens, n_q);
+            }
+        }
+    }
+
+    /// `paged_attention_lse` gives each row's log-sum-exp of its scaled scores where the
+    /// AVX-512 kernel runs it (f16 and f32 stores, short and ranged walks) and the same
+    /// outputs as `paged_attention`; elsewhere it leaves the NaN the caller wrote.
+    #[test]
+    fn lse_is_the_log_sum_exp_of_each_rows_scores() {
+        for (n_heads, n_kv, hd, bs, n_tokens, n_q) in [
+            (9, 3, 64, 16, 37, 37),
+            (8, 2, 128, 16, 1300, 40),
+            (9, 3, 64, 16, 1100, 9),
+        ] {
+            for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+                let (store, table, ks, _) = filled_store(&mut rng, dtype, n_kv, hd, bs, n_tokens);
+                let start = n_tokens - n_q;
+                let q: Vec<f32> = (0..n_q * n_heads * hd)
+                    .map(|_| rng.gen_range(-2.0..2.0))
+                    .collect();
+                let seq = AttnSeq {
+                    block_table: &table,
+                    stored_start: start,
+                    n_queries: n_q,
+                    row_offset: 0,
+                    head_first_keys: &[],
+                };
+                let shape = AttnShape {
+                    n_heads,
+                    n_kv_heads: n_kv,
+                    head_dim: hd,
+                };
+                let (mut out, mut want_out) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+                let mut lse = vec![f32::NAN; n_q * n_heads];
+                paged_attention_lse(&store, 0, shape, &[seq], &q, &mut out, &mut lse);
+                paged_attention(&store, 0, shape, &[seq], &q, &mut want_out);
+                assert_eq!(out, want_out, "{dtype:?}: outputs");
+                let computed = Kernel::best(hd) == Kernel::Avx512 && dtype.quant_bits().is_none();
+                if !computed {
+                    assert!(lse.iter().all(|x| x.is_nan()), "{dtype:?}: written");
+                    eprintln!("lse_is_…: {dtype:?} head_dim {hd}: no AVX-512 kernel here");
+                    continue;
+                }
+                let scale = 1.0 / (hd as f32).sqrt();
+                for i in 0..n_q {
+                    for h in 0..n_heads {
+                        let kvh = h / (n_heads / n_kv);
+                        let qrow = &q[(i * n_heads + h) * hd..(i * n_heads + h + 1) * hd];
+                        let s: Vec<f64> = ks[kvh][..start + i + 1]
+                            .iter()
+                            .map(|k| (dot_f32(qrow, k) * scale) as f64)
+                            .collect();
+                        let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                        let want = m + s.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+                        let got = lse[i * n_heads + h] as f64;
+                        assert!(
+                            (got - want).abs() < 1e-4,
+                            "{dtype:?} {i} {h}: {got} vs {want}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -234,6 +234,18 @@ pub trait Backend: Send {
         seqs: &[SeqForward],
         capture_last: &[usize],
     ) -> Result<(Vec<f32>, Vec<Vec<f32>>), BackendError>;
+    /// `forward_with_queries`, with the captured rows' attention log-sum-exp as well
+    /// (`[layer][token][n_heads]` per sequence, `Llama::forward_capturing`'s contract),
+    /// where this backend computes it; `None` where it does not (the default).
+    #[allow(clippy::type_complexity)]
+    fn forward_with_queries_lse(
+        &mut self,
+        seqs: &[SeqForward],
+        capture_last: &[usize],
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>, Option<Vec<Vec<f32>>>), BackendError> {
+        self.forward_with_queries(seqs, capture_last)
+            .map(|(logits, queries)| (logits, queries, None))
+    }
     /// `forward_with_queries` without queries.
     /// Rebuilds the (still unused) KV pool for the KV cache groups of `layout`: `num_blocks`
     /// blocks of `layout.layers_per_block` layers each, every layer in its group's slot.
@@ -374,6 +386,16 @@ impl Backend for CpuBackend {
         Ok(self
             .model
             .forward_with_queries(&mut self.store, seqs, capture_last))
+    }
+    fn forward_with_queries_lse(
+        &mut self,
+        seqs: &[SeqForward],
+        capture_last: &[usize],
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>, Option<Vec<Vec<f32>>>), BackendError> {
+        let (logits, captures) =
+            self.model
+                .forward_capturing(&mut self.store, seqs, capture_last, true);
+        Ok((logits, captures.queries, captures.lse))
     }
     fn use_kv_groups(
         &mut self,

@@ -15,6 +15,7 @@ use std::sync::Mutex;
 use pk_gguf::GgufFile;
 
 mod forward;
+pub use forward::Captures;
 
 use crate::config::{ModelConfig, RopeStyle};
 use crate::kernels::{add_in_place, rmsnorm};

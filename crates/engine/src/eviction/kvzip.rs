@@ -126,14 +126,18 @@ pub(crate) fn reconstruction_scores(
             ids.len() - chunks[ci].len()
         );
         let started = std::time::Instant::now();
-        let queries = run_pass(backend, kv, (seq, child), n_context, &ids)?;
+        let (queries, lse) = run_pass(backend, kv, (seq, child), n_context, &ids)?;
         seconds.forward += started.elapsed().as_secs_f64();
         let started = std::time::Instant::now();
         let span = kvzip_span(chunks[ci].clone(), n_context..n_context + ids.len());
         let keys = span_keys(backend, kv, child, &span);
         assert!(kv.free(child), "kvzip: the pass's fork was live");
+        // The forward's log-sum-exps normalise KVzip's softmax only where the pass attended
+        // exactly the span: one chunk from the first token (no separate sinks).
+        let whole = chunks[ci] == (0..n_context);
         let pass = Pass {
             queries: &queries,
+            lse: lse.as_deref().filter(|_| whole),
             keys: &keys,
             geometry: (n_kv_heads, n_heads, head_dim),
             n_queries: ids.len(),
@@ -166,6 +170,9 @@ fn span_keys(backend: &dyn Backend, kv: &KvCacheManager, child: SeqId, span: &[u
 struct Pass<'a> {
     /// `[layer][token][n_heads * head_dim]`, as the forward pass captured them.
     queries: &'a [f32],
+    /// `[layer][token][n_heads]`: each query row's log-sum-exp from the pass's attention,
+    /// when it covered exactly the span (NaN where the kernel did not give it).
+    lse: Option<&'a [f32]>,
     /// `[layer][kv_head][span][head_dim]`.
     keys: &'a [f32],
     /// KV heads, query heads, head dimension.
@@ -196,6 +203,12 @@ impl Pass<'_> {
                 }
                 let keys = &self.keys[unit * unit_keys..(unit + 1) * unit_keys];
                 let row = &mut row[chunk.clone()];
+                if let Some(lse) = self.unit_lse(layer, kvh) {
+                    let chunk_keys = &keys[..row.len() * hd];
+                    if pk_model::kernels::kvzip_max_attention_lse(chunk_keys, &q, &lse, hd, row) {
+                        return;
+                    }
+                }
                 let (n_q, n_sink) = (self.n_queries, self.n_sink);
                 if !pk_model::kernels::kvzip_max_attention(keys, &q, hd, n_q, n_sink, row) {
                     kvzip_unit_pass_scores(keys, &q, hd, n_q, n_sink, row);
@@ -204,16 +217,34 @@ impl Pass<'_> {
     }
 }
 
+impl Pass<'_> {
+    /// The log-sum-exps of (layer, KV head)'s query rows, in the order `score` copies their
+    /// queries (group head, then token); `None` without them or where any is missing.
+    fn unit_lse(&self, layer: usize, kvh: usize) -> Option<Vec<f32>> {
+        let all = self.lse?;
+        let (n_kv, n_heads, _) = self.geometry;
+        let group = n_heads / n_kv;
+        let mut out = Vec::with_capacity(group * self.n_queries);
+        for g in 0..group {
+            for qi in 0..self.n_queries {
+                out.push(all[(layer * self.n_queries + qi) * n_heads + kvh * group + g]);
+            }
+        }
+        out.iter().all(|x| x.is_finite()).then_some(out)
+    }
+}
+
 /// Forks `seq` as `child`, appends the pass `ids` after its `n_context` tokens and runs
-/// them, returning every pass token's queries (`[layer][token][n_heads * head_dim]`). The
-/// fork stays live for the caller to read its keys and free.
+/// them, returning every pass token's queries (`[layer][token][n_heads * head_dim]`) and,
+/// where the backend gives them, their attention's log-sum-exps (`[layer][token][n_heads]`).
+/// The fork stays live for the caller to read its keys and free.
 fn run_pass(
     backend: &mut dyn Backend,
     kv: &mut KvCacheManager,
     (seq, child): (SeqId, SeqId),
     n_context: usize,
     ids: &[u32],
-) -> Result<Vec<f32>, String> {
+) -> Result<(Vec<f32>, Option<Vec<f32>>), String> {
     let no_room = |what: &str| format!("no free KV block for KVzip's reconstruction pass ({what})");
     let copies = kv.fork(seq, child).ok_or_else(|| no_room("the fork"))?;
     for copy in copies {
@@ -244,9 +275,12 @@ fn run_pass(
         window_tables: &window_tables,
         head_first_keys: &[],
     };
-    let result = backend.forward_with_queries(&[forward], &[ids.len()]);
+    let result = backend.forward_with_queries_lse(&[forward], &[ids.len()]);
     match result {
-        Ok((_, mut queries)) => Ok(queries.pop().unwrap_or_default()),
+        Ok((_, mut queries, lse)) => Ok((
+            queries.pop().unwrap_or_default(),
+            lse.and_then(|mut l| l.pop()),
+        )),
         Err(e) => {
             kv.free(child);
             Err(format!("KVzip's reconstruction pass failed: {e}"))
@@ -327,6 +361,47 @@ mod tests {
         pk_kv::kvzip_unit_pass_scores(&keys, &queries, hd, n_q, n_sink, &mut want);
         if !pk_model::kernels::kvzip_max_attention(&keys, &queries, hd, n_q, n_sink, &mut got) {
             eprintln!("vector_scores_match_the_reference: no AVX2/FMA here, nothing to compare");
+            return;
+        }
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-6 + 1e-4 * b.abs(), "{a} vs {b}");
+        }
+        assert!(want.iter().any(|&x| x > 0.01), "{want:?}");
+    }
+
+    /// The scores from the chunk's keys and each row's log-sum-exp (the pass's attention
+    /// covered exactly the span: no sinks apart from the chunk) against `pk-kv`'s
+    /// reference over the whole span, on random keys and queries (three query heads).
+    #[test]
+    fn scores_from_the_passes_log_sum_exps_match_the_reference() {
+        let (hd, n_q, chunk, group) = (64, 45, 70, 3);
+        let mut seed = 9u64;
+        let mut rand = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 6.0
+        };
+        let keys: Vec<f32> = (0..(chunk + n_q) * hd).map(|_| rand()).collect();
+        let queries: Vec<f32> = (0..group * n_q * hd).map(|_| rand()).collect();
+        let scale = 1.0 / (hd as f64).sqrt();
+        // Row (g, qi) sees the chunk and pass tokens 0..=qi, as the forward's causal mask.
+        let lse: Vec<f32> = (0..group * n_q)
+            .map(|row| {
+                let q = &queries[row * hd..(row + 1) * hd];
+                let s: Vec<f64> = keys[..(chunk + row % n_q + 1) * hd]
+                    .chunks_exact(hd)
+                    .map(|k| q.iter().zip(k).map(|(a, b)| (a * b) as f64).sum::<f64>() * scale)
+                    .collect();
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                (m + s.iter().map(|x| (x - m).exp()).sum::<f64>().ln()) as f32
+            })
+            .collect();
+        let (mut want, mut got) = (vec![0f32; chunk], vec![0f32; chunk]);
+        pk_kv::kvzip_unit_pass_scores(&keys, &queries, hd, n_q, 0, &mut want);
+        let chunk_keys = &keys[..chunk * hd];
+        if !pk_model::kernels::kvzip_max_attention_lse(chunk_keys, &queries, &lse, hd, &mut got) {
+            eprintln!("scores_from_the_passes_log_sum_exps…: no AVX-512 here, nothing to compare");
             return;
         }
         for (a, b) in got.iter().zip(&want) {

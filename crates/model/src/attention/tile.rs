@@ -10,10 +10,12 @@ use crate::kv_store::KvStore;
 #[cfg(target_arch = "x86_64")]
 use crate::kv_store::LayerKv;
 
-/// Computes one task's rows into `out`.
+/// Computes one task's rows into `out`, and with `lse` each row's log-sum-exp into
+/// `lse[row][head]` (the AVX-512 kernel only; the others leave it as it was).
 ///
 /// # Safety
-/// `out` must hold every row of `s`, and no other task may write this (tile, KV head).
+/// `out` must hold every row of `s`, `lse` (if given) `n_heads` floats per row, and no
+/// other task may write this (tile, KV head).
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn attend_task(
     kernel: Kernel,
@@ -23,7 +25,7 @@ pub(super) unsafe fn attend_task(
     s: &AttnSeq,
     t: &Task,
     q: &[f32],
-    out: OutPtr,
+    (out, lse): (OutPtr, Option<OutPtr>),
     first_visible: Option<&[usize]>,
 ) {
     debug_assert!(
@@ -33,7 +35,7 @@ pub(super) unsafe fn attend_task(
     #[cfg(target_arch = "x86_64")]
     if kernel == Kernel::Avx512 {
         // SAFETY: the caller's contract is this function's.
-        unsafe { attend_task_avx512(store, layer, shape, s, t, q, out, first_visible) };
+        unsafe { attend_task_avx512(store, layer, shape, s, t, q, (out, lse), first_visible) };
         return;
     }
     let tile = TileQuery {
@@ -62,8 +64,13 @@ pub(super) unsafe fn attend_task(
 
 /// The offset in `q` / `out` of query token `tok`'s head `g` of KV head `kvh`'s group.
 fn row_at(shape: AttnShape, s: &AttnSeq, kvh: usize, tok: usize, g: usize) -> usize {
-    let (hd, group) = (shape.head_dim, shape.n_heads / shape.n_kv_heads);
-    (s.row_offset + tok) * shape.n_heads * hd + (kvh * group + g) * hd
+    lse_at(shape, s, kvh, tok, g) * shape.head_dim
+}
+
+/// The offset in `lse` (`[row][head]`) of query token `tok`'s head `g` of KV head `kvh`.
+fn lse_at(shape: AttnShape, s: &AttnSeq, kvh: usize, tok: usize, g: usize) -> usize {
+    let group = shape.n_heads / shape.n_kv_heads;
+    (s.row_offset + tok) * shape.n_heads + kvh * group + g
 }
 
 /// From this many stored keys, a task's rows walk the keys range by range
@@ -85,10 +92,15 @@ unsafe fn attend_task_avx512(
     s: &AttnSeq,
     t: &Task,
     q: &[f32],
-    out: OutPtr,
+    (out, lse): (OutPtr, Option<OutPtr>),
     first_visible: Option<&[usize]>,
 ) {
     let hd = shape.head_dim;
+    let lse_of = |tok: usize, g: usize| {
+        lse.map_or(std::ptr::null_mut(), |p| {
+            p.0.add(lse_at(shape, s, t.kv_head, tok, g))
+        })
+    };
     let group = shape.n_heads / shape.n_kv_heads;
     let (k, v, f16, quant) = match store.layer(layer) {
         LayerKv::F16 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, true, None),
@@ -134,6 +146,7 @@ unsafe fn attend_task_avx512(
                     out: out.0.add(at),
                     first_visible: first_visible.map_or(0, |f| f[s.row_offset + tok]),
                     n_visible: s.stored_start + tok + 1,
+                    lse: lse_of(tok, g),
                 }
             })
             .collect();
@@ -141,12 +154,7 @@ unsafe fn attend_task_avx512(
         super::ranged::attend_rows_ranged(&kv, &rows, max_rows, scale);
         return;
     }
-    let mut rows = [attn512::Row {
-        q: std::ptr::null(),
-        out: std::ptr::null_mut(),
-        first_visible: 0,
-        n_visible: 0,
-    }; 4];
+    let mut rows = [attn512::Row::EMPTY; 4];
     let mut n = 0;
     for tok in t.t0..t.t1 {
         for g in 0..group {
@@ -156,6 +164,7 @@ unsafe fn attend_task_avx512(
                 out: out.0.add(at),
                 first_visible: first_visible.map_or(0, |f| f[s.row_offset + tok]),
                 n_visible: s.stored_start + tok + 1,
+                lse: lse_of(tok, g),
             };
             n += 1;
             if n == max_rows {

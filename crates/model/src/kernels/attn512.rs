@@ -50,6 +50,30 @@ pub struct Row {
     pub out: *mut f32,
     pub first_visible: usize,
     pub n_visible: usize,
+    /// Where to write the row's log-sum-exp of its scaled scores, `ln Σ_j exp(q·k_j ·
+    /// scale)` (KVzip's scoring reads it, `kernels::kvzip_scores512`); null: nowhere.
+    pub lse: *mut f32,
+}
+
+impl Row {
+    /// A row with nothing to read or write yet.
+    pub const EMPTY: Row = Row {
+        q: std::ptr::null(),
+        out: std::ptr::null_mut(),
+        first_visible: 0,
+        n_visible: 0,
+        lse: std::ptr::null_mut(),
+    };
+
+    /// Writes the log-sum-exp from a row's final softmax state, where it is wanted.
+    ///
+    /// # Safety
+    /// `lse` is null or valid for a write.
+    unsafe fn write_lse(&self, m: f32, l: f32) {
+        if !self.lse.is_null() {
+            *self.lse = m + l.ln();
+        }
+    }
 }
 
 /// One KV head of one layer, as the store lays it out.
@@ -160,6 +184,7 @@ pub unsafe fn attend_range(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
 pub unsafe fn finish(rows: &[Row], state: &[RowState], head_dim: usize) {
     for (row, st) in rows.iter().zip(state) {
+        row.write_lse(st.m, st.l);
         let inv = _mm512_set1_ps(1.0 / st.l);
         for i in 0..head_dim / 16 {
             let a = _mm512_loadu_ps(st.acc.as_ptr().add(16 * i));
@@ -390,6 +415,7 @@ unsafe fn kernel<const HD16: usize, const R: usize, const F16: bool>(
         return;
     }
     for r in 0..R {
+        rows[r].write_lse(m[r], l[r]);
         let inv = _mm512_set1_ps(1.0 / l[r]);
         for i in 0..HD16 {
             _mm512_storeu_ps(rows[r].out.add(16 * i), _mm512_mul_ps(acc[r][i], inv));

@@ -75,6 +75,34 @@ pub fn kvzip_max_attention(
     true
 }
 
+/// KVzip's scores of one (layer, KV head) from the chunk's keys alone and each query row's
+/// log-sum-exp from the pass's own attention (`kvzip_scores512::unit_pass_scores_lse`:
+/// valid when the pass attended exactly the span, one chunk from the first token). Returns
+/// false, touching nothing, on a CPU without the AVX-512 kernel (or with
+/// `PK_KVZIP_SCORES_AVX2=1`): the caller then scores the whole span.
+pub fn kvzip_max_attention_lse(
+    chunk_keys: &[f32],
+    queries: &[f32],
+    lse: &[f32],
+    head_dim: usize,
+    chunk_scores: &mut [f32],
+) -> bool {
+    if !available_512() {
+        return false;
+    }
+    // SAFETY: AVX-512F/BW/VL, F16C and FMA were detected.
+    unsafe {
+        super::kvzip_scores512::unit_pass_scores_lse(
+            chunk_keys,
+            queries,
+            lse,
+            head_dim,
+            chunk_scores,
+        )
+    };
+    true
+}
+
 /// See [`kvzip_max_attention`].
 ///
 /// # Safety

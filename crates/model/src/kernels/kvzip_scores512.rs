@@ -72,24 +72,9 @@ unsafe fn score_with(
     let n_span = keys.len() / head_dim;
     let n_fixed = n_sink + chunk_scores.len();
     let padded = n_span.div_ceil(KB) * KB;
-    let kt = sized(&mut sc.kt, head_dim * padded);
-    for (j, k) in keys.chunks_exact(head_dim).enumerate() {
-        for (d, &x) in k.iter().enumerate() {
-            kt[d * padded + j] = x;
-        }
-    }
-    for row in kt.chunks_exact_mut(padded) {
-        row[n_span..].fill(0.0);
-    }
+    let (kt, q, logits) = transposed_and_scaled(sc, keys, queries, head_dim, padded);
     let n_rows = queries.len() / head_dim;
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    let q = sized(&mut sc.q, n_rows.div_ceil(QB) * QB * head_dim);
-    for (to, &x) in q.iter_mut().zip(queries) {
-        *to = x * scale;
-    }
-    q[queries.len()..].fill(0.0);
     chunk_scores.fill(0.0);
-    let logits = sized(&mut sc.logits, QB * padded);
     for r0 in (0..n_rows).step_by(QB) {
         let rows = (n_rows - r0).min(QB);
         let visible = |r: usize| n_fixed + (r0 + r) % n_queries + 1;
@@ -105,6 +90,101 @@ unsafe fn score_with(
             raise_scores(chunk_scores, &row[n_sink..n_fixed], inv_sum);
         }
     }
+}
+
+/// KVzip's scores of one (layer, KV head) from a pass whose softmax runs over every key the
+/// forward pass attended (one chunk from the context's first token, so no separate sinks):
+/// the forward's attention gave each query row its log-sum-exp (`lse`, `[row]` in the order
+/// of `queries`' rows, in units of the scaled scores), so the probabilities of the chunk's
+/// keys are `exp(q·k/√d − lse)` and neither the pass's own keys nor the row sums need
+/// computing: about a third fewer logits and no second `exp` pass. `keys` holds the
+/// chunk's keys only; each of `chunk_scores` becomes the largest probability any row gives
+/// its key (every pass token follows the chunk, so every row sees every chunk key).
+///
+/// # Safety
+/// As for [`unit_pass_scores`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+pub(super) unsafe fn unit_pass_scores_lse(
+    keys: &[f32],
+    queries: &[f32],
+    lse: &[f32],
+    head_dim: usize,
+    chunk_scores: &mut [f32],
+) {
+    SCRATCH.with_borrow_mut(|sc| score_with_lse(sc, keys, queries, lse, head_dim, chunk_scores));
+}
+
+/// [`unit_pass_scores_lse`] with the worker's buffers.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+unsafe fn score_with_lse(
+    sc: &mut Scratch,
+    keys: &[f32],
+    queries: &[f32],
+    lse: &[f32],
+    head_dim: usize,
+    chunk_scores: &mut [f32],
+) {
+    let n_chunk = keys.len() / head_dim;
+    debug_assert_eq!(n_chunk, chunk_scores.len());
+    let padded = n_chunk.div_ceil(KB) * KB;
+    let (kt, q, logits) = transposed_and_scaled(sc, keys, queries, head_dim, padded);
+    let n_rows = queries.len() / head_dim;
+    debug_assert_eq!(lse.len(), n_rows);
+    chunk_scores.fill(0.0);
+    for r0 in (0..n_rows).step_by(QB) {
+        let rows = (n_rows - r0).min(QB);
+        let mut limits = [0usize; QB];
+        limits[..rows].fill(n_chunk);
+        let block = &q[r0 * head_dim..(r0 + QB) * head_dim];
+        block_logits(kt, padded, block, head_dim, &limits, logits);
+        for r in 0..rows {
+            let row = &logits[r * padded..r * padded + n_chunk];
+            raise_scores_exp(chunk_scores, row, lse[r0 + r]);
+        }
+    }
+}
+
+/// `scores[j] = max(scores[j], exp(logits[j] − lse))`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+unsafe fn raise_scores_exp(scores: &mut [f32], logits: &[f32], lse: f32) {
+    let (n, s, lp) = (scores.len(), scores.as_mut_ptr(), logits.as_ptr());
+    let vlse = _mm512_set1_ps(lse);
+    for i in (0..n).step_by(16) {
+        let m = lanes(i, n);
+        let p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, lp.add(i)), vlse));
+        let old = _mm512_maskz_loadu_ps(m, s.add(i));
+        _mm512_mask_storeu_ps(s.add(i), m, _mm512_max_ps(old, p));
+    }
+}
+
+/// Fills the scratch's `kt` with `keys` transposed (`[d][j]`, zero from the last key to
+/// `padded`) and its `q` with `queries` scaled by `1/sqrt(head_dim)` and zero rows up to a
+/// whole block; returns both, and a block's rows of logits.
+fn transposed_and_scaled<'s>(
+    sc: &'s mut Scratch,
+    keys: &[f32],
+    queries: &[f32],
+    head_dim: usize,
+    padded: usize,
+) -> (&'s mut [f32], &'s mut [f32], &'s mut [f32]) {
+    let n_keys = keys.len() / head_dim;
+    let kt = sized(&mut sc.kt, head_dim * padded);
+    for (j, k) in keys.chunks_exact(head_dim).enumerate() {
+        for (d, &x) in k.iter().enumerate() {
+            kt[d * padded + j] = x;
+        }
+    }
+    for row in kt.chunks_exact_mut(padded) {
+        row[n_keys..].fill(0.0);
+    }
+    let n_rows = queries.len() / head_dim;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let q = sized(&mut sc.q, n_rows.div_ceil(QB) * QB * head_dim);
+    for (to, &x) in q.iter_mut().zip(queries) {
+        *to = x * scale;
+    }
+    q[queries.len()..].fill(0.0);
+    (kt, q, sized(&mut sc.logits, QB * padded))
 }
 
 /// The first `len` elements of `buf`, grown (never shrunk) to hold them; their values are

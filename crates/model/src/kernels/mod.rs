@@ -61,6 +61,25 @@ pub fn kvzip_max_attention(
     }
 }
 
+/// KVzip's scores of one (layer, KV head) from the chunk's keys and the pass rows'
+/// log-sum-exp (`Captures::lse`); false where the CPU lacks the AVX-512 kernel (and off
+/// x86-64), leaving the caller to score the whole span.
+pub fn kvzip_max_attention_lse(
+    chunk_keys: &[f32],
+    queries: &[f32],
+    lse: &[f32],
+    head_dim: usize,
+    chunk_scores: &mut [f32],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return kvzip_scores::kvzip_max_attention_lse(chunk_keys, queries, lse, head_dim, chunk_scores);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (chunk_keys, queries, lse, head_dim, chunk_scores);
+        false
+    }
+}
+
 /// Whether this process may execute AMX instructions (CPU, OS and Linux's permission);
 /// false off x86-64.
 pub fn amx_permitted() -> bool {

@@ -187,12 +187,7 @@ fn split_with(
             prefetch: true,
         };
         let at = |tok: usize, gi: usize| (s.row_offset + tok) * q_dim + (kv_head * group + gi) * hd;
-        let mut rows = [attn512::Row {
-            q: std::ptr::null(),
-            out: std::ptr::null_mut(),
-            first_visible: 0,
-            n_visible: 0,
-        }; 4];
+        let mut rows = [attn512::Row::EMPTY; 4];
         let mut n = 0;
         // SAFETY: `Kernel::best` chose AVX-512 for this head size; rows point into q/out,
         // whose lengths were checked above; the block table covers every row's visible keys;
@@ -212,6 +207,7 @@ fn split_with(
                         out: ptrs.2.add(at(tok, gi)),
                         first_visible: 0,
                         n_visible: s.stored_start + tok + 1,
+                        lse: std::ptr::null_mut(),
                     }
                 };
                 n += 1;

@@ -3,7 +3,9 @@
 //! block and an MLP block, then the output head over the requested rows only.
 
 use super::{sized, Llama, Scratch, SeqForward};
-use crate::attention::{paged_attention, paged_attention_window, AttnSeq, AttnShape};
+use crate::attention::{
+    paged_attention, paged_attention_lse, paged_attention_window, AttnSeq, AttnShape,
+};
 use crate::config::KvGroupLayout;
 use crate::config::ModelConfig;
 use crate::kernels::{
@@ -25,6 +27,17 @@ struct BatchLayout<'a> {
     grouping: Option<KvGroupLayout>,
     /// Per sequence, how many of its last rows' queries to capture (missing means none).
     capture_last: &'a [usize],
+}
+
+/// What a forward call captures per sequence for the eviction policies that score with
+/// attention: the post-RoPE queries of its last rows (`[layer][token][n_heads *
+/// head_dim]`) and, when asked for, their attention's log-sum-exp (`[layer][token][n_heads]`,
+/// NaN where the kernel that ran does not give it: sliding-window layers, quantised K/V,
+/// CPUs without AVX-512).
+#[derive(Debug, Default)]
+pub struct Captures {
+    pub queries: Vec<Vec<f32>>,
+    pub lse: Option<Vec<Vec<f32>>>,
 }
 
 /// Each row's RoPE angles (`head_dim / 2` cosines and sines), computed once per call.
@@ -58,6 +71,19 @@ impl Llama {
         seqs: &[SeqForward],
         capture_last: &[usize],
     ) -> (Vec<f32>, Vec<Vec<f32>>) {
+        let (logits, captures) = self.forward_capturing(store, seqs, capture_last, false);
+        (logits, captures.queries)
+    }
+
+    /// Like [`Llama::forward_with_queries`], with the captured rows' log-sum-exp too when
+    /// `with_lse` (KVzip's scoring then needs no second pass over a pass's own keys).
+    pub fn forward_capturing(
+        &self,
+        store: &mut KvStore,
+        seqs: &[SeqForward],
+        capture_last: &[usize],
+        with_lse: bool,
+    ) -> (Vec<f32>, Captures) {
         let c = &self.config;
         let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         // A decode step: the pool times it and chooses whether to split it (see `Pool::step`).
@@ -87,7 +113,10 @@ impl Llama {
             up: sized(&mut sc.up, n * c.d_ff),
         };
         let x = &mut sc.x[..n * c.d_model];
-        let mut captured: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
+        let mut captured = Captures {
+            queries: vec![Vec::new(); seqs.len()],
+            lse: with_lse.then(|| vec![Vec::new(); seqs.len()]),
+        };
         // The last layer's attention output and MLP feed only the logits. Without logits to
         // return (a prefill chunk before the last, KVzip's reconstruction pass), that layer
         // stops once it has written its KV and given its queries.
@@ -161,7 +190,8 @@ impl Llama {
     /// `x += attention(norm(x))` for layer `li`: Q/K/V projections (with biases and Q/K
     /// norms where the architecture has them), RoPE, the new K/V written to the store,
     /// attention over the layer's table, the output projection. With `kv_only` it stops
-    /// once the new K/V are written and the queries captured (`x` is left as it was).
+    /// once the new K/V are written and the queries captured (`x` is left as it was), or
+    /// once the attention has given its log-sum-exp when that is captured.
     #[allow(clippy::too_many_arguments)]
     fn attention_block(
         &self,
@@ -171,7 +201,7 @@ impl Llama {
         b: &mut LayerBufs,
         (rope, layout): (&RopeRows, &BatchLayout),
         store: &mut KvStore,
-        captured: &mut [Vec<f32>],
+        captured: &mut Captures,
         kv_only: bool,
     ) {
         let c = &self.config;
@@ -199,7 +229,7 @@ impl Llama {
         }
         let window = c.layer_window(li);
         self.rope_qk(b, rope, window.is_some());
-        capture_queries(c, layout, b.q, captured);
+        capture_rows(c.q_dim(), layout, b.q, &mut captured.queries);
         // The layer's group: 0 (the main table, stored indices) or a window group (its
         // own table, positions).
         let group = layout.grouping.as_ref().map_or(0, |g| g.layer_group[li]);
@@ -208,7 +238,7 @@ impl Llama {
             g => &layout.window_attn_seqs[g - 1],
         };
         write_new_kv(store, li, layer_seqs, b.k, b.v, c.kv_dim());
-        if kv_only {
+        if kv_only && captured.lse.is_none() {
             return;
         }
         let shape = AttnShape {
@@ -219,7 +249,19 @@ impl Llama {
         // Decode steps spread attention over the decode pool (same bits, see
         // `kernels::split_attn`); everything else takes the general path.
         let attn_seqs = &layout.attn_seqs;
-        if window.is_some() {
+        if let Some(lse_captured) = captured.lse.as_mut() {
+            let mut lse = vec![f32::NAN; b.q.len() / c.q_dim() * c.n_heads];
+            if window.is_some() {
+                let first_visible = &layout.first_visible;
+                paged_attention_window(store, li, shape, layer_seqs, b.q, b.attn, first_visible);
+            } else {
+                paged_attention_lse(store, li, shape, attn_seqs, b.q, b.attn, &mut lse);
+            }
+            capture_rows(c.n_heads, layout, &lse, lse_captured);
+            if kv_only {
+                return;
+            }
+        } else if window.is_some() {
             let first_visible = &layout.first_visible;
             paged_attention_window(store, li, shape, layer_seqs, b.q, b.attn, first_visible);
         } else if !split_attention(store, li, shape, attn_seqs, b.q, b.attn) {
@@ -388,9 +430,10 @@ fn first_visible_rows(c: &ModelConfig, seqs: &[SeqForward], grouped: bool) -> Ve
         .collect()
 }
 
-/// Appends each sequence's last `capture_last[si]` post-RoPE query rows to its capture.
-fn capture_queries(c: &ModelConfig, layout: &BatchLayout, q: &[f32], captured: &mut [Vec<f32>]) {
-    let qd = c.q_dim();
+/// Appends each sequence's last `capture_last[si]` rows of `rows` (`width` floats a row:
+/// post-RoPE queries, or log-sum-exps) to its capture.
+fn capture_rows(width: usize, layout: &BatchLayout, rows: &[f32], captured: &mut [Vec<f32>]) {
+    let qd = width;
     for (si, a) in layout.attn_seqs.iter().enumerate() {
         let want = layout
             .capture_last
@@ -400,7 +443,7 @@ fn capture_queries(c: &ModelConfig, layout: &BatchLayout, q: &[f32], captured: &
             .min(a.n_queries);
         if want > 0 {
             let first = a.row_offset + a.n_queries - want;
-            captured[si].extend_from_slice(&q[first * qd..(first + want) * qd]);
+            captured[si].extend_from_slice(&rows[first * qd..(first + want) * qd]);
         }
     }
 }
