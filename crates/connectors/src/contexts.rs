@@ -261,6 +261,11 @@ impl KvConnector for ContextReuse {
         lock(&self.stats).lookups += 1;
         let keys = self.keys(ids, salt);
         let stored = self.store.longest_stored(&keys);
+        if let (Some(i), true) = (stored, self.kvzip_in_idle_time()) {
+            // A context adopted from the last tier has no token ids to be scored from.
+            let n = (i + 1) * self.chunk_size_tokens();
+            self.store.wait_for_kvzip_scores(&keys[i], &ids[..n]);
+        }
         let answer = Lookup {
             loadable_tokens: stored.map_or(0, |i| (i + 1) * self.chunk_size_tokens()),
             wants_save: stored.is_none() && !keys.is_empty(),

@@ -472,6 +472,54 @@ fn kvzip_scores_computed_in_idle_time_are_those_of_the_passes_at_store_time() {
     e.check_invariants();
 }
 
+/// A context stored by one server and adopted by the next before it was scored (its token
+/// ids are not stored, only its KV) waits for KVzip scores again once a request brings
+/// its tokens, and is then scored in idle time.
+#[test]
+fn a_context_adopted_before_its_kvzip_scoring_is_scored_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let book = common::book_ids();
+    let context = &book[7000..7512];
+    let config = || {
+        let mut cfg = store_config(dir.path(), Policy::Fixed(2), 256 << 20);
+        cfg.grid = Grid::parse("q8,kvzip-0.5").unwrap();
+        cfg
+    };
+    let params = GenerateParams {
+        max_tokens: 2,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let key = {
+        let (mut e, c) = engine_with(config());
+        c.score_kvzip_in_idle_time();
+        e.generate(&[context, &book[10..30]].concat(), &params, &mut |_| {})
+            .unwrap();
+        c.store().flush();
+        assert_eq!(c.store().kvzip_candidates(4).len(), 1, "stored, not scored");
+        c.context_key(context, None).unwrap()
+    };
+
+    let (mut e, c) = engine_with(config());
+    c.score_kvzip_in_idle_time();
+    let b = e
+        .generate(&[context, &book[40..60]].concat(), &params, &mut |_| {})
+        .unwrap();
+    assert!(b.context_load.is_some(), "adopted from the disk and loaded");
+    let store = c.store();
+    store.flush();
+    assert_eq!(store.stats().adopted, 1);
+    let pending = store.kvzip_candidates(4);
+    assert_eq!(pending.len(), 1, "waits for its scores again");
+    assert_eq!((pending[0].0, pending[0].1.as_slice()), (key, context));
+    let n = pk_connectors::kvzip_scoring::score_pending_blocking(&mut e, &c).unwrap();
+    assert_eq!(n, 1);
+    assert!(store.is_available(&key, 2) && store.kvzip_candidates(4).is_empty());
+    let worst = kvzip_score_gap(&store.kvzip_scores_of(&key).unwrap(), context);
+    assert!(worst <= 1e-5, "scores differ by up to {worst}");
+    e.check_invariants();
+}
+
 /// Asks `context` (512 tokens, stored) again with another question and checks that the
 /// hit was served from `config`'s copy, half of the context's tokens dropped.
 fn served_half_dropped(e: &mut Engine, context: &[u32], params: &GenerateParams, config: &str) {

@@ -544,11 +544,37 @@ impl ContextStore {
     pub fn kvzip_scoring_failed(&self, key: &ChunkKey, retry: bool) {
         if let Some(e) = self.state.lock().unwrap().entries.get_mut(key) {
             e.kvzip_failures += 1;
-            if !retry || e.kvzip_failures >= MAX_KVZIP_ATTEMPTS {
+            if !retry {
+                e.kvzip_failures = e.kvzip_failures.max(MAX_KVZIP_ATTEMPTS);
+            }
+            if e.kvzip_failures >= MAX_KVZIP_ATTEMPTS {
                 e.pending_kvzip_ids = None;
             }
         }
         metrics::counter!("pagekeeper:evicpress_kvzip_failed_total").increment(1);
+    }
+
+    /// A stored context asked for again (`context_ids`: its tokens, from the request's
+    /// prompt) waits for KVzip scores if it has none, is not waiting already and was not
+    /// given up on. This is how a context adopted after a restart or from another server
+    /// (its token ids are not stored, only its KV) gets scored. Returns whether it now
+    /// waits.
+    pub fn wait_for_kvzip_scores(&self, key: &ChunkKey, context_ids: &[u32]) -> bool {
+        if !self.grid_drops_by(DropScore::KvZip) {
+            return false;
+        }
+        let mut st = self.state.lock().unwrap();
+        let Some(e) = st.entries.get_mut(key) else {
+            return false;
+        };
+        let wants = !e.scores.contains_key(&DropScore::KvZip)
+            && e.pending_kvzip_ids.is_none()
+            && e.kvzip_failures < MAX_KVZIP_ATTEMPTS
+            && context_ids.len() == e.n_tokens;
+        if wants {
+            e.pending_kvzip_ids = Some(context_ids.to_vec());
+        }
+        wants
     }
 
     /// Gives a stored context the KVzip scores the engine computed in idle time (one per
