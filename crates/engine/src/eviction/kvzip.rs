@@ -314,9 +314,11 @@ pub(crate) fn unit_scores(
 
 /// A ragged budget (`kvzip:global`): how many tokens each unit keeps when one threshold
 /// runs over every unit's scores and `budget_tokens` per unit are kept on average, as
-/// kvpress's KVzip spends its budget. Ties go to the earlier (unit, token). Each unit keeps
-/// at least `min_unit_tokens` (the engine passes the 4 sinks), so the mean can exceed the
-/// budget by what that floor adds: kvpress's global threshold may leave a head nothing.
+/// kvpress's KVzip spends its budget. Ties go to the earlier (unit, token). Each unit first
+/// keeps its `min_unit_tokens` best tokens (at most the budget: kvpress's global threshold
+/// may leave a head nothing, and the engine keeps at least the sinks), and the threshold
+/// shares out the rest, so the counts sum to exactly the budget: a floor moves tokens
+/// between heads, never adds any.
 pub(crate) fn ragged_budgets(
     unit_scores: &[Vec<f32>],
     budget_tokens: u32,
@@ -324,7 +326,9 @@ pub(crate) fn ragged_budgets(
     min_unit_tokens: u32,
 ) -> Vec<u32> {
     let n_units = unit_scores.len();
-    let total = (budget_tokens as usize * n_units).min(n_tokens * n_units);
+    let per_unit = (budget_tokens as usize).min(n_tokens);
+    let floor = (min_unit_tokens as usize).min(per_unit);
+    let mut extra = (per_unit - floor) * n_units;
     let mut entries: Vec<(usize, usize)> = (0..n_units)
         .flat_map(|u| (0..n_tokens).map(move |t| (u, t)))
         .collect();
@@ -333,12 +337,21 @@ pub(crate) fn ragged_budgets(
             .total_cmp(&unit_scores[ua][ta])
             .then((ua, ta).cmp(&(ub, tb)))
     });
-    let mut counts = vec![0u32; n_units];
-    for &(u, _) in &entries[..total] {
-        counts[u] += 1;
+    // A unit's entries come in the order of its own scores: its first `floor` are the
+    // ones it keeps anyway.
+    let mut counts = vec![floor as u32; n_units];
+    let mut seen = vec![0usize; n_units];
+    for &(u, _) in &entries {
+        if extra == 0 {
+            break;
+        }
+        seen[u] += 1;
+        if seen[u] > floor {
+            counts[u] += 1;
+            extra -= 1;
+        }
     }
-    let floor = min_unit_tokens.min(n_tokens as u32);
-    counts.iter().map(|&c| c.max(floor)).collect()
+    counts
 }
 
 #[cfg(test)]
@@ -431,14 +444,22 @@ mod tests {
         assert!(cache.get(2048, &ids(3)).is_none() && cache.get(2048, &ids(2)).is_some());
     }
 
-    /// One threshold over all units: the unit with the higher scores keeps more, the mean
-    /// is the budget, and no unit keeps fewer than the sinks.
+    /// One threshold over all units: the unit with the higher scores keeps more, the counts
+    /// sum to exactly the budget, and no unit keeps fewer than the floor.
     #[test]
     fn ragged_budgets_follow_one_threshold() {
         let high: Vec<f32> = (0..10).map(|t| 1.0 + t as f32).collect();
         let low = vec![0.5f32; 10];
-        let counts = super::ragged_budgets(&[high, low], 6, 10, 4);
-        assert_eq!(counts, vec![10, 4]);
+        // Each keeps its best 4; the other 4 of the budget go to the higher scores.
+        let counts = super::ragged_budgets(&[high.clone(), low.clone()], 6, 10, 4);
+        assert_eq!(counts, vec![8, 4]);
+        // Without a floor the threshold alone decides; a floor above the budget is the
+        // budget (the same count everywhere).
+        assert_eq!(
+            super::ragged_budgets(&[high.clone(), low.clone()], 6, 10, 0),
+            vec![10, 2]
+        );
+        assert_eq!(super::ragged_budgets(&[high, low], 3, 10, 4), vec![3, 3]);
         let a: Vec<f32> = (0..20).map(|t| (2 * t) as f32).collect();
         let b: Vec<f32> = (0..20).map(|t| (2 * t + 1) as f32).collect();
         assert_eq!(super::ragged_budgets(&[a, b], 10, 20, 4), vec![10, 10]);
