@@ -3,30 +3,18 @@
 //! placed copy, meta entry), the least valuable by the store's policy first, and a dropped
 //! context is a miss that is neither served nor adopted again.
 
+mod common;
+
 use std::sync::Arc;
 
 use pk_codec::KvContext;
-use pk_evicpress::{
-    copy_key, ContextStore, DelayModel, Grid, Policy, Ranking, StoreConfig, StoreError, TierSpec,
-};
+use pk_evicpress::{copy_key, ContextStore, Policy, Ranking, StoreError};
 use pk_tiers::{ChunkKey, DiskTier, DiskTierConfig, RamTier, Tier};
 
 const N_TOKENS: usize = 256;
 
 fn kv(seed: u32) -> KvContext {
-    let (layers, heads, dim) = (2, 2, 16);
-    let len = layers * heads * N_TOKENS * dim;
-    let f =
-        |i: usize, s: u32| (((i as u32).wrapping_mul(2654435761) ^ s) % 1000) as f32 / 500.0 - 1.0;
-    KvContext::new(
-        layers,
-        heads,
-        dim,
-        (0..N_TOKENS as u32).collect(),
-        (0..len).map(|i| f(i, seed)).collect(),
-        (0..len).map(|i| f(i, seed + 7)).collect(),
-    )
-    .unwrap()
+    common::kv(seed, N_TOKENS)
 }
 
 /// The bytes of one context's master, as the store accounts them.
@@ -43,31 +31,8 @@ fn store(
 ) -> Arc<ContextStore> {
     let ram_bytes = ram_contexts * master_bytes();
     let ram: Arc<dyn Tier> = Arc::new(RamTier::new(ram_bytes * 2));
-    let spec = |n: &str, bw: f64| TierSpec {
-        name: n.into(),
-        capacity_bytes: 0,
-        read_bytes_per_s: bw,
-        access_latency_s: 1e-4,
-    };
-    ContextStore::new(StoreConfig {
-        tiers: vec![ram, disk],
-        capacities_bytes: vec![ram_bytes, disk_bytes],
-        grid: Grid::parse("q8,q4").unwrap(),
-        policy,
-        fingerprint: [5; 32],
-        delay: DelayModel {
-            tiers: vec![spec("ram", 1e10), spec("disk", 1e6)],
-            decode_s_per_byte: 0.0,
-            restore_s_per_token: 0.0,
-            prefill_tokens_per_s: 100.0,
-            query_tokens: 8,
-        },
-        frequency_half_life_s: 60.0,
-        reprofile_threshold: 0.1,
-        max_pending_bytes: 64 << 20,
-        max_queries_per_context: 2,
-    })
-    .unwrap()
+    let cfg = common::ram_disk_config((ram, disk), [ram_bytes, disk_bytes], "q8,q4", policy);
+    ContextStore::new(cfg).unwrap()
 }
 
 fn disk(dir: &std::path::Path) -> Arc<DiskTier> {

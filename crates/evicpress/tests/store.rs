@@ -2,29 +2,13 @@
 //! the RAM capacity, loads return what was stored (through the codec), and a corrupted
 //! placed copy is detected and served from the master instead.
 
+mod common;
+
 use std::sync::Arc;
 
-use pk_codec::KvContext;
-use pk_evicpress::{
-    copy_key, ContextStore, DelayModel, Grid, Policy, Ranking, StoreConfig, TierSpec,
-};
+use common::kv;
+use pk_evicpress::{copy_key, ContextStore, Policy, Ranking};
 use pk_tiers::{ChunkKey, DiskTier, DiskTierConfig, Payload, RamTier, Tier};
-
-fn kv(seed: u32, n_tokens: usize) -> KvContext {
-    let (layers, heads, dim) = (2, 2, 16);
-    let len = layers * heads * n_tokens * dim;
-    let f =
-        |i: usize, s: u32| (((i as u32).wrapping_mul(2654435761) ^ s) % 1000) as f32 / 500.0 - 1.0;
-    KvContext::new(
-        layers,
-        heads,
-        dim,
-        (0..n_tokens as u32).collect(),
-        (0..len).map(|i| f(i, seed)).collect(),
-        (0..len).map(|i| f(i, seed + 7)).collect(),
-    )
-    .unwrap()
-}
 
 fn store(
     ram: Arc<dyn Tier>,
@@ -43,31 +27,8 @@ fn store_with_grid(
     grid: &str,
 ) -> Arc<ContextStore> {
     let disk: Arc<dyn Tier> = Arc::new(DiskTier::open(DiskTierConfig::new(dir, 1 << 30)).unwrap());
-    let spec = |n: &str, bw: f64| TierSpec {
-        name: n.into(),
-        capacity_bytes: 0,
-        read_bytes_per_s: bw,
-        access_latency_s: 1e-4,
-    };
-    ContextStore::new(StoreConfig {
-        tiers: vec![ram, disk],
-        capacities_bytes: vec![ram_bytes, u64::MAX],
-        grid: Grid::parse(grid).unwrap(),
-        policy,
-        fingerprint: [3; 32],
-        delay: DelayModel {
-            tiers: vec![spec("ram", 1e10), spec("disk", 1e6)],
-            decode_s_per_byte: 0.0,
-            restore_s_per_token: 0.0,
-            prefill_tokens_per_s: 100.0,
-            query_tokens: 8,
-        },
-        frequency_half_life_s: 60.0,
-        reprofile_threshold: 0.1,
-        max_pending_bytes: 64 << 20,
-        max_queries_per_context: 2,
-    })
-    .unwrap()
+    let cfg = common::ram_disk_config((ram, disk), [ram_bytes, u64::MAX], grid, policy);
+    ContextStore::new(cfg).unwrap()
 }
 
 #[test]

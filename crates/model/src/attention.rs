@@ -481,28 +481,13 @@ mod tests {
             (9, 3, 64, 16, 1100, 9),
         ] {
             for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
-                let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-                let (store, table, ks, _) = filled_store(&mut rng, dtype, n_kv, hd, bs, n_tokens);
-                let start = n_tokens - n_q;
-                let q: Vec<f32> = (0..n_q * n_heads * hd)
-                    .map(|_| rng.gen_range(-2.0..2.0))
-                    .collect();
-                let seq = AttnSeq {
-                    block_table: &table,
-                    stored_start: start,
-                    n_queries: n_q,
-                    row_offset: 0,
-                    head_first_keys: &[],
-                };
-                let shape = AttnShape {
-                    n_heads,
-                    n_kv_heads: n_kv,
-                    head_dim: hd,
-                };
+                let case = Case::new(5, dtype, (n_heads, n_kv, hd), bs, n_tokens, n_q);
+                let (store, ks, q, start) = (&case.store, &case.ks, &case.q, case.start);
+                let (seq, shape) = (case.seq(), case.shape);
                 let (mut out, mut want_out) = (vec![0f32; q.len()], vec![0f32; q.len()]);
                 let mut lse = vec![f32::NAN; n_q * n_heads];
-                paged_attention_lse(&store, 0, shape, &[seq], &q, &mut out, &mut lse);
-                paged_attention(&store, 0, shape, &[seq], &q, &mut want_out);
+                paged_attention_lse(store, 0, shape, &[seq], q, &mut out, &mut lse);
+                paged_attention(store, 0, shape, &[seq], q, &mut want_out);
                 assert_eq!(out, want_out, "{dtype:?}: outputs");
                 let computed = Kernel::best(hd) == Kernel::Avx512 && dtype.quant_bits().is_none();
                 if !computed {
@@ -722,28 +707,12 @@ mod tests {
         n_tokens: usize,
         n_q: usize,
     ) {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-        let (store, table, ks, vs) = filled_store(&mut rng, dtype, n_kv, hd, bs, n_tokens);
-        // The last n_q tokens are "new" queries: causal among themselves.
-        let start = n_tokens - n_q;
-        let q: Vec<f32> = (0..n_q * n_heads * hd)
-            .map(|_| rng.gen_range(-2.0..2.0))
-            .collect();
+        let case = Case::new(7, dtype, (n_heads, n_kv, hd), bs, n_tokens, n_q);
+        let (store, ks, vs, q, start) = (&case.store, &case.ks, &case.vs, &case.q, case.start);
+        let (seq, shape) = (case.seq(), case.shape);
         let mut out = vec![0f32; q.len()];
-        let seq = AttnSeq {
-            block_table: &table,
-            stored_start: start,
-            n_queries: n_q,
-            row_offset: 0,
-            head_first_keys: &[],
-        };
-        let shape = AttnShape {
-            n_heads,
-            n_kv_heads: n_kv,
-            head_dim: hd,
-        };
         for kernel in kernels(hd) {
-            paged_attention_with(kernel, &store, 0, shape, &[seq], &q, &mut out);
+            paged_attention_with(kernel, store, 0, shape, &[seq], q, &mut out);
             for i in 0..n_q {
                 for h in 0..n_heads {
                     let kvh = h / (n_heads / n_kv);
@@ -764,7 +733,61 @@ mod tests {
                 }
             }
             let what = format!("{dtype:?} {kernel:?} bs {bs}");
-            assert_rows_alone_match(kernel, &store, shape, &seq, &q, &out, &what);
+            assert_rows_alone_match(kernel, store, shape, &seq, q, &out, &what);
+        }
+    }
+
+    /// A one-layer store of `n_tokens` random tokens and random queries for its last `n_q`
+    /// tokens ("new" queries, causal among themselves), from one seed.
+    struct Case {
+        store: KvStore,
+        table: Vec<u32>,
+        ks: Vec<Vec<Vec<f32>>>,
+        vs: Vec<Vec<Vec<f32>>>,
+        q: Vec<f32>,
+        start: usize,
+        shape: AttnShape,
+    }
+
+    impl Case {
+        fn new(
+            seed: u64,
+            dtype: KvDtype,
+            (n_heads, n_kv, hd): (usize, usize, usize),
+            bs: usize,
+            n_tokens: usize,
+            n_q: usize,
+        ) -> Case {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let (store, table, ks, vs) = filled_store(&mut rng, dtype, n_kv, hd, bs, n_tokens);
+            let q: Vec<f32> = (0..n_q * n_heads * hd)
+                .map(|_| rng.gen_range(-2.0..2.0))
+                .collect();
+            let shape = AttnShape {
+                n_heads,
+                n_kv_heads: n_kv,
+                head_dim: hd,
+            };
+            let start = n_tokens - n_q;
+            Case {
+                store,
+                table,
+                ks,
+                vs,
+                q,
+                start,
+                shape,
+            }
+        }
+
+        fn seq(&self) -> AttnSeq<'_> {
+            AttnSeq {
+                block_table: &self.table,
+                stored_start: self.start,
+                n_queries: self.q.len() / (self.shape.n_heads * self.shape.head_dim),
+                row_offset: 0,
+                head_first_keys: &[],
+            }
         }
     }
 
