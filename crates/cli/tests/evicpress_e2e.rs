@@ -162,6 +162,86 @@ fn evicpress_store_serves_explains_and_profiles_contexts() {
     });
 }
 
+/// The slowest tier's size is honoured: a disk of two or three contexts' masters, offered
+/// five, keeps masters within its size (and its files within the tier's slack), the store
+/// having dropped whole contexts; a dropped context asked again is computed and stored
+/// again.
+#[test]
+fn a_bounded_disk_tier_drops_whole_contexts_past_its_size() {
+    let dir = tempfile::tempdir().unwrap();
+    const DISK_BYTES: u64 = 20 << 20;
+    let disk = format!("{}:{DISK_BYTES}", dir.path().display());
+    let server = Server::start(&[
+        "--tier-policy",
+        "evicpress",
+        "--tier-ram",
+        "2MiB",
+        "--tier-disk",
+        &disk,
+        "--evicpress-grid",
+        "q8,q4",
+    ]);
+    let stats = || contexts(&server)["stats"].clone();
+    for seed in 0..5 {
+        server.complete(&prompt(500 + seed)).unwrap();
+        wait_until("the context to be stored", Duration::from_secs(60), || {
+            let s = stats();
+            s["inserted"].as_u64().unwrap() + s["skipped_too_large"].as_u64().unwrap() > seed
+        });
+    }
+    let s = stats();
+    assert_eq!(s["skipped_too_large"], 0, "{s}");
+    assert!(s["dropped"].as_u64().unwrap() >= 1, "{s}");
+    let rows = contexts(&server)["contexts"].as_array().unwrap().clone();
+    let listed = rows.len() as u64;
+    assert_eq!(
+        listed,
+        s["inserted"].as_u64().unwrap() - s["dropped"].as_u64().unwrap()
+    );
+    // Each kept context's master (the uncompressed configuration on the disk), together
+    // within the disk's size.
+    let master_bytes: u64 = rows
+        .iter()
+        .flat_map(|r| r["options"].as_array().unwrap().iter())
+        .filter(|o| o["tier"] == "disk" && o["config"].as_str().unwrap().starts_with("none"))
+        .map(|o| o["bytes"].as_u64().unwrap())
+        .sum();
+    assert!(
+        listed >= 1 && master_bytes <= DISK_BYTES,
+        "{listed}: {master_bytes}"
+    );
+    assert!(master_bytes > 0, "masters listed");
+    let file_bytes: u64 = walk_bytes(dir.path());
+    assert!(file_bytes <= 2 * DISK_BYTES, "{file_bytes} bytes on disk");
+    assert!(server
+        .metrics()
+        .contains("pagekeeper:evicpress_dropped_total"));
+    // Some of the five were dropped: asked again, they are computed and stored again.
+    let before = s["inserted"].as_u64().unwrap();
+    for seed in 0..5 {
+        server.complete(&prompt(500 + seed)).unwrap();
+    }
+    wait_until(
+        "a dropped context stored again",
+        Duration::from_secs(60),
+        || stats()["inserted"].as_u64().unwrap() > before,
+    );
+}
+
+/// Bytes of every file under `dir`.
+fn walk_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            match e.file_type().unwrap().is_dir() {
+                true => walk_bytes(&e.path()),
+                false => e.metadata().unwrap().len(),
+            }
+        })
+        .sum()
+}
+
 #[test]
 fn contexts_endpoint_is_404_without_evicpress() {
     let server = Server::start(&[]);
