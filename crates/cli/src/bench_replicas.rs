@@ -189,15 +189,16 @@ fn run_one(
         format!("{tier_url}{sep}prefix={prefix}"),
     ];
     let servers = (0..setup.n_servers)
-        .map(|k| start_server(a, &http, a.port + k as u16, &extra))
+        .map(|k| start_server(a, &http, replica_port(a.port, k)?, &extra))
         .collect::<Result<Vec<_>>>()?;
+    let ports: Vec<u16> = servers.iter().map(|s| s.port).collect();
     let started = Instant::now();
-    let results = send_all(a, &http, setup, requests);
+    let results = send_all(a, &http, setup, &ports, requests);
     let wall_s = started.elapsed().as_secs_f64();
     let mut tier_hits = 0.0;
-    for k in 0..setup.n_servers {
+    for server in &servers {
         let text = http
-            .get(format!("http://127.0.0.1:{}/metrics", a.port + k as u16))
+            .get(format!("{}/metrics", server.base_url()))
             .send()?
             .text()?;
         tier_hits += sum_series(&text, "pagekeeper:tier_hits_total", "tier=\"redis\"");
@@ -234,12 +235,24 @@ fn run_one(
     }))
 }
 
+/// Replica `k`'s port: `base + k`, or 0 (a port the kernel picks) for each when `base` is 0.
+fn replica_port(base: u16, k: usize) -> Result<u16> {
+    if base == 0 {
+        return Ok(0);
+    }
+    match u16::try_from(k).ok().and_then(|k| base.checked_add(k)) {
+        Some(port) => Ok(port),
+        None => bail!("--port {base} leaves no port for replica {k}; use --port 0"),
+    }
+}
+
 /// The clients: each takes the next request, routes it, classes it when sent (module doc)
 /// and records which server finished it.
 fn send_all(
     a: &ServeBenchArgs,
     http: &reqwest::blocking::Client,
     setup: &Setup,
+    ports: &[u16],
     requests: &[(usize, String)],
 ) -> Vec<(Class, Result<Sample>)> {
     let seen = Mutex::new(Seen::default());
@@ -256,8 +269,7 @@ fn send_all(
                         };
                         let server = route(setup, i, prompt);
                         let class = seen.lock().unwrap().class(*context, server);
-                        let url =
-                            format!("http://127.0.0.1:{}/v1/completions", a.port + server as u16);
+                        let url = format!("http://127.0.0.1:{}/v1/completions", ports[server]);
                         let result = one_request(http, &url, &serde_json::json!(prompt), a);
                         if result.is_ok() {
                             let mut seen = seen.lock().unwrap();

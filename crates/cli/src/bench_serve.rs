@@ -9,11 +9,12 @@
 //! gauges), preemptions, and requests that failed.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
+
+pub(crate) use crate::bench_child::Server;
 
 #[derive(Args)]
 pub struct ServeBenchArgs {
@@ -32,6 +33,8 @@ pub struct ServeBenchArgs {
     /// tokenizer, sent as token-id prompts, so every prompt has exactly this many.
     #[arg(long, default_value_t = 128)]
     pub prompt_tokens: usize,
+    /// The server's port; 0 lets the kernel pick a free one (for each replica with
+    /// `--replicas`, which otherwise take `--port`, `--port + 1`, …).
     #[arg(long, default_value_t = 8471)]
     pub port: u16,
     #[arg(long)]
@@ -78,15 +81,6 @@ pub struct ServeBenchArgs {
     pub contexts: Option<usize>,
     #[arg(long)]
     pub rounds: Option<usize>,
-}
-
-pub(crate) struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// One request's timings.
@@ -215,40 +209,16 @@ fn server_args(a: &ServeBenchArgs, port: u16, extra: &[String]) -> Vec<std::ffi:
     args
 }
 
-/// Starts `pagekeeper serve` on `port` with the bench's settings and `extra` flags, and waits
-/// until it is healthy; a server that exits first (a flag it refuses) is an error at once.
+/// Starts `pagekeeper serve` on `port` (0: a free port the kernel picks) with the bench's
+/// settings and `extra` flags, and waits until it is healthy; a server that exits first (a
+/// flag it refuses, a port taken) is an error at once, quoting its stderr.
 pub(crate) fn start_server(
     a: &ServeBenchArgs,
     http: &reqwest::blocking::Client,
     port: u16,
     extra: &[String],
 ) -> Result<Server> {
-    let base = format!("http://127.0.0.1:{port}");
-    let mut server = Server(
-        Command::new(std::env::current_exe()?)
-            .args(server_args(a, port, extra))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting the server")?,
-    );
-    let t0 = Instant::now();
-    while http
-        .get(format!("{base}/health"))
-        .send()
-        .map(|r| r.status().as_u16())
-        .unwrap_or(0)
-        != 200
-    {
-        if let Some(status) = server.0.try_wait()? {
-            bail!("the server exited ({status}) before it was healthy: run `pagekeeper serve` with the same flags to see why");
-        }
-        if t0.elapsed() > Duration::from_secs(180) {
-            bail!("the server did not become healthy");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    Ok(server)
+    crate::bench_child::start(http, server_args(a, port, extra))
 }
 
 /// The bundled book in the model's own tokens (no special tokens): the prompts are windows
@@ -335,9 +305,9 @@ fn run_level(
     book_ids: &[u32],
     conc: usize,
 ) -> Result<serde_json::Value> {
-    let base = format!("http://127.0.0.1:{}", a.port);
-    let url = format!("{base}/v1/completions");
     let server = start_server(a, http, a.port, &[])?;
+    let base = server.base_url();
+    let url = format!("{base}/v1/completions");
     let n_requests = a.requests.unwrap_or((2 * conc).max(8));
     let start = Instant::now();
     let results = send_requests(a, http, &url, book_ids, conc, n_requests);

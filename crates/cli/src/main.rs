@@ -3,6 +3,7 @@
 
 mod args;
 mod bench;
+mod bench_child;
 mod bench_codecs;
 mod bench_evicpress;
 mod bench_perf;

@@ -5,14 +5,6 @@
 
 use std::process::Command;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn bench_serve_reports_the_pool_per_level() {
     let model = pk_engine::model_store::default_model_path();
@@ -42,7 +34,7 @@ fn bench_serve_reports_the_pool_per_level() {
             "--json",
         ])
         .args(["--kv-policy", "paged-eviction", "--kv-budget", "64"])
-        .args(["--port", &free_port().to_string()])
+        .args(["--port", "0"])
         .arg("--model")
         .arg(&model)
         .output()
@@ -72,4 +64,25 @@ fn bench_serve_reports_the_pool_per_level() {
         );
         assert!(l["preemptions"].is_number(), "{l}");
     }
+}
+
+/// A server that refuses its flags exits before it is healthy; the bench says so at once and
+/// quotes the server's own error, not only its exit status.
+#[test]
+fn a_server_that_exits_early_is_reported_with_its_stderr() {
+    let model = pk_engine::model_store::default_model_path();
+    assert!(model.exists(), "{} is missing", model.display());
+    let out = Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
+        .args(["bench", "serve", "--concurrency", "1", "--requests", "1"])
+        .args(["--kv-dtype", "int3", "--port", "0", "--json", "--model"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("before it was healthy"), "{stderr}");
+    assert!(
+        stderr.contains("int3"),
+        "the server's own error is quoted: {stderr}"
+    );
 }
