@@ -33,6 +33,7 @@ use crate::sequence::SeqState;
 mod build;
 mod direct;
 mod evict;
+mod kvzip_steps;
 mod loads;
 mod store_scores;
 mod submit;
@@ -156,6 +157,16 @@ impl Engine {
         self.sched.waiting.len()
     }
 
+    /// Running sequences that wait for KVzip's reconstruction passes over their prompt
+    /// (run a piece per step beside the batch).
+    pub fn num_kvzip_pending(&self) -> usize {
+        self.sched
+            .running
+            .iter()
+            .filter(|s| s.kvzip_pending())
+            .count()
+    }
+
     pub fn has_work(&self) -> bool {
         !self.sched.running.is_empty() || !self.sched.waiting.is_empty()
     }
@@ -176,13 +187,17 @@ impl Engine {
         self.stats.preemptions = sched_stats.preemptions;
         self.stats.prefix_queries_tokens = sched_stats.prefix_queries_tokens;
         self.stats.prefix_hits_tokens = sched_stats.prefix_hits_tokens;
-        let chunks = schedule.chunks;
-        if chunks.is_empty() {
+        let (chunks, pass_tokens) = (schedule.chunks, schedule.kvzip_pass_tokens);
+        if chunks.is_empty() && pass_tokens == 0 {
             return 0;
         }
         self.stats.kv_bytes_peak = self.stats.kv_bytes_peak.max(self.kv_bytes_in_use());
         self.stats.max_running_seqs = self.stats.max_running_seqs.max(self.sched.running.len());
-        let n_tokens = self.execute_and_update(&chunks);
+        let mut n_tokens = 0;
+        if !chunks.is_empty() {
+            n_tokens = self.execute_and_update(&chunks);
+        }
+        n_tokens += self.advance_kvzip_run(pass_tokens);
         self.stats.steps += 1;
         n_tokens
     }
@@ -240,6 +255,7 @@ impl Engine {
         if let Some(r) = &self.connector {
             r.request_finished(s.request_key);
         }
+        s.release_extra_kv(&mut self.sched.kv);
         if let Some(seq) = s.kv.seq.take() {
             self.sched.kv.free(seq);
         }
@@ -256,6 +272,7 @@ impl Engine {
         if let Some(r) = &self.connector {
             r.request_finished(s.request_key);
         }
+        s.release_extra_kv(&mut self.sched.kv);
         if let Some(seq) = s.kv.seq.take() {
             self.sched.kv.free(seq);
         }

@@ -54,6 +54,11 @@ pub(crate) struct SeqEviction {
     pub recorded_keeps: Option<Vec<PrefillKeep>>,
     /// With `record_keeps`: each unit's prior scores (KVzip's), kept for the record.
     pub recorded_prior_scores: Vec<Vec<f32>>,
+    /// KVzip's reconstruction passes in progress: the prompt is in, selection waits for
+    /// the scores, and the sequence is not scheduled until then. Its fork holds blocks:
+    /// whoever takes the sequence out of the running set releases it
+    /// ([`SeqEviction::release_kvzip_run`]).
+    pub kvzip_run: Option<Box<kvzip_run::KvzipRun>>,
 }
 
 impl SeqEviction {
@@ -84,6 +89,14 @@ impl SeqEviction {
             record_keeps: false,
             recorded_keeps: None,
             recorded_prior_scores: Vec::new(),
+            kvzip_run: None,
+        }
+    }
+
+    /// Frees the fork of KVzip's passes in progress, if any, and drops the run.
+    pub fn release_kvzip_run(&mut self, kv: &mut KvCacheManager) {
+        if let Some(mut run) = self.kvzip_run.take() {
+            run.release(kv);
         }
     }
 
@@ -102,8 +115,13 @@ impl SeqEviction {
         &*self.units[0].policy
     }
 
-    /// After a preemption the sequence is recomputed from scratch: start over.
+    /// After a preemption the sequence is recomputed from scratch: start over (the caller
+    /// has released KVzip's passes in progress).
     pub fn reset(&mut self) {
+        debug_assert!(
+            self.kvzip_run.is_none(),
+            "kvzip: a run outlived its sequence's KV"
+        );
         for u in &mut self.units {
             u.policy = self.spec.build();
         }
@@ -678,5 +696,6 @@ fn recent_as_view(
 }
 
 pub(crate) mod kvzip;
+pub(crate) mod kvzip_run;
 #[cfg(test)]
 mod tests;

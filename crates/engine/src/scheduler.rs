@@ -41,6 +41,10 @@ pub(crate) struct Schedule {
     /// large for the pool, or no block even with every other sequence preempted. They hold
     /// no blocks any more.
     pub failed: Vec<(SeqState, RequestError)>,
+    /// Tokens of KVzip's reconstruction passes the engine runs beside the chunks (one
+    /// piece of the first pending sequence's, `Engine::advance_kvzip_run`), out of the
+    /// step's prompt allowance; 0 when no pass is pending.
+    pub kvzip_pass_tokens: usize,
 }
 
 /// Where an admitted sequence's first prompt tokens come from.
@@ -168,7 +172,7 @@ impl Scheduler {
         let mut out = Schedule::default();
         self.drop_aborted();
         self.admit(loads, &mut out.failed);
-        out.chunks = self.plan(&mut out.failed);
+        (out.chunks, out.kvzip_pass_tokens) = self.plan(&mut out.failed);
         out
     }
 
@@ -180,8 +184,10 @@ impl Scheduler {
     /// Frees the blocks of sequences whose clients went away.
     fn drop_aborted(&mut self) {
         let mut aborted = Vec::new();
+        let kv = &mut self.kv;
         self.running.retain_mut(|s| {
             if s.aborted {
+                s.release_extra_kv(kv);
                 aborted.push(s.kv.seq.take());
             }
             !s.aborted
@@ -440,7 +446,14 @@ impl Scheduler {
         let victim = (0..self.running.len())
             .rev()
             .find(|&i| self.running[i].kv.seq != Some(keep))?;
+        Some(self.preempt_at(victim))
+    }
+
+    /// Frees `running[victim]`'s blocks and puts it back at the head of the queue, to be
+    /// recomputed from scratch. Returns its (former) sequence id.
+    pub(crate) fn preempt_at(&mut self, victim: usize) -> SeqId {
         let mut s = self.running.remove(victim);
+        s.release_extra_kv(&mut self.kv);
         let seq =
             s.kv.seq
                 .take()
@@ -458,21 +471,42 @@ impl Scheduler {
             s.all_ids.len()
         );
         self.waiting.push_front(s);
-        Some(seq)
+        seq
     }
 
     /// The next batch: a decode token for every decoding sequence first, then prompt
     /// chunks, within the step's token budget, each with its slots allocated (preempting
     /// the newest other sequences when the pool is out of blocks).
-    fn plan(&mut self, failed: &mut Vec<(SeqState, RequestError)>) -> Vec<Chunk> {
+    fn plan(&mut self, failed: &mut Vec<(SeqState, RequestError)>) -> (Vec<Chunk>, usize) {
+        // A sequence whose KVzip passes are in progress waits for them (the engine runs
+        // them beside the plan, `Engine::advance_kvzip_run`).
         let mut order: Vec<(bool, SeqId)> = self
             .running
             .iter()
+            .filter(|s| !s.kvzip_pending())
             .map(|s| (s.is_prefilling(), s.kv.seq.expect("running")))
             .collect();
         order.sort_by_key(|&(prefilling, _)| prefilling);
+        let n_decoding = order.iter().filter(|o| !o.0).count();
         let mut budget = self.limits.max_batch_tokens;
-        let mut prefill_left = self.prefill_cap(order.iter().filter(|o| !o.0).count());
+        let mut prefill_left = self.prefill_cap(n_decoding);
+        // A pending pass takes the step's prompt allowance ahead of prompts (its sequence
+        // was admitted first), leaving one token per decode: a pass is prompt work to the
+        // streams decoding beside it, and it runs in pieces of what a prompt chunk may be.
+        // The engine advances the first pending sequence in running order, as found here.
+        // A background request's pass (a stored context scored in idle time) takes only
+        // what the prompts leave.
+        let pending = self
+            .running
+            .iter()
+            .find(|s| s.kvzip_pending())
+            .map(|s| s.req.params.background);
+        let mut pass_tokens = 0;
+        if pending == Some(false) {
+            pass_tokens = prefill_left.min(budget.saturating_sub(n_decoding));
+            budget -= pass_tokens;
+            prefill_left -= pass_tokens;
+        }
         let mut plan: Vec<Chunk> = Vec::new();
         for (prefilling, seq) in order {
             if budget == 0 {
@@ -498,7 +532,10 @@ impl Scheduler {
                 prefill_left -= take;
             }
         }
-        plan
+        if pending == Some(true) {
+            pass_tokens = prefill_left.min(budget);
+        }
+        (plan, pass_tokens)
     }
 
     /// Tokens of `s` the next chunk computes, at most `limit`: what is pending, within the
@@ -523,7 +560,7 @@ impl Scheduler {
     /// Prompt tokens a step may carry beside `n_decoding` decodes. The cap grows with the
     /// decodes (`PREFILL_TOKENS_PER_DECODE` each): a step of many decodes is long already,
     /// and prompt rows beside them cost it proportionally less.
-    fn prefill_cap(&self, n_decoding: usize) -> usize {
+    pub(crate) fn prefill_cap(&self, n_decoding: usize) -> usize {
         match n_decoding {
             0 => usize::MAX,
             n => self
@@ -556,6 +593,7 @@ impl Scheduler {
         let i = self.index_of(seq).expect("still running");
         let mut s = self.running.remove(i);
         // Its blocks go back now, so that the rest of this plan can use them.
+        s.release_extra_kv(&mut self.kv);
         if let Some(seq) = s.kv.seq.take() {
             self.kv.free(seq);
         }

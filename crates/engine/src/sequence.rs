@@ -197,6 +197,21 @@ impl SeqState {
         child
     }
 
+    /// Whether KVzip's passes over the prompt are in progress (the sequence then waits).
+    pub fn kvzip_pending(&self) -> bool {
+        self.eviction
+            .as_ref()
+            .is_some_and(|e| e.kvzip_run.is_some())
+    }
+
+    /// Frees what the sequence holds besides its own table: the fork of KVzip's passes in
+    /// progress. Called wherever a sequence leaves the running set.
+    pub fn release_extra_kv(&mut self, kv: &mut pk_kv::KvCacheManager) {
+        if let Some(ev) = self.eviction.as_mut() {
+            ev.release_kvzip_run(kv);
+        }
+    }
+
     /// More than one token to compute: a prompt (or, after preemption, a recompute). An
     /// evicting sequence's recompute is a prefill of its prompt only; its generated tokens
     /// are then replayed one per step, as decode (`max_chunk`), so that every eviction

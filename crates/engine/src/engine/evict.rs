@@ -4,6 +4,7 @@
 use super::Engine;
 use crate::eviction;
 use crate::eviction::kvzip::{self, KvzipPrompts};
+use crate::eviction::kvzip_run::KvzipRun;
 use crate::request::{RequestError, SeqEvent};
 use crate::scheduler::Chunk;
 
@@ -30,11 +31,23 @@ impl Engine {
             finished,
             ev.spec.reconstruction_chunk_tokens(),
         ) {
-            if let Err(why) = self.kvzip_prior(i, chunk) {
-                let s = &mut self.sched.running[i];
-                s.aborted = true;
-                (s.req.sink)(SeqEvent::Error(RequestError::CacheFull(why)));
-                return true;
+            match self.kvzip_prior(i, chunk) {
+                Err(why) => {
+                    let s = &mut self.sched.running[i];
+                    s.aborted = true;
+                    (s.req.sink)(SeqEvent::Error(RequestError::CacheFull(why)));
+                    return true;
+                }
+                // The passes run over the next steps; selection follows them
+                // (`finish_kvzip_run`), with the queries this step captured.
+                Ok(Some(run)) => {
+                    let ev = self.sched.running[i].eviction.as_mut().expect("evicting");
+                    let mut run = run;
+                    run.queries = queries;
+                    ev.kvzip_run = Some(run);
+                    return false;
+                }
+                Ok(None) => {}
             }
         }
         let s = &mut self.sched.running[i];
@@ -83,11 +96,15 @@ impl Engine {
         true
     }
 
-    /// KVzip's reconstruction passes over sequence `i`'s stored context, then each unit's
-    /// scores handed to its policy. A context within the budget is kept whole at prefill
-    /// and needs no passes: its tokens all score 1, and decode then evicts the oldest
-    /// blocks first. `Err`: no block for a pass, or the pass failed.
-    fn kvzip_prior(&mut self, i: usize, chunk_tokens: usize) -> Result<(), String> {
+    /// KVzip's scores of sequence `i`'s stored context handed to its policy at once where
+    /// they need no pass (a context within the budget: every token scores 1, and decode
+    /// evicts the oldest blocks first) or are in the score cache; otherwise the run of its
+    /// reconstruction passes, for the engine to advance (`Ok(Some)`). `Err`: no prompts.
+    fn kvzip_prior(
+        &mut self,
+        i: usize,
+        chunk_tokens: usize,
+    ) -> Result<Option<Box<KvzipRun>>, String> {
         let seq = self.sched.running[i].kv.seq.expect("running");
         let n_stored = self
             .sched
@@ -95,58 +112,53 @@ impl Engine {
             .block_table(seq)
             .expect("live")
             .num_stored_tokens() as usize;
-        let budget = self.sched.running[i]
-            .eviction
-            .as_ref()
-            .expect("evicting")
-            .budget_tokens;
-        let n_kv_heads = self.backend.config().n_kv_heads;
-        let context = self.sched.running[i].all_ids[..n_stored].to_vec();
-        let exact = !self.sched.running[i].reuse.inexact;
+        let s = &self.sched.running[i];
+        let budget = s.eviction.as_ref().expect("evicting").budget_tokens;
+        let context = s.all_ids[..n_stored].to_vec();
+        let exact = !s.reuse.inexact;
         let cached = exact
             .then(|| self.kvzip_scores.get(chunk_tokens, &context))
             .flatten();
+        let c = self.backend.config();
         let scores = if n_stored <= budget as usize {
-            vec![1.0; self.backend.config().n_layers * n_kv_heads * n_stored]
+            vec![1.0; c.n_layers * c.n_kv_heads * n_stored]
         } else if let Some(scores) = cached {
             scores
         } else {
             let prompts = KvzipPrompts::new(&self.tokenizer, &self.chat_template)?;
             let child = self.sched.new_seq_id();
-            let mut seconds = kvzip::PassSeconds::default();
-            let scores = kvzip::reconstruction_scores(
-                &mut *self.backend,
-                &mut self.sched.kv,
+            let run = KvzipRun::new(
+                &*self.backend,
                 (seq, child),
-                &context,
-                (&prompts, chunk_tokens),
-                &mut seconds,
+                context,
+                (prompts, chunk_tokens),
             );
-            let spec = self.sched.running[i]
-                .eviction
-                .as_ref()
-                .expect("evicting")
-                .spec;
-            let stats = self
-                .eviction_stats
-                .entry(spec.name().to_string())
-                .or_default();
-            stats.reconstruction_forward_seconds += seconds.forward;
-            stats.reconstruction_scoring_seconds += seconds.scoring;
-            let scores = scores?;
-            if exact {
-                self.kvzip_scores.insert(chunk_tokens, &context, &scores);
-            }
-            scores
+            return Ok(Some(Box::new(run)));
         };
+        self.set_kvzip_prior(i, &scores);
+        Ok(None)
+    }
+
+    /// Each unit's scores from KVzip's `[layer][kv_head][token]` scores handed to its
+    /// policy, with the ragged budget (`kvzip:global`) they give.
+    pub(super) fn set_kvzip_prior(&mut self, i: usize, scores: &[f32]) {
+        let seq = self.sched.running[i].kv.seq.expect("running");
+        let n_stored = self
+            .sched
+            .kv
+            .block_table(seq)
+            .expect("live")
+            .num_stored_tokens() as usize;
+        let n_kv_heads = self.backend.config().n_kv_heads;
         let ev = self.sched.running[i].eviction.as_mut().expect("evicting");
         let unit_scores: Vec<Vec<f32>> = ev
             .units
             .iter()
-            .map(|u| kvzip::unit_scores(&scores, &u.unit, n_kv_heads, n_stored))
+            .map(|u| kvzip::unit_scores(scores, &u.unit, n_kv_heads, n_stored))
             .collect();
-        if ev.spec.ragged() && n_stored > budget as usize {
+        if ev.spec.ragged() && n_stored > ev.budget_tokens as usize {
             let floor = ev.spec.ragged_floor_tokens(self.config.block_size_tokens);
+            let budget = ev.budget_tokens;
             ev.unit_budgets = Some(kvzip::ragged_budgets(&unit_scores, budget, n_stored, floor));
         }
         if ev.record_keeps {
@@ -155,6 +167,5 @@ impl Engine {
         for (u, scores) in ev.units.iter_mut().zip(unit_scores) {
             u.policy.set_prior_scores(scores);
         }
-        Ok(())
     }
 }

@@ -130,7 +130,7 @@ impl Engine {
     }
 
     /// Records what `running[i]` holds in the cache after the step, for its final report.
-    fn record_kv_held(&mut self, i: usize) {
+    pub(super) fn record_kv_held(&mut self, i: usize) {
         let s = &mut self.sched.running[i];
         let seq = s.kv.seq.expect("running");
         let kv = &self.sched.kv;

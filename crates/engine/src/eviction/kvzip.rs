@@ -4,20 +4,21 @@
 //! queries score the chunk's tokens, and the fork is freed. The sequence itself is not
 //! touched: its table, positions and K/V are as the prefill left them, so the pass's K/V
 //! never mixes with the context's and its extra blocks are bounded by one chunk's pass.
+//! The engine runs the passes a piece per step (`kvzip_run.rs`), beside other sequences.
 //!
 //! The whole prompt is the context: a chat template's prefix (the system and user headers)
 //! is scored like any other token, where kvpress scores only the text between them. The
 //! first `KVZIP_SINK_TOKENS` (4) tokens are kept regardless (score 1), as kvpress keeps them.
 
 use pk_kv::{
-    kvzip_chunks, kvzip_initial_scores, kvzip_pass_ids, kvzip_span, kvzip_unit_pass_scores,
-    KvCacheManager, KvView, SelectionUnit, SeqId, KVZIP_FIRST_PROMPT, KVZIP_LATER_PROMPT,
-    KVZIP_PROMPT_MAX_TOKENS,
+    kvzip_unit_pass_scores, KvCacheManager, KvView, SelectionUnit, SeqId, KVZIP_FIRST_PROMPT,
+    KVZIP_LATER_PROMPT,
 };
-use pk_model::{Backend, SeqForward};
+use pk_model::Backend;
 use pk_tokenizer::{ChatTemplate, Tokenizer};
 use rayon::prelude::*;
 
+use super::kvzip_run::KvzipRun;
 use super::{table_of, StoreView};
 
 /// The token ids a pass is built from, in the model's vocabulary and template.
@@ -94,9 +95,10 @@ pub(crate) struct PassSeconds {
 }
 
 /// Scores `[layer][kv_head][token]` of `seq`'s context (`context`, every token stored at
-/// its position) from one reconstruction pass per chunk of `chunk_tokens`, adding the
-/// passes' time to `seconds`. `child` is a fresh sequence id for the passes' forks. Errors
-/// name what was missing (a free block).
+/// its position) from one reconstruction pass per chunk of `chunk_tokens`, run whole here
+/// (the engine advances a [`KvzipRun`] a piece per step instead), adding the passes' time
+/// to `seconds`. `child` is a fresh sequence id for the passes' forks. Errors name what was
+/// missing (a free block).
 pub(crate) fn reconstruction_scores(
     backend: &mut dyn Backend,
     kv: &mut KvCacheManager,
@@ -105,56 +107,35 @@ pub(crate) fn reconstruction_scores(
     (prompts, chunk_tokens): (&KvzipPrompts, usize),
     seconds: &mut PassSeconds,
 ) -> Result<Vec<f32>, String> {
-    let c = backend.config();
-    let (n_layers, n_kv_heads, n_heads, head_dim) =
-        (c.n_layers, c.n_kv_heads, c.n_heads, c.head_dim);
-    let n_context = context.len();
-    let mut scores = kvzip_initial_scores(n_layers, n_kv_heads, n_context);
-    let chunks = kvzip_chunks(0, n_context, chunk_tokens);
-    for ci in 0..chunks.len() {
-        let ids = kvzip_pass_ids(
-            context,
-            &chunks,
-            ci,
-            &prompts.first,
-            &prompts.later,
-            &prompts.turn_change,
-        );
-        assert!(
-            ids.len() - chunks[ci].len() <= KVZIP_PROMPT_MAX_TOKENS,
-            "kvzip: a pass prompt of {} tokens exceeds the {KVZIP_PROMPT_MAX_TOKENS} reserved",
-            ids.len() - chunks[ci].len()
-        );
-        let started = std::time::Instant::now();
-        let (queries, lse) = run_pass(backend, kv, (seq, child), n_context, &ids)?;
-        seconds.forward += started.elapsed().as_secs_f64();
-        let started = std::time::Instant::now();
-        let span = kvzip_span(chunks[ci].clone(), n_context..n_context + ids.len());
-        let keys = span_keys(backend, kv, child, &span);
-        assert!(kv.free(child), "kvzip: the pass's fork was live");
-        // The forward's log-sum-exps normalise KVzip's softmax only where the pass attended
-        // exactly the span: one chunk from the first token (no separate sinks).
-        let whole = chunks[ci] == (0..n_context);
-        let pass = Pass {
-            queries: &queries,
-            lse: lse.as_deref().filter(|_| whole),
-            keys: &keys,
-            geometry: (n_kv_heads, n_heads, head_dim),
-            n_queries: ids.len(),
-            n_sink: span.len() - chunks[ci].len() - ids.len(),
-        };
-        pass.score(chunks[ci].clone(), n_context, &mut scores);
-        seconds.scoring += started.elapsed().as_secs_f64();
+    let mut run = KvzipRun::new(
+        backend,
+        (seq, child),
+        context.to_vec(),
+        (prompts.clone(), chunk_tokens),
+    );
+    let mut result = Ok(());
+    while !run.is_done() && result.is_ok() {
+        result = run
+            .advance(backend, kv, usize::MAX)
+            .map(|_| ())
+            .map_err(|e| e.to_string());
     }
-    Ok(scores)
+    seconds.forward += run.seconds.forward;
+    seconds.scoring += run.seconds.scoring;
+    result.map(|()| run.into_scores())
 }
 
 /// The keys of `span` (stored indices of `child`), `[layer][kv_head][span][head_dim]`.
-fn span_keys(backend: &dyn Backend, kv: &KvCacheManager, child: SeqId, span: &[usize]) -> Vec<f32> {
+pub(super) fn span_keys(
+    backend: &dyn Backend,
+    kv: &KvCacheManager,
+    child: SeqId,
+    span: &[usize],
+) -> Vec<f32> {
     let c = backend.config();
     let (n_layers, n_kv, hd) = (c.n_layers, c.n_kv_heads, c.head_dim);
     let table = table_of(kv, child);
-    let n_stored = span.last().map_or(0, |&t| t + 1);
+    let n_stored = span.iter().max().map_or(0, |&t| t + 1);
     let view = StoreView::prefetched(backend.kv(), &table, n_stored);
     let mut keys = vec![0f32; n_layers * n_kv * span.len() * hd];
     for (unit, out) in keys.chunks_exact_mut(span.len() * hd).enumerate() {
@@ -166,54 +147,74 @@ fn span_keys(backend: &dyn Backend, kv: &KvCacheManager, child: SeqId, span: &[u
     keys
 }
 
-/// One pass's keys and queries, scored one (layer, KV head) per rayon task.
-struct Pass<'a> {
+/// One pass's (or one piece of a pass's) keys and queries, scored one (layer, KV head)
+/// per rayon task.
+pub(super) struct Pass<'a> {
     /// `[layer][token][n_heads * head_dim]`, as the forward pass captured them.
-    queries: &'a [f32],
+    pub queries: &'a [f32],
     /// `[layer][token][n_heads]`: each query row's log-sum-exp from the pass's attention,
     /// when it covered exactly the span (NaN where the kernel did not give it).
-    lse: Option<&'a [f32]>,
-    /// `[layer][kv_head][span][head_dim]`.
-    keys: &'a [f32],
+    pub lse: Option<&'a [f32]>,
+    /// `[layer][kv_head][span][head_dim]`: `n_sink` keys every query sees, the chunk's,
+    /// then the `n_queries` pass tokens' (causal).
+    pub keys: &'a [f32],
     /// KV heads, query heads, head dimension.
-    geometry: (usize, usize, usize),
-    n_queries: usize,
-    n_sink: usize,
+    pub geometry: (usize, usize, usize),
+    pub n_queries: usize,
+    pub n_sink: usize,
 }
 
 impl Pass<'_> {
-    /// Writes `chunk`'s scores of every (layer, KV head) row of `scores`.
-    fn score(&self, chunk: std::ops::Range<usize>, n_context: usize, scores: &mut [f32]) {
-        let (n_kv, n_heads, hd) = self.geometry;
-        let group = n_heads / n_kv;
+    /// Writes `chunk`'s scores of every (layer, KV head) row of `scores`, or with `raise`
+    /// raises them to this pass's where those are higher (a later piece of one pass).
+    pub fn score(
+        &self,
+        chunk: std::ops::Range<usize>,
+        n_context: usize,
+        scores: &mut [f32],
+        raise: bool,
+    ) {
         let unit_keys = self.keys.len() / (scores.len() / n_context);
         scores
             .par_chunks_mut(n_context)
             .enumerate()
             .for_each(|(unit, row)| {
-                let (layer, kvh) = (unit / n_kv, unit % n_kv);
-                let mut q = vec![0f32; group * self.n_queries * hd];
-                for g in 0..group {
-                    let head = kvh * group + g;
-                    for qi in 0..self.n_queries {
-                        let at = ((layer * self.n_queries + qi) * n_heads + head) * hd;
-                        let to = (g * self.n_queries + qi) * hd;
-                        q[to..to + hd].copy_from_slice(&self.queries[at..at + hd]);
-                    }
-                }
                 let keys = &self.keys[unit * unit_keys..(unit + 1) * unit_keys];
+                let mut piece = vec![0f32; chunk.len()];
+                self.unit_scores(unit, keys, &mut piece);
                 let row = &mut row[chunk.clone()];
-                if let Some(lse) = self.unit_lse(layer, kvh) {
-                    let chunk_keys = &keys[..row.len() * hd];
-                    if pk_model::kernels::kvzip_max_attention_lse(chunk_keys, &q, &lse, hd, row) {
-                        return;
-                    }
-                }
-                let (n_q, n_sink) = (self.n_queries, self.n_sink);
-                if !pk_model::kernels::kvzip_max_attention(keys, &q, hd, n_q, n_sink, row) {
-                    kvzip_unit_pass_scores(keys, &q, hd, n_q, n_sink, row);
+                if raise {
+                    row.iter_mut().zip(&piece).for_each(|(r, p)| *r = r.max(*p));
+                } else {
+                    row.copy_from_slice(&piece);
                 }
             });
+    }
+
+    /// Unit `unit`'s scores of the chunk's keys into `out`, from its `keys` (the span's).
+    fn unit_scores(&self, unit: usize, keys: &[f32], out: &mut [f32]) {
+        let (n_kv, n_heads, hd) = self.geometry;
+        let group = n_heads / n_kv;
+        let (layer, kvh) = (unit / n_kv, unit % n_kv);
+        let mut q = vec![0f32; group * self.n_queries * hd];
+        for g in 0..group {
+            let head = kvh * group + g;
+            for qi in 0..self.n_queries {
+                let at = ((layer * self.n_queries + qi) * n_heads + head) * hd;
+                let to = (g * self.n_queries + qi) * hd;
+                q[to..to + hd].copy_from_slice(&self.queries[at..at + hd]);
+            }
+        }
+        if let Some(lse) = self.unit_lse(layer, kvh) {
+            let chunk_keys = &keys[self.n_sink * hd..(self.n_sink + out.len()) * hd];
+            if pk_model::kernels::kvzip_max_attention_lse(chunk_keys, &q, &lse, hd, out) {
+                return;
+            }
+        }
+        let (n_q, n_sink) = (self.n_queries, self.n_sink);
+        if !pk_model::kernels::kvzip_max_attention(keys, &q, hd, n_q, n_sink, out) {
+            kvzip_unit_pass_scores(keys, &q, hd, n_q, n_sink, out);
+        }
     }
 }
 
@@ -231,60 +232,6 @@ impl Pass<'_> {
             }
         }
         out.iter().all(|x| x.is_finite()).then_some(out)
-    }
-}
-
-/// Forks `seq` as `child`, appends the pass `ids` after its `n_context` tokens and runs
-/// them, returning every pass token's queries (`[layer][token][n_heads * head_dim]`) and,
-/// where the backend gives them, their attention's log-sum-exps (`[layer][token][n_heads]`).
-/// The fork stays live for the caller to read its keys and free.
-fn run_pass(
-    backend: &mut dyn Backend,
-    kv: &mut KvCacheManager,
-    (seq, child): (SeqId, SeqId),
-    n_context: usize,
-    ids: &[u32],
-) -> Result<(Vec<f32>, Option<Vec<f32>>), String> {
-    let no_room = |what: &str| format!("no free KV block for KVzip's reconstruction pass ({what})");
-    let copies = kv.fork(seq, child).ok_or_else(|| no_room("the fork"))?;
-    for copy in copies {
-        for slot in 0..copy.num_tokens as usize {
-            backend
-                .kv_mut()
-                .copy_slot((copy.src.0, slot), (copy.dst.0, slot));
-        }
-    }
-    if kv.allocate_slots(child, ids.len() as u32).is_none() {
-        kv.free(child);
-        return Err(no_room(&format!("{} pass tokens", ids.len())));
-    }
-    let table = table_of(kv, child);
-    // Sliding-window layers (Gemma 3) read their own tables; the pass scores every layer,
-    // and only the full-attention layers' units use the scores.
-    let window_tables = kv
-        .window_tables(child)
-        .map(<[_]>::to_vec)
-        .unwrap_or_default();
-    let forward = SeqForward {
-        tokens: ids,
-        start_position: n_context,
-        stored_start: n_context,
-        block_table: &table,
-        logits_from: ids.len(),
-        stored_positions: &[],
-        window_tables: &window_tables,
-        head_first_keys: &[],
-    };
-    let result = backend.forward_with_queries_lse(&[forward], &[ids.len()]);
-    match result {
-        Ok((_, mut queries, lse)) => Ok((
-            queries.pop().unwrap_or_default(),
-            lse.and_then(|mut l| l.pop()),
-        )),
-        Err(e) => {
-            kv.free(child);
-            Err(format!("KVzip's reconstruction pass failed: {e}"))
-        }
     }
 }
 

@@ -1,0 +1,195 @@
+//! KVzip's reconstruction passes run a piece per engine step beside the other sequences
+//! (issue 37): the scores do not depend on the piece size, a stream decoding beside the
+//! passes keeps its one token a step, a step carries no more pass tokens than a prompt
+//! chunk may, and a sequence preempted while its passes run gives back its fork.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use pk_engine::{Engine, EngineConfig, GenerateParams, Request, SeqEvent};
+use pk_kv::KvGranularity;
+
+fn kvzip_params(policy: &str, max_tokens: usize) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
+        ignore_eos: true,
+        kv_policy: Some(policy.parse().unwrap()),
+        kv_budget: Some(128),
+        kv_granularity: Some(KvGranularity::Head),
+        record_prefill_keeps: true,
+        ..Default::default()
+    }
+}
+
+/// Every unit's recorded KVzip scores for `policy` on the 600-token prompt.
+fn prior_scores(engine: &mut Engine, policy: &str) -> Vec<Vec<f32>> {
+    let prompt = &common::book_ids()[1000..1600];
+    let out = engine
+        .generate(prompt, &kvzip_params(policy, 4), &mut |_| {})
+        .unwrap();
+    assert_eq!(out.token_ids.len(), 4);
+    out.prefill_keeps
+        .expect("recorded")
+        .into_iter()
+        .map(|k| k.prior_scores)
+        .collect()
+}
+
+/// Pieces of 40 tokens against whole passes: the same scores, with several chunks (the
+/// earlier pieces' keys go to the kernel as always-visible keys) and with one chunk (the
+/// log-sum-exp path on CPUs with AVX-512).
+#[test]
+fn passes_in_pieces_give_the_scores_of_whole_passes() {
+    let mut whole = common::engine(EngineConfig::default());
+    let mut pieces = common::engine(EngineConfig {
+        max_batch_tokens: 40,
+        ..EngineConfig::default()
+    });
+    for policy in ["kvzip:chunk=256:global", "kvzip:global"] {
+        let (a, b) = (
+            prior_scores(&mut whole, policy),
+            prior_scores(&mut pieces, policy),
+        );
+        assert_eq!(a.len(), b.len());
+        let mut max_diff = 0f32;
+        for (ra, rb) in a.iter().zip(&b) {
+            assert_eq!(ra.len(), 600);
+            for (x, y) in ra.iter().zip(rb) {
+                max_diff = max_diff.max((x - y).abs() / (1e-3 + x.abs()));
+            }
+        }
+        eprintln!("{policy}: max relative difference {max_diff}");
+        assert!(max_diff < 1e-5, "{policy}: relative difference {max_diff}");
+        // The scores are not trivial: some tokens score well below the sinks.
+        assert!(a.iter().flatten().any(|&x| x < 0.01), "{policy}");
+        whole.check_invariants();
+        pieces.check_invariants();
+    }
+}
+
+/// Per-request counters a sink fills.
+#[derive(Default)]
+struct Seen {
+    tokens: usize,
+    finished: bool,
+    error: Option<String>,
+}
+
+fn submit(engine: &mut Engine, prompt: &[u32], params: GenerateParams) -> Arc<Mutex<Seen>> {
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let sink_seen = seen.clone();
+    let sink = Box::new(move |ev: SeqEvent| {
+        let mut s = sink_seen.lock().unwrap();
+        match ev {
+            SeqEvent::Text { token_ids, .. } => s.tokens += token_ids.len(),
+            SeqEvent::Finished(_) => s.finished = true,
+            SeqEvent::Error(e) => s.error = Some(e.to_string()),
+            _ => {}
+        }
+        true
+    });
+    engine
+        .submit(Request {
+            prompt_ids: prompt.to_vec(),
+            params,
+            cache_salt: None,
+            sink,
+        })
+        .unwrap();
+    seen
+}
+
+/// A stream decoding beside a KVzip request: while the passes run (several steps), it
+/// gets a token every step, and no step runs more than the decode plus a prompt chunk's
+/// allowance (`max_prefill_tokens_while_decoding`); then the KVzip request decodes too.
+#[test]
+fn a_stream_decodes_every_step_while_passes_run_beside_it() {
+    let config = EngineConfig::default();
+    let allowance = config.max_prefill_tokens_while_decoding;
+    let mut engine = common::engine(config);
+    let book = common::book_ids();
+    let plain = GenerateParams {
+        max_tokens: 200,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let a = submit(&mut engine, &book[0..100], plain);
+    while a.lock().unwrap().tokens == 0 {
+        engine.step();
+    }
+    let b = submit(
+        &mut engine,
+        &book[1000..1600],
+        kvzip_params("kvzip:chunk=256", 8),
+    );
+    let mut pending_steps = 0;
+    while engine.has_work() {
+        // Only A samples while B's passes run: one generated token a step is A's decode.
+        let before = engine.stats.generation_tokens;
+        let pending = engine.num_kvzip_pending() == 1;
+        let ran = engine.step();
+        if pending {
+            pending_steps += 1;
+            let sampled = engine.stats.generation_tokens - before;
+            assert_eq!(sampled, 1, "A decodes every step");
+            assert!(ran <= 1 + allowance, "{ran} tokens in one step");
+        }
+    }
+    // Three chunks' passes, each a chunk of 256 (or 88) and a prompt, in pieces of 64.
+    assert!(pending_steps >= 10, "{pending_steps} steps of passes");
+    let (a, b) = (a.lock().unwrap(), b.lock().unwrap());
+    assert!(a.finished && b.finished, "{:?} {:?}", a.error, b.error);
+    assert_eq!((a.tokens, b.tokens), (200, 8));
+    assert!(engine.eviction_stats["kvzip"].reconstruction_forward_seconds > 0.0);
+    engine.check_invariants();
+    let pool = engine.kv_manager().pool();
+    assert_eq!(pool.num_free_blocks(), pool.num_blocks());
+}
+
+/// A pool too small for a stream's growth and a KVzip request's passes at once: the
+/// passes' sequence is preempted while they run (its fork freed with it), admitted again
+/// later, and both requests finish with every block back in the pool. Pieces of 8 tokens
+/// make the passes long enough for the stream to outgrow the pool (1,160–1,240 tokens of
+/// pool do it; 1,280 does not).
+#[test]
+fn a_sequence_preempted_during_its_passes_gives_its_fork_back() {
+    let mut engine = common::engine(EngineConfig {
+        kv_capacity_tokens: Some(1200),
+        max_prefill_tokens_while_decoding: 8,
+        ..EngineConfig::default()
+    });
+    let book = common::book_ids();
+    let plain = GenerateParams {
+        max_tokens: 400,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let a = submit(&mut engine, &book[0..200], plain);
+    while a.lock().unwrap().tokens == 0 {
+        engine.step();
+    }
+    let b = submit(
+        &mut engine,
+        &book[1000..1600],
+        kvzip_params("kvzip:chunk=256", 8),
+    );
+    let mut preempted_while_pending = 0;
+    while engine.has_work() {
+        let pending = engine.num_kvzip_pending() == 1;
+        engine.step();
+        engine.check_invariants();
+        if pending && engine.num_kvzip_pending() == 0 && engine.num_waiting() == 1 {
+            preempted_while_pending += 1;
+        }
+    }
+    assert!(
+        preempted_while_pending >= 1,
+        "the pool never ran out during the passes"
+    );
+    let (a, b) = (a.lock().unwrap(), b.lock().unwrap());
+    assert!(a.finished && b.finished, "{:?} {:?}", a.error, b.error);
+    assert_eq!((a.tokens, b.tokens), (400, 8));
+    let pool = engine.kv_manager().pool();
+    assert_eq!(pool.num_free_blocks(), pool.num_blocks());
+}
