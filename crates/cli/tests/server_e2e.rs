@@ -121,9 +121,25 @@ fn openai_python_client_against_live_server() {
 }
 
 /// `pagekeeper serve` on `model` with `args`, on a free port, once `/health` answers 200.
+/// A port found free can be taken before the server binds it, so a server that exits
+/// during start-up is started again on another port, three times at most.
 fn start_server(model: &std::path::Path, args: &[&str]) -> (Server, u16) {
+    for attempt in 1.. {
+        match try_start_server(model, args) {
+            Ok(started) => return started,
+            Err(status) if attempt < 3 => eprintln!("serve exited during start-up ({status})"),
+            Err(status) => panic!("pagekeeper serve exited during start-up: {status}"),
+        }
+    }
+    unreachable!()
+}
+
+fn try_start_server(
+    model: &std::path::Path,
+    args: &[&str],
+) -> Result<(Server, u16), std::process::ExitStatus> {
     let port = free_port();
-    let server = Server(
+    let mut server = Server(
         Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
             .args(["serve", "--port", &port.to_string(), "--model"])
             .arg(model)
@@ -135,13 +151,16 @@ fn start_server(model: &std::path::Path, args: &[&str]) -> (Server, u16) {
     );
     let t0 = Instant::now();
     while get_status(port, "/health") != Some(200) {
+        if let Some(status) = server.0.try_wait().unwrap() {
+            return Err(status);
+        }
         assert!(
             t0.elapsed() < Duration::from_secs(120),
             "server did not become healthy"
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    (server, port)
+    Ok((server, port))
 }
 
 /// A JSON POST over a fresh connection; the status and the parsed body.

@@ -138,8 +138,28 @@ impl Server {
         Server::start_model(&model_path(), POOL_TOKENS, extra)
     }
 
-    /// As `start`, with another model and pool size (`--max-model-len` too).
+    /// As `start`, with another model and pool size (`--max-model-len` too). A port found
+    /// free can be taken before the server binds it (by another test's server, or as the
+    /// local port of an outgoing connection), so a server that exits during start-up is
+    /// started again on another port, three times at most.
     pub fn start_model(model: &std::path::Path, pool_tokens: usize, extra: &[&str]) -> Server {
+        for attempt in 1.. {
+            match Server::try_start(model, pool_tokens, extra) {
+                Ok(server) => return server,
+                Err(status) if attempt < 3 => {
+                    eprintln!("pagekeeper serve exited during start-up ({status}); another port")
+                }
+                Err(status) => panic!("pagekeeper serve exited during start-up: {status}"),
+            }
+        }
+        unreachable!()
+    }
+
+    fn try_start(
+        model: &std::path::Path,
+        pool_tokens: usize,
+        extra: &[&str],
+    ) -> Result<Server, std::process::ExitStatus> {
         let port = free_port();
         let pool = pool_tokens.to_string();
         // The chunk size applies where a tier stores chunks; serve refuses it without one.
@@ -193,7 +213,8 @@ impl Server {
                 }
             }
             if let Some(status) = server.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("pagekeeper serve exited during start-up: {status}");
+                server.child = None;
+                return Err(status);
             }
             assert!(
                 started.elapsed() < Duration::from_secs(120),
@@ -201,7 +222,7 @@ impl Server {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        server
+        Ok(server)
     }
 
     /// SIGKILL: no drain, no clean shutdown.
