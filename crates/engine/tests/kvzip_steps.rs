@@ -100,6 +100,31 @@ fn submit(engine: &mut Engine, prompt: &[u32], params: GenerateParams) -> Arc<Mu
     seen
 }
 
+/// Request A (book tokens `a_prompt`, `a_tokens` out) until it decodes, then request B
+/// (600 book tokens, `kvzip:chunk=256` to 128 tokens, 8 out) beside it.
+fn stream_then_kvzip(
+    engine: &mut Engine,
+    a_prompt: std::ops::Range<usize>,
+    a_tokens: usize,
+) -> (Arc<Mutex<Seen>>, Arc<Mutex<Seen>>) {
+    let book = common::book_ids();
+    let plain = GenerateParams {
+        max_tokens: a_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let a = submit(engine, &book[a_prompt], plain);
+    while a.lock().unwrap().tokens == 0 {
+        engine.step();
+    }
+    let b = submit(
+        engine,
+        &book[1000..1600],
+        kvzip_params("kvzip:chunk=256", 8),
+    );
+    (a, b)
+}
+
 /// A stream decoding beside a KVzip request: while the passes run (several steps), it
 /// gets a token every step, and no step runs more than the decode plus a prompt chunk's
 /// allowance (`max_prefill_tokens_while_decoding`); then the KVzip request decodes too.
@@ -108,21 +133,7 @@ fn a_stream_decodes_every_step_while_passes_run_beside_it() {
     let config = EngineConfig::default();
     let allowance = config.max_prefill_tokens_while_decoding;
     let mut engine = common::engine(config);
-    let book = common::book_ids();
-    let plain = GenerateParams {
-        max_tokens: 200,
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let a = submit(&mut engine, &book[0..100], plain);
-    while a.lock().unwrap().tokens == 0 {
-        engine.step();
-    }
-    let b = submit(
-        &mut engine,
-        &book[1000..1600],
-        kvzip_params("kvzip:chunk=256", 8),
-    );
+    let (a, b) = stream_then_kvzip(&mut engine, 0..100, 200);
     let mut pending_steps = 0;
     while engine.has_work() {
         // Only A samples while B's passes run: one generated token a step is A's decode.
@@ -159,21 +170,7 @@ fn a_sequence_preempted_during_its_passes_gives_its_fork_back() {
         max_prefill_tokens_while_decoding: 8,
         ..EngineConfig::default()
     });
-    let book = common::book_ids();
-    let plain = GenerateParams {
-        max_tokens: 400,
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let a = submit(&mut engine, &book[0..200], plain);
-    while a.lock().unwrap().tokens == 0 {
-        engine.step();
-    }
-    let b = submit(
-        &mut engine,
-        &book[1000..1600],
-        kvzip_params("kvzip:chunk=256", 8),
-    );
+    let (a, b) = stream_then_kvzip(&mut engine, 0..200, 400);
     let mut preempted_while_pending = 0;
     while engine.has_work() {
         let pending = engine.num_kvzip_pending() == 1;

@@ -105,13 +105,8 @@ impl Engine {
         i: usize,
         chunk_tokens: usize,
     ) -> Result<Option<Box<KvzipRun>>, String> {
+        let n_stored = self.stored_tokens(i);
         let seq = self.sched.running[i].kv.seq.expect("running");
-        let n_stored = self
-            .sched
-            .kv
-            .block_table(seq)
-            .expect("live")
-            .num_stored_tokens() as usize;
         let s = &self.sched.running[i];
         let budget = s.eviction.as_ref().expect("evicting").budget_tokens;
         let context = s.all_ids[..n_stored].to_vec();
@@ -142,13 +137,7 @@ impl Engine {
     /// Each unit's scores from KVzip's `[layer][kv_head][token]` scores handed to its
     /// policy, with the ragged budget (`kvzip:global`) they give.
     pub(super) fn set_kvzip_prior(&mut self, i: usize, scores: &[f32]) {
-        let seq = self.sched.running[i].kv.seq.expect("running");
-        let n_stored = self
-            .sched
-            .kv
-            .block_table(seq)
-            .expect("live")
-            .num_stored_tokens() as usize;
+        let n_stored = self.stored_tokens(i);
         let n_kv_heads = self.backend.config().n_kv_heads;
         let ev = self.sched.running[i].eviction.as_mut().expect("evicting");
         let unit_scores: Vec<Vec<f32>> = ev
@@ -167,5 +156,12 @@ impl Engine {
         for (u, scores) in ev.units.iter_mut().zip(unit_scores) {
             u.policy.set_prior_scores(scores);
         }
+    }
+
+    /// Tokens `running[i]`'s main table stores.
+    fn stored_tokens(&self, i: usize) -> usize {
+        let seq = self.sched.running[i].kv.seq.expect("running");
+        let table = self.sched.kv.block_table(seq).expect("live");
+        table.num_stored_tokens() as usize
     }
 }
