@@ -78,6 +78,10 @@ assert ev.usage.completion_tokens == 8 or ev.choices[0].finish_reason == "stop",
 ev = client.completions.create(model=model, prompt=long_prompt, max_tokens=8, temperature=0,
                                extra_body={"kv_policy": "snapkv", "kv_budget": 128, "kv_granularity": "head"})
 assert ev.usage.completion_tokens == 8 or ev.choices[0].finish_reason == "stop", ev
+# KVzip: its reconstruction passes run (a piece a step) before the prompt is pruned.
+ev = client.completions.create(model=model, prompt=long_prompt, max_tokens=8, temperature=0,
+                               extra_body={"kv_policy": "kvzip:global", "kv_budget": 128, "kv_granularity": "head"})
+assert ev.usage.completion_tokens == 8 or ev.choices[0].finish_reason == "stop", ev
 
 # logprobs: the chosen token's and 5 alternatives', in OpenAI's shape; greedy picks the most
 # likely, the alternatives' probabilities sum to at most 1, and the streamed values are the
@@ -526,4 +530,7 @@ assert hits and float(hits[0].split()[-1]) >= 32, hits
 assert f'model_name="{model}"' in metrics
 pruned = [l for l in metrics.splitlines() if l.startswith("pagekeeper:kv_pruned_prompt_tokens_total{") and 'policy="paged-eviction"' in l]
 assert pruned and float(pruned[0].split()[-1]) > 0, pruned
+passes = [l for l in metrics.splitlines() if l.startswith("pagekeeper:kv_reconstruction_us_total{") and 'policy="kvzip"' in l]
+assert passes and float(passes[0].split()[-1]) > 0, passes
+assert "pagekeeper:num_requests_kvzip_passes" in metrics
 print("openai client e2e: all checks passed")

@@ -273,10 +273,19 @@ fn publish(
             .increment(now.evicted_blocks - before.evicted_blocks);
         metrics::counter!("pagekeeper:kv_pruned_prompt_tokens_total", &labels)
             .increment(now.pruned_prompt_tokens - before.pruned_prompt_tokens);
+        // KVzip's reconstruction passes (forward and scoring), in whole microseconds: the
+        // counter's value is an integer, and each step's share is rounded alike.
+        let pass_us = |e: &pk_engine::EvictionStats| {
+            ((e.reconstruction_forward_seconds + e.reconstruction_scoring_seconds) * 1e6) as u64
+        };
+        metrics::counter!("pagekeeper:kv_reconstruction_us_total", &labels)
+            .increment(pass_us(now).saturating_sub(pass_us(before)));
         *before = now.clone();
     }
     metrics::gauge!("vllm:num_requests_running").set(engine.num_running() as f64);
     metrics::gauge!("vllm:num_requests_waiting").set(engine.num_waiting() as f64);
+    // Running requests whose KVzip passes are still in progress (no token until they end).
+    metrics::gauge!("pagekeeper:num_requests_kvzip_passes").set(engine.num_kvzip_pending() as f64);
     metrics::gauge!("vllm:kv_cache_usage_perc").set(engine.kv_manager().usage());
     let s = &engine.stats;
     // Peaks since the server started (what load tests read): blocks are the pool's unit,
