@@ -190,3 +190,46 @@ fn a_sequence_preempted_during_its_passes_gives_its_fork_back() {
     let pool = engine.kv_manager().pool();
     assert_eq!(pool.num_free_blocks(), pool.num_blocks());
 }
+
+/// A background request's passes (a stored context scored in idle time) yield to a user's
+/// request that arrives while they run: its prompt takes the step's allowance first, and
+/// it has its first tokens before the passes end.
+#[test]
+fn a_users_request_goes_ahead_of_background_passes() {
+    let mut engine = common::engine(EngineConfig::default());
+    let book = common::book_ids();
+    let background = GenerateParams {
+        background: true,
+        ..kvzip_params("kvzip:chunk=256", 2)
+    };
+    let b = submit(&mut engine, &book[1000..1600], background);
+    while engine.num_kvzip_pending() == 0 {
+        assert!(
+            engine.has_work(),
+            "the background request ended without passes"
+        );
+        engine.step();
+    }
+    let user = GenerateParams {
+        max_tokens: 4,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let a = submit(&mut engine, &book[0..300], user);
+    let mut user_tokens_during_passes = 0;
+    while engine.has_work() {
+        engine.step();
+        if engine.num_kvzip_pending() == 1 {
+            user_tokens_during_passes = a.lock().unwrap().tokens;
+        }
+    }
+    assert!(
+        user_tokens_during_passes >= 1,
+        "the user's request waited for the background passes"
+    );
+    let (a, b) = (a.lock().unwrap(), b.lock().unwrap());
+    assert!(a.finished && b.finished, "{:?} {:?}", a.error, b.error);
+    assert_eq!((a.tokens, b.tokens), (4, 2));
+    let pool = engine.kv_manager().pool();
+    assert_eq!(pool.num_free_blocks(), pool.num_blocks());
+}

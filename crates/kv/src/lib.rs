@@ -71,7 +71,10 @@
 //! NOTE 10: Pruning never writes a block another table or the prefix cache can read.
 //! Compaction moves kept tokens left (`keep[j] >= j`, so ascending copies are safe in
 //! place) and gives any destination block that is shared or cached, and a new partial last
-//! block, a private copy first. So shared and cached blocks stay immutable (NOTE 3).
+//! block, a private copy first. So shared and cached blocks stay immutable (NOTE 3). When
+//! no block is free for those copies, a cached block that the compacting table alone holds
+//! leaves the prefix cache instead (`BlockPool::uncache`) and is written in place: no
+//! other reader remains, and a later prompt only misses it.
 //!
 //! NOTE 11: An eviction policy holds one entry per full block of its sequence's table, in
 //! table order (`num_scored_blocks() == num_full_blocks()`): set at prefill for the kept

@@ -192,6 +192,30 @@ impl BlockPool {
         true
     }
 
+    /// Drops an in-use block's prefix-cache entry, so that its owner may write it in place
+    /// (later prompts miss it). Returns whether it had one.
+    ///
+    /// Panics if the block is free: a free block's hash is all that says what it holds.
+    pub fn uncache(&mut self, block_id: BlockId) -> bool {
+        let index = self.checked_index(block_id);
+        assert!(
+            self.ref_counts[index] > 0,
+            "pool: uncache of free block {}",
+            block_id.0
+        );
+        let Some(hash) = self.block_hashes[index].take() else {
+            return false;
+        };
+        let removed = self.cached_blocks.remove(&hash);
+        assert_eq!(
+            removed,
+            Some(block_id),
+            "pool: cache index disagrees with block {}'s hash",
+            block_id.0
+        );
+        true
+    }
+
     /// The block cached under `block_hash`, without taking a reference. The answer is only
     /// good until the next `allocate`, which may evict it.
     pub fn cached_block(&self, block_hash: &BlockHash) -> Option<BlockId> {

@@ -162,6 +162,37 @@ fn failed_compaction_changes_nothing() {
     manager.check_invariants();
 }
 
+/// A full pool, and a sequence whose blocks are cached and held by it alone (a prompt that
+/// adopted the prefix cache): the copies that would keep the cache entries do not fit, so
+/// the entries are given up and the blocks compacted in place; the pool stays full and
+/// the prompt no longer hits.
+#[test]
+fn with_no_free_block_a_sole_owner_gives_up_the_cache_entries_instead() {
+    // Nine tokens: two full blocks, cached, and the last token in a third.
+    let mut manager = KvCacheManager::new(3, B);
+    let prompt: Vec<u32> = (0..9).collect();
+    prefill(&mut manager, SeqId(1), &prompt);
+    manager.free(SeqId(1));
+    prefill(&mut manager, SeqId(2), &prompt);
+    assert_eq!(
+        manager.block_table(SeqId(2)).unwrap().block_ids(),
+        ids(&[0, 1, 2])
+    );
+    assert_eq!(manager.pool().num_free_blocks(), 0);
+    assert_eq!(manager.pool().num_cached_blocks(), 2);
+    let moves = manager.compact(SeqId(2), &[1, 2, 3, 4, 5]).unwrap();
+    assert_eq!(pairs(&moves), vec![(1, 0), (2, 1), (3, 2), (4, 3), (5, 4)]);
+    // Written in place: the same blocks, no longer cached.
+    let table = manager.block_table(SeqId(2)).unwrap();
+    assert_eq!(table.block_ids(), ids(&[0, 1]));
+    assert_eq!(manager.pool().num_cached_blocks(), 0);
+    manager.check_invariants();
+    assert!(manager
+        .get_computed_prefix(&prompt, b"")
+        .block_ids()
+        .is_empty());
+}
+
 // -----------------------------------------------------------------------------------------
 // Property test: arbitrary keep lists, with the prompt shared through a donor or not.
 // -----------------------------------------------------------------------------------------

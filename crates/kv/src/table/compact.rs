@@ -233,7 +233,7 @@ impl BlockTable {
     ) -> Option<Vec<TokenMove>> {
         let block_size_tokens = self.block_size_tokens;
         let num_blocks_new = new_num_stored_tokens.div_ceil(block_size_tokens) as usize;
-        let needs_private_copy: Vec<bool> = (0..num_blocks_new)
+        let mut needs_private_copy: Vec<bool> = (0..num_blocks_new)
             .map(|block_index| {
                 let block_id = self.block_ids[block_index];
                 let writable = pool.ref_count(block_id) == 1 && pool.block_hash(block_id).is_none();
@@ -246,7 +246,10 @@ impl BlockTable {
                 all_private || becomes_partial || (first..end).any(|to| source(to) != to)
             })
             .collect();
-        let num_copies = needs_private_copy.iter().filter(|&&copy| copy).count() as u32;
+        let mut num_copies = needs_private_copy.iter().filter(|&&copy| copy).count() as u32;
+        if num_copies > pool.num_free_blocks() {
+            num_copies = self.uncache_instead_of_copying(&mut needs_private_copy, pool)?;
+        }
         // Allocate first: it is the only step that can fail, so no undo is needed. The
         // fresh blocks come from the free queue, so none of them is a move's source.
         let mut fresh_block_ids = pool.allocate_n(num_copies)?.into_iter();
@@ -287,6 +290,36 @@ impl BlockTable {
         self.block_ids = new_block_ids;
         self.num_stored_tokens = new_num_stored_tokens;
         Some(moves)
+    }
+
+    /// With too few free blocks for the private copies: a block this table alone holds
+    /// needs its copy only to keep its prefix-cache entry, so that entry is given up and
+    /// the block written in place (a later prompt misses it; nothing else changes). Blocks
+    /// another table shares still need copies. Returns the copies left, or `None`, with
+    /// nothing changed, when even those do not fit.
+    fn uncache_instead_of_copying(
+        &self,
+        needs_private_copy: &mut [bool],
+        pool: &mut BlockPool,
+    ) -> Option<u32> {
+        let sole_owner: Vec<bool> = needs_private_copy
+            .iter()
+            .zip(&self.block_ids)
+            .map(|(&copy, &id)| copy && pool.ref_count(id) == 1 && pool.block_hash(id).is_some())
+            .collect();
+        let shared_copies = needs_private_copy
+            .iter()
+            .zip(&sole_owner)
+            .filter(|&(&copy, &sole)| copy && !sole)
+            .count() as u32;
+        if shared_copies > pool.num_free_blocks() {
+            return None;
+        }
+        for (block_index, _) in sole_owner.iter().enumerate().filter(|(_, &sole)| sole) {
+            pool.uncache(self.block_ids[block_index]);
+            needs_private_copy[block_index] = false;
+        }
+        Some(shared_copies)
     }
 }
 
