@@ -175,9 +175,12 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
             .as_ref()
             .is_none_or(|e| e.config.block_size_tokens != u.block_size)
         {
-            drop((engine.take(), reference.take())); // free the previous engines' KV pools first
-                                                     // Room for the full run's cached prompt plus a policy's own run beside it.
-            let capacity = 2 * (max_len + cfg.continuation_tokens + 64) + 4 * u.block_size as usize;
+            // Free the previous engines' KV pools first.
+            drop((engine.take(), reference.take()));
+            // Room for the full run's cached prompt, a policy's own run beside it, and the
+            // private copies its compaction makes of the cached blocks it adopted (without
+            // them the cache entries are given up, and the next policy recomputes).
+            let capacity = 3 * (max_len + cfg.continuation_tokens + 64) + 4 * u.block_size as usize;
             let config = EngineConfig {
                 block_size_tokens: u.block_size,
                 kv_capacity_tokens: Some(capacity),
