@@ -188,6 +188,7 @@ impl Engine {
         self.stats.prefix_queries_tokens = sched_stats.prefix_queries_tokens;
         self.stats.prefix_hits_tokens = sched_stats.prefix_hits_tokens;
         let (chunks, pass_tokens) = (schedule.chunks, schedule.kvzip_pass_tokens);
+        let pass_seq = schedule.kvzip_pass_seq;
         if chunks.is_empty() && pass_tokens == 0 {
             return 0;
         }
@@ -197,7 +198,9 @@ impl Engine {
         if !chunks.is_empty() {
             n_tokens = self.execute_and_update(&chunks);
         }
-        n_tokens += self.advance_kvzip_run(pass_tokens);
+        if let Some(seq) = pass_seq {
+            n_tokens += self.advance_kvzip_run(seq, pass_tokens);
+        }
         self.stats.steps += 1;
         n_tokens
     }

@@ -42,9 +42,11 @@ pub(crate) struct Schedule {
     /// no blocks any more.
     pub failed: Vec<(SeqState, RequestError)>,
     /// Tokens of KVzip's reconstruction passes the engine runs beside the chunks (one
-    /// piece of the first pending sequence's, `Engine::advance_kvzip_run`), out of the
-    /// step's prompt allowance; 0 when no pass is pending.
+    /// piece of `kvzip_pass_seq`'s, `Engine::advance_kvzip_run`), out of the step's prompt
+    /// allowance; 0 when no pass is pending.
     pub kvzip_pass_tokens: usize,
+    /// The sequence whose pass gets `kvzip_pass_tokens`.
+    pub kvzip_pass_seq: Option<SeqId>,
 }
 
 /// Where an admitted sequence's first prompt tokens come from.
@@ -172,7 +174,11 @@ impl Scheduler {
         let mut out = Schedule::default();
         self.drop_aborted();
         self.admit(loads, &mut out.failed);
-        (out.chunks, out.kvzip_pass_tokens) = self.plan(&mut out.failed);
+        let (chunks, pass) = self.plan(&mut out.failed);
+        out.chunks = chunks;
+        if let Some((seq, tokens)) = pass {
+            (out.kvzip_pass_seq, out.kvzip_pass_tokens) = (Some(seq), tokens);
+        }
         out
     }
 
@@ -216,12 +222,26 @@ impl Scheduler {
     /// after another while the pruned sequences decode beside them.
     /// A prompt pruned as its chunks arrive needs at most its peak (budget + interval)
     /// less what it holds.
+    /// A sequence whose KVzip passes run keeps its pass's peak reserved until they end.
     fn reserved_prefill_blocks(&self) -> usize {
-        self.running
+        let prompts: usize = self
+            .running
             .iter()
             .filter(|s| s.kv.num_computed < s.n_prompt)
             .map(|s| self.prefill_blocks_left(s))
-            .sum()
+            .sum();
+        let passes: usize = self
+            .running
+            .iter()
+            .filter_map(|s| {
+                let run = s.eviction.as_ref()?.kvzip_run.as_ref()?;
+                let left = self
+                    .pass_peak_tokens(s)
+                    .saturating_sub(run.pass_tokens_held());
+                Some(left.div_ceil(self.limits.block_size_tokens))
+            })
+            .sum();
+        prompts + passes
     }
 
     /// `reserved_prefill_blocks` of one sequence still in its prompt.
@@ -477,7 +497,10 @@ impl Scheduler {
     /// The next batch: a decode token for every decoding sequence first, then prompt
     /// chunks, within the step's token budget, each with its slots allocated (preempting
     /// the newest other sequences when the pool is out of blocks).
-    fn plan(&mut self, failed: &mut Vec<(SeqState, RequestError)>) -> (Vec<Chunk>, usize) {
+    fn plan(
+        &mut self,
+        failed: &mut Vec<(SeqState, RequestError)>,
+    ) -> (Vec<Chunk>, Option<(SeqId, usize)>) {
         // A sequence whose KVzip passes are in progress waits for them (the engine runs
         // them beside the plan, `Engine::advance_kvzip_run`).
         let mut order: Vec<(bool, SeqId)> = self
@@ -493,17 +516,14 @@ impl Scheduler {
         // A pending pass takes the step's prompt allowance ahead of prompts (its sequence
         // was admitted first), leaving one token per decode: a pass is prompt work to the
         // streams decoding beside it, and it runs in pieces of what a prompt chunk may be.
-        // The engine advances the first pending sequence in running order, as found here.
         // A background request's pass (a stored context scored in idle time) takes only
-        // what the prompts leave.
-        let pending = self
-            .running
-            .iter()
-            .find(|s| s.kvzip_pending())
-            .map(|s| s.req.params.background);
+        // what the prompts leave, and a user's goes first. No piece crosses a chunk.
+        let pass = self.next_pass();
         let mut pass_tokens = 0;
-        if pending == Some(false) {
-            pass_tokens = prefill_left.min(budget.saturating_sub(n_decoding));
+        if let Some((_, false, left)) = pass {
+            pass_tokens = left
+                .min(prefill_left)
+                .min(budget.saturating_sub(n_decoding));
             budget -= pass_tokens;
             prefill_left -= pass_tokens;
         }
@@ -532,10 +552,26 @@ impl Scheduler {
                 prefill_left -= take;
             }
         }
-        if pending == Some(true) {
-            pass_tokens = prefill_left.min(budget);
+        if let Some((_, true, left)) = pass {
+            pass_tokens = left.min(prefill_left).min(budget);
         }
-        (plan, pass_tokens)
+        (plan, pass.map(|(seq, _, _)| (seq, pass_tokens)))
+    }
+
+    /// The pending KVzip pass that runs next: the first user request's in running order,
+    /// else the first background one's. Its sequence, whether it is background, and the
+    /// tokens left in its current chunk's pass.
+    fn next_pass(&self) -> Option<(SeqId, bool, usize)> {
+        let pending = |background: bool| {
+            self.running.iter().find_map(|s| {
+                let run = s.eviction.as_ref()?.kvzip_run.as_ref()?;
+                (s.req.params.background == background).then(|| {
+                    let seq = s.kv.seq.expect("running");
+                    (seq, background, run.pass_tokens_left())
+                })
+            })
+        };
+        pending(false).or_else(|| pending(true))
     }
 
     /// Tokens of `s` the next chunk computes, at most `limit`: what is pending, within the

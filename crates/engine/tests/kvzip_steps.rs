@@ -233,3 +233,43 @@ fn a_users_request_goes_ahead_of_background_passes() {
     let pool = engine.kv_manager().pool();
     assert_eq!(pool.num_free_blocks(), pool.num_blocks());
 }
+
+/// Blocks set aside for a pass stay set aside while it runs: a request that arrives
+/// during the passes and fits only in them waits for them to end, instead of being
+/// admitted and leaving the passes no room (which would preempt the KVzip request).
+#[test]
+fn admission_keeps_a_running_pass_its_blocks() {
+    let mut engine = common::engine(EngineConfig {
+        kv_capacity_tokens: Some(1600),
+        max_prefill_tokens_while_decoding: 8,
+        ..EngineConfig::default()
+    });
+    let (a, b) = stream_then_kvzip(&mut engine, 0..200, 400);
+    while engine.num_kvzip_pending() == 0 {
+        engine.step();
+    }
+    let book = common::book_ids();
+    let late = GenerateParams {
+        max_tokens: 4,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let c = submit(&mut engine, &book[2000..2500], late);
+    let mut admitted_during_passes = false;
+    while engine.has_work() {
+        engine.step();
+        if engine.num_kvzip_pending() == 1 && engine.num_waiting() == 0 {
+            admitted_during_passes = true;
+        }
+    }
+    assert!(
+        !admitted_during_passes,
+        "the late request took the pass's blocks"
+    );
+    assert_eq!(engine.stats.preemptions, 0);
+    for (seen, n) in [(a, 400), (b, 8), (c, 4)] {
+        let seen = seen.lock().unwrap();
+        assert!(seen.finished, "{:?}", seen.error);
+        assert_eq!(seen.tokens, n);
+    }
+}

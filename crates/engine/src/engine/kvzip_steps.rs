@@ -9,16 +9,18 @@ use crate::eviction::kvzip_run::{KvzipRun, PassError};
 use crate::request::RequestError;
 
 impl Engine {
-    /// Runs at most `max_tokens` pass tokens of the first running sequence whose passes
-    /// are pending (0: none this step). Returns how many ran. A pass with no free block
-    /// preempts its own sequence; a failed forward fails its request.
-    pub(super) fn advance_kvzip_run(&mut self, max_tokens: usize) -> usize {
-        if max_tokens == 0 {
-            return 0;
-        }
-        let Some(i) = self.sched.running.iter().position(|s| s.kvzip_pending()) else {
+    /// Runs at most `max_tokens` pass tokens of `seq`, whose passes are pending (the
+    /// scheduler's choice; it may have left the running set in this step's update).
+    /// Returns how many ran. A pass with no free block preempts its own sequence, or
+    /// fails its request when nothing else runs to give blocks back; a failed forward
+    /// fails its request.
+    pub(super) fn advance_kvzip_run(&mut self, seq: pk_kv::SeqId, max_tokens: usize) -> usize {
+        let Some(i) = self.sched.index_of(seq) else {
             return 0;
         };
+        if max_tokens == 0 || !self.sched.running[i].kvzip_pending() {
+            return 0;
+        }
         let ev = self.sched.running[i].eviction.as_mut().expect("evicting");
         let mut run = ev.kvzip_run.take().expect("pending");
         let result = run.advance(&mut *self.backend, &mut self.sched.kv, max_tokens);
@@ -35,6 +37,12 @@ impl Engine {
             // Decodes beside the passes took the blocks that admission set aside for
             // them: the sequence goes back to the queue, as a preempted one, and is
             // admitted again (prefill and passes anew) when blocks allow.
+            Err(PassError::NoRoom(why)) if self.sched.running.len() == 1 => {
+                self.record_pass_seconds(i, &run);
+                let s = self.sched.running.remove(i);
+                self.fail(s, RequestError::CacheFull(why));
+                0
+            }
             Err(PassError::NoRoom(why)) => {
                 self.record_pass_seconds(i, &run);
                 tracing::debug!("{why}: the sequence is preempted");

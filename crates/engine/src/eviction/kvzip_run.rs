@@ -75,7 +75,7 @@ impl KvzipRun {
     ) -> KvzipRun {
         let c = backend.config();
         let scores = kvzip_initial_scores(c.n_layers, c.n_kv_heads, context.len());
-        KvzipRun {
+        let mut run = KvzipRun {
             seq,
             child,
             forked: false,
@@ -89,7 +89,19 @@ impl KvzipRun {
             scores,
             seconds: PassSeconds::default(),
             queries: None,
-        }
+        };
+        run.build_pass_ids();
+        run
+    }
+
+    /// The current chunk's pass tokens not yet run: the most the next piece can take.
+    pub fn pass_tokens_left(&self) -> usize {
+        self.pass_ids.len() - self.pass_done_tokens
+    }
+
+    /// The current chunk's pass tokens that the fork holds slots for.
+    pub fn pass_tokens_held(&self) -> usize {
+        self.pass_done_tokens
     }
 
     pub fn is_done(&self) -> bool {
@@ -194,16 +206,17 @@ impl KvzipRun {
             self.release(kv);
             self.chunk += 1;
             self.pass_done_tokens = 0;
+            self.build_pass_ids();
         }
         Ok(to - from)
     }
 
-    /// Builds the current chunk's pass tokens and forks the sequence for them.
-    fn start_pass(
-        &mut self,
-        backend: &mut dyn Backend,
-        kv: &mut KvCacheManager,
-    ) -> Result<(), PassError> {
+    /// The current chunk's pass tokens (none once every chunk is done).
+    fn build_pass_ids(&mut self) {
+        if self.is_done() {
+            self.pass_ids.clear();
+            return;
+        }
         let ids = kvzip_pass_ids(
             &self.context,
             &self.chunks,
@@ -219,6 +232,14 @@ impl KvzipRun {
             ids.len() - chunk_len
         );
         self.pass_ids = ids;
+    }
+
+    /// Forks the sequence for the current chunk's pass.
+    fn start_pass(
+        &mut self,
+        backend: &mut dyn Backend,
+        kv: &mut KvCacheManager,
+    ) -> Result<(), PassError> {
         let copies = kv.fork(self.seq, self.child).ok_or_else(|| {
             PassError::NoRoom("no free KV block for KVzip's reconstruction pass (the fork)".into())
         })?;

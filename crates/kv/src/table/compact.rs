@@ -293,10 +293,11 @@ impl BlockTable {
     }
 
     /// With too few free blocks for the private copies: a block this table alone holds
-    /// needs its copy only to keep its prefix-cache entry, so that entry is given up and
-    /// the block written in place (a later prompt misses it; nothing else changes). Blocks
-    /// another table shares still need copies. Returns the copies left, or `None`, with
-    /// nothing changed, when even those do not fit.
+    /// needs its copy only to keep its prefix-cache entry, so as many such entries as the
+    /// free blocks cannot cover are given up and those blocks written in place (a later
+    /// prompt misses them; nothing else changes). Blocks another table shares still need
+    /// copies. Returns the copies left, or `None`, with nothing changed, when even those do
+    /// not fit.
     fn uncache_instead_of_copying(
         &self,
         needs_private_copy: &mut [bool],
@@ -312,14 +313,24 @@ impl BlockTable {
             .zip(&sole_owner)
             .filter(|&(&copy, &sole)| copy && !sole)
             .count() as u32;
-        if shared_copies > pool.num_free_blocks() {
+        let free = pool.num_free_blocks();
+        if shared_copies > free {
             return None;
         }
-        for (block_index, _) in sole_owner.iter().enumerate().filter(|(_, &sole)| sole) {
-            pool.uncache(self.block_ids[block_index]);
-            needs_private_copy[block_index] = false;
+        // As few as the free blocks cannot cover, the last first (a prefix hit needs the
+        // first blocks).
+        let mut copies = needs_private_copy.iter().filter(|&&copy| copy).count() as u32;
+        for block_index in (0..sole_owner.len()).rev() {
+            if copies <= free {
+                break;
+            }
+            if sole_owner[block_index] {
+                pool.uncache(self.block_ids[block_index]);
+                needs_private_copy[block_index] = false;
+                copies -= 1;
+            }
         }
-        Some(shared_copies)
+        Some(copies)
     }
 }
 
