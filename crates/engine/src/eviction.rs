@@ -696,6 +696,7 @@ fn recent_as_view(
 }
 
 pub(crate) mod kvzip;
+pub(crate) mod kvzip_keys;
 pub(crate) mod kvzip_run;
 #[cfg(test)]
 mod tests;

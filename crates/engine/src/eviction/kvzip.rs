@@ -11,7 +11,7 @@
 //! first `KVZIP_SINK_TOKENS` (4) tokens are kept regardless (score 1), as kvpress keeps them.
 
 use pk_kv::{
-    kvzip_unit_pass_scores, KvCacheManager, KvView, SelectionUnit, SeqId, KVZIP_FIRST_PROMPT,
+    kvzip_unit_pass_scores, KvCacheManager, SelectionUnit, SeqId, KVZIP_FIRST_PROMPT,
     KVZIP_LATER_PROMPT,
 };
 use pk_model::Backend;
@@ -19,7 +19,6 @@ use pk_tokenizer::{ChatTemplate, Tokenizer};
 use rayon::prelude::*;
 
 use super::kvzip_run::KvzipRun;
-use super::{table_of, StoreView};
 
 /// The token ids a pass is built from, in the model's vocabulary and template.
 #[derive(Clone, Debug)]
@@ -123,28 +122,6 @@ pub(crate) fn reconstruction_scores(
     seconds.forward += run.seconds.forward;
     seconds.scoring += run.seconds.scoring;
     result.map(|()| run.into_scores())
-}
-
-/// The keys of `span` (stored indices of `child`), `[layer][kv_head][span][head_dim]`.
-pub(super) fn span_keys(
-    backend: &dyn Backend,
-    kv: &KvCacheManager,
-    child: SeqId,
-    span: &[usize],
-) -> Vec<f32> {
-    let c = backend.config();
-    let (n_layers, n_kv, hd) = (c.n_layers, c.n_kv_heads, c.head_dim);
-    let table = table_of(kv, child);
-    let n_stored = span.iter().max().map_or(0, |&t| t + 1);
-    let view = StoreView::prefetched(backend.kv(), &table, n_stored);
-    let mut keys = vec![0f32; n_layers * n_kv * span.len() * hd];
-    for (unit, out) in keys.chunks_exact_mut(span.len() * hd).enumerate() {
-        let (layer, kvh) = (unit / n_kv, unit % n_kv);
-        for (i, &t) in span.iter().enumerate() {
-            view.key(layer, kvh, t, &mut out[i * hd..(i + 1) * hd]);
-        }
-    }
-    keys
 }
 
 /// One pass's (or one piece of a pass's) keys and queries, scored one (layer, KV head)

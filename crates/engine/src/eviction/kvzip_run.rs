@@ -21,7 +21,8 @@ use pk_kv::{
 };
 use pk_model::{Backend, SeqForward};
 
-use super::kvzip::{span_keys, KvzipPrompts, Pass, PassSeconds};
+use super::kvzip::{KvzipPrompts, Pass, PassSeconds};
+use super::kvzip_keys::PieceKeys;
 use super::{table_of, CapturedQueries};
 
 /// Why a piece did not run.
@@ -57,6 +58,8 @@ pub(crate) struct KvzipRun {
     pass_done_tokens: usize,
     /// The current chunk's pass tokens, built when its first piece runs.
     pass_ids: Vec<u32>,
+    /// The current chunk's keys for its pieces, read when its pass starts.
+    keys: Option<PieceKeys>,
     /// `[layer][kv_head][token]`, as `reconstruction_scores` returns them.
     scores: Vec<f32>,
     pub seconds: PassSeconds,
@@ -86,6 +89,7 @@ impl KvzipRun {
             chunk: 0,
             pass_done_tokens: 0,
             pass_ids: Vec::new(),
+            keys: None,
             scores,
             seconds: PassSeconds::default(),
             queries: None,
@@ -173,18 +177,14 @@ impl KvzipRun {
         )?;
         self.seconds.forward += started.elapsed().as_secs_f64();
         let started = std::time::Instant::now();
-        // Keys in the kernels' order: the sinks and the earlier pieces' pass tokens
-        // (visible to every query of this piece), the chunk, then this piece's tokens.
-        let sinks = kvzip_span(chunk.clone(), 0..0);
-        let n_sink = sinks.len() - chunk.len();
-        let span: Vec<usize> = sinks[..n_sink]
-            .iter()
-            .copied()
-            .chain(n_context..n_context + from)
-            .chain(chunk.clone())
-            .chain(n_context + from..n_context + to)
-            .collect();
-        let keys = span_keys(backend, kv, self.child, &span);
+        let table = table_of(kv, self.child);
+        let store = backend.kv();
+        let read = match self.keys.as_mut() {
+            Some(keys) => keys.read_pass(store, &table, n_context + from..n_context + to),
+            None => Err("kvzip: a piece before its chunk's keys".to_string()),
+        };
+        read.map_err(PassError::Failed)?;
+        let (keys, n_sink) = self.keys.as_ref().expect("read").piece(from, to);
         // The forward's log-sum-exps normalise KVzip's softmax only where the pass attended
         // exactly the span: one chunk from the first token (no separate sinks).
         let whole = chunk == (0..n_context);
@@ -195,7 +195,7 @@ impl KvzipRun {
             keys: &keys,
             geometry: (c.n_kv_heads, c.n_heads, c.head_dim),
             n_queries: to - from,
-            n_sink: n_sink + from,
+            n_sink,
         };
         // The first piece sets the chunk's scores (the sinks' too when the chunk holds
         // them, as kvpress does); later pieces raise them.
@@ -203,6 +203,7 @@ impl KvzipRun {
         self.seconds.scoring += started.elapsed().as_secs_f64();
         self.pass_done_tokens = to;
         if to == self.pass_ids.len() {
+            self.keys = None;
             self.release(kv);
             self.chunk += 1;
             self.pass_done_tokens = 0;
@@ -251,6 +252,12 @@ impl KvzipRun {
                     .copy_slot((copy.src.0, slot), (copy.dst.0, slot));
             }
         }
+        // The sinks are the span's tokens before the chunk (`kvzip_span`).
+        let chunk = self.chunks[self.chunk].clone();
+        let n_sink = kvzip_span(chunk.clone(), 0..0).len() - chunk.len();
+        let table = table_of(kv, self.child);
+        let keys = PieceKeys::for_chunk(backend.kv(), &table, 0..n_sink, chunk);
+        self.keys = Some(keys.map_err(PassError::Failed)?);
         Ok(())
     }
 }
