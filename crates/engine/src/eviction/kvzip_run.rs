@@ -184,7 +184,7 @@ impl KvzipRun {
             None => Err("kvzip: a piece before its chunk's keys".to_string()),
         };
         read.map_err(PassError::Failed)?;
-        let (keys, n_sink) = self.keys.as_ref().expect("read").piece(from, to);
+        let (keys, n_sink) = self.keys.as_mut().expect("read").piece(from, to);
         // The forward's log-sum-exps normalise KVzip's softmax only where the pass attended
         // exactly the span: one chunk from the first token (no separate sinks).
         let whole = chunk == (0..n_context);
@@ -192,7 +192,7 @@ impl KvzipRun {
         let pass = Pass {
             queries: &queries,
             lse: lse.as_deref().filter(|_| whole),
-            keys: &keys,
+            keys,
             geometry: (c.n_kv_heads, c.n_heads, c.head_dim),
             n_queries: to - from,
             n_sink,
@@ -241,6 +241,7 @@ impl KvzipRun {
         backend: &mut dyn Backend,
         kv: &mut KvCacheManager,
     ) -> Result<(), PassError> {
+        let started = std::time::Instant::now();
         let copies = kv.fork(self.seq, self.child).ok_or_else(|| {
             PassError::NoRoom("no free KV block for KVzip's reconstruction pass (the fork)".into())
         })?;
@@ -252,12 +253,16 @@ impl KvzipRun {
                     .copy_slot((copy.src.0, slot), (copy.dst.0, slot));
             }
         }
-        // The sinks are the span's tokens before the chunk (`kvzip_span`).
+        self.seconds.forward += started.elapsed().as_secs_f64();
+        // The sinks are the span's tokens before the chunk (`kvzip_span`). Reading their
+        // keys is the scoring's work, and is timed with it.
+        let started = std::time::Instant::now();
         let chunk = self.chunks[self.chunk].clone();
         let n_sink = kvzip_span(chunk.clone(), 0..0).len() - chunk.len();
         let table = table_of(kv, self.child);
         let keys = PieceKeys::for_chunk(backend.kv(), &table, 0..n_sink, chunk);
         self.keys = Some(keys.map_err(PassError::Failed)?);
+        self.seconds.scoring += started.elapsed().as_secs_f64();
         Ok(())
     }
 }
