@@ -41,7 +41,12 @@ fn prior_scores(engine: &mut Engine, policy: &str) -> Vec<Vec<f32>> {
 /// log-sum-exp path on CPUs with AVX-512).
 #[test]
 fn passes_in_pieces_give_the_scores_of_whole_passes() {
-    let mut whole = common::engine(EngineConfig::default());
+    // Room in one step for a whole pass of the 600-token prompt (the default 512 would cut
+    // the one-chunk policy's pass in two).
+    let mut whole = common::engine(EngineConfig {
+        max_batch_tokens: 1024,
+        ..EngineConfig::default()
+    });
     let mut pieces = common::engine(EngineConfig {
         max_batch_tokens: 40,
         ..EngineConfig::default()
