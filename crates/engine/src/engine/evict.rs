@@ -8,6 +8,11 @@ use crate::eviction::kvzip_run::KvzipRun;
 use crate::request::{RequestError, SeqEvent};
 use crate::scheduler::Chunk;
 
+/// Why a request fails when its pruned prompt has no block to be compacted into (a
+/// copy-on-write of a shared block), at prefill or after KVzip's passes.
+pub(super) const NO_BLOCK_TO_COMPACT: &str =
+    "the KV cache is full: no block to compact the pruned prompt into";
+
 impl Engine {
     /// The eviction part of `apply`: prefill selection once the prompt is in, then a block
     /// score per filled block and evictions while over budget. Returns whether the
@@ -91,7 +96,7 @@ impl Engine {
         // than corrupt a shared block.
         s.aborted = true;
         (s.req.sink)(SeqEvent::Error(RequestError::CacheFull(
-            "the KV cache is full: no block to compact the pruned prompt into".into(),
+            NO_BLOCK_TO_COMPACT.into(),
         )));
         true
     }

@@ -3,6 +3,7 @@
 //! prompt allowance; once the last piece has run, the scores go to the sequence's policy,
 //! its prompt is selected and compacted, and it decodes from the next step on.
 
+use super::evict::NO_BLOCK_TO_COMPACT;
 use super::Engine;
 use crate::eviction;
 use crate::eviction::kvzip_run::{KvzipRun, PassError};
@@ -85,8 +86,7 @@ impl Engine {
         // No block for a copy-on-write during compaction: give up on this request rather
         // than corrupt a shared block.
         let s = self.sched.running.remove(i);
-        let why = "the KV cache is full: no block to compact the pruned prompt into";
-        self.fail(s, RequestError::CacheFull(why.into()));
+        self.fail(s, RequestError::CacheFull(NO_BLOCK_TO_COMPACT.into()));
     }
 
     fn record_pass_seconds(&mut self, i: usize, run: &KvzipRun) {
