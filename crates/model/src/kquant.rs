@@ -2,10 +2,12 @@
 //! converted at load into the block formats our integer SIMD kernels run, instead of the
 //! dequantising fallback (a decode step of Gemma-3-270M spent most of its time there).
 //!
-//! - Q4_K → Q4_1, one block per 32-element sub-block: a Q4_K sub-block is `d·sc·q −
-//!   dmin·m` with 4-bit `q`, which is Q4_1's `d'·q + m'` with `d' = d·sc` and `m' =
-//!   −dmin·m`. The quants move unchanged; only the two products are rounded to f16
-//!   (relative error ≤ 2⁻¹¹ on a scale, far below the 4-bit step).
+//! - Q4_K runs natively (`pack`'s Q4K layout: 4.625 bits a weight). It was converted to
+//!   Q4_1 (5 bits a weight), one block per 32-element sub-block: a Q4_K sub-block is `d·sc·q
+//!   − dmin·m` with 4-bit `q`, which is Q4_1's `d'·q + m'` with `d' = d·sc` and `m' =
+//!   −dmin·m`, the two products rounded to f16. `PK_Q4K=q4_1` still asks for that
+//!   conversion, so that benchmarks can compare the two in one build (`PK_Q4K=native` is
+//!   the default; any other value is refused by name).
 //! - Q6_K → Q6S (pagekeeper's own 6-bit format, see [`GgmlType::Q6S`]), one block per 32
 //!   elements: a Q6_K sub-block of 16 is `d·sc·(q − 32)` with 6-bit `q` and an 8-bit signed
 //!   `sc`, which is a Q6S half-block's `d'·(q − 32)` with `d' = d·sc`. The quants move
@@ -27,10 +29,21 @@ const QK_K: usize = 256;
 /// The format a K-quant matrix is converted to, and its bytes; `None` for other formats.
 pub fn convert(ty: GgmlType, data: &[u8]) -> Option<(GgmlType, Vec<u8>)> {
     match ty {
-        GgmlType::Q4K => Some((GgmlType::Q4_1, q4_k_to_q4_1(data))),
+        GgmlType::Q4K if convert_q4_k() => Some((GgmlType::Q4_1, q4_k_to_q4_1(data))),
         GgmlType::Q6K => Some((GgmlType::Q6S, q6_k_to_q6s(data))),
         _ => None,
     }
+}
+
+/// Whether Q4_K matrices are converted to Q4_1 at load (`PK_Q4K=q4_1`) rather than run
+/// natively (see the module's comment).
+pub fn convert_q4_k() -> bool {
+    static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *YES.get_or_init(|| match std::env::var("PK_Q4K").as_deref() {
+        Ok("q4_1") => true,
+        Ok("native") | Err(_) => false,
+        Ok(other) => panic!("PK_Q4K={other:?} is not one of \"native\", \"q4_1\""),
+    })
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {

@@ -16,9 +16,10 @@
 //! host with AVX2, no AVX-512; f16 KV cache, 16-token blocks), top-5 |Δ log-prob| over all steps, mean / max:
 //! SmolLM2 0.072–0.106 / 0.33–0.65 (the 135M Q4_1 model is the most sensitive to the
 //! rounding of its 8-bit activations), Qwen2.5-Coder-0.5B 0.047–0.075 / 0.18–0.29,
-//! Qwen2.5-Coder-1.5B 0.060–0.071 / 0.24–0.54 (its Q4_K weights run as Q4_1 with
-//! f16-rounded scale products, `kquant.rs`); the argmax differs once per model, at gaps of
-//! 0.26, 0.13 and 0.025 nats. The bounds below are
+//! Qwen2.5-Coder-1.5B 0.060–0.071 / 0.24–0.54 (measured when its Q4_K weights ran as Q4_1
+//! with f16-rounded scale products; run natively since, on an Intel Xeon with AMX: 0.060–0.068
+//! / 0.27–0.49, against 0.064–0.072 / 0.30–0.56 with `PK_Q4K=q4_1` in the same session); the
+//! argmax differs once per model, at gaps of 0.26, 0.13 and 0.025 nats. The bounds below are
 //! those maxima with a margin; a wrong forward pass (a missing bias, the wrong RoPE
 //! pairing, a mis-decoded block) moves them by whole nats.
 

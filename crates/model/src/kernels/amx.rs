@@ -40,7 +40,9 @@ use std::sync::OnceLock;
 
 use super::pack::{Packed, GROUP_ROWS};
 use super::q8::{Q8Acts, QK};
-use super::x86::{unpack_group_block, Q4_0, Q4_1, Q5_0, Q6S, Q8_0};
+use super::x86::{
+    q4k_block_scales, q4k_super_scales, unpack_group_block, Q4K, Q4_0, Q4_1, Q5_0, Q6S, Q8_0,
+};
 
 /// Tokens per tile product: the tile's 16 rows.
 pub const TILE_TOKENS: usize = 16;
@@ -131,6 +133,7 @@ fn format_code(ty: pk_gguf::GgmlType) -> Option<u8> {
         T::Q8_0 => Q8_0,
         T::Q5_0 => Q5_0,
         T::Q6S => Q6S,
+        T::Q4K => Q4K,
         _ => return None,
     })
 }
@@ -177,6 +180,7 @@ pub unsafe fn gemm_groups(
                     Q4_1 => pair_tiles::<Q4_1>(p, pair, acts, (c0, c1), rec, out, out_stride),
                     Q8_0 => pair_tiles::<Q8_0>(p, pair, acts, (c0, c1), rec, out, out_stride),
                     Q5_0 => pair_tiles::<Q5_0>(p, pair, acts, (c0, c1), rec, out, out_stride),
+                    Q4K => pair_tiles::<Q4K>(p, pair, acts, (c0, c1), rec, out, out_stride),
                     _ => pair_tiles::<Q6S>(p, pair, acts, (c0, c1), rec, out, out_stride),
                 }
             }
@@ -235,11 +239,7 @@ unsafe fn pair_tiles<const FMT: u8>(
         None
     };
     for b in 0..bpr {
-        unpack_record::<FMT>(
-            first.add(b * gbb),
-            second.map(|s| s.add(b * gbb)),
-            rec.add(b * RECORD_BYTES),
-        );
+        unpack_record::<FMT>((first, second), b, gbb, rec.add(b * RECORD_BYTES));
     }
     let lanes = (p.rows - g * GROUP_ROWS).min(if has_second {
         2 * GROUP_ROWS
@@ -261,9 +261,16 @@ unsafe fn pair_tiles<const FMT: u8>(
 
 /// One block's record: the pair's unpacked weight vectors side by side (row k of the weight
 /// tile is group one's vector k, then group two's; zeros without a second group), then both
-/// groups' scales and mins (or second scales) as f32.
+/// groups' scales and mins (or second scales) as f32. `groups` are the pair's first group
+/// blocks, `b` the block and `gbb` the group block's bytes.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-unsafe fn unpack_record<const FMT: u8>(first: *const u8, second: Option<*const u8>, rec: *mut u8) {
+unsafe fn unpack_record<const FMT: u8>(
+    groups: (*const u8, Option<*const u8>),
+    b: usize,
+    gbb: usize,
+    rec: *mut u8,
+) {
+    let (first, second) = (groups.0.add(b * gbb), groups.1.map(|s| s.add(b * gbb)));
     let v0 = unpack_group_block!(FMT, first);
     let v1 = match second {
         Some(s) => unpack_group_block!(FMT, s),
@@ -280,6 +287,21 @@ unsafe fn unpack_record<const FMT: u8>(first: *const u8, second: Option<*const u
         });
         _mm512_cvtph_ps(_mm256_set_m128i(hi, lo))
     };
+    if FMT == Q4K {
+        // Each group's 8 rows' `d·sc` and `−dmin·m` (zeros without a second group), from
+        // the super-block scales at the head of the super-block's group blocks.
+        let sup = b / 8 * 8 * gbb;
+        let (d0, m0) = q4k_block_scales!(first, q4k_super_scales!(groups.0.add(sup)));
+        let (d1, m1) = match groups.1 {
+            Some(g) => q4k_block_scales!(g.add(b * gbb), q4k_super_scales!(g.add(sup))),
+            None => (_mm256_setzero_ps(), _mm256_setzero_ps()),
+        };
+        _mm256_store_ps(rec.add(512) as *mut f32, d0);
+        _mm256_store_ps(rec.add(544) as *mut f32, d1);
+        _mm256_store_ps(rec.add(576) as *mut f32, m0);
+        _mm256_store_ps(rec.add(608) as *mut f32, m1);
+        return;
+    }
     _mm512_store_ps(rec.add(512) as *mut f32, scales(0));
     if FMT == Q4_1 || FMT == Q6S {
         _mm512_store_ps(rec.add(576) as *mut f32, scales(16));
@@ -369,7 +391,7 @@ unsafe fn tile_products<const FMT: u8>(
                 // The reference's `(d_w * d_a) * isum [+ m_w * s_a]`, unfused (NOTE 1).
                 let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(ab)));
                 let mut x = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(isum));
-                if FMT == Q4_1 {
+                if FMT == Q4_1 || FMT == Q4K {
                     x = _mm512_add_ps(x, _mm512_mul_ps(mw, _mm512_set1_ps(*as_.add(ab))));
                 }
                 acc[$m] = _mm512_add_ps(acc[$m], x);

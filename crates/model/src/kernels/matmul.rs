@@ -18,8 +18,8 @@ use super::x86;
 
 /// A weight matrix in a GGML block format: `rows` output features of `cols` inputs each.
 ///
-/// Formats with an integer SIMD kernel (Q4_0, Q4_1, Q5_0, Q8_0, and Q6S, the 6-bit format
-/// Q6_K is converted to at load) are repacked at load into row groups ([`Packed`]) and the
+/// Formats with an integer SIMD kernel (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, and Q6S, the 6-bit
+/// format Q6_K is converted to at load) are repacked at load into row groups ([`Packed`]) and the
 /// GGUF copy is dropped; rows are restored exactly on demand (for Q6S, in its own block
 /// encoding, which no file holds). Q6S runs directly rather than as Q8_0 because decode is
 /// bound by the bytes it reads: 7 bits a weight instead of 8.5, and no requantisation.
@@ -356,6 +356,7 @@ pub fn matmul_q8_scalar(w: &QMatrix, acts: &Q8Acts, n_tokens: usize, out: &mut [
         GgmlType::Q5_0 => q8::dot_q5_0,
         GgmlType::Q8_0 => q8::dot_q8_0,
         GgmlType::Q6S => q8::dot_q6s,
+        GgmlType::Q4K => q8::dot_q4k,
         ty => panic!("no 8-bit activation path for {ty:?}"),
     };
     let blocks_per_row = w.cols / q8::QK;
@@ -456,7 +457,8 @@ mod tests {
         }
     }
 
-    /// Random weights with valid f16 scales (both of Q6S's; Q4_1's min negative).
+    /// Random weights with valid f16 scales (both of Q6S's; Q4_1's min negative; Q4_K's
+    /// super-block `d` and `dmin`, under random 6-bit sub-block scales and mins).
     fn random_weights(rng: &mut impl Rng, ty: GgmlType, rows: usize, cols: usize) -> QMatrix {
         let mut data = vec![0u8; rows * ty.row_bytes(cols).unwrap()];
         rng.fill(&mut data[..]);
@@ -469,8 +471,22 @@ mod tests {
             if ty == GgmlType::Q6S {
                 blk[2..4].copy_from_slice(&h(rng.gen_range(0.001..0.02)));
             }
+            if ty == GgmlType::Q4K {
+                blk[0..2].copy_from_slice(&h(rng.gen_range(0.0001..0.001)));
+                blk[2..4].copy_from_slice(&h(rng.gen_range(0.0001..0.002)));
+            }
         }
         QMatrix::new(ty, rows, cols, data)
+    }
+
+    /// Columns for a test matrix of `ty`: `cols`, or the next multiple of Q4_K's 256-value
+    /// super-block.
+    fn cols_for(ty: GgmlType, cols: usize) -> usize {
+        if ty == GgmlType::Q4K {
+            cols.next_multiple_of(256)
+        } else {
+            cols
+        }
     }
 
     /// The SIMD kernels equal the scalar integer reference bit for bit, for every packed
@@ -494,8 +510,9 @@ mod tests {
             GgmlType::Q5_0,
             GgmlType::Q8_0,
             GgmlType::Q6S,
+            GgmlType::Q4K,
         ] {
-            let (rows, cols) = (19, 128);
+            let (rows, cols) = (19, if ty == GgmlType::Q4K { 512 } else { 128 });
             let w = random_weights(&mut rng, ty, rows, cols);
             let Storage::Packed(p) = &w.storage else {
                 panic!("{ty:?} is not packed")
@@ -562,6 +579,7 @@ mod tests {
             GgmlType::Q5_0,
             GgmlType::Q8_0,
             GgmlType::Q6S,
+            GgmlType::Q4K,
         ] {
             let w = random_weights(&mut rng, ty, rows, cols);
             let Storage::Packed(p) = &w.storage else {
@@ -594,18 +612,19 @@ mod tests {
             GgmlType::Q5_0,
             GgmlType::Q8_0,
             GgmlType::Q6S,
+            GgmlType::Q4K,
         ];
         for (ty, byte) in formats
             .into_iter()
             .flat_map(|t| [(t, 0xffu8), (t, 0x00), (t, 0x80)])
         {
-            let (rows, cols, n) = (16, 64, 5);
+            let (rows, cols, n) = (16, cols_for(ty, 64), 5);
             // Every quant byte set to `byte`, with valid scales (the first 2 or 4 bytes).
             let mut data = vec![byte; rows * ty.row_bytes(cols).unwrap()];
             let h = |v: f32| half::f16::from_f32(v).to_le_bytes();
             for blk in data.chunks_exact_mut(ty.block_bytes()) {
                 blk[0..2].copy_from_slice(&h(rng.gen_range(0.001..0.02)));
-                if ty == GgmlType::Q4_1 || ty == GgmlType::Q6S {
+                if ty == GgmlType::Q4_1 || ty == GgmlType::Q6S || ty == GgmlType::Q4K {
                     blk[2..4].copy_from_slice(&h(rng.gen_range(0.001..0.02)));
                 }
             }
@@ -633,8 +652,8 @@ mod tests {
     #[test]
     fn q8_path_matches_reference_within_activation_rounding() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
-        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q6S] {
-            let (rows, cols, n) = (70, 96, 5);
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q6S, GgmlType::Q4K] {
+            let (rows, cols, n) = (70, cols_for(ty, 96), 5);
             let w = random_weights(&mut rng, ty, rows, cols);
             let mut x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
             x[2 * cols + 7] = 300.0;

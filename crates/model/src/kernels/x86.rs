@@ -210,6 +210,7 @@ pub(super) const Q4_1: u8 = 1;
 pub(super) const Q8_0: u8 = 2;
 pub(super) const Q5_0: u8 = 3;
 pub(super) const Q6S: u8 = 4;
+pub(super) const Q4K: u8 = 5;
 
 /// Tokens per register tile: one group's 8 unpacked weight vectors are reused this often.
 const TILE_TOKENS: usize = 4;
@@ -270,6 +271,7 @@ pub unsafe fn gemm_group(
                 GgmlType::Q8_0 => run!($m, Q8_0),
                 GgmlType::Q5_0 => run!($m, Q5_0),
                 GgmlType::Q6S => run!($m, Q6S),
+                GgmlType::Q4K => run!($m, Q4K),
                 ty => unreachable!("no packed kernel for {ty:?}"),
             }
         };
@@ -278,6 +280,7 @@ pub unsafe fn gemm_group(
         // 4-bit weights on AVX2 take the kernel with few live registers (NOTE 4).
         (Isa::Avx2, GgmlType::Q4_0) => run!(avx2_q4, Q4_0, Q4_TILE_TOKENS),
         (Isa::Avx2, GgmlType::Q4_1) => run!(avx2_q4, Q4_1, Q4_TILE_TOKENS),
+        (Isa::Avx2, GgmlType::Q4K) => run!(avx2_q4, Q4K, Q4_TILE_TOKENS),
         (Isa::Avx2, _) => by_format!(avx2),
         (Isa::Avx512Vnni | Isa::Amx, _) => by_format!(vnni),
     }
@@ -345,8 +348,12 @@ macro_rules! unpack_group_block {
         let (fmt, gb): (u8, *const u8) = ($fmt, $gb);
         let low4 = _mm256_set1_epi8(0x0f);
         let mut v = [_mm256_setzero_si256(); 8];
-        if fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q6S {
-            let at = if fmt == Q4_1 || fmt == Q6S { 32 } else { 16 };
+        if fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q6S || fmt == Q4K {
+            let at = match fmt {
+                Q4_1 | Q6S => 32,
+                Q4K => crate::kernels::pack::Q4K_QS_AT,
+                _ => 16,
+            };
             for k in 0..4 {
                 let p = _mm256_loadu_si256(gb.add(at + 32 * k) as *const __m256i);
                 v[k] = _mm256_and_si256(p, low4);
@@ -396,6 +403,59 @@ macro_rules! unpack_group_block {
 }
 pub(super) use unpack_group_block;
 
+/// The f16 super-block scales of a Q4K group's 8 rows as f32 `(d, −dmin)`, read from the
+/// first group block `first` of their super-block: row r's pair sits at the head of the
+/// super-block's group block r (see `pack`). The min scale is negated here, once a
+/// super-block, so that each sub-block's `−dmin·m` is one product (negation is exact, so
+/// this is the reference's `−(dmin·m)` bit for bit). A macro for the same reason as
+/// [`unpack_group_block`].
+macro_rules! q4k_super_scales {
+    ($first:expr) => {{
+        let first: *const u8 = $first;
+        let gbb = crate::kernels::pack::Q4K_GROUP_BLOCK_BYTES as i32;
+        let at = _mm256_setr_epi32(0, gbb, 2 * gbb, 3 * gbb, 4 * gbb, 5 * gbb, 6 * gbb, 7 * gbb);
+        // Lane r: row r's d in the low 16 bits, dmin in the high 16.
+        let pairs = _mm256_i32gather_epi32::<1>(first as *const i32, at);
+        // Per 128-bit half: the four d, then the four dmin; then d0..d7 | dmin0..dmin7.
+        let split = _mm256_setr_epi8(
+            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3,
+            6, 7, 10, 11, 14, 15,
+        );
+        let halves = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(pairs, split));
+        (
+            _mm256_cvtph_ps(_mm256_castsi256_si128(halves)),
+            _mm256_xor_ps(
+                _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(halves)),
+                _mm256_set1_ps(-0.0),
+            ),
+        )
+    }};
+}
+pub(super) use q4k_super_scales;
+
+/// A Q4K group block's 8 rows' sub-block scale `d·sc` and min term `−dmin·m` as f32 (both
+/// products exact: an f16 significand times a 6-bit integer fits f32's), from the
+/// super-block scales of [`q4k_super_scales`]; as a Q4_1 block's `d` and `m` they feed the
+/// same scale updates. Tried and not kept: widening `sc` and `m` (adjacent in the block) as
+/// one 16-lane AVX-512 vector, fewer instructions, made the 256-bit VNNI tile's prefill
+/// about 17 % slower (`gemm_peak` with `PK_AMX=0`): 512-bit operations take port 1's
+/// vector unit from the loop's 256-bit ones.
+macro_rules! q4k_block_scales {
+    ($gb:expr, $sup:expr) => {{
+        let (gb, (d, nd)): (*const u8, (__m256, __m256)) = ($gb, $sup);
+        let widen = |at: usize| {
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                gb.add(at) as *const __m128i
+            )))
+        };
+        (
+            _mm256_mul_ps(d, widen(crate::kernels::pack::Q4K_SC_AT)),
+            _mm256_mul_ps(nd, widen(crate::kernels::pack::Q4K_M_AT)),
+        )
+    }};
+}
+pub(super) use q4k_block_scales;
+
 /// One module per instruction set, from the same source: `target_feature` must be on every
 /// function for the intrinsics to inline.
 macro_rules! isa_module {
@@ -433,6 +493,7 @@ macro_rules! isa_module {
                     Q4_1 => 32 + 128,
                     Q5_0 => 16 + 128 + 32,
                     Q6S => 32 + 128 + 64,
+                    Q4K => crate::kernels::pack::Q4K_GROUP_BLOCK_BYTES,
                     _ => 16 + 256,
                 };
                 // Q8_0 on AVX2 takes the sign trick (NOTE 2), so it has no offset there.
@@ -452,6 +513,7 @@ macro_rules! isa_module {
                 );
                 let mut acc = [_mm256_setzero_ps(); NT];
                 let two_level = NT == 1 && two_level_prefetch();
+                let mut sup = (_mm256_setzero_ps(), _mm256_setzero_ps());
                 for b in 0..bpr {
                     let gb = group.add(b * gbb);
                     // Decode only: a prefill tile does 4 tokens of work per byte and is
@@ -459,12 +521,23 @@ macro_rules! isa_module {
                     if NT == 1 {
                         prefetch_weights(gb, gbb, two_level);
                     }
-                    let d = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
-                    // Q4_1's mins, or Q6S's second scales (elements 16..32).
-                    let m = if FMT == Q4_1 || FMT == Q6S {
-                        _mm256_cvtph_ps(_mm_loadu_si128(gb.add(16) as *const __m128i))
+                    if FMT == Q4K && b % 8 == 0 {
+                        sup = q4k_super_scales!(gb);
+                    }
+                    // The scales; Q4_1's (and Q4K's) mins, or Q6S's second scales (elements
+                    // 16..32).
+                    let (d, m) = if FMT == Q4K {
+                        q4k_block_scales!(gb, sup)
+                    } else if FMT == Q4_1 || FMT == Q6S {
+                        (
+                            _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i)),
+                            _mm256_cvtph_ps(_mm_loadu_si128(gb.add(16) as *const __m128i)),
+                        )
                     } else {
-                        _mm256_setzero_ps()
+                        (
+                            _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i)),
+                            _mm256_setzero_ps(),
+                        )
                     };
                     // v[k]: 4 quants (elements 4k..4k+4) of each of the 8 rows.
                     let mut v = unpack_group_block!(FMT, gb);
@@ -535,7 +608,7 @@ macro_rules! isa_module {
                         let (mut i0, mut i1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
                         // AVX2, 4-bit and 5-bit weights: `vpmaddubsw` results summed in 16
                         // bits, one `vpmaddwd` per 8 (4-bit) or 4 (5-bit) of them (NOTE 3).
-                        if !$vnni && (FMT == Q4_0 || FMT == Q4_1 || FMT == Q5_0) {
+                        if !$vnni && (FMT == Q4_0 || FMT == Q4_1 || FMT == Q5_0 || FMT == Q4K) {
                             let per = if FMT == Q5_0 { 4 } else { 8 };
                             let mut s16 = _mm256_setzero_si256();
                             for k in 0..8 {
@@ -573,7 +646,7 @@ macro_rules! isa_module {
                         // The reference's `(d_w * d_a) * isum [+ m_w * s_a]`, unfused (NOTE 1).
                         let scale = _mm256_mul_ps(d, _mm256_set1_ps(*ad.add(ab)));
                         let mut x = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum));
-                        if FMT == Q4_1 {
+                        if FMT == Q4_1 || FMT == Q4K {
                             x = _mm256_add_ps(x, _mm256_mul_ps(m, _mm256_set1_ps(*as_.add(ab))));
                         }
                         acc[j] = _mm256_add_ps(acc[j], x);
@@ -613,21 +686,28 @@ mod avx2_q4 {
         out_stride: usize,
         lanes: usize,
     ) {
-        let (gbb, at) = if FMT == Q4_1 {
-            (32 + 128, 32)
-        } else {
-            (16 + 128, 16)
+        let (gbb, at) = match FMT {
+            Q4_1 => (32 + 128, 32),
+            Q4K => (
+                crate::kernels::pack::Q4K_GROUP_BLOCK_BYTES,
+                crate::kernels::pack::Q4K_QS_AT,
+            ),
+            _ => (16 + 128, 16),
         };
         let offset: i32 = if FMT == Q4_0 { 8 } else { 0 };
         let (low4, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
         let qs = acts.qs.as_ptr();
         let mut acc = [_mm256_setzero_ps(); NT];
         let two_level = NT == 1 && two_level_prefetch();
+        let mut sup = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for b in 0..bpr {
             let gb = group.add(b * gbb);
             if NT == 1 {
                 // Decode streams the weights from DRAM: as in the general tile.
                 prefetch_weights(gb, gbb, two_level);
+            }
+            if FMT == Q4K && b % 8 == 0 {
+                sup = q4k_super_scales!(gb);
             }
             let mut s16 = [_mm256_setzero_si256(); NT];
             for k in 0..4 {
@@ -647,7 +727,15 @@ mod avx2_q4 {
                     *s = _mm256_add_epi16(*s, pair);
                 }
             }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
+            let (d, m) = if FMT == Q4K {
+                q4k_block_scales!(gb, sup)
+            } else {
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
+                (
+                    d,
+                    _mm256_cvtph_ps(_mm_loadu_si128(gb.add(16) as *const __m128i)),
+                )
+            };
             for (j, s) in s16.iter().enumerate() {
                 let ab = (t0 + j) * bpr + b;
                 let mut isum = _mm256_madd_epi16(*s, ones);
@@ -657,8 +745,7 @@ mod avx2_q4 {
                 // The reference's `(d_w * d_a) * isum [+ m_w * s_a]`, unfused (NOTE 1).
                 let scale = _mm256_mul_ps(d, _mm256_set1_ps(acts.d[ab]));
                 let mut x = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum));
-                if FMT == Q4_1 {
-                    let m = _mm256_cvtph_ps(_mm_loadu_si128(gb.add(16) as *const __m128i));
+                if FMT == Q4_1 || FMT == Q4K {
                     x = _mm256_add_ps(x, _mm256_mul_ps(m, _mm256_set1_ps(acts.s[ab])));
                 }
                 acc[j] = _mm256_add_ps(acc[j], x);
