@@ -31,6 +31,15 @@
 //! vectors live across its tokens, and with the tokens' accumulators it spilled to the stack
 //! in its inner loop; 4-bit weights instead unpack one 32-byte load (two weight vectors) at
 //! a time and give every token its 16-bit sum (`avx2_q4`), so nothing spills.
+//!
+//! NOTE 6: a decode tile's weight prefetches for the block ahead are issued at three points
+//! of each block's work (its first line before the unpacking, its second after it, the
+//! rest after the block's dot products and scale update) instead of all at once before the
+//! block's own loads. The burst of up to ten `prefetcht2`/`prefetcht0` in front of the
+//! loads made those loads wait; spread out, Qwen2.5-Coder-1.5B's decode went from 14.7–14.9
+//! to 15.4–16.1 tok/s at one thread and from 27.0–27.1 to 27.7–28.2 at two (`decode_bench`,
+//! alternating builds; BENCHMARKS.md, 2026-12-06). Issuing all of them after the block's
+//! work instead was no better than before.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -325,11 +334,18 @@ fn is_intel() -> bool {
 }
 
 /// Asks for the cache lines of the group block `gbb` bytes long that a decode tile will read
-/// after the one at `gb` (see [`two_level_prefetch`]). Past the matrix's end a prefetch is
-/// harmless: it never faults.
+/// after the one at `gb` (see [`two_level_prefetch`]): `part` 0 its first line, 1 its
+/// second, 2 the rest. A tile asks for the parts at three points of a block's work
+/// (NOTE 6). Past the matrix's end a prefetch is harmless: it never faults.
 #[inline(always)]
-unsafe fn prefetch_weights(gb: *const u8, gbb: usize, two_level: bool) {
-    for line in (0..gbb).step_by(64) {
+unsafe fn prefetch_weights(gb: *const u8, gbb: usize, two_level: bool, part: usize) {
+    let lines = gbb.div_ceil(64);
+    let (from, to) = match part {
+        0 => (0, 1),
+        1 => (1, 2),
+        _ => (2, lines),
+    };
+    for line in (from..to.min(lines)).map(|l| 64 * l) {
         if two_level {
             _mm_prefetch::<_MM_HINT_T2>(gb.wrapping_add(PREFETCH_FAR_BYTES + line) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(gb.wrapping_add(PREFETCH_NEAR_BYTES + line) as *const i8);
@@ -519,7 +535,7 @@ macro_rules! isa_module {
                     // Decode only: a prefill tile does 4 tokens of work per byte and is
                     // bound by arithmetic.
                     if NT == 1 {
-                        prefetch_weights(gb, gbb, two_level);
+                        prefetch_weights(gb, gbb, two_level, 0);
                     }
                     if FMT == Q4K && b % 8 == 0 {
                         sup = q4k_super_scales!(gb);
@@ -541,6 +557,9 @@ macro_rules! isa_module {
                     };
                     // v[k]: 4 quants (elements 4k..4k+4) of each of the 8 rows.
                     let mut v = unpack_group_block!(FMT, gb);
+                    if NT == 1 {
+                        prefetch_weights(gb, gbb, two_level, 1);
+                    }
                     // AVX2 Q8_0: v becomes |q| and `sign` keeps q for the activations' sign.
                     let mut sign = [_mm256_setzero_si256(); 8];
                     if FMT == Q8_0 && !$vnni {
@@ -651,6 +670,9 @@ macro_rules! isa_module {
                         }
                         acc[j] = _mm256_add_ps(acc[j], x);
                     }
+                    if NT == 1 {
+                        prefetch_weights(gb, gbb, two_level, 2);
+                    }
                 }
                 for j in 0..NT {
                     let dst = out.add((t0 + j) * out_stride);
@@ -704,13 +726,16 @@ mod avx2_q4 {
             let gb = group.add(b * gbb);
             if NT == 1 {
                 // Decode streams the weights from DRAM: as in the general tile.
-                prefetch_weights(gb, gbb, two_level);
+                prefetch_weights(gb, gbb, two_level, 0);
             }
             if FMT == Q4K && b % 8 == 0 {
                 sup = q4k_super_scales!(gb);
             }
             let mut s16 = [_mm256_setzero_si256(); NT];
             for k in 0..4 {
+                if NT == 1 && k == 2 {
+                    prefetch_weights(gb, gbb, two_level, 1);
+                }
                 let p = _mm256_loadu_si256(gb.add(at + 32 * k) as *const __m256i);
                 // Elements 4k..4k+4 and 16+4k..16+4k+4 of each of the 8 rows.
                 let lo = _mm256_and_si256(p, low4);
@@ -749,6 +774,9 @@ mod avx2_q4 {
                     x = _mm256_add_ps(x, _mm256_mul_ps(m, _mm256_set1_ps(acts.s[ab])));
                 }
                 acc[j] = _mm256_add_ps(acc[j], x);
+            }
+            if NT == 1 {
+                prefetch_weights(gb, gbb, two_level, 2);
             }
         }
         for (j, a) in acc.iter().enumerate() {
