@@ -38,8 +38,11 @@
 //! block's own loads. The burst of up to ten `prefetcht2`/`prefetcht0` in front of the
 //! loads made those loads wait; spread out, Qwen2.5-Coder-1.5B's decode went from 14.7–14.9
 //! to 15.4–16.1 tok/s at one thread and from 27.0–27.1 to 27.7–28.2 at two (`decode_bench`,
-//! alternating builds; BENCHMARKS.md, 2026-12-06). Issuing all of them after the block's
-//! work instead was no better than before.
+//! alternating builds; BENCHMARKS.md, 2026-12-06). Other placements, alternating in one
+//! run (median tok/s at one thread, against 15.4–16.0 for this one): all after the block's
+//! work, as before; the far ones in a burst with only the near ones spread, 13.6; the far
+//! ones alone, spread, 13.6; the near ones in a burst with the far ones spread, 14.4; the
+//! near ones a part behind the far ones, 15.1–15.6.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
