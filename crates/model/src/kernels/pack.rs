@@ -33,10 +33,10 @@
 //!
 //! - Q4K (Q4_K run natively, 256-element super-blocks of eight 32-element sub-blocks, each
 //!   with a 6-bit scale `sc` and min `m` under the super-block's f16 `d` and `dmin`; a value
-//!   is `d·sc·q − dmin·m`): one group block per sub-block, 148 bytes: @0 the f16 `d` and
-//!   `dmin` of row `j`, where `j` is the group block's place in its super-block (so the
-//!   eight rows' super-block scales are spread over the super-block's eight group blocks, one
-//!   32-bit gather away), `sc` @4 and `m` @12 (8 × u8 each, widened from 6 bits), nibbles @20
+//!   is `d·sc·q − dmin·m`): one group block per sub-block, 148 bytes: @0 four bytes of the
+//!   super-block's 32-byte scale header (the 8 rows' f16 `d`, then their 8 `dmin`), group
+//!   block `j` holding header bytes `4j..4j + 4`, so the header is eight 32-bit loads away;
+//!   `sc` @4 and `m` @12 (8 × u8 each, widened from 6 bits), nibbles @20
 //!   (128 B, laid out as Q4_1's). 4.625 bits a weight against the file's 4.5 (the 6-bit
 //!   fields are widened so that a kernel reads them with one load each) and the 5 of the
 //!   Q4_1 blocks Q4_K was converted to before (`kquant`): Qwen2.5-Coder-1.5B reads about
@@ -267,7 +267,15 @@ fn pack_block(ty: GgmlType, src: &[u8], dst: &mut [u8], lane: usize) {
 /// group blocks `dst`.
 fn pack_q4k(src: &[u8], dst: &mut [u8], lane: usize) {
     let gbb = Q4K_GROUP_BLOCK_BYTES;
-    dst[lane * gbb..lane * gbb + 4].copy_from_slice(&src[0..4]);
+    // Header byte h lives in group block h / 4 at offset h % 4: d at 2·lane, dmin at 16 + 2·lane.
+    for (h, byte) in [
+        (2 * lane, 0),
+        (2 * lane + 1, 1),
+        (16 + 2 * lane, 2),
+        (17 + 2 * lane, 3),
+    ] {
+        dst[h / 4 * gbb + h % 4] = src[byte];
+    }
     let (scales, qs) = (&src[4..16], &src[16..Q4K_BLOCK_BYTES]);
     for sub in 0..Q4K_SUBS {
         let blk = &mut dst[sub * gbb..(sub + 1) * gbb];
@@ -291,7 +299,14 @@ fn pack_q4k(src: &[u8], dst: &mut [u8], lane: usize) {
 /// The exact inverse of [`pack_q4k`]: the 6-bit fields are packed back as Q4_K packs them.
 fn unpack_q4k(src: &[u8], dst: &mut [u8], lane: usize) {
     let gbb = Q4K_GROUP_BLOCK_BYTES;
-    dst[0..4].copy_from_slice(&src[lane * gbb..lane * gbb + 4]);
+    for (h, byte) in [
+        (2 * lane, 0),
+        (2 * lane + 1, 1),
+        (16 + 2 * lane, 2),
+        (17 + 2 * lane, 3),
+    ] {
+        dst[byte] = src[h / 4 * gbb + h % 4];
+    }
     let sc = |j: usize| src[j * gbb + Q4K_SC_AT + lane];
     let m = |j: usize| src[j * gbb + Q4K_M_AT + lane];
     for j in 0..4 {
