@@ -263,18 +263,26 @@ fn pack_block(ty: GgmlType, src: &[u8], dst: &mut [u8], lane: usize) {
     }
 }
 
-/// Moves one Q4_K super-block of row lane `lane` into its places in the super-block's eight
-/// group blocks `dst`.
-fn pack_q4k(src: &[u8], dst: &mut [u8], lane: usize) {
-    let gbb = Q4K_GROUP_BLOCK_BYTES;
-    // Header byte h lives in group block h / 4 at offset h % 4: d at 2·lane, dmin at 16 + 2·lane.
-    for (h, byte) in [
+/// Where row lane `lane`'s super-block scales (the file block's bytes 0..4: its f16 `d`, then
+/// `dmin`) go in the super-block's eight group blocks, as (offset there, byte in the file
+/// block): header byte h sits in group block h / 4 at offset h % 4, with `d` at h = 2·lane
+/// and `dmin` at 16 + 2·lane.
+fn q4k_header_places(lane: usize) -> [(usize, usize); 4] {
+    [
         (2 * lane, 0),
         (2 * lane + 1, 1),
         (16 + 2 * lane, 2),
         (17 + 2 * lane, 3),
-    ] {
-        dst[h / 4 * gbb + h % 4] = src[byte];
+    ]
+    .map(|(h, byte)| (h / 4 * Q4K_GROUP_BLOCK_BYTES + h % 4, byte))
+}
+
+/// Moves one Q4_K super-block of row lane `lane` into its places in the super-block's eight
+/// group blocks `dst`.
+fn pack_q4k(src: &[u8], dst: &mut [u8], lane: usize) {
+    let gbb = Q4K_GROUP_BLOCK_BYTES;
+    for (at, byte) in q4k_header_places(lane) {
+        dst[at] = src[byte];
     }
     let (scales, qs) = (&src[4..16], &src[16..Q4K_BLOCK_BYTES]);
     for sub in 0..Q4K_SUBS {
@@ -299,13 +307,8 @@ fn pack_q4k(src: &[u8], dst: &mut [u8], lane: usize) {
 /// The exact inverse of [`pack_q4k`]: the 6-bit fields are packed back as Q4_K packs them.
 fn unpack_q4k(src: &[u8], dst: &mut [u8], lane: usize) {
     let gbb = Q4K_GROUP_BLOCK_BYTES;
-    for (h, byte) in [
-        (2 * lane, 0),
-        (2 * lane + 1, 1),
-        (16 + 2 * lane, 2),
-        (17 + 2 * lane, 3),
-    ] {
-        dst[byte] = src[h / 4 * gbb + h % 4];
+    for (at, byte) in q4k_header_places(lane) {
+        dst[byte] = src[at];
     }
     let sc = |j: usize| src[j * gbb + Q4K_SC_AT + lane];
     let m = |j: usize| src[j * gbb + Q4K_M_AT + lane];
