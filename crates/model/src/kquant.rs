@@ -1,6 +1,7 @@
-//! K-quant weights (Q4_K, Q6_K: Gemma 3's Q4_K_M file mixes them with Q5_0 and Q8_0)
-//! converted at load into the block formats our integer SIMD kernels run, instead of the
-//! dequantising fallback (a decode step of Gemma-3-270M spent most of its time there).
+//! K-quant weights (Q4_K, Q6_K: Gemma 3's Q4_K_M file mixes them with Q5_0 and Q8_0) in
+//! block formats our integer SIMD kernels run, instead of the dequantising fallback (a
+//! decode step of Gemma-3-270M spent most of its time there): Q6_K converted at load, Q4_K
+//! as it is unless asked otherwise.
 //!
 //! - Q4_K runs natively (`pack`'s Q4K layout: 4.625 bits a weight). It was converted to
 //!   Q4_1 (5 bits a weight), one block per 32-element sub-block: a Q4_K sub-block is `d·sc·q
@@ -17,9 +18,9 @@
 //!   is bound by the bytes it reads: Qwen2.5-Coder-1.5B's Q6_K tensors, 458 → 378 MB a
 //!   token).
 //!
-//! Both change numerics slightly against llama.cpp, which runs K-quants directly (only by
-//! the f16 rounding of the scale products); the Gemma golden tests (perplexity within 1 %,
-//! greedy agreement) hold with the conversion.
+//! Each conversion changes numerics slightly against llama.cpp, which runs K-quants
+//! directly (only by the f16 rounding of the scale products); the Gemma golden tests
+//! (perplexity within 1 %, greedy agreement) hold with both.
 
 use half::f16;
 use pk_gguf::{scale_min_k4, GgmlType};
