@@ -40,12 +40,10 @@ use std::sync::OnceLock;
 
 use super::pack::{Packed, GROUP_ROWS};
 use super::q8::{Q8Acts, QK};
-use super::x86::{
-    q4k_block_scales, q4k_super_scales, unpack_group_block, Q4K, Q4_0, Q4_1, Q5_0, Q6S, Q8_0,
-};
+use super::x86::{unpack_group_block, Q4K, Q4_0, Q4_1, Q5_0, Q6S, Q8_0};
 
 /// Tokens per tile product: the tile's 16 rows.
-pub const TILE_TOKENS: usize = 16;
+pub(super) const TILE_TOKENS: usize = 16;
 
 /// Activation bytes per chunk of tokens: the unpacked weights of a group pair are reused by
 /// every 16-token tile of a chunk, and a chunk's activations stay in L2 (2 MiB on the Xeons
@@ -141,7 +139,7 @@ fn format_code(ty: pk_gguf::GgmlType) -> Option<u8> {
 /// 64-byte aligned bytes: tile loads and the tile configuration want them.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct Line([u8; 64]);
+pub(super) struct Line(pub(super) [u8; 64]);
 
 thread_local! {
     /// A group pair's unpacked blocks, reused across calls.
@@ -168,8 +166,14 @@ pub unsafe fn gemm_groups(
     let tiled = n_tokens / TILE_TOKENS * TILE_TOKENS;
     let chunk_tokens = (CHUNK_BYTES / (p.blocks_per_row * QK) / TILE_TOKENS).max(1) * TILE_TOKENS;
     SCRATCH.with_borrow_mut(|scratch| {
-        scratch.resize(p.blocks_per_row * RECORD_BYTES / 64, Line([0; 64]));
-        configure(fmt == Q6S);
+        if fmt == Q4K {
+            let records = p.blocks_per_row / 8 * super::amx_q4k::SUPER_RECORD_BYTES;
+            scratch.resize(records / 64, Line([0; 64]));
+            super::amx_q4k::configure();
+        } else {
+            scratch.resize(p.blocks_per_row * RECORD_BYTES / 64, Line([0; 64]));
+            configure(fmt == Q6S);
+        }
         for c0 in (0..tiled).step_by(chunk_tokens) {
             let c1 = (c0 + chunk_tokens).min(tiled);
             for g in (g0..g1).step_by(2) {
@@ -180,7 +184,10 @@ pub unsafe fn gemm_groups(
                     Q4_1 => pair_tiles::<Q4_1>(p, pair, acts, (c0, c1), rec, out, out_stride),
                     Q8_0 => pair_tiles::<Q8_0>(p, pair, acts, (c0, c1), rec, out, out_stride),
                     Q5_0 => pair_tiles::<Q5_0>(p, pair, acts, (c0, c1), rec, out, out_stride),
-                    Q4K => pair_tiles::<Q4K>(p, pair, acts, (c0, c1), rec, out, out_stride),
+                    // Over the activations' K representation (`amx_q4k`).
+                    Q4K => {
+                        super::amx_q4k::pair_tiles(p, pair, acts, (c0, c1), rec, out, out_stride)
+                    }
                     _ => pair_tiles::<Q6S>(p, pair, acts, (c0, c1), rec, out, out_stride),
                 }
             }
@@ -287,21 +294,6 @@ unsafe fn unpack_record<const FMT: u8>(
         });
         _mm512_cvtph_ps(_mm256_set_m128i(hi, lo))
     };
-    if FMT == Q4K {
-        // Each group's 8 rows' `d·sc` and `−dmin·m` (zeros without a second group), from
-        // the super-block scales at the head of the super-block's group blocks.
-        let sup = b / 8 * 8 * gbb;
-        let (d0, m0) = q4k_block_scales!(first, q4k_super_scales!(groups.0.add(sup)));
-        let (d1, m1) = match groups.1 {
-            Some(g) => q4k_block_scales!(g.add(b * gbb), q4k_super_scales!(g.add(sup))),
-            None => (_mm256_setzero_ps(), _mm256_setzero_ps()),
-        };
-        _mm256_store_ps(rec.add(512) as *mut f32, d0);
-        _mm256_store_ps(rec.add(544) as *mut f32, d1);
-        _mm256_store_ps(rec.add(576) as *mut f32, m0);
-        _mm256_store_ps(rec.add(608) as *mut f32, m1);
-        return;
-    }
     _mm512_store_ps(rec.add(512) as *mut f32, scales(0));
     if FMT == Q4_1 || FMT == Q6S {
         _mm512_store_ps(rec.add(576) as *mut f32, scales(16));
@@ -320,7 +312,9 @@ unsafe fn tile_products<const FMT: u8>(
     let steps_per_block = if FMT == Q6S { 2 } else { 1 };
     let step_bytes = QK / steps_per_block;
     let n_steps = bpr * steps_per_block;
-    let mut products = [Line([0; 64]); 4 * TILE_TOKENS];
+    // Uninitialised: every line is written by `tilestored` before it is read, and zeroing
+    // 4 KiB a call was 8 % of a 512-token prefill.
+    let mut products = std::mem::MaybeUninit::<[Line; 4 * TILE_TOKENS]>::uninit();
     let c = products.as_mut_ptr() as *mut u8;
     let qs = acts.qs.as_ptr() as *const u8;
     let a_stride = bpr * QK;
@@ -391,7 +385,7 @@ unsafe fn tile_products<const FMT: u8>(
                 // The reference's `(d_w * d_a) * isum [+ m_w * s_a]`, unfused (NOTE 1).
                 let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(ab)));
                 let mut x = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(isum));
-                if FMT == Q4_1 || FMT == Q4K {
+                if FMT == Q4_1 {
                     x = _mm512_add_ps(x, _mm512_mul_ps(mw, _mm512_set1_ps(*as_.add(ab))));
                 }
                 acc[$m] = _mm512_add_ps(acc[$m], x);

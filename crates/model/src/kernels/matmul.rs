@@ -186,6 +186,9 @@ pub fn matmul(w: &QMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) {
     assert_eq!(out.len(), n_tokens * w.rows);
     let mut acts = ACTS.take();
     acts.quantize(x);
+    if w.ty == GgmlType::Q4K {
+        acts.quantize_k(x);
+    }
     #[cfg(target_arch = "x86_64")]
     if let Some(isa) = x86::detect() {
         gemm_packed(isa, p, &acts, n_tokens, out);
@@ -220,6 +223,9 @@ pub fn matmul_multi(ws: &[&QMatrix], x: &[f32], n_tokens: usize, outs: &mut [&mu
         }
         let mut acts = ACTS.take();
         acts.quantize(x);
+        if ws.iter().any(|w| w.ty == GgmlType::Q4K) {
+            acts.quantize_k(x);
+        }
         let jobs: Vec<(&Packed, OutPtr)> = packed
             .iter()
             .zip(outs.iter_mut())
@@ -356,7 +362,7 @@ pub fn matmul_q8_scalar(w: &QMatrix, acts: &Q8Acts, n_tokens: usize, out: &mut [
         GgmlType::Q5_0 => q8::dot_q5_0,
         GgmlType::Q8_0 => q8::dot_q8_0,
         GgmlType::Q6S => q8::dot_q6s,
-        GgmlType::Q4K => q8::dot_q4k,
+        GgmlType::Q4K => super::q8k::dot_q4k,
         ty => panic!("no 8-bit activation path for {ty:?}"),
     };
     let blocks_per_row = w.cols / q8::QK;
@@ -522,6 +528,9 @@ mod tests {
                 x[cols / 2] = -250.0;
                 let mut acts = Q8Acts::default();
                 acts.quantize(&x);
+                if ty == GgmlType::Q4K {
+                    acts.quantize_k(&x);
+                }
                 let mut want = vec![0f32; n * rows];
                 matmul_q8_scalar(&w, &acts, n, &mut want);
                 for &isa in &isas {
@@ -588,6 +597,9 @@ mod tests {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let mut acts = Q8Acts::default();
             acts.quantize(&x);
+            if ty == GgmlType::Q4K {
+                acts.quantize_k(&x);
+            }
             let mut want = vec![0f32; n * rows];
             matmul_q8_scalar(&w, &acts, n, &mut want);
             let mut got = vec![f32::NAN; n * rows];
@@ -636,6 +648,9 @@ mod tests {
                 let x = vec![sign; n * cols];
                 let mut acts = Q8Acts::default();
                 acts.quantize(&x);
+                if ty == GgmlType::Q4K {
+                    acts.quantize_k(&x);
+                }
                 let mut want = vec![0f32; n * rows];
                 matmul_q8_scalar(&w, &acts, n, &mut want);
                 let mut got = vec![f32::NAN; n * rows];
@@ -666,9 +681,11 @@ mod tests {
                 for t in 0..n {
                     // |Σ w·δx| ≤ Σ|w|·(step/2), step = block amax/127 (plus f16 rounding of d and s).
                     let xt = &x[t * cols..(t + 1) * cols];
+                    // Q4_K's activations have one scale per 256 elements (`q8k`).
+                    let block = if ty == GgmlType::Q4K { 256 } else { 32 };
                     let tol: f32 = row
-                        .chunks(32)
-                        .zip(xt.chunks(32))
+                        .chunks(block)
+                        .zip(xt.chunks(block))
                         .map(|(wb, xb)| {
                             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
                             wb.iter().map(|v| v.abs()).sum::<f32>() * amax / 127.0 * 0.51

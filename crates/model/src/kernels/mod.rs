@@ -6,6 +6,8 @@
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
+#[cfg(target_arch = "x86_64")]
+mod amx_q4k;
 pub mod attn;
 #[cfg(target_arch = "x86_64")]
 pub mod attn512;
@@ -22,6 +24,7 @@ mod ops;
 mod pack;
 pub mod pool;
 mod q8;
+mod q8k;
 mod split_attn;
 #[cfg(target_arch = "x86_64")]
 mod x86;

@@ -26,6 +26,13 @@ pub struct Q8Acts {
     /// offset from each half's integer sum separately.
     pub sum_lo: Vec<i32>,
     pub qs: Vec<i8>,
+    /// The K representation for Q4_K weights (`q8k`), filled by [`Q8Acts::quantize_k`]
+    /// only where a product needs it: one f32 scale per 256 elements…
+    pub kd: Vec<f32>,
+    /// …the quants under that scale…
+    pub kqs: Vec<i8>,
+    /// …and `Σ kqs` per 32 elements, exact.
+    pub kbsum: Vec<i16>,
 }
 
 /// A SIMD quantiser's signature (`x86::quantize_avx512`, `x86::quantize_avx2`): `x`, then
@@ -163,30 +170,6 @@ pub fn dot_q4_1(w: &[u8], a: &Q8Acts, b0: usize) -> f32 {
                 + (blk[4 + j] >> 4) as i32 * qa[j + 16] as i32;
         }
         sum += d * a.d[b0 + i] * isum as f32 + m * a.s[b0 + i];
-    }
-    sum
-}
-
-/// Q4_K (144 bytes per 256 values) as Q4_1 with per-sub-block `d·sc` and `−dmin·m`, both
-/// exact in f32; the packed Q4K kernels take these products in the same order.
-pub fn dot_q4k(w: &[u8], a: &Q8Acts, b0: usize) -> f32 {
-    let mut sum = 0f32;
-    for (s, blk) in w.chunks_exact(144).enumerate() {
-        let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
-        let (scales, qs) = (&blk[4..16], &blk[16..144]);
-        for sub in 0..8 {
-            let (sc, m) = pk_gguf::scale_min_k4(sub, scales);
-            let (dw, mw) = (d * sc as f32, -(dmin * m as f32));
-            let b = b0 + 8 * s + sub;
-            let q = &qs[32 * (sub / 2)..32 * (sub / 2) + 32];
-            let qa = &a.qs[b * QK..(b + 1) * QK];
-            let mut isum = 0i32;
-            for (l, &x) in q.iter().enumerate() {
-                let nib = if sub % 2 == 0 { x & 0x0f } else { x >> 4 };
-                isum += nib as i32 * qa[l] as i32;
-            }
-            sum += dw * a.d[b] * isum as f32 + mw * a.s[b];
-        }
     }
     sum
 }

@@ -450,28 +450,50 @@ macro_rules! q4k_super_scales {
 }
 pub(super) use q4k_super_scales;
 
-/// A Q4K group block's 8 rows' sub-block scale `d·sc` and min term `−dmin·m` as f32 (both
-/// products exact: an f16 significand times a 6-bit integer fits f32's), from the
-/// super-block scales of [`q4k_super_scales`]; as a Q4_1 block's `d` and `m` they feed the
-/// same scale updates. Tried and not kept: widening `sc` and `m` (adjacent in the block) as
-/// one 16-lane AVX-512 vector, fewer instructions, made the 256-bit VNNI tile's prefill
-/// about 17 % slower (`gemm_peak` with `PK_AMX=0`): 512-bit operations take port 1's
-/// vector unit from the loop's 256-bit ones.
-macro_rules! q4k_block_scales {
-    ($gb:expr, $sup:expr) => {{
-        let (gb, (d, nd)): (*const u8, (__m256, __m256)) = ($gb, $sup);
-        let widen = |at: usize| {
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                gb.add(at) as *const __m128i
-            )))
-        };
-        (
-            _mm256_mul_ps(d, widen(crate::kernels::pack::Q4K_SC_AT)),
-            _mm256_mul_ps(nd, widen(crate::kernels::pack::Q4K_M_AT)),
-        )
+/// A Q4K group block's 8 rows' 6-bit sub-block scales `sc` as 32-bit lanes.
+macro_rules! q4k_block_sc {
+    ($gb:expr) => {{
+        let gb: *const u8 = $gb;
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+            gb.add(crate::kernels::pack::Q4K_SC_AT) as *const __m128i
+        ))
     }};
 }
-pub(super) use q4k_block_scales;
+
+/// Q4K's float update at the end of a super-block (NOTE 5), for each token `t0 + j`:
+/// `acc[j] += (d·d_a)·isum + (−dmin·d_a)·imin`, with `isum = kacc[j]` the token's integer
+/// `Σ_j sc_j · Σ q·a` (reset here) and `imin = Σ_j m_j · Σ a` from the mins of the
+/// super-block's group blocks (`first` the first of them, block `sb0` of the row) and the
+/// activations' 32-element sums: four `vpmaddwd` of adjacent pairs. `sup` is the
+/// super-block's `(d, −dmin)`. A macro for the same reason as [`unpack_group_block`].
+macro_rules! q4k_super_update {
+    ($first:expr, $sb0:expr, $sup:expr, $acts:expr, $bpr:expr, $t0:expr, $kacc:expr, $acc:expr) => {{
+        let (first, sb0, (d, nd)): (*const u8, usize, (__m256, __m256)) = ($first, $sb0, $sup);
+        let (acts, bpr, t0): (&Q8Acts, usize, usize) = ($acts, $bpr, $t0);
+        let gbb = crate::kernels::pack::Q4K_GROUP_BLOCK_BYTES;
+        let m = |j: usize| {
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                first.add(j * gbb + crate::kernels::pack::Q4K_M_AT) as *const __m128i,
+            ))
+        };
+        let pairs: [__m256i; 4] =
+            std::array::from_fn(|p| _mm256_or_si256(m(2 * p), _mm256_slli_epi32(m(2 * p + 1), 16)));
+        for (j, (a, k)) in $acc.iter_mut().zip($kacc.iter_mut()).enumerate() {
+            let tb = (t0 + j) * bpr + sb0;
+            let bs = acts.kbsum.as_ptr().add(tb) as *const i32;
+            let mut imin = _mm256_setzero_si256();
+            for (p, pair) in pairs.iter().enumerate() {
+                let b = _mm256_set1_epi32(bs.add(p).read_unaligned());
+                imin = _mm256_add_epi32(imin, _mm256_madd_epi16(*pair, b));
+            }
+            let da = _mm256_set1_ps(*acts.kd.as_ptr().add(tb / 8));
+            let x = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(*k));
+            let y = _mm256_mul_ps(_mm256_mul_ps(nd, da), _mm256_cvtepi32_ps(imin));
+            *a = _mm256_add_ps(*a, _mm256_add_ps(x, y));
+            *k = _mm256_setzero_si256();
+        }
+    }};
+}
 
 /// One module per instruction set, from the same source: `target_feature` must be on every
 /// function for the intrinsics to inline.
@@ -521,14 +543,21 @@ macro_rules! isa_module {
                     Q8_0 if $vnni => 128,
                     _ => 0,
                 };
+                // Q4K reads the K representation (`q8k`) and sums each super-block in
+                // integers (NOTE 5).
                 let (qs, ad, asum, as_, asum_lo) = (
-                    acts.qs.as_ptr(),
+                    if FMT == Q4K {
+                        acts.kqs.as_ptr()
+                    } else {
+                        acts.qs.as_ptr()
+                    },
                     acts.d.as_ptr(),
                     acts.sum.as_ptr(),
                     acts.s.as_ptr(),
                     acts.sum_lo.as_ptr(),
                 );
                 let mut acc = [_mm256_setzero_ps(); NT];
+                let mut kacc = [_mm256_setzero_si256(); NT];
                 let two_level = NT == 1 && two_level_prefetch();
                 let mut sup = (_mm256_setzero_ps(), _mm256_setzero_ps());
                 for b in 0..bpr {
@@ -544,7 +573,7 @@ macro_rules! isa_module {
                     // The scales; Q4_1's (and Q4K's) mins, or Q6S's second scales (elements
                     // 16..32).
                     let (d, m) = if FMT == Q4K {
-                        q4k_block_scales!(gb, sup)
+                        (_mm256_setzero_ps(), _mm256_setzero_ps())
                     } else if FMT == Q4_1 || FMT == Q6S {
                         (
                             _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i)),
@@ -659,6 +688,11 @@ macro_rules! isa_module {
                             }
                         }
                         let mut isum = _mm256_add_epi32(i0, i1);
+                        if FMT == Q4K {
+                            let sc = q4k_block_sc!(gb);
+                            kacc[j] = _mm256_add_epi32(kacc[j], _mm256_mullo_epi32(isum, sc));
+                            continue;
+                        }
                         if offset != 0 {
                             isum =
                                 _mm256_sub_epi32(isum, _mm256_set1_epi32(offset * *asum.add(ab)));
@@ -666,10 +700,14 @@ macro_rules! isa_module {
                         // The reference's `(d_w * d_a) * isum [+ m_w * s_a]`, unfused (NOTE 1).
                         let scale = _mm256_mul_ps(d, _mm256_set1_ps(*ad.add(ab)));
                         let mut x = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum));
-                        if FMT == Q4_1 || FMT == Q4K {
+                        if FMT == Q4_1 {
                             x = _mm256_add_ps(x, _mm256_mul_ps(m, _mm256_set1_ps(*as_.add(ab))));
                         }
                         acc[j] = _mm256_add_ps(acc[j], x);
+                    }
+                    if FMT == Q4K && b % 8 == 7 {
+                        let sb0 = b - 7;
+                        q4k_super_update!(group.add(sb0 * gbb), sb0, sup, acts, bpr, t0, kacc, acc);
                     }
                     if NT == 1 {
                         prefetch_weights(gb, gbb, two_level, 2);
@@ -719,8 +757,14 @@ mod avx2_q4 {
         };
         let offset: i32 = if FMT == Q4_0 { 8 } else { 0 };
         let (low4, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
-        let qs = acts.qs.as_ptr();
+        // Q4K reads the K representation (`q8k`) and sums each super-block in integers.
+        let qs = if FMT == Q4K {
+            acts.kqs.as_ptr()
+        } else {
+            acts.qs.as_ptr()
+        };
         let mut acc = [_mm256_setzero_ps(); NT];
+        let mut kacc = [_mm256_setzero_si256(); NT];
         let two_level = NT == 1 && two_level_prefetch();
         let mut sup = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for b in 0..bpr {
@@ -753,15 +797,25 @@ mod avx2_q4 {
                     *s = _mm256_add_epi16(*s, pair);
                 }
             }
-            let (d, m) = if FMT == Q4K {
-                q4k_block_scales!(gb, sup)
-            } else {
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
-                (
-                    d,
-                    _mm256_cvtph_ps(_mm_loadu_si128(gb.add(16) as *const __m128i)),
-                )
-            };
+            if FMT == Q4K {
+                // `vpmaddwd` by each row's `sc` (both 16-bit halves of its lane) widens the
+                // 16-bit sums and applies the sub-block scale in one step (NOTE 5).
+                let sc = q4k_block_sc!(gb);
+                let sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+                for (k, s) in kacc.iter_mut().zip(&s16) {
+                    *k = _mm256_add_epi32(*k, _mm256_madd_epi16(*s, sc16));
+                }
+                if b % 8 == 7 {
+                    let sb0 = b - 7;
+                    q4k_super_update!(group.add(sb0 * gbb), sb0, sup, acts, bpr, t0, kacc, acc);
+                }
+                if NT == 1 {
+                    prefetch_weights(gb, gbb, two_level, 2);
+                }
+                continue;
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
+            let m = _mm256_cvtph_ps(_mm_loadu_si128(gb.add(16) as *const __m128i));
             for (j, s) in s16.iter().enumerate() {
                 let ab = (t0 + j) * bpr + b;
                 let mut isum = _mm256_madd_epi16(*s, ones);
@@ -771,7 +825,7 @@ mod avx2_q4 {
                 // The reference's `(d_w * d_a) * isum [+ m_w * s_a]`, unfused (NOTE 1).
                 let scale = _mm256_mul_ps(d, _mm256_set1_ps(acts.d[ab]));
                 let mut x = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum));
-                if FMT == Q4_1 || FMT == Q4K {
+                if FMT == Q4_1 {
                     x = _mm256_add_ps(x, _mm256_mul_ps(m, _mm256_set1_ps(acts.s[ab])));
                 }
                 acc[j] = _mm256_add_ps(acc[j], x);
