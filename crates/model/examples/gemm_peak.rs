@@ -1,8 +1,8 @@
 //! Prefill GEMM against the host's peak (issue 39): the int8 multiply-accumulate rate of
 //! this CPU's widest integer path, measured on one core with independent chains of its
 //! instruction (AVX2 `vpmaddubsw`, AVX-512 VNNI `vpdpbusd` on 256 and 512 bits), then the
-//! packed GEMM's rate at Qwen2.5-Coder-1.5B's shapes (Q4_K, Q6S, and the Q4_1 Q4_K was
-//! converted to before, 512 tokens) per core at 1 and
+//! packed GEMM's rate at Qwen2.5-Coder-1.5B's shapes (Q4_K, Q6_K, and the Q4_1 and Q6S
+//! they were converted to before, 512 tokens) per core at 1 and
 //! 2 threads, each as a fraction of that peak. An op is one multiply or one add, so a
 //! multiply-accumulate is 2 (as GFLOP/s counts them).
 //!
@@ -20,12 +20,15 @@ use rand::{Rng, SeedableRng};
 
 /// Qwen2.5-Coder-1.5B's matrices of one layer: (name, rows, cols, format). Its Q4_K_M file
 /// has Q4_K (run natively) for most and Q6_K (run as Q6S) for `attn_v` and about half the
-/// layers' `ffn_down`; the Q4_1 rows are the format Q4_K was converted to before.
-const SHAPES: [(&str, usize, usize, GgmlType); 8] = [
+/// layers' `ffn_down`, both run natively; the Q4_1 and Q6S rows are the formats they were
+/// converted to before, for comparison.
+const SHAPES: [(&str, usize, usize, GgmlType); 10] = [
     ("q/o 1536->1536", 1536, 1536, GgmlType::Q4K),
     ("k/v 1536->256", 256, 1536, GgmlType::Q4K),
     ("gate/up 1536->8960", 8960, 1536, GgmlType::Q4K),
     ("down 8960->1536", 1536, 8960, GgmlType::Q4K),
+    ("v 1536->256", 256, 1536, GgmlType::Q6K),
+    ("down 8960->1536", 1536, 8960, GgmlType::Q6K),
     ("v 1536->256", 256, 1536, GgmlType::Q6S),
     ("down 8960->1536", 1536, 8960, GgmlType::Q6S),
     ("gate/up 1536->8960", 8960, 1536, GgmlType::Q4_1),
@@ -37,6 +40,10 @@ fn random_matrix(rng: &mut impl Rng, ty: GgmlType, rows: usize, cols: usize) -> 
     rng.fill(&mut data[..]);
     let h = |v: f32| half::f16::from_f32(v).to_le_bytes();
     for blk in data.chunks_exact_mut(ty.block_bytes()) {
+        if ty == GgmlType::Q6K {
+            blk[208..210].copy_from_slice(&h(rng.gen_range(0.001..0.01)));
+            continue;
+        }
         blk[0..2].copy_from_slice(&h(rng.gen_range(0.001..0.01)));
         if ty == GgmlType::Q4_1 {
             blk[2..4].copy_from_slice(&h(rng.gen_range(-0.01..0.0)));
@@ -252,8 +259,8 @@ fn main() {
                 "threads {threads} {ty:<4} {name:<20} n={tokens} {gops:>7.1} GOPS ({:.1} per core)",
                 gops / threads as f64
             );
-            // The model's formats only: the Q4_1 rows are there for comparison.
-            if *ty != GgmlType::Q4_1 {
+            // The model's formats only: the Q4_1 and Q6S rows are there for comparison.
+            if !matches!(ty, GgmlType::Q4_1 | GgmlType::Q6S) {
                 macs += (rows * cols * tokens) as f64;
                 secs += t.as_secs_f64();
             }

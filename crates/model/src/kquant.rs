@@ -1,7 +1,7 @@
 //! K-quant weights (Q4_K, Q6_K: Gemma 3's Q4_K_M file mixes them with Q5_0 and Q8_0) in
 //! block formats our integer SIMD kernels run, instead of the dequantising fallback (a
-//! decode step of Gemma-3-270M spent most of its time there): Q6_K converted at load, Q4_K
-//! as it is unless asked otherwise.
+//! decode step of Gemma-3-270M spent most of its time there): both run as they are unless
+//! asked otherwise.
 //!
 //! - Q4_K runs natively (`pack`'s Q4K layout: 4.625 bits a weight). It was converted to
 //!   Q4_1 (5 bits a weight), one block per 32-element sub-block: a Q4_K sub-block is `d·sc·q
@@ -9,6 +9,10 @@
 //!   −dmin·m`, the two products rounded to f16. `PK_Q4K=q4_1` still asks for that
 //!   conversion, so that benchmarks can compare the two in one build (`PK_Q4K=native` is
 //!   the default; any other value is refused by name).
+//! - Q6_K runs natively (`pack`'s Q6K layout: 6.5625 bits a weight, as in the file), its
+//!   products over 256-element activation blocks as llama.cpp's (`kernels/q8k.rs`).
+//!   `PK_Q6K=q6s` still asks for the conversion below (`PK_Q6K=native` is the default; any
+//!   other value is refused by name).
 //! - Q6_K → Q6S (pagekeeper's own 6-bit format, see [`GgmlType::Q6S`]), one block per 32
 //!   elements: a Q6_K sub-block of 16 is `d·sc·(q − 32)` with 6-bit `q` and an 8-bit signed
 //!   `sc`, which is a Q6S half-block's `d'·(q − 32)` with `d' = d·sc`. The quants move
@@ -31,7 +35,7 @@ const QK_K: usize = 256;
 pub fn convert(ty: GgmlType, data: &[u8]) -> Option<(GgmlType, Vec<u8>)> {
     match ty {
         GgmlType::Q4K if convert_q4_k() => Some((GgmlType::Q4_1, q4_k_to_q4_1(data))),
-        GgmlType::Q6K => Some((GgmlType::Q6S, q6_k_to_q6s(data))),
+        GgmlType::Q6K if convert_q6_k() => Some((GgmlType::Q6S, q6_k_to_q6s(data))),
         _ => None,
     }
 }
@@ -44,6 +48,17 @@ pub fn convert_q4_k() -> bool {
         Ok("q4_1") => true,
         Ok("native") | Err(_) => false,
         Ok(other) => panic!("PK_Q4K={other:?} is not one of \"native\", \"q4_1\""),
+    })
+}
+
+/// Whether Q6_K matrices are converted to Q6S at load (`PK_Q6K=q6s`) rather than run
+/// natively (see the module's comment).
+pub fn convert_q6_k() -> bool {
+    static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *YES.get_or_init(|| match std::env::var("PK_Q6K").as_deref() {
+        Ok("q6s") => true,
+        Ok("native") | Err(_) => false,
+        Ok(other) => panic!("PK_Q6K={other:?} is not one of \"native\", \"q6s\""),
     })
 }
 
@@ -80,21 +95,9 @@ pub fn q6_k_to_q6s(data: &[u8]) -> Vec<u8> {
     let bb = GgmlType::Q6K.block_bytes();
     assert!(data.len().is_multiple_of(bb), "whole Q6_K blocks");
     let mut out = Vec::with_capacity(data.len() / bb * 8 * GgmlType::Q6S.block_bytes());
-    let mut q = [0u8; QK_K];
     for b in data.chunks_exact(bb) {
-        let (ql, qh, sc, d) = (&b[0..128], &b[128..192], &b[192..208], f16_at(b, 208));
-        // The unsigned 6-bit quants in element order, as `pk_gguf::dequantize`'s `q6_k`
-        // reads them: each half of 128 takes 64 bytes of `ql` and 32 of `qh`.
-        for h in 0..2 {
-            let (ql, qh) = (&ql[64 * h..64 * h + 64], &qh[32 * h..32 * h + 32]);
-            for l in 0..32 {
-                let e = 128 * h + l;
-                q[e] = (ql[l] & 0x0f) | ((qh[l] & 3) << 4);
-                q[e + 32] = (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4);
-                q[e + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
-                q[e + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
-            }
-        }
+        let (sc, d) = (&b[192..208], f16_at(b, 208));
+        let q = q6_k_quants(b);
         // Element e's scale is sc[e / 16], so Q6S block k's halves take sc[2k] and sc[2k + 1].
         for (k, q) in q.chunks_exact(32).enumerate() {
             for s in &sc[2 * k..2 * k + 2] {
@@ -107,6 +110,24 @@ pub fn q6_k_to_q6s(data: &[u8]) -> Vec<u8> {
         }
     }
     out
+}
+
+/// The unsigned 6-bit quants (0..64) of a Q6_K super-block in element order, as
+/// `pk_gguf::dequantize` reads them: each half of 128 takes 64 bytes of `ql` and 32 of `qh`.
+pub(crate) fn q6_k_quants(block: &[u8]) -> [u8; QK_K] {
+    let (ql, qh) = (&block[0..128], &block[128..192]);
+    let mut q = [0u8; QK_K];
+    for h in 0..2 {
+        let (ql, qh) = (&ql[64 * h..64 * h + 64], &qh[32 * h..32 * h + 32]);
+        for l in 0..32 {
+            let e = 128 * h + l;
+            q[e] = (ql[l] & 0x0f) | ((qh[l] & 3) << 4);
+            q[e + 32] = (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4);
+            q[e + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            q[e + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+    q
 }
 
 #[cfg(test)]
@@ -203,9 +224,8 @@ mod tests {
         let want = dq(GgmlType::Q6K, &exact, n);
         assert!(want.iter().any(|&v| v != 0.0));
         assert_eq!(want, dq(GgmlType::Q6S, &q6_k_to_q6s(&exact), n));
-        assert_eq!(
-            convert(GgmlType::Q6K, &exact),
-            Some((GgmlType::Q6S, q6_k_to_q6s(&exact)))
-        );
+        // Converted only when `PK_Q6K=q6s` asks for it.
+        let want = convert_q6_k().then(|| (GgmlType::Q6S, q6_k_to_q6s(&exact)));
+        assert_eq!(convert(GgmlType::Q6K, &exact), want);
     }
 }

@@ -233,7 +233,7 @@ fn matrix(f: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<QMatrix,
     // K-quants run as the integer kernels' formats (see `kquant`).
     let m = match crate::kquant::convert(info.ggml_type, f.tensor_data(info)) {
         Some((ty, data)) => QMatrix::new(ty, rows, cols, data),
-        None => QMatrix::new(info.ggml_type, rows, cols, f.tensor_data(info).to_vec()),
+        None => QMatrix::from_bytes(info.ggml_type, rows, cols, f.tensor_data(info)),
     };
     // The matrix now has its own copy; the file's pages need not stay resident beside it.
     f.release_tensor_pages(info);

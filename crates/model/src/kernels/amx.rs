@@ -40,7 +40,7 @@ use std::sync::OnceLock;
 
 use super::pack::{Packed, GROUP_ROWS};
 use super::q8::{Q8Acts, QK};
-use super::x86::{unpack_group_block, Q4K, Q4_0, Q4_1, Q5_0, Q6S, Q8_0};
+use super::x86::{unpack_group_block, Q4K, Q4_0, Q4_1, Q5_0, Q6K, Q6S, Q8_0};
 
 /// Tokens per tile product: the tile's 16 rows.
 pub(super) const TILE_TOKENS: usize = 16;
@@ -132,6 +132,7 @@ fn format_code(ty: pk_gguf::GgmlType) -> Option<u8> {
         T::Q5_0 => Q5_0,
         T::Q6S => Q6S,
         T::Q4K => Q4K,
+        T::Q6K => Q6K,
         _ => return None,
     })
 }
@@ -166,10 +167,10 @@ pub unsafe fn gemm_groups(
     let tiled = n_tokens / TILE_TOKENS * TILE_TOKENS;
     let chunk_tokens = (CHUNK_BYTES / (p.blocks_per_row * QK) / TILE_TOKENS).max(1) * TILE_TOKENS;
     SCRATCH.with_borrow_mut(|scratch| {
-        if fmt == Q4K {
-            let records = p.blocks_per_row / 8 * super::amx_q4k::SUPER_RECORD_BYTES;
+        if fmt == Q4K || fmt == Q6K {
+            let records = p.blocks_per_row / 8 * super::amx_kquant::SUPER_RECORD_BYTES;
             scratch.resize(records / 64, Line([0; 64]));
-            super::amx_q4k::configure();
+            super::amx_kquant::configure();
         } else {
             scratch.resize(p.blocks_per_row * RECORD_BYTES / 64, Line([0; 64]));
             configure(fmt == Q6S);
@@ -184,10 +185,25 @@ pub unsafe fn gemm_groups(
                     Q4_1 => pair_tiles::<Q4_1>(p, pair, acts, (c0, c1), rec, out, out_stride),
                     Q8_0 => pair_tiles::<Q8_0>(p, pair, acts, (c0, c1), rec, out, out_stride),
                     Q5_0 => pair_tiles::<Q5_0>(p, pair, acts, (c0, c1), rec, out, out_stride),
-                    // Over the activations' K representation (`amx_q4k`).
-                    Q4K => {
-                        super::amx_q4k::pair_tiles(p, pair, acts, (c0, c1), rec, out, out_stride)
-                    }
+                    // Over the activations' K representation (`amx_kquant`).
+                    Q4K => super::amx_kquant::pair_tiles::<Q4K>(
+                        p,
+                        pair,
+                        acts,
+                        (c0, c1),
+                        rec,
+                        out,
+                        out_stride,
+                    ),
+                    Q6K => super::amx_kquant::pair_tiles::<Q6K>(
+                        p,
+                        pair,
+                        acts,
+                        (c0, c1),
+                        rec,
+                        out,
+                        out_stride,
+                    ),
                     _ => pair_tiles::<Q6S>(p, pair, acts, (c0, c1), rec, out, out_stride),
                 }
             }

@@ -7,7 +7,7 @@
 #[cfg(target_arch = "x86_64")]
 mod amx;
 #[cfg(target_arch = "x86_64")]
-mod amx_q4k;
+mod amx_kquant;
 pub mod attn;
 #[cfg(target_arch = "x86_64")]
 pub mod attn512;

@@ -42,6 +42,13 @@
 //!   Q4_1 blocks Q4_K was converted to before (`kquant`): Qwen2.5-Coder-1.5B reads about
 //!   50 MB less a decoded token.
 //!
+//! - Q6K (Q6_K run natively, 256-element super-blocks of sixteen 16-element sub-blocks,
+//!   each with a signed 8-bit scale `sc` under the super-block's f16 `d`; a value is
+//!   `d·sc·(q − 32)` with 6-bit `q`): one group block per 32 elements, 210 bytes: @0 two
+//!   bytes of the super-block's header (the 8 rows' f16 `d`, group block `j` holding row
+//!   `j`'s), the 8 rows' `sc` of elements 0..16 @2 and of 16..32 @10, nibbles @18 and high
+//!   bits @146 laid out as Q6S's. 6.5625 bits a weight, as in the file, against Q6S's 7.
+//!
 //! Every group block but Q4K's is the same size as the 8 original blocks,
 //! and [`Packed::row_gguf`] restores a row's original bytes exactly, so the GGUF copy need
 //! not be kept. The last group is padded with zero rows (scale 0).
@@ -120,6 +127,7 @@ pub fn group_block_bytes(ty: GgmlType) -> Option<usize> {
         GgmlType::Q5_0 => Some(16 + 128 + 32),
         GgmlType::Q6S => Some(32 + 128 + 64),
         GgmlType::Q4K => Some(Q4K_GROUP_BLOCK_BYTES),
+        GgmlType::Q6K => Some(Q6K_GROUP_BLOCK_BYTES),
         _ => None,
     }
 }
@@ -132,6 +140,11 @@ pub const Q4K_QS_AT: usize = 20;
 /// Sub-blocks (and so group blocks) per Q4_K super-block, and its bytes in the file.
 const Q4K_SUBS: usize = 8;
 const Q4K_BLOCK_BYTES: usize = 144;
+/// A Q6K group block's bytes, and where its fields start (see the module's comment).
+pub const Q6K_GROUP_BLOCK_BYTES: usize = 2 + 8 + 8 + 128 + 64;
+pub const Q6K_SC_AT: usize = 2;
+pub const Q6K_QS_AT: usize = 18;
+pub const Q6K_HIGH_AT: usize = 146;
 
 impl Packed {
     /// Repacks row-major GGUF blocks; `None` for formats without a packed layout.
@@ -140,13 +153,18 @@ impl Packed {
         let (bpr, src_bb) = (cols / QK, ty.block_bytes());
         let n_groups = rows.div_ceil(GROUP_ROWS);
         let mut data = vec![0u8; n_groups * bpr * gbb];
-        if ty == GgmlType::Q4K {
+        if ty == GgmlType::Q4K || ty == GgmlType::Q6K {
+            let pack = if ty == GgmlType::Q4K {
+                pack_q4k
+            } else {
+                pack_q6k
+            };
             for r in 0..rows {
                 let (g, lane) = (r / GROUP_ROWS, r % GROUP_ROWS);
                 for s in 0..bpr / Q4K_SUBS {
                     let src = &gguf[(r * bpr / Q4K_SUBS + s) * src_bb..][..src_bb];
                     let at = (g * bpr + s * Q4K_SUBS) * gbb;
-                    pack_q4k(src, &mut data[at..at + Q4K_SUBS * gbb], lane);
+                    pack(src, &mut data[at..at + Q4K_SUBS * gbb], lane);
                 }
             }
             return Some(Packed {
@@ -195,11 +213,16 @@ impl Packed {
             self.group_block_bytes(),
             self.ty.block_bytes(),
         );
-        if self.ty == GgmlType::Q4K {
+        if self.ty == GgmlType::Q4K || self.ty == GgmlType::Q6K {
+            let unpack = if self.ty == GgmlType::Q4K {
+                unpack_q4k
+            } else {
+                unpack_q6k
+            };
             for s in 0..self.blocks_per_row / Q4K_SUBS {
                 let at = (g * self.blocks_per_row + s * Q4K_SUBS) * gbb;
                 let src = &self.data()[at..at + Q4K_SUBS * gbb];
-                unpack_q4k(src, &mut out[s * sbb..(s + 1) * sbb], lane);
+                unpack(src, &mut out[s * sbb..(s + 1) * sbb], lane);
             }
             return;
         }
@@ -300,6 +323,63 @@ fn pack_q4k(src: &[u8], dst: &mut [u8], lane: usize) {
                 let e = 4 * k + i;
                 blk[Q4K_QS_AT + 32 * k + 4 * lane + i] = nib(e) | (nib(16 + e) << 4);
             }
+        }
+    }
+}
+
+/// Moves one Q6_K super-block of row lane `lane` into its places in the super-block's eight
+/// group blocks `dst`: its `d` into group block `lane`'s header bytes, then each 32-element
+/// block's two scales, nibbles and high bits as [`pack_block`] lays out a Q6S block's.
+fn pack_q6k(src: &[u8], dst: &mut [u8], lane: usize) {
+    let gbb = Q6K_GROUP_BLOCK_BYTES;
+    dst[lane * gbb..lane * gbb + 2].copy_from_slice(&src[208..210]);
+    let q = crate::kquant::q6_k_quants(src);
+    for (k, q) in q.chunks_exact(QK).enumerate() {
+        let blk = &mut dst[k * gbb..(k + 1) * gbb];
+        blk[Q6K_SC_AT + lane] = src[192 + 2 * k];
+        blk[Q6K_SC_AT + 8 + lane] = src[193 + 2 * k];
+        for v in 0..4 {
+            for i in 0..4 {
+                let e = 4 * v + i;
+                blk[Q6K_QS_AT + 32 * v + 4 * lane + i] = (q[e] & 0x0f) | ((q[16 + e] & 0x0f) << 4);
+                // H0 (H1): bits 2v.. of byte 4·lane + i are element 4v + i's (16 + 4v + i's)
+                // two high bits, as for Q6S.
+                for (h, e) in [(0, e), (32, 16 + e)] {
+                    blk[Q6K_HIGH_AT + h + 4 * lane + i] |= (q[e] >> 4) << (2 * v);
+                }
+            }
+        }
+    }
+}
+
+/// The exact inverse of [`pack_q6k`].
+fn unpack_q6k(src: &[u8], dst: &mut [u8], lane: usize) {
+    let gbb = Q6K_GROUP_BLOCK_BYTES;
+    dst[208..210].copy_from_slice(&src[lane * gbb..lane * gbb + 2]);
+    let mut q = [0u8; 256];
+    for k in 0..8 {
+        let blk = &src[k * gbb..(k + 1) * gbb];
+        dst[192 + 2 * k] = blk[Q6K_SC_AT + lane];
+        dst[193 + 2 * k] = blk[Q6K_SC_AT + 8 + lane];
+        for e in 0..QK {
+            let (half, f) = (e / 16, e % 16);
+            let byte = blk[Q6K_QS_AT + 32 * (f / 4) + 4 * lane + f % 4];
+            let low = if half == 0 { byte & 0x0f } else { byte >> 4 };
+            let high = (blk[Q6K_HIGH_AT + 32 * half + 4 * lane + f % 4] >> (2 * (f / 4))) & 3;
+            q[32 * k + e] = low | (high << 4);
+        }
+    }
+    // The file's order (see `kquant::q6_k_quants`): each half of 128 takes 64 bytes of `ql`
+    // and 32 of `qh`.
+    for h in 0..2 {
+        for l in 0..32 {
+            let e = 128 * h + l;
+            dst[64 * h + l] = (q[e] & 0x0f) | ((q[e + 64] & 0x0f) << 4);
+            dst[64 * h + l + 32] = (q[e + 32] & 0x0f) | ((q[e + 96] & 0x0f) << 4);
+            dst[128 + 32 * h + l] = (q[e] >> 4)
+                | ((q[e + 32] >> 4) << 2)
+                | ((q[e + 64] >> 4) << 4)
+                | ((q[e + 96] >> 4) << 6);
         }
     }
 }
@@ -414,8 +494,9 @@ mod tests {
             GgmlType::Q5_0,
             GgmlType::Q6S,
             GgmlType::Q4K,
+            GgmlType::Q6K,
         ] {
-            let (rows, cols) = if ty == GgmlType::Q4K {
+            let (rows, cols) = if ty == GgmlType::Q4K || ty == GgmlType::Q6K {
                 (19, 768)
             } else {
                 assert_eq!(

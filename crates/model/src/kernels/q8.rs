@@ -31,8 +31,10 @@ pub struct Q8Acts {
     pub kd: Vec<f32>,
     /// …the quants under that scale…
     pub kqs: Vec<i8>,
-    /// …and `Σ kqs` per 32 elements, exact.
+    /// …`Σ kqs` per 32 elements, exact…
     pub kbsum: Vec<i16>,
+    /// …and per 16 (Q6_K's sub-blocks).
+    pub kbsum16: Vec<i16>,
 }
 
 /// A SIMD quantiser's signature (`x86::quantize_avx512`, `x86::quantize_avx2`): `x`, then

@@ -1,6 +1,6 @@
-//! Activations in 256-element blocks for Q4_K weights, as llama.cpp quantises them for its
-//! K-quant dot products (`quantize_row_q8_K_ref`), and the scalar reference of the Q4K
-//! product over them (`dot_q4k`).
+//! Activations in 256-element blocks for K-quant weights, as llama.cpp quantises them for
+//! its K-quant dot products (`quantize_row_q8_K_ref`), and the scalar references of the Q4_K
+//! and Q6_K products over them (`dot_q4k`, `dot_q6k`).
 //!
 //! Why a second quantisation: with one activation scale per 256 elements, a Q4_K
 //! super-block's eight sub-blocks share it, so their integer sums can be combined in
@@ -21,21 +21,25 @@ use super::q8::{Q8Acts, QK};
 /// Elements per activation block of the K representation (llama.cpp's `QK_K`).
 pub const QK_K: usize = 256;
 
-/// Quantises one 256-element block: returns `d` and fills its 256 quants and its eight
-/// 32-element sums.
-fn quantize_block_scalar(x: &[f32], qs: &mut [i8], bsum: &mut [i16]) -> f32 {
+/// Quantises one 256-element block: returns `d` and fills its 256 quants, its eight
+/// 32-element sums and its sixteen 16-element sums.
+fn quantize_block_scalar(x: &[f32], qs: &mut [i8], bsum: &mut [i16], bsum16: &mut [i16]) -> f32 {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     if amax == 0.0 {
         qs.fill(0);
         bsum.fill(0);
+        bsum16.fill(0);
         return 0.0;
     }
     let iscale = 127.0 / amax;
     for (q, &v) in qs.iter_mut().zip(x) {
         *q = nearest_int(iscale * v) as i8;
     }
-    for (s, q) in bsum.iter_mut().zip(qs.chunks_exact(QK)) {
+    for (s, q) in bsum16.iter_mut().zip(qs.chunks_exact(QK / 2)) {
         *s = q.iter().map(|&v| v as i16).sum();
+    }
+    for (s, pair) in bsum.iter_mut().zip(bsum16.chunks_exact(2)) {
+        *s = pair[0] + pair[1];
     }
     1.0 / iscale
 }
@@ -56,7 +60,7 @@ impl Q8Acts {
         self.resize_k(x.len());
         #[cfg(target_arch = "x86_64")]
         {
-            type Quantizer = unsafe fn(&[f32], &mut [f32], &mut [i8], &mut [i16]);
+            type Quantizer = unsafe fn(&[f32], &mut [f32], &mut [i8], &mut [i16], &mut [i16]);
             let simd: Option<Quantizer> = if super::x86::has_avx512() {
                 Some(quantize_k_avx512)
             } else if super::x86::detect().is_some() {
@@ -70,16 +74,25 @@ impl Q8Acts {
                 if x.len() < super::ops::PAR_MIN_ELEMS || rayon::current_num_threads() == 1 {
                     // SAFETY: `f` was chosen for the features detected above; the buffers
                     // were sized for `x` by `resize_k`.
-                    unsafe { f(x, &mut self.kd, &mut self.kqs, &mut self.kbsum) };
+                    unsafe {
+                        f(
+                            x,
+                            &mut self.kd,
+                            &mut self.kqs,
+                            &mut self.kbsum,
+                            &mut self.kbsum16,
+                        )
+                    };
                     return;
                 }
                 x.par_chunks(piece)
                     .zip(self.kd.par_chunks_mut(piece / QK_K))
                     .zip(self.kqs.par_chunks_mut(piece))
                     .zip(self.kbsum.par_chunks_mut(piece / QK))
-                    .for_each(|(((x, d), qs), bsum)| {
+                    .zip(self.kbsum16.par_chunks_mut(2 * piece / QK))
+                    .for_each(|((((x, d), qs), bsum), bsum16)| {
                         // SAFETY: as above; the pieces were cut at block boundaries.
-                        unsafe { f(x, d, qs, bsum) }
+                        unsafe { f(x, d, qs, bsum, bsum16) }
                     });
                 return;
             }
@@ -95,6 +108,7 @@ impl Q8Acts {
                 xb,
                 &mut self.kqs[b * QK_K..(b + 1) * QK_K],
                 &mut self.kbsum[b * 8..(b + 1) * 8],
+                &mut self.kbsum16[b * 16..(b + 1) * 16],
             );
         }
     }
@@ -104,6 +118,7 @@ impl Q8Acts {
         self.kd.resize(len / QK_K, 0.0);
         self.kqs.resize(len, 0);
         self.kbsum.resize(len / QK, 0);
+        self.kbsum16.resize(2 * len / QK, 0);
     }
 }
 
@@ -113,13 +128,20 @@ impl Q8Acts {
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW; `x.len()` is a multiple of 256, `d` holds
-/// `x.len() / 256` entries, `qs` `x.len()` and `bsum` `x.len() / 32`.
+/// `x.len() / 256` entries, `qs` `x.len()`, `bsum` `x.len() / 32` and `bsum16` `x.len() / 16`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn quantize_k_avx512(x: &[f32], d: &mut [f32], qs: &mut [i8], bsum: &mut [i16]) {
+unsafe fn quantize_k_avx512(
+    x: &[f32],
+    d: &mut [f32],
+    qs: &mut [i8],
+    bsum: &mut [i16],
+    bsum16: &mut [i16],
+) {
     use std::arch::x86_64::*;
     let n_blocks = x.len() / QK_K;
     assert!(d.len() >= n_blocks && qs.len() >= x.len() && bsum.len() >= x.len() / QK);
+    assert!(bsum16.len() >= 2 * x.len() / QK);
     for b in 0..n_blocks {
         let p = x.as_ptr().add(b * QK_K);
         let v: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(p.add(16 * i)));
@@ -131,6 +153,7 @@ unsafe fn quantize_k_avx512(x: &[f32], d: &mut [f32], qs: &mut [i8], bsum: &mut 
         if amax == 0.0 {
             std::ptr::write_bytes(q, 0, QK_K);
             bsum[b * 8..b * 8 + 8].fill(0);
+            bsum16[b * 16..b * 16 + 16].fill(0);
             d[b] = 0.0;
             continue;
         }
@@ -141,7 +164,10 @@ unsafe fn quantize_k_avx512(x: &[f32], d: &mut [f32], qs: &mut [i8], bsum: &mut 
             let r1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[2 * j + 1], is));
             _mm_storeu_si128(q.add(32 * j) as *mut __m128i, _mm512_cvtepi32_epi8(r0));
             _mm_storeu_si128(q.add(32 * j + 16) as *mut __m128i, _mm512_cvtepi32_epi8(r1));
-            bsum[b * 8 + j] = _mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1)) as i16;
+            let (s0, s1) = (_mm512_reduce_add_epi32(r0), _mm512_reduce_add_epi32(r1));
+            bsum16[b * 16 + 2 * j] = s0 as i16;
+            bsum16[b * 16 + 2 * j + 1] = s1 as i16;
+            bsum[b * 8 + j] = (s0 + s1) as i16;
         }
         d[b] = 1.0 / iscale;
     }
@@ -153,10 +179,23 @@ unsafe fn quantize_k_avx512(x: &[f32], d: &mut [f32], qs: &mut [i8], bsum: &mut 
 /// The CPU must have AVX2; the buffers are sized as for [`quantize_k_avx512`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn quantize_k_avx2(x: &[f32], d: &mut [f32], qs: &mut [i8], bsum: &mut [i16]) {
+unsafe fn quantize_k_avx2(
+    x: &[f32],
+    d: &mut [f32],
+    qs: &mut [i8],
+    bsum: &mut [i16],
+    bsum16: &mut [i16],
+) {
     use std::arch::x86_64::*;
     let n_blocks = x.len() / QK_K;
     assert!(d.len() >= n_blocks && qs.len() >= x.len() && bsum.len() >= x.len() / QK);
+    assert!(bsum16.len() >= 2 * x.len() / QK);
+    let hsum = |s: __m256i| {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+        _mm_cvtsi128_si32(s)
+    };
     let sign = _mm256_set1_ps(-0.0);
     for b in 0..n_blocks {
         let p = x.as_ptr().add(b * QK_K);
@@ -171,6 +210,7 @@ unsafe fn quantize_k_avx2(x: &[f32], d: &mut [f32], qs: &mut [i8], bsum: &mut [i
         if amax == 0.0 {
             std::ptr::write_bytes(q, 0, QK_K);
             bsum[b * 8..b * 8 + 8].fill(0);
+            bsum16[b * 16..b * 16 + 16].fill(0);
             d[b] = 0.0;
             continue;
         }
@@ -189,11 +229,13 @@ unsafe fn quantize_k_avx2(x: &[f32], d: &mut [f32], qs: &mut [i8], bsum: &mut [i
             let ordered =
                 _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
             _mm256_storeu_si256(q.add(32 * j) as *mut __m256i, ordered);
-            let s = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
-            let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
-            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-            bsum[b * 8 + j] = _mm_cvtsi128_si32(s) as i16;
+            let (s0, s1) = (
+                hsum(_mm256_add_epi32(r[0], r[1])),
+                hsum(_mm256_add_epi32(r[2], r[3])),
+            );
+            bsum16[b * 16 + 2 * j] = s0 as i16;
+            bsum16[b * 16 + 2 * j + 1] = s1 as i16;
+            bsum[b * 8 + j] = (s0 + s1) as i16;
         }
         d[b] = 1.0 / iscale;
     }
@@ -233,6 +275,28 @@ pub fn dot_q4k(w: &[u8], a: &Q8Acts, b0: usize) -> f32 {
     sum
 }
 
+/// Σ over super-blocks of a Q6_K weight row (210 bytes per 256 values: `ql`, `qh`, 16
+/// signed 8-bit sub-block scales, f16 `d`) times the K representation of the activations,
+/// `b0` as for [`dot_q4k`]. Per super-block the integer sum is exact, `isum = Σ_j sc_j ·
+/// (Σ q·a − 32·Σ a)` over the 16 sub-blocks of 16, and the float update is `sum += (d·d_a)
+/// · isum`, each multiply and add rounded separately; the SIMD kernels take the same steps.
+pub fn dot_q6k(w: &[u8], a: &Q8Acts, b0: usize) -> f32 {
+    let mut sum = 0f32;
+    for (s, blk) in w.chunks_exact(210).enumerate() {
+        let q = crate::kquant::q6_k_quants(blk);
+        let d = f16::from_le_bytes([blk[208], blk[209]]).to_f32();
+        let e0 = (b0 + 8 * s) * QK;
+        let mut isum = 0i32;
+        for (j, &sc) in blk[192..208].iter().enumerate() {
+            let qa = &a.kqs[e0 + 16 * j..e0 + 16 * j + 16];
+            let ib: i32 = (0..16).map(|l| q[16 * j + l] as i32 * qa[l] as i32).sum();
+            isum += (sc as i8) as i32 * (ib - 32 * a.kbsum16[2 * (b0 + 8 * s) + j] as i32);
+        }
+        sum += (d * a.kd[b0 / 8 + s]) * isum as f32;
+    }
+    sum
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,6 +319,8 @@ mod tests {
         b.quantize_k_scalar(&x);
         let expect_sum: i16 = b.kqs[..32].iter().map(|&q| q as i16).sum();
         assert_eq!(b.kbsum[0], expect_sum);
+        let expect_sum16: i16 = b.kqs[16..32].iter().map(|&q| q as i16).sum();
+        assert_eq!(b.kbsum16[1], expect_sum16);
         assert!(b.kqs[QK_K * 3 + 7] == -127 && b.kd[2] == 0.0);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
@@ -268,7 +334,7 @@ mod tests {
             let mut a = Q8Acts::default();
             a.resize_k(x.len());
             // SAFETY: AVX2 was detected; the buffers were sized for `x`.
-            unsafe { quantize_k_avx2(&x, &mut a.kd, &mut a.kqs, &mut a.kbsum) };
+            unsafe { quantize_k_avx2(&x, &mut a.kd, &mut a.kqs, &mut a.kbsum, &mut a.kbsum16) };
             check_equal(&a, &b);
         }
     }
@@ -276,6 +342,7 @@ mod tests {
     fn check_equal(a: &Q8Acts, b: &Q8Acts) {
         assert_eq!(a.kqs, b.kqs);
         assert_eq!(a.kbsum, b.kbsum);
+        assert_eq!(a.kbsum16, b.kbsum16);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&a.kd), bits(&b.kd));
     }

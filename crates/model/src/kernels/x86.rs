@@ -223,6 +223,7 @@ pub(super) const Q8_0: u8 = 2;
 pub(super) const Q5_0: u8 = 3;
 pub(super) const Q6S: u8 = 4;
 pub(super) const Q4K: u8 = 5;
+pub(super) const Q6K: u8 = 6;
 
 /// Tokens per register tile: one group's 8 unpacked weight vectors are reused this often.
 /// The VNNI module has 32 vector registers, but 6 and 8 tokens were slower there (`gemm_peak`
@@ -287,6 +288,7 @@ pub unsafe fn gemm_group(
                 GgmlType::Q5_0 => run!($m, Q5_0),
                 GgmlType::Q6S => run!($m, Q6S),
                 GgmlType::Q4K => run!($m, Q4K),
+                GgmlType::Q6K => run!($m, Q6K),
                 ty => unreachable!("no packed kernel for {ty:?}"),
             }
         };
@@ -370,9 +372,10 @@ macro_rules! unpack_group_block {
         let (fmt, gb): (u8, *const u8) = ($fmt, $gb);
         let low4 = _mm256_set1_epi8(0x0f);
         let mut v = [_mm256_setzero_si256(); 8];
-        if fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q6S || fmt == Q4K {
+        if fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q6S || fmt == Q4K || fmt == Q6K {
             let at = match fmt {
                 Q4_1 | Q6S => 32,
+                Q6K => crate::kernels::pack::Q6K_QS_AT,
                 Q4K => crate::kernels::pack::Q4K_QS_AT,
                 _ => 16,
             };
@@ -397,15 +400,17 @@ macro_rules! unpack_group_block {
                 v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4));
                 v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4));
             }
-            if fmt == Q6S {
+            if fmt == Q6S || fmt == Q6K {
+                let high = if fmt == Q6K {
+                    crate::kernels::pack::Q6K_HIGH_AT
+                } else {
+                    crate::kernels::pack::Q6_HIGH_AT
+                };
                 // Bits 2j..2j+2 of H0 (H1) are vector j's (4 + j's) two high bits
                 // (see `pack`): move them to bits 4..6. The 16-bit shifts carry
                 // bits across bytes only into positions the 0x30 mask clears.
                 let hi2 = _mm256_set1_epi8(0x30);
-                for (h, at) in [
-                    (0, crate::kernels::pack::Q6_HIGH_AT),
-                    (4, crate::kernels::pack::Q6_HIGH_AT + 32),
-                ] {
+                for (h, at) in [(0, high), (4, high + 32)] {
                     let hv = _mm256_loadu_si256(gb.add(at) as *const __m256i);
                     v[h] = _mm256_or_si256(v[h], _mm256_and_si256(_mm256_slli_epi16(hv, 4), hi2));
                     v[h + 1] =
@@ -495,6 +500,76 @@ macro_rules! q4k_super_update {
     }};
 }
 
+/// The f16 super-block scales `d` of a Q6K group's 8 rows as f32, read from the first group
+/// block `first` of their super-block: row r's is the first two bytes of group block r (see
+/// `pack`). A macro for the same reason as [`unpack_group_block`].
+macro_rules! q6k_super_d {
+    ($first:expr) => {{
+        let first: *const u8 = $first;
+        let gbb = crate::kernels::pack::Q6K_GROUP_BLOCK_BYTES;
+        let piece = |j: usize| (first.add(j * gbb) as *const i16).read_unaligned();
+        _mm256_cvtph_ps(_mm_setr_epi16(
+            piece(0),
+            piece(1),
+            piece(2),
+            piece(3),
+            piece(4),
+            piece(5),
+            piece(6),
+            piece(7),
+        ))
+    }};
+}
+pub(super) use q6k_super_d;
+
+/// A Q6K group block's 8 rows' signed scales of elements 0..16 (`half` 0) or 16..32 (1) as
+/// 32-bit lanes.
+macro_rules! q6k_block_sc {
+    ($gb:expr, $half:expr) => {{
+        let (gb, half): (*const u8, usize) = ($gb, $half);
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+            gb.add(crate::kernels::pack::Q6K_SC_AT + 8 * half) as *const __m128i,
+        ))
+    }};
+}
+
+/// Q6K's float update at the end of a super-block (NOTE 5), for each token `t0 + j`:
+/// `acc[j] += (d·d_a)·(kacc[j] − 32·Σ_j sc_j·Σ a)`, the offset's sum over the sixteen
+/// sub-blocks taken from the activations' 16-element sums, eight `vpmaddwd` of adjacent
+/// pairs; `kacc` is reset. `first` is the super-block's first group block (block `sb0` of
+/// the row) and `d` its rows' scales. A macro for the same reason as [`unpack_group_block`].
+macro_rules! q6k_super_update {
+    ($first:expr, $sb0:expr, $d:expr, $acts:expr, $bpr:expr, $t0:expr, $kacc:expr, $acc:expr) => {{
+        let (first, sb0, d): (*const u8, usize, __m256) = ($first, $sb0, $d);
+        let (acts, bpr, t0): (&Q8Acts, usize, usize) = ($acts, $bpr, $t0);
+        let gbb = crate::kernels::pack::Q6K_GROUP_BLOCK_BYTES;
+        let low16 = _mm256_set1_epi32(0xffff);
+        let pairs: [__m256i; 8] = std::array::from_fn(|p| {
+            let gb = first.add(p * gbb);
+            _mm256_or_si256(
+                _mm256_and_si256(q6k_block_sc!(gb, 0), low16),
+                _mm256_slli_epi32(q6k_block_sc!(gb, 1), 16),
+            )
+        });
+        for (j, (a, k)) in $acc.iter_mut().zip($kacc.iter_mut()).enumerate() {
+            let tb = (t0 + j) * bpr + sb0;
+            let bs = acts.kbsum16.as_ptr().add(2 * tb) as *const i32;
+            let mut corr = _mm256_setzero_si256();
+            for (p, pair) in pairs.iter().enumerate() {
+                let b = _mm256_set1_epi32(bs.add(p).read_unaligned());
+                corr = _mm256_add_epi32(corr, _mm256_madd_epi16(*pair, b));
+            }
+            let isum = _mm256_sub_epi32(*k, _mm256_slli_epi32(corr, 5));
+            let da = _mm256_set1_ps(*acts.kd.as_ptr().add(tb / 8));
+            *a = _mm256_add_ps(
+                *a,
+                _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum)),
+            );
+            *k = _mm256_setzero_si256();
+        }
+    }};
+}
+
 /// One module per instruction set, from the same source: `target_feature` must be on every
 /// function for the intrinsics to inline.
 macro_rules! isa_module {
@@ -533,6 +608,7 @@ macro_rules! isa_module {
                     Q5_0 => 16 + 128 + 32,
                     Q6S => 32 + 128 + 64,
                     Q4K => crate::kernels::pack::Q4K_GROUP_BLOCK_BYTES,
+                    Q6K => crate::kernels::pack::Q6K_GROUP_BLOCK_BYTES,
                     _ => 16 + 256,
                 };
                 // Q8_0 on AVX2 takes the sign trick (NOTE 2), so it has no offset there.
@@ -546,7 +622,7 @@ macro_rules! isa_module {
                 // Q4K reads the K representation (`q8k`) and sums each super-block in
                 // integers (NOTE 5).
                 let (qs, ad, asum, as_, asum_lo) = (
-                    if FMT == Q4K {
+                    if FMT == Q4K || FMT == Q6K {
                         acts.kqs.as_ptr()
                     } else {
                         acts.qs.as_ptr()
@@ -570,9 +646,23 @@ macro_rules! isa_module {
                     if FMT == Q4K && b % 8 == 0 {
                         sup = q4k_super_scales!(gb);
                     }
-                    // The scales; Q4_1's (and Q4K's) mins, or Q6S's second scales (elements
-                    // 16..32).
-                    let (d, m) = if FMT == Q4K {
+                    if FMT == Q6K && b % 8 == 0 {
+                        sup.0 = q6k_super_d!(gb);
+                    }
+                    // Q6K's signed scales of the block's two halves, as 32-bit lanes and as
+                    // both 16-bit halves of each lane (for `vpmaddwd`).
+                    let (sc32, sc16) = if FMT == Q6K {
+                        let sc = [q6k_block_sc!(gb, 0), q6k_block_sc!(gb, 1)];
+                        let low16 = _mm256_set1_epi32(0xffff);
+                        let both = sc.map(|s| {
+                            _mm256_or_si256(_mm256_and_si256(s, low16), _mm256_slli_epi32(s, 16))
+                        });
+                        (sc, both)
+                    } else {
+                        ([_mm256_setzero_si256(); 2], [_mm256_setzero_si256(); 2])
+                    };
+                    // The scales; Q4_1's mins, or Q6S's second scales (elements 16..32).
+                    let (d, m) = if FMT == Q4K || FMT == Q6K {
                         (_mm256_setzero_ps(), _mm256_setzero_ps())
                     } else if FMT == Q4_1 || FMT == Q6S {
                         (
@@ -601,7 +691,7 @@ macro_rules! isa_module {
                     for j in 0..NT {
                         let ab = (t0 + j) * bpr + b;
                         let a = qs.add(ab * QK);
-                        if FMT == Q6S {
+                        if FMT == Q6S || FMT == Q6K {
                             // Two scales a block: one integer sum per half (NOTE 1).
                             let mut i = [_mm256_setzero_si256(); 4];
                             if $vnni {
@@ -628,11 +718,28 @@ macro_rules! isa_module {
                                         _mm256_maddubs_epi16(v[k + 1], a1),
                                     );
                                     let at = 2 * (k / 4) + (k / 2) % 2;
-                                    i[at] = _mm256_add_epi32(
-                                        i[at],
-                                        _mm256_madd_epi16(s16, _mm256_set1_epi16(1)),
-                                    );
+                                    // Q6K: the widening applies the half's scale (NOTE 5).
+                                    let by = if FMT == Q6K {
+                                        sc16[k / 4]
+                                    } else {
+                                        _mm256_set1_epi16(1)
+                                    };
+                                    i[at] = _mm256_add_epi32(i[at], _mm256_madd_epi16(s16, by));
                                 }
+                            }
+                            if FMT == Q6K {
+                                let (lo, hi) =
+                                    (_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+                                let scaled = if $vnni {
+                                    _mm256_add_epi32(
+                                        _mm256_mullo_epi32(lo, sc32[0]),
+                                        _mm256_mullo_epi32(hi, sc32[1]),
+                                    )
+                                } else {
+                                    _mm256_add_epi32(lo, hi)
+                                };
+                                kacc[j] = _mm256_add_epi32(kacc[j], scaled);
+                                continue;
                             }
                             let (slo, s) = (*asum_lo.add(ab), *asum.add(ab));
                             let ilo = _mm256_sub_epi32(
@@ -708,6 +815,19 @@ macro_rules! isa_module {
                     if FMT == Q4K && b % 8 == 7 {
                         let sb0 = b - 7;
                         q4k_super_update!(group.add(sb0 * gbb), sb0, sup, acts, bpr, t0, kacc, acc);
+                    }
+                    if FMT == Q6K && b % 8 == 7 {
+                        let sb0 = b - 7;
+                        q6k_super_update!(
+                            group.add(sb0 * gbb),
+                            sb0,
+                            sup.0,
+                            acts,
+                            bpr,
+                            t0,
+                            kacc,
+                            acc
+                        );
                     }
                     if NT == 1 {
                         prefetch_weights(gb, gbb, two_level, 2);
