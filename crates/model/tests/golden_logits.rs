@@ -18,8 +18,10 @@
 //! rounding of its 8-bit activations), Qwen2.5-Coder-0.5B 0.047–0.075 / 0.18–0.29,
 //! Qwen2.5-Coder-1.5B 0.060–0.071 / 0.24–0.54 (measured when its Q4_K weights ran as Q4_1
 //! with f16-rounded scale products; run natively since, on an Intel Xeon with AMX: 0.060–0.068
-//! / 0.27–0.49, against 0.064–0.072 / 0.30–0.56 with `PK_Q4K=q4_1` in the same session); the
-//! argmax differs once per model, at gaps of 0.26, 0.13 and 0.025 nats. The bounds below are
+//! / 0.27–0.49, against 0.064–0.072 / 0.30–0.56 with `PK_Q4K=q4_1` in the same session; with
+//! Q4_K and Q6_K run natively over 256-element activation blocks, as llama.cpp runs them,
+//! 0.060–0.081 / 0.32–0.56, 2026-12-06); the argmax differs once or twice per model, at gaps
+//! of 0.26, 0.13 and 0.033 nats or less. The bounds below are
 //! those maxima with a margin; a wrong forward pass (a missing bias, the wrong RoPE
 //! pairing, a mis-decoded block) moves them by whole nats.
 

@@ -32,6 +32,16 @@
 //! in its inner loop; 4-bit weights instead unpack one 32-byte load (two weight vectors) at
 //! a time and give every token its 16-bit sum (`avx2_q4`), so nothing spills.
 //!
+//! NOTE 5: the K-quants (Q4K, Q6K) take the activations' K representation (`q8k`: one
+//! scale per 256 elements, llama.cpp's Q8_K), so a super-block's sub-block scales apply in
+//! integers: each block's integer sums are multiplied by the rows' scales (`vpmulld` on
+//! VNNI; on AVX2 the `vpmaddwd` that widens the 16-bit sums takes the scales instead of
+//! ones, at no cost) into one accumulator per token, and Q4K's mins and Q6K's `q − 32`
+//! offsets come from the activations' 32- and 16-element sums, a few `vpmaddwd` where the
+//! super-block's one float update runs. Before, each 32-element block (each 16 for Q6S)
+//! had its own float update, six vector operations per 8 rows and token. The references
+//! are `q8k::dot_q4k` and `q8k::dot_q6k`, whose integer sums and float steps these are.
+//!
 //! NOTE 6: a decode tile's weight prefetches for the block ahead are issued at three points
 //! of each block's work (its first line before the unpacking, its second after it, the
 //! rest after the block's dot products and scale update) instead of all at once before the
