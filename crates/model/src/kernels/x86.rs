@@ -70,7 +70,9 @@ pub enum Isa {
     Amx,
 }
 
-/// The best instruction set this CPU runs, or `None` without AVX2/FMA/F16C.
+/// The best instruction set this CPU runs, or `None` without AVX2/FMA/F16C; `PK_ISA=avx2`
+/// or `PK_ISA=avx512-vnni` asks for a narrower one (the integer matmul kernels only, for
+/// side-by-side measurements; a value this CPU cannot run is refused by name).
 pub fn detect() -> Option<Isa> {
     static ISA: OnceLock<Option<Isa>> = OnceLock::new();
     *ISA.get_or_init(|| {
@@ -80,11 +82,19 @@ pub fn detect() -> Option<Isa> {
         let vnni = is_x86_feature_detected!("avx512vnni")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512bw");
-        match (avx2, vnni) {
+        let best = match (avx2, vnni) {
             (true, true) if super::amx::available() => Some(Isa::Amx),
             (true, true) => Some(Isa::Avx512Vnni),
             (true, false) => Some(Isa::Avx2),
             _ => None,
+        };
+        // `PK_ISA=avx2` (or `avx512-vnni`) runs a narrower kernel than the CPU's best, so
+        // that one host can measure the AVX2 hosts' kernel side by side.
+        match std::env::var("PK_ISA").as_deref() {
+            Err(_) => best,
+            Ok("avx2") if best.is_some() => Some(Isa::Avx2),
+            Ok("avx512-vnni") if vnni && avx2 => Some(Isa::Avx512Vnni),
+            Ok(other) => panic!("PK_ISA={other:?} is not one this CPU runs (avx2, avx512-vnni)"),
         }
     })
 }
