@@ -1,6 +1,7 @@
 //! The prefill GEMM on Intel AMX (issue 39): the integer products of 16 tokens × 16 weight
 //! rows × one block in one `tdpbsud` tile instruction, then the reference's per-block
-//! scaling on AVX-512.
+//! scaling on AVX-512. The K-quants (Q4K, Q6K), whose activations have one scale per 256
+//! elements, go to `amx_kquant.rs`, which sums a whole super-block in the tiles.
 //!
 //! NOTE 1: bit-exact with the scalar reference, as the AVX2 and VNNI kernels are
 //! (`x86.rs`, NOTE 1). A tile multiply sums over one block only (32 bytes; Q6S's two halves
@@ -9,7 +10,8 @@
 //! per block, in block order, unfused, as in the reference. The per-block float work is so
 //! the bottleneck (about 7 vector operations per 16 outputs of a block, against one tile
 //! instruction for 256 outputs), and it is what a wider K per tile would save; it would
-//! change the results' bits, so it is not done.
+//! change the results' bits, so it is not done for the 32-element formats (the K-quants'
+//! references sum a super-block in integers, so their kernel does it).
 //!
 //! NOTE 2: `tdpbsud` multiplies signed bytes of its first source (the activations, loaded
 //! straight from [`Q8Acts`] with the token stride) by unsigned bytes of its second (the
