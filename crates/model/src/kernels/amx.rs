@@ -266,21 +266,28 @@ unsafe fn pair_tiles<const FMT: u8>(
     for b in 0..bpr {
         unpack_record::<FMT>((first, second), b, gbb, rec.add(b * RECORD_BYTES));
     }
-    let lanes = (p.rows - g * GROUP_ROWS).min(if has_second {
-        2 * GROUP_ROWS
-    } else {
-        GROUP_ROWS
-    });
+    let mask = store_mask(p, g, has_second);
     for t in (c0..c1).step_by(TILE_TOKENS) {
         let acc = tile_products::<FMT>(bpr, acts, t, rec);
-        let mask: __mmask16 = if lanes == 16 {
-            0xffff
-        } else {
-            (1u16 << lanes) - 1
-        };
         for (m, a) in acc.iter().enumerate() {
             _mm512_mask_storeu_ps(out.add((t + m) * out_stride + g * GROUP_ROWS), mask, *a);
         }
+    }
+}
+
+/// The lanes of a group pair's 16-row output vectors that are real rows of `p` (a missing
+/// second group, or padding rows of the last group, are never stored).
+pub(super) fn store_mask(p: &Packed, g: usize, has_second: bool) -> __mmask16 {
+    let rows = if has_second {
+        2 * GROUP_ROWS
+    } else {
+        GROUP_ROWS
+    };
+    let lanes = (p.rows - g * GROUP_ROWS).min(rows);
+    if lanes == 16 {
+        0xffff
+    } else {
+        (1u16 << lanes) - 1
     }
 }
 

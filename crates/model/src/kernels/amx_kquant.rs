@@ -79,16 +79,7 @@ pub(super) unsafe fn pair_tiles<const FMT: u8>(
         build_tiles::<FMT>((first, second), s, gbb, r);
         build_scales::<FMT>((first, second), s, gbb, r);
     }
-    let lanes = (p.rows - g * GROUP_ROWS).min(if has_second {
-        2 * GROUP_ROWS
-    } else {
-        GROUP_ROWS
-    });
-    let mask: __mmask16 = if lanes == 16 {
-        0xffff
-    } else {
-        (1u16 << lanes) - 1
-    };
+    let mask = super::amx::store_mask(p, g, has_second);
     let mut t = c0;
     while t < c1 {
         let two = t + 2 * TILE_TOKENS <= c1;
