@@ -278,3 +278,55 @@ fn admission_keeps_a_running_pass_its_blocks() {
         assert_eq!(seen.tokens, n);
     }
 }
+
+/// `prefix=`: on a chat prompt the template's prefix is kept whole and scores 1 under
+/// `kept` (the authors' treatment), scores 0 but for the 4 sinks under `kvpress`, and is
+/// scored like the rest of the context by default; the context after it is scored under
+/// all three, and not the same way (the passes repeat different text).
+#[test]
+fn the_template_prefix_is_treated_as_the_option_says() {
+    let mut engine = common::engine(EngineConfig::default());
+    let prefix_text = engine.chat_template.user_turn_prefix().unwrap();
+    let prefix = engine.tokenizer.encode_prompt(&prefix_text, true);
+    let n_prefix = prefix.len();
+    assert!(n_prefix > 8, "SmolLM2's template writes a system turn");
+    let prompt: Vec<u32> = [&prefix[..], &common::book_ids()[1000..1500]].concat();
+    let mut run = |policy: &str| {
+        let out = engine
+            .generate(&prompt, &kvzip_params(policy, 2), &mut |_| {})
+            .unwrap();
+        out.prefill_keeps.expect("recorded")
+    };
+    let (context, kept, kvpress) = (
+        run("kvzip:global"),
+        run("kvzip:global:prefix=kept"),
+        run("kvzip:global:prefix=kvpress"),
+    );
+    for unit in &kept {
+        assert!(unit.prior_scores[..n_prefix].iter().all(|&s| s == 1.0));
+        assert!(
+            (0..n_prefix as u32).all(|t| unit.kept.contains(&t)),
+            "kept whole"
+        );
+    }
+    for unit in &kvpress {
+        assert!(unit.prior_scores[..4].iter().all(|&s| s == 1.0));
+        assert!(unit.prior_scores[4..n_prefix].iter().all(|&s| s == 0.0));
+    }
+    assert!(
+        context.iter().any(|u| u.prior_scores[4..n_prefix]
+            .iter()
+            .any(|&s| s > 0.0 && s < 1.0)),
+        "by default the prefix is scored as context"
+    );
+    let after = |units: &[pk_engine::PrefillKeep]| -> Vec<f32> {
+        units
+            .iter()
+            .flat_map(|u| u.prior_scores[n_prefix..prompt.len()].to_vec())
+            .collect()
+    };
+    let (a, b) = (after(&context), after(&kept));
+    assert!(a.iter().chain(&b).any(|&s| s > 0.0 && s < 1.0));
+    assert!(a != b, "the passes over different text score differently");
+    engine.check_invariants();
+}

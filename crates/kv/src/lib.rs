@@ -114,10 +114,10 @@ pub use policy::{
     kv_token_scores, kvzip_chunks, kvzip_initial_scores, kvzip_kept, kvzip_pass_ids,
     kvzip_pass_scores, kvzip_span, kvzip_unit_pass_scores, selection_units, snapkv_token_scores,
     validate_budget, DenseKv, DenseQueries, EvictionPolicy, KvGranularity, KvView, KvzipBudget,
-    PagedScore, PolicyError, PolicySpec, QueryNeed, QueryView, SelectionUnit, KVZIP_CHUNK_TOKENS,
-    KVZIP_FIRST_PROMPT, KVZIP_LATER_PROMPT, KVZIP_PREV_POSTFIX_TOKENS, KVZIP_PROMPT_MAX_TOKENS,
-    KVZIP_SINK_TOKENS, MIN_BUDGET_BLOCKS, SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT,
-    VALID_GRANULARITIES,
+    KvzipPass, KvzipPlan, KvzipPrefix, PagedScore, PolicyError, PolicySpec, QueryNeed, QueryView,
+    SelectionUnit, KVZIP_CHUNK_TOKENS, KVZIP_FIRST_PROMPT, KVZIP_LATER_PROMPT,
+    KVZIP_PREV_POSTFIX_TOKENS, KVZIP_PROMPT_MAX_TOKENS, KVZIP_SINK_TOKENS, MIN_BUDGET_BLOCKS,
+    SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT, VALID_GRANULARITIES,
 };
 pub use pool::BlockPool;
 pub use table::{AppendedTokens, BlockCopy, BlockTable, Slot, TokenMove};

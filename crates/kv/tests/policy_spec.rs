@@ -36,6 +36,8 @@ fn canonical_names_round_trip() {
         "kvzip",
         "kvzip:chunk=512:global",
         "kvzip:global:floor=4",
+        "kvzip:global:prefix=kept",
+        "kvzip:prefix=kvpress",
     ] {
         let spec = parse(name).unwrap();
         assert_eq!(spec.to_string(), name, "display of {name}");
@@ -279,4 +281,31 @@ fn kvzip_floor_is_global_only_and_keeps_the_sinks() {
     );
     let below = parse("kvzip:global:floor=3").unwrap_err();
     assert!(below.contains("floor=N (N >= 4"), "{below}");
+}
+
+/// `kvzip`'s `prefix=` names the treatment of a chat template's prefix; the default
+/// (`context`) is not written, and an unknown one is refused with the valid names.
+#[test]
+fn kvzip_prefix_option_parses_and_refuses_unknown_names() {
+    use pk_kv::{KvzipPass, KvzipPrefix};
+    let pass = |name: &str| parse(name).unwrap().reconstruction_pass();
+    let with = |prefix| {
+        Some(KvzipPass {
+            chunk_tokens: 2048,
+            prefix,
+        })
+    };
+    assert_eq!(pass("kvzip"), with(KvzipPrefix::Context));
+    assert_eq!(pass("kvzip:prefix=context"), with(KvzipPrefix::Context));
+    assert_eq!(parse("kvzip:prefix=context").unwrap().to_string(), "kvzip");
+    assert_eq!(pass("kvzip:global:prefix=kept"), with(KvzipPrefix::Kept));
+    assert_eq!(pass("kvzip:prefix=kvpress"), with(KvzipPrefix::Kvpress));
+    assert_eq!(pass("snapkv"), None);
+    let unknown = parse("kvzip:prefix=system").unwrap_err();
+    assert!(
+        unknown.contains("prefix=system") && unknown.contains("prefix=context|kept|kvpress"),
+        "{unknown}"
+    );
+    let twice = parse("kvzip:prefix=kept:prefix=kvpress").unwrap_err();
+    assert!(twice.contains("at most once"), "{twice}");
 }

@@ -225,6 +225,21 @@ impl ChatTemplate {
     /// answer (the end-of-turn marker and the assistant's header), found as kvpress's
     /// KVzip finds it: a one-message conversation rendered with the generation prompt and
     /// split after a separator at the end of the user's text.
+    /// What the template writes before a user turn's text (the system turn, if the
+    /// template writes a default one, and the user header): a one-message conversation
+    /// rendered with the generation prompt, cut where the message's text starts, as
+    /// kvpress's KVzip finds its `prefix_length`.
+    pub fn user_turn_prefix(&self) -> Result<String, TokenizerError> {
+        let dummy = "dummy context";
+        let rendered = self.render(&[ChatMessage::new("user", dummy)], true)?;
+        let (prefix, _) = rendered.split_once(dummy).ok_or_else(|| {
+            TokenizerError::TemplateShape(
+                "the template does not write a user message's text verbatim".into(),
+            )
+        })?;
+        Ok(prefix.to_string())
+    }
+
     pub fn user_turn_suffix(&self) -> Result<String, TokenizerError> {
         let dummy = "dummy context";
         let separator = format!("\n{}", "#".repeat(dummy.len()));

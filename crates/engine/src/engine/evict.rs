@@ -30,13 +30,13 @@ impl Engine {
             .eviction
             .as_ref()
             .expect("an evicting sequence");
-        if let (false, true, false, Some(chunk)) = (
+        if let (false, true, false, Some(pass)) = (
             ev.initialised,
             prefill_done,
             finished,
-            ev.spec.reconstruction_chunk_tokens(),
+            ev.spec.reconstruction_pass(),
         ) {
-            match self.kvzip_prior(i, chunk) {
+            match self.kvzip_prior(i, pass) {
                 Err(why) => {
                     let s = &mut self.sched.running[i];
                     s.aborted = true;
@@ -108,7 +108,7 @@ impl Engine {
     fn kvzip_prior(
         &mut self,
         i: usize,
-        chunk_tokens: usize,
+        pass: pk_kv::KvzipPass,
     ) -> Result<Option<Box<KvzipRun>>, String> {
         let n_stored = self.stored_tokens(i);
         let seq = self.sched.running[i].kv.seq.expect("running");
@@ -117,7 +117,7 @@ impl Engine {
         let context = s.all_ids[..n_stored].to_vec();
         let exact = !s.reuse.inexact;
         let cached = exact
-            .then(|| self.kvzip_scores.get(chunk_tokens, &context))
+            .then(|| self.kvzip_scores.get(pass, &context))
             .flatten();
         let c = self.backend.config();
         let scores = if n_stored <= budget as usize {
@@ -127,12 +127,7 @@ impl Engine {
         } else {
             let prompts = KvzipPrompts::new(&self.tokenizer, &self.chat_template)?;
             let child = self.sched.new_seq_id();
-            let run = KvzipRun::new(
-                &*self.backend,
-                (seq, child),
-                context,
-                (prompts, chunk_tokens),
-            );
+            let run = KvzipRun::new(&*self.backend, (seq, child), context, (prompts, pass));
             return Ok(Some(Box::new(run)));
         };
         self.set_kvzip_prior(i, &scores);

@@ -65,10 +65,10 @@ impl Engine {
     fn finish_kvzip_run(&mut self, i: usize, mut run: Box<KvzipRun>) {
         self.record_pass_seconds(i, &run);
         let queries = run.queries.take();
-        let (chunk_tokens, context) = (run.chunk_tokens, run.context().to_vec());
+        let (pass, context) = (run.pass, run.context().to_vec());
         let scores = run.into_scores();
         if !self.sched.running[i].reuse.inexact {
-            self.kvzip_scores.insert(chunk_tokens, &context, &scores);
+            self.kvzip_scores.insert(pass, &context, &scores);
         }
         self.set_kvzip_prior(i, &scores);
         let s = &mut self.sched.running[i];

@@ -3,7 +3,7 @@
 //! prefix of a prompt whose KV is what prefill computed, run after the request's first
 //! token is out (never on the path of a hit, whose context already has its scores).
 
-use pk_kv::{SelectionUnit, KVZIP_CHUNK_TOKENS};
+use pk_kv::{KvzipPass, SelectionUnit};
 
 use super::Engine;
 use crate::eviction::kvzip::{self, KvzipPrompts};
@@ -47,12 +47,12 @@ impl Engine {
         let context = s.all_ids[..n_tokens].to_vec();
         let c = self.backend.config();
         let (n_layers, n_kv_heads) = (c.n_layers, c.n_kv_heads);
-        let scores = match self.kvzip_scores.get(KVZIP_CHUNK_TOKENS, &context) {
+        let scores = match self.kvzip_scores.get(KvzipPass::default(), &context) {
             Some(scores) => scores,
             None => {
                 let scores = self.prefix_passes(seq, &context)?;
                 self.kvzip_scores
-                    .insert(KVZIP_CHUNK_TOKENS, &context, &scores);
+                    .insert(KvzipPass::default(), &context, &scores);
                 scores
             }
         };
@@ -95,7 +95,7 @@ impl Engine {
             &mut self.sched.kv,
             (prefix, child),
             context,
-            (&prompts, KVZIP_CHUNK_TOKENS),
+            (&prompts, KvzipPass::default()),
             &mut seconds,
         );
         self.sched.kv.free(prefix);

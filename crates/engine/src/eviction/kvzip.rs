@@ -6,12 +6,14 @@
 //! never mixes with the context's and its extra blocks are bounded by one chunk's pass.
 //! The engine runs the passes a piece per step (`kvzip_run.rs`), beside other sequences.
 //!
-//! The whole prompt is the context: a chat template's prefix (the system and user headers)
-//! is scored like any other token, where kvpress scores only the text between them. The
-//! first `KVZIP_SINK_TOKENS` (4) tokens are kept regardless (score 1), as kvpress keeps them.
+//! A chat template's prefix (the system turn and the user header) is treated as the
+//! policy's `prefix=` says (`pk_kv::KvzipPrefix`): by default the whole prompt is the
+//! context, its first `KVZIP_SINK_TOKENS` (4) tokens kept regardless (score 1); `kept`
+//! keeps the prefix whole and makes it the passes' sinks, as the authors' code does;
+//! `kvpress` scores it 0 but for the sinks, as kvpress does.
 
 use pk_kv::{
-    kvzip_unit_pass_scores, KvCacheManager, SelectionUnit, SeqId, KVZIP_FIRST_PROMPT,
+    kvzip_unit_pass_scores, KvCacheManager, KvzipPass, SelectionUnit, SeqId, KVZIP_FIRST_PROMPT,
     KVZIP_LATER_PROMPT,
 };
 use pk_model::Backend;
@@ -27,6 +29,9 @@ pub(crate) struct KvzipPrompts {
     pub later: Vec<u32>,
     /// What the chat template writes between a user turn and the assistant's answer.
     pub turn_change: Vec<u32>,
+    /// What the chat template writes before a user turn's text (with the prompt's BOS):
+    /// the prefix that `prefix=kept` and `prefix=kvpress` recognise at a context's start.
+    pub template_prefix: Vec<u32>,
 }
 
 impl KvzipPrompts {
@@ -35,10 +40,14 @@ impl KvzipPrompts {
         let suffix = template
             .user_turn_suffix()
             .map_err(|e| format!("kvzip needs the model's chat template: {e}"))?;
+        let prefix = template
+            .user_turn_prefix()
+            .map_err(|e| format!("kvzip needs the model's chat template: {e}"))?;
         Ok(KvzipPrompts {
             first: tokenizer.encode(KVZIP_FIRST_PROMPT, false),
             later: tokenizer.encode(KVZIP_LATER_PROMPT, false),
             turn_change: tokenizer.encode(&suffix, true),
+            template_prefix: tokenizer.encode_prompt(&prefix, true),
         })
     }
 }
@@ -48,31 +57,32 @@ impl KvzipPrompts {
 /// which is then not kept).
 pub(crate) const SCORE_CACHE_BYTES: usize = 16 << 20;
 
-/// KVzip's scores of the last contexts scored, by their tokens and chunk size: the scores
+/// KVzip's scores of the last contexts scored, by their tokens, chunk size and treatment
+/// of the template prefix (`KvzipPass`): the scores
 /// depend only on the context's KV, so a context compressed again (at another budget, by
 /// the uniform and the global budget alike, or asked again) needs no second pass. Only
 /// contexts whose KV is what prefill computes are kept (not a loaded, compressed one).
 /// Oldest first out, within [`SCORE_CACHE_BYTES`].
 #[derive(Default)]
 pub(crate) struct ScoreCache {
-    entries: std::collections::VecDeque<(usize, Vec<u32>, Vec<f32>)>,
+    entries: std::collections::VecDeque<(KvzipPass, Vec<u32>, Vec<f32>)>,
 }
 
 impl ScoreCache {
-    pub fn get(&self, chunk_tokens: usize, context: &[u32]) -> Option<Vec<f32>> {
+    pub fn get(&self, pass: KvzipPass, context: &[u32]) -> Option<Vec<f32>> {
         self.entries
             .iter()
-            .find(|(c, ids, _)| *c == chunk_tokens && ids[..] == *context)
+            .find(|(p, ids, _)| *p == pass && ids[..] == *context)
             .map(|(_, _, scores)| scores.clone())
     }
 
-    pub fn insert(&mut self, chunk_tokens: usize, context: &[u32], scores: &[f32]) {
+    pub fn insert(&mut self, pass: KvzipPass, context: &[u32], scores: &[f32]) {
         let bytes = |ids: &[u32], s: &[f32]| 4 * (ids.len() + s.len());
-        if bytes(context, scores) > SCORE_CACHE_BYTES || self.get(chunk_tokens, context).is_some() {
+        if bytes(context, scores) > SCORE_CACHE_BYTES || self.get(pass, context).is_some() {
             return;
         }
         self.entries
-            .push_back((chunk_tokens, context.to_vec(), scores.to_vec()));
+            .push_back((pass, context.to_vec(), scores.to_vec()));
         while self
             .entries
             .iter()
@@ -94,7 +104,7 @@ pub(crate) struct PassSeconds {
 }
 
 /// Scores `[layer][kv_head][token]` of `seq`'s context (`context`, every token stored at
-/// its position) from one reconstruction pass per chunk of `chunk_tokens`, run whole here
+/// its position) from one reconstruction pass per chunk of `pass.chunk_tokens`, run whole here
 /// (the engine advances a [`KvzipRun`] a piece per step instead), adding the passes' time
 /// to `seconds`. `child` is a fresh sequence id for the passes' forks. Errors name what was
 /// missing (a free block).
@@ -103,14 +113,14 @@ pub(crate) fn reconstruction_scores(
     kv: &mut KvCacheManager,
     (seq, child): (SeqId, SeqId),
     context: &[u32],
-    (prompts, chunk_tokens): (&KvzipPrompts, usize),
+    (prompts, pass): (&KvzipPrompts, KvzipPass),
     seconds: &mut PassSeconds,
 ) -> Result<Vec<f32>, String> {
     let mut run = KvzipRun::new(
         backend,
         (seq, child),
         context.to_vec(),
-        (prompts.clone(), chunk_tokens),
+        (prompts.clone(), pass),
     );
     let mut result = Ok(());
     while !run.is_done() && result.is_ok() {
@@ -347,25 +357,40 @@ mod tests {
         assert!(want.iter().any(|&x| x > 0.01), "{want:?}");
     }
 
-    /// The score cache answers only the same tokens at the same chunk size, drops the
-    /// oldest past its byte bound, and keeps nothing larger than the bound.
+    /// The score cache answers only the same tokens at the same chunk size and prefix
+    /// treatment, drops the oldest past its byte bound, and keeps nothing larger than the
+    /// bound.
     #[test]
     fn the_score_cache_is_exact_and_bounded() {
+        use pk_kv::{KvzipPass, KvzipPrefix};
+        let chunk = |chunk_tokens| KvzipPass {
+            chunk_tokens,
+            prefix: KvzipPrefix::Context,
+        };
+        let p = chunk(2048);
         let mut cache = super::ScoreCache::default();
         let big = super::SCORE_CACHE_BYTES / 4 / 3;
         let ids = |first: u32| (first..first + 16).collect::<Vec<u32>>();
-        cache.insert(2048, &ids(0), &vec![0.5; big]);
-        assert_eq!(cache.get(2048, &ids(0)).map(|s| s.len()), Some(big));
-        assert!(cache.get(1024, &ids(0)).is_none() && cache.get(2048, &ids(1)).is_none());
-        cache.insert(2048, &ids(1), &vec![0.25; big]);
-        cache.insert(2048, &ids(2), &vec![0.125; big]);
+        cache.insert(p, &ids(0), &vec![0.5; big]);
+        assert_eq!(cache.get(p, &ids(0)).map(|s| s.len()), Some(big));
+        assert!(cache.get(chunk(1024), &ids(0)).is_none() && cache.get(p, &ids(1)).is_none());
+        let kept = KvzipPass {
+            prefix: KvzipPrefix::Kept,
+            ..p
+        };
         assert!(
-            cache.get(2048, &ids(0)).is_none(),
+            cache.get(kept, &ids(0)).is_none(),
+            "another prefix treatment"
+        );
+        cache.insert(p, &ids(1), &vec![0.25; big]);
+        cache.insert(p, &ids(2), &vec![0.125; big]);
+        assert!(
+            cache.get(p, &ids(0)).is_none(),
             "the oldest goes past the bound"
         );
-        assert!(cache.get(2048, &ids(1)).is_some() && cache.get(2048, &ids(2)).is_some());
-        cache.insert(2048, &ids(3), &vec![1.0; 2 * big + big]);
-        assert!(cache.get(2048, &ids(3)).is_none() && cache.get(2048, &ids(2)).is_some());
+        assert!(cache.get(p, &ids(1)).is_some() && cache.get(p, &ids(2)).is_some());
+        cache.insert(p, &ids(3), &vec![1.0; 2 * big + big]);
+        assert!(cache.get(p, &ids(3)).is_none() && cache.get(p, &ids(2)).is_some());
     }
 
     /// One threshold over all units: the unit with the higher scores keeps more, the counts

@@ -13,12 +13,7 @@
 //! The fork lives from a chunk's first piece to its last; whoever drops a run early (the
 //! sequence finished, aborted, preempted or failed) must [`KvzipRun::release`] it.
 
-use std::ops::Range;
-
-use pk_kv::{
-    kvzip_chunks, kvzip_initial_scores, kvzip_pass_ids, kvzip_span, KvCacheManager, SeqId,
-    KVZIP_PROMPT_MAX_TOKENS,
-};
+use pk_kv::{kvzip_pass_ids, KvCacheManager, KvzipPass, KvzipPlan, SeqId, KVZIP_PROMPT_MAX_TOKENS};
 use pk_model::{Backend, SeqForward};
 
 use super::kvzip::{KvzipPrompts, Pass, PassSeconds};
@@ -50,9 +45,10 @@ pub(crate) struct KvzipRun {
     child: SeqId,
     forked: bool,
     context: Vec<u32>,
-    chunks: Vec<Range<usize>>,
+    /// The chunks, the template prefix and the sinks (`pk_kv::KvzipPlan`).
+    plan: KvzipPlan,
     prompts: KvzipPrompts,
-    pub chunk_tokens: usize,
+    pub pass: KvzipPass,
     /// The chunk whose pass runs, and how many of its pass tokens have run.
     chunk: usize,
     pass_done_tokens: usize,
@@ -69,23 +65,26 @@ pub(crate) struct KvzipRun {
 
 impl KvzipRun {
     /// A run over `context`, the first tokens stored for `seq`, in passes of chunks of
-    /// `chunk_tokens`; `child` is a fresh sequence id for the passes' forks.
+    /// `pass.chunk_tokens`, its template prefix treated as `pass.prefix` says; `child` is a
+    /// fresh sequence id for the passes' forks.
     pub fn new(
         backend: &dyn Backend,
         (seq, child): (SeqId, SeqId),
         context: Vec<u32>,
-        (prompts, chunk_tokens): (KvzipPrompts, usize),
+        (prompts, pass): (KvzipPrompts, KvzipPass),
     ) -> KvzipRun {
         let c = backend.config();
-        let scores = kvzip_initial_scores(c.n_layers, c.n_kv_heads, context.len());
+        let dims = (c.n_layers, c.n_kv_heads);
+        let mut plan = KvzipPlan::new(pass, &context, &prompts.template_prefix, dims);
+        let scores = std::mem::take(&mut plan.initial_scores);
         let mut run = KvzipRun {
             seq,
             child,
             forked: false,
-            chunks: kvzip_chunks(0, context.len(), chunk_tokens),
+            plan,
             context,
             prompts,
-            chunk_tokens,
+            pass,
             chunk: 0,
             pass_done_tokens: 0,
             pass_ids: Vec::new(),
@@ -109,7 +108,7 @@ impl KvzipRun {
     }
 
     pub fn is_done(&self) -> bool {
-        self.chunk == self.chunks.len()
+        self.chunk == self.plan.chunks.len()
     }
 
     pub fn context(&self) -> &[u32] {
@@ -158,7 +157,7 @@ impl KvzipRun {
         max_tokens: usize,
     ) -> Result<usize, PassError> {
         let n_context = self.context.len();
-        let chunk = self.chunks[self.chunk].clone();
+        let chunk = self.plan.chunks[self.chunk].clone();
         if self.pass_done_tokens == 0 {
             self.start_pass(backend, kv)?;
         }
@@ -220,13 +219,13 @@ impl KvzipRun {
         }
         let ids = kvzip_pass_ids(
             &self.context,
-            &self.chunks,
+            &self.plan.chunks,
             self.chunk,
             &self.prompts.first,
             &self.prompts.later,
             &self.prompts.turn_change,
         );
-        let chunk_len = self.chunks[self.chunk].len();
+        let chunk_len = self.plan.chunks[self.chunk].len();
         assert!(
             ids.len() - chunk_len <= KVZIP_PROMPT_MAX_TOKENS,
             "kvzip: a pass prompt of {} tokens exceeds the {KVZIP_PROMPT_MAX_TOKENS} reserved",
@@ -254,11 +253,12 @@ impl KvzipRun {
             }
         }
         self.seconds.forward += started.elapsed().as_secs_f64();
-        // The sinks are the span's tokens before the chunk (`kvzip_span`). Reading their
+        // The sinks are the span's tokens before the chunk (`KvzipPlan::sink_tokens`: the
+        // first few, or a kept template prefix). Reading their
         // keys is the scoring's work, and is timed with it.
         let started = std::time::Instant::now();
-        let chunk = self.chunks[self.chunk].clone();
-        let n_sink = kvzip_span(chunk.clone(), 0..0).len() - chunk.len();
+        let chunk = self.plan.chunks[self.chunk].clone();
+        let n_sink = self.plan.sink_tokens(&chunk);
         let table = table_of(kv, self.child);
         let keys = PieceKeys::for_chunk(backend.kv(), &table, 0..n_sink, chunk);
         self.keys = Some(keys.map_err(PassError::Failed)?);

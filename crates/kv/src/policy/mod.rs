@@ -65,6 +65,7 @@ use std::fmt;
 mod attention;
 mod granularity;
 mod kvzip;
+mod kvzip_prefix;
 mod scored;
 mod scorers;
 mod select;
@@ -79,6 +80,7 @@ pub use kvzip::{
     kvzip_unit_pass_scores, KvzipBudget, KVZIP_CHUNK_TOKENS, KVZIP_FIRST_PROMPT,
     KVZIP_LATER_PROMPT, KVZIP_PREV_POSTFIX_TOKENS, KVZIP_PROMPT_MAX_TOKENS, KVZIP_SINK_TOKENS,
 };
+pub use kvzip_prefix::{KvzipPass, KvzipPlan, KvzipPrefix};
 pub use scorers::kv_token_scores;
 pub use spec::{PagedScore, PolicySpec, SNAPKV_KERNEL_DEFAULT, SNAPKV_WINDOW_DEFAULT};
 pub use view::{DenseKv, DenseQueries, KvView, QueryView};

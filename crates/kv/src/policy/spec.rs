@@ -11,6 +11,7 @@ use std::str::FromStr;
 
 use super::attention::{ExpectedAttentionScorer, H2oScorer, SnapKvScorer, TovaScorer};
 use super::kvzip::KvzipScorer;
+use super::kvzip_prefix::{KvzipPass, KvzipPrefix};
 use super::scored::{Candidates, Protect, ScoredPolicy};
 use super::scorers::{KNormScorer, KeyDiffScorer, PagedScorer};
 use super::simple::{FullCache, StreamingLlm};
@@ -19,7 +20,7 @@ use super::{validate_budget, EvictionPolicy, PolicyError};
 /// Every policy name, with its options, for error messages and `--help`.
 pub(crate) const VALID_POLICIES: &str = "full, streaming-llm[:n-sink=N], knorm, keydiff, \
      snapkv[:window=N][:kernel=N], h2o, tova, expected-attention[:window=N][:n-sink=N], \
-     paged-eviction[:v-norm|:ratio|:inv-k-norm][:local[=N]|:global], kvzip[:chunk=N][:global[:floor=N]] (default: paged-eviction)";
+     paged-eviction[:v-norm|:ratio|:inv-k-norm][:local[=N]|:global], kvzip[:chunk=N][:global[:floor=N]][:prefix=context|kept|kvpress] (default: paged-eviction)";
 
 /// SnapKV's observation window and pooling kernel (spec `baselines.md`: w = 64, kernel = 5).
 pub const SNAPKV_WINDOW_DEFAULT: u32 = 64;
@@ -85,11 +86,13 @@ pub enum PolicySpec {
     /// so each KV head keeps its own count (the budget is their mean; at `head`
     /// granularity only, once at prefill, generated tokens kept). `floor_tokens`: the
     /// fewest tokens a head keeps under `global` (`None`: three blocks; `floor=4`, the
-    /// sinks alone, is kvpress's threshold, which may leave a head a handful).
+    /// sinks alone, is kvpress's threshold, which may leave a head a handful). `prefix`:
+    /// how a chat template's prefix is treated (`policy::kvzip_prefix`).
     Kvzip {
         chunk_tokens: u32,
         global: bool,
         floor_tokens: Option<u32>,
+        prefix: KvzipPrefix,
     },
 }
 
@@ -155,8 +158,21 @@ impl PolicySpec {
     /// Context tokens per reconstruction pass, for a policy whose scores come from the
     /// engine's KVzip passes rather than from the policy itself; `None` for the others.
     pub fn reconstruction_chunk_tokens(&self) -> Option<usize> {
+        self.reconstruction_pass().map(|p| p.chunk_tokens)
+    }
+
+    /// The reconstruction passes' chunk size and treatment of a chat template's prefix,
+    /// for a policy scored by the engine's KVzip passes; `None` for the others.
+    pub fn reconstruction_pass(&self) -> Option<KvzipPass> {
         match *self {
-            PolicySpec::Kvzip { chunk_tokens, .. } => Some(chunk_tokens as usize),
+            PolicySpec::Kvzip {
+                chunk_tokens,
+                prefix,
+                ..
+            } => Some(KvzipPass {
+                chunk_tokens: chunk_tokens as usize,
+                prefix,
+            }),
             _ => None,
         }
     }
@@ -360,6 +376,7 @@ impl FromStr for PolicySpec {
                 chunk_tokens: super::kvzip::KVZIP_CHUNK_TOKENS as u32,
                 global: false,
                 floor_tokens: None,
+                prefix: KvzipPrefix::default(),
             },
             _ => {
                 return Err(PolicyError::UnknownPolicy {
@@ -418,7 +435,7 @@ fn valid_options(spec: &PolicySpec) -> &'static str {
             "v-norm (default), ratio, inv-k-norm; local=N (N >= 1; local is local=3, the default), global"
         }
         PolicySpec::Kvzip { .. } => {
-            "chunk=N (N >= 1 context tokens per reconstruction pass), global, floor=N (N >= 4 tokens a head keeps at least under global; default three blocks)"
+            "chunk=N (N >= 1 context tokens per reconstruction pass), global, floor=N (N >= 4 tokens a head keeps at least under global; default three blocks), prefix=context|kept|kvpress (the chat template's prefix: scored as context, the default; kept whole as the authors do; or as kvpress)"
         }
         _ => "none (this policy takes no options)",
     }
@@ -462,6 +479,7 @@ fn apply_kvzip_option(
         chunk_tokens,
         global,
         floor_tokens,
+        prefix,
     } = spec
     else {
         return None;
@@ -472,20 +490,32 @@ fn apply_kvzip_option(
             chunk_tokens: n,
             global,
             floor_tokens,
+            prefix,
         }),
         ("global", None) => Ok(PolicySpec::Kvzip {
             chunk_tokens,
             global: true,
             floor_tokens,
+            prefix,
         }),
         ("floor", Some(v)) => match opt.number(v) {
             Ok(n) if n >= sinks => Ok(PolicySpec::Kvzip {
                 chunk_tokens,
                 global,
                 floor_tokens: Some(n),
+                prefix,
             }),
             Ok(_) => Err(opt.invalid()),
             Err(e) => Err(e),
+        },
+        ("prefix", Some(v)) => match KvzipPrefix::parse(v) {
+            Some(prefix) => Ok(PolicySpec::Kvzip {
+                chunk_tokens,
+                global,
+                floor_tokens,
+                prefix,
+            }),
+            None => Err(opt.invalid()),
         },
         _ => return None,
     })
@@ -651,6 +681,7 @@ impl fmt::Display for PolicySpec {
                 chunk_tokens,
                 global,
                 floor_tokens,
+                prefix,
             } => {
                 if chunk_tokens as usize != super::kvzip::KVZIP_CHUNK_TOKENS {
                     write!(f, ":chunk={chunk_tokens}")?;
@@ -660,6 +691,9 @@ impl fmt::Display for PolicySpec {
                 }
                 if let Some(n) = floor_tokens {
                     write!(f, ":floor={n}")?;
+                }
+                if prefix != KvzipPrefix::default() {
+                    write!(f, ":prefix={}", prefix.name())?;
                 }
             }
             PolicySpec::PagedEviction { score, local_topk } => {
