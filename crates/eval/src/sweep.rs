@@ -340,6 +340,7 @@ impl UnitRun<'_> {
             false => sample.user_message.clone() + &sample.answer_prefix,
         };
         let (prompt, question) = self.split_question(e, &text, &sample);
+        self.record_generative_tokens(&prompt, &question, &sample)?;
         let ctx = e.model_config().context_length;
         if prompt.len() + question.len() + sample.max_answer_tokens >= ctx {
             bail!("{} at {} tokens: the prompt has {} tokens, too many for the model's context of {ctx}", u.task.name(), u.context_tokens, prompt.len());
@@ -403,16 +404,23 @@ impl UnitRun<'_> {
     /// Appends the unit's token ids to `OUT/text-kl-tokens.jsonl`, so that another
     /// implementation (a kvpress run, llama.cpp) can be scored on exactly these spans.
     fn record_tokens(&self, prefix: &[u32], continuation: &[u32]) -> Result<()> {
-        use std::io::Write;
         let u = self.unit;
         let line = serde_json::json!({"task": u.task.name(), "context_tokens": u.context_tokens, "sample": u.sample, "seed": self.cfg.seed, "prefix": prefix, "continuation": continuation});
-        let path = self.cfg.out_dir.join("text-kl-tokens.jsonl");
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .with_context(|| format!("opening {}", path.display()))?;
-        writeln!(f, "{line}").with_context(|| format!("writing {}", path.display()))
+        append_line(&self.cfg.out_dir.join("text-kl-tokens.jsonl"), &line)
+    }
+
+    /// Appends the unit's prompt and question ids, expected answers and answer length to
+    /// `OUT/generative-tokens.jsonl`, so that another implementation (the NumPy KVzip
+    /// reference) can answer exactly these prompts.
+    fn record_generative_tokens(
+        &self,
+        prompt: &[u32],
+        question: &[u32],
+        sample: &tasks::Sample,
+    ) -> Result<()> {
+        let u = self.unit;
+        let line = serde_json::json!({"task": u.task.name(), "context_tokens": u.context_tokens, "sample": u.sample, "seed": self.cfg.seed, "prompt": prompt, "question": question, "expected": sample.expected, "max_answer_tokens": sample.max_answer_tokens});
+        append_line(&self.cfg.out_dir.join("generative-tokens.jsonl"), &line)
     }
 
     fn fill_answer(
@@ -518,4 +526,15 @@ impl UnitRun<'_> {
 fn salt(spec: PolicySpec, budget: Option<u32>) -> Option<String> {
     (spec.build().prefill_queries() == pk_kv::QueryNeed::All)
         .then(|| format!("eval|{spec}|{budget:?}"))
+}
+
+/// Appends one JSON line to `path`.
+fn append_line(path: &std::path::Path, line: &serde_json::Value) -> Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    writeln!(f, "{line}").with_context(|| format!("writing {}", path.display()))
 }

@@ -4,7 +4,10 @@
 //! chunks (followed there by the previous chunk's last tokens), and `suffix`, what the
 //! model's own chat template writes between a user turn's text and the assistant's answer
 //! (found as kvpress does: a one-message conversation rendered with the generation prompt,
-//! split after a separator). For `scripts/kvpress_reference.py --kvzip-ids`.
+//! split after a separator), and `prefix`, what the template writes before a user turn's
+//! text (the system turn and the user header, with the BOS a prompt starts with), which
+//! the authors' KVzip keeps whole and does not repeat. For `scripts/kvpress_reference.py
+//! --kvzip-ids` and `scripts/kvzip_reference_answers.py`.
 //!
 //! `cargo run --release -p pk-tokenizer --example kvzip_ids -- MODEL.gguf > ids.json`
 
@@ -22,11 +25,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let template = ChatTemplate::from_gguf(&file)?;
     let suffix = template.user_turn_suffix()?;
     let suffix = suffix.as_str();
+    let prefix = template.user_turn_prefix()?;
     let ids = serde_json::json!({
         "first": tokenizer.encode(FIRST, false),
         "later": tokenizer.encode(LATER, false),
         "suffix": tokenizer.encode(suffix, true),
         "suffix_text": suffix,
+        "prefix": tokenizer.encode_prompt(&prefix, true),
+        "prefix_text": prefix,
     });
     println!("{ids}");
     Ok(())
