@@ -254,8 +254,8 @@ impl KvzipRun {
         }
         self.seconds.forward += started.elapsed().as_secs_f64();
         // The sinks are the span's tokens before the chunk (`KvzipPlan::sink_tokens`: the
-        // first few, or a kept template prefix). Reading their
-        // keys is the scoring's work, and is timed with it.
+        // first few, or a kept template prefix). Reading their keys is the scoring's work,
+        // and is timed with it.
         let started = std::time::Instant::now();
         let chunk = self.plan.chunks[self.chunk].clone();
         let n_sink = self.plan.sink_tokens(&chunk);

@@ -32,8 +32,6 @@ pub enum KvzipPrefix {
 }
 
 impl KvzipPrefix {
-    pub const VALID: &'static str = "context, kept, kvpress";
-
     pub fn name(self) -> &'static str {
         match self {
             KvzipPrefix::Context => "context",
