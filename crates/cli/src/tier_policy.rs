@@ -104,6 +104,7 @@ pub fn evicpress_config(
         reprofile_threshold: 0.1,
         max_pending_bytes: 1 << 30,
         max_queries_per_context: 8,
+        copies: pk_evicpress::Copies::MasterAndPlaced,
     })
 }
 

@@ -371,8 +371,11 @@ impl KvConnector for ContextReuse {
         if !self.store.wants_kvzip() || self.groups.is_some() || self.kvzip_in_idle_time() {
             return None;
         }
-        let n_chunks = lock(&self.requests).get(&request)?.len();
-        (n_chunks > 0).then(|| n_chunks * self.chunk_size_tokens())
+        let keys = lock(&self.requests).get(&request)?.clone();
+        // A context recomputed after it was dropped comes back with the scores the store
+        // remembers: the pass would only compute them again.
+        let known = self.store.knows_kvzip_scores(keys.last()?);
+        (!known).then(|| keys.len() * self.chunk_size_tokens())
     }
 
     fn give_kvzip_scores(&self, request: RequestKey, scores: Vec<f32>) {

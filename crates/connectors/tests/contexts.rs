@@ -37,6 +37,7 @@ fn store_config(dir: &std::path::Path, policy: Policy, ram_bytes: u64) -> StoreC
         reprofile_threshold: 0.05,
         max_pending_bytes: 512 << 20,
         max_queries_per_context: 4,
+        copies: pk_evicpress::Copies::MasterAndPlaced,
     }
 }
 

@@ -29,7 +29,7 @@ pub use model::{DecayedCount, DelayModel, QualityCurve, QualityPrior, QualitySou
 pub use placement::{Item, Placer, Policy, Ranking};
 pub use scores::{snapkv_scores, WindowQueries};
 pub use store::{
-    copy_key, BytesByGroup, ContextReport, ContextStore, DelayProvenance, DelayReport, LoadReport,
-    OptionReport, Provenance, StoreConfig, StoreError, StoreStats, TierCalibration,
+    copy_key, BytesByGroup, ContextReport, ContextStore, Copies, DelayProvenance, DelayReport,
+    LoadReport, OptionReport, Provenance, StoreConfig, StoreError, StoreStats, TierCalibration,
     MIN_PREFILL_SAMPLE_TOKENS,
 };

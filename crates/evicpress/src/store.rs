@@ -36,10 +36,13 @@ use crate::placement::{Item, Placer, Policy};
 use crate::scores::{snapkv_scores, token_scores, WindowQueries};
 
 mod bounded;
+mod ghosts;
 mod measure;
 mod persist;
+mod single_copy;
 mod worker;
 
+pub use ghosts::{MAX_GHOSTS, MAX_GHOST_SCORE_BYTES};
 pub use measure::{
     DelayProvenance, DelayReport, Provenance, TierCalibration, MIN_PREFILL_SAMPLE_TOKENS,
 };
@@ -64,6 +67,28 @@ pub struct StoreConfig {
     pub max_pending_bytes: u64,
     /// Recent queries kept per context for background profiling.
     pub max_queries_per_context: usize,
+    /// Whether every context keeps an uncompressed master beside its placed copy.
+    pub copies: Copies,
+}
+
+/// How many copies of a context the store keeps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Copies {
+    /// An uncompressed master on the last tier, and the placed copy beside it (when it is
+    /// not the master itself). A hit can always fall back to the master, a context can be
+    /// re-encoded to any configuration at any time, and contexts survive restarts (they
+    /// are adopted from the last tier). A capacity on the last tier drops whole contexts
+    /// (`store::bounded`).
+    #[default]
+    MasterAndPlaced,
+    /// Only the placed copy, as the EVICPRESS paper's store keeps: a context compressed is
+    /// compressed for good (it cannot change configuration again, only move or be dropped),
+    /// so compression lets more contexts fit when all tiers together hold less than the
+    /// working set. Every tier's capacity is the placer's to enforce, the last one's
+    /// included; a context demoted past the last tier is dropped, and its next request
+    /// recomputes it. There is no master to fall back to (an unreadable copy is a miss)
+    /// and nothing is adopted after a restart (`store::single_copy`).
+    PlacedOnly,
 }
 
 /// Where a load came from, for metrics and the benchmark.
@@ -135,6 +160,8 @@ pub struct StoreStats {
     /// Contexts dropped whole (master, copy, meta entry) to keep the last tier within its
     /// capacity.
     pub dropped: u64,
+    /// Contexts forgotten because their only copy was unreadable (one copy per context).
+    pub unreadable_dropped: u64,
     /// Contexts not stored because their master alone exceeds the last tier's capacity.
     pub skipped_too_large: u64,
     pub reprofiles_requested: u64,
@@ -181,6 +208,8 @@ pub(crate) struct State {
     pub(crate) stats: StoreStats,
     delay: DelayModel,
     provenance: measure::DelayProvenance,
+    /// Contexts no longer (or not yet) stored, remembered (`store::ghosts`).
+    ghosts: ghosts::Ghosts,
 }
 
 /// What a context's SnapKV scores come from: given, or computed on the worker thread from
@@ -241,6 +270,7 @@ pub struct ContextStore {
     capacities_bytes: Vec<u64>,
     /// The configured capacity of the last tier (`u64::MAX`: unlimited).
     last_capacity_bytes: u64,
+    copies: Copies,
     grid: Grid,
     policy: Policy,
     fingerprint: [u8; 32],
@@ -292,6 +322,10 @@ pub enum StoreError {
     CopyMissing,
     #[error("the master copy is unreadable: {0}")]
     MasterUnreadable(Box<StoreError>),
+    #[error("the context's only copy is unreadable (it is forgotten and recomputed): {0}")]
+    OnlyCopyUnreadable(Box<StoreError>),
+    #[error("the context is stored compressed only (one copy per context): its full KV is gone")]
+    NoFullKv,
     #[error("{0}: this context was stored without the scores it drops by (SnapKV's and KVzip's come from the engine with the context)")]
     NoSnapKvScores(crate::config::Compression),
     #[error("{got} qualities for a grid of {grid}")]
@@ -318,16 +352,20 @@ impl ContextStore {
             }
         }
         let (tx, rx) = sync_channel::<Job>(MAX_QUEUED_JOBS);
-        // The last tier keeps every master: its capacity is not the placer's to enforce
-        // (the placer's bounded model lets compressed copies outlive their masters, which
-        // only the simulator runs); the store enforces it by dropping whole contexts.
+        // With masters the last tier keeps every one of them: its capacity is not the
+        // placer's to enforce (the placer's bounded model lets compressed copies outlive
+        // their masters); the store enforces it by dropping whole contexts. With one copy
+        // per context that bounded model is exactly the store's.
         let mut capacities_bytes = cfg.capacities_bytes;
-        let last = capacities_bytes.last_mut().expect("checked non-empty");
-        let last_capacity_bytes = std::mem::replace(last, u64::MAX);
+        let last_capacity_bytes = *capacities_bytes.last().expect("checked non-empty");
+        if cfg.copies == Copies::MasterAndPlaced {
+            *capacities_bytes.last_mut().expect("checked non-empty") = u64::MAX;
+        }
         let store = Arc::new(ContextStore {
             tiers: cfg.tiers,
             capacities_bytes,
             last_capacity_bytes,
+            copies: cfg.copies,
             grid: cfg.grid,
             policy: cfg.policy,
             fingerprint: cfg.fingerprint,
@@ -342,6 +380,7 @@ impl ContextStore {
                 stats: StoreStats::default(),
                 provenance: measure::DelayProvenance::priors(cfg.delay.tiers.len()),
                 delay: cfg.delay,
+                ghosts: ghosts::Ghosts::default(),
             })),
             in_flight: Arc::new((Mutex::new(0), Condvar::new())),
             tx: Mutex::new(Some(tx)),
@@ -394,7 +433,7 @@ impl ContextStore {
             keys.iter().rposition(|k| st.entries.contains_key(k))
         };
         let start = known.map_or(0, |i| i + 1);
-        if start < keys.len() {
+        if start < keys.len() && self.copies == Copies::MasterAndPlaced {
             let last = self.tiers.len() - 1;
             let masters: Vec<ChunkKey> = keys[start..].iter().map(|k| copy_key(k, 0)).collect();
             if let Ok(present) = self.tiers[last].contains_many(&masters) {
@@ -522,6 +561,7 @@ impl ContextStore {
         let mut v: Vec<_> = st
             .entries
             .iter()
+            .filter(|(_, e)| self.has_full_kv(e))
             .filter_map(|(k, e)| {
                 let ids = e.pending_kvzip_ids.as_ref()?;
                 Some((
@@ -721,12 +761,16 @@ impl ContextStore {
                 e.hits % SAVE_META_EVERY_HITS == 0,
             )
         };
-        if save_meta {
+        if save_meta && self.copies == Copies::MasterAndPlaced {
             self.send(Job::SaveMeta(*key));
         }
         let master = (self.tiers.len() - 1, 0);
         let mut fell_back = false;
-        for (t, c) in [(tier, config), master] {
+        let candidates = match self.copies {
+            Copies::MasterAndPlaced => &[(tier, config), master][..],
+            Copies::PlacedOnly => &[(tier, config)][..],
+        };
+        for &(t, c) in candidates {
             if fell_back && (t, c) == (tier, config) {
                 continue;
             }
@@ -773,6 +817,10 @@ impl ContextStore {
                         self.tiers[t].name(),
                         self.grid.configs()[c]
                     );
+                    if self.copies == Copies::PlacedOnly {
+                        self.forget_unreadable(key, (t, c));
+                        return Err(StoreError::OnlyCopyUnreadable(Box::new(e)));
+                    }
                     if (t, c) == master {
                         return Err(StoreError::MasterUnreadable(Box::new(e)));
                     }
@@ -788,11 +836,15 @@ impl ContextStore {
                 }
             }
         }
-        unreachable!("the master is always tried last")
+        unreachable!("the last candidate returns")
     }
 
-    /// The full KV of a stored context (its master), for profiling.
+    /// The full KV of a stored context (its master), for profiling. With one copy per
+    /// context: the copy, when uncompressed ([`StoreError::NoFullKv`] otherwise).
     pub fn load_master(&self, key: &ChunkKey) -> Result<KvContext, StoreError> {
+        if self.copies == Copies::PlacedOnly {
+            return self.load_single_copy_full(key);
+        }
         let last = self.tiers.len() - 1;
         let p = self.tiers[last]
             .load(&copy_key(key, 0))?
@@ -883,6 +935,7 @@ impl ContextStore {
             .filter(|(_, e)| {
                 (e.needs_profile || e.hits_since_profile >= REFRESH_PROFILE_AFTER_HITS)
                     && !e.queries.is_empty()
+                    && self.has_full_kv(e)
             })
             .map(|(k, e)| {
                 (

@@ -21,7 +21,7 @@ pub fn measured(
     dir: &std::path::Path,
     working_set: u64,
 ) -> Result<DelayModel> {
-    let (probe_tiers, _) = tiers_for(a, dir, "probe", working_set)?;
+    let (probe_tiers, _) = tiers_for(a, dir, "probe", working_set, None)?;
     let sample = pk_codec::encode(&setup.masters[0], &pk_codec::Method::None, None, &[0; 32])?;
     let speeds = measure_tiers(&probe_tiers, &sample, &[0; 32]);
     drop(probe_tiers);

@@ -26,6 +26,7 @@
 //! simulator, report.rs the sweeps and what goes to `--out`, workload.rs the contexts and
 //! the trace.
 
+mod bounded;
 mod delay;
 mod families;
 mod load;
@@ -123,6 +124,11 @@ pub struct EvicpressArgs {
     /// asked for, and a context kept compressed has no master left. Empty: none.
     #[arg(long, value_delimiter = ',', default_value = "0.5,0.25")]
     pub tiers_fractions: Vec<f64>,
+    /// Also run each `--tiers-fractions` scenario on the real engine and tiers, with one
+    /// copy per context (the paper's store, `Copies::PlacedOnly`): every real policy serves
+    /// the trace serially, about as long again as the base real runs per fraction.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub real_bounded: bool,
     /// Keep the cold-read behaviour of an SSD: drop written and read disk files from the
     /// page cache (posix_fadvise), so that the OS does not turn the disk tier into RAM.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -234,8 +240,17 @@ fn tiers_for(
     dir: &std::path::Path,
     run: &str,
     working_set_bytes: u64,
+    tiers_fraction: Option<f64>,
 ) -> Result<TierStack> {
-    let ram_cap = (a.ram_fraction * working_set_bytes as f64) as u64;
+    let n_tiers = 2 + usize::from(a.redis.is_some());
+    let caps = tier_capacities(
+        a,
+        n_tiers,
+        a.ram_fraction,
+        tiers_fraction,
+        working_set_bytes,
+    );
+    let ram_cap = caps[0];
     // Physical capacities get slack over the logical ones (the store enforces those).
     let ram: Arc<dyn Tier> = Arc::new(RamTier::new(ram_cap * 2 + (64 << 20)));
     let mut disk_cfg = DiskTierConfig::new(dir.join(run), u64::MAX / 4);
@@ -248,17 +263,41 @@ fn tiers_for(
             rc.io_timeout = Duration::from_secs(10);
             let redis: Arc<dyn Tier> =
                 Arc::new(RedisTier::open(rc).context("opening the Redis tier")?);
-            (
-                vec![ram, disk, redis],
-                vec![
-                    ram_cap,
-                    (a.disk_fraction * working_set_bytes as f64) as u64,
-                    u64::MAX,
-                ],
-            )
+            (vec![ram, disk, redis], caps)
         }
-        None => (vec![ram, disk], vec![ram_cap, u64::MAX]),
+        None => (vec![ram, disk], caps),
     })
+}
+
+/// Tier capacities in bytes with RAM holding `ram_fraction` of the working set, the disk
+/// `--disk-fraction` of it when Redis is last, and the last tier unlimited.
+///
+/// Bounded (`tiers_fraction` F): RAM holds the smaller of its share and F/2, a middle
+/// disk the smaller of its share and half of what is left, and the last tier the rest
+/// of F, enforced. The simulator and the real bounded runs share this rule.
+pub(crate) fn tier_capacities(
+    a: &EvicpressArgs,
+    n_tiers: usize,
+    ram_fraction: f64,
+    tiers_fraction: Option<f64>,
+    working_set_bytes: u64,
+) -> Vec<u64> {
+    let ws = working_set_bytes as f64;
+    let Some(total) = tiers_fraction else {
+        let mut c = vec![(ram_fraction * ws) as u64];
+        if n_tiers == 3 {
+            c.push((a.disk_fraction * ws) as u64);
+        }
+        c.push(u64::MAX);
+        return c;
+    };
+    let ram = ram_fraction.min(total / 2.0);
+    let mut fractions = vec![ram];
+    if n_tiers == 3 {
+        fractions.push(a.disk_fraction.min((total - ram) / 2.0));
+    }
+    fractions.push(total - fractions.iter().sum::<f64>());
+    fractions.iter().map(|f| (f * ws) as u64).collect()
 }
 
 /// Refuses, by name, numbers the runs cannot use, before minutes of setup.
@@ -337,7 +376,7 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     };
     let mut loads = Vec::new();
     for runner in runners {
-        let (row, run_loads) = runner.finish(a.ram_fraction);
+        let (row, run_loads) = runner.finish();
         eprintln!(
             "{} {:?}: TTFT mean {:.3} s, quality {:.3}, task {:.3}",
             row.policy,
@@ -351,6 +390,19 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     }
     rows.extend(loaded_rows);
     delay::fit(&mut delay, &loads);
+    if a.real_bounded {
+        let dir = work.path();
+        rows.extend(bounded::real_rows(
+            &a,
+            &p,
+            &setup,
+            &policies,
+            &delay,
+            dir,
+            working_set,
+            &reqs,
+        )?);
+    }
     let sweeps = report::sweeps(
         &a,
         &p.grid,
@@ -487,6 +539,7 @@ fn warm_runners(
             working_set,
             name,
             *alpha,
+            None,
         )?);
     }
     Ok(runners)
@@ -639,6 +692,7 @@ fn store_config(
     grid: &Grid,
     policy: Policy,
     delay: &DelayModel,
+    copies: pk_evicpress::Copies,
 ) -> StoreConfig {
     StoreConfig {
         tiers,
@@ -651,6 +705,7 @@ fn store_config(
         reprofile_threshold: 0.1,
         max_pending_bytes: 4 << 30,
         max_queries_per_context: 8,
+        copies,
     }
 }
 

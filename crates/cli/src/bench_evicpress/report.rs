@@ -246,29 +246,15 @@ struct Scenario<'a> {
 }
 
 impl Sweep<'_> {
-    /// Tier capacities in bytes with RAM holding `ram_fraction` of the working set, the disk
-    /// `--disk-fraction` of it when Redis is last, and the last tier unlimited.
-    ///
-    /// Bounded (`tiers_fraction` F): RAM holds the smaller of its share and F/2, a middle
-    /// disk the smaller of its share and half of what is left, and the last tier the rest
-    /// of F, enforced.
+    /// The scenario's tier capacities (the rule: `super::tier_capacities`).
     fn caps(&self, sc: &Scenario) -> Vec<u64> {
-        let ws = self.working_set as f64;
-        let Some(total) = sc.tiers_fraction else {
-            let mut c = vec![(sc.ram_fraction * ws) as u64];
-            if self.n_tiers == 3 {
-                c.push((self.a.disk_fraction * ws) as u64);
-            }
-            c.push(u64::MAX);
-            return c;
-        };
-        let ram = sc.ram_fraction.min(total / 2.0);
-        let mut fractions = vec![ram];
-        if self.n_tiers == 3 {
-            fractions.push(self.a.disk_fraction.min((total - ram) / 2.0));
-        }
-        fractions.push(total - fractions.iter().sum::<f64>());
-        fractions.iter().map(|f| (f * ws) as u64).collect()
+        super::tier_capacities(
+            self.a,
+            self.n_tiers,
+            sc.ram_fraction,
+            sc.tiers_fraction,
+            self.working_set,
+        )
     }
 
     fn row(

@@ -51,6 +51,10 @@ pub struct Runner {
     store: Arc<pk_evicpress::ContextStore>,
     pub name: String,
     pub alpha: Option<f64>,
+    /// The row's scenario: `base`, or `bounded-F` (one copy per context, tiers holding F
+    /// of the working set).
+    scenario: String,
+    ram_fraction: f64,
     ttft: Vec<f64>,
     quality: Vec<f64>,
     pub service: Vec<f64>,
@@ -66,7 +70,8 @@ pub struct Runner {
 
 impl Runner {
     /// A fresh store on fresh tiers, warmed with every context (inserted in order and
-    /// placed by the policy, with its profile).
+    /// placed by the policy, with its profile). With `tiers_fraction` F, the store keeps one
+    /// copy per context and all tiers together hold F of the working set.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         a: &EvicpressArgs,
@@ -79,15 +84,26 @@ impl Runner {
         working_set: u64,
         name: &str,
         alpha: Option<f64>,
+        tiers_fraction: Option<f64>,
     ) -> Result<Runner> {
-        let (tiers, caps) = tiers_for(a, dir, run, working_set)?;
+        let (tiers, caps) = tiers_for(a, dir, run, working_set, tiers_fraction)?;
+        let copies = match tiers_fraction {
+            Some(_) => pk_evicpress::Copies::PlacedOnly,
+            None => pk_evicpress::Copies::MasterAndPlaced,
+        };
         // Room for four contexts at once, so that loaded runs batch.
         let (e, contexts) = engine_for(
             a,
-            store_config(tiers, caps, &p.grid, policy.clone(), delay),
+            store_config(tiers, caps, &p.grid, policy.clone(), delay, copies),
             4 * (p.spec.max_tokens + 256),
         )?;
         let store = contexts.store().clone();
+        if name == super::NO_KVZIP {
+            // A context recomputed after a drop is offered again; without this the engine
+            // would score it by KVzip on the request path. Idle-time scoring, which the
+            // benchmark never runs, keeps the KVzip configurations unavailable.
+            contexts.score_kvzip_in_idle_time();
+        }
         for (c, ctx) in s.contexts.iter().enumerate() {
             let key = contexts.context_key(&ctx.tokens, None).expect("aligned");
             // Without KVzip scores the grid's KVzip configurations are unavailable.
@@ -95,11 +111,12 @@ impl Runner {
                 .then(|| s.kvzip_scores[c].clone())
                 .flatten();
             let snapkv = s.snapkv_scores[c].clone();
-            store.offer_with_scores(key, s.masters[c].clone(), snapkv, kvzip);
-            store.flush();
+            // The profile first, so that the context's first placement already uses it
+            // (with one copy per context a compressed copy cannot be re-encoded later).
             store
-                .set_profile(&key, s.profiles[c].clone())
+                .preset_profile(&key, s.profiles[c].clone())
                 .map_err(anyhow::Error::msg)?;
+            store.offer_with_scores(key, s.masters[c].clone(), snapkv, kvzip);
             store.flush();
         }
         Ok(Runner {
@@ -107,6 +124,8 @@ impl Runner {
             store,
             name: name.into(),
             alpha,
+            scenario: tiers_fraction.map_or("base".into(), super::report::bounded_name),
+            ram_fraction: a.ram_fraction,
             ttft: Vec::new(),
             quality: Vec::new(),
             service: Vec::new(),
@@ -240,7 +259,7 @@ impl Runner {
         })
     }
 
-    pub fn finish(self, ram_fraction: f64) -> (RunRow, Vec<Load>) {
+    pub fn finish(self) -> (RunRow, Vec<Load>) {
         let st = self.store.stats();
         if self.f1_mismatches > 0 {
             eprintln!(
@@ -252,8 +271,8 @@ impl Runner {
             &self.name,
             self.alpha,
             "real",
-            "base",
-            ram_fraction,
+            &self.scenario,
+            self.ram_fraction,
             &self.ttft,
             &self.quality,
             &self.task,

@@ -90,7 +90,14 @@ fn setup_engine(a: &EvicpressArgs, p: &Preset) -> Result<(Engine, Arc<ContextReu
     };
     engine_for(
         a,
-        store_config(vec![ram], vec![u64::MAX], &p.grid, Policy::Lru, &delay),
+        store_config(
+            vec![ram],
+            vec![u64::MAX],
+            &p.grid,
+            Policy::Lru,
+            &delay,
+            pk_evicpress::Copies::MasterAndPlaced,
+        ),
         32 * 1024,
     )
 }

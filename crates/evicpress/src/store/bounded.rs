@@ -6,16 +6,18 @@
 //! honoured here: after each placement, while the masters and the copies placed beside them
 //! exceed it, the store drops whole contexts (master, placed copy and meta entry), the
 //! least valuable first. A dropped context is no longer stored: its next request is a miss,
-//! recomputed at full quality and offered again, as LMCache's local disk evicts when full.
+//! recomputed at full quality and offered again, as LMCache's local disk evicts when full
+//! (its frequency, profile and supplied scores are remembered, `store::ghosts`).
 //!
 //! "Least valuable" follows the store's policy. LRU and fixed compression drop the least
 //! recently used context. EVICPRESS drops the context whose loss of utility (its current
 //! placement's utility minus that of recomputing it, both weighted by its frequency) is
 //! smallest, the same greedy that demotes within the tiers, taken one step past the last.
 //!
-//! This differs from the simulator's bounded scenarios (`Placer::bounded`), where a
-//! compressed copy on a faster tier may outlive its master; here a context never exists
-//! without its master, so a hit can always fall back to it. Meta entries (at most 1 MiB
+//! This differs from the simulator's bounded scenarios (`Placer::bounded`) and from a
+//! store with one copy per context (`store::single_copy`), where a compressed copy on a
+//! faster tier may outlive its master; here a context never exists without its master, so
+//! a hit can always fall back to it. Meta entries (at most 1 MiB
 //! each) are not counted: the tier objects are opened with slack above the logical
 //! capacities for them and for the files' headers.
 
@@ -23,9 +25,10 @@ use super::*;
 
 impl ContextStore {
     /// Bytes the index accounts on the last tier: every context's master, and the placed
-    /// copies there that are not the master.
+    /// copies there that are not the master (with one copy per context: the copies there).
     pub fn last_tier_bytes(&self) -> u64 {
-        last_tier_bytes_of(&self.state.lock().unwrap(), self.tiers.len() - 1)
+        let masters = self.copies == Copies::MasterAndPlaced;
+        last_tier_bytes_of(&self.state.lock().unwrap(), self.tiers.len() - 1, masters)
     }
 
     /// The configured capacity of the last tier (`u64::MAX`: unlimited).
@@ -44,15 +47,17 @@ impl ContextStore {
         loop {
             let (key, item) = {
                 let mut st = self.state.lock().unwrap();
-                if last_tier_bytes_of(&st, last) <= self.last_capacity_bytes {
+                if last_tier_bytes_of(&st, last, true) <= self.last_capacity_bytes {
                     return;
                 }
                 let Some(victim) = self.least_valuable(&st, arrived) else {
                     return;
                 };
-                let e = st.entries.remove(&victim).expect("chosen from the index");
+                let item = self
+                    .forget(&mut st, &victim)
+                    .expect("chosen from the index");
                 st.stats.dropped += 1;
-                (victim, e.item)
+                (victim, item)
             };
             // The index no longer points at these copies; a load that read it before the
             // removal finds them gone and recomputes.
@@ -91,12 +96,18 @@ impl ContextStore {
 }
 
 /// See [`ContextStore::last_tier_bytes`].
-fn last_tier_bytes_of(st: &State, last: usize) -> u64 {
+fn last_tier_bytes_of(st: &State, last: usize, masters: bool) -> u64 {
     st.entries
         .values()
         .map(|e| {
-            let placed = (e.item.tier == last && e.item.config != 0) as u64;
-            e.item.bytes[0] + placed * e.item.bytes[e.item.config]
+            let on_last = e.item.tier == last;
+            match masters {
+                true => {
+                    e.item.bytes[0]
+                        + (on_last && e.item.config != 0) as u64 * e.item.bytes[e.item.config]
+                }
+                false => on_last as u64 * e.item.bytes[e.item.config],
+            }
         })
         .sum()
 }

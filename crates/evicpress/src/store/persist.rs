@@ -8,8 +8,12 @@ impl ContextStore {
     }
 
     /// Worker: writes the context's meta entry beside its master. Best effort: a failure
-    /// costs only what a restart would have to learn again.
+    /// costs only what a restart would have to learn again. With one copy per context
+    /// there is no master to write it beside (and nothing is adopted after a restart).
     pub(super) fn save_meta(&self, key: &ChunkKey) {
+        if self.copies == Copies::PlacedOnly {
+            return;
+        }
         let meta = {
             let st = self.state.lock().unwrap();
             let Some(e) = st.entries.get(key) else { return };

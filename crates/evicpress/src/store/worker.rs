@@ -47,7 +47,8 @@ pub(super) fn worker_loop(rx: Receiver<Job>, store: std::sync::Weak<ContextStore
 }
 
 impl ContextStore {
-    /// Worker: writes the master, registers the context, places it.
+    /// Worker: writes the master (unless the store keeps one copy), registers the context,
+    /// places it.
     pub(super) fn insert(
         &self,
         key: ChunkKey,
@@ -56,6 +57,12 @@ impl ContextStore {
         context_ids: Option<Vec<u32>>,
     ) -> Result<(), StoreError> {
         if self.contains(&key) {
+            return Ok(());
+        }
+        if self.copies == Copies::PlacedOnly {
+            self.register(key, kv, supplied);
+            self.state.lock().unwrap().stats.inserted += 1;
+            self.place(key, Some(kv));
             return Ok(());
         }
         let last = self.tiers.len() - 1;
@@ -122,6 +129,7 @@ impl ContextStore {
             let now = self.now_s();
             let mut freq = DecayedCount::default();
             freq.bump(now, self.half_life_s);
+            let ghost = st.ghosts.take(&key);
             let item = Item {
                 bytes: self.grid.configs().iter().map(|c| c.bytes_of(kv)).collect(),
                 kept_tokens: self
@@ -140,24 +148,25 @@ impl ContextStore {
                 config: 0,
                 master: true,
             };
-            st.entries.insert(
-                key,
-                Entry {
-                    n_tokens: kv.n_tokens(),
-                    item,
-                    quality,
-                    freq,
-                    served_quality: None,
-                    hits: 0,
-                    scores,
-                    queries: Vec::new(),
-                    needs_profile: true,
-                    hits_since_profile: 0,
-                    window_bytes: window_bytes(&self.grid, kv),
-                    pending_kvzip_ids: None,
-                    kvzip_failures: 0,
-                },
-            );
+            let mut entry = Entry {
+                n_tokens: kv.n_tokens(),
+                item,
+                quality,
+                freq,
+                served_quality: None,
+                hits: 0,
+                scores,
+                queries: Vec::new(),
+                needs_profile: true,
+                hits_since_profile: 0,
+                window_bytes: window_bytes(&self.grid, kv),
+                pending_kvzip_ids: None,
+                kvzip_failures: 0,
+            };
+            if let Some(g) = ghost {
+                entry.remember(g, now, self.half_life_s);
+            }
+            st.entries.insert(key, entry);
         }
     }
 
@@ -178,7 +187,12 @@ impl ContextStore {
                     self.placement_item(e, e.freq.value_at(now, self.half_life_s).max(1e-9))
                 })
                 .collect();
-            let before: Vec<(usize, usize)> = items.iter().map(|i| (i.tier, i.config)).collect();
+            let mut before: Vec<(usize, usize)> =
+                items.iter().map(|i| (i.tier, i.config)).collect();
+            if self.copies == Copies::PlacedOnly && full.is_some() {
+                // Registered but not written anywhere yet: its copy is always made.
+                before[arrived] = (self.tiers.len(), 0);
+            }
             let placer = Placer {
                 delay: &st.delay,
                 policy: &self.policy,
@@ -208,7 +222,9 @@ impl ContextStore {
                 tracing::warn!("EVICPRESS: moving a context failed: {e}");
             }
         }
-        self.enforce_last_capacity(&key);
+        if self.copies == Copies::MasterAndPlaced {
+            self.enforce_last_capacity(&key);
+        }
         self.publish_metrics();
     }
 
@@ -220,13 +236,18 @@ impl ContextStore {
         to: (usize, usize),
         full: Option<&KvContext>,
     ) -> Result<(), StoreError> {
-        let last = self.tiers.len() - 1;
-        let is_master = |p: (usize, usize)| p == (last, 0);
+        let n_tiers = self.tiers.len();
+        let single = self.copies == Copies::PlacedOnly;
+        let is_master = |p: (usize, usize)| !single && p == (n_tiers - 1, 0);
+        if to.0 >= n_tiers {
+            self.drop_single_copy(key, from);
+            return Ok(());
+        }
         let mut moved = 0u64;
         if !is_master(to) {
             // A copy of the same configuration can be moved as bytes; others are re-encoded
             // from the full KV (the master, unless the caller still holds it).
-            let existing = if from.1 == to.1 {
+            let existing = if from.1 == to.1 && from.0 < n_tiers {
                 self.tiers[from.0]
                     .load(&copy_key(key, from.1))
                     .ok()
@@ -263,11 +284,13 @@ impl ContextStore {
             if let Some(e) = st.entries.get_mut(key) {
                 e.item.tier = to.0;
                 e.item.config = to.1;
+                // With one copy, only an uncompressed one can be re-encoded.
+                e.item.master = !single || to.1 == 0;
             }
             st.stats.moves += 1;
             st.stats.bytes_moved += moved;
         }
-        if !is_master(from) && from != to {
+        if !is_master(from) && from != to && from.0 < n_tiers {
             let _ = self.tiers[from.0].delete(&copy_key(key, from.1));
         }
         Ok(())

@@ -55,5 +55,6 @@ pub fn ram_disk_config(
         reprofile_threshold: 0.1,
         max_pending_bytes: 64 << 20,
         max_queries_per_context: 2,
+        copies: pk_evicpress::Copies::MasterAndPlaced,
     }
 }
