@@ -198,3 +198,46 @@ fn an_unreadable_only_copy_is_a_miss_and_is_forgotten() {
     f.store.flush();
     assert_eq!(f.store.placement_of(&key(7)), Some((0, 0)));
 }
+
+/// Every indexed context has exactly its placed copy on the tiers; every other has none.
+fn assert_one_copy_each(f: &Fixture, n_contexts: u8, n_configs: usize) {
+    for i in 0..n_contexts {
+        let want: Vec<(usize, usize)> = f.store.placement_of(&key(i)).into_iter().collect();
+        assert_eq!(copies_of(f, i, n_configs), want, "context {i}");
+    }
+}
+
+#[test]
+fn copies_and_index_agree_through_offers_hits_and_drops() {
+    let policies = [
+        Policy::Lru,
+        Policy::Fixed(2),
+        Policy::Evicpress {
+            alpha: 1.0,
+            ranking: Ranking::AbsoluteDrop,
+        },
+        Policy::Evicpress {
+            alpha: 4.0,
+            ranking: Ranking::AbsoluteDrop,
+        },
+    ];
+    for policy in policies {
+        let f = fixture((1, 1), "q8,q4", policy.clone());
+        let mut x = 12345u32;
+        for step in 0..120 {
+            x = x.wrapping_mul(1664525).wrapping_add(1013904223);
+            let i = ((x >> 16) % 8) as u8;
+            if step % 3 == 0 {
+                let q = 0.9 + (i as f32) / 100.0;
+                let _ = f.store.preset_profile(&key(i), vec![1.0, q, q - 0.05]);
+            }
+            if f.store.contains(&key(i)) {
+                f.store.load(&key(i), None).unwrap();
+            } else {
+                assert!(f.store.offer(key(i), kv(i as u32)));
+            }
+            f.store.flush();
+            assert_one_copy_each(&f, 8, 3);
+        }
+    }
+}

@@ -190,8 +190,9 @@ impl ContextStore {
             let mut before: Vec<(usize, usize)> =
                 items.iter().map(|i| (i.tier, i.config)).collect();
             if self.copies == Copies::PlacedOnly && full.is_some() {
-                // Registered but not written anywhere yet: its copy is always made.
-                before[arrived] = (self.tiers.len(), 0);
+                // Registered but not written anywhere yet ("nowhere", distinct from the
+                // dropped tier): its copy is made, or, dropped at once, it is forgotten.
+                before[arrived] = (usize::MAX, 0);
             }
             let placer = Placer {
                 delay: &st.delay,
