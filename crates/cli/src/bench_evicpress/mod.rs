@@ -402,6 +402,12 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
             working_set,
             &reqs,
         )?);
+        // Full prefill does not depend on the tiers: setup's measured row, in each scenario.
+        for &f in &a.tiers_fractions {
+            let mut full = full_prefill_row(&a, &setup, &reqs);
+            full.scenario = report::bounded_name(f);
+            rows.push(full);
+        }
     }
     let sweeps = report::sweeps(
         &a,
