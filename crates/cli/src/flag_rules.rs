@@ -54,6 +54,7 @@ const TIER_ARGS: &[&str] = &[
     "evicpress_grid",
     "evicpress_per_byte",
     "evicpress_profile_metric",
+    "evicpress_copies",
 ];
 
 /// The settings of the EVICPRESS store, which exists only with `--tier-policy evicpress`.
@@ -62,6 +63,7 @@ const EVICPRESS_ARGS: &[&str] = &[
     "evicpress_grid",
     "evicpress_per_byte",
     "evicpress_profile_metric",
+    "evicpress_copies",
 ];
 
 const CUDA: When = When::Is("device", &["cuda"]);
@@ -83,6 +85,14 @@ pub const RULES: &[Rule] = &[
         context: "",
         why: "the EVICPRESS store profiles contexts in a server's idle time, and generate \
               exits after one prompt",
+    },
+    Rule {
+        command: "generate",
+        args: &["evicpress_copies"],
+        when: &[When::Is("evicpress_copies", &["placed-only"])],
+        context: "",
+        why: "a store with one copy per context adopts nothing after a restart, and \
+              generate exits after one prompt: its context could never be used again",
     },
     Rule {
         command: "generate",
@@ -206,6 +216,7 @@ pub const RULES: &[Rule] = &[
             "evicpress_grid",
             "evicpress_per_byte",
             "evicpress_profile_metric",
+            "evicpress_copies",
         ],
         when: &[],
         context: "",

@@ -287,7 +287,13 @@ mod tests {
             // The context store's Debug leaves out its grid and profiling metric.
             let store = match &p.reuse {
                 Some(pk_connectors::ReuseConfig::Contexts(c)) => {
-                    format!("{:?} {:?}", c.store.grid.configs(), c.profile_metric)
+                    let s = &c.store;
+                    format!(
+                        "{:?} {:?} {:?}",
+                        s.grid.configs(),
+                        c.profile_metric,
+                        s.copies
+                    )
                 }
                 _ => String::new(),
             };
@@ -310,6 +316,7 @@ mod tests {
             (evicpress, &["--evicpress-grid", "q8,q4"]),
             (evicpress, &["--evicpress-per-byte"]),
             (evicpress, &["--evicpress-profile-metric", "teacher-forced"]),
+            (evicpress, &["--evicpress-copies", "placed-only"]),
             (&[], &["--host", "127.0.0.2"]),
             (&[], &["--port", "8001"]),
             (&[], &["--served-model-name", "m"]),

@@ -47,9 +47,27 @@ pub struct TierArgs {
     /// full KV's) or teacher-forced (how often it predicts the full KV's answer tokens).
     #[arg(long, env = "PAGEKEEPER_EVICPRESS_PROFILE_METRIC", default_value = "f1", value_parser = parse_profile_metric)]
     pub evicpress_profile_metric: pk_connectors::profiler::QualityMetric,
+    /// Copies the EVICPRESS store keeps of a context: master-and-placed (default: an
+    /// uncompressed master on the slowest tier beside the placed copy, so a hit can fall
+    /// back to it and contexts are adopted after a restart) or placed-only (the placed copy
+    /// alone, as the EVICPRESS paper's store: compression lets more contexts fit when the
+    /// tiers hold less than the working set, the slowest tier's capacity is enforced by
+    /// placement, an unreadable copy is recomputed, and nothing is adopted after a restart).
+    #[arg(long, env = "PAGEKEEPER_EVICPRESS_COPIES", value_parser = parse_copies)]
+    pub evicpress_copies: Option<pk_evicpress::Copies>,
     /// Tiers from the `--config` file, used for those no flag or env sets (config.rs).
     #[arg(skip)]
     pub from_file: Option<TiersSection>,
+}
+
+pub fn parse_copies(s: &str) -> Result<pk_evicpress::Copies, String> {
+    match s {
+        "master-and-placed" => Ok(pk_evicpress::Copies::MasterAndPlaced),
+        "placed-only" => Ok(pk_evicpress::Copies::PlacedOnly),
+        _ => Err(format!(
+            "unknown copies '{s}' (master-and-placed or placed-only)"
+        )),
+    }
 }
 
 pub fn parse_profile_metric(
@@ -108,6 +126,7 @@ impl TierArgs {
             self.evicpress_alpha,
             self.evicpress_grid.as_deref(),
             self.evicpress_per_byte,
+            self.evicpress_copies.unwrap_or_default(),
         )?;
         Ok(Some(pk_connectors::ContextReuseConfig {
             store,

@@ -6,7 +6,9 @@
 //!   contexts, each with its own compression and tier chosen by utility; the slowest tier
 //!   keeps the uncompressed masters, within its capacity (past it the store drops whole
 //!   contexts, the least valuable first; Redis without a size is unlimited, left to its
-//!   `maxmemory`). The delay model starts
+//!   `maxmemory`). With `--evicpress-copies placed-only` no master is kept: each context
+//!   has its placed copy only, every tier's capacity (the slowest one's included) is
+//!   enforced by placement, and what does not fit is dropped. The delay model starts
 //!   from per-kind priors (RAM 5 GB/s, disk 1 GB/s, Redis 300 MB/s, prefill 400 tokens/s),
 //!   which are only placeholders: `serve` measures every figure at start-up
 //!   (`pk_connectors::calibrate_context_store`) and serving keeps them current; `/v1/kv/contexts`
@@ -22,6 +24,7 @@ pub fn evicpress_config(
     alpha: f64,
     grid: Option<&str>,
     per_byte: bool,
+    copies: pk_evicpress::Copies,
 ) -> Result<StoreConfig> {
     if tiers.is_empty() {
         bail!("--tier-policy evicpress needs at least one tier (--tier-ram, --tier-disk, --tier-redis)");
@@ -104,7 +107,7 @@ pub fn evicpress_config(
         reprofile_threshold: 0.1,
         max_pending_bytes: 1 << 30,
         max_queries_per_context: 8,
-        copies: pk_evicpress::Copies::MasterAndPlaced,
+        copies,
     })
 }
 
@@ -133,17 +136,25 @@ mod tests {
             1.0,
             None,
             false,
+            pk_evicpress::Copies::PlacedOnly,
         )
         .unwrap();
         assert_eq!(cfg.capacities_bytes, vec![1 << 20, 8 << 20]);
+        assert_eq!(cfg.copies, pk_evicpress::Copies::PlacedOnly);
         assert_eq!(cfg.tiers[1].capacity_bytes(), 16 << 20);
         let redis = TierConfig::Redis {
             url: "redis://127.0.0.1:1".into(),
             capacity_bytes: None,
             key_prefix: None,
         };
-        let cfg =
-            evicpress_config(&[ram, ("--tier-redis".into(), redis)], 1.0, None, false).unwrap();
+        let cfg = evicpress_config(
+            &[ram, ("--tier-redis".into(), redis)],
+            1.0,
+            None,
+            false,
+            Default::default(),
+        )
+        .unwrap();
         assert_eq!(cfg.capacities_bytes, vec![1 << 20, u64::MAX]);
     }
 }

@@ -228,6 +228,79 @@ fn a_bounded_disk_tier_drops_whole_contexts_past_its_size() {
     );
 }
 
+/// `--evicpress-copies placed-only`: one copy per context (no masters), every tier's size
+/// enforced by placement. Ten contexts that cannot all fit in a 2 MiB RAM and a 20 MiB disk
+/// even at q4: some are dropped, each listed context has exactly one file on the disk or
+/// none (when in RAM), and a dropped context asked again is computed and stored again.
+#[test]
+fn placed_only_keeps_one_copy_per_context_within_every_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    const DISK_BYTES: u64 = 20 << 20;
+    let disk = format!("{}:{DISK_BYTES}", dir.path().display());
+    let server = Server::start(&[
+        "--tier-policy",
+        "evicpress",
+        "--evicpress-copies",
+        "placed-only",
+        "--tier-ram",
+        "2MiB",
+        "--tier-disk",
+        &disk,
+        "--evicpress-grid",
+        "q8,q4",
+    ]);
+    let stats = || contexts(&server)["stats"].clone();
+    for seed in 0..10 {
+        server.complete(&prompt(700 + seed)).unwrap();
+        wait_until("the context to be stored", Duration::from_secs(60), || {
+            stats()["inserted"].as_u64().unwrap() > seed
+        });
+    }
+    let s = stats();
+    assert!(s["dropped"].as_u64().unwrap() >= 1, "{s}");
+    let rows = contexts(&server)["contexts"].as_array().unwrap().clone();
+    assert_eq!(
+        rows.len() as u64,
+        s["inserted"].as_u64().unwrap() - s["dropped"].as_u64().unwrap()
+    );
+    let placed = |tier: &str| -> u64 {
+        rows.iter()
+            .filter(|r| r["tier"] == tier)
+            .map(|r| r["bytes"].as_u64().unwrap())
+            .sum()
+    };
+    assert!(placed("ram") <= 2 << 20 && placed("disk") <= DISK_BYTES);
+    let on_disk = rows.iter().filter(|r| r["tier"] == "disk").count();
+    assert_eq!(
+        count_files(dir.path()),
+        on_disk,
+        "no masters, no meta entries"
+    );
+    let before = s["inserted"].as_u64().unwrap();
+    for seed in 0..10 {
+        server.complete(&prompt(700 + seed)).unwrap();
+    }
+    wait_until(
+        "a dropped context stored again",
+        Duration::from_secs(60),
+        || stats()["inserted"].as_u64().unwrap() > before,
+    );
+}
+
+/// The disk tier's entry files (`*.kv`) under `dir`, every level.
+fn count_files(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            match e.file_type().unwrap().is_dir() {
+                true => count_files(&e.path()),
+                false => e.path().extension().is_some_and(|x| x == "kv") as usize,
+            }
+        })
+        .sum()
+}
+
 /// Bytes of every file under `dir`.
 fn walk_bytes(dir: &std::path::Path) -> u64 {
     std::fs::read_dir(dir)

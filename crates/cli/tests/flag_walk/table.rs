@@ -513,6 +513,41 @@ pub const TABLE: &[Entry] = &[
     ),
     e(
         "generate",
+        "--evicpress-copies",
+        SameAs { command: "serve" },
+    ),
+    e(
+        "generate",
+        "--evicpress-copies",
+        Refused {
+            args: &[
+                "generate",
+                "--prompt",
+                PROMPT,
+                "--tier-policy",
+                "evicpress",
+                "--tier-disk",
+                "{dir}/kv:1GiB",
+                "--evicpress-copies",
+                "placed-only",
+            ],
+        },
+    ),
+    e(
+        "generate",
+        "--evicpress-copies",
+        Refused {
+            args: &[
+                "generate",
+                "--prompt",
+                PROMPT,
+                "--evicpress-copies",
+                "master-and-placed",
+            ],
+        },
+    ),
+    e(
+        "generate",
         "--evicpress-per-byte",
         SameAs { command: "serve" },
     ),
@@ -1085,6 +1120,19 @@ pub const TABLE: &[Entry] = &[
     ),
     e(
         "perplexity",
+        "--evicpress-copies",
+        Refused {
+            args: &[
+                "perplexity",
+                "--file",
+                "{text}",
+                "--evicpress-copies",
+                "placed-only",
+            ],
+        },
+    ),
+    e(
+        "perplexity",
         "--evicpress-per-byte",
         Refused {
             args: &["perplexity", "--file", "{text}", "--evicpress-per-byte"],
@@ -1312,6 +1360,14 @@ pub const TABLE: &[Entry] = &[
         "--evicpress-grid",
         Refused {
             args: &["serve", "--evicpress-grid", "q8"],
+        },
+    ),
+    e("serve", "--evicpress-copies", SERVE_PLAN),
+    e(
+        "serve",
+        "--evicpress-copies",
+        Refused {
+            args: &["serve", "--evicpress-copies", "placed-only"],
         },
     ),
     e("serve", "--evicpress-per-byte", SERVE_PLAN),
@@ -2056,6 +2112,13 @@ pub const TABLE: &[Entry] = &[
     ),
     e(
         "bench perf",
+        "--evicpress-copies",
+        Refused {
+            args: &["bench", "perf", "--evicpress-copies", "placed-only"],
+        },
+    ),
+    e(
+        "bench perf",
         "--evicpress-per-byte",
         Refused {
             args: &["bench", "perf", "--evicpress-per-byte"],
@@ -2680,6 +2743,13 @@ pub const TABLE: &[Entry] = &[
     ),
     e(
         "bench tiers",
+        "--evicpress-copies",
+        Refused {
+            args: &["bench", "tiers", "--evicpress-copies", "placed-only"],
+        },
+    ),
+    e(
+        "bench tiers",
         "--evicpress-per-byte",
         Refused {
             args: &["bench", "tiers", "--evicpress-per-byte"],
@@ -2836,6 +2906,13 @@ pub const TABLE: &[Entry] = &[
         "--evicpress-grid",
         Refused {
             args: &["bench", "codecs", "--evicpress-grid", "q8"],
+        },
+    ),
+    e(
+        "bench codecs",
+        "--evicpress-copies",
+        Refused {
+            args: &["bench", "codecs", "--evicpress-copies", "placed-only"],
         },
     ),
     e(
@@ -3075,6 +3152,13 @@ pub const TABLE: &[Entry] = &[
     ),
     e(
         "bench evicpress",
+        "--evicpress-copies",
+        Refused {
+            args: &["bench", "evicpress", "--evicpress-copies", "placed-only"],
+        },
+    ),
+    e(
+        "bench evicpress",
         "--evicpress-per-byte",
         Refused {
             args: &["bench", "evicpress", "--evicpress-per-byte"],
@@ -3217,6 +3301,7 @@ pub const TABLE: &[Entry] = &[
     ),
     e("bench evicpress", "--quality-metric", EVICPRESS_MINUTES),
     e("bench evicpress", "--cold-disk", EVICPRESS_MINUTES),
+    e("bench evicpress", "--real-bounded", EVICPRESS_MINUTES),
     e(
         "bench evicpress",
         "--grid-add",

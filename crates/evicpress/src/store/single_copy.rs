@@ -51,13 +51,18 @@ impl ContextStore {
     }
 
     /// An unreadable copy with no master behind it: the context is forgotten (its next
-    /// request recomputes it) and its copy deleted.
+    /// request recomputes it) and its copy deleted. A copy that is missing because the
+    /// worker moved the context after the load read the index is not a loss: the context
+    /// stays, at its new place.
     pub(super) fn forget_unreadable(&self, key: &ChunkKey, at: (usize, usize)) {
         let mut st = self.state.lock().unwrap();
-        st.stats.unreadable_dropped += 1;
-        if self.forget(&mut st, key).is_some() {
-            drop(st);
-            let _ = self.tiers[at.0].delete(&copy_key(key, at.1));
+        let now_at = st.entries.get(key).map(|e| (e.item.tier, e.item.config));
+        if now_at != Some(at) {
+            return;
         }
+        st.stats.unreadable_dropped += 1;
+        self.forget(&mut st, key);
+        drop(st);
+        let _ = self.tiers[at.0].delete(&copy_key(key, at.1));
     }
 }

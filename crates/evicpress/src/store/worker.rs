@@ -280,16 +280,21 @@ impl ContextStore {
                 );
             }
         }
-        {
+        let indexed = {
             let mut st = self.state.lock().unwrap();
-            if let Some(e) = st.entries.get_mut(key) {
+            st.stats.moves += 1;
+            st.stats.bytes_moved += moved;
+            st.entries.get_mut(key).map(|e| {
                 e.item.tier = to.0;
                 e.item.config = to.1;
                 // With one copy, only an uncompressed one can be re-encoded.
                 e.item.master = !single || to.1 == 0;
-            }
-            st.stats.moves += 1;
-            st.stats.bytes_moved += moved;
+            })
+        };
+        if indexed.is_none() && !is_master(to) {
+            // Forgotten while it moved (its only copy was unreadable): no orphan is left.
+            let _ = self.tiers[to.0].delete(&copy_key(key, to.1));
+            return Ok(());
         }
         if !is_master(from) && from != to && from.0 < n_tiers {
             let _ = self.tiers[from.0].delete(&copy_key(key, from.1));
