@@ -125,7 +125,7 @@ impl ContextStore {
         let ghost = Ghost {
             n_tokens: Some(e.n_tokens),
             freq: Some(e.freq),
-            profile: (e.quality.source == QualitySource::Profiled).then(|| e.quality.by_config),
+            profile: (e.quality.source == QualitySource::Profiled).then_some(e.quality.by_config),
             scores: e
                 .scores
                 .into_iter()
