@@ -69,3 +69,43 @@ pub fn real_rows(
     }
     Ok(rows)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::tier_capacities;
+    use super::*;
+
+    fn args(extra: &[&str]) -> EvicpressArgs {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: EvicpressArgs,
+        }
+        let argv = std::iter::once("bench-evicpress").chain(extra.iter().copied());
+        Cli::try_parse_from(argv).unwrap().a
+    }
+
+    #[test]
+    fn bounded_capacities_split_the_fraction_and_bound_the_last_tier() {
+        let a = args(&["--disk-fraction", "0.5"]);
+        let ws = 1_000_000;
+        // Unbounded: RAM its share, the disk its share when Redis is last, the last unlimited.
+        assert_eq!(
+            tier_capacities(&a, 3, 0.2, None, ws),
+            vec![200_000, 500_000, u64::MAX]
+        );
+        assert_eq!(
+            tier_capacities(&a, 2, 0.2, None, ws),
+            vec![200_000, u64::MAX]
+        );
+        // A quarter: RAM min(0.2, 0.125), disk half of the rest, Redis what is left.
+        let caps = tier_capacities(&a, 3, 0.2, Some(0.25), ws);
+        assert_eq!(caps, vec![125_000, 62_500, 62_500]);
+        // Half, two tiers: RAM its share (under F/2), the disk the rest of F.
+        assert_eq!(
+            tier_capacities(&a, 2, 0.2, Some(0.5), ws),
+            vec![200_000, 300_000]
+        );
+    }
+}

@@ -8,7 +8,6 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::sim::RECOMPUTED;
 use super::RunRow;
 
 #[derive(Serialize, Clone)]
@@ -73,12 +72,7 @@ pub fn families(rows: &[RunRow], tolerance: f64) -> Vec<FamilyRow> {
                 quality: r.quality,
                 task_score: r.task_score,
                 fastest_tier_quality: r.fastest_tier_quality,
-                // The simulator names a dropped context's request `recomputed`; the real
-                // runs name every miss `recompute` (there are none in the base scenario).
-                recomputed: [RECOMPUTED, "recompute"]
-                    .iter()
-                    .filter_map(|k| r.hits_per_tier.get(*k))
-                    .sum(),
+                recomputed: super::report::recomputed(r),
                 speedup_vs_lru: lru.map(|l| l.ttft_mean_s / r.ttft_mean_s),
             });
         }

@@ -33,6 +33,7 @@ pub const ALPHAS: [f64; 9] = [0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0];
 
 #[derive(Serialize)]
 pub struct Validation {
+    pub scenario: String,
     pub policy: String,
     pub alpha: Option<f64>,
     pub real_ttft_mean_s: f64,
@@ -40,6 +41,18 @@ pub struct Validation {
     pub ttft_error_pct: f64,
     pub real_quality: f64,
     pub sim_quality: f64,
+    /// Requests recomputed because their context was not stored (bounded tiers).
+    pub real_recomputed: u64,
+    pub sim_recomputed: u64,
+}
+
+/// Requests a row recomputed: the simulator names them `recomputed`, the real runs name
+/// every miss `recompute`.
+pub fn recomputed(r: &RunRow) -> u64 {
+    [super::sim::RECOMPUTED, "recompute"]
+        .iter()
+        .filter_map(|k| r.hits_per_tier.get(*k))
+        .sum()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -103,7 +116,7 @@ pub fn sweeps(
         trace,
         delay,
     };
-    let validation = sweep.validation(&base, real, rows);
+    let mut validation = sweep.validation(&base, real, rows);
     sweep.add(rows, &base, true);
     // The paper's regime: all tiers together hold less than the working set.
     for &f in &a.tiers_fractions {
@@ -112,6 +125,7 @@ pub fn sweeps(
             tiers_fraction: Some(f),
             ..base
         };
+        validation.extend(sweep.validation(&bounded, real, rows));
         sweep.add(rows, &bounded, true);
     }
     for f in [0.1, 0.4] {
@@ -282,21 +296,28 @@ impl Sweep<'_> {
         )
     }
 
-    /// The real runs' policies, simulated in `base`, against their real rows.
+    /// The real runs' policies, simulated in scenario `sc`, against their real rows there
+    /// (none for a scenario run only in the simulator).
     fn validation(
         &self,
-        base: &Scenario,
+        sc: &Scenario,
         real: &[(String, Option<f64>, Policy)],
         rows: &[RunRow],
     ) -> Vec<Validation> {
         let mut validation = Vec::new();
         for (name, alpha, policy) in real {
-            let s = self.row(base, name, *alpha, Some(policy));
-            if let Some(r) = rows
-                .iter()
-                .find(|r| r.source == "real" && &r.policy == name && r.alpha == *alpha)
+            let Some(r) = rows.iter().find(|r| {
+                r.source == "real"
+                    && r.scenario == sc.name
+                    && &r.policy == name
+                    && r.alpha == *alpha
+            }) else {
+                continue;
+            };
+            let s = self.row(sc, name, *alpha, Some(policy));
             {
                 validation.push(Validation {
+                    scenario: sc.name.clone(),
                     policy: name.clone(),
                     alpha: *alpha,
                     real_ttft_mean_s: r.ttft_mean_s,
@@ -305,6 +326,8 @@ impl Sweep<'_> {
                         / r.ttft_mean_s.max(1e-9),
                     real_quality: r.quality,
                     sim_quality: s.quality,
+                    real_recomputed: recomputed(r),
+                    sim_recomputed: recomputed(&s),
                 });
             }
         }
@@ -673,17 +696,20 @@ impl Markdown<'_> {
     }
 
     fn validation(&self, md: &mut String) {
-        md.push_str("\n## Simulator validation (same trace, same policies)\n\n| policy | α | real TTFT s | sim TTFT s | error | real quality | sim quality |\n|---|---|---|---|---|---|---|\n");
+        md.push_str("\n## Simulator validation (same trace, same policies)\n\n| scenario | policy | α | real TTFT s | sim TTFT s | error | real quality | sim quality | recomputed real / sim |\n|---|---|---|---|---|---|---|---|---|\n");
         for v in self.validation {
             md.push_str(&format!(
-                "| {} | {} | {:.3} | {:.3} | {:+.1}% | {:.3} | {:.3} |\n",
+                "| {} | {} | {} | {:.3} | {:.3} | {:+.1}% | {:.3} | {:.3} | {} / {} |\n",
+                v.scenario,
                 v.policy,
                 opt(v.alpha, 2),
                 v.real_ttft_mean_s,
                 v.sim_ttft_mean_s,
                 v.ttft_error_pct,
                 v.real_quality,
-                v.sim_quality
+                v.sim_quality,
+                v.real_recomputed,
+                v.sim_recomputed
             ));
         }
     }
