@@ -287,32 +287,28 @@ fn placed_only_keeps_one_copy_per_context_within_every_tier() {
     );
 }
 
-/// The disk tier's entry files (`*.kv`) under `dir`, every level.
-fn count_files(dir: &std::path::Path) -> usize {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| {
-            let e = e.unwrap();
-            match e.file_type().unwrap().is_dir() {
-                true => count_files(&e.path()),
-                false => e.path().extension().is_some_and(|x| x == "kv") as usize,
-            }
-        })
-        .sum()
+/// Every file under `dir`, every level, with its size in bytes.
+fn files_under(dir: &std::path::Path) -> Vec<(std::path::PathBuf, u64)> {
+    let mut files = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        match e.file_type().unwrap().is_dir() {
+            true => files.extend(files_under(&e.path())),
+            false => files.push((e.path(), e.metadata().unwrap().len())),
+        }
+    }
+    files
 }
 
 /// Bytes of every file under `dir`.
 fn walk_bytes(dir: &std::path::Path) -> u64 {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| {
-            let e = e.unwrap();
-            match e.file_type().unwrap().is_dir() {
-                true => walk_bytes(&e.path()),
-                false => e.metadata().unwrap().len(),
-            }
-        })
-        .sum()
+    files_under(dir).iter().map(|(_, bytes)| bytes).sum()
+}
+
+/// The disk tier's entry files (`*.kv`) under `dir`.
+fn count_files(dir: &std::path::Path) -> usize {
+    let is_entry = |p: &std::path::PathBuf| p.extension().is_some_and(|x| x == "kv");
+    files_under(dir).iter().filter(|(p, _)| is_entry(p)).count()
 }
 
 #[test]

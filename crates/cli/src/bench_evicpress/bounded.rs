@@ -10,9 +10,8 @@ use std::time::Instant;
 use anyhow::Result;
 use pk_evicpress::DelayModel;
 
-use super::runner::Runner;
 use super::setup::Setup;
-use super::{serve_trace, workload, EvicpressArgs, Preset, RealPolicy, RunRow};
+use super::{serve_trace, warm_runners, workload, EvicpressArgs, Preset, RealPolicy, RunRow};
 
 /// One row per (fraction, real policy), scenario `bounded-F`. The runners of one fraction
 /// live together (each holds an engine) and are finished before the next fraction's start.
@@ -28,24 +27,10 @@ pub fn real_rows(
     reqs: &[workload::Request],
 ) -> Result<Vec<RunRow>> {
     let mut rows = Vec::new();
-    for (k, &fraction) in a.tiers_fractions.iter().enumerate() {
+    for &fraction in &a.tiers_fractions {
         let t0 = Instant::now();
-        let mut runners = Vec::new();
-        for (i, (name, alpha, policy)) in policies.iter().enumerate() {
-            runners.push(Runner::new(
-                a,
-                p,
-                setup,
-                policy,
-                delay,
-                dir,
-                &format!("bounded{k}-run{i}"),
-                working_set,
-                name,
-                *alpha,
-                Some(fraction),
-            )?);
-        }
+        let f = Some(fraction);
+        let mut runners = warm_runners(a, p, setup, policies, delay, dir, working_set, f)?;
         serve_trace(&mut runners, p, setup, reqs)?;
         for runner in runners {
             let (row, _) = runner.finish();

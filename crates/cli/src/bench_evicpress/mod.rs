@@ -367,7 +367,8 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     let mut delay = delay::measured(&a, &setup, work.path(), working_set)?;
     let policies = real_policies(&a, &p.grid)?;
     let mut rows = vec![full_prefill_row(&a, &setup, &reqs)];
-    let mut runners = warm_runners(&a, &p, &setup, &policies, &delay, work.path(), working_set)?;
+    let dir = work.path();
+    let mut runners = warm_runners(&a, &p, &setup, &policies, &delay, dir, working_set, None)?;
     serve_trace(&mut runners, &p, &setup, &reqs)?;
     let loaded_rows = if a.loaded {
         loaded_rows(&a, &p, &setup, &mut runners, &reqs)?
@@ -391,7 +392,6 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     rows.extend(loaded_rows);
     delay::fit(&mut delay, &loads);
     if a.real_bounded {
-        let dir = work.path();
         rows.extend(bounded::real_rows(
             &a,
             &p,
@@ -522,7 +522,9 @@ fn full_prefill_row(a: &EvicpressArgs, setup: &Setup, reqs: &[workload::Request]
     row
 }
 
-/// One engine and store per policy, all warm.
+/// One engine and store per policy, all warm; with `tiers_fraction` F, one-copy stores on
+/// tiers holding F of the working set (`bounded.rs`).
+#[allow(clippy::too_many_arguments)]
 fn warm_runners(
     a: &EvicpressArgs,
     p: &Preset,
@@ -531,7 +533,10 @@ fn warm_runners(
     delay: &DelayModel,
     dir: &std::path::Path,
     working_set: u64,
+    tiers_fraction: Option<f64>,
 ) -> Result<Vec<Runner>> {
+    // Each store's tiers get their own directory and Redis prefix.
+    let prefix = tiers_fraction.map_or(String::new(), |f| format!("bounded-{f}-"));
     let mut runners = Vec::new();
     for (i, (name, alpha, policy)) in policies.iter().enumerate() {
         runners.push(Runner::new(
@@ -541,11 +546,11 @@ fn warm_runners(
             policy,
             delay,
             dir,
-            &format!("run{i}"),
+            &format!("{prefix}run{i}"),
             working_set,
             name,
             *alpha,
-            None,
+            tiers_fraction,
         )?);
     }
     Ok(runners)
