@@ -741,29 +741,7 @@ impl ContextStore {
         key: &ChunkKey,
         query: Option<&[u32]>,
     ) -> Result<(KvContext, LoadReport), StoreError> {
-        let (tier, config, save_meta) = {
-            let mut st = self.state.lock().unwrap();
-            let now = self.now_s();
-            let e = st.entries.get_mut(key).ok_or(StoreError::NotStored)?;
-            e.freq.bump(now, self.half_life_s);
-            e.item.last_access_s = now;
-            e.hits += 1;
-            e.hits_since_profile += 1;
-            if let Some(q) = query {
-                if e.queries.len() >= self.max_queries {
-                    e.queries.remove(0);
-                }
-                e.queries.push(q.to_vec());
-            }
-            (
-                e.item.tier,
-                e.item.config,
-                e.hits % SAVE_META_EVERY_HITS == 0,
-            )
-        };
-        if save_meta && self.copies == Copies::MasterAndPlaced {
-            self.send(Job::SaveMeta(*key));
-        }
+        let (tier, config) = self.record_access(key, query)?;
         let master = (self.tiers.len() - 1, 0);
         let mut fell_back = false;
         let candidates = match self.copies {
@@ -837,6 +815,36 @@ impl ContextStore {
             }
         }
         unreachable!("the last candidate returns")
+    }
+
+    /// Counts a hit of `key` (frequency, recency, hits, the query kept for profiling) and
+    /// returns where its placed copy is; every few hits its meta entry is rewritten.
+    fn record_access(
+        &self,
+        key: &ChunkKey,
+        query: Option<&[u32]>,
+    ) -> Result<(usize, usize), StoreError> {
+        let (at, save_meta) = {
+            let mut st = self.state.lock().unwrap();
+            let now = self.now_s();
+            let e = st.entries.get_mut(key).ok_or(StoreError::NotStored)?;
+            e.freq.bump(now, self.half_life_s);
+            e.item.last_access_s = now;
+            e.hits += 1;
+            e.hits_since_profile += 1;
+            if let Some(q) = query {
+                if e.queries.len() >= self.max_queries {
+                    e.queries.remove(0);
+                }
+                e.queries.push(q.to_vec());
+            }
+            let save_meta = e.hits % SAVE_META_EVERY_HITS == 0;
+            ((e.item.tier, e.item.config), save_meta)
+        };
+        if save_meta && self.copies == Copies::MasterAndPlaced {
+            self.send(Job::SaveMeta(*key));
+        }
+        Ok(at)
     }
 
     /// The full KV of a stored context (its master), for profiling. With one copy per

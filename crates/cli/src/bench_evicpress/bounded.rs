@@ -13,7 +13,8 @@ use pk_evicpress::DelayModel;
 use super::setup::Setup;
 use super::{serve_trace, warm_runners, workload, EvicpressArgs, Preset, RealPolicy, RunRow};
 
-/// One row per (fraction, real policy), scenario `bounded-F`. The runners of one fraction
+/// One row per (fraction, real policy), scenario `bounded-F`, and setup's full-prefill row
+/// in each scenario. The runners of one fraction
 /// live together (each holds an engine) and are finished before the next fraction's start.
 #[allow(clippy::too_many_arguments)]
 pub fn real_rows(
@@ -51,6 +52,10 @@ pub fn real_rows(
             policies.len(),
             t0.elapsed().as_secs_f64()
         );
+        // Full prefill does not depend on the tiers: setup's measured row, in each scenario.
+        let mut full = super::full_prefill_row(a, setup, reqs);
+        full.scenario = super::report::bounded_name(fraction);
+        rows.push(full);
     }
     Ok(rows)
 }

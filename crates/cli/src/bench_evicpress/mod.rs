@@ -392,22 +392,17 @@ pub fn run(a: EvicpressArgs) -> Result<()> {
     rows.extend(loaded_rows);
     delay::fit(&mut delay, &loads);
     if a.real_bounded {
+        let (policies, delay) = (&policies, &delay);
         rows.extend(bounded::real_rows(
             &a,
             &p,
             &setup,
-            &policies,
-            &delay,
+            policies,
+            delay,
             dir,
             working_set,
             &reqs,
         )?);
-        // Full prefill does not depend on the tiers: setup's measured row, in each scenario.
-        for &f in &a.tiers_fractions {
-            let mut full = full_prefill_row(&a, &setup, &reqs);
-            full.scenario = report::bounded_name(f);
-            rows.push(full);
-        }
     }
     let sweeps = report::sweeps(
         &a,
