@@ -32,8 +32,18 @@ struct Fixture {
 
 /// RAM and disk holding `(ram, disk)` uncompressed contexts, one copy per context.
 fn fixture(contexts: (u64, u64), grid: &str, policy: Policy) -> Fixture {
+    fixture_with_ram(contexts, grid, policy, 1 << 30)
+}
+
+/// As [`fixture`], with a RAM tier that refuses payloads over `ram_physical_bytes`.
+fn fixture_with_ram(
+    contexts: (u64, u64),
+    grid: &str,
+    policy: Policy,
+    ram_physical_bytes: u64,
+) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    let ram = Arc::new(RamTier::new(1 << 30));
+    let ram = Arc::new(RamTier::new(ram_physical_bytes));
     let disk = Arc::new(DiskTier::open(DiskTierConfig::new(dir.path(), 1 << 30)).unwrap());
     let caps = [contexts.0 * full_bytes(), contexts.1 * full_bytes()];
     let tiers: (Arc<dyn Tier>, Arc<dyn Tier>) = (ram.clone(), disk.clone());
@@ -240,4 +250,18 @@ fn copies_and_index_agree_through_offers_hits_and_drops() {
             assert_one_copy_each(&f, 8, 3);
         }
     }
+}
+
+#[test]
+fn an_arrival_whose_copy_cannot_be_written_is_not_stored() {
+    // Placement puts the arrival in RAM, whose tier refuses a payload that large.
+    let f = fixture_with_ram((2, 2), "q8", Policy::Lru, 1024);
+    assert!(f.store.offer(key(4), kv(4)));
+    f.store.flush();
+    assert!(!f.store.contains(&key(4)));
+    assert!(copies_of(&f, 4, 2).is_empty());
+    assert!(matches!(
+        f.store.load(&key(4), None),
+        Err(StoreError::NotStored)
+    ));
 }

@@ -221,6 +221,11 @@ impl ContextStore {
                 if keys[i] == key { full } else { None },
             ) {
                 tracing::warn!("EVICPRESS: moving a context failed: {e}");
+                if before[i].0 == usize::MAX {
+                    // A one-copy arrival whose copy was never written is not stored.
+                    let mut st = self.state.lock().unwrap();
+                    self.forget(&mut st, &keys[i]);
+                }
             }
         }
         if self.copies == Copies::MasterAndPlaced {
