@@ -169,18 +169,7 @@ fn evicpress_store_serves_explains_and_profiles_contexts() {
 #[test]
 fn a_bounded_disk_tier_drops_whole_contexts_past_its_size() {
     let dir = tempfile::tempdir().unwrap();
-    const DISK_BYTES: u64 = 20 << 20;
-    let disk = format!("{}:{DISK_BYTES}", dir.path().display());
-    let server = Server::start(&[
-        "--tier-policy",
-        "evicpress",
-        "--tier-ram",
-        "2MiB",
-        "--tier-disk",
-        &disk,
-        "--evicpress-grid",
-        "q8,q4",
-    ]);
+    let server = small_tiers_server(dir.path(), &[]);
     let stats = || contexts(&server)["stats"].clone();
     for seed in 0..5 {
         server.complete(&prompt(500 + seed)).unwrap();
@@ -235,20 +224,7 @@ fn a_bounded_disk_tier_drops_whole_contexts_past_its_size() {
 #[test]
 fn placed_only_keeps_one_copy_per_context_within_every_tier() {
     let dir = tempfile::tempdir().unwrap();
-    const DISK_BYTES: u64 = 20 << 20;
-    let disk = format!("{}:{DISK_BYTES}", dir.path().display());
-    let server = Server::start(&[
-        "--tier-policy",
-        "evicpress",
-        "--evicpress-copies",
-        "placed-only",
-        "--tier-ram",
-        "2MiB",
-        "--tier-disk",
-        &disk,
-        "--evicpress-grid",
-        "q8,q4",
-    ]);
+    let server = small_tiers_server(dir.path(), &["--evicpress-copies", "placed-only"]);
     let stats = || contexts(&server)["stats"].clone();
     for seed in 0..10 {
         server.complete(&prompt(700 + seed)).unwrap();
@@ -285,6 +261,19 @@ fn placed_only_keeps_one_copy_per_context_within_every_tier() {
         Duration::from_secs(60),
         || stats()["inserted"].as_u64().unwrap() > before,
     );
+}
+
+/// The disk size of the bounded-tier tests.
+const DISK_BYTES: u64 = 20 << 20;
+
+/// An EVICPRESS server over a 2 MiB RAM tier and a `DISK_BYTES` disk tier in `dir`, grid
+/// q8,q4, with `extra` flags.
+fn small_tiers_server(dir: &std::path::Path, extra: &[&str]) -> Server {
+    let disk = format!("{}:{DISK_BYTES}", dir.display());
+    let mut args = vec!["--tier-policy", "evicpress", "--tier-ram", "2MiB"];
+    args.extend(["--tier-disk", &disk, "--evicpress-grid", "q8,q4"]);
+    args.extend_from_slice(extra);
+    Server::start(&args)
 }
 
 /// Every file under `dir`, every level, with its size in bytes.

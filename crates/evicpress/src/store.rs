@@ -957,14 +957,20 @@ impl ContextStore {
         v.into_iter().take(max).map(|(k, q, _)| (k, q)).collect()
     }
 
-    /// Records a measured quality curve (one value per grid configuration) and re-places.
-    pub fn set_profile(&self, key: &ChunkKey, by_config: Vec<f32>) -> Result<(), StoreError> {
-        if by_config.len() != self.grid.len() {
-            return Err(StoreError::ProfileLength {
+    /// Refuses a profile that does not give one quality per grid configuration.
+    fn check_profile_length(&self, by_config: &[f32]) -> Result<(), StoreError> {
+        match by_config.len() == self.grid.len() {
+            true => Ok(()),
+            false => Err(StoreError::ProfileLength {
                 got: by_config.len(),
                 grid: self.grid.len(),
-            });
+            }),
         }
+    }
+
+    /// Records a measured quality curve (one value per grid configuration) and re-places.
+    pub fn set_profile(&self, key: &ChunkKey, by_config: Vec<f32>) -> Result<(), StoreError> {
+        self.check_profile_length(&by_config)?;
         {
             let mut st = self.state.lock().unwrap();
             let curve = QualityCurve {

@@ -81,12 +81,7 @@ impl ContextStore {
     /// a context that is not stored yet: when it is stored, it is placed by this profile
     /// instead of the prior. For a stored context, [`ContextStore::set_profile`].
     pub fn preset_profile(&self, key: &ChunkKey, by_config: Vec<f32>) -> Result<(), StoreError> {
-        if by_config.len() != self.grid.len() {
-            return Err(StoreError::ProfileLength {
-                got: by_config.len(),
-                grid: self.grid.len(),
-            });
-        }
+        self.check_profile_length(&by_config)?;
         let mut st = self.state.lock().unwrap();
         st.prior.add(&QualityCurve {
             by_config: by_config.clone(),
