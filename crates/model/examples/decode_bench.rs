@@ -9,13 +9,24 @@
 //! counts step by step in the same process (rayon and the pool are built with the largest),
 //! so every count sees the same host load; each gets its own line.
 //!
+//! With `--vs-stream` every decode step is followed by read-only passes on as many threads,
+//! with both of `kernels::stream`'s plans: over a buffer as large as the step's weights
+//! (`Weights::decode_read_bytes`; `stream_bench`'s DRAM bound), and over the weights
+//! themselves, matrix by matrix in decode's order. Each step's share of a bound is the
+//! faster pass's time over the step's, so a host that slows down for a while slows both
+//! sides of the ratio.
+//!
 //! Run: `cargo run --release -p pk-model --example decode_bench [-- --threads N --reps R
-//! --context C --model PATH --compare 1,2]` (default model: SmolLM2-135M-Instruct Q4_1 in
+//! --context C --model PATH --compare 1,2 --vs-stream]` (default model: SmolLM2-135M-Instruct Q4_1 in
 //! `~/.cache/pagekeeper`).
 
 use std::time::Instant;
 
 use pk_gguf::GgufFile;
+use pk_model::kernels::hugebuf::HugeBuf;
+use pk_model::kernels::stream::{
+    read_pass_plain, read_pass_prefetched, timed_pass, timed_pass_parts,
+};
 use pk_model::{KvDtype, KvGeometry, KvStore, Llama, SeqForward};
 
 fn main() {
@@ -86,6 +97,16 @@ fn main() {
     );
     let prefill = t.elapsed().as_secs_f64();
     let pool = pk_model::kernels::pool::global();
+    let read_bytes = model.weights.decode_read_bytes();
+    let stream_buf = args.iter().any(|a| a == "--vs-stream").then(|| {
+        let mut b = HugeBuf::zeroed(read_bytes);
+        b.iter_mut().enumerate().for_each(|(i, v)| *v = i as u8);
+        b
+    });
+    let weights = model.weights.decode_read_data();
+    // Per mode and step: the step's seconds, then the faster pass's over the buffer and over
+    // the weights.
+    let mut shares: Vec<Vec<[f64; 3]>> = vec![Vec::new(); modes.len()];
     let mut times = vec![Vec::new(); modes.len()];
     let mut cpus = vec![0f64; modes.len()];
     for _ in 0..reps {
@@ -108,8 +129,20 @@ fn main() {
                     head_first_keys: &[],
                 }],
             );
-            times[m].push(t.elapsed().as_secs_f64());
+            let step_s = t.elapsed().as_secs_f64();
+            times[m].push(step_s);
             cpus[m] += cpu_seconds() - c;
+            if let Some(buf) = &stream_buf {
+                let n = modes[m];
+                let plans = [read_pass_plain, read_pass_prefetched];
+                let buf_s = plans.map(|p| timed_pass(buf, n, p));
+                let weights_s = plans.map(|p| timed_pass_parts(&weights, n, p));
+                shares[m].push([
+                    step_s,
+                    buf_s[0].min(buf_s[1]),
+                    weights_s[0].min(weights_s[1]),
+                ]);
+            }
             tok = argmax(&l);
         }
     }
@@ -131,6 +164,9 @@ fn main() {
             cpu * 1e6,
             1.0 / cpu
         );
+    }
+    if stream_buf.is_some() {
+        print_shares(&modes, &shares, read_bytes);
     }
     let (split, solo) = pool.step_counts();
     println!(
@@ -167,4 +203,35 @@ fn cpu_seconds() -> f64 {
     // SAFETY: `t` is a valid timespec; the call only writes it.
     unsafe { clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &mut t) };
     t.sec as f64 + t.nsec as f64 * 1e-9
+}
+
+/// Each mode's decode against the read passes that followed its steps: the median (and
+/// quartiles) of the per-step shares of each bound, and the median step's and the best
+/// passes' bandwidths.
+fn print_shares(modes: &[usize], shares: &[Vec<[f64; 3]>], read_bytes: usize) {
+    let gbs = |s: f64| read_bytes as f64 / s / 1e9;
+    let sorted = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v
+    };
+    for (&n, steps) in modes.iter().zip(shares) {
+        let share = |k: usize| sorted(steps.iter().map(|s| s[k] / s[0]).collect());
+        let (buf, own) = (share(1), share(2));
+        let q = |v: &[f64], at: usize| 100.0 * v[at * v.len() / 4];
+        let median_step = sorted(steps.iter().map(|s| s[0]).collect())[steps.len() / 2];
+        let best = |k: usize| steps.iter().map(|s| s[k]).fold(f64::INFINITY, f64::min);
+        println!(
+            "threads {n} vs stream ({:.1} MB a step): share of the DRAM bound per step median {:.1} % (quartiles {:.1} / {:.1}), of the weights' own read {:.1} % ({:.1} / {:.1}) | median step {:.2} GB/s, best pass over a buffer {:.2}, over the weights {:.2}",
+            read_bytes as f64 / 1e6,
+            q(&buf, 2),
+            q(&buf, 1),
+            q(&buf, 3),
+            q(&own, 2),
+            q(&own, 1),
+            q(&own, 3),
+            gbs(median_step),
+            gbs(best(1)),
+            gbs(best(2)),
+        );
+    }
 }

@@ -1,47 +1,18 @@
-//! This machine's DRAM read bandwidth, the bound on memory-bound decode: a read-only pass
+//! This machine's DRAM read bandwidth, the bound on memory-bound decode: read-only passes
 //! over a buffer far larger than the caches, on huge pages as the weight arena is, with 1
-//! and 2 threads each reading its own half. Prints the best of several passes, which is
-//! what the host gives when it is not busy (print `host-quiet` beside it).
+//! and 2 threads each reading its own half. Two plans (`kernels::stream`): the hardware
+//! prefetcher alone, and decode's own software prefetches ahead of every line; the bound is
+//! the faster. Prints the best of several passes, which is what the host gives when it is
+//! not busy (print `host-quiet` beside it).
 //!
 //! Decode reads every weight once per token, so `bytes read per token ÷ this bandwidth`
-//! is the fastest decode this machine allows (BENCHMARKS.md, issue 17).
+//! is the fastest decode this machine allows (BENCHMARKS.md, issue 17); `decode_bench
+//! --vs-stream` measures decode against it token by token.
 //!
 //! Usage: `cargo run --release -p pk-model --example stream_bench [MiB]` (default 1024).
 
-use std::time::{Duration, Instant};
-
 use pk_model::kernels::hugebuf::HugeBuf;
-
-fn best_gbs(buf: &HugeBuf, threads: usize, passes: usize) -> f64 {
-    let mut best = Duration::MAX;
-    for _ in 0..passes {
-        let t0 = Instant::now();
-        let part = buf.len() / threads;
-        let sums: u64 = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..threads)
-                .map(|i| s.spawn(move || fast_sum(&buf[i * part..(i + 1) * part])))
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap())
-                .fold(0, u64::wrapping_add)
-        });
-        std::hint::black_box(sums);
-        best = best.min(t0.elapsed());
-    }
-    buf.len() as f64 / best.as_secs_f64() / 1e9
-}
-
-/// Eight independent accumulators over 64-byte lines, which the compiler vectorises; the
-/// loop is bound by the loads, as a GEMV over streamed weights is.
-fn fast_sum(b: &[u8]) -> u64 {
-    let mut acc = [0u64; 8];
-    for line in b.chunks_exact(64) {
-        for (a, w) in acc.iter_mut().zip(line.chunks_exact(8)) {
-            *a = a.wrapping_add(u64::from_le_bytes(w.try_into().unwrap()));
-        }
-    }
-    acc.iter().fold(0, |x, &y| x.wrapping_add(y))
-}
+use pk_model::kernels::stream::{best_seconds, read_pass_plain, read_pass_prefetched};
 
 fn main() {
     let mib: usize = std::env::args()
@@ -52,10 +23,13 @@ fn main() {
     for (i, v) in buf.iter_mut().enumerate() {
         *v = i as u8;
     }
+    let gbs = |s: f64| buf.len() as f64 / s / 1e9;
     for threads in [1, 2] {
+        let plain = gbs(best_seconds(&buf, threads, 5, read_pass_plain));
+        let ahead = gbs(best_seconds(&buf, threads, 5, read_pass_prefetched));
         println!(
-            "stream read {mib} MiB, {threads} thread(s): {:.1} GB/s (best of 5)",
-            best_gbs(&buf, threads, 5)
+            "stream read {mib} MiB, {threads} thread(s): {:.1} GB/s (best of 5; hardware prefetch {plain:.1}, decode's prefetches {ahead:.1})",
+            plain.max(ahead)
         );
     }
 }

@@ -47,6 +47,26 @@ impl Weights {
         self.output.as_ref().unwrap_or(&self.token_embd)
     }
 
+    /// The weight bytes one decoded token reads, in the order it reads them: every layer's
+    /// matrices, then the output head (the embedding lookup reads one row, left out).
+    /// Reading them alone is the fastest a decode step could be (`decode_bench --vs-stream`).
+    pub fn decode_read_data(&self) -> Vec<&[u8]> {
+        let mut parts: Vec<&[u8]> = Vec::new();
+        for l in &self.layers {
+            parts.extend(
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                    .map(QMatrix::stored_data),
+            );
+        }
+        parts.push(self.output_head().stored_data());
+        parts
+    }
+
+    /// [`Self::decode_read_data`]'s bytes in all.
+    pub fn decode_read_bytes(&self) -> usize {
+        self.decode_read_data().iter().map(|p| p.len()).sum()
+    }
+
     pub fn from_gguf(f: &GgufFile, cfg: &ModelConfig) -> Result<Weights, ModelError> {
         check_tensor_names(f, cfg)?;
         let layers = (0..cfg.n_layers)

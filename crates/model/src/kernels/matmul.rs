@@ -77,6 +77,20 @@ impl QMatrix {
         }
     }
 
+    /// The bytes this matrix keeps (packed or as in the file): what a one-token product
+    /// reads, where it reads them.
+    pub fn stored_data(&self) -> &[u8] {
+        match &self.storage {
+            Storage::Packed(p) => p.data(),
+            Storage::Gguf(d) => d,
+        }
+    }
+
+    /// [`Self::stored_data`]'s length.
+    pub fn stored_bytes(&self) -> usize {
+        self.stored_data().len()
+    }
+
     pub fn row_bytes(&self) -> usize {
         self.ty.row_bytes(self.cols).unwrap()
     }

@@ -26,6 +26,7 @@ pub mod pool;
 mod q8;
 mod q8k;
 mod split_attn;
+pub mod stream;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

@@ -383,6 +383,33 @@ unsafe fn prefetch_weights(gb: *const u8, gbb: usize, two_level: bool, part: usi
     }
 }
 
+/// [`super::stream::read_pass_plain`]'s sum of `bytes` (whole 64-byte lines), asking for
+/// every line ahead as a decode tile asks for its weights ([`prefetch_weights`]'s plan), so
+/// that the DRAM bound decode is measured against uses the same prefetches.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn read_pass_prefetched(bytes: &[u8]) -> u64 {
+    let two_level = two_level_prefetch();
+    let (p, lines) = (bytes.as_ptr(), bytes.len() / 64);
+    let (mut a0, mut a1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+    for i in 0..lines {
+        let line = p.add(64 * i);
+        if two_level {
+            _mm_prefetch::<_MM_HINT_T2>(line.wrapping_add(PREFETCH_FAR_BYTES) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(PREFETCH_NEAR_BYTES) as *const i8);
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(PREFETCH_AHEAD_BYTES) as *const i8);
+        }
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(line as *const __m256i));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(line.add(32) as *const __m256i));
+    }
+    let mut words = [0u64; 4];
+    _mm256_storeu_si256(words.as_mut_ptr() as *mut __m256i, _mm256_add_epi64(a0, a1));
+    words.iter().fold(0, |x, &y| x.wrapping_add(y))
+}
+
 /// A group block's quants as 8 vectors of unsigned weights (vector k: elements 4k..4k+4 of
 /// each of the 8 rows for k < 4, elements 16+4(k-4).. for k >= 4; see `pack`), for every
 /// format but Q8_0, whose vectors are stored as they are used. A macro so that it is compiled
