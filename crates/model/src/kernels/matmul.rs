@@ -562,8 +562,9 @@ mod tests {
             GgmlType::Q4K,
             GgmlType::Q6K,
         ] {
-            // Two super-blocks a row for the K-quants.
-            let (rows, cols) = (19, if cols_for(ty, 1) > 1 { 512 } else { 128 });
+            // Three super-blocks a row for the K-quants, so that a super-block's deferred
+            // float update (`x86.rs` NOTE 7) runs both inside a row's loop and after it.
+            let (rows, cols) = (19, if cols_for(ty, 1) > 1 { 768 } else { 128 });
             let w = random_weights(&mut rng, ty, rows, cols);
             let Storage::Packed(p) = &w.storage else {
                 panic!("{ty:?} is not packed")
