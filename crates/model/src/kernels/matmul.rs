@@ -562,8 +562,8 @@ mod tests {
             GgmlType::Q4K,
             GgmlType::Q6K,
         ] {
-            // Three super-blocks a row for the K-quants, so that a super-block's deferred
-            // float update (`x86.rs` NOTE 7) runs both inside a row's loop and after it.
+            // Three super-blocks a row for the K-quants, so that a row has a super-block
+            // whose float update is neither its first nor its last.
             let (rows, cols) = (19, if cols_for(ty, 1) > 1 { 768 } else { 128 });
             let w = random_weights(&mut rng, ty, rows, cols);
             let Storage::Packed(p) = &w.storage else {

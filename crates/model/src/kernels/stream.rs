@@ -32,14 +32,6 @@ pub fn read_pass_prefetched(bytes: &[u8]) -> u64 {
     read_pass_plain(bytes)
 }
 
-/// Bytes a second over `bytes` split into `threads` equal parts read side by side, for the
-/// faster of the two plans: the best of `passes` passes of each.
-pub fn best_read_gbs(bytes: &[u8], threads: usize, passes: usize) -> f64 {
-    let plain = best_seconds(bytes, threads, passes, read_pass_plain);
-    let ahead = best_seconds(bytes, threads, passes, read_pass_prefetched);
-    bytes.len() as f64 / plain.min(ahead) / 1e9
-}
-
 /// The shortest of `passes` timed passes of `pass` over `bytes` in `threads` parts.
 pub fn best_seconds(bytes: &[u8], threads: usize, passes: usize, pass: fn(&[u8]) -> u64) -> f64 {
     (0..passes)
