@@ -150,24 +150,63 @@ const POOL_MAX_TOKENS: usize = super::pool::DECODE_MAX_TOKENS;
 /// that a late helper still finds work and the threads finish close together.
 const POOL_MIN_CHUNK_UNITS: usize = 512;
 
-/// Most chunks of one pool region (the guided split below makes about 20 for the largest
+/// Most chunks of one pool region (the split below makes about 10 for the largest
 /// matrices, so this only bounds the stack array).
 const POOL_MAX_REGION_CHUNKS: usize = 64;
 
-/// Splits `n_groups` row groups into guided chunks for `threads` threads: each chunk takes
-/// `1 / (2 · threads)` of what is left, but at least `min_groups`, so the first chunks are
-/// long and the last short. Fixed chunks of ≈ 2 µs (this function's predecessor) held two
-/// threads to 54 % of the DRAM bound on Qwen2.5-1.5B (AMX host): every chunk started a new
-/// stream with its first lines unfetched and claimed through the pool's shared counter, and
-/// decode ran 17.4 tok/s against 22.8 with long fixed chunks and 23.3–23.7 guided
-/// (BENCHMARKS.md, "Issue 39 on an Intel Xeon with AMX"). Writes the chunk ends into `ends` and returns how many there are.
-fn guided_chunk_ends(
+/// The part of a region's row groups left to the guided tail of [`front_loaded_chunk_ends`]:
+/// one sixteenth.
+const POOL_TAIL_DIV: usize = 16;
+
+/// Splits `n_groups` row groups into chunks for `threads` threads: first `threads` equal
+/// chunks that together hold all but the last [`POOL_TAIL_DIV`]th, then a guided tail
+/// (each chunk `1 / (2 · threads)` of what is left, at least `min_groups`) that balances
+/// the threads at the region's end; where the equal chunks would be below `min_groups`,
+/// the whole region is guided.
+///
+/// Why front-loaded: every chunk starts a new stream whose first lines nobody fetched
+/// ahead, and with the whole region guided (chunks of a quarter, a sixth, … of what is
+/// left) two threads leapfrog each other through a matrix in about ten streams each.
+/// Alternating in one process on Qwen2.5-Coder-1.5B (AMX host, 2026-12-06, BENCHMARKS.md),
+/// two-thread decode reached 80.4 % of the DRAM bound guided, 82.6 % in two exact halves,
+/// 83.1 % front-loaded; the thread that takes the second equal chunk ends where the tail
+/// starts, so it goes on in the same stream. Before the guided split, fixed chunks of
+/// ≈ 2 µs held two threads to 54 % of the bound (BENCHMARKS.md, "Issue 39 on an Intel Xeon
+/// with AMX"). Writes the chunk ends into `ends` and returns how many there are.
+fn front_loaded_chunk_ends(
     n_groups: usize,
     min_groups: usize,
     threads: usize,
     ends: &mut [usize; POOL_MAX_REGION_CHUNKS],
 ) -> usize {
-    let (mut start, mut n) = (0, 0);
+    let equal = (n_groups - n_groups / POOL_TAIL_DIV) / threads;
+    if equal < min_groups.max(1) || threads >= POOL_MAX_REGION_CHUNKS {
+        return guided_chunk_ends(n_groups, min_groups, threads, 0, 0, ends);
+    }
+    for (i, end) in ends.iter_mut().take(threads).enumerate() {
+        *end = equal * (i + 1);
+    }
+    guided_chunk_ends(
+        n_groups,
+        min_groups,
+        threads,
+        equal * threads,
+        threads,
+        ends,
+    )
+}
+
+/// Guided chunks of `start..n_groups` written from `ends[n]` on: each takes `1 / (2 ·
+/// threads)` of what is left, but at least `min_groups`, the last one everything left when
+/// `ends` is full. Returns how many chunk ends `ends` holds.
+fn guided_chunk_ends(
+    n_groups: usize,
+    min_groups: usize,
+    threads: usize,
+    mut start: usize,
+    mut n: usize,
+    ends: &mut [usize; POOL_MAX_REGION_CHUNKS],
+) -> usize {
     while start < n_groups {
         let left = n_groups - start;
         let size = if n + 1 == POOL_MAX_REGION_CHUNKS {
@@ -221,10 +260,7 @@ pub fn matmul(w: &QMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) {
     assert_eq!(x.len(), n_tokens * w.cols);
     assert_eq!(out.len(), n_tokens * w.rows);
     let mut acts = ACTS.take();
-    acts.quantize(x);
-    if matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K) {
-        acts.quantize_k(x);
-    }
+    quantize_for(&mut acts, &[w.ty], x);
     #[cfg(target_arch = "x86_64")]
     if let Some(isa) = x86::detect() {
         gemm_packed(isa, p, &acts, n_tokens, out);
@@ -258,13 +294,8 @@ pub fn matmul_multi(ws: &[&QMatrix], x: &[f32], n_tokens: usize, outs: &mut [&mu
             assert_eq!(o.len(), n_tokens * p.rows);
         }
         let mut acts = ACTS.take();
-        acts.quantize(x);
-        if ws
-            .iter()
-            .any(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K))
-        {
-            acts.quantize_k(x);
-        }
+        let types: Vec<GgmlType> = ws.iter().map(|w| w.ty).collect();
+        quantize_for(&mut acts, &types, x);
         let jobs: Vec<(&Packed, OutPtr)> = packed
             .iter()
             .zip(outs.iter_mut())
@@ -277,6 +308,22 @@ pub fn matmul_multi(ws: &[&QMatrix], x: &[f32], n_tokens: usize, outs: &mut [&mu
     let _ = packed;
     for (w, o) in ws.iter().zip(outs.iter_mut()) {
         matmul(w, x, n_tokens, o);
+    }
+}
+
+/// Quantises `x` into the representations the kernels of matrices of `types` read: the
+/// 32-element blocks (`Q8Acts::quantize`) for any format but the K-quants, the K
+/// representation (`Q8Acts::quantize_k`) for the K-quants. Every kernel of Q4_K and Q6_K
+/// (VNNI, AVX2, AMX, scalar) reads only the second, so a Q4_K_M model's decode skips the
+/// first: it ran on the calling thread alone before every matrix-vector product, while the
+/// other decode thread waited.
+fn quantize_for(acts: &mut Q8Acts, types: &[GgmlType], x: &[f32]) {
+    let is_k = |ty: &GgmlType| matches!(ty, GgmlType::Q4K | GgmlType::Q6K);
+    if !types.iter().all(is_k) {
+        acts.quantize(x);
+    }
+    if types.iter().any(is_k) {
+        acts.quantize_k(x);
     }
 }
 
@@ -310,7 +357,7 @@ fn gemm_jobs(isa: x86::Isa, jobs: &[(&Packed, OutPtr)], acts: &Q8Acts, n_tokens:
         let n_chunks = if threads > 1 {
             let units_per_group = (units / n_groups.max(1)).max(1);
             let min_groups = POOL_MIN_CHUNK_UNITS.div_ceil(units_per_group);
-            guided_chunk_ends(n_groups, min_groups, threads, &mut ends)
+            front_loaded_chunk_ends(n_groups, min_groups, threads, &mut ends)
         } else {
             ends[0] = n_groups;
             1
@@ -471,17 +518,19 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     #[test]
-    fn guided_chunks_cover_every_group_once_and_shrink() {
+    fn chunks_cover_every_group_once_front_loaded() {
         for (n_groups, min_groups, threads) in [
             (1, 1, 2),
             (7, 11, 2),
             (192, 11, 2),
+            (256, 2, 2),
             (2240, 11, 2),
             (100_000, 1, 2),
             (2240, 4, 3),
+            (30, 11, 2),
         ] {
             let mut ends = [0usize; POOL_MAX_REGION_CHUNKS];
-            let n = guided_chunk_ends(n_groups, min_groups, threads, &mut ends);
+            let n = front_loaded_chunk_ends(n_groups, min_groups, threads, &mut ends);
             assert!((1..=POOL_MAX_REGION_CHUNKS).contains(&n));
             assert_eq!(
                 ends[n - 1],
@@ -492,13 +541,22 @@ mod tests {
                 .map(|i| ends[i] - if i == 0 { 0 } else { ends[i - 1] })
                 .collect();
             assert!(sizes.iter().all(|&s| s > 0), "{sizes:?}");
-            // Every chunk but the capped last one is at most as long as the one before it.
-            let shrinking = n < POOL_MAX_REGION_CHUNKS;
-            if shrinking {
-                assert!(sizes.windows(2).all(|w| w[1] <= w[0]), "{sizes:?}");
-            }
-            if n_groups >= 2 * threads * min_groups {
+            let equal = (n_groups - n_groups / POOL_TAIL_DIV) / threads;
+            // The guided part (all of it when the equal chunks would be too short): every
+            // chunk but a capped last one at most as long as the one before it.
+            let guided_from = if equal >= min_groups { threads } else { 0 };
+            if guided_from > 0 {
+                assert!(sizes[..threads].iter().all(|&s| s == equal), "{sizes:?}");
+                assert!(
+                    n_groups - equal * threads <= n_groups / POOL_TAIL_DIV + threads,
+                    "{sizes:?}"
+                );
+            } else if n_groups >= 2 * threads * min_groups {
                 assert_eq!(sizes[0], n_groups / (2 * threads), "{sizes:?}");
+            }
+            if n < POOL_MAX_REGION_CHUNKS && n > guided_from {
+                let tail = &sizes[guided_from..];
+                assert!(tail.windows(2).all(|w| w[1] <= w[0]), "{sizes:?}");
             }
         }
     }
