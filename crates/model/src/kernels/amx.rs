@@ -212,11 +212,9 @@ pub unsafe fn gemm_groups(
         }
         asm!("tilerelease", options(nostack, nomem));
     });
-    for g in g0..g1 {
-        if tiled < n_tokens {
-            let isa = super::x86::Isa::Avx512Vnni;
-            super::x86::gemm_group(isa, p, g, acts, tiled, n_tokens, out, out_stride);
-        }
+    if tiled < n_tokens {
+        let isa = super::x86::Isa::Avx512Vnni;
+        super::x86::gemm_groups(isa, p, (g0, g1), acts, tiled, n_tokens, out, out_stride);
     }
 }
 

@@ -429,12 +429,23 @@ fn run_groups(
             base += ng;
             continue;
         }
-        for g in lo..hi {
+        if lo < hi {
             // SAFETY: `detect` checked the ISA; `acts` holds n_tokens tokens; group g of this
             // job writes only rows 8g..8g+8 of each token of its own output, which no other
             // task owns (callers hand out disjoint ranges), and the output holds n_tokens × rows
             // floats.
-            unsafe { x86::gemm_group(isa, p, g - base, acts, 0, n_tokens, ptr.0, p.rows) };
+            unsafe {
+                x86::gemm_groups(
+                    isa,
+                    p,
+                    (lo - base, hi - base),
+                    acts,
+                    0,
+                    n_tokens,
+                    ptr.0,
+                    p.rows,
+                )
+            };
         }
         base += ng;
     }
