@@ -260,7 +260,7 @@ pub fn matmul(w: &QMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) {
     assert_eq!(x.len(), n_tokens * w.cols);
     assert_eq!(out.len(), n_tokens * w.rows);
     let mut acts = ACTS.take();
-    quantize_for(&mut acts, &[w.ty], x);
+    quantize_for(&mut acts, [w.ty].into_iter(), x);
     #[cfg(target_arch = "x86_64")]
     if let Some(isa) = x86::detect() {
         gemm_packed(isa, p, &acts, n_tokens, out);
@@ -294,8 +294,7 @@ pub fn matmul_multi(ws: &[&QMatrix], x: &[f32], n_tokens: usize, outs: &mut [&mu
             assert_eq!(o.len(), n_tokens * p.rows);
         }
         let mut acts = ACTS.take();
-        let types: Vec<GgmlType> = ws.iter().map(|w| w.ty).collect();
-        quantize_for(&mut acts, &types, x);
+        quantize_for(&mut acts, ws.iter().map(|w| w.ty), x);
         let jobs: Vec<(&Packed, OutPtr)> = packed
             .iter()
             .zip(outs.iter_mut())
@@ -317,12 +316,12 @@ pub fn matmul_multi(ws: &[&QMatrix], x: &[f32], n_tokens: usize, outs: &mut [&mu
 /// (VNNI, AVX2, AMX, scalar) reads only the second, so a Q4_K_M model's decode skips the
 /// first: it ran on the calling thread alone before every matrix-vector product, while the
 /// other decode thread waited.
-fn quantize_for(acts: &mut Q8Acts, types: &[GgmlType], x: &[f32]) {
-    let is_k = |ty: &GgmlType| matches!(ty, GgmlType::Q4K | GgmlType::Q6K);
-    if !types.iter().all(is_k) {
+fn quantize_for(acts: &mut Q8Acts, mut types: impl Iterator<Item = GgmlType> + Clone, x: &[f32]) {
+    let is_k = |ty: GgmlType| matches!(ty, GgmlType::Q4K | GgmlType::Q6K);
+    if !types.clone().all(is_k) {
         acts.quantize(x);
     }
-    if types.iter().any(is_k) {
+    if types.any(is_k) {
         acts.quantize_k(x);
     }
 }
