@@ -25,6 +25,7 @@ mod pack;
 pub mod pool;
 mod q8;
 mod q8k;
+mod silu;
 mod split_attn;
 pub mod stream;
 #[cfg(target_arch = "x86_64")]

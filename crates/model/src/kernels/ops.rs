@@ -69,13 +69,9 @@ pub fn softmax_in_place(x: &mut [f32]) {
     }
 }
 
-/// SwiGLU's gate: `gate = silu(gate) * up`.
+/// SwiGLU's gate: `gate = silu(gate) * up` (`kernels::silu` says which exponential).
 pub fn silu_mul_in_place(gate: &mut [f32], up: &[f32]) {
-    par_zip(gate, up, |gate, up| {
-        for (g, &u) in gate.iter_mut().zip(up) {
-            *g = *g / (1.0 + (-*g).exp()) * u;
-        }
-    });
+    par_zip(gate, up, super::silu::silu_mul_serial);
 }
 
 /// GeGLU's gate (Gemma): `gate = gelu(gate) * up`, GELU in its tanh approximation, as
