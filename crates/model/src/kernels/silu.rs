@@ -308,7 +308,7 @@ mod tests {
             f32::NAN,
             f32::MIN_POSITIVE,
         ]);
-        while xs.len() % 16 != 0 {
+        while !xs.len().is_multiple_of(16) {
             xs.push(0.5);
         }
         xs
