@@ -13,7 +13,11 @@
 #        SmolLM2-135M-Instruct Q4_1), LLAMA_WORK (build folder, default /tmp/llama-bench),
 #        LLAMA_BENCH (a llama-bench binary to use instead of building one),
 #        LONG_PROMPTS (e.g. "4096 8192": also prefill of those lengths, llama.cpp with
-#        `-fa 0` and `-fa 1`, one repetition each; default none).
+#        `-fa 0` and `-fa 1`, one repetition each; default none),
+#        AS_AVX2=1 (on a CPU with AVX-512: both engines as on an AVX2-only host, llama.cpp
+#        built with AVX2/FMA/F16C and nothing wider in $LLAMA_WORK/.../build-avx2, ours with
+#        PK_ISA=avx2, which narrows every kernel; a proxy for the AMD AVX2 hosts' figures,
+#        not a substitute: the cores differ).
 set -euo pipefail
 
 rounds=${1:-2}
@@ -25,20 +29,25 @@ pk=${PK_BIN:-target/release/pagekeeper}
 model=${PK_MODEL:-$HOME/.cache/pagekeeper/SmolLM2-135M-Instruct.Q4_1.gguf}
 quiet=../shared/tools/host-quiet
 [ -x "$quiet" ] || quiet=/work/shared/tools/host-quiet
-lb=${LLAMA_BENCH:-$work/src/vendor/llama.cpp/build/bin/llama-bench}
+as_avx2=${AS_AVX2:-0}
+build_dir=build
+[ "$as_avx2" = 1 ] && build_dir=build-avx2
+lb=${LLAMA_BENCH:-$work/src/vendor/llama.cpp/$build_dir/bin/llama-bench}
 long_prompts=${LONG_PROMPTS:-}
 # The sdist has no git history: the commit is the one its release vendors.
 LCP_VERSION=0.3.36
 LCP_COMMIT="0c1e570 (llama-cpp-python $LCP_VERSION)"
 
 if [ ! -x "$lb" ]; then
-    mkdir -p "$work"
-    python3 -m venv "$work/venv"
-    "$work/venv/bin/pip" install -q cmake ninja scikit-build-core
-    # --no-build-isolation: only the sdist is wanted, not a wheel built in an isolated env.
-    "$work/venv/bin/pip" download -q --no-deps --no-binary llama-cpp-python --no-build-isolation "llama-cpp-python==$LCP_VERSION" -d "$work"
-    rm -rf "$work/src" && mkdir -p "$work/src"
-    tar xzf "$work/llama_cpp_python-$LCP_VERSION.tar.gz" -C "$work/src" --strip-components=1
+    if [ ! -d "$work/src/vendor/llama.cpp" ]; then
+        mkdir -p "$work"
+        python3 -m venv "$work/venv"
+        "$work/venv/bin/pip" install -q cmake ninja scikit-build-core
+        # --no-build-isolation: only the sdist is wanted, not a wheel built in an isolated env.
+        "$work/venv/bin/pip" download -q --no-deps --no-binary llama-cpp-python --no-build-isolation "llama-cpp-python==$LCP_VERSION" -d "$work"
+        rm -rf "$work/src" && mkdir -p "$work/src"
+        tar xzf "$work/llama_cpp_python-$LCP_VERSION.tar.gz" -C "$work/src" --strip-components=1
+    fi
     # On a CPU with AMX, GGML_NATIVE compiles llama.cpp's AMX kernels, and 0c1e570's
     # llama-bench then dies of SIGILL in `tinygemm_kernel_amx` at the first prompt (a
     # `tileloadd` with no tile configuration loaded; granting the tile permission first
@@ -49,8 +58,17 @@ if [ ! -x "$lb" ]; then
         flags="-mno-amx-int8 -mno-amx-tile -mno-amx-bf16"
         no_amx=(-DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags")
     fi
-    (cd "$work/src/vendor/llama.cpp" && PATH=$work/venv/bin:$PATH cmake -B build -G Ninja -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release "${no_amx[@]}" >/dev/null \
-        && PATH=$work/venv/bin:$PATH ninja -C build llama-bench >/dev/null)
+    isa=(-DGGML_NATIVE=ON "${no_amx[@]}")
+    if [ "$as_avx2" = 1 ]; then
+        # What `-DGGML_NATIVE=ON` gives on an AMD EPYC with AVX2 only (Zen 2/3).
+        isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+             -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF)
+    fi
+    (cd "$work/src/vendor/llama.cpp" && PATH=$work/venv/bin:$PATH cmake -B "$build_dir" -G Ninja -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release "${isa[@]}" >/dev/null \
+        && PATH=$work/venv/bin:$PATH ninja -C "$build_dir" llama-bench >/dev/null)
+fi
+if [ "$as_avx2" = 1 ]; then
+    export PK_ISA=avx2
 fi
 
 # LLAMA_BENCH: a llama-bench built elsewhere (e.g. llama.cpp 0c1e570 from llama-cpp-python
@@ -62,7 +80,9 @@ else
     echo "llama.cpp $(git -C "$src_dir" log -1 --format=%h 2>/dev/null || echo "at $src_dir (commit unknown)")"
 fi
 grep -o -w -E 'avx2|avx512f|avx512_vnni|amx_int8' /proc/cpuinfo | sort -u | tr '\n' ' ' | sed 's/^/CPU flags: /'; echo
-if grep -q -w amx_int8 /proc/cpuinfo; then
+if [ "$as_avx2" = 1 ]; then
+    echo "AS_AVX2=1: llama.cpp built for AVX2/FMA/F16C only; pagekeeper with PK_ISA=avx2 (every kernel AVX2)"
+elif grep -q -w amx_int8 /proc/cpuinfo; then
     echo "llama.cpp built without its AMX kernels (they crash here; see the build step); pagekeeper's matmul kernel: AMX unless PK_AMX=0"
 fi
 for round in $(seq "$rounds"); do

@@ -57,13 +57,15 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 }
 
 /// What one prompt measured: the largest |Δ log-prob| over llama.cpp's top-5 at any step,
-/// and the steps where llama.cpp's greedy token was not our argmax, with the gap (our
-/// argmax's log-prob minus that of llama.cpp's token) at each.
+/// and the steps where llama.cpp's greedy token was not our argmax, with the gap on each
+/// side at each: ours (our argmax's log-prob minus that of llama.cpp's token) and
+/// llama.cpp's (its token's log-prob minus that of our argmax; infinite when our argmax is
+/// not among its top five).
 struct PromptReport {
     name: String,
     max_abs_delta: f32,
     mean_abs_delta: f32,
-    flips: Vec<(usize, f32)>,
+    flips: Vec<(usize, f32, f32)>,
 }
 
 /// Teacher-forces every prompt of `fixture` through `model_file` in one forward call per
@@ -127,7 +129,18 @@ fn teacher_forced(model_file: &str, fixture_file: &str) -> Vec<PromptReport> {
                 .unwrap();
             let theirs = greedy[step] as usize;
             if ours != theirs {
-                flips.push((step, lp[ours] - lp[theirs]));
+                let their_lp = |id: usize| {
+                    want.as_array()
+                        .unwrap()
+                        .iter()
+                        .find(|w| w["id"].as_u64() == Some(id as u64))
+                        .map(|w| w["logprob"].as_f64().unwrap() as f32)
+                };
+                let their_gap = match (their_lp(theirs), their_lp(ours)) {
+                    (Some(t), Some(o)) => t - o,
+                    _ => f32::INFINITY,
+                };
+                flips.push((step, lp[ours] - lp[theirs], their_gap));
             }
         }
         let r = PromptReport {
@@ -144,7 +157,12 @@ fn teacher_forced(model_file: &str, fixture_file: &str) -> Vec<PromptReport> {
 }
 
 /// Holds every prompt to `max_bound` on the largest top-5 difference and `mean_bound` on
-/// the mean, and allows an argmax difference only at a near-tie (gap below `tie_nats`).
+/// the mean, and allows an argmax difference only at a near-tie: where our gap between the
+/// two tokens or llama.cpp's own is below `tie_nats` (as `golden_greedy` in pk-engine
+/// judges by llama.cpp's gap). Both sides count because which of two such tokens wins
+/// follows summation order: Qwen2.5-Coder-1.5B's raw_capital step 20, where llama.cpp's own
+/// gap is 0.099 nats, came out at 0.028 nats our way with the AVX-512 attention kernel and
+/// at 0.143 with the AVX2 one (`PK_ISA=avx2`, as on the AMD hosts), 2026-12-07.
 fn check(reports: &[PromptReport], max_bound: f32, mean_bound: f32, tie_nats: f32) {
     for r in reports {
         assert!(
@@ -159,8 +177,8 @@ fn check(reports: &[PromptReport], max_bound: f32, mean_bound: f32, tie_nats: f3
             r.name,
             r.mean_abs_delta
         );
-        for &(step, gap) in &r.flips {
-            assert!(gap < tie_nats, "{}: step {step}: llama.cpp's greedy token is {gap} nats below our argmax (not a near-tie)", r.name);
+        for &(step, ours, theirs) in &r.flips {
+            assert!(ours.min(theirs) < tie_nats, "{}: step {step}: llama.cpp's greedy token is {ours} nats below our argmax, and ours {theirs} below its (not a near-tie)", r.name);
         }
     }
 }

@@ -97,9 +97,7 @@ pub struct HeadKv<'a> {
 /// Whether [`attend`] handles this head size on this CPU.
 pub fn supported(head_dim: usize) -> bool {
     matches!(head_dim, 64 | 128 | 256)
-        && is_x86_feature_detected!("avx512f")
-        && is_x86_feature_detected!("avx512bw")
-        && is_x86_feature_detected!("avx512vl")
+        && super::x86::has_avx512()
         && is_x86_feature_detected!("f16c")
         && is_x86_feature_detected!("fma")
 }

@@ -30,9 +30,7 @@ fn available() -> bool {
 fn available_512() -> bool {
     static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *YES.get_or_init(|| {
-        is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
+        super::x86::has_avx512()
             && is_x86_feature_detected!("f16c")
             && is_x86_feature_detected!("fma")
             && std::env::var("PK_KVZIP_SCORES_AVX2").as_deref() != Ok("1")

@@ -71,8 +71,9 @@ pub enum Isa {
 }
 
 /// The best instruction set this CPU runs, or `None` without AVX2/FMA/F16C; `PK_ISA=avx2`
-/// or `PK_ISA=avx512-vnni` asks for a narrower one (the integer matmul kernels only, for
-/// side-by-side measurements; a value this CPU cannot run is refused by name).
+/// or `PK_ISA=avx512-vnni` asks for a narrower one for side-by-side measurements (a value
+/// this CPU cannot run is refused by name). `avx512-vnni` narrows the integer matmul
+/// kernels only (no AMX); `avx2` narrows every kernel ([`has_avx512`]).
 pub fn detect() -> Option<Isa> {
     static ISA: OnceLock<Option<Isa>> = OnceLock::new();
     *ISA.get_or_init(|| {
@@ -99,13 +100,17 @@ pub fn detect() -> Option<Isa> {
     })
 }
 
-/// Whether the AVX-512 activation quantiser runs on this CPU.
+/// Whether AVX-512 kernels (activation quantisers, attention, SwiGLU and GeGLU gates, KVzip
+/// scores) run: the CPU has AVX-512 F/BW/VL and `PK_ISA=avx2` does not ask every kernel to
+/// run as on an AVX2-only host, so that such a host's prefill and decode can be measured
+/// whole beside llama.cpp built for AVX2 (`scripts/llama_bench_side_by_side.sh`).
 pub fn has_avx512() -> bool {
     static YES: OnceLock<bool> = OnceLock::new();
     *YES.get_or_init(|| {
         is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
+            && std::env::var("PK_ISA").as_deref() != Ok("avx2")
     })
 }
 
