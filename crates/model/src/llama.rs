@@ -149,18 +149,21 @@ impl Llama {
     }
 
     /// `x += out`, through a post-norm first when the architecture has one (Gemma 3), with
-    /// `tmp` (as long as `x`) as scratch.
+    /// `tmp` (as long as `x`) as scratch; row by row, over rayon's threads for a prefill
+    /// batch (`forward::par_rows`), with the same bits either way.
     fn residual_add(&self, x: &mut [f32], out: &[f32], post_norm: Option<&[f32]>, tmp: &mut [f32]) {
-        match post_norm {
-            None => add_in_place(x, out),
-            Some(w) => {
-                let d = self.config.d_model;
-                for (o, t) in out.chunks_exact(d).zip(tmp.chunks_exact_mut(d)) {
-                    rmsnorm(o, w, self.config.rms_eps, t);
+        let (d, eps) = (self.config.d_model, self.config.rms_eps);
+        let tmp = &mut tmp[..x.len()];
+        forward::par_rows((x, d), (tmp, d), |r, xr, t| {
+            let o = &out[r * d..(r + 1) * d];
+            match post_norm {
+                None => add_in_place(xr, o),
+                Some(w) => {
+                    rmsnorm(o, w, eps, t);
+                    add_in_place(xr, t);
                 }
-                add_in_place(x, &tmp[..out.len()]);
             }
-        }
+        });
     }
 
     /// Rotates every head of `x` (a row of q or k) by its position's angles.

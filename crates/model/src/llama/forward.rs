@@ -14,6 +14,56 @@ use crate::kernels::{
 };
 use crate::kv_store::KvStore;
 use crate::weights::LayerWeights;
+use rayon::prelude::*;
+
+/// Row-wise work on a batch of at least this many rows (a prefill chunk) is spread over
+/// rayon's threads; decode's few rows stay on the calling thread. Norms, RoPE, biases and
+/// residual adds were about 2 % of a two-thread 512-token prefill's wall time on one thread
+/// while the other waited (Qwen2.5-Coder-1.5B, AVX2 kernels, 2026-12-07).
+const PAR_MIN_ROWS: usize = 32;
+
+/// Calls `f(r, a_r, b_r)` for every row `r`, where `a_r` and `b_r` are the `r`-th chunks of
+/// `a.0` and `b.0` of widths `a.1` and `b.1` (as many rows as `a` has; a width of 0 gives
+/// empty `b_r`); in parallel for large batches. Rows are independent, so the bits do not
+/// depend on the split.
+pub(super) fn par_rows(
+    a: (&mut [f32], usize),
+    b: (&mut [f32], usize),
+    f: impl Fn(usize, &mut [f32], &mut [f32]) + Sync,
+) {
+    let ((a, wa), (b, wb)) = (a, b);
+    let rows = a.len() / wa;
+    let parallel = rows >= PAR_MIN_ROWS && rayon::current_num_threads() > 1;
+    if wb == 0 {
+        let one = |(r, ar): (usize, &mut [f32])| f(r, ar, &mut []);
+        if parallel {
+            a.par_chunks_exact_mut(wa)
+                .enumerate()
+                .with_min_len(8)
+                .for_each(one);
+        } else {
+            a.chunks_exact_mut(wa).enumerate().for_each(one);
+        }
+        return;
+    }
+    assert!(b.len() >= rows * wb);
+    let b = &mut b[..rows * wb];
+    if parallel {
+        a.par_chunks_exact_mut(wa)
+            .zip(b.par_chunks_exact_mut(wb))
+            .enumerate()
+            .with_min_len(8)
+            .for_each(|(r, (ar, br))| f(r, ar, br));
+    } else {
+        for (r, (ar, br)) in a
+            .chunks_exact_mut(wa)
+            .zip(b.chunks_exact_mut(wb))
+            .enumerate()
+        {
+            f(r, ar, br);
+        }
+    }
+}
 
 /// What every layer of one call reads about the batch's sequences.
 struct BatchLayout<'a> {
@@ -219,8 +269,8 @@ impl Llama {
             (&mut *b.v, &lw.bv),
         ] {
             if let Some(bias) = bias {
-                out.chunks_exact_mut(bias.len())
-                    .for_each(|row| add_in_place(row, bias));
+                let w = bias.len();
+                par_rows((out, w), (&mut [], 0), |_, row, _| add_in_place(row, bias));
             }
         }
         if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
@@ -281,17 +331,20 @@ impl Llama {
         } else {
             (rope.cos, rope.sin)
         };
-        for r in 0..b.q.len() / qd {
+        // Attention divides scores by √head_dim; this makes the net scale `qs`.
+        let q_mul = c
+            .extras
+            .query_scale
+            .map(|qs| qs * (c.head_dim as f32).sqrt());
+        par_rows((&mut *b.q, qd), (&mut *b.k, kvd), |r, q, k| {
             let rows = r * half..(r + 1) * half;
             let (cos, sin) = (&cos[rows.clone()], &sin[rows]);
-            self.rope(&mut b.q[r * qd..(r + 1) * qd], cos, sin);
-            self.rope(&mut b.k[r * kvd..(r + 1) * kvd], cos, sin);
-        }
-        if let Some(qs) = c.extras.query_scale {
-            // Attention divides scores by √head_dim; this makes the net scale `qs`.
-            let mul = qs * (c.head_dim as f32).sqrt();
-            b.q.iter_mut().for_each(|v| *v *= mul);
-        }
+            self.rope(q, cos, sin);
+            self.rope(k, cos, sin);
+            if let Some(mul) = q_mul {
+                q.iter_mut().for_each(|v| *v *= mul);
+            }
+        });
     }
 
     /// `x += mlp(norm(x))`: SwiGLU, or GeGLU where the architecture has it.
@@ -316,10 +369,11 @@ impl Llama {
 
     /// `out` row r = rmsnorm(`x` row r) with `weight`.
     fn norm_rows(&self, x: &[f32], weight: &[f32], out: &mut [f32]) {
-        let d = self.config.d_model;
-        for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-            rmsnorm(xr, weight, self.config.rms_eps, or);
-        }
+        let (d, eps) = (self.config.d_model, self.config.rms_eps);
+        let out = &mut out[..x.len()];
+        par_rows((out, d), (&mut [], 0), |r, or, _| {
+            rmsnorm(&x[r * d..(r + 1) * d], weight, eps, or)
+        });
     }
 
     /// Only the requested rows go through the (large) output head.
