@@ -30,6 +30,10 @@ model=${PK_MODEL:-$HOME/.cache/pagekeeper/SmolLM2-135M-Instruct.Q4_1.gguf}
 quiet=../shared/tools/host-quiet
 [ -x "$quiet" ] || quiet=/work/shared/tools/host-quiet
 as_avx2=${AS_AVX2:-0}
+case "$as_avx2" in
+    0 | 1) ;;
+    *) echo "AS_AVX2=$as_avx2: expected 0 or 1" >&2; exit 2 ;;
+esac
 build_dir=build
 [ "$as_avx2" = 1 ] && build_dir=build-avx2
 lb=${LLAMA_BENCH:-$work/src/vendor/llama.cpp/$build_dir/bin/llama-bench}
