@@ -3,8 +3,8 @@
 //!
 //! Two plans, because either can be the faster on a host: [`read_pass_plain`] leaves the
 //! lines to the hardware prefetcher, and [`read_pass_prefetched`] also asks for them ahead
-//! exactly as a decode tile does (`x86::two_level_prefetch`'s plan: into L2 4 KiB ahead and
-//! into L1 512 B ahead on Intel, into L1 1 KiB ahead elsewhere). On the AMX host the second
+//! exactly as a decode tile does (`x86::prefetch_plan`: into L2 4 KiB ahead and into L1
+//! 512 B ahead on Intel, into L2 4 KiB ahead elsewhere). On the AMX host the second
 //! read 16.5–18.3 GB/s on one thread where the first read 15.6–15.9 (2026-12-06,
 //! BENCHMARKS.md): a bound taken from the plain pass alone was 4–15 % too low, and decode's
 //! share of it too high.

@@ -331,35 +331,53 @@ pub unsafe fn gemm_groups(
 }
 
 /// How far ahead of a decode step's weight stream each group block asks for its cache lines
-/// into L1 (`prefetcht0`). A token's matrix-vector product reads each weight once from
-/// DRAM; the hardware prefetcher alone left one thread at 57 % of the read bandwidth on
-/// Qwen2.5-1.5B (AVX2 host), and asking for the lines 1 KiB ahead (about six Q4_1 group
-/// blocks, roughly a DRAM latency of work) raised decode by a quarter (BENCHMARKS.md,
-/// "Weight prefetch").
+/// into L1 (`prefetcht0`) under [`PrefetchPlan::Near`]. A token's matrix-vector product
+/// reads each weight once from DRAM; the hardware prefetcher alone left one thread at 57 %
+/// of the read bandwidth on Qwen2.5-1.5B (AVX2 host), and asking for the lines 1 KiB ahead
+/// (about six Q4_1 group blocks, roughly a DRAM latency of work) raised decode by a quarter
+/// (BENCHMARKS.md, "Weight prefetch").
 const PREFETCH_AHEAD_BYTES: usize = 1024;
 
-/// The two-level plan for Intel hosts: lines are first asked for into L2 (`prefetcht2`) this
-/// far ahead, then into L1 [`PREFETCH_NEAR_BYTES`] ahead. An L1 prefetch holds one of the
-/// core's few line-fill buffers until its line arrives from DRAM, so a far `prefetcht0`
-/// stalls the loads behind it, while an L2 request waits in the much deeper L2 queue; on
-/// the AMX host the far L2 + near L1 pair raised Qwen2.5-1.5B decode 1.10–1.12× at 1 and 2
-/// threads, alternating with the near prefetch alone (BENCHMARKS.md, "Issue 39 on an Intel
-/// Xeon with AMX"). AMD's cores fill L1 on every hint, so they keep the
-/// single near prefetch that was measured there.
+/// The far distance of [`PrefetchPlan::TwoLevel`] and [`PrefetchPlan::L2`]: lines are asked
+/// for into L2 (`prefetcht2`) this far ahead. An L1 prefetch holds one of the core's few
+/// line-fill buffers until its line arrives from DRAM, so a far `prefetcht0` stalls the
+/// loads behind it, while an L2 request waits in the much deeper L2 queue.
 const PREFETCH_FAR_BYTES: usize = 4096;
+/// The near distance of [`PrefetchPlan::TwoLevel`], into L1.
 const PREFETCH_NEAR_BYTES: usize = 512;
 
-/// Whether decode tiles use the two-level prefetch: on Intel CPUs, unless
-/// `PK_PREFETCH_PLAN=near` asks for the single L1 prefetch (`far` forces the two levels
-/// elsewhere; any other value is refused by name), so that benchmarks can compare the plans
-/// without rebuilding.
-pub fn two_level_prefetch() -> bool {
-    static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *YES.get_or_init(|| match std::env::var("PK_PREFETCH_PLAN").as_deref() {
-        Ok("far") => true,
-        Ok("near") => false,
-        Ok(other) => panic!("PK_PREFETCH_PLAN={other:?} is not one of \"far\", \"near\""),
-        Err(_) => is_intel(),
+/// Where a decode tile asks for the weight lines it will read (prefill tiles do not ask:
+/// four tokens of work per byte make them bound by arithmetic).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefetchPlan {
+    /// Into L1 [`PREFETCH_AHEAD_BYTES`] ahead (`PK_PREFETCH_PLAN=near`).
+    Near,
+    /// Into L2 [`PREFETCH_FAR_BYTES`] ahead and into L1 [`PREFETCH_NEAR_BYTES`] ahead
+    /// (`far`), Intel's default: on the AMX host the pair raised Qwen2.5-1.5B decode
+    /// 1.10–1.12× at 1 and 2 threads against `near` (BENCHMARKS.md, "Issue 39 on an Intel
+    /// Xeon with AMX").
+    TwoLevel,
+    /// Into L2 [`PREFETCH_FAR_BYTES`] ahead only (`l2`), AMD's default: on an AMD EPYC
+    /// (Zen 3, AVX2 only) `near` left one thread at 76–82 % of the DRAM bound on
+    /// Qwen2.5-1.5B, 1 KiB being too short for its latency, and this plan decoded faster
+    /// than both others at 1 and 2 threads (BENCHMARKS.md, 2026-12-07).
+    L2,
+}
+
+/// The decode tiles' [`PrefetchPlan`]: `PK_PREFETCH_PLAN=near|far|l2` chooses (any other
+/// value is refused by name), so that benchmarks compare the plans without rebuilding;
+/// otherwise Intel CPUs take the two levels and others the L2 plan.
+pub fn prefetch_plan() -> PrefetchPlan {
+    static PLAN: std::sync::OnceLock<PrefetchPlan> = std::sync::OnceLock::new();
+    *PLAN.get_or_init(|| match std::env::var("PK_PREFETCH_PLAN").as_deref() {
+        Ok("far") => PrefetchPlan::TwoLevel,
+        Ok("near") => PrefetchPlan::Near,
+        Ok("l2") => PrefetchPlan::L2,
+        Ok(other) => {
+            panic!("PK_PREFETCH_PLAN={other:?} is not one of \"far\", \"near\", \"l2\"")
+        }
+        Err(_) if is_intel() => PrefetchPlan::TwoLevel,
+        Err(_) => PrefetchPlan::L2,
     })
 }
 
@@ -369,11 +387,11 @@ fn is_intel() -> bool {
 }
 
 /// Asks for the cache lines of the group block `gbb` bytes long that a decode tile will read
-/// after the one at `gb` (see [`two_level_prefetch`]): `part` 0 its first line, 1 its
+/// after the one at `gb` under `plan` (see [`prefetch_plan`]): `part` 0 its first line, 1 its
 /// second, 2 the rest. A tile asks for the parts at three points of a block's work
 /// (NOTE 6). Past the matrix's end a prefetch is harmless: it never faults.
 #[inline(always)]
-unsafe fn prefetch_weights(gb: *const u8, gbb: usize, two_level: bool, part: usize) {
+unsafe fn prefetch_weights(gb: *const u8, gbb: usize, plan: PrefetchPlan, part: usize) {
     let lines = gbb.div_ceil(64);
     let (from, to) = match part {
         0 => (0, 1),
@@ -381,11 +399,23 @@ unsafe fn prefetch_weights(gb: *const u8, gbb: usize, two_level: bool, part: usi
         _ => (2, lines),
     };
     for line in (from..to.min(lines)).map(|l| 64 * l) {
-        if two_level {
-            _mm_prefetch::<_MM_HINT_T2>(gb.wrapping_add(PREFETCH_FAR_BYTES + line) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(gb.wrapping_add(PREFETCH_NEAR_BYTES + line) as *const i8);
-        } else {
-            _mm_prefetch::<_MM_HINT_T0>(gb.wrapping_add(PREFETCH_AHEAD_BYTES + line) as *const i8);
+        prefetch_line(gb.wrapping_add(line), plan);
+    }
+}
+
+/// Asks for the line `line` will be read from under `plan`, ahead of it.
+#[inline(always)]
+unsafe fn prefetch_line(line: *const u8, plan: PrefetchPlan) {
+    match plan {
+        PrefetchPlan::Near => {
+            _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(PREFETCH_AHEAD_BYTES) as *const i8)
+        }
+        PrefetchPlan::TwoLevel => {
+            _mm_prefetch::<_MM_HINT_T2>(line.wrapping_add(PREFETCH_FAR_BYTES) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(PREFETCH_NEAR_BYTES) as *const i8);
+        }
+        PrefetchPlan::L2 => {
+            _mm_prefetch::<_MM_HINT_T2>(line.wrapping_add(PREFETCH_FAR_BYTES) as *const i8)
         }
     }
 }
@@ -398,17 +428,12 @@ unsafe fn prefetch_weights(gb: *const u8, gbb: usize, two_level: bool, part: usi
 /// The CPU must have AVX2.
 #[target_feature(enable = "avx2")]
 pub unsafe fn read_pass_prefetched(bytes: &[u8]) -> u64 {
-    let two_level = two_level_prefetch();
+    let plan = prefetch_plan();
     let (p, lines) = (bytes.as_ptr(), bytes.len() / 64);
     let (mut a0, mut a1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
     for i in 0..lines {
         let line = p.add(64 * i);
-        if two_level {
-            _mm_prefetch::<_MM_HINT_T2>(line.wrapping_add(PREFETCH_FAR_BYTES) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(PREFETCH_NEAR_BYTES) as *const i8);
-        } else {
-            _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(PREFETCH_AHEAD_BYTES) as *const i8);
-        }
+        prefetch_line(line, plan);
         a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(line as *const __m256i));
         a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(line.add(32) as *const __m256i));
     }
@@ -688,14 +713,14 @@ macro_rules! isa_module {
                 );
                 let mut acc = [_mm256_setzero_ps(); NT];
                 let mut kacc = [_mm256_setzero_si256(); NT];
-                let two_level = NT == 1 && two_level_prefetch();
+                let plan = prefetch_plan();
                 let mut sup = (_mm256_setzero_ps(), _mm256_setzero_ps());
                 for b in 0..bpr {
                     let gb = group.add(b * gbb);
                     // Decode only: a prefill tile does 4 tokens of work per byte and is
                     // bound by arithmetic.
                     if NT == 1 {
-                        prefetch_weights(gb, gbb, two_level, 0);
+                        prefetch_weights(gb, gbb, plan, 0);
                     }
                     if FMT == Q4K && b % 8 == 0 {
                         sup = q4k_super_scales!(gb);
@@ -732,7 +757,7 @@ macro_rules! isa_module {
                     // v[k]: 4 quants (elements 4k..4k+4) of each of the 8 rows.
                     let mut v = unpack_group_block!(FMT, gb);
                     if NT == 1 {
-                        prefetch_weights(gb, gbb, two_level, 1);
+                        prefetch_weights(gb, gbb, plan, 1);
                     }
                     // AVX2 Q8_0: v becomes |q| and `sign` keeps q for the activations' sign.
                     let mut sign = [_mm256_setzero_si256(); 8];
@@ -884,7 +909,7 @@ macro_rules! isa_module {
                         );
                     }
                     if NT == 1 {
-                        prefetch_weights(gb, gbb, two_level, 2);
+                        prefetch_weights(gb, gbb, plan, 2);
                     }
                 }
                 for j in 0..NT {
@@ -939,13 +964,13 @@ mod avx2_q4 {
         };
         let mut acc = [_mm256_setzero_ps(); NT];
         let mut kacc = [_mm256_setzero_si256(); NT];
-        let two_level = NT == 1 && two_level_prefetch();
+        let plan = prefetch_plan();
         let mut sup = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for b in 0..bpr {
             let gb = group.add(b * gbb);
             if NT == 1 {
                 // Decode streams the weights from DRAM: as in the general tile.
-                prefetch_weights(gb, gbb, two_level, 0);
+                prefetch_weights(gb, gbb, plan, 0);
             }
             if FMT == Q4K && b % 8 == 0 {
                 sup = q4k_super_scales!(gb);
@@ -953,7 +978,7 @@ mod avx2_q4 {
             let mut s16 = [_mm256_setzero_si256(); NT];
             for k in 0..4 {
                 if NT == 1 && k == 2 {
-                    prefetch_weights(gb, gbb, two_level, 1);
+                    prefetch_weights(gb, gbb, plan, 1);
                 }
                 let p = _mm256_loadu_si256(gb.add(at + 32 * k) as *const __m256i);
                 // Elements 4k..4k+4 and 16+4k..16+4k+4 of each of the 8 rows.
@@ -984,7 +1009,7 @@ mod avx2_q4 {
                     q4k_super_update!(group.add(sb0 * gbb), sb0, sup, acts, bpr, t0, kacc, acc);
                 }
                 if NT == 1 {
-                    prefetch_weights(gb, gbb, two_level, 2);
+                    prefetch_weights(gb, gbb, plan, 2);
                 }
                 continue;
             }
@@ -1005,7 +1030,7 @@ mod avx2_q4 {
                 acc[j] = _mm256_add_ps(acc[j], x);
             }
             if NT == 1 {
-                prefetch_weights(gb, gbb, two_level, 2);
+                prefetch_weights(gb, gbb, plan, 2);
             }
         }
         for (j, a) in acc.iter().enumerate() {
