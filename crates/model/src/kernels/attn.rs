@@ -180,50 +180,105 @@ mod x86 {
             if j < nv {
                 scores_chunk::<HD8, R, 1>(&q, kt.add(8 * j), sp, scale, &mut scores, 8 * j);
             }
-            // Softmax update and p·V for this chunk of slots.
+            // Each row's softmax update, its probabilities left in `scores`, then p·V for
+            // all rows together.
+            let mut n = [0usize; R];
             for (r, row) in rows.iter_mut().enumerate() {
-                let n = row.n_visible.saturating_sub(c0).min(8 * nv);
-                if n == 0 {
-                    continue;
+                n[r] = row.n_visible.saturating_sub(c0).min(8 * nv);
+                if n[r] > 0 {
+                    softmax_update(row, &mut scores[r][..n[r].next_multiple_of(8)], n[r], hd);
                 }
-                let sc = &mut scores[r][..n.next_multiple_of(8)];
-                let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
-                for j8 in (0..n).step_by(8) {
-                    let x = _mm256_loadu_ps(sc.as_ptr().add(j8));
-                    mx = _mm256_max_ps(mx, _mm256_blendv_ps(mx, x, first_lanes(n - j8)));
+            }
+            let v = blk.v.as_ptr().add(c0 * hd);
+            let p: [*const f32; R] = std::array::from_fn(|r| scores[r].as_ptr());
+            let acc: [*mut f32; R] = std::array::from_fn(|r| rows[r].acc.as_mut_ptr());
+            let common = if n.contains(&0) {
+                0
+            } else {
+                *n.iter().min().unwrap()
+            };
+            if R <= 2 {
+                pv::<HD8, R, 4>(p, acc, v, hd, 0, common);
+            } else {
+                pv::<HD8, R, 2>(p, acc, v, hd, 0, common);
+            }
+            for r in 0..R {
+                pv::<HD8, 1, 4>([p[r]], [acc[r]], v, hd, common, n[r]);
+            }
+        }
+    }
+
+    /// Row `row`'s online-softmax step over `n` scores (`sc`, padded to a multiple of 8):
+    /// the running maximum and sum move, the accumulated output is rescaled in place, and
+    /// `sc` is left holding the probabilities (exactly 0 past `n`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn softmax_update(row: &mut RowState, sc: &mut [f32], n: usize, hd: usize) {
+        let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
+        for j8 in (0..n).step_by(8) {
+            let x = _mm256_loadu_ps(sc.as_ptr().add(j8));
+            mx = _mm256_max_ps(mx, _mm256_blendv_ps(mx, x, first_lanes(n - j8)));
+        }
+        let m_new = row.m.max(hmax(mx));
+        let correction = (*row.m - m_new).exp();
+        if correction != 1.0 {
+            let c = _mm256_set1_ps(correction);
+            for i in (0..hd).step_by(8) {
+                let a = row.acc.as_mut_ptr().add(i);
+                _mm256_storeu_ps(a, _mm256_mul_ps(_mm256_loadu_ps(a), c));
+            }
+        }
+        let mut psum = _mm256_setzero_ps();
+        for j8 in (0..n).step_by(8) {
+            let x = _mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(j8)), _mm256_set1_ps(m_new));
+            let p = _mm256_and_ps(exp256(x), first_lanes(n - j8));
+            psum = _mm256_add_ps(psum, p);
+            _mm256_storeu_ps(sc.as_mut_ptr().add(j8), p);
+        }
+        *row.l = *row.l * correction + hsum(psum);
+        *row.m = m_new;
+    }
+
+    /// `acc[r] += p[r][j] · v[j]` for slots `j` in `from..to`, in slot order, for `R` rows
+    /// at once: each loaded V vector serves every row, and `CH` vectors of the head at a
+    /// time keep the `R × CH` accumulators in registers (the whole head of one row, 16
+    /// vectors, with the broadcast probability, needed 17 of AVX2's 16 registers and
+    /// spilled in the inner loop). Each accumulator sees the same fused multiply-adds in
+    /// the same order as one row alone, so the bits do not depend on `R` or `CH`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn pv<const HD8: usize, const R: usize, const CH: usize>(
+        p: [*const f32; R],
+        acc: [*mut f32; R],
+        v: *const f32,
+        hd: usize,
+        from: usize,
+        to: usize,
+    ) {
+        if from >= to {
+            return;
+        }
+        for i0 in (0..HD8).step_by(CH) {
+            let mut a = [[_mm256_setzero_ps(); CH]; R];
+            for (ar, &dst) in a.iter_mut().zip(&acc) {
+                for (c, x) in ar.iter_mut().enumerate() {
+                    *x = _mm256_loadu_ps(dst.add(8 * (i0 + c)));
                 }
-                let block_max = hmax(mx);
-                let m_new = row.m.max(block_max);
-                let correction = (*row.m - m_new).exp();
-                let mut acc = [_mm256_setzero_ps(); HD8];
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_loadu_ps(row.acc.as_ptr().add(8 * i));
-                    if correction != 1.0 {
-                        *a = _mm256_mul_ps(*a, _mm256_set1_ps(correction));
+            }
+            for j in from..to {
+                let vj = v.add(j * hd + 8 * i0);
+                let vv: [__m256; CH] = std::array::from_fn(|c| _mm256_loadu_ps(vj.add(8 * c)));
+                for (ar, &pr) in a.iter_mut().zip(&p) {
+                    let pj = _mm256_broadcast_ss(&*pr.add(j));
+                    for (x, &vc) in ar.iter_mut().zip(&vv) {
+                        *x = _mm256_fmadd_ps(pj, vc, *x);
                     }
                 }
-                // p = exp(s - m_new), 8 slots at a time; slots past `n` get exactly 0.
-                let mut psum = _mm256_setzero_ps();
-                for j8 in (0..n).step_by(8) {
-                    let x =
-                        _mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(j8)), _mm256_set1_ps(m_new));
-                    let p = _mm256_and_ps(exp256(x), first_lanes(n - j8));
-                    psum = _mm256_add_ps(psum, p);
-                    _mm256_storeu_ps(sc.as_mut_ptr().add(j8), p);
+            }
+            for (ar, &dst) in a.iter().zip(&acc) {
+                for (c, x) in ar.iter().enumerate() {
+                    _mm256_storeu_ps(dst.add(8 * (i0 + c)), *x);
                 }
-                let sum = hsum(psum);
-                for (j, &p) in sc[..n].iter().enumerate() {
-                    let v = blk.v.as_ptr().add((c0 + j) * hd);
-                    let pv = _mm256_set1_ps(p);
-                    for (i, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * i)), *a);
-                    }
-                }
-                for (i, a) in acc.iter().enumerate() {
-                    _mm256_storeu_ps(row.acc.as_mut_ptr().add(8 * i), *a);
-                }
-                *row.l = *row.l * correction + sum;
-                *row.m = m_new;
             }
         }
     }
@@ -277,5 +332,88 @@ mod x86 {
             23,
         );
         _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n))
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in [-1, 1).
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// Rows run together give the same bits as each row run alone, whatever their visible
+    /// counts (the joint p·V covers the slots every row sees, each row's tail runs alone),
+    /// and a row with nothing visible in a chunk is left as it was.
+    #[test]
+    fn rows_together_match_each_row_alone_bit_for_bit() {
+        if !x86_supported(128) {
+            eprintln!("skipped: no AVX2+FMA on this CPU");
+            return;
+        }
+        for (hd, slots, visible) in [
+            (128, 16usize, [16, 16, 9, 3]),
+            (64, 16, [16, 1, 16, 16]),
+            (128, 72, [72, 64, 65, 40]),
+            (64, 72, [70, 8, 72, 72]),
+        ] {
+            let sp = slots.next_multiple_of(8);
+            let kt = values(hd * sp, 1);
+            let v = values(slots * hd, 2);
+            let blk = BlockF32 {
+                kt: &kt,
+                v: &v,
+                slots_padded: sp,
+            };
+            let q: Vec<Vec<f32>> = (0..4).map(|r| values(hd, 10 + r)).collect();
+            let start = |r: usize| (0.25 * r as f32, 1.5 + r as f32, values(hd, 20 + r as u64));
+            let mut alone = Vec::new();
+            for r in 0..4 {
+                let (mut m, mut l, mut acc) = start(r);
+                let mut rows = [RowState {
+                    q: &q[r],
+                    n_visible: visible[r],
+                    m: &mut m,
+                    l: &mut l,
+                    acc: &mut acc,
+                }];
+                // SAFETY: x86_supported(hd) holds; the slices have the documented sizes.
+                unsafe { update_x86(&mut rows, &blk, hd, 0.088) };
+                alone.push((m, l, acc));
+            }
+            let mut states: Vec<_> = (0..4).map(start).collect();
+            let mut rows: Vec<RowState> = states
+                .iter_mut()
+                .zip(&q)
+                .zip(visible)
+                .map(|(((m, l, acc), q), n)| RowState {
+                    q,
+                    n_visible: n,
+                    m,
+                    l,
+                    acc,
+                })
+                .collect();
+            // SAFETY: as above.
+            unsafe { update_x86(&mut rows, &blk, hd, 0.088) };
+            for (r, ((m, l, acc), (m1, l1, acc1))) in states.iter().zip(&alone).enumerate() {
+                let what = format!("hd {hd}, {slots} slots, row {r}");
+                assert_eq!(m.to_bits(), m1.to_bits(), "{what}: max");
+                assert_eq!(l.to_bits(), l1.to_bits(), "{what}: sum");
+                let bits = |a: &[f32]| a.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(acc), bits(acc1), "{what}: output");
+                assert_ne!(bits(acc), bits(&start(r).2), "{what}: untouched");
+            }
+        }
     }
 }
