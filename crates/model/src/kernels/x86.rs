@@ -713,7 +713,12 @@ macro_rules! isa_module {
                 );
                 let mut acc = [_mm256_setzero_ps(); NT];
                 let mut kacc = [_mm256_setzero_si256(); NT];
-                let plan = prefetch_plan();
+                // Only decode tiles prefetch; a prefill tile skips even the plan's lookup.
+                let plan = if NT == 1 {
+                    prefetch_plan()
+                } else {
+                    PrefetchPlan::Near
+                };
                 let mut sup = (_mm256_setzero_ps(), _mm256_setzero_ps());
                 for b in 0..bpr {
                     let gb = group.add(b * gbb);
@@ -964,7 +969,11 @@ mod avx2_q4 {
         };
         let mut acc = [_mm256_setzero_ps(); NT];
         let mut kacc = [_mm256_setzero_si256(); NT];
-        let plan = prefetch_plan();
+        let plan = if NT == 1 {
+            prefetch_plan()
+        } else {
+            PrefetchPlan::Near
+        };
         let mut sup = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for b in 0..bpr {
             let gb = group.add(b * gbb);
