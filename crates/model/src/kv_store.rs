@@ -462,7 +462,10 @@ impl KvStore {
         out: &mut [f32],
     ) {
         let bs = self.geometry.block_size_tokens;
-        debug_assert!(stride >= bs && out.len() >= self.geometry.head_dim * stride);
+        debug_assert!(
+            stride >= bs && out.len() >= (self.geometry.head_dim - 1) * stride + bs,
+            "transposed K needs head_dim rows of `stride` floats"
+        );
         match &self.layers[self.layer_slot[layer]] {
             LayerBufs::Elems { k, .. } => {
                 for d in 0..self.geometry.head_dim {

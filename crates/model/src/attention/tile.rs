@@ -237,10 +237,10 @@ impl TileQuery<'_> {
             l: vec![0f32; n_rows],
             acc: vec![0f32; n_rows * hd],
             kbuf: vec![0f32; bs * hd],
-            vbuf: vec![0f32; bs * hd],
+            vbuf: vec![0f32; chunk_blocks(bs, simd) * bs * hd],
             scores: vec![0f32; bs],
             kt: if simd {
-                vec![0f32; hd * bs.next_multiple_of(8)]
+                vec![0f32; hd * (chunk_blocks(bs, simd) * bs).next_multiple_of(8)]
             } else {
                 Vec::new()
             },
@@ -251,12 +251,17 @@ impl TileQuery<'_> {
             n_blocks <= self.s.block_table.len(),
             "block table shorter than stored tokens"
         );
-        for b in self.first_visible(self.t0) / bs..n_blocks {
-            let n_valid = bs.min(last_visible + 1 - b * bs);
-            if simd {
-                #[cfg(target_arch = "x86_64")]
-                self.block_avx2(&mut st, b, n_valid, n_blocks);
-            } else {
+        if simd {
+            // The AVX2 kernel takes no window (`first_visible` is None): chunks start at block
+            // 0, so a stored token falls in the same chunk whichever tile or step reads it.
+            #[cfg(target_arch = "x86_64")]
+            for b0 in (0..n_blocks).step_by(chunk_blocks(bs, true)) {
+                let nb = chunk_blocks(bs, true).min(n_blocks - b0);
+                self.chunk_avx2(&mut st, b0, nb, n_blocks);
+            }
+        } else {
+            for b in self.first_visible(self.t0) / bs..n_blocks {
+                let n_valid = bs.min(last_visible + 1 - b * bs);
                 self.block_portable(&mut st, b, n_valid);
             }
         }
@@ -272,13 +277,16 @@ impl TileQuery<'_> {
         self.first_visible.map_or(0, |f| f[self.s.row_offset + t])
     }
 
-    /// One block through the AVX2 kernel, `attn::ROWS` rows at a time.
+    /// Blocks `b0..b0 + nb` side by side through the AVX2 kernel, `attn::ROWS` rows at a
+    /// time: one online-softmax step per row for the whole chunk.
     #[cfg(target_arch = "x86_64")]
-    fn block_avx2(&self, st: &mut TileState, b: usize, n_valid: usize, n_blocks: usize) {
+    fn chunk_avx2(&self, st: &mut TileState, b0: usize, nb: usize, n_blocks: usize) {
         let (hd, group) = (self.shape.head_dim, self.group());
         let bs = self.store.geometry.block_size_tokens;
-        let sp = bs.next_multiple_of(8);
-        self.load_block_avx2(st, b, n_valid, n_blocks);
+        let last_visible = self.s.stored_start + self.t1 - 1;
+        let (slot0, n_valid) = (b0 * bs, (nb * bs).min(last_visible + 1 - b0 * bs));
+        let sp = (nb * bs).next_multiple_of(8);
+        self.load_chunk_avx2(st, b0, nb, sp, n_blocks);
         let blk = attn::BlockF32 {
             kt: &st.kt,
             v: &st.vbuf,
@@ -293,57 +301,74 @@ impl TileQuery<'_> {
         for (r, ((m, l), a)) in states.enumerate() {
             let t = self.t0 + r / group;
             let visible_end = self.s.stored_start + t + 1;
-            if visible_end <= b * bs {
+            if visible_end <= slot0 {
                 continue;
             }
             rows.push(attn::RowState {
                 q: self.q_row(t, self.kvh * group + r % group),
-                n_visible: n_valid.min(visible_end - b * bs),
+                n_visible: n_valid.min(visible_end - slot0),
                 m,
                 l,
                 acc: a,
             });
             if rows.len() == attn::ROWS {
-                // SAFETY: x86_supported(hd) was checked; kt/v hold this block.
+                // SAFETY: x86_supported(hd) was checked; kt/v hold this chunk.
                 unsafe { attn::update_x86(&mut rows, &blk, hd, scale) };
                 rows.clear();
             }
         }
         if !rows.is_empty() {
-            // SAFETY: as above, x86_supported(hd) was checked; kt/v hold this block.
+            // SAFETY: as above, x86_supported(hd) was checked; kt/v hold this chunk.
             unsafe { attn::update_x86(&mut rows, &blk, hd, scale) };
         }
     }
 
-    /// Block `b`'s K (transposed: one vector load then gives a dimension of 8 keys) and V
-    /// as f32 into the scratch. An f16 block whose size is a multiple of 8 is already laid
-    /// out so (`[d][slot]`), and is widened in one pass.
+    /// Blocks `b0..b0 + nb`'s K (transposed, `kt[d * sp + slot]`: one vector load then gives
+    /// a dimension of 8 keys) and V (`vbuf[slot][d]`) as f32 into the scratch, block `i`'s
+    /// slots at `i * bs` of the chunk. An f16 block whose size is a multiple of 8 is already
+    /// laid out so (`[d][slot]`) and is widened row by row.
     #[cfg(target_arch = "x86_64")]
-    fn load_block_avx2(&self, st: &mut TileState, b: usize, n_valid: usize, n_blocks: usize) {
+    fn load_chunk_avx2(
+        &self,
+        st: &mut TileState,
+        b0: usize,
+        nb: usize,
+        sp: usize,
+        n_blocks: usize,
+    ) {
         let (store, layer, kvh, hd) = (self.store, self.layer, self.kvh, self.shape.head_dim);
         let bs = store.geometry.block_size_tokens;
-        let sp = bs.next_multiple_of(8);
-        let block = self.s.block_table[b];
-        match store.layer(layer) {
-            LayerKv::F16 { k, v } if sp == bs && is_x86_feature_detected!("f16c") => {
-                let off = store.head_offset(block, kvh);
-                // Blocks are scattered, which defeats the hardware prefetcher on a decode
-                // step's one pass over them from DRAM: ask for the block two ahead (about
-                // one DRAM latency of work), as `attn512` does.
-                if let Some(&ahead) = self.s.block_table[..n_blocks].get(b + 2) {
-                    let at = store.head_offset(ahead, kvh);
-                    attn::prefetch(&k[at..at + hd * bs]);
-                    attn::prefetch(&v[at..at + hd * bs]);
-                }
-                // SAFETY: F16C was detected; kt holds hd × bs, vbuf bs × hd floats.
-                unsafe {
-                    attn::f16_to_f32_x86(&k[off..off + hd * bs], &mut st.kt);
-                    attn::f16_to_f32_x86(&v[off..off + n_valid * hd], &mut st.vbuf);
-                }
+        let last_visible = self.s.stored_start + self.t1 - 1;
+        let f16 = match store.layer(layer) {
+            LayerKv::F16 { k, v } if bs.is_multiple_of(8) && is_x86_feature_detected!("f16c") => {
+                Some((k, v))
             }
-            _ => {
-                store.read_v(layer, block, kvh, &mut st.vbuf[..n_valid * hd]);
-                store.read_k_transposed(layer, block, kvh, sp, &mut st.kt);
+            _ => None,
+        };
+        for i in 0..nb {
+            let (b, col) = (b0 + i, i * bs);
+            let block = self.s.block_table[b];
+            let n_valid = bs.min(last_visible + 1 - b * bs);
+            let vdst = &mut st.vbuf[col * hd..(col + n_valid) * hd];
+            let Some((k, v)) = f16 else {
+                store.read_v(layer, block, kvh, vdst);
+                store.read_k_transposed(layer, block, kvh, sp, &mut st.kt[col..]);
+                continue;
+            };
+            // Blocks are scattered, which defeats the hardware prefetcher on a decode step's
+            // one pass over them from DRAM: ask for the block a chunk ahead (about one DRAM
+            // latency of work), as `attn512` does.
+            if let Some(&ahead) = self.s.block_table[..n_blocks].get(b + nb.max(2)) {
+                let at = store.head_offset(ahead, kvh);
+                attn::prefetch(&k[at..at + hd * bs]);
+                attn::prefetch(&v[at..at + hd * bs]);
+            }
+            let off = store.head_offset(block, kvh);
+            // SAFETY: F16C was detected and bs is a multiple of 8; kt holds hd rows of sp ≥
+            // nb × bs floats and vbuf nb × bs rows of hd.
+            unsafe {
+                attn::f16_rows_to_f32_x86(&k[off..off + hd * bs], hd, bs, &mut st.kt[col..], sp);
+                attn::f16_to_f32_x86(&v[off..off + n_valid * hd], vdst);
             }
         }
     }
@@ -380,6 +405,22 @@ impl TileQuery<'_> {
                 online_softmax_update(st, r, hd, j0..n_vis, block_max);
             }
         }
+    }
+}
+
+/// Slots per chunk the AVX2 kernel takes at once: its online softmax (running maximum,
+/// rescaling, sums) and its p·V accumulators' loads and stores happen once per chunk, and
+/// once per 16-slot block they were about a quarter of an 8K prefill's attention (perf,
+/// AVX2 host). 64 slots of K and V in f32 are 32 KiB each, read from L2.
+const CHUNK_SLOTS: usize = 64;
+
+/// Blocks per chunk: as many whole blocks as fit [`CHUNK_SLOTS`] (at least one); the
+/// portable kernel takes one block at a time.
+fn chunk_blocks(block_size_tokens: usize, simd: bool) -> usize {
+    if simd {
+        (CHUNK_SLOTS / block_size_tokens).max(1)
+    } else {
+        1
     }
 }
 
