@@ -3,7 +3,7 @@
 
 mod common;
 
-use pk_engine::{EngineConfig, FinishReason, GenerateParams};
+use pk_engine::{EngineConfig, FinishReason, GenerateParams, TokenLogprob};
 
 /// Below this gap between llama.cpp's own top two log-probabilities a step is a near-tie:
 /// the two implementations' log-probabilities differ by 0.07–0.11 nats on average
@@ -16,8 +16,11 @@ const NEAR_TIE_NATS: f64 = 0.08;
 /// llama.cpp's greedy tokens (b4748, regenerated on a host without AMX; see
 /// shared/golden/README.md) and ours agree for the first 8 tokens of every prompt, or up to
 /// its first near-tie in llama.cpp's own distribution (chat_capital's 8th token, gap 0.019;
-/// raw_list's 6th, 0.074), after which the continuations may part. Every prompt is also
-/// held to its exact tokenization.
+/// raw_list's 6th, 0.074) or in ours, after which the continuations may part. Measured on
+/// an AMD EPYC Zen 3 (AVX2 kernels): raw_verne's 7th token is 253 over 284 by 0.105 nats
+/// in llama.cpp, by 0.051 in ours before the AVX2 attention took four blocks per softmax
+/// step (444a861), and 284 over 253 by 0.015 after it, the rest of the step's
+/// distribution within 0.07 nats. Every prompt is also held to its exact tokenization.
 #[test]
 fn greedy_tokens_against_llama_cpp() {
     let mut engine = common::engine(EngineConfig::default());
@@ -55,6 +58,7 @@ fn greedy_tokens_against_llama_cpp() {
                 &prompt_ids,
                 &GenerateParams {
                     max_tokens: 8,
+                    logprobs: Some(2),
                     ..Default::default()
                 },
                 &mut |_| {},
@@ -66,20 +70,41 @@ fn greedy_tokens_against_llama_cpp() {
             got.push(engine.tokenizer.eos_id());
         }
         // llama.cpp's list may be shorter than 8 (chat_sky's reference stops after 6).
-        let n = want.len();
-        assert!(
-            got.len() >= n,
-            "{name}: {} tokens, llama.cpp's {n}",
-            got.len()
-        );
-        assert_eq!(
-            got[..n],
-            want[..],
-            "{name}: greedy tokens differ from llama.cpp's"
-        );
+        let n = agreeing_prefix(name, &got, &want, &out.logprobs);
+        assert!(n >= 5, "{name}: only {n} tokens before a near-tie");
         assert!(!out.text.is_empty(), "{name}: empty output");
         engine.check_invariants();
     }
+}
+
+/// How many of `got` agree with llama.cpp's `want`, which they must up to its end, except
+/// at a step that is a near-tie in our own distribution between our token and llama.cpp's
+/// (`logprobs[i]`: our top two within [`NEAR_TIE_NATS`], llama.cpp's token the second):
+/// the argmax of two tokens that close depends on summation order on our side too, and the
+/// continuations part there.
+fn agreeing_prefix(name: &str, got: &[u32], want: &[u32], logprobs: &[TokenLogprob]) -> usize {
+    assert!(
+        got.len() >= want.len(),
+        "{name}: {} tokens, llama.cpp's {}",
+        got.len(),
+        want.len()
+    );
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if g == w {
+            continue;
+        }
+        let our_tie = logprobs.get(i).is_some_and(|lp| {
+            lp.top.len() > 1
+                && lp.top[1].0 == w
+                && f64::from(lp.top[0].1 - lp.top[1].1) < NEAR_TIE_NATS
+        });
+        assert!(
+            our_tie,
+            "{name}: greedy token {i} differs from llama.cpp's: {got:?} vs {want:?}"
+        );
+        return i;
+    }
+    want.len()
 }
 
 #[test]
