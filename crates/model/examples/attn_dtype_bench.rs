@@ -5,35 +5,16 @@
 //!
 //! Run: `cargo run --release -p pk-model --example attn_dtype_bench [-- --threads N]`.
 
-use std::time::{Duration, Instant};
+mod common;
+use common::best_of;
+use std::time::Duration;
 
 use pk_model::attention::{paged_attention, AttnSeq, AttnShape};
 use pk_model::{KvDtype, KvGeometry, KvStore};
 use rand::{Rng, SeedableRng};
 
-/// Best time of one call over at least `min` of repetitions (least noisy on a shared host).
-fn best_of(min: Duration, mut f: impl FnMut()) -> Duration {
-    f();
-    let (start, mut best) = (Instant::now(), Duration::MAX);
-    while start.elapsed() < min {
-        let t = Instant::now();
-        f();
-        best = best.min(t.elapsed());
-    }
-    best
-}
-
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let threads = args
-        .iter()
-        .position(|a| a == "--threads")
-        .map(|i| args[i + 1].parse().unwrap())
-        .unwrap_or(1);
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build_global()
-        .unwrap();
+    let threads = common::rayon_threads_from_args();
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let shape = AttnShape {
         n_heads: 9,

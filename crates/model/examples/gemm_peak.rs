@@ -14,7 +14,9 @@
 //! side-by-side figures; the fractions printed are against the host's widest peak, and
 //! under `PK_ISA=avx2` also against the AVX2 peak, the one an AVX2-only host would have).
 
-use std::time::{Duration, Instant};
+mod common;
+use common::best_of;
+use std::time::Duration;
 
 use pk_gguf::GgmlType;
 use pk_model::kernels::{matmul, QMatrix};
@@ -55,19 +57,6 @@ fn random_matrix(rng: &mut impl Rng, ty: GgmlType, rows: usize, cols: usize) -> 
         }
     }
     QMatrix::new(ty, rows, cols, data)
-}
-
-/// The shortest of repeated runs of `f` over at least `min`: on a shared host the minimum
-/// is the least noisy statistic.
-fn best_of(min: Duration, mut f: impl FnMut()) -> Duration {
-    f();
-    let (start, mut best) = (Instant::now(), Duration::MAX);
-    while start.elapsed() < min {
-        let t = Instant::now();
-        f();
-        best = best.min(t.elapsed());
-    }
-    best
 }
 
 #[cfg(target_arch = "x86_64")]

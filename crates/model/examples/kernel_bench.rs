@@ -6,7 +6,9 @@
 //! Run: `cargo run --release -p pk-model --example kernel_bench [-- --threads N]`.
 //! Weights are random but valid; the speed of these kernels does not depend on the values.
 
-use std::time::{Duration, Instant};
+mod common;
+use common::best_of;
+use std::time::Duration;
 
 use pk_gguf::GgmlType;
 use pk_model::attention::{paged_attention, AttnSeq, AttnShape};
@@ -27,30 +29,9 @@ fn random_matrix(rng: &mut impl Rng, ty: GgmlType, rows: usize, cols: usize) -> 
     QMatrix::new(ty, rows, cols, data)
 }
 
-/// Runs `f` repeatedly for at least `min` and returns the best time of one call: on this
-/// shared host the minimum is the least noisy statistic.
-fn best_of(min: Duration, mut f: impl FnMut()) -> Duration {
-    f();
-    let (start, mut best) = (Instant::now(), Duration::MAX);
-    while start.elapsed() < min {
-        let t = Instant::now();
-        f();
-        best = best.min(t.elapsed());
-    }
-    best
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let threads = args
-        .iter()
-        .position(|a| a == "--threads")
-        .map(|i| args[i + 1].parse().unwrap())
-        .unwrap_or(1);
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build_global()
-        .unwrap();
+    let threads = common::rayon_threads_from_args();
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     println!("threads {threads}");
     let shapes = [
