@@ -14,6 +14,10 @@
 #        LLAMA_BENCH (a llama-bench binary to use instead of building one),
 #        LONG_PROMPTS (e.g. "4096 8192": also prefill of those lengths, llama.cpp with
 #        `-fa 0` and `-fa 1`, one repetition each; default none),
+#        LONG_WARMUP (1, the default: llama-bench's warm-up run of the whole long prompt
+#        before the timed one; 0 passes `--no-warmup`, halving a 16K row's half hour: the
+#        warm-up only touches pages first, under a second against minutes, and
+#        `bench perf` runs none either),
 #        AS_AVX2=1 (on a CPU with AVX-512: both engines as on an AVX2-only host, llama.cpp
 #        built with AVX2/FMA/F16C and nothing wider in $LLAMA_WORK/.../build-avx2, ours with
 #        PK_ISA=avx2, which narrows every kernel; a proxy for the AMD AVX2 hosts' figures,
@@ -38,6 +42,12 @@ build_dir=build
 [ "$as_avx2" = 1 ] && build_dir=build-avx2
 lb=${LLAMA_BENCH:-$work/src/vendor/llama.cpp/$build_dir/bin/llama-bench}
 long_prompts=${LONG_PROMPTS:-}
+long_warmup=()
+case "${LONG_WARMUP:-1}" in
+    1) ;;
+    0) long_warmup=(--no-warmup) ;;
+    *) echo "LONG_WARMUP=$LONG_WARMUP: expected 0 or 1" >&2; exit 2 ;;
+esac
 # The sdist has no git history: the commit is the one its release vendors.
 LCP_VERSION=0.3.36
 LCP_COMMIT="0c1e570 (llama-cpp-python $LCP_VERSION)"
@@ -112,9 +122,9 @@ for r in json.load(sys.stdin)["runs"]:
     for p in $long_prompts; do
         t=${threads[-1]}
         q=$("$quiet" 2>/dev/null) || true
-        echo "== round $round, threads $t, prompt $p, ${q:-host-quiet unavailable}"
+        echo "== round $round, threads $t, prompt $p, llama-bench warm-up ${LONG_WARMUP:-1}, ${q:-host-quiet unavailable}"
         for fa in 0 1; do
-            "$lb" -m "$model" -t "$t" -p "$p" -n 0 -r 1 -fa "$fa" -o csv 2>/dev/null | python3 -c '
+            "$lb" -m "$model" -t "$t" -p "$p" -n 0 -r 1 -fa "$fa" "${long_warmup[@]}" -o csv 2>/dev/null | python3 -c '
 import csv, sys
 for r in csv.DictReader(sys.stdin):
     print("llama.cpp   pp%-5s fa=%s %8.1f tok/s" % (r["n_prompt"], sys.argv[1], float(r["avg_ts"])))' "$fa"
