@@ -258,9 +258,30 @@ const TILE_TOKENS: usize = 4;
 /// The same for `avx2_q4`, whose tokens share each unpacked pair of weight vectors.
 const Q4_TILE_TOKENS: usize = 4;
 
+/// The activation bytes a prefill pass over the row groups reads: [`gemm_groups`] runs its
+/// groups over this many tokens at a time, so that they stay in L2 (and mostly L1) while
+/// every group reuses them, instead of streaming all of a 512-token batch from L3 for
+/// each group of 8 rows. On the AMD EPYC Zen 3 host, `gemm_peak` at one thread, three
+/// rounds alternating: Q4_K 175–186 GOPS → 190–198 (q/o, k/v) and 159–184 → 181–196
+/// (gate/up), Q6_K 122–128 → 124–132; two threads unchanged to slightly faster
+/// (BENCHMARKS.md, 2026-12-07). 32 KiB to 96 KiB measured alike.
+const PASS_ACT_BYTES: usize = 64 * 1024;
+/// The fewest tokens a pass takes whatever the row width: each pass reads the groups'
+/// weights again, and at 32 tokens they are reused 32 times per read (Qwen2.5-1.5B's
+/// `ffn_down`, 8,960 wide, would otherwise get passes of 4 tokens, its 7.7 MB of weights
+/// read 128 times for a 512-token batch).
+const PASS_MIN_TOKENS: usize = 32;
+
+/// Tokens per pass of [`gemm_groups`] over rows of `bpr` blocks, a multiple of `nt` (the
+/// tile's tokens) so that only the last pass has a tail.
+pub(super) fn pass_tokens(bpr: usize, nt: usize) -> usize {
+    let by_bytes = PASS_ACT_BYTES / (bpr * QK).max(1);
+    (by_bytes.max(PASS_MIN_TOKENS) / nt * nt).max(nt)
+}
+
 /// Computes rows `8g..8g+8` (clipped to `p.rows`) of every row group `g` in
-/// `groups.0..groups.1` for tokens `t0..t1` of `acts`, writing `out[t * out_stride + row]`.
-/// The kernel is chosen once for all the groups: decode runs about 100,000 row groups a
+/// `groups.0..groups.1` for tokens `t0..t1` of `acts`, writing `out[t * out_stride + row]`,
+/// in passes of [`pass_tokens`] tokens over all the groups. The kernel is chosen once for all the groups: decode runs about 100,000 row groups a
 /// token on Qwen2.5-Coder-1.5B, and choosing it per group (the format and ISA match, the
 /// group's slice, a call) was about 1 % of one-thread decode's samples.
 ///
@@ -291,18 +312,24 @@ pub unsafe fn gemm_groups(
             run!($m, $fmt, TILE_TOKENS)
         };
         ($m:ident, $fmt:expr, $nt:expr) => {{
-            for g in groups.0..groups.1 {
-                let lanes = (p.rows - g * GROUP_ROWS).min(GROUP_ROWS);
-                let (group, o) = (data.add(g * group_bytes), out.add(g * GROUP_ROWS));
-                let mut t = t0;
-                while t + $nt <= t1 {
-                    $m::tile::<{ $fmt }, { $nt }>(group, bpr, acts, t, o, out_stride, lanes);
-                    t += $nt;
+            let pass = pass_tokens(bpr, $nt);
+            let mut c0 = t0;
+            while c0 < t1 {
+                let c1 = (c0 + pass).min(t1);
+                for g in groups.0..groups.1 {
+                    let lanes = (p.rows - g * GROUP_ROWS).min(GROUP_ROWS);
+                    let (group, o) = (data.add(g * group_bytes), out.add(g * GROUP_ROWS));
+                    let mut t = c0;
+                    while t + $nt <= c1 {
+                        $m::tile::<{ $fmt }, { $nt }>(group, bpr, acts, t, o, out_stride, lanes);
+                        t += $nt;
+                    }
+                    while t < c1 {
+                        $m::tile::<{ $fmt }, 1>(group, bpr, acts, t, o, out_stride, lanes);
+                        t += 1;
+                    }
                 }
-                while t < t1 {
-                    $m::tile::<{ $fmt }, 1>(group, bpr, acts, t, o, out_stride, lanes);
-                    t += 1;
-                }
+                c0 = c1;
             }
         }};
     }
