@@ -725,7 +725,7 @@ mod tests {
     }
 
     /// The AVX2 and VNNI kernels over more tokens than one pass over the row groups takes
-    /// (2,304 columns: 32 tokens a pass, `x86::pass_tokens`), the last pass short and
+    /// (2,304 columns: 32 tokens a pass at four a tile, `x86::pass_tokens`), the last short and
     /// ending in a tail below the register tile: the reference's bits for every token.
     #[cfg(target_arch = "x86_64")]
     #[test]

@@ -53,6 +53,20 @@
 //! work, as before; the far ones in a burst with only the near ones spread, 13.6; the far
 //! ones alone, spread, 13.6; the near ones in a burst with the far ones spread, 14.4; the
 //! near ones a part behind the far ones, 15.1–15.6.
+//!
+//! NOTE 7: what bounds the AVX2 prefill tiles, measured on an AMD EPYC Zen 3 at 3.2 GHz with
+//! independent chains of one instruction or a mix (BENCHMARKS.md, 2026-12-07):
+//! `vpmaddubsw` and `vpmaddwd` issue two a cycle and `vpaddw` four, but a one-to-one mix of
+//! `vpmaddubsw` and `vpaddw` runs at three operations a cycle, and a broadcast from memory
+//! (`vpbroadcastd`, `vpbroadcastq`, `vbroadcasti128`) takes no vector pipe: a chain fed by
+//! broadcast loads ran as fast as one fed by registers. A tile needs about one `vpaddw` per
+//! `vpmaddubsw` (eight products summed in 16 bits, NOTE 3), so the operation count, not the
+//! loads, sets its speed: the Q4K tile does about 21 vector operations a token and block and
+//! runs at 2.5 a cycle with its activations in L1 (about 200 GOPS, 48 % of the
+//! `vpmaddubsw` peak), and six or eight tokens a tile (less unpacking a token) were no
+//! faster. The Q6K prefill tile (`avx2_q6k`) unpacks two pairs of weight vectors at a time
+//! and adds each token's scaled sums into one 32-bit accumulator, about 27 operations where
+//! the general tile took 33 with spills.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -257,6 +271,11 @@ pub(super) const Q6K: u8 = 6;
 const TILE_TOKENS: usize = 4;
 /// The same for `avx2_q4`, whose tokens share each unpacked pair of weight vectors.
 const Q4_TILE_TOKENS: usize = 4;
+/// The same for `avx2_q6k`: six tokens share each unpacked weight vector (its unpacking
+/// is about a quarter of the tile's operations at four); eight spilled and were slower
+/// (`gemm_peak`, Q6_K at one thread, Zen 3: 134–136 / 126–134 GOPS at 4, 135–140 / 116–133
+/// at 6, 120–121 / 107–118 at 8).
+const Q6K_TILE_TOKENS: usize = 6;
 
 /// The activation bytes a prefill pass over the row groups reads: [`gemm_groups`] runs its
 /// groups over this many tokens at a time, so that they stay in L2 (and mostly L1) while
@@ -352,6 +371,7 @@ pub unsafe fn gemm_groups(
         (Isa::Avx2, GgmlType::Q4_0) => run!(avx2_q4, Q4_0, Q4_TILE_TOKENS),
         (Isa::Avx2, GgmlType::Q4_1) => run!(avx2_q4, Q4_1, Q4_TILE_TOKENS),
         (Isa::Avx2, GgmlType::Q4K) => run!(avx2_q4, Q4K, Q4_TILE_TOKENS),
+        (Isa::Avx2, GgmlType::Q6K) => run!(avx2_q6k, Q6K, Q6K_TILE_TOKENS),
         (Isa::Avx2, _) => by_format!(avx2),
         (Isa::Avx512Vnni | Isa::Amx, _) => by_format!(vnni),
     }
@@ -960,6 +980,8 @@ macro_rules! isa_module {
 }
 
 isa_module!(avx2, "avx2,fma,f16c", false);
+
+mod avx2_q6k;
 
 /// The AVX2 tile for 4-bit weights (Q4_0, Q4_1; NOTE 3 and NOTE 4): per block, each 32-byte
 /// load of quants is unpacked into its two weight vectors and used by every token at once,

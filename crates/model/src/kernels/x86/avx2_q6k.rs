@@ -1,0 +1,110 @@
+//! The AVX2 prefill tile for Q6K weights (`x86.rs` NOTE 7): per group block, two pairs
+//! of 32-byte quant loads are unpacked at a time into four weight vectors that every token
+//! of the tile uses at once, and each token adds its scaled 16-bit pair sums straight into
+//! one 32-bit accumulator. The general tile unpacked all eight weight vectors first and
+//! kept them live across the tokens with four partial sums per token, which spilled on
+//! AVX2's 16 registers. Decode (one token) stays on the general tile, whose weight
+//! prefetches were placed for it (NOTE 6).
+
+use super::*;
+
+/// Weight vectors `k` and `k + 4` of a Q6K group block (elements `4k..4k + 4` and `16 + 4k..
+/// 16 + 4k + 4` of each of the 8 rows), as `unpack_group_block!` makes them: the nibbles of
+/// quant load `k`, and the two high bits that `H0` (`H1`) keeps at bits `2k..2k + 2` of
+/// each byte moved to bits 4..6 (`pack`'s layout).
+#[inline(always)]
+unsafe fn unpack(gb: *const u8, k: usize, low4: __m256i, hi2: __m256i) -> (__m256i, __m256i) {
+    use crate::kernels::pack::{Q6K_HIGH_AT, Q6K_QS_AT};
+    let p = _mm256_loadu_si256(gb.add(Q6K_QS_AT + 32 * k) as *const __m256i);
+    let h0 = _mm256_loadu_si256(gb.add(Q6K_HIGH_AT) as *const __m256i);
+    let h1 = _mm256_loadu_si256(gb.add(Q6K_HIGH_AT + 32) as *const __m256i);
+    // The 16-bit shifts carry bits across bytes only into positions the 0x30 mask clears.
+    let place = |h: __m256i| match k {
+        0 => _mm256_slli_epi16(h, 4),
+        1 => _mm256_slli_epi16(h, 2),
+        2 => h,
+        _ => _mm256_srli_epi16(h, 2),
+    };
+    let lo = _mm256_or_si256(_mm256_and_si256(p, low4), _mm256_and_si256(place(h0), hi2));
+    let hi = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srli_epi16(p, 4), low4),
+        _mm256_and_si256(place(h1), hi2),
+    );
+    (lo, hi)
+}
+
+/// See [`super::gemm_groups`]; `NT` tokens from `t0`, `lanes` valid rows. The integer sums
+/// are those of the general tile (the same pairs of `vpmaddubsw` summed in 16 bits, 2 · 2 ·
+/// 63 · 127 < 2^15, each widened by its half's scale), added in another order, so the
+/// results keep NOTE 1's bits.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn tile<const FMT: u8, const NT: usize>(
+    group: *const u8,
+    bpr: usize,
+    acts: &Q8Acts,
+    t0: usize,
+    out: *mut f32,
+    out_stride: usize,
+    lanes: usize,
+) {
+    debug_assert_eq!(FMT, Q6K);
+    if NT == 1 {
+        return super::avx2::tile::<FMT, 1>(group, bpr, acts, t0, out, out_stride, lanes);
+    }
+    let gbb = crate::kernels::pack::Q6K_GROUP_BLOCK_BYTES;
+    let (low4, hi2, low16) = (
+        _mm256_set1_epi8(0x0f),
+        _mm256_set1_epi8(0x30),
+        _mm256_set1_epi32(0xffff),
+    );
+    let qs = acts.kqs.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); NT];
+    let mut kacc = [_mm256_setzero_si256(); NT];
+    let mut d = _mm256_setzero_ps();
+    for b in 0..bpr {
+        let gb = group.add(b * gbb);
+        if b % 8 == 0 {
+            d = q6k_super_d!(gb);
+        }
+        // Each half's signed scale in both 16-bit halves of its row's lane, for `vpmaddwd`.
+        let sc16 = [0, 1].map(|half| {
+            let s = q6k_block_sc!(gb, half);
+            _mm256_or_si256(_mm256_and_si256(s, low16), _mm256_slli_epi32(s, 16))
+        });
+        for k in [0, 2] {
+            let (w0, w4) = unpack(gb, k, low4, hi2);
+            let (w1, w5) = unpack(gb, k + 1, low4, hi2);
+            for (j, ka) in kacc.iter_mut().enumerate() {
+                let a = qs.add(((t0 + j) * bpr + b) * QK);
+                let at = |e: usize| _mm256_set1_epi32((a.add(e) as *const i32).read_unaligned());
+                let lo = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(w0, at(4 * k)),
+                    _mm256_maddubs_epi16(w1, at(4 * k + 4)),
+                );
+                let hi = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(w4, at(16 + 4 * k)),
+                    _mm256_maddubs_epi16(w5, at(16 + 4 * k + 4)),
+                );
+                let scaled = _mm256_add_epi32(
+                    _mm256_madd_epi16(lo, sc16[0]),
+                    _mm256_madd_epi16(hi, sc16[1]),
+                );
+                *ka = _mm256_add_epi32(*ka, scaled);
+            }
+        }
+        if b % 8 == 7 {
+            let sb0 = b - 7;
+            q6k_super_update!(group.add(sb0 * gbb), sb0, d, acts, bpr, t0, kacc, acc);
+        }
+    }
+    for (j, a) in acc.iter().enumerate() {
+        let dst = out.add((t0 + j) * out_stride);
+        if lanes == GROUP_ROWS {
+            _mm256_storeu_ps(dst, *a);
+        } else {
+            let mut tmp = [0f32; GROUP_ROWS];
+            _mm256_storeu_ps(tmp.as_mut_ptr(), *a);
+            std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, lanes);
+        }
+    }
+}
