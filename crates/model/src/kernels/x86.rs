@@ -55,11 +55,11 @@
 //! near ones a part behind the far ones, 15.1–15.6.
 //!
 //! NOTE 7: what bounds the AVX2 prefill tiles, measured on an AMD EPYC Zen 3 at 3.2 GHz with
-//! independent chains of one instruction or a mix (BENCHMARKS.md, 2026-12-07):
-//! `vpmaddubsw` and `vpmaddwd` issue two a cycle and `vpaddw` four, but a one-to-one mix of
-//! `vpmaddubsw` and `vpaddw` runs at three operations a cycle, and a broadcast from memory
-//! (`vpbroadcastd`, `vpbroadcastq`, `vbroadcasti128`) takes no vector pipe: a chain fed by
-//! broadcast loads ran as fast as one fed by registers. A tile needs about one `vpaddw` per
+//! independent chains of one instruction or a mix (`examples/pipe_mix.rs`; BENCHMARKS.md,
+//! 2026-12-07): `vpmaddubsw` and `vpmaddwd` issue two a cycle and `vpaddw` four, but a
+//! one-to-one mix of `vpmaddubsw` and `vpaddw` runs at three operations a cycle, and a
+//! broadcast from memory takes no vector pipe: the tiles' chain (product, 16-bit sum) ran at
+//! 3.07 operations a cycle fed by `vpbroadcastd` loads and 3.22 fed by registers. A tile needs about one `vpaddw` per
 //! `vpmaddubsw` (eight products summed in 16 bits, NOTE 3), so the operation count, not the
 //! loads, sets its speed: the Q4K tile does about 21 vector operations a token and block and
 //! runs at 2.5 a cycle with its activations in L1 (about 200 GOPS, 48 % of the
