@@ -6,7 +6,10 @@
 //! 2 threads, each as a fraction of that peak. An op is one multiply or one add, so a
 //! multiply-accumulate is 2 (as GFLOP/s counts them).
 //!
-//! Run: `cargo run --release -p pk-model --example gemm_peak [-- --tokens 512]`.
+//! Run: `cargo run --release -p pk-model --example gemm_peak [-- --tokens 512] [--cold]`.
+//! `--cold`: each timed call takes the next of enough random matrices of the shape to fill
+//! [`COLD_BYTES`], so that its weights come from DRAM as in the model's forward pass;
+//! without it one matrix is repeated and stays in L2 or L3.
 //! Weights are random but valid; the kernels' speed does not depend on the values. On a
 //! host with AMX the peak is that of `tdpbsud` on full 16 × 64-byte tiles in four
 //! independent accumulators (16,384 multiply-accumulates an instruction), and the GEMM runs
@@ -19,7 +22,7 @@ use common::best_of;
 use std::time::Duration;
 
 use pk_gguf::GgmlType;
-use pk_model::kernels::{matmul, QMatrix};
+use pk_model::kernels::{matmul, place_in_arena, QMatrix};
 use rand::{Rng, SeedableRng};
 
 /// Qwen2.5-Coder-1.5B's matrices of one layer: (name, rows, cols, format). Its Q4_K_M file
@@ -38,6 +41,9 @@ const SHAPES: [(&str, usize, usize, GgmlType); 10] = [
     ("gate/up 1536->8960", 8960, 1536, GgmlType::Q4_1),
     ("down 8960->1536", 1536, 8960, GgmlType::Q4_1),
 ];
+
+/// The weights `--cold` cycles through per shape: several times any L3 of these hosts.
+const COLD_BYTES: usize = 256 << 20;
 
 fn random_matrix(rng: &mut impl Rng, ty: GgmlType, rows: usize, cols: usize) -> QMatrix {
     let mut data = vec![0u8; rows * ty.row_bytes(cols).unwrap()];
@@ -245,6 +251,7 @@ fn main() {
         .position(|a| a == "--tokens")
         .map(|i| args[i + 1].parse().expect("--tokens N"))
         .unwrap_or(512);
+    let cold = args.iter().any(|a| a == "--cold");
     let peak = measure_peak();
     let avx2_peak = narrowed_to_avx2_peak();
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
@@ -263,14 +270,29 @@ fn main() {
                 .map(|_| rng.gen_range(-1.0..1.0))
                 .collect();
             let mut out = vec![0f32; tokens * rows];
+            let copies = if cold {
+                (COLD_BYTES / w.stored_bytes()).max(1)
+            } else {
+                1
+            };
+            let mut extra: Vec<QMatrix> = (1..copies)
+                .map(|_| random_matrix(&mut rng, *ty, *rows, *cols))
+                .collect();
+            // In huge pages, as the model's weights are: 256 MiB over 4 KiB pages would
+            // measure TLB misses the model does not have.
+            place_in_arena(&mut extra.iter_mut().collect::<Vec<_>>());
+            let ws: Vec<&QMatrix> = std::iter::once(w).chain(&extra).collect();
+            let mut call = 0;
             let t = pool.install(|| {
                 best_of(Duration::from_millis(400), || {
-                    matmul(w, &x, tokens, &mut out)
+                    matmul(ws[call % ws.len()], &x, tokens, &mut out);
+                    call += 1;
                 })
             });
             let gops = 2.0 * (rows * cols * tokens) as f64 / t.as_secs_f64() / 1e9;
             println!(
-                "threads {threads} {ty:<4} {name:<20} n={tokens} {gops:>7.1} GOPS ({:.1} per core)",
+                "threads {threads} {ty:<4} {name:<20} n={tokens}{} {gops:>7.1} GOPS ({:.1} per core)",
+                if cold { " cold" } else { "" },
                 gops / threads as f64
             );
             // The model's formats only: the Q4_1 and Q6S rows are there for comparison.

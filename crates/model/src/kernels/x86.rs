@@ -291,10 +291,25 @@ const PASS_ACT_BYTES: usize = 64 * 1024;
 /// read 128 times for a 512-token batch).
 const PASS_MIN_TOKENS: usize = 32;
 
+/// [`PASS_ACT_BYTES`], or `PK_GEMM_PASS_BYTES` for side-by-side measurements without a
+/// rebuild (`0`: one pass over all the tokens, as before passes; anything but a byte count
+/// is refused by name).
+fn pass_act_bytes() -> usize {
+    static BYTES: OnceLock<usize> = OnceLock::new();
+    *BYTES.get_or_init(|| match std::env::var("PK_GEMM_PASS_BYTES") {
+        Err(_) => PASS_ACT_BYTES,
+        Ok(v) => match v.parse::<usize>() {
+            Ok(0) => usize::MAX / 2,
+            Ok(bytes) => bytes,
+            Err(_) => panic!("PK_GEMM_PASS_BYTES={v:?} is not a byte count"),
+        },
+    })
+}
+
 /// Tokens per pass of [`gemm_groups`] over rows of `bpr` blocks, a multiple of `nt` (the
 /// tile's tokens) so that only the last pass has a tail.
 pub(super) fn pass_tokens(bpr: usize, nt: usize) -> usize {
-    let by_bytes = PASS_ACT_BYTES / (bpr * QK).max(1);
+    let by_bytes = pass_act_bytes() / (bpr * QK).max(1);
     (by_bytes.max(PASS_MIN_TOKENS) / nt * nt).max(nt)
 }
 
