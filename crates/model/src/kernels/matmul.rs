@@ -694,56 +694,18 @@ mod tests {
             );
             return;
         }
-        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        let (rows, cols, n) = (40, 8960, 150);
-        for ty in [
-            GgmlType::Q4_0,
-            GgmlType::Q4_1,
-            GgmlType::Q5_0,
-            GgmlType::Q8_0,
-            GgmlType::Q6S,
-            GgmlType::Q4K,
-            GgmlType::Q6K,
-        ] {
-            let w = random_weights(&mut rng, ty, rows, cols);
-            let Storage::Packed(p) = &w.storage else {
-                panic!("{ty:?} is not packed")
-            };
-            let x: Vec<f32> = (0..n * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let mut acts = Q8Acts::default();
-            acts.quantize(&x);
-            if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {
-                acts.quantize_k(&x);
-            }
-            let mut want = vec![0f32; n * rows];
-            matmul_q8_scalar(&w, &acts, n, &mut want);
-            let mut got = vec![f32::NAN; n * rows];
-            gemm_packed(x86::Isa::Amx, p, &acts, n, &mut got);
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got), bits(&want), "{ty:?}");
-        }
+        every_packed_format_matches_reference(x86::Isa::Amx, 11, (40, 8960, 150));
     }
 
-    /// The AVX2 and VNNI kernels over more tokens than one pass over the row groups takes
-    /// (2,304 columns: 32 tokens a pass at four a tile, `x86::pass_tokens`), the last short and
-    /// ending in a tail below the register tile: the reference's bits for every token.
+    /// For every packed format: `rows × cols` random weights times `n` random tokens through
+    /// `isa`'s kernel give the scalar reference's bits.
     #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn token_passes_keep_the_reference_bits() {
-        let Some(best) = x86::detect() else {
-            eprintln!("token_passes_keep_the_reference_bits: no AVX2/FMA/F16C here, skipped");
-            return;
-        };
-        let isa = if best == x86::Isa::Amx {
-            x86::Isa::Avx512Vnni
-        } else {
-            best
-        };
-        eprintln!("token_passes_keep_the_reference_bits: {isa:?}");
-        let mut rng = rand::rngs::StdRng::seed_from_u64(17);
-        let (rows, cols, n) = (9, 2304, 70);
-        // Two whole passes and a short third: what this test is for.
-        assert_eq!(x86::pass_tokens(cols / 32, 4), 32);
+    fn every_packed_format_matches_reference(
+        isa: x86::Isa,
+        seed: u64,
+        (rows, cols, n): (usize, usize, usize),
+    ) {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         for ty in [
             GgmlType::Q4_0,
             GgmlType::Q4_1,
@@ -770,6 +732,28 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "{ty:?} {isa:?}");
         }
+    }
+
+    /// The AVX2 and VNNI kernels over more tokens than one pass over the row groups takes
+    /// (2,304 columns: 32 tokens a pass at four a tile, `x86::pass_tokens`), the last short and
+    /// ending in a tail below the register tile: the reference's bits for every token.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn token_passes_keep_the_reference_bits() {
+        let Some(best) = x86::detect() else {
+            eprintln!("token_passes_keep_the_reference_bits: no AVX2/FMA/F16C here, skipped");
+            return;
+        };
+        let isa = if best == x86::Isa::Amx {
+            x86::Isa::Avx512Vnni
+        } else {
+            best
+        };
+        eprintln!("token_passes_keep_the_reference_bits: {isa:?}");
+        let (rows, cols, n) = (9, 2304, 70);
+        // Two whole passes and a short third: what this test is for.
+        assert_eq!(x86::pass_tokens(cols / 32, 4), 32);
+        every_packed_format_matches_reference(isa, 17, (rows, cols, n));
     }
 
     /// The largest quants against activations of ±127 in every element: the AVX2 kernel's
