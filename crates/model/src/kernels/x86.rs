@@ -711,6 +711,23 @@ macro_rules! q6k_super_update {
     }};
 }
 
+/// Writes a tile's per-token sums: token `j`'s 8 rows to `out + j · out_stride`, only the
+/// first `lanes` of them where the group is the matrix's partial last one. Inlined into
+/// each tile so that its stores take the tile's instruction set.
+#[inline(always)]
+unsafe fn store_tile(acc: &[__m256], out: *mut f32, out_stride: usize, lanes: usize) {
+    for (j, a) in acc.iter().enumerate() {
+        let dst = out.add(j * out_stride);
+        if lanes == GROUP_ROWS {
+            _mm256_storeu_ps(dst, *a);
+        } else {
+            let mut tmp = [0f32; GROUP_ROWS];
+            _mm256_storeu_ps(tmp.as_mut_ptr(), *a);
+            std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, lanes);
+        }
+    }
+}
+
 /// One module per instruction set, from the same source: `target_feature` must be on every
 /// function for the intrinsics to inline.
 macro_rules! isa_module {
@@ -979,16 +996,7 @@ macro_rules! isa_module {
                         prefetch_weights(gb, gbb, plan, 2);
                     }
                 }
-                for j in 0..NT {
-                    let dst = out.add((t0 + j) * out_stride);
-                    if lanes == GROUP_ROWS {
-                        _mm256_storeu_ps(dst, acc[j]);
-                    } else {
-                        let mut tmp = [0f32; GROUP_ROWS];
-                        _mm256_storeu_ps(tmp.as_mut_ptr(), acc[j]);
-                        std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, lanes);
-                    }
-                }
+                store_tile(&acc, out.add(t0 * out_stride), out_stride, lanes);
             }
         }
     };
@@ -1106,16 +1114,7 @@ mod avx2_q4 {
                 prefetch_weights(gb, gbb, plan, 2);
             }
         }
-        for (j, a) in acc.iter().enumerate() {
-            let dst = out.add((t0 + j) * out_stride);
-            if lanes == GROUP_ROWS {
-                _mm256_storeu_ps(dst, *a);
-            } else {
-                let mut tmp = [0f32; GROUP_ROWS];
-                _mm256_storeu_ps(tmp.as_mut_ptr(), *a);
-                std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, lanes);
-            }
-        }
+        store_tile(&acc, out.add(t0 * out_stride), out_stride, lanes);
     }
 }
 isa_module!(

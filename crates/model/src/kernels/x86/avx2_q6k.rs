@@ -97,14 +97,5 @@ pub unsafe fn tile<const FMT: u8, const NT: usize>(
             q6k_super_update!(group.add(sb0 * gbb), sb0, d, acts, bpr, t0, kacc, acc);
         }
     }
-    for (j, a) in acc.iter().enumerate() {
-        let dst = out.add((t0 + j) * out_stride);
-        if lanes == GROUP_ROWS {
-            _mm256_storeu_ps(dst, *a);
-        } else {
-            let mut tmp = [0f32; GROUP_ROWS];
-            _mm256_storeu_ps(tmp.as_mut_ptr(), *a);
-            std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, lanes);
-        }
-    }
+    store_tile(&acc, out.add(t0 * out_stride), out_stride, lanes);
 }
