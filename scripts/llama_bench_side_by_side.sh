@@ -14,6 +14,9 @@
 #        LLAMA_BENCH (a llama-bench binary to use instead of building one),
 #        LONG_PROMPTS (e.g. "4096 8192": also prefill of those lengths, llama.cpp with
 #        `-fa 0` and `-fa 1`, one repetition each; default none),
+#        REPS (default 3): repetitions of pp512 and tg128 for both engines, each after one
+#        warm-up run, as llama-bench's `-r 3`; both print the mean of the reps' tokens/s
+#        (before 2026-12-07 ours was a single run without a warm-up),
 #        LONG_WARMUP (1, the default: llama-bench's warm-up run of the whole long prompt
 #        before the timed one; 0 passes `--no-warmup`, halving a 16K row's half hour: the
 #        warm-up only touches pages first, under a second against minutes, and
@@ -42,6 +45,11 @@ build_dir=build
 [ "$as_avx2" = 1 ] && build_dir=build-avx2
 lb=${LLAMA_BENCH:-$work/src/vendor/llama.cpp/$build_dir/bin/llama-bench}
 long_prompts=${LONG_PROMPTS:-}
+reps=${REPS:-3}
+if ! [[ "$reps" =~ ^[1-9][0-9]*$ ]]; then
+    echo "REPS=$reps: expected a positive whole number" >&2
+    exit 2
+fi
 long_warmup=()
 case "${LONG_WARMUP:-1}" in
     1) ;;
@@ -104,20 +112,27 @@ for round in $(seq "$rounds"); do
         # host-quiet exits non-zero when the host is busy; its figure is what matters.
         q=$("$quiet" 2>/dev/null) || true
         echo "== round $round, threads $t, ${q:-host-quiet unavailable}"
-        "$lb" -m "$model" -t "$t" -p 512 -n 128 -r 3 -o csv 2>/dev/null | python3 -c '
+        "$lb" -m "$model" -t "$t" -p 512 -n 128 -r "$reps" -o csv 2>/dev/null | python3 -c '
 import csv, sys
 for r in csv.DictReader(sys.stdin):
     test = "pp%s" % r["n_prompt"] if r["n_prompt"] != "0" else "tg%s" % r["n_gen"]
     print("llama.cpp   %-6s %8.1f tok/s" % (test, float(r["avg_ts"])))'
-        # Context 512: pp512 and decode after it; context 16: decode at tg128's depth.
-        "$pk" bench perf --model "$model" --contexts 512,16 --decode-tokens 128 --threads "$t" --json 2>/dev/null | python3 -c '
+        # As llama-bench measures (`-r 3` after one warm-up run of the test): one untimed
+        # 512-token prompt, then $reps of them (pp512 and the decode after each), then $reps
+        # 16-token prompts (decode at tg128's depth); each figure is the mean of the reps'
+        # tokens/s, as llama-bench's avg_ts is. One process, so the warm-up also pages in the
+        # model and the KV pool, which llama-bench's warm-up does for it.
+        contexts=$(python3 -c 'import sys; r = int(sys.argv[1]); print(",".join(["512"] * (r + 1) + ["16"] * r))' "$reps")
+        "$pk" bench perf --model "$model" --contexts "$contexts" --decode-tokens 128 --threads "$t" --json 2>/dev/null | python3 -c '
 import json, sys
-for r in json.load(sys.stdin)["runs"]:
-    c = r["context_tokens"]
-    if c == 512:
-        print("pagekeeper  pp512  %8.1f tok/s   (decode after 512: %.1f tok/s)" % (r["prefill_tok_s"], r["decode_tok_s"]))
-    else:
-        print("pagekeeper  tg128  %8.1f tok/s   (after a %d-token prompt)" % (r["decode_tok_s"], c))'
+runs = json.load(sys.stdin)["runs"][1:]
+mean = lambda xs: sum(xs) / len(xs)
+long_runs = [r for r in runs if r["context_tokens"] == 512]
+short_runs = [r for r in runs if r["context_tokens"] == 16]
+print("pagekeeper  pp512  %8.1f tok/s   (decode after 512: %.1f tok/s; mean of %d after a warm-up)" % (
+    mean([r["prefill_tok_s"] for r in long_runs]), mean([r["decode_tok_s"] for r in long_runs]), len(long_runs)))
+print("pagekeeper  tg128  %8.1f tok/s   (after a 16-token prompt; mean of %d)" % (
+    mean([r["decode_tok_s"] for r in short_runs]), len(short_runs)))'
     done
     for p in $long_prompts; do
         t=${threads[-1]}
