@@ -12,7 +12,6 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-pub const REDIS_ENV: &str = "PAGEKEEPER_TEST_REDIS";
 /// Tokens per stored chunk in these tests: small, so a prompt of a few hundred tokens makes
 /// several chunks (and several files to crash in the middle of).
 pub const CHUNK_TOKENS: usize = 64;
@@ -295,92 +294,14 @@ pub fn unique_prefix(test: &str) -> String {
     format!("pke2e:{test}:{}:{nanos}:", std::process::id())
 }
 
-pub struct Redis {
-    pub url: String,
-    port: u16,
-    child: Option<Child>,
-    dir: Option<tempfile::TempDir>,
-}
+// The Redis server harness of the tier crate's tests, compiled here too.
+#[path = "../../../tiers/tests/common/redis_server.rs"]
+mod redis_server;
+
+#[allow(unused_imports)]
+pub use redis_server::{RedisServer as Redis, REDIS_ENV};
 
 impl Redis {
-    pub fn shared_or_private() -> Redis {
-        match std::env::var(REDIS_ENV) {
-            Ok(url) => {
-                if let Err(e) = ping(&url, Duration::from_secs(3)) {
-                    panic!("{REDIS_ENV}={url} is set but Redis is unreachable there: {e}. Start redis-server (see .ci/run) or unset {REDIS_ENV}.");
-                }
-                Redis {
-                    url,
-                    port: 0,
-                    child: None,
-                    dir: None,
-                }
-            }
-            Err(_) => Redis::private(),
-        }
-    }
-
-    pub fn private() -> Redis {
-        let port = free_port();
-        let mut redis = Redis {
-            url: format!("redis://127.0.0.1:{port}"),
-            port,
-            child: None,
-            dir: Some(tempfile::tempdir().unwrap()),
-        };
-        redis.start();
-        redis
-    }
-
-    pub fn start(&mut self) {
-        assert!(self.child.is_none(), "already running");
-        let path = std::env::var_os("PATH").unwrap_or_default();
-        let binary = std::env::split_paths(&path)
-            .chain(["/usr/bin", "/usr/sbin", "/usr/local/bin"].map(PathBuf::from))
-            .map(|d| d.join("redis-server"))
-            .find(|p| p.is_file())
-            .unwrap_or_else(|| panic!("redis-server not found on PATH: install it (apt-get install -y redis-server); the Redis tier tests need a real server"));
-        let child = Command::new(binary)
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .arg("--dir")
-            .arg(
-                self.dir
-                    .as_ref()
-                    .expect("only private servers are started")
-                    .path(),
-            )
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn redis-server");
-        self.child = Some(child);
-        if let Err(e) = ping(&self.url, Duration::from_secs(5)) {
-            panic!(
-                "redis-server started on port {} but does not answer: {e}",
-                self.port
-            );
-        }
-    }
-
-    /// SIGKILL: an outage, not a clean shutdown.
-    pub fn stop(&mut self) {
-        let mut child = self
-            .child
-            .take()
-            .expect("only a running private server can be stopped");
-        child.kill().unwrap();
-        child.wait().unwrap();
-    }
-
     /// Committed (visible) entries under `prefix`.
     pub fn entries(&self, prefix: &str) -> usize {
         let mut conn = redis::Client::open(self.url.as_str())
@@ -392,29 +313,5 @@ impl Redis {
             .query(&mut conn)
             .unwrap();
         keys.len()
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-fn ping(url: &str, within: Duration) -> Result<(), String> {
-    let deadline = Instant::now() + within;
-    let client = redis::Client::open(url).map_err(|e| e.to_string())?;
-    loop {
-        let attempt = client
-            .get_connection_with_timeout(Duration::from_millis(500))
-            .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
-        match attempt {
-            Ok(_) => return Ok(()),
-            Err(e) if Instant::now() >= deadline => return Err(e.to_string()),
-            Err(_) => std::thread::sleep(Duration::from_millis(20)),
-        }
     }
 }
