@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Decode's three weight-prefetch plans (`PK_PREFETCH_PLAN=far|near|l2`, `kernels/x86.rs`
+# `PrefetchPlan`) side by side on this host: each round runs `decode_bench --vs-stream` once
+# per plan, in turn, and prints the median share of the DRAM read bound per step at one and
+# two threads, with host-quiet's figure before each run. Issue 39 left one-thread decode on
+# the Intel AMX host at 87.9–88.7 % of the bound under Intel's default (`far`, two levels)
+# while `l2` took the AMD Zen 3 host from 83 % to over 100 %; this is the run to make there.
+#
+# Usage: scripts/prefetch_plan_sweep.sh [ROUNDS] [PLANS...]   (default: 3 rounds; far near l2)
+# Env:   PK_MODEL (default: the fetched Qwen2.5-Coder-1.5B-Instruct Q4_K_M),
+#        DECODE_BENCH (default target/release/examples/decode_bench; built if missing).
+set -euo pipefail
+
+rounds=${1:-3}
+shift || true
+plans=("${@:-far near l2}")
+[ ${#plans[@]} -eq 1 ] && read -r -a plans <<< "${plans[0]}"
+if ! [[ "$rounds" =~ ^[1-9][0-9]*$ ]]; then
+    echo "ROUNDS=$rounds: expected a positive whole number" >&2
+    exit 2
+fi
+for p in "${plans[@]}"; do
+    case "$p" in
+        far | near | l2) ;;
+        *) echo "plan $p: expected far, near or l2" >&2; exit 2 ;;
+    esac
+done
+model=${PK_MODEL:-$HOME/.cache/pagekeeper/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf}
+[ -f "$model" ] || { echo "$model is missing: run \`pagekeeper fetch-model --name qwen2.5-coder-1.5b\`" >&2; exit 2; }
+bench=${DECODE_BENCH:-target/release/examples/decode_bench}
+if [ ! -x "$bench" ]; then
+    cargo build --release -p pk-model --example decode_bench
+fi
+quiet=../shared/tools/host-quiet
+[ -x "$quiet" ] || quiet=/work/shared/tools/host-quiet
+
+grep -o -w -E 'avx2|avx512f|avx512_vnni|amx_int8' /proc/cpuinfo | sort -u | tr '\n' ' ' | sed 's/^/CPU flags: /'; echo
+grep -m1 'model name' /proc/cpuinfo
+printf '%-6s %-5s %-28s %-14s %-14s\n' round plan host-quiet "1 thread" "2 threads"
+for round in $(seq "$rounds"); do
+    for plan in "${plans[@]}"; do
+        q=$("$quiet" 2>/dev/null) || true
+        out=$(PK_PREFETCH_PLAN=$plan "$bench" --model "$model" --reps 1 --context 16 --compare 1,2 --vs-stream 2>&1)
+        # "threads N vs stream (...): share of the DRAM bound per step median X % (...)"
+        share() {
+            grep -E "^threads $1 vs stream" <<< "$out" | sed -E 's/.*per step median ([0-9.]+) %.*/\1 %/'
+        }
+        printf '%-6s %-5s %-28s %-14s %-14s\n' "$round" "$plan" "${q:-n/a}" "$(share 1)" "$(share 2)"
+    done
+done
