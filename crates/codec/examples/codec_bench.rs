@@ -10,16 +10,24 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use pk_codec::{
     compressed_bytes_estimate, decode, decode_into, encode, DropSpec, KvContext, Method, Precision,
     QuantSpec,
 };
 use Precision::*;
 
+/// Encode and decode throughput of every codec on one chunk of SmolLM2-135M's KV shape.
+#[derive(Parser)]
+#[command(name = "codec_bench")]
+struct Args {
+    /// Tokens in the chunk; 256 is the tiers' chunk size.
+    #[arg(default_value_t = 256)]
+    n_tokens: usize,
+}
+
 fn main() {
-    let n_tokens: usize = std::env::args()
-        .nth(1)
-        .map_or(256, |s| s.parse().expect("n_tokens"));
+    let n_tokens = Args::parse().n_tokens;
     let (n_layers, n_kv_heads, head_dim) = (30, 3, 64);
     let n = n_layers * n_kv_heads * head_dim * n_tokens;
     // Deterministic pseudo-random KV (an LCG: no dependency, no allocation per element).

@@ -15,6 +15,7 @@
 
 use std::time::Instant;
 
+use clap::Parser;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use pk_cuda::kv_pool::Side;
@@ -134,14 +135,17 @@ fn host_side_only(repeats: usize) {
     }
 }
 
+/// Bulk KV transfers to and from a GPU's pool: staged against per-block copies.
+#[derive(Parser)]
+#[command(name = "transfer_bench")]
+struct Args {
+    /// Timed runs of each path; the median is printed.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let repeats: usize = args
-        .iter()
-        .position(|a| a == "--repeats")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5);
+    let repeats = Args::parse().repeats;
     host_side_only(repeats);
     let Some(gpu) = cuda_or_skip(ActDtype::F16) else {
         return;

@@ -17,6 +17,9 @@
 //!
 //! CONTEXTS defaults to 4096,8192 and N to 256.
 
+use std::path::PathBuf;
+
+use clap::Parser;
 use pk_engine::{Engine, EngineConfig, EvictionStats, GenerateParams};
 
 const BUDGET_TOKENS: u32 = 1024;
@@ -37,19 +40,39 @@ const CONFIGS: [(&str, &str); 9] = [
     ("tova", "head"),
 ];
 
+/// What eviction costs a paged cache per decoded token, per policy and granularity.
+#[derive(Parser)]
+#[command(name = "eviction_cost")]
+struct Args {
+    /// The GGUF model; without it, the default model (fetched if missing).
+    model: Option<PathBuf>,
+    /// Prompt lengths in tokens, comma-separated; each is measured in turn.
+    // `::std::vec::Vec`, so that clap takes one argument and `comma_list` splits it, rather
+    // than a run of positionals that would swallow the next one.
+    #[arg(value_parser = comma_list::<usize>, default_value = "4096,8192")]
+    contexts: ::std::vec::Vec<usize>,
+    /// Decoded tokens whose cost is measured, after the first.
+    #[arg(default_value_t = 256)]
+    decode: usize,
+}
+
+/// A comma-separated list given as one argument (`4096,8192`).
+fn comma_list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>, String>
+where
+    T::Err: std::fmt::Display,
+{
+    s.split(',')
+        .map(|x| x.parse().map_err(|e| format!("{x:?}: {e}")))
+        .collect()
+}
+
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let model = match args.get(1) {
-        Some(p) => std::path::PathBuf::from(p),
+    let args = Args::parse();
+    let model = match args.model {
+        Some(p) => p,
         None => pk_engine::model_store::resolve_model(None, true)?,
     };
-    let contexts: Vec<usize> = args
-        .get(2)
-        .map_or("4096,8192", String::as_str)
-        .split(',')
-        .map(str::parse)
-        .collect::<Result<_, _>>()?;
-    let decode: usize = args.get(3).map_or(Ok(256), |n| n.parse())?;
+    let (contexts, decode) = (args.contexts, args.decode);
     let max_context = contexts.iter().max().copied().unwrap_or(0);
     let mut engine = Engine::load(
         &model,

@@ -1,12 +1,14 @@
 //! The cost of structured output: the same greedy chat request with and without a JSON
-//! schema grammar, side by side, on the default model (or `--model PATH` as the first
+//! schema grammar, side by side, on the default model (or the model given as the first
 //! argument). Prints the grammar engine's start-up time, the time to compile the schema,
 //! the mean time of one token mask, and decode speed with and without the mask.
 //!
 //!     cargo run --release -p pk-engine --example grammar_bench [MODEL.gguf] [ROUNDS]
 
+use std::path::PathBuf;
 use std::time::Instant;
 
+use clap::Parser;
 use pk_engine::{Engine, EngineConfig, GenerateParams, Grammar, GrammarCompiler, GrammarSpec};
 
 /// A schema of the kind the prompt asks for, with an array and a free-text field.
@@ -24,13 +26,24 @@ fn city_schema() -> serde_json::Value {
     })
 }
 
+/// The cost of structured output: the same chat request with and without a JSON schema.
+#[derive(Parser)]
+#[command(name = "grammar_bench")]
+struct Args {
+    /// The GGUF model; without it, the default model (fetched if missing).
+    model: Option<PathBuf>,
+    /// Rounds of the plain and the constrained request, each printed.
+    #[arg(default_value_t = 3)]
+    rounds: usize,
+}
+
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let model = match args.get(1) {
-        Some(p) => std::path::PathBuf::from(p),
+    let args = Args::parse();
+    let model = match args.model {
+        Some(p) => p,
         None => pk_engine::model_store::resolve_model(None, true)?,
     };
-    let rounds: usize = args.get(2).map_or(Ok(3), |r| r.parse())?;
+    let rounds = args.rounds;
     let mut engine = Engine::load(&model, EngineConfig::default())?;
     let msgs = [pk_tokenizer::ChatMessage::new(
         "user",

@@ -12,23 +12,55 @@
 //!
 //! for example `… kvzip:global head 1024,512,256 4`.
 
+use std::path::PathBuf;
+
+use clap::Parser;
 use pk_engine::{Engine, EngineConfig, GenerateParams};
 use pk_kv::{KvGranularity, PolicySpec};
 use serde_json::{json, Value};
 
+/// The tokens each selection unit keeps at prefill, as JSON lines, one per sample and budget.
+#[derive(Parser)]
+#[command(name = "kept_sets")]
+struct Args {
+    /// The GGUF model.
+    model: PathBuf,
+    /// The `text-kl-tokens.jsonl` whose prefixes are run.
+    #[arg(value_name = "TOKENS.jsonl")]
+    tokens: PathBuf,
+    /// The eviction policy, as `pagekeeper` names it (`kvzip:global`).
+    policy: PolicySpec,
+    /// Which units choose their kept tokens (`shared`, `layer`, `head`).
+    granularity: KvGranularity,
+    /// KV budgets in tokens, comma-separated; each prefix runs at every one.
+    // `::std::vec::Vec`, so that clap takes one argument and `comma_list` splits it, rather
+    // than a run of positionals that would swallow the next one.
+    #[arg(value_parser = comma_list::<u32>)]
+    budgets: ::std::vec::Vec<u32>,
+    /// How many samples are run: those numbered below it, each once.
+    samples: u64,
+}
+
+/// A comma-separated list given as one argument (`4096,8192`).
+fn comma_list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>, String>
+where
+    T::Err: std::fmt::Display,
+{
+    s.split(',')
+        .map(|x| x.parse().map_err(|e| format!("{x:?}: {e}")))
+        .collect()
+}
+
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let [_, model, tokens, policy, granularity, budgets, samples] = &args[..] else {
-        anyhow::bail!("usage: kept_sets MODEL TOKENS.jsonl POLICY GRANULARITY BUDGETS SAMPLES");
-    };
-    let policy: PolicySpec = policy.parse()?;
-    let granularity: KvGranularity = granularity.parse()?;
-    let budgets: Vec<u32> = budgets
-        .split(',')
-        .map(str::parse)
-        .collect::<Result<_, _>>()?;
-    let samples: u64 = samples.parse()?;
-    let mut engine = Engine::load(std::path::Path::new(model), EngineConfig::default())?;
+    let Args {
+        model,
+        tokens,
+        policy,
+        granularity,
+        budgets,
+        samples,
+    } = Args::parse();
+    let mut engine = Engine::load(&model, EngineConfig::default())?;
     let mut seen = std::collections::HashSet::new();
     for line in std::fs::read_to_string(tokens)?.lines() {
         let row: Value = serde_json::from_str(line)?;

@@ -7,56 +7,55 @@
 //!  [--context 2048] [--samples 4] [--budgets 256,512] [--intervals 128,512]
 //!  [--policies streaming-llm,knorm,keydiff] [--continuation 64]`
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
+use clap::Parser;
 use pk_engine::{Engine, EngineConfig, GenerateParams};
 use pk_eval::metrics::kl_divergence;
+use pk_kv::PolicySpec;
 
+/// Teacher-forced KL from the full cache with exact prefill and with prompts pruned as their
+/// chunks arrive.
+#[derive(Parser)]
+#[command(name = "chunk_prune_kl")]
 struct Args {
+    /// The model, as a name in the model store or a GGUF path; the default model without it.
+    #[arg(long = "model", value_name = "NAME|PATH")]
     model: Option<String>,
+    /// Prompt tokens of each window of the book.
+    #[arg(long = "context", default_value_t = 2048)]
     context_tokens: usize,
+    /// Windows of the book, spread evenly over it.
+    #[arg(long, default_value_t = 4)]
     samples: usize,
+    /// KV budgets in tokens, comma-separated.
+    #[arg(long, value_delimiter = ',', value_parser = trimmed::<u32>, default_value = "256,512")]
     budgets: Vec<u32>,
+    /// Prompt tokens between prunings, comma-separated; each gets its own engine.
+    #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>, default_value = "128,512")]
     intervals: Vec<usize>,
+    /// Eviction policies, comma-separated, as `pagekeeper` names them.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_parser = policy_name,
+        default_value = "streaming-llm,knorm,keydiff"
+    )]
     policies: Vec<String>,
+    /// Teacher-forced tokens after each prompt, over which the KL is averaged.
+    #[arg(long = "continuation", default_value_t = 64)]
     continuation_tokens: usize,
 }
 
-fn list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>> {
-    s.split(',')
-        .map(|x| {
-            x.trim()
-                .parse()
-                .ok()
-                .context(format!("bad list item {x:?}"))
-        })
-        .collect()
+/// One item of a comma-separated list, spaces around it allowed (`256, 512`).
+fn trimmed<T: std::str::FromStr>(s: &str) -> Result<T, String> {
+    s.trim().parse().map_err(|_| format!("bad list item {s:?}"))
 }
 
-fn parse_args() -> Result<Args> {
-    let mut a = Args {
-        model: None,
-        context_tokens: 2048,
-        samples: 4,
-        budgets: vec![256, 512],
-        intervals: vec![128, 512],
-        policies: vec!["streaming-llm".into(), "knorm".into(), "keydiff".into()],
-        continuation_tokens: 64,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let v = it.next().with_context(|| format!("{flag} needs a value"))?;
-        match flag.as_str() {
-            "--model" => a.model = Some(v),
-            "--context" => a.context_tokens = v.parse()?,
-            "--samples" => a.samples = v.parse()?,
-            "--budgets" => a.budgets = list(&v)?,
-            "--intervals" => a.intervals = list(&v)?,
-            "--policies" => a.policies = list(&v)?,
-            "--continuation" => a.continuation_tokens = v.parse()?,
-            _ => bail!("unknown flag {flag}"),
-        }
-    }
-    Ok(a)
+/// A policy name as typed (the table prints it so), checked before any model is loaded.
+fn policy_name(s: &str) -> Result<String, String> {
+    let name = s.trim();
+    name.parse::<PolicySpec>().map_err(|e| e.to_string())?;
+    Ok(name.to_string())
 }
 
 /// Mean per-token KL(full ‖ other) over the forced continuation.
@@ -70,7 +69,7 @@ fn mean_kl(full: &[Vec<f32>], other: &[Vec<f32>]) -> f64 {
 }
 
 fn main() -> Result<()> {
-    let a = parse_args()?;
+    let a = Args::parse();
     let path =
         pk_engine::model_store::resolve_model(a.model.as_deref().map(std::path::Path::new), true)?;
     let engine = |interval: usize| {

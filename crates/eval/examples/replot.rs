@@ -5,13 +5,24 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
+use clap::Parser;
 use pk_eval::{compare, plot, record, report};
 
+/// Redraws an eval directory's summary plots from its `results.jsonl` alone.
+#[derive(Parser)]
+#[command(name = "replot")]
+struct Args {
+    /// The eval directory whose `results.jsonl` is read.
+    dir: PathBuf,
+    /// Where the plots are written; the eval directory itself without it.
+    out_dir: Option<PathBuf>,
+}
+
 fn main() -> Result<()> {
-    let mut args = std::env::args().skip(1);
-    let dir = PathBuf::from(args.next().context("usage: replot DIR [OUT_DIR]")?);
-    let out = args.next().map_or_else(|| dir.clone(), PathBuf::from);
+    let args = Args::parse();
+    let dir = args.dir;
+    let out = args.out_dir.unwrap_or_else(|| dir.clone());
     let records: Vec<record::RawResult> = record::load(&dir.join("results.jsonl"))?
         .into_values()
         .collect();

@@ -4,34 +4,61 @@
 //!
 //! `cargo run --release -p pk-eval --example task_probe -- TASK LENGTHS SAMPLES [--show-prompt] [--no-prefix] [--prefix TEXT] [--max-batch-tokens N]`
 
-use anyhow::{Context, Result};
+use anyhow::Result;
+use clap::Parser;
 use pk_engine::{Engine, EngineConfig};
 use pk_eval::runner::{self, KvSetting};
 use pk_eval::tasks::{self, Task};
 use pk_tokenizer::ChatMessage;
 
+/// Prints the full cache's greedy answer to samples of one task at several lengths.
+#[derive(Parser)]
+#[command(name = "task_probe")]
+struct Args {
+    /// The task, as `pagekeeper eval` names it.
+    #[arg(value_parser = Task::parse)]
+    task: Task,
+    /// Prompt lengths in tokens, comma-separated.
+    // `::std::vec::Vec`, so that clap takes one argument and `comma_list` splits it, rather
+    // than a run of positionals that would swallow the next one.
+    #[arg(value_parser = comma_list::<usize>)]
+    lengths: ::std::vec::Vec<usize>,
+    /// Samples generated at each length.
+    samples: usize,
+    /// Print each prompt before its answer.
+    #[arg(long)]
+    show_prompt: bool,
+    /// Let the model answer freely instead of after the task's answer prefix.
+    #[arg(long)]
+    no_prefix: bool,
+    /// Text that replaces the task's answer prefix.
+    #[arg(long = "prefix", value_name = "TEXT", allow_hyphen_values = true)]
+    prefix_override: Option<String>,
+    /// The engine's bound on tokens per forward pass (`max_batch_tokens`).
+    #[arg(long, default_value_t = 512)]
+    max_batch_tokens: usize,
+}
+
+/// A comma-separated list given as one argument (`4096,8192`).
+fn comma_list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>, String>
+where
+    T::Err: std::fmt::Display,
+{
+    s.split(',')
+        .map(|x| x.parse().map_err(|e| format!("{x:?}: {e}")))
+        .collect()
+}
+
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let task = Task::parse(args.first().context("TASK")?).map_err(anyhow::Error::msg)?;
-    let lengths: Vec<usize> = args
-        .get(1)
-        .context("LENGTHS")?
-        .split(',')
-        .map(|s| s.parse())
-        .collect::<Result<_, _>>()?;
-    let samples: usize = args.get(2).context("SAMPLES")?.parse()?;
-    let show_prompt = args.iter().any(|a| a == "--show-prompt");
-    let no_prefix = args.iter().any(|a| a == "--no-prefix");
-    let prefix_override = args
-        .iter()
-        .position(|a| a == "--prefix")
-        .map(|i| args[i + 1].clone());
-    let max_batch_tokens = args
-        .iter()
-        .position(|a| a == "--max-batch-tokens")
-        .map(|i| args[i + 1].parse())
-        .transpose()?
-        .unwrap_or(512);
+    let Args {
+        task,
+        lengths,
+        samples,
+        show_prompt,
+        no_prefix,
+        prefix_override,
+        max_batch_tokens,
+    } = Args::parse();
     let model = pk_engine::model_store::resolve_model(None, false)?;
     let config = EngineConfig {
         max_batch_tokens,

@@ -7,19 +7,21 @@
 
 use std::time::Instant;
 
+use clap::Parser;
 use pk_codec::KvContext;
 use pk_evicpress::{snapkv_scores, WindowQueries};
 
+/// What a stored context's SnapKV scores cost, at SmolLM2-135M's shape.
+#[derive(Parser)]
+#[command(name = "snapkv_bench")]
+struct Args {
+    /// Context lengths in tokens, each timed in turn.
+    #[arg(value_name = "TOKENS", default_values_t = [1024, 1536, 4096])]
+    lengths: Vec<usize>,
+}
+
 fn main() {
-    let lengths: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("a token count"))
-        .collect();
-    let lengths = if lengths.is_empty() {
-        vec![1024, 1536, 4096]
-    } else {
-        lengths
-    };
+    let lengths = Args::parse().lengths;
     let (layers, kv_heads, heads, d, window) = (30, 3, 9, 64, 64);
     let value = |i: usize| ((i.wrapping_mul(2654435761) >> 7) % 2000) as f32 / 1000.0 - 1.0;
     for n in lengths {

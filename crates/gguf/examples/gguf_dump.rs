@@ -1,6 +1,16 @@
 //! Prints a GGUF file's metadata (arrays abbreviated) and tensor table: `cargo run -p pk-gguf --example gguf_dump -- FILE`.
+use clap::Parser;
+
+/// Prints a GGUF file's metadata and tensor table.
+#[derive(Parser)]
+#[command(name = "gguf_dump")]
+struct Args {
+    /// The GGUF file.
+    file: String,
+}
+
 fn main() {
-    let path = std::env::args().nth(1).expect("usage: gguf_dump FILE");
+    let path = Args::parse().file;
     let f = pk_gguf::GgufFile::open(&path).unwrap_or_else(|e| panic!("{e}"));
     for (k, v) in &f.metadata {
         match v {

@@ -9,12 +9,23 @@ mod common;
 use common::best_of;
 use std::time::Duration;
 
+use clap::Parser;
 use pk_model::attention::{paged_attention, AttnSeq, AttnShape};
 use pk_model::{KvDtype, KvGeometry, KvStore};
 use rand::{Rng, SeedableRng};
 
+/// Paged attention speed per live KV dtype at SmolLM2-135M's shape.
+#[derive(Parser)]
+#[command(name = "attn_dtype_bench")]
+struct Args {
+    /// Threads of rayon's pool, which the attention kernel runs on.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+}
+
 fn main() {
-    let threads = common::rayon_threads_from_args();
+    let threads = Args::parse().threads;
+    common::build_rayon_pool(threads);
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let shape = AttnShape {
         n_heads: 9,

@@ -10,12 +10,23 @@ mod common;
 use common::best_of;
 use std::time::Duration;
 
+use clap::Parser;
 use pk_model::attention::{paged_attention_with, AttnSeq, AttnShape, Kernel};
 use pk_model::{KvDtype, KvGeometry, KvStore};
 use rand::{Rng, SeedableRng};
 
+/// Long-context prefill attention at Qwen2.5-Coder-1.5B's shape, per kernel.
+#[derive(Parser)]
+#[command(name = "attn_long_bench")]
+struct Args {
+    /// Threads of rayon's pool, which the attention kernel runs on.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+}
+
 fn main() {
-    let threads = common::rayon_threads_from_args();
+    let threads = Args::parse().threads;
+    common::build_rayon_pool(threads);
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let (n_heads, n_kv, hd, bs, n_q) = (12usize, 2usize, 128usize, 16usize, 512usize);
     let shape = AttnShape {

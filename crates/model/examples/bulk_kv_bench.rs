@@ -14,6 +14,7 @@
 
 use std::time::Instant;
 
+use clap::Parser;
 use pk_model::{KvBlocks, KvDtype, KvGeometry, KvStore};
 
 fn median(mut x: Vec<f64>) -> f64 {
@@ -21,7 +22,13 @@ fn median(mut x: Vec<f64>) -> f64 {
     x[x.len() / 2]
 }
 
+/// The CPU store's bulk token-range writes and reads against per-token loops; no arguments.
+#[derive(Parser)]
+#[command(name = "bulk_kv_bench")]
+struct Args {}
+
 fn main() {
+    Args::parse();
     let quiet = std::process::Command::new("../shared/tools/host-quiet")
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())

@@ -22,6 +22,7 @@
 
 use std::time::Instant;
 
+use clap::Parser;
 use pk_gguf::GgufFile;
 use pk_model::kernels::hugebuf::HugeBuf;
 use pk_model::kernels::stream::{
@@ -29,33 +30,45 @@ use pk_model::kernels::stream::{
 };
 use pk_model::{KvDtype, KvGeometry, KvStore, Llama, SeqForward};
 
+/// Decode speed of the real model through `Llama::forward` alone.
+#[derive(Parser)]
+#[command(name = "decode_bench")]
+struct Args {
+    /// Threads of rayon's pool and the decode pool (raised to the largest of `--compare`).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Rounds of 128 decode steps after the prefill.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Prompt tokens prefilled before the decode steps.
+    #[arg(long, default_value_t = 512)]
+    context: usize,
+    /// Tokens the KV store holds; the engine sizes it to the model's context length.
+    #[arg(long, default_value_t = 8192)]
+    capacity: usize,
+    /// The GGUF model; SmolLM2-135M-Instruct Q4_1 in `~/.cache/pagekeeper` without it.
+    #[arg(long, value_name = "PATH")]
+    model: Option<String>,
+    /// Decode pool thread counts, comma-separated, switched step by step in one process.
+    #[arg(long, value_delimiter = ',')]
+    compare: Vec<usize>,
+    /// Follow every decode step with read passes as fast as DRAM allows, for its share.
+    #[arg(long)]
+    vs_stream: bool,
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let arg = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .map(|i| args[i + 1].clone())
-    };
-    let compare: Vec<usize> = arg("--compare")
-        .map(|v| v.split(',').map(|x| x.parse().unwrap()).collect())
-        .unwrap_or_default();
-    let threads: usize = arg("--threads")
-        .map(|v| v.parse().unwrap())
-        .unwrap_or(1)
-        .max(compare.iter().copied().max().unwrap_or(1));
+    let args = Args::parse();
+    let compare = args.compare;
+    let threads = args.threads.max(compare.iter().copied().max().unwrap_or(1));
     let modes: Vec<usize> = if compare.is_empty() {
         vec![threads]
     } else {
         compare.clone()
     };
-    let reps: usize = arg("--reps").map(|v| v.parse().unwrap()).unwrap_or(3);
-    let context: usize = arg("--context").map(|v| v.parse().unwrap()).unwrap_or(512);
+    let (reps, context, capacity) = (args.reps, args.context, args.capacity);
     let decode = 128;
-    // The engine sizes its store to the model's context length; so does this by default.
-    let capacity: usize = arg("--capacity")
-        .map(|v| v.parse().unwrap())
-        .unwrap_or(8192);
-    let path = arg("--model").unwrap_or_else(|| {
+    let path = args.model.unwrap_or_else(|| {
         format!(
             "{}/.cache/pagekeeper/SmolLM2-135M-Instruct.Q4_1.gguf",
             std::env::var("HOME").unwrap()
@@ -98,7 +111,7 @@ fn main() {
     let prefill = t.elapsed().as_secs_f64();
     let pool = pk_model::kernels::pool::global();
     let read_bytes = model.weights.decode_read_bytes();
-    let stream_buf = args.iter().any(|a| a == "--vs-stream").then(|| {
+    let stream_buf = args.vs_stream.then(|| {
         let mut b = HugeBuf::zeroed(read_bytes);
         b.iter_mut().enumerate().for_each(|(i, v)| *v = i as u8);
         b

@@ -18,6 +18,7 @@
 //! under `PK_ISA=avx2` also against the AVX2 peak, the one an AVX2-only host would have).
 
 mod common;
+use clap::Parser;
 use common::best_of;
 use std::time::Duration;
 
@@ -244,14 +245,20 @@ fn narrowed_to_avx2_peak() -> Option<f64> {
     None
 }
 
+/// Prefill GEMM against the host's int8 multiply-accumulate peak, per core.
+#[derive(Parser)]
+#[command(name = "gemm_peak")]
+struct Args {
+    /// Tokens each GEMM multiplies (prefill's batch).
+    #[arg(long, default_value_t = 512)]
+    tokens: usize,
+    /// Cycle each shape through enough matrices that its weights come from DRAM.
+    #[arg(long)]
+    cold: bool,
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let tokens: usize = args
-        .iter()
-        .position(|a| a == "--tokens")
-        .map(|i| args[i + 1].parse().expect("--tokens N"))
-        .unwrap_or(512);
-    let cold = args.iter().any(|a| a == "--cold");
+    let Args { tokens, cold } = Args::parse();
     let peak = measure_peak();
     let avx2_peak = narrowed_to_avx2_peak();
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);

@@ -8,22 +8,39 @@
 
 use std::time::Instant;
 
+use clap::Parser;
 use pk_gguf::GgufFile;
 use pk_model::attention::{paged_attention, AttnSeq, AttnShape};
 use pk_model::{KvDtype, KvGeometry, KvStore, Llama, SeqForward};
 
+/// What a context-reuse hit costs the model past the load, and attention's share of it.
+#[derive(Parser)]
+#[command(name = "hit_bench")]
+struct Args {
+    /// Threads of rayon's pool, which the forward pass runs on.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Stored context tokens the query attends to.
+    #[arg(long, default_value_t = 1536)]
+    context: usize,
+    /// Query tokens run after the stored context.
+    #[arg(long, default_value_t = 24)]
+    query: usize,
+    /// Timed runs of each measurement; the median is printed.
+    #[arg(long, default_value_t = 20)]
+    reps: usize,
+    /// The GGUF model; SmolLM2-135M-Instruct Q4_1 in `~/.cache/pagekeeper` without it.
+    #[arg(long, value_name = "PATH")]
+    model: Option<String>,
+    /// Store the KV in f32 instead of f16.
+    #[arg(long)]
+    f32: bool,
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let arg = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .map(|i| args[i + 1].clone())
-    };
-    let threads: usize = arg("--threads").map(|v| v.parse().unwrap()).unwrap_or(1);
-    let context: usize = arg("--context").map(|v| v.parse().unwrap()).unwrap_or(1536);
-    let query: usize = arg("--query").map(|v| v.parse().unwrap()).unwrap_or(24);
-    let reps: usize = arg("--reps").map(|v| v.parse().unwrap()).unwrap_or(20);
-    let path = arg("--model").unwrap_or_else(|| {
+    let args = Args::parse();
+    let (threads, context, query, reps) = (args.threads, args.context, args.query, args.reps);
+    let path = args.model.unwrap_or_else(|| {
         format!(
             "{}/.cache/pagekeeper/SmolLM2-135M-Instruct.Q4_1.gguf",
             std::env::var("HOME").unwrap()
@@ -43,11 +60,7 @@ fn main() {
         block_size_tokens: bs,
         num_blocks: (context + query).div_ceil(bs),
     };
-    let dtype = if args.iter().any(|a| a == "--f32") {
-        KvDtype::F32
-    } else {
-        KvDtype::F16
-    };
+    let dtype = if args.f32 { KvDtype::F32 } else { KvDtype::F16 };
     let mut store = KvStore::new(g, dtype);
     let table: Vec<u32> = (0..g.num_blocks as u32).collect();
     let prompt: Vec<u32> = (0..context as u32)

@@ -10,6 +10,7 @@ mod common;
 use common::best_of;
 use std::time::Duration;
 
+use clap::Parser;
 use pk_gguf::GgmlType;
 use pk_model::attention::{paged_attention, AttnSeq, AttnShape};
 use pk_model::kernels::{matmul, place_in_arena, QMatrix};
@@ -29,9 +30,26 @@ fn random_matrix(rng: &mut impl Rng, ty: GgmlType, rows: usize, cols: usize) -> 
     QMatrix::new(ty, rows, cols, data)
 }
 
+/// Micro-benchmark of the hot kernels (quantised matmul, paged attention) at SmolLM2-135M's
+/// shapes.
+#[derive(Parser)]
+#[command(name = "kernel_bench")]
+struct Args {
+    /// Threads of rayon's pool, which the kernels run on.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Keep the decode stream's matrices on 4 KiB pages, not huge ones, to see the TLB's cost.
+    #[arg(long)]
+    small_pages: bool,
+    /// Stop after the decode stream (all matmuls of one token); skip attention.
+    #[arg(long)]
+    stream_only: bool,
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let threads = common::rayon_threads_from_args();
+    let args = Args::parse();
+    let threads = args.threads;
+    common::build_rayon_pool(threads);
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     println!("threads {threads}");
     let shapes = [
@@ -76,7 +94,7 @@ fn main() {
         }
     }
     mats.push(random_matrix(&mut rng, GgmlType::Q8_0, 49152, 576));
-    if !args.iter().any(|a| a == "--small-pages") {
+    if !args.small_pages {
         place_in_arena(&mut mats.iter_mut().collect::<Vec<_>>());
     }
     let bytes: usize = mats.iter().map(|m| m.rows * m.row_bytes()).sum();
@@ -103,7 +121,7 @@ fn main() {
         "decode stream: head alone (from L3) {:>8.0} us",
         t.as_secs_f64() * 1e6
     );
-    if args.iter().any(|a| a == "--stream-only") {
+    if args.stream_only {
         return;
     }
 

@@ -7,6 +7,7 @@
 //! Run: `cargo run --release -p pk-model --example pipe_mix`. x86-64 with AVX2 only.
 
 mod common;
+use clap::Parser;
 use common::best_of;
 use std::arch::asm;
 use std::time::Duration;
@@ -165,7 +166,13 @@ kernel!(
     "vpaddw ymm7, ymm7, ymm13"
 );
 
+/// Issue rates of the AVX2 integer prefill tiles' instructions, alone and mixed; no arguments.
+#[derive(Parser)]
+#[command(name = "pipe_mix")]
+struct Args {}
+
 fn main() {
+    Args::parse();
     if !is_x86_feature_detected!("avx2") {
         eprintln!("pipe_mix: this CPU has no AVX2");
         std::process::exit(2);

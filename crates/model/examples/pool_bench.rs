@@ -9,21 +9,36 @@
 
 use std::time::Instant;
 
+use clap::Parser;
+
+/// Cost and sharing of the decode pool on synthetic regions of pure arithmetic.
+#[derive(Parser)]
+#[command(name = "pool_bench")]
+struct Args {
+    /// Threads (N) of every other region, or of all with `--only-n 1`; the rest run on one.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// Chunks of work in each region.
+    #[arg(long, default_value_t = 16)]
+    chunks: usize,
+    /// Microseconds of arithmetic in each chunk.
+    #[arg(long, default_value_t = 2.0)]
+    work_us: f64,
+    /// Regions run, back to back.
+    #[arg(long, default_value_t = 20000)]
+    regions: usize,
+    /// Microseconds of arithmetic on the calling thread alone between regions.
+    #[arg(long, default_value_t = 0.0)]
+    gap_us: f64,
+    /// 1 runs every region on N threads; 0 alternates 1 and N, so both see the same host load.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+    only_n: u8,
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let arg = |name: &str, d: f64| {
-        args.iter()
-            .position(|a| a == name)
-            .map(|i| args[i + 1].parse().unwrap())
-            .unwrap_or(d)
-    };
-    let threads = arg("--threads", 2.0) as usize;
-    let chunks = arg("--chunks", 16.0) as usize;
-    let work_us = arg("--work-us", 2.0);
-    let regions = arg("--regions", 20000.0) as usize;
-    let gap_us = arg("--gap-us", 0.0);
-    // 0: alternate 1 and N threads region by region; 1: all regions at N threads.
-    let only_n = arg("--only-n", 0.0) as usize == 1;
+    let args = Args::parse();
+    let (threads, chunks, work_us) = (args.threads, args.chunks, args.work_us);
+    let (regions, gap_us, only_n) = (args.regions, args.gap_us, args.only_n == 1);
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build_global()

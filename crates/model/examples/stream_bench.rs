@@ -11,14 +11,21 @@
 //!
 //! Usage: `cargo run --release -p pk-model --example stream_bench [MiB]` (default 1024).
 
+use clap::Parser;
 use pk_model::kernels::hugebuf::HugeBuf;
 use pk_model::kernels::stream::{best_seconds, read_pass_plain, read_pass_prefetched};
 
+/// This machine's DRAM read bandwidth, the bound on memory-bound decode.
+#[derive(Parser)]
+#[command(name = "stream_bench")]
+struct Args {
+    /// Size of the buffer read, far larger than the caches.
+    #[arg(value_name = "MiB", default_value_t = 1024)]
+    mib: usize,
+}
+
 fn main() {
-    let mib: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(1024);
+    let mib = Args::parse().mib;
     let mut buf = HugeBuf::zeroed(mib << 20);
     for (i, v) in buf.iter_mut().enumerate() {
         *v = i as u8;

@@ -11,15 +11,23 @@
 //!
 //! `cargo run --release -p pk-tokenizer --example kvzip_ids -- MODEL.gguf > ids.json`
 
+use clap::Parser;
 use pk_tokenizer::{ChatTemplate, Tokenizer};
 
 const FIRST: &str = "\n\nRepeat the previous context exactly.";
 const LATER: &str = "\n\nRepeat the part of the previous context exactly, starting with";
 
+/// Prints, as JSON, the token ids KVzip's reconstruction pass needs in a model's vocabulary.
+#[derive(Parser)]
+#[command(name = "kvzip_ids")]
+struct Args {
+    /// The GGUF model whose tokenizer and chat template are read.
+    #[arg(value_name = "MODEL.gguf")]
+    model: String,
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let path = std::env::args()
-        .nth(1)
-        .ok_or("usage: kvzip_ids MODEL.gguf")?;
+    let path = Args::parse().model;
     let file = pk_gguf::GgufFile::open(&path)?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let template = ChatTemplate::from_gguf(&file)?;

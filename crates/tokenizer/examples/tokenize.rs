@@ -2,11 +2,21 @@
 //! Special tokens in the text (`<|im_start|>`) are parsed; `\n` in the argument stays literal.
 use std::time::Instant;
 
+use clap::Parser;
+
+/// Prints the token ids and pieces of a text.
+#[derive(Parser)]
+#[command(name = "tokenize")]
+struct Args {
+    /// The GGUF model whose tokenizer is read.
+    #[arg(value_name = "MODEL.gguf")]
+    model: String,
+    /// The text; after `--` where it starts with `-`, so that a mistyped flag is refused.
+    text: String,
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mut args = std::env::args().skip(1);
-    let (Some(path), Some(text)) = (args.next(), args.next()) else {
-        return Err("usage: tokenize MODEL.gguf TEXT".into());
-    };
+    let Args { model: path, text } = Args::parse();
     let started = Instant::now();
     let file = pk_gguf::GgufFile::open(&path)?;
     let tokenizer = pk_tokenizer::Tokenizer::from_gguf(&file)?;

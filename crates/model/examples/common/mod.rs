@@ -18,22 +18,11 @@ pub fn best_of(min: Duration, mut f: impl FnMut()) -> Duration {
     best
 }
 
-/// `--threads N` from the command line (1 without it), with rayon's global pool built to
-/// that many threads.
-pub fn rayon_threads_from_args() -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    let threads = args
-        .iter()
-        .position(|a| a == "--threads")
-        .map(|i| {
-            let v = args.get(i + 1).expect("--threads needs a value");
-            v.parse()
-                .unwrap_or_else(|_| panic!("--threads {v}: not a count"))
-        })
-        .unwrap_or(1);
+/// Builds rayon's global pool with `threads` threads (an example's `--threads`), so that
+/// the kernels run on as many as asked and no more.
+pub fn build_rayon_pool(threads: usize) {
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build_global()
         .unwrap();
-    threads
 }
