@@ -36,15 +36,17 @@ quiet=../shared/tools/host-quiet
 
 grep -o -w -E 'avx2|avx512f|avx512_vnni|amx_int8' /proc/cpuinfo | sort -u | tr '\n' ' ' | sed 's/^/CPU flags: /'; echo
 grep -m1 'model name' /proc/cpuinfo
-printf '%-6s %-5s %-28s %-14s %-14s\n' round plan host-quiet "1 thread" "2 threads"
+printf '%-6s %-5s %-11s %-10s %-10s\n' round plan host-quiet "1 thread" "2 threads"
 for round in $(seq "$rounds"); do
     for plan in "${plans[@]}"; do
         q=$("$quiet" 2>/dev/null) || true
+        q=${q#stalled_fraction_max=}
+        q=${q%% *}
         out=$(PK_PREFETCH_PLAN=$plan "$bench" --model "$model" --reps 1 --context 16 --compare 1,2 --vs-stream 2>&1)
         # "threads N vs stream (...): share of the DRAM bound per step median X % (...)"
         share() {
             grep -E "^threads $1 vs stream" <<< "$out" | sed -E 's/.*per step median ([0-9.]+) %.*/\1 %/'
         }
-        printf '%-6s %-5s %-28s %-14s %-14s\n' "$round" "$plan" "${q:-n/a}" "$(share 1)" "$(share 2)"
+        printf '%-6s %-5s %-11s %-10s %-10s\n' "$round" "$plan" "${q:-n/a}" "$(share 1)" "$(share 2)"
     done
 done
