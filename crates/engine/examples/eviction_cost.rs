@@ -20,6 +20,8 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+mod common;
+use common::comma_list;
 use pk_engine::{Engine, EngineConfig, EvictionStats, GenerateParams};
 
 const BUDGET_TOKENS: u32 = 1024;
@@ -54,16 +56,6 @@ struct Args {
     /// Decoded tokens whose cost is measured, after the first.
     #[arg(default_value_t = 256)]
     decode: usize,
-}
-
-/// A comma-separated list given as one argument (`4096,8192`).
-fn comma_list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>, String>
-where
-    T::Err: std::fmt::Display,
-{
-    s.split(',')
-        .map(|x| x.parse().map_err(|e| format!("{x:?}: {e}")))
-        .collect()
 }
 
 fn main() -> anyhow::Result<()> {

@@ -15,6 +15,8 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+mod common;
+use common::comma_list;
 use pk_engine::{Engine, EngineConfig, GenerateParams};
 use pk_kv::{KvGranularity, PolicySpec};
 use serde_json::{json, Value};
@@ -39,16 +41,6 @@ struct Args {
     budgets: ::std::vec::Vec<u32>,
     /// How many samples are run: those numbered below it, each once.
     samples: u64,
-}
-
-/// A comma-separated list given as one argument (`4096,8192`).
-fn comma_list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>, String>
-where
-    T::Err: std::fmt::Display,
-{
-    s.split(',')
-        .map(|x| x.parse().map_err(|e| format!("{x:?}: {e}")))
-        .collect()
 }
 
 fn main() -> anyhow::Result<()> {

@@ -6,6 +6,10 @@
 
 use anyhow::Result;
 use clap::Parser;
+// The engine examples' argument helpers, compiled here too.
+#[path = "../../engine/examples/common/mod.rs"]
+mod common;
+use common::comma_list;
 use pk_engine::{Engine, EngineConfig};
 use pk_eval::runner::{self, KvSetting};
 use pk_eval::tasks::{self, Task};
@@ -37,16 +41,6 @@ struct Args {
     /// The engine's bound on tokens per forward pass (`max_batch_tokens`).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
-}
-
-/// A comma-separated list given as one argument (`4096,8192`).
-fn comma_list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>, String>
-where
-    T::Err: std::fmt::Display,
-{
-    s.split(',')
-        .map(|x| x.parse().map_err(|e| format!("{x:?}: {e}")))
-        .collect()
 }
 
 fn main() -> Result<()> {
