@@ -3,25 +3,24 @@
 //! range before any row moves to the next, with each row's softmax state kept in memory
 //! between ranges (`attn512` NOTE 3: the same bits as one uninterrupted walk).
 //!
-//! Why: at 8K keys one KV head's f16 K and V take 4 MiB, more than a core's L2, and the
-//! task's 96 pairs of rows (32 tokens × 6 heads of Qwen2.5-1.5B, two rows a kernel call)
-//! each streamed all of it again from L3, widening every f16 value to f32 on the way. Here
-//! a range's K/V are widened once into an f32 scratch small enough to stay in L1 while
-//! every row pair reads it ([`range_keys`]; BENCHMARKS.md, "Issue 39 on an Intel Xeon with
-//! AMX").
+//! Why: at 8K keys one KV head's f16 K and V take 4 MiB, more than a core's L2, and the task's
+//! 96 pairs of rows (32 tokens × 6 heads of Qwen2.5-1.5B, two rows a kernel call) each streamed
+//! all of it again from L3, widening every f16 value to f32 on the way. Here a range's K/V are
+//! widened once into an f32 scratch small enough to stay in L1 while every row pair reads it
+//! ([`range_keys`]; docs/results/benchmarks-history.md, "Issue 39 on an Intel Xeon with AMX").
 
 use std::cell::RefCell;
 
 use crate::kernels::attn512::{self, HeadKv, Row, RowState};
 
-/// Keys per range: as many as keep the range's K and V in f32 within two thirds of the
-/// core's L1 data cache (the rest holds the rows' queries and states), rounded down to
-/// whole blocks, at least one. Each pair of rows then reads the range from L1 instead of
-/// L2: with ranges of 256 keys (256 KiB of a 128-wide head, the L2-sized first choice)
-/// every pair streamed 16 KiB from L2 per 512 multiply-adds, and L2 bandwidth, not the FMA
-/// ports, bounded the kernel. On a 48 KiB L1 (Sapphire Rapids) a 128-wide head gets 32
-/// keys: `bench perf --contexts 8192` on Qwen2.5-Coder-1.5B went from 87.6 to 99.4 tok/s
-/// (BENCHMARKS.md, "Long-prompt attention from L1"); 16 and 48 keys were slower than 32.
+/// Keys per range: as many as keep the range's K and V in f32 within two thirds of the core's
+/// L1 data cache (the rest holds the rows' queries and states), rounded down to whole blocks,
+/// at least one. Each pair of rows then reads the range from L1 instead of L2: with ranges of
+/// 256 keys (256 KiB of a 128-wide head, the L2-sized first choice) every pair streamed 16 KiB
+/// from L2 per 512 multiply-adds, and L2 bandwidth, not the FMA ports, bounded the kernel. On a
+/// 48 KiB L1 (Sapphire Rapids) a 128-wide head gets 32 keys: `bench perf --contexts 8192` on
+/// Qwen2.5-Coder-1.5B went from 87.6 to 99.4 tok/s (docs/results/benchmarks-history.md,
+/// "Long-prompt attention from L1"); 16 and 48 keys were slower than 32.
 fn range_keys(head_dim: usize, block_size: usize) -> usize {
     let budget_bytes = l1d_bytes() * 2 / 3;
     let keys = budget_bytes / (head_dim * 2 * std::mem::size_of::<f32>()).max(1);

@@ -34,11 +34,11 @@
 //! the bits of one uninterrupted walk. Long prefill uses it to take a range of keys
 //! through every row of a tile while the range's K/V stay in L2 (`attention::tile`).
 //!
-//! NOTE 4 (independent chains): a chunk's scores are two FMA chains per row (even and odd
-//! `d`), so with 2 rows (head_dim 128) one chunk kept 4 chains of a 4-cycle FMA in flight,
-//! half of what two FMA ports need. Stage 1 takes `SCORE_CHUNKS` chunks in one pass over
-//! `d`: more independent chains, and each chunk's own operations are unchanged, so the
-//! bits are too (BENCHMARKS.md, "Issue 39 on an Intel Xeon with AMX").
+//! NOTE 4 (independent chains): a chunk's scores are two FMA chains per row (even and odd `d`),
+//! so with 2 rows (head_dim 128) one chunk kept 4 chains of a 4-cycle FMA in flight, half of
+//! what two FMA ports need. Stage 1 takes `SCORE_CHUNKS` chunks in one pass over `d`: more
+//! independent chains, and each chunk's own operations are unchanged, so the bits are too
+//! (docs/results/benchmarks-history.md, "Issue 39 on an Intel Xeon with AMX").
 
 use std::arch::x86_64::*;
 

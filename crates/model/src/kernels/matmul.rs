@@ -164,14 +164,14 @@ const POOL_TAIL_DIV: usize = 16;
 /// the threads at the region's end; where the equal chunks would be below `min_groups`,
 /// the whole region is guided.
 ///
-/// Why front-loaded: every chunk starts a new stream whose first lines nobody fetched
-/// ahead, and with the whole region guided (chunks of a quarter, a sixth, … of what is
-/// left) two threads leapfrog each other through a matrix in about ten streams each.
-/// Alternating in one process on Qwen2.5-Coder-1.5B (AMX host, 2026-12-06, BENCHMARKS.md),
-/// two-thread decode reached 80.4 % of the DRAM bound guided, 82.6 % in two exact halves,
-/// 83.1 % front-loaded; the thread that takes the second equal chunk ends where the tail
-/// starts, so it goes on in the same stream. Before the guided split, fixed chunks of
-/// ≈ 2 µs held two threads to 54 % of the bound (BENCHMARKS.md, "Issue 39 on an Intel Xeon
+/// Why front-loaded: every chunk starts a new stream whose first lines nobody fetched ahead,
+/// and with the whole region guided (chunks of a quarter, a sixth, … of what is left) two
+/// threads leapfrog each other through a matrix in about ten streams each. Alternating in one
+/// process on Qwen2.5-Coder-1.5B (AMX host, 2026-12-06, docs/results/benchmarks-history.md),
+/// two-thread decode reached 80.4 % of the DRAM bound guided, 82.6 % in two exact halves, 83.1
+/// % front-loaded; the thread that takes the second equal chunk ends where the tail starts, so
+/// it goes on in the same stream. Before the guided split, fixed chunks of ≈ 2 µs held two
+/// threads to 54 % of the bound (docs/results/benchmarks-history.md, "Issue 39 on an Intel Xeon
 /// with AMX"). Writes the chunk ends into `ends` and returns how many there are.
 fn front_loaded_chunk_ends(
     n_groups: usize,

@@ -42,17 +42,17 @@
 //! had its own float update, six vector operations per 8 rows and token. The references
 //! are `q8k::dot_q4k` and `q8k::dot_q6k`, whose integer sums and float steps these are.
 //!
-//! NOTE 6: a decode tile's weight prefetches for the block ahead are issued at three points
-//! of each block's work (its first line before the unpacking, its second after it, the
-//! rest after the block's dot products and scale update) instead of all at once before the
-//! block's own loads. The burst of up to ten `prefetcht2`/`prefetcht0` in front of the
-//! loads made those loads wait; spread out, Qwen2.5-Coder-1.5B's decode went from 14.7–14.9
-//! to 15.4–16.1 tok/s at one thread and from 27.0–27.1 to 27.7–28.2 at two (`decode_bench`,
-//! alternating builds; BENCHMARKS.md, 2026-12-06). Other placements, alternating in one
-//! run (median tok/s at one thread, against 15.4–16.0 for this one): all after the block's
-//! work, as before; the far ones in a burst with only the near ones spread, 13.6; the far
-//! ones alone, spread, 13.6; the near ones in a burst with the far ones spread, 14.4; the
-//! near ones a part behind the far ones, 15.1–15.6.
+//! NOTE 6: a decode tile's weight prefetches for the block ahead are issued at three points of
+//! each block's work (its first line before the unpacking, its second after it, the rest after
+//! the block's dot products and scale update) instead of all at once before the block's own
+//! loads. The burst of up to ten `prefetcht2`/`prefetcht0` in front of the loads made those
+//! loads wait; spread out, Qwen2.5-Coder-1.5B's decode went from 14.7–14.9 to 15.4–16.1 tok/s
+//! at one thread and from 27.0–27.1 to 27.7–28.2 at two (`decode_bench`, alternating builds;
+//! docs/results/benchmarks-history.md, 2026-12-06). Other placements, alternating in one run
+//! (median tok/s at one thread, against 15.4–16.0 for this one): all after the block's work, as
+//! before; the far ones in a burst with only the near ones spread, 13.6; the far ones alone,
+//! spread, 13.6; the near ones in a burst with the far ones spread, 14.4; the near ones a part
+//! behind the far ones, 15.1–15.6.
 //!
 //! NOTE 7: what bounds the AVX2 prefill tiles, measured on an AMD EPYC Zen 3 at 3.2 GHz with
 //! independent chains of one instruction or a mix (`examples/pipe_mix.rs`; BENCHMARKS.md,
@@ -414,15 +414,16 @@ const PREFETCH_NEAR_BYTES: usize = 512;
 pub enum PrefetchPlan {
     /// Into L1 [`PREFETCH_AHEAD_BYTES`] ahead (`PK_PREFETCH_PLAN=near`).
     Near,
-    /// Into L2 [`PREFETCH_FAR_BYTES`] ahead and into L1 [`PREFETCH_NEAR_BYTES`] ahead
-    /// (`far`), Intel's default: on the AMX host the pair raised Qwen2.5-1.5B decode
-    /// 1.10–1.12× at 1 and 2 threads against `near` (BENCHMARKS.md, "Issue 39 on an Intel
-    /// Xeon with AMX").
+    /// Into L2 [`PREFETCH_FAR_BYTES`] ahead and into L1 [`PREFETCH_NEAR_BYTES`] ahead (`far`),
+    /// Intel's default: on the AMX host the pair raised Qwen2.5-1.5B decode 1.10–1.12× at 1 and
+    /// 2 threads against `near` (docs/results/benchmarks-history.md, "Issue 39 on an Intel Xeon
+    /// with AMX").
     TwoLevel,
     /// Into L2 [`PREFETCH_FAR_BYTES`] ahead only (`l2`), AMD's default: on an AMD EPYC
     /// (Zen 3, AVX2 only) `near` left one thread at 76–82 % of the DRAM bound on
     /// Qwen2.5-1.5B, 1 KiB being too short for its latency, and this plan decoded faster
-    /// than both others at 1 and 2 threads (BENCHMARKS.md, 2026-12-07).
+    /// than both others at 1 and 2 threads (docs/results/benchmarks-history.md, 2026-12-07,
+    /// eighteenth session; BENCHMARKS.md's plan sweep on Zen 3 confirms it at one thread).
     L2,
 }
 
