@@ -9,6 +9,7 @@ use clap::Args;
 use pk_connectors::Attached;
 use pk_engine::model_store::resolve_model;
 use pk_engine::perplexity::PerplexityResult;
+use pk_engine::sampler::GREEDY_BELOW_TEMPERATURE;
 use pk_engine::{GenerateParams, SamplingParams};
 use pk_tokenizer::ChatMessage;
 
@@ -212,10 +213,11 @@ fn chat_template_kwargs(
     Ok(map)
 }
 
-/// Greedy decoding (`--temperature 0`, the default) takes the most likely token, so the
-/// sampling flags would be accepted and unused there: refused by name instead.
+/// Greedy decoding (`--temperature 0`, the default, or any temperature below
+/// [`GREEDY_BELOW_TEMPERATURE`]) takes the most likely token, so the sampling flags would be
+/// accepted and unused there: refused by name instead.
 fn check_sampling(a: &GenerateArgs) -> Result<()> {
-    if a.temperature != 0.0 {
+    if a.temperature >= GREEDY_BELOW_TEMPERATURE {
         return Ok(());
     }
     for (set, flag) in [

@@ -5,12 +5,18 @@
 //! The order follows vLLM's: processors change the logits first (bias, then penalties),
 //! and the distribution they give is what `logprobs` reports; then top-k, temperature,
 //! min-p and top-p choose among them. Temperature 0 means greedy (argmax), ties broken
-//! towards the lower token id so that greedy output is deterministic.
+//! towards the lower token id so that greedy output is deterministic; so does any temperature
+//! below [`GREEDY_BELOW_TEMPERATURE`], as in vLLM.
 
 use std::collections::HashMap;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+/// Temperatures below this sample greedily, vLLM's `_SAMPLING_EPS`. Dividing logits by a
+/// tiny temperature overflows: at 1e-39 (a subnormal f32) `1 / t` is infinite, the top
+/// logit's weight `0 × ∞` is NaN, and the draw fell through to the least likely kept token.
+pub const GREEDY_BELOW_TEMPERATURE: f32 = 1e-5;
 
 #[derive(Debug, Clone)]
 pub struct SamplingParams {
@@ -259,7 +265,7 @@ impl Sampler {
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.params.temperature == 0.0 {
+        if self.params.temperature < GREEDY_BELOW_TEMPERATURE {
             return argmax(logits);
         }
         let c = &mut self.candidates;
@@ -342,6 +348,22 @@ mod tests {
     fn greedy_picks_first_max() {
         let mut s = Sampler::new(SamplingParams::default());
         assert_eq!(s.sample(&[0.0, 3.0, 3.0, 1.0]), 1);
+    }
+
+    #[test]
+    fn a_tiny_temperature_is_greedy() {
+        // 1e-39 is a subnormal f32 whose inverse is infinite: it once drew the least likely
+        // token. Every temperature below the threshold takes the argmax.
+        for temperature in [1e-39, 1e-30, 1e-6] {
+            let mut s = Sampler::new(SamplingParams {
+                temperature,
+                seed: Some(3),
+                ..Default::default()
+            });
+            for _ in 0..20 {
+                assert_eq!(s.sample(&[-1.0, 2.0, 1.9, -30.0]), 1, "temperature {temperature}");
+            }
+        }
     }
 
     #[test]

@@ -186,6 +186,7 @@ fn request_error(e: &RequestError) -> ApiError {
     }
 }
 
+mod body;
 mod chat;
 mod completions;
 mod params;

@@ -5,6 +5,11 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+/// A flag that may be `null`, which OpenAI's API (and vLLM) read as absent: false.
+fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
+}
+
 /// `stop` may be a string or a list of strings.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -34,10 +39,10 @@ pub enum PromptField {
 
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct StreamOptions {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub include_usage: bool,
     /// vLLM's: every chunk carries the usage so far (`include_usage` adds the final one).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub continuous_usage_stats: bool,
     /// Every other key: refused by name (`unsupported_field`), as the body's.
     #[serde(flatten)]
@@ -55,11 +60,11 @@ pub struct CommonParams {
     pub top_k: Option<i64>,
     pub seed: Option<i64>,
     pub stop: Option<StopField>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub n: Option<i64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub ignore_eos: bool,
     pub kv_policy: Option<String>,
     pub kv_budget: Option<i64>,
@@ -180,7 +185,7 @@ fn first_unsupported(
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
     pub prompt: PromptField,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub echo: bool,
     /// Text after the completion: fill-in-the-middle with the model's FIM tokens.
     pub suffix: Option<String>,

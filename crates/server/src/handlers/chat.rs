@@ -46,10 +46,10 @@ fn message_text(content: &Option<Value>) -> Result<String, ApiError> {
 
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
-    body: Result<Json<ChatRequest>, JsonRejection>,
+    body: Result<Json<Value>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     check_ready(&state)?;
-    let Json(req) = body?;
+    let req: ChatRequest = super::body::typed(body, state.limits.max_request_body_bytes)?;
     let tools = super::tools::parse(&req.tools, &req.tool_choice, req.parallel_tool_calls)?;
     let (req, tools, prompt_ids) = {
         let st = state.clone();

@@ -100,10 +100,10 @@ fn fim_tokens(tokenizer: &Tokenizer) -> Result<[u32; 3], ApiError> {
 
 pub async fn completions(
     State(state): State<Arc<AppState>>,
-    body: Result<Json<CompletionRequest>, JsonRejection>,
+    body: Result<Json<Value>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     check_ready(&state)?;
-    let Json(req) = body?;
+    let req: CompletionRequest = super::body::typed(body, state.limits.max_request_body_bytes)?;
     // Tokenizing (up to 4 MiB of text) runs on the blocking pool.
     let (req, prompts) = {
         let tokenizer = state.tokenizer.clone();
