@@ -113,13 +113,12 @@ impl std::fmt::Debug for ContextReuse {
 impl ContextReuse {
     pub fn new(
         cfg: &ContextReuseConfig,
-        model_name: &str,
         namespace: &CacheNamespace,
         block_size_tokens: usize,
         groups: Option<&KvGroupLayout>,
     ) -> anyhow::Result<ContextReuse> {
         let keyer = ChunkKeyer::new(
-            model_name,
+            crate::KEY_MODEL_ID,
             namespace.as_bytes(),
             cfg.chunk_size_tokens,
             block_size_tokens,
@@ -294,7 +293,9 @@ impl KvConnector for ContextReuse {
         }
         let loaded = written.then(|| Loaded {
             tokens,
-            exact: ctx.n_tokens() == tokens && report.config.starts_with("none-"),
+            exact: ctx.n_tokens() == tokens
+                && report.config.starts_with("none-")
+                && crate::reload_is_exact(backend.kv()),
             wants_save: false,
             origin: Some(origin_of(report)),
         });

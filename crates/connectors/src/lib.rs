@@ -26,6 +26,22 @@ pub use contexts::{ContextReuse, ContextReuseConfig, ContextReuseStats};
 pub use prefix_kv::PrefixKv;
 pub use tiering::{Tiering, TieringConfig, TieringStats, DEFAULT_WINDOW_CHECKPOINT_TOKENS};
 
+/// The model's name in the connectors' chunk keys: none beyond the cache namespace, which
+/// holds the weights' content hash. The engine's `model_name` is the name it serves under
+/// (`--served-model-name`), which replicas of the same weights need not share; keyed by it,
+/// they never hit each other's chunks.
+pub const KEY_MODEL_ID: &str = "";
+
+/// Whether KV read out of a pool of `kv`'s dtype, stored by a connector in f16 (codec
+/// `none`) and written back, is what prefill computed: only for an f16 pool. An f32 pool
+/// loses bits in f16, and a q8 or q4 pool re-quantizes the f16 copy of its dequantized
+/// values, which can round a group's scale or a value differently. Loads into other pools
+/// are reported inexact, so that their sequences feed neither the prefix cache nor the
+/// store.
+pub(crate) fn reload_is_exact(kv: &dyn pk_model::KvBlocks) -> bool {
+    kv.dtype() == pk_model::KvDtype::F16
+}
+
 /// Which connector an engine reuses prompt KV through.
 #[derive(Clone, Debug)]
 pub enum ReuseConfig {
@@ -63,7 +79,6 @@ impl Attached {
 /// it (the engine must have nothing in flight). Both stores keep an engine's KV cache
 /// groups, keyed by a namespace that names them.
 pub fn attach(engine: &mut Engine, cfg: &ReuseConfig) -> Result<Attached> {
-    let name = engine.model_name.clone();
     let namespace = engine.cache_namespace().clone();
     let block_tokens = engine.config.block_size_tokens as usize;
     let attached = match cfg {
@@ -72,7 +87,6 @@ pub fn attach(engine: &mut Engine, cfg: &ReuseConfig) -> Result<Attached> {
             let groups = engine.kv_group_layout();
             let tiering = Tiering::new(
                 t,
-                &name,
                 &namespace,
                 block_tokens,
                 bytes_per_token,
@@ -82,7 +96,7 @@ pub fn attach(engine: &mut Engine, cfg: &ReuseConfig) -> Result<Attached> {
         }
         ReuseConfig::Contexts(c) => {
             let groups = engine.kv_group_layout();
-            let contexts = ContextReuse::new(c, &name, &namespace, block_tokens, groups.as_ref())?;
+            let contexts = ContextReuse::new(c, &namespace, block_tokens, groups.as_ref())?;
             Attached::Contexts(Arc::new(contexts))
         }
     };

@@ -144,13 +144,12 @@ impl Drop for Tiering {
 }
 
 impl Tiering {
-    /// The tiers `cfg` describes, keyed under `namespace` for `model_name`'s KV in blocks of
+    /// The tiers `cfg` describes, keyed under `namespace` (the model's KV) in blocks of
     /// `block_size_tokens` (`bytes_per_token` sizes the writer's queue), for an engine with
     /// the KV cache groups `groups` (`None`: one table). The namespace of an engine with
     /// groups names their layout (`CacheNamespace::with_kv_groups`).
     pub fn new(
         cfg: &TieringConfig,
-        model_name: &str,
         namespace: &CacheNamespace,
         block_size_tokens: usize,
         bytes_per_token: usize,
@@ -169,7 +168,7 @@ impl Tiering {
             })
             .transpose()?;
         let keyer = ChunkKeyer::new(
-            model_name,
+            crate::KEY_MODEL_ID,
             namespace.as_bytes(),
             cfg.chunk_size_tokens,
             block_size_tokens,
@@ -224,8 +223,9 @@ impl Tiering {
         let chunk = self.chunk_size_tokens();
         let g = store.geometry();
         let mut loaded_tokens = 0;
-        for loaded in self.store.load_prefix(keys) {
-            let ctx = match pk_codec::decode(&loaded.payload, &self.fingerprint) {
+        for (key, loaded) in keys.iter().zip(self.store.load_prefix(keys)) {
+            let decoded = pk_codec::decode(&loaded.payload, &self.fingerprint);
+            let ctx = match decoded {
                 Ok(c)
                     if c.positions.len() == chunk
                         && c.n_layers == g.n_layers
@@ -234,8 +234,8 @@ impl Tiering {
                 {
                     c
                 }
-                _ => {
-                    lock(&self.stats).load_failures += 1;
+                other => {
+                    self.discard_corrupt(key, other.err());
                     break;
                 }
             };
@@ -346,9 +346,12 @@ impl KvConnector for Tiering {
             None => found,
             Some(g) => self.grouped_lookup(g, &mut chunks, found),
         };
+        // A hit asks for the prompt's KV too: a load that finds a chunk corrupt deletes it
+        // and leaves the engine to compute the prompt, whose KV stores it again. A load that
+        // succeeds answers for itself.
         let answer = Lookup {
             loadable_tokens: hit * self.chunk_size_tokens(),
-            wants_save: self.wants_more(&chunks),
+            wants_save: self.wants_more(&chunks) || hit > 0,
         };
         lock(&self.requests).insert(request, chunks);
         answer
@@ -393,7 +396,7 @@ impl KvConnector for Tiering {
         let wants_save = self.wants_more(r);
         (loaded > 0).then_some(Loaded {
             tokens: loaded,
-            exact: true,
+            exact: crate::reload_is_exact(backend.kv()),
             wants_save,
             origin: None,
         })
@@ -444,6 +447,20 @@ impl KvConnector for Tiering {
 }
 
 impl Tiering {
+    /// Deletes a payload a tier served that fails the codec's checks (`why`) or has the
+    /// wrong shape (`None`) from every tier, counted and logged: kept, it would fail every
+    /// later load of its prefix, since storing the recomputed chunk under its key would only
+    /// refresh it.
+    pub(crate) fn discard_corrupt(&self, key: &ChunkKey, why: Option<CodecError>) {
+        lock(&self.stats).load_failures += 1;
+        let held = self.store.discard(key);
+        let why = why.map_or_else(
+            || "the wrong shape for this pool".to_owned(),
+            |e| e.to_string(),
+        );
+        tracing::warn!("a stored KV chunk is unusable ({why}); deleted from {held} tier(s), it is stored again once recomputed");
+    }
+
     /// Whether a request still has something to store: a whole chunk, or (with KV cache
     /// groups) a hit point's window layers.
     fn wants_more(&self, r: &RequestChunks) -> bool {

@@ -13,7 +13,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pk_connectors::{ReuseConfig, Tiering, TieringConfig};
+use pk_connectors::{ReuseConfig, Tiering, TieringConfig, KEY_MODEL_ID};
 use pk_engine::model_store::{known_model_path, GEMMA3_270M};
 use pk_engine::{Engine, EngineConfig, GenerateOutput, GenerateParams};
 use pk_tiers::{DiskTier, DiskTierConfig, RamTier, Tier, TieredStore};
@@ -421,9 +421,8 @@ fn a_whole_prefix_kv_is_placed_by_group_and_a_dropped_one_is_refused() {
     let attached =
         pk_connectors::attach(&mut flat, &ReuseConfig::Chunks(tiers(store.clone(), None))).unwrap();
     flat.generate(&prompt, &greedy(), &mut |_| {}).unwrap();
-    let keyer =
-        pk_tiers::ChunkKeyer::new(&flat.model_name, flat.cache_namespace().as_bytes(), 256, 16)
-            .unwrap();
+    let keyer = pk_tiers::ChunkKeyer::new(KEY_MODEL_ID, flat.cache_namespace().as_bytes(), 256, 16)
+        .unwrap();
     let fingerprint = flat.cache_namespace().kv_fingerprint();
     drop(flat);
     drop(attached);
@@ -485,7 +484,6 @@ fn a_connector_for_the_other_layout_is_refused() {
         Arc::new(
             Tiering::new(
                 &tiers(store.clone(), None),
-                &e.model_name,
                 e.cache_namespace(),
                 16,
                 e.kv_bytes_per_token(),
@@ -545,13 +543,9 @@ fn a_corrupted_window_payload_is_detected_recomputed_and_stored_again() {
         &store,
         s.full_attention_bytes_queued + s.window_bytes_queued,
     );
-    let keyer = pk_tiers::ChunkKeyer::new(
-        &first.model_name,
-        first.cache_namespace().as_bytes(),
-        256,
-        16,
-    )
-    .unwrap();
+    let keyer =
+        pk_tiers::ChunkKeyer::new(KEY_MODEL_ID, first.cache_namespace().as_bytes(), 256, 16)
+            .unwrap();
     drop((first, t1, store));
     // 1,199 tokens before the last: 4 chunks; the end's window needs chunks 2 and 3.
     let window_key = keyer.keys(&prompt[..1024], None)[3].window_layers();

@@ -245,6 +245,23 @@ impl TieredStore {
         keys.iter().map_while(|k| self.load(k)).collect()
     }
 
+    /// Deletes `key` from every tier, for a payload a tier served that its reader found
+    /// corrupt (a codec check that the tier's own checksum cannot see, or the wrong shape).
+    /// Storing the key again would not replace it: a tier re-storing a key it holds only
+    /// refreshes it, and the load has promoted the payload into the faster tiers. Returns
+    /// how many tiers held it.
+    pub fn discard(&self, key: &ChunkKey) -> usize {
+        let mut held = 0;
+        for slot in &self.slots {
+            match slot.tier.delete(key) {
+                Ok(true) => held += 1,
+                Ok(false) => {}
+                Err(e) => slot.error("delete", &e),
+            }
+        }
+        held
+    }
+
     /// Stores into the fastest tier; LRU victims cascade into slower tiers.
     pub fn store(&self, key: &ChunkKey, payload: &Payload) -> StoreReport {
         let mut report = StoreReport::default();

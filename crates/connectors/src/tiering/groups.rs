@@ -312,12 +312,12 @@ impl Tiering {
     ) -> Option<pk_codec::KvContext> {
         let geo = store.geometry();
         let chunk = self.chunk_size_tokens();
-        let ctx = self
-            .store
-            .load(key)
-            .and_then(|loaded| pk_codec::decode(&loaded.payload, &self.fingerprint).ok());
-        match ctx {
-            Some(c)
+        let Some(loaded) = self.store.load(key) else {
+            lock(&self.stats).load_failures += 1;
+            return None;
+        };
+        match pk_codec::decode(&loaded.payload, &self.fingerprint) {
+            Ok(c)
                 if c.positions.len() == chunk
                     && c.n_layers == n_layers
                     && c.n_kv_heads == geo.n_kv_heads
@@ -325,8 +325,8 @@ impl Tiering {
             {
                 Some(c)
             }
-            _ => {
-                lock(&self.stats).load_failures += 1;
+            other => {
+                self.discard_corrupt(key, other.err());
                 None
             }
         }
