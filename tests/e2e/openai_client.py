@@ -381,7 +381,45 @@ for path, base_body, honoured, refused, bad in [
         assert status == 400 and err.get("param") == field, (path, field, status, err)
     for field, value in bad.items():
         status, err = post(path, {**base_body, field: value})
-        assert status == 400, (path, field, value, status, err)
+        # The error names the field (a nested one by its path: stream_options.include_usage).
+        assert status == 400 and (err.get("param") or "").split(".")[0] == field, (path, field, value, status, err)
+
+# Found by review (2026-12-07): each is refused naming its field, or honoured.
+for body, param in [({**chat_base, "stop": ""}, "stop"), ({**chat_base, "stop": ["\n", ""]}, "stop"),
+                    ({**chat_base, "response_format": {"type": "text", "foo": 1}}, "response_format.foo"),
+                    ({**chat_base, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}, "bar": 1}}},
+                     "response_format.json_schema.bar"),
+                    ({**chat_base, "max_completion_tokens": 0}, "max_completion_tokens"),
+                    ({**chat_base, "temperature": "hot"}, "temperature"),
+                    ({**comp_base, "prompt": [999999]}, "prompt")]:
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    status, err = post(path, body)
+    assert status == 400 and err.get("param") == param, (body, status, err)
+for body in [{**chat_base, "stream": None, "ignore_eos": None},
+             {**chat_base, "response_format": {"type": "json_schema", "json_schema": {"name": "o", "description": "d", "strict": True,
+                                                                                       "schema": {"type": "object"}}}}]:
+    status, err = post("/v1/chat/completions", body)
+    assert status == 200, (body, status, err)
+try:
+    urllib.request.urlopen(base + "/v1/chat/completions")
+    raise AssertionError("a GET of a POST route must be refused")
+except urllib.error.HTTPError as err:
+    assert err.code == 405 and "does not accept GET" in json.loads(err.read())["error"]["message"]
+# A temperature so small that its inverse overflows samples greedily, as temperature 0.
+greedy = [client.chat.completions.create(model=model, messages=ask, max_tokens=8, temperature=t).choices[0].message.content
+          for t in (0, 1e-40)]
+assert greedy[0] == greedy[1], greedy
+# A named function is one call, however long the reply may be.
+named = client.chat.completions.create(model=model, messages=ask, max_tokens=300, temperature=0, tools=[weather],
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+assert len(named.choices[0].message.tool_calls) == 1, named
+# SmolLM2's template never reads tool_calls: an earlier call is written into its turn, not dropped.
+earlier = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+           "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}
+answer = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+with_call = client.chat.completions.create(model=model, messages=ask + [earlier, answer], max_tokens=1)
+without = client.chat.completions.create(model=model, messages=ask + [{"role": "assistant", "content": ""}, answer], max_tokens=1)
+assert with_call.usage.prompt_tokens > without.usage.prompt_tokens + 8, (with_call.usage, without.usage)
 
 # Concurrent requests are batched and all complete.
 def one(i):

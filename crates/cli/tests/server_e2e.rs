@@ -510,3 +510,27 @@ fn n_choices_under_the_servers_default_budget_are_refused_by_name() {
     assert_eq!(status, 200, "{ok}");
     assert_eq!(ok["choices"].as_array().unwrap().len(), 2, "{ok}");
 }
+
+/// A completion's list of prompts is queued all or none: more prompts than the queue holds
+/// is a 400 naming `prompt` (no retry could cure it), and a list that fits is served whole.
+/// Queued one by one, five prompts against a queue of two were a 429 after the first two
+/// had been computed and thrown away.
+#[test]
+fn a_list_of_prompts_is_queued_all_or_none() {
+    let (_server, port) = start_server(&model_path(), &["--max-waiting-requests", "2"]);
+    let prompts =
+        |n: usize| serde_json::json!({"prompt": vec!["Once upon a time"; n], "max_tokens": 2});
+    let (status, err) = post_json(port, "/v1/completions", &prompts(5));
+    assert_eq!(status, 400, "{err}");
+    assert_eq!(err["error"]["param"], "prompt", "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--max-waiting-requests"),
+        "{err}"
+    );
+    let (status, ok) = post_json(port, "/v1/completions", &prompts(2));
+    assert_eq!(status, 200, "{ok}");
+    assert_eq!(ok["choices"].as_array().unwrap().len(), 2, "{ok}");
+}

@@ -361,7 +361,11 @@ mod tests {
                 ..Default::default()
             });
             for _ in 0..20 {
-                assert_eq!(s.sample(&[-1.0, 2.0, 1.9, -30.0]), 1, "temperature {temperature}");
+                assert_eq!(
+                    s.sample(&[-1.0, 2.0, 1.9, -30.0]),
+                    1,
+                    "temperature {temperature}"
+                );
             }
         }
     }

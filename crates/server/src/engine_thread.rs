@@ -18,6 +18,10 @@ use tokio::sync::{mpsc, oneshot};
 
 pub enum Command {
     Submit(Request, oneshot::Sender<Result<(), SubmitError>>),
+    /// A request's prompts (a completion with a list of them), queued all or none: queued
+    /// one by one, a list longer than the queue's free places had its first prompts
+    /// computed and thrown away before a 429 that no retry could cure.
+    SubmitAll(Vec<Request>, oneshot::Sender<Result<(), SubmitError>>),
 }
 
 /// Where the engine thread is: loading the model, serving, or dead (it panicked; every
@@ -145,6 +149,18 @@ impl EngineHandle {
             })?;
         rx.await.unwrap_or(Err(SubmitError::Stopped))
     }
+
+    /// Queues `reqs` all or none ([`Command::SubmitAll`]).
+    pub async fn submit_all(&self, reqs: Vec<Request>) -> Result<(), SubmitError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .try_send(Command::SubmitAll(reqs, reply))
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => SubmitError::QueueFull(COMMAND_QUEUE_LEN),
+                mpsc::error::TrySendError::Closed(_) => SubmitError::Stopped,
+            })?;
+        rx.await.unwrap_or(Err(SubmitError::Stopped))
+    }
 }
 
 fn run(served: Served, mut rx: mpsc::Receiver<Command>) {
@@ -218,20 +234,51 @@ fn run(served: Served, mut rx: mpsc::Receiver<Command>) {
 
 fn handle(engine: &mut Engine, cmd: Command) {
     match cmd {
-        Command::Submit(mut req, reply) => {
-            // Latencies are recorded here, as each choice finishes, rather than by the
-            // handler that reads the events: streamed and whole responses count alike, and
-            // a choice whose client left after it finished still counts.
-            let mut sink = std::mem::replace(&mut req.sink, Box::new(|_| true));
-            req.sink = Box::new(move |event| {
-                if let SeqEvent::Finished(o) = &event {
-                    record_finished(o);
-                }
-                sink(event)
-            });
-            let _ = reply.send(engine.submit(req));
+        Command::Submit(req, reply) => {
+            let _ = reply.send(engine.submit(recording_latencies(req)));
+        }
+        Command::SubmitAll(reqs, reply) => {
+            let _ = reply.send(submit_all(engine, reqs));
         }
     }
+}
+
+/// Queues every one of `reqs` or, when the queue cannot take them all, none. A request
+/// refused part-way (a validation error) leaves the ones before it queued; the caller then
+/// drops their event channels, which cancels them at the next step.
+fn submit_all(engine: &mut Engine, reqs: Vec<Request>) -> Result<(), SubmitError> {
+    let limit = engine.config.max_waiting_requests;
+    if reqs.len() > limit {
+        return Err(SubmitError::InvalidParam {
+            param: "prompt",
+            message: format!(
+                "{} prompts in one request exceed this server's queue of {limit} waiting requests (--max-waiting-requests); send at most {limit}",
+                reqs.len()
+            ),
+        });
+    }
+    if engine.num_waiting() + reqs.len() > limit {
+        return Err(SubmitError::QueueFull(engine.num_waiting()));
+    }
+    for req in reqs {
+        engine.submit(recording_latencies(req))?;
+    }
+    Ok(())
+}
+
+/// `req` with its sink wrapped to record each choice's latencies as it finishes: here, on
+/// the engine thread, rather than in the handler that reads the events, so that streamed
+/// and whole responses count alike, and a choice whose client left after it finished
+/// still counts.
+fn recording_latencies(mut req: Request) -> Request {
+    let mut sink = std::mem::replace(&mut req.sink, Box::new(|_| true));
+    req.sink = Box::new(move |event| {
+        if let SeqEvent::Finished(o) = &event {
+            record_finished(o);
+        }
+        sink(event)
+    });
+    req
 }
 
 /// Records a finished choice as vLLM does: its outcome, its latencies, and one

@@ -95,6 +95,16 @@ pub async fn not_found(uri: axum::http::Uri) -> ApiError {
     }
 }
 
+/// A known path with another method (a GET of `/v1/chat/completions`): an OpenAI-style
+/// JSON 405, not an empty body.
+pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: format!("{} does not accept {method}", uri.path()),
+        param: None,
+    }
+}
+
 /// Whether a body failed because the client stopped sending it (`listener.rs`, NOTE 1).
 fn is_body_timeout(r: &JsonRejection) -> bool {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(r);
@@ -238,6 +248,16 @@ fn submit_error(e: SubmitError) -> ApiError {
     }
 }
 
+/// As [`submit_error`], naming `prompt_param` for the engine's refusals of a prompt (the
+/// only ones without a field of their own: empty, too long, a token outside the
+/// vocabulary).
+fn submit_error_in(e: SubmitError, prompt_param: &'static str) -> ApiError {
+    match e {
+        SubmitError::Invalid(m) => ApiError::param(prompt_param, m),
+        other => submit_error(other),
+    }
+}
+
 impl From<OffloadError> for ApiError {
     fn from(e: OffloadError) -> ApiError {
         match e {
@@ -271,12 +291,13 @@ async fn compile_grammar(
     Ok(params)
 }
 
-async fn submit(
+/// A request for the engine and the channel its events arrive on; its grammar compiled.
+async fn prepare(
     state: &AppState,
     prompt_ids: Vec<u32>,
     params: GenerateParams,
     cache_salt: Option<String>,
-) -> Result<Submitted, ApiError> {
+) -> Result<(Request, Submitted), ApiError> {
     let params = compile_grammar(state, params).await?;
     let (tx, rx) = mpsc::unbounded_channel();
     let prompt_tokens = prompt_ids.len();
@@ -287,12 +308,29 @@ async fn submit(
         cache_salt,
         sink: Box::new(move |e| tx.send(e).is_ok()),
     };
-    state.engine.submit(req).await.map_err(submit_error)?;
-    Ok(Submitted {
+    let submitted = Submitted {
         rx,
         prompt_tokens,
         n,
-    })
+    };
+    Ok((req, submitted))
+}
+
+/// Queues one request; engine refusals of its prompt name `prompt_param`.
+async fn submit(
+    state: &AppState,
+    prompt_ids: Vec<u32>,
+    params: GenerateParams,
+    cache_salt: Option<String>,
+    prompt_param: &'static str,
+) -> Result<Submitted, ApiError> {
+    let (req, submitted) = prepare(state, prompt_ids, params, cache_salt).await?;
+    state
+        .engine
+        .submit(req)
+        .await
+        .map_err(|e| submit_error_in(e, prompt_param))?;
+    Ok(submitted)
 }
 
 /// Usage of a request's choices: the prompt counted once (it ran once), every choice's

@@ -60,7 +60,8 @@ fn flattened_culprit(value: &Value) -> Option<(String, String)> {
     object.iter().find_map(|(key, v)| {
         let mut alone = serde_json::Map::new();
         alone.insert(key.clone(), v.clone());
-        let error = serde_path_to_error::deserialize::<_, CommonParams>(Value::Object(alone)).err()?;
+        let error =
+            serde_path_to_error::deserialize::<_, CommonParams>(Value::Object(alone)).err()?;
         let path = path_of(&error).unwrap_or_else(|| key.clone());
         Some((path, error.inner().to_string()))
     })
@@ -102,8 +103,7 @@ mod tests {
             ("stop", json!(5)),
             ("cache_salt", json!(5)),
         ] {
-            let (param, message) =
-                param_of::<ChatRequest>(json!({"messages": msgs, key: value}));
+            let (param, message) = param_of::<ChatRequest>(json!({"messages": msgs, key: value}));
             assert_eq!(param.as_deref(), Some(key), "{message}");
             assert!(message.starts_with(&format!("`{key}`")), "{message}");
         }
@@ -114,7 +114,11 @@ mod tests {
         let (param, message) = param_of::<CompletionRequest>(
             json!({"prompt": "x", "stream_options": {"include_usage": 3}}),
         );
-        assert_eq!(param.as_deref(), Some("stream_options.include_usage"), "{message}");
+        assert_eq!(
+            param.as_deref(),
+            Some("stream_options.include_usage"),
+            "{message}"
+        );
     }
 
     #[test]
@@ -128,8 +132,10 @@ mod tests {
     #[test]
     fn null_stands_for_an_absent_flag() {
         let r: CompletionRequest = typed(
-            Ok(Json(json!({"prompt": "x", "echo": null, "stream": null, "ignore_eos": null,
-                "stream_options": {"include_usage": null, "continuous_usage_stats": null}}))),
+            Ok(Json(
+                json!({"prompt": "x", "echo": null, "stream": null, "ignore_eos": null,
+                "stream_options": {"include_usage": null, "continuous_usage_stats": null}}),
+            )),
             1 << 20,
         )
         .unwrap();

@@ -73,7 +73,8 @@ pub async fn chat_completions(
     let wants_logprobs = params.logprobs.is_some();
     let usage_mode = StreamUsage::of(&req.common);
     let include_usage = usage_mode.at_end;
-    let s = submit(&state, prompt_ids, params, req.common.cache_salt.clone()).await?;
+    let salt = req.common.cache_salt.clone();
+    let s = submit(&state, prompt_ids, params, salt, "messages").await?;
     if req.common.stream && !tools_active {
         return Ok(stream_response(
             Kind::Chat,
@@ -196,6 +197,9 @@ fn messages(req: &ChatRequest, state: &AppState) -> Result<Vec<ChatMessage>, Api
         };
         let mut msg = ChatMessage::new(role, &message_text(&m.content)?);
         msg.tool_calls = m.tool_calls.clone().filter(|c| !c.is_null());
+        if let Some(calls) = &msg.tool_calls {
+            super::tools::check_history_calls(calls)?;
+        }
         msg.tool_call_id = m.tool_call_id.clone();
         msgs.push(msg);
     }
@@ -215,6 +219,9 @@ fn render(
         ApiError::param("messages", format!("chat template failed: {e}"))
     };
     let template = &state.chat_template;
+    if !template.source().contains("tool_calls") {
+        super::tools::inline_history_calls(&mut msgs);
+    }
     let gen_prompt = ending == PromptEnding::GenerationPrompt;
     let open_tail = |text: String, msgs: &[ChatMessage]| match ending {
         PromptEnding::OpenFinalMessage => open_final_message(text, msgs),

@@ -121,7 +121,7 @@ pub async fn completions(
         if req.echo && params.logprobs.is_some() {
             return Err(ApiError::param(
                 "echo",
-                "echo with logprobs would need the prompt's logprobs, which this server does not compute",
+                "echo with logprobs would need the prompt's logprobs in the completion's logprobs, which this server does not write there; ask for prompt_logprobs instead",
             ));
         }
         if prompts.len() * params.n > MAX_TOTAL_CHOICES {
@@ -142,10 +142,18 @@ pub async fn completions(
         subs.push((ids.clone(), params));
     }
     share_compiled_grammar(&state, &mut subs).await?;
+    let mut reqs = Vec::with_capacity(subs.len());
     let mut submitted = Vec::with_capacity(subs.len());
     for (ids, params) in subs {
-        submitted.push(submit(&state, ids, params, req.common.cache_salt.clone()).await?);
+        let (r, s) = prepare(&state, ids, params, req.common.cache_salt.clone()).await?;
+        reqs.push(r);
+        submitted.push(s);
     }
+    state
+        .engine
+        .submit_all(reqs)
+        .await
+        .map_err(|e| submit_error_in(e, "prompt"))?;
     let s = merge(submitted);
     let usage_mode = StreamUsage::of(&req.common);
     if req.common.stream {

@@ -24,6 +24,10 @@ pub(super) fn generate_params(
             "at most 16 stop strings are supported",
         ));
     }
+    // An empty string would match everywhere or nowhere; vLLM refuses it too.
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::param("stop", "stop strings must not be empty"));
+    }
     Ok(GenerateParams {
         sampling,
         max_tokens,
@@ -133,12 +137,17 @@ fn max_tokens(
             ));
         }
     }
-    let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
+    let given = match c.max_completion_tokens {
+        Some(m) => Some(("max_completion_tokens", m)),
+        None => c.max_tokens.map(|m| ("max_tokens", m)),
+    };
+    let max_tokens = match given.map(|g| g.1) {
         Some(m) if m < 1 => {
+            let name = given.map_or("max_tokens", |g| g.0);
             return Err(ApiError::param(
-                "max_tokens",
-                format!("max_tokens must be at least 1, got {m}"),
-            ))
+                name,
+                format!("{name} must be at least 1, got {m}"),
+            ));
         }
         Some(m) => m as usize,
         None => default_max_tokens.unwrap_or(limit - prompt_tokens),
@@ -228,12 +237,56 @@ fn prompt_logprobs(c: &CommonParams) -> Result<Option<usize>, ApiError> {
     }
 }
 
+/// `response_format`'s keys are OpenAI's: `type`, and for `json_schema` its `name`,
+/// `description` (both for the model's reader; the schema alone constrains the output),
+/// `schema` and `strict` (the schema is always enforced, so either value asks for nothing
+/// more). Any other key is refused by its path.
+fn check_response_format_keys(rf: &Value) -> Result<(), ApiError> {
+    let unknown = |path: String| {
+        Err(ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: format!("`{path}` is not a field of response_format this server knows; remove it (a request is never answered with a field ignored)"),
+            param: Some(path),
+        })
+    };
+    let Some(top) = rf.as_object() else {
+        return Err(ApiError::param(
+            "response_format",
+            "response_format must be an object",
+        ));
+    };
+    let allowed_top: &[&str] = match rf.get("type").and_then(Value::as_str) {
+        Some("json_schema") => &["type", "json_schema"],
+        _ => &["type"],
+    };
+    if let Some(k) = top.keys().find(|k| !allowed_top.contains(&k.as_str())) {
+        return unknown(format!("response_format.{k}"));
+    }
+    if let Some(inner) = rf.get("json_schema").and_then(Value::as_object) {
+        let allowed = ["name", "description", "schema", "strict"];
+        if let Some(k) = inner.keys().find(|k| !allowed.contains(&k.as_str())) {
+            return unknown(format!("response_format.json_schema.{k}"));
+        }
+        if inner
+            .get("strict")
+            .is_some_and(|s| !s.is_boolean() && !s.is_null())
+        {
+            return Err(ApiError::param(
+                "response_format",
+                "response_format.json_schema.strict must be a boolean",
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The grammar a request constrains its output to: OpenAI's `response_format` or one of
 /// vLLM's `guided_*` fields (at most one of them).
 fn requested_grammar(c: &CommonParams) -> Result<Option<pk_engine::Grammar>, ApiError> {
     use pk_engine::{Grammar, GrammarSpec};
     let mut found: Vec<Grammar> = Vec::new();
     if let Some(rf) = &c.response_format {
+        check_response_format_keys(rf)?;
         match rf.get("type").and_then(Value::as_str) {
             Some("text") => {}
             Some("json_object") => {

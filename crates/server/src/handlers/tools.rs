@@ -62,7 +62,10 @@ impl Tools {
             })
             .collect();
         let schema = pk_engine::grammar::compact(json!({ "anyOf": variants }));
-        let calls = if self.parallel {
+        // A named function is one call of it, as OpenAI and vLLM answer it; `required` may
+        // be several with `parallel_tool_calls`.
+        let several = self.parallel && !matches!(self.choice, ToolChoice::Named(_));
+        let calls = if several {
             "call (\"\\n\" call)*"
         } else {
             "call"
@@ -190,6 +193,59 @@ pub(super) fn parse(
     }))
 }
 
+/// Checks an assistant message's `tool_calls`: OpenAI's list of
+/// `{"type": "function", "function": {"name", "arguments"}}`.
+pub(super) fn check_history_calls(calls: &Value) -> Result<(), ApiError> {
+    let well_formed = calls.as_array().is_some_and(|list| {
+        list.iter().all(|c| {
+            c.pointer("/function/name").is_some_and(Value::is_string)
+                && c.pointer("/function/arguments")
+                    .is_none_or(|a| a.is_string() || a.is_object())
+        })
+    });
+    match well_formed {
+        true => Ok(()),
+        false => Err(ApiError::param(
+            "messages",
+            format!("tool_calls must be a list of {{\"type\": \"function\", \"function\": {{\"name\": …, \"arguments\": …}}}}, got {calls}"),
+        )),
+    }
+}
+
+/// Earlier calls of assistant turns written into their text, in the format the tools'
+/// system turn teaches (`<tool_call>` blocks), for a template that never reads
+/// `tool_calls`: left there, they would vanish from the prompt.
+pub(super) fn inline_history_calls(msgs: &mut [ChatMessage]) {
+    for m in msgs {
+        let Some(calls) = m.tool_calls.take() else {
+            continue;
+        };
+        let blocks: Vec<String> = calls
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                let name = c.pointer("/function/name").cloned().unwrap_or_default();
+                // OpenAI sends the arguments as a JSON string; the block holds the object.
+                let args = match c.pointer("/function/arguments") {
+                    Some(Value::String(s)) => {
+                        serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone()))
+                    }
+                    Some(other) => other.clone(),
+                    None => json!({}),
+                };
+                let call = json!({"name": name, "arguments": args});
+                format!("<tool_call>\n{call}\n</tool_call>")
+            })
+            .collect();
+        let calls_text = blocks.join("\n");
+        m.content = match m.content.is_empty() {
+            true => calls_text,
+            false => format!("{}\n{calls_text}", m.content),
+        };
+    }
+}
+
 /// Splits a reply into its text outside calls (`None` when empty) and its calls in
 /// OpenAI's shape. A block that does not parse as `{"name", "arguments"}` stays text.
 pub(super) fn parse_calls(text: &str) -> (Option<String>, Vec<Value>) {
@@ -243,6 +299,21 @@ pub(super) fn truncated_call(text: &str, forced_name: Option<&str>) -> Option<Va
         let quoted = after.trim_start().strip_prefix('"')?;
         quoted.split_once('"').map(|(name, _)| name.to_string())
     };
+    // The call's JSON may be whole with only the closing tag cut: its arguments are then
+    // the parsed object's, not the text up to the end.
+    let mut whole = serde_json::Deserializer::from_str(body.trim_start()).into_iter::<Value>();
+    if let Some(Ok(v)) = whole.next() {
+        let name = v.get("name").and_then(Value::as_str).map(str::to_string);
+        if let (Some(name), Some(args)) =
+            (forced_name.map(str::to_string).or(name), v.get("arguments"))
+        {
+            return Some(json!({
+                "id": new_id("call"),
+                "type": "function",
+                "function": {"name": name, "arguments": args.to_string()},
+            }));
+        }
+    }
     let name = forced_name.map(str::to_string).or_else(written_name)?;
     let arguments = body
         .split_once("\"arguments\"")
@@ -289,6 +360,30 @@ mod tests {
         assert_eq!(named["function"]["arguments"], "");
         let closed = "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>";
         assert_eq!(truncated_call(closed, None), None);
+        // Whole JSON, the closing tag cut: the arguments are the object's, nothing after.
+        let tag_cut =
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call";
+        let call = truncated_call(tag_cut, Some("f")).unwrap();
+        assert_eq!(call["function"]["arguments"], "{\"city\":\"Paris\"}");
+    }
+
+    #[test]
+    fn earlier_calls_are_written_into_the_turn_for_a_template_without_them() {
+        let calls = json!([{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]);
+        check_history_calls(&calls).unwrap();
+        assert!(check_history_calls(&json!({"name": "f"})).is_err());
+        assert!(check_history_calls(&json!([{"function": {"arguments": "{}"}}])).is_err());
+        let mut msg = ChatMessage::new("assistant", "");
+        msg.tool_calls = Some(calls);
+        let mut msgs = vec![ChatMessage::new("user", "weather?"), msg];
+        inline_history_calls(&mut msgs);
+        assert_eq!(
+            msgs[1].content,
+            "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call>"
+        );
+        assert!(msgs[1].tool_calls.is_none());
+        assert_eq!(msgs[0].content, "weather?");
     }
 
     #[test]
@@ -299,7 +394,21 @@ mod tests {
         let named = json!({"type": "function", "function": {"name": "get_weather"}});
         let t = parse(&tools, &Some(named), None).unwrap().unwrap();
         assert_eq!(t.choice, ToolChoice::Named("get_weather".into()));
-        assert!(t.grammar().is_some());
+        assert!(t.parallel, "parallel_tool_calls defaults to true");
+        let GrammarSpec::Lark(lark) = t.grammar().unwrap().spec else {
+            panic!("a Lark grammar")
+        };
+        assert!(
+            lark.starts_with("start: call\n"),
+            "one call of a named function: {lark}"
+        );
+        let required = parse(&tools, &Some(json!("required")), None)
+            .unwrap()
+            .unwrap();
+        let GrammarSpec::Lark(lark) = required.grammar().unwrap().spec else {
+            panic!("a Lark grammar")
+        };
+        assert!(lark.starts_with("start: call (\"\\n\" call)*"), "{lark}");
         let other = json!({"type": "function", "function": {"name": "nope"}});
         assert_eq!(
             parse(&tools, &Some(other), None)
