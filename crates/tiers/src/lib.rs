@@ -75,4 +75,12 @@ pub enum TierError {
     },
     #[error("tier {tier}: {reason}")]
     Invalid { tier: String, reason: String },
+    /// A Redis key that the tier's scripts own holds something they never wrote (NOTE 5 of
+    /// `redis_scripts.rs`): writes are refused, and nothing is made visible, until it is fixed.
+    #[error("tier {tier}: redis key {key} is corrupt ({reason}); writes are refused until an operator deletes it, after which the tier rebuilds its accounting")]
+    CorruptKey {
+        tier: String,
+        key: String,
+        reason: String,
+    },
 }

@@ -79,6 +79,8 @@ pub struct RedisStats {
     pub connects: u64,
     pub connect_failures: u64,
     pub corrupt_entries: u64,
+    /// Control keys (`usage`, `clock`) the scripts found corrupt and rebuilt.
+    pub control_key_repairs: u64,
 }
 
 #[derive(Default)]
@@ -103,7 +105,12 @@ pub struct RedisTier {
     connects: AtomicU64,
     connect_failures: AtomicU64,
     corrupt_entries: AtomicU64,
+    control_key_repairs: AtomicU64,
 }
+
+/// The tail of every accounting script's reply: status (`ok`, `repaired` or `corrupt`), the
+/// keys concerned and why (NOTE 5 of `redis_scripts.rs`).
+type ControlReport = (String, String, String);
 
 impl RedisTier {
     /// Parses the URL; does not connect (the first operation does), so a server can start
@@ -150,6 +157,7 @@ impl RedisTier {
             connects: AtomicU64::new(0),
             connect_failures: AtomicU64::new(0),
             corrupt_entries: AtomicU64::new(0),
+            control_key_repairs: AtomicU64::new(0),
         })
     }
 
@@ -174,6 +182,7 @@ impl RedisTier {
             connects: self.connects.load(Ordering::Relaxed),
             connect_failures: self.connect_failures.load(Ordering::Relaxed),
             corrupt_entries: self.corrupt_entries.load(Ordering::Relaxed),
+            control_key_repairs: self.control_key_repairs.load(Ordering::Relaxed),
         }
     }
 
@@ -296,12 +305,34 @@ impl RedisTier {
         groups
     }
 
+    /// Logs what a script reported about the control keys; a corrupt one is an error that
+    /// names the key (NOTE 5 of `redis_scripts.rs`).
+    fn check_control(&self, (status, key, reason): ControlReport) -> Result<(), TierError> {
+        match status.as_str() {
+            "ok" => Ok(()),
+            "repaired" => {
+                tracing::warn!(tier = %self.config.name, %key, %reason, "repaired a corrupt redis control key");
+                self.control_key_repairs.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            _ => {
+                tracing::warn!(tier = %self.config.name, %key, %reason, "redis control key is corrupt; writes refused");
+                Err(TierError::CorruptKey {
+                    tier: self.config.name.clone(),
+                    key,
+                    reason,
+                })
+            }
+        }
+    }
+
     /// One pipeline: every payload (pending), then one COMMIT per shard that makes them
     /// visible.
     fn store_batch(&self, batch: &[(ChunkKey, Payload)]) -> Result<(), TierError> {
         let batch_bytes: u64 = batch.iter().map(|(_, p)| p.len() as u64).sum();
         let groups = self.group_by_shard(batch.iter().map(|(k, _)| k));
-        let results: Vec<(u64, u64, u64)> = self.with_link(|link| {
+        type CommitReply = (u64, u64, u64, String, String, String);
+        let results: Vec<CommitReply> = self.with_link(|link| {
             let mut cmds = Vec::with_capacity(batch.len() + groups.len());
             for (key, payload) in batch {
                 let mut set = redis::cmd("SET");
@@ -324,11 +355,19 @@ impl RedisTier {
             link.pipeline(cmds)
         })?;
         self.note_pipeline(batch_bytes);
-        let (mut committed, mut evicted) = (0, 0);
-        for ((shard, _), (c, e, used)) in groups.iter().zip(results) {
+        let (mut committed, mut evicted, mut refused) = (0, 0, None);
+        for ((shard, _), (c, e, used, status, key, reason)) in groups.iter().zip(results) {
+            if let Err(err) = self.check_control((status, key, reason)) {
+                // The other shards' commits stand; the payloads of this one expire unseen.
+                refused.get_or_insert(err);
+                continue;
+            }
             committed += c;
             evicted += e;
             self.shard_usage_bytes[*shard].store(used, Ordering::Relaxed);
+        }
+        if let Some(err) = refused {
+            return Err(err);
         }
         if committed < batch.len() as u64 {
             tracing::warn!(tier = %self.config.name, committed, sent = batch.len(), "payloads vanished before commit (redis maxmemory?)");
@@ -339,9 +378,11 @@ impl RedisTier {
         Ok(())
     }
 
+    /// Deletes entries. They are deleted even while a control key is corrupt (that is only
+    /// logged), so that bad bytes are never served twice.
     fn drop_entries(&self, keys: &[ChunkKey]) -> Result<u64, TierError> {
         let groups = self.group_by_shard(keys.iter());
-        let results: Vec<(u64, u64)> = self.with_link(|link| {
+        let results: Vec<(u64, u64, String, String, String)> = self.with_link(|link| {
             let cmds = groups
                 .iter()
                 .map(|(shard, members)| {
@@ -355,9 +396,11 @@ impl RedisTier {
             link.pipeline(cmds)
         })?;
         let mut deleted = 0;
-        for ((shard, _), (d, used)) in groups.iter().zip(results) {
+        for ((shard, _), (d, used, status, key, reason)) in groups.iter().zip(results) {
             deleted += d;
-            self.shard_usage_bytes[*shard].store(used, Ordering::Relaxed);
+            if self.check_control((status, key, reason)).is_ok() {
+                self.shard_usage_bytes[*shard].store(used, Ordering::Relaxed);
+            }
         }
         Ok(deleted)
     }
