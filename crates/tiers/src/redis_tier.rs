@@ -5,7 +5,9 @@
 //!
 //! NOTE 1 (bounded): every socket read and write has a timeout, connects have a timeout, and
 //! a pipeline never carries more than `max_in_flight_bytes` of payload (a batch is split),
-//! except that an entry larger than that travels alone in its own pipeline.
+//! except that an entry larger than that travels alone in its own pipeline. Reads ask for
+//! no more than the length the metadata gives, so a payload overwritten with something
+//! larger cannot break the bound either.
 //! NOTE 2 (outages): any error drops the connection; the next call reconnects. After a failed
 //! connect, calls fail at once with `Unavailable` until `reconnect_backoff` has passed, so a
 //! dead Redis costs callers microseconds, not a connect timeout each. Callers treat errors as
@@ -418,6 +420,21 @@ fn parse_meta(meta: &[u8]) -> Option<(u64, u32)> {
     fields.next().is_none().then_some((len, crc))
 }
 
+/// `STRLEN` and `GETRANGE` of a payload whose metadata says `len_bytes`: the read stops at
+/// that length whatever the key holds, so a payload overwritten with something larger cannot
+/// push a pipeline past `max_in_flight_bytes` (NOTE 1); the length tells it apart.
+fn bounded_payload_read(data_key: &str, len_bytes: u64) -> [(Cmd, bool); 2] {
+    let mut strlen = redis::cmd("STRLEN");
+    strlen.arg(data_key);
+    let mut range = redis::cmd("GETRANGE");
+    // `GETRANGE k 0 -1` would read the whole value; `1 0` reads nothing.
+    match len_bytes.checked_sub(1) {
+        Some(last) => range.arg(data_key).arg(0).arg(last),
+        None => range.arg(data_key).arg(1).arg(0),
+    };
+    [(strlen, false), (range, false)]
+}
+
 /// Splits items into consecutive index ranges of at most `limit_bytes` each (an item larger
 /// than the limit travels alone).
 fn batches(sizes_bytes: &[u64], limit_bytes: u64) -> Vec<std::ops::Range<usize>> {
@@ -499,8 +516,8 @@ impl Tier for RedisTier {
         for range in batches(&sizes_bytes, self.config.max_in_flight_bytes) {
             let batch = &hits[range];
             let groups = self.group_by_shard(batch.iter().map(|&(i, _, _)| &keys[i]));
-            let datas: Vec<Option<Vec<u8>>> = self.with_link(|link| {
-                let mut cmds = Vec::with_capacity(groups.len() + batch.len());
+            let replies: Vec<(u64, Vec<u8>)> = self.with_link(|link| {
+                let mut cmds = Vec::with_capacity(groups.len() + 2 * batch.len());
                 for (shard, members) in &groups {
                     let mut touch = self.script(link, Script::Touch, *shard);
                     for &m in members {
@@ -508,21 +525,23 @@ impl Tier for RedisTier {
                     }
                     cmds.push((touch, true));
                 }
-                for &(i, _, _) in batch {
-                    let mut get = redis::cmd("GET");
-                    get.arg(self.data_key(&keys[i]));
-                    cmds.push((get, false));
+                for &(i, len, _) in batch {
+                    cmds.extend(bounded_payload_read(&self.data_key(&keys[i]), len));
                 }
-                link.pipeline(cmds)
+                let flat: Vec<redis::Value> = link.pipeline(cmds)?;
+                flat.chunks(2)
+                    .map(|pair| redis::from_redis_value(&redis::Value::Array(pair.to_vec())))
+                    .collect()
             })?;
             self.note_pipeline(batch.iter().map(|h| h.1).sum());
-            for (&(i, len, crc), data) in batch.iter().zip(datas) {
-                match data {
-                    Some(bytes) if bytes.len() as u64 == len && crc32c::crc32c(&bytes) == crc => {
-                        bytes_read += len;
-                        out[i] = Some(Payload::from(bytes));
-                    }
-                    _ => corrupt.push(keys[i]),
+            for (&(i, len, crc), (stored_len, bytes)) in batch.iter().zip(replies) {
+                // A missing payload has length 0, so only a zero-length entry reads as
+                // present without one, and its bytes (none) are then right anyway.
+                if stored_len == len && bytes.len() as u64 == len && crc32c::crc32c(&bytes) == crc {
+                    bytes_read += len;
+                    out[i] = Some(Payload::from(bytes));
+                } else {
+                    corrupt.push(keys[i]);
                 }
             }
         }

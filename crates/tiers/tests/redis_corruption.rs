@@ -163,3 +163,47 @@ fn metadata_cannot_move_usage() {
     assert_eq!(usage_and_lru_len(&redis, &mut raw), (2000, 2));
     assert_eq!(redis.usage_bytes(), 2000);
 }
+
+/// `total_net_output_bytes` from `INFO stats`: what the server has sent to all clients.
+fn net_output_bytes(raw: &mut redis::Connection) -> u64 {
+    let info: String = raw_cmd(raw, &["INFO", "stats"]);
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_net_output_bytes:"))
+        .expect("INFO stats has total_net_output_bytes")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn reads_stop_at_the_length_in_the_metadata() {
+    // Private: the byte count below is the whole server's, so no other test may share it.
+    let server = RedisServer::private();
+    let redis = tier(&server, "oversized_payload", |c| {
+        c.max_in_flight_bytes = 64 << 10
+    });
+    let mut raw = server.raw();
+    redis.store(&key(1), &payload(1, 1000)).unwrap();
+    redis.store(&key(2), &payload(2, 1000)).unwrap();
+    // Same first 1000 bytes, then 8 MiB more: the checksum alone would accept the prefix.
+    let mut big = payload(1, 1000).to_vec();
+    big.resize(8 << 20, 7);
+    let _: () = redis::cmd("SET")
+        .arg(entry_key(&redis, "d", &key(1)))
+        .arg(big)
+        .query(&mut raw)
+        .unwrap();
+
+    let sent_before = net_output_bytes(&mut raw);
+    assert_eq!(
+        redis.load_many(&[key(1), key(2)]).unwrap(),
+        vec![None, Some(payload(2, 1000))]
+    );
+    let sent_bytes = net_output_bytes(&mut raw) - sent_before;
+    assert!(
+        sent_bytes < 64 << 10,
+        "the read must stop at the 1000 bytes the metadata says, not the 8 MiB stored: {sent_bytes} bytes sent"
+    );
+    assert_eq!(redis.stats().corrupt_entries, 1);
+    assert_eq!(usage_and_lru_len(&redis, &mut raw), (1000, 1));
+}
