@@ -38,7 +38,7 @@ pub mod redis_tier;
 pub mod store;
 pub mod tier;
 
-pub use config::{open_tier, parse_byte_size, ConfigError, TierConfig};
+pub use config::{open_tier, parse_byte_size, parse_key_prefix, ConfigError, TierConfig};
 pub use disk::{DiskScanReport, DiskTier, DiskTierConfig};
 pub use key::{ChunkKey, ChunkKeyer, ChunkSizeError};
 pub use ram::RamTier;

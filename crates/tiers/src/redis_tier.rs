@@ -122,6 +122,7 @@ impl RedisTier {
             tier: config.name.clone(),
             reason,
         };
+        crate::config::parse_key_prefix(&config.key_prefix).map_err(invalid)?;
         if config.max_in_flight_bytes == 0 {
             return Err(invalid("max_in_flight_bytes must be positive".into()));
         }
@@ -641,6 +642,10 @@ mod tests {
             .err()
             .unwrap();
         assert!(err.to_string().contains("host:port"), "{err}");
+        let mut config = RedisTierConfig::new("redis://127.0.0.1:1");
+        config.key_prefix = String::new();
+        let err = RedisTier::open(config).err().unwrap();
+        assert!(err.to_string().contains("key prefix is empty"), "{err}");
         let single = RedisTier::open(RedisTierConfig::new("redis://127.0.0.1:1")).unwrap();
         assert_eq!(single.shard_prefixes(), ["pk:tiers:v1:"]);
     }
