@@ -31,8 +31,8 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
-use pk_tiers::{parse_byte_size, TierConfig};
+use anyhow::{anyhow, Context, Result};
+use pk_tiers::{parse_byte_size, parse_key_prefix, TierConfig};
 use serde::Deserialize;
 
 /// The file's contents. Unknown keys are errors: a misspelt setting must not be ignored.
@@ -138,11 +138,22 @@ impl TiersSection {
                 ..
             } = &mut config
             {
+                // A value in both places would leave the reader guessing which one wins.
+                let twice = |key: &str| {
+                    anyhow!("tiers.redis.{key} is given twice, in tiers.redis.url ({}) and in tiers.redis.{key}; give it once", r.url)
+                };
                 if let Some(c) = &r.capacity {
+                    if capacity_bytes.is_some() {
+                        return Err(twice("capacity"));
+                    }
                     *capacity_bytes = Some(parse_byte_size(c).context("tiers.redis.capacity")?);
                 }
                 if let Some(p) = &r.prefix {
-                    *key_prefix = Some(p.clone());
+                    if key_prefix.is_some() {
+                        return Err(twice("prefix"));
+                    }
+                    let p = parse_key_prefix(p).map_err(|e| anyhow!("tiers.redis.prefix: {e}"))?;
+                    *key_prefix = Some(p);
                 }
             }
             out.push(("redis", config));
@@ -333,6 +344,18 @@ prefix = "team:"
             ("[tiers]\nram = \"2XB\"\n", "tiers.ram"),
             ("[tiers.disk]\npath = \"/x\"\n", "missing field `capacity`"),
             ("[tiers.redis]\nurl = \"http://x\"\n", "tiers.redis.url"),
+            (
+                "[tiers.redis]\nurl = \"redis://h:1\"\nprefix = \"\"\n",
+                "tiers.redis.prefix: the key prefix is empty",
+            ),
+            (
+                "[tiers.redis]\nurl = \"redis://h:1?prefix=a:\"\nprefix = \"b:\"\n",
+                "tiers.redis.prefix is given twice, in tiers.redis.url (redis://h:1?prefix=a:) and in tiers.redis.prefix",
+            ),
+            (
+                "[tiers.redis]\nurl = \"redis://h:1?capacity=1GiB\"\ncapacity = \"2GiB\"\n",
+                "tiers.redis.capacity is given twice",
+            ),
             ("threads = \n", "parsing config file"),
         ] {
             let (_dir, path) = write(text);

@@ -115,6 +115,8 @@ fn bench_disk(dir: &std::path::Path, payloads: &[(ChunkKey, Payload)]) {
             scan.elapsed.as_secs_f64() * 1e3
         );
     }
+    // The directory is locked while a tier holds it (disk.rs, NOTE 7): close before reopening.
+    drop(disk);
     let disk = DiskTier::open(DiskTierConfig::new(dir.join("bench"), 1 << 40)).unwrap();
     let scan = disk.scan_report();
     println!(

@@ -139,8 +139,8 @@ impl TierConfig {
                 Some(("capacity", size)) => {
                     capacity_bytes = Some(parse_byte_size(size).map_err(|e| bad(e.to_string()))?)
                 }
-                Some(("prefix", prefix)) if !prefix.is_empty() => {
-                    key_prefix = Some(prefix.to_owned())
+                Some(("prefix", prefix)) => {
+                    key_prefix = Some(parse_key_prefix(prefix).map_err(bad)?)
                 }
                 _ => {
                     return Err(bad(format!(
@@ -160,6 +160,16 @@ impl TierConfig {
             key_prefix,
         })
     }
+}
+
+/// Checks a Redis key prefix, from a URL's `?prefix=` or a config file alike. An empty one
+/// is refused: the tier's keys (`lru`, `usage`, `d:<hex>`, …) would then sit bare in the
+/// keyspace, among whatever else the database holds.
+pub fn parse_key_prefix(prefix: &str) -> Result<String, String> {
+    if prefix.is_empty() {
+        return Err("the key prefix is empty; give one such as pk:tiers:v1: (servers that share chunks use the same one)".into());
+    }
+    Ok(prefix.to_owned())
 }
 
 /// Builds a tier. Redis does not connect here (the first operation does), so a server starts
@@ -268,6 +278,10 @@ mod tests {
         assert!(cluster.contains("host:port"), "{cluster}");
         assert!(TierConfig::parse("--tier-redis", "http://h").is_err());
         assert!(TierConfig::parse("--tier-redis", "redis://h:1?ttl=5").is_err());
+        let empty = TierConfig::parse("--tier-redis", "redis://h:1?prefix=")
+            .unwrap_err()
+            .to_string();
+        assert!(empty.contains("key prefix is empty"), "{empty}");
         assert!(matches!(
             TierConfig::parse("--tier-s3", "x"),
             Err(ConfigError::UnknownFlag { .. })

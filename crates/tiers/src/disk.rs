@@ -19,6 +19,12 @@
 //! pages (`posix_fadvise(POSIX_FADV_DONTNEED)`) after writing it (once synced: dirty pages
 //! cannot be dropped) and after reading it, so that reads come from the device. Benchmarks
 //! use it to measure cold reads, and EVICPRESS to model an SSD tier that DRAM cannot cover.
+//! NOTE 7 (one owner): the index lives in one process's memory, so two tiers on one
+//! directory would each fill it to capacity, evict each other's files, and delete each
+//! other's in-progress `.tmp` files at open. `open` therefore takes an exclusive advisory
+//! lock (`flock`) on the `PAGEKEEPER_TIER` marker, held for the tier's lifetime, before it
+//! touches anything, and refuses the directory if another tier holds it. The kernel drops
+//! the lock when the holder exits, however it exits, so a crash leaves nothing to clean up.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
@@ -86,6 +92,8 @@ pub struct DiskTier {
     scan: DiskScanReport,
     sync_writes: bool,
     drop_page_cache: bool,
+    /// The marker file, locked for as long as this tier exists (NOTE 7).
+    _dir_lock: File,
 }
 
 impl DiskTier {
@@ -104,7 +112,7 @@ impl DiskTier {
             source,
         };
         fs::create_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
-        claim_dir(&dir, &name)?;
+        let dir_lock = claim_dir(&dir, &name)?;
         let mut tier = DiskTier {
             name: name.clone(),
             dir,
@@ -116,6 +124,7 @@ impl DiskTier {
             scan: DiskScanReport::default(),
             sync_writes,
             drop_page_cache,
+            _dir_lock: dir_lock,
         };
         tier.scan = tier.rebuild_index().map_err(|e| io_err(&tier.dir, e))?;
         tier.scan.elapsed = started.elapsed();
@@ -480,8 +489,9 @@ fn scan_entry(
     ))
 }
 
-/// Refuses a non-empty directory that this tier did not create (NOTE 4).
-fn claim_dir(dir: &Path, tier: &str) -> Result<(), TierError> {
+/// Refuses a non-empty directory that this tier did not create (NOTE 4), and one that another
+/// tier holds (NOTE 7). Returns the locked marker file.
+fn claim_dir(dir: &Path, tier: &str) -> Result<File, TierError> {
     let io_err = |path: &Path, source| TierError::Io {
         tier: tier.to_owned(),
         path: path.to_owned(),
@@ -489,7 +499,7 @@ fn claim_dir(dir: &Path, tier: &str) -> Result<(), TierError> {
     };
     let marker = dir.join(MARKER_FILE);
     if marker.exists() {
-        return Ok(());
+        return lock_dir(dir, &marker, tier);
     }
     let non_empty = fs::read_dir(dir)
         .map_err(|e| io_err(dir, e))?
@@ -505,7 +515,29 @@ fn claim_dir(dir: &Path, tier: &str) -> Result<(), TierError> {
         });
     }
     fs::write(&marker, MARKER_CONTENTS).map_err(|e| io_err(&marker, e))?;
-    fsync_dir(dir).map_err(|e| io_err(dir, e))
+    fsync_dir(dir).map_err(|e| io_err(dir, e))?;
+    lock_dir(dir, &marker, tier)
+}
+
+/// Takes the exclusive lock on `marker` without waiting (NOTE 7).
+fn lock_dir(dir: &Path, marker: &Path, tier: &str) -> Result<File, TierError> {
+    let io_err = |source| TierError::Io {
+        tier: tier.to_owned(),
+        path: marker.to_owned(),
+        source,
+    };
+    let file = File::open(marker).map_err(io_err)?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(TierError::Invalid {
+            tier: tier.to_owned(),
+            reason: format!(
+                "{} is in use by another disk tier (its {MARKER_FILE} file is locked, by this or another process); two tiers on one directory would evict each other's files, so give each its own directory",
+                dir.display()
+            ),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(io_err(e)),
+    }
 }
 
 fn remove_if_exists(path: &Path) -> io::Result<()> {

@@ -38,7 +38,7 @@ pub mod redis_tier;
 pub mod store;
 pub mod tier;
 
-pub use config::{open_tier, parse_byte_size, ConfigError, TierConfig};
+pub use config::{open_tier, parse_byte_size, parse_key_prefix, ConfigError, TierConfig};
 pub use disk::{DiskScanReport, DiskTier, DiskTierConfig};
 pub use key::{ChunkKey, ChunkKeyer, ChunkSizeError};
 pub use ram::RamTier;
@@ -75,4 +75,12 @@ pub enum TierError {
     },
     #[error("tier {tier}: {reason}")]
     Invalid { tier: String, reason: String },
+    /// A Redis key that the tier's scripts own holds something they never wrote (NOTE 5 of
+    /// `redis_scripts.rs`): writes are refused, and nothing is made visible, until it is fixed.
+    #[error("tier {tier}: redis key {key} is corrupt ({reason}); writes are refused until an operator deletes it, after which the tier rebuilds its accounting")]
+    CorruptKey {
+        tier: String,
+        key: String,
+        reason: String,
+    },
 }

@@ -5,7 +5,9 @@
 //!
 //! NOTE 1 (bounded): every socket read and write has a timeout, connects have a timeout, and
 //! a pipeline never carries more than `max_in_flight_bytes` of payload (a batch is split),
-//! except that an entry larger than that travels alone in its own pipeline.
+//! except that an entry larger than that travels alone in its own pipeline. Reads ask for
+//! no more than the length the metadata gives, so a payload overwritten with something
+//! larger cannot break the bound either.
 //! NOTE 2 (outages): any error drops the connection; the next call reconnects. After a failed
 //! connect, calls fail at once with `Unavailable` until `reconnect_backoff` has passed, so a
 //! dead Redis costs callers microseconds, not a connect timeout each. Callers treat errors as
@@ -79,6 +81,8 @@ pub struct RedisStats {
     pub connects: u64,
     pub connect_failures: u64,
     pub corrupt_entries: u64,
+    /// Control keys (`usage`, `clock`) the scripts found corrupt and rebuilt.
+    pub control_key_repairs: u64,
 }
 
 #[derive(Default)]
@@ -103,7 +107,12 @@ pub struct RedisTier {
     connects: AtomicU64,
     connect_failures: AtomicU64,
     corrupt_entries: AtomicU64,
+    control_key_repairs: AtomicU64,
 }
+
+/// The tail of every accounting script's reply: status (`ok`, `repaired` or `corrupt`), the
+/// keys concerned and why (NOTE 5 of `redis_scripts.rs`).
+type ControlReport = (String, String, String);
 
 impl RedisTier {
     /// Parses the URL; does not connect (the first operation does), so a server can start
@@ -113,6 +122,7 @@ impl RedisTier {
             tier: config.name.clone(),
             reason,
         };
+        crate::config::parse_key_prefix(&config.key_prefix).map_err(invalid)?;
         if config.max_in_flight_bytes == 0 {
             return Err(invalid("max_in_flight_bytes must be positive".into()));
         }
@@ -150,6 +160,7 @@ impl RedisTier {
             connects: AtomicU64::new(0),
             connect_failures: AtomicU64::new(0),
             corrupt_entries: AtomicU64::new(0),
+            control_key_repairs: AtomicU64::new(0),
         })
     }
 
@@ -174,6 +185,7 @@ impl RedisTier {
             connects: self.connects.load(Ordering::Relaxed),
             connect_failures: self.connect_failures.load(Ordering::Relaxed),
             corrupt_entries: self.corrupt_entries.load(Ordering::Relaxed),
+            control_key_repairs: self.control_key_repairs.load(Ordering::Relaxed),
         }
     }
 
@@ -296,12 +308,34 @@ impl RedisTier {
         groups
     }
 
+    /// Logs what a script reported about the control keys; a corrupt one is an error that
+    /// names the key (NOTE 5 of `redis_scripts.rs`).
+    fn check_control(&self, (status, key, reason): ControlReport) -> Result<(), TierError> {
+        match status.as_str() {
+            "ok" => Ok(()),
+            "repaired" => {
+                tracing::warn!(tier = %self.config.name, %key, %reason, "repaired a corrupt redis control key");
+                self.control_key_repairs.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            _ => {
+                tracing::warn!(tier = %self.config.name, %key, %reason, "redis control key is corrupt; writes refused");
+                Err(TierError::CorruptKey {
+                    tier: self.config.name.clone(),
+                    key,
+                    reason,
+                })
+            }
+        }
+    }
+
     /// One pipeline: every payload (pending), then one COMMIT per shard that makes them
     /// visible.
     fn store_batch(&self, batch: &[(ChunkKey, Payload)]) -> Result<(), TierError> {
         let batch_bytes: u64 = batch.iter().map(|(_, p)| p.len() as u64).sum();
         let groups = self.group_by_shard(batch.iter().map(|(k, _)| k));
-        let results: Vec<(u64, u64, u64)> = self.with_link(|link| {
+        type CommitReply = (u64, u64, u64, String, String, String);
+        let results: Vec<CommitReply> = self.with_link(|link| {
             let mut cmds = Vec::with_capacity(batch.len() + groups.len());
             for (key, payload) in batch {
                 let mut set = redis::cmd("SET");
@@ -324,11 +358,19 @@ impl RedisTier {
             link.pipeline(cmds)
         })?;
         self.note_pipeline(batch_bytes);
-        let (mut committed, mut evicted) = (0, 0);
-        for ((shard, _), (c, e, used)) in groups.iter().zip(results) {
+        let (mut committed, mut evicted, mut refused) = (0, 0, None);
+        for ((shard, _), (c, e, used, status, key, reason)) in groups.iter().zip(results) {
+            if let Err(err) = self.check_control((status, key, reason)) {
+                // The other shards' commits stand; the payloads of this one expire unseen.
+                refused.get_or_insert(err);
+                continue;
+            }
             committed += c;
             evicted += e;
             self.shard_usage_bytes[*shard].store(used, Ordering::Relaxed);
+        }
+        if let Some(err) = refused {
+            return Err(err);
         }
         if committed < batch.len() as u64 {
             tracing::warn!(tier = %self.config.name, committed, sent = batch.len(), "payloads vanished before commit (redis maxmemory?)");
@@ -339,9 +381,11 @@ impl RedisTier {
         Ok(())
     }
 
+    /// Deletes entries. They are deleted even while a control key is corrupt (that is only
+    /// logged), so that bad bytes are never served twice.
     fn drop_entries(&self, keys: &[ChunkKey]) -> Result<u64, TierError> {
         let groups = self.group_by_shard(keys.iter());
-        let results: Vec<(u64, u64)> = self.with_link(|link| {
+        let results: Vec<(u64, u64, String, String, String)> = self.with_link(|link| {
             let cmds = groups
                 .iter()
                 .map(|(shard, members)| {
@@ -355,9 +399,11 @@ impl RedisTier {
             link.pipeline(cmds)
         })?;
         let mut deleted = 0;
-        for ((shard, _), (d, used)) in groups.iter().zip(results) {
+        for ((shard, _), (d, used, status, key, reason)) in groups.iter().zip(results) {
             deleted += d;
-            self.shard_usage_bytes[*shard].store(used, Ordering::Relaxed);
+            if self.check_control((status, key, reason)).is_ok() {
+                self.shard_usage_bytes[*shard].store(used, Ordering::Relaxed);
+            }
         }
         Ok(deleted)
     }
@@ -373,6 +419,21 @@ fn parse_meta(meta: &[u8]) -> Option<(u64, u32)> {
     let len = fields.next()?.parse().ok()?;
     let crc = fields.next()?.parse().ok()?;
     fields.next().is_none().then_some((len, crc))
+}
+
+/// `STRLEN` and `GETRANGE` of a payload whose metadata says `len_bytes`: the read stops at
+/// that length whatever the key holds, so a payload overwritten with something larger cannot
+/// push a pipeline past `max_in_flight_bytes` (NOTE 1); the length tells it apart.
+fn bounded_payload_read(data_key: &str, len_bytes: u64) -> [(Cmd, bool); 2] {
+    let mut strlen = redis::cmd("STRLEN");
+    strlen.arg(data_key);
+    let mut range = redis::cmd("GETRANGE");
+    // `GETRANGE k 0 -1` would read the whole value; `1 0` reads nothing.
+    match len_bytes.checked_sub(1) {
+        Some(last) => range.arg(data_key).arg(0).arg(last),
+        None => range.arg(data_key).arg(1).arg(0),
+    };
+    [(strlen, false), (range, false)]
 }
 
 /// Splits items into consecutive index ranges of at most `limit_bytes` each (an item larger
@@ -456,8 +517,8 @@ impl Tier for RedisTier {
         for range in batches(&sizes_bytes, self.config.max_in_flight_bytes) {
             let batch = &hits[range];
             let groups = self.group_by_shard(batch.iter().map(|&(i, _, _)| &keys[i]));
-            let datas: Vec<Option<Vec<u8>>> = self.with_link(|link| {
-                let mut cmds = Vec::with_capacity(groups.len() + batch.len());
+            let replies: Vec<(u64, Vec<u8>)> = self.with_link(|link| {
+                let mut cmds = Vec::with_capacity(groups.len() + 2 * batch.len());
                 for (shard, members) in &groups {
                     let mut touch = self.script(link, Script::Touch, *shard);
                     for &m in members {
@@ -465,21 +526,23 @@ impl Tier for RedisTier {
                     }
                     cmds.push((touch, true));
                 }
-                for &(i, _, _) in batch {
-                    let mut get = redis::cmd("GET");
-                    get.arg(self.data_key(&keys[i]));
-                    cmds.push((get, false));
+                for &(i, len, _) in batch {
+                    cmds.extend(bounded_payload_read(&self.data_key(&keys[i]), len));
                 }
-                link.pipeline(cmds)
+                let flat: Vec<redis::Value> = link.pipeline(cmds)?;
+                flat.chunks(2)
+                    .map(|pair| redis::from_redis_value(&redis::Value::Array(pair.to_vec())))
+                    .collect()
             })?;
             self.note_pipeline(batch.iter().map(|h| h.1).sum());
-            for (&(i, len, crc), data) in batch.iter().zip(datas) {
-                match data {
-                    Some(bytes) if bytes.len() as u64 == len && crc32c::crc32c(&bytes) == crc => {
-                        bytes_read += len;
-                        out[i] = Some(Payload::from(bytes));
-                    }
-                    _ => corrupt.push(keys[i]),
+            for (&(i, len, crc), (stored_len, bytes)) in batch.iter().zip(replies) {
+                // A missing payload has length 0, so only a zero-length entry reads as
+                // present without one, and its bytes (none) are then right anyway.
+                if stored_len == len && bytes.len() as u64 == len && crc32c::crc32c(&bytes) == crc {
+                    bytes_read += len;
+                    out[i] = Some(Payload::from(bytes));
+                } else {
+                    corrupt.push(keys[i]);
                 }
             }
         }
@@ -579,6 +642,10 @@ mod tests {
             .err()
             .unwrap();
         assert!(err.to_string().contains("host:port"), "{err}");
+        let mut config = RedisTierConfig::new("redis://127.0.0.1:1");
+        config.key_prefix = String::new();
+        let err = RedisTier::open(config).err().unwrap();
+        assert!(err.to_string().contains("key prefix is empty"), "{err}");
         let single = RedisTier::open(RedisTierConfig::new("redis://127.0.0.1:1")).unwrap();
         assert_eq!(single.shard_prefixes(), ["pk:tiers:v1:"]);
     }

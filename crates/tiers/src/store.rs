@@ -12,8 +12,13 @@
 //! holds the master copy (EVICPRESS: "the remote tier keeps everything") and other servers
 //! sharing it see a chunk immediately, not only after it is evicted from the faster tiers.
 //! Victims are then not demoted into the last tier: they are already there.
+//! NOTE 5: a tier does not know the size of a chunk until one arrives (it depends on the
+//! model and the codec), so a capacity too small for one chunk cannot be refused when the
+//! tier is built. Instead each refusal as too large is counted (`too_large`, metric
+//! `pagekeeper:tier_too_large_total`), and the first one per tier is logged as a warning
+//! with both sizes: without it such a tier would silently store nothing.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -62,6 +67,8 @@ pub struct TierMetricsSnapshot {
     pub promotions_in: u64,
     pub demotions_in: u64,
     pub evictions: u64,
+    /// Entries this tier refused as larger than it can hold (NOTE 5).
+    pub too_large: u64,
     pub usage_bytes: u64,
     pub capacity_bytes: u64,
 }
@@ -78,11 +85,14 @@ struct TierMetrics {
     promotions_in: AtomicU64,
     demotions_in: AtomicU64,
     evictions: AtomicU64,
+    too_large: AtomicU64,
 }
 
 struct TierSlot {
     tier: Arc<dyn Tier>,
     metrics: TierMetrics,
+    /// Whether the first too-large refusal has been logged (NOTE 5).
+    too_large_warned: AtomicBool,
 }
 
 impl TierSlot {
@@ -94,6 +104,34 @@ impl TierSlot {
     fn error(&self, op: &str, err: &TierError) {
         tracing::warn!(tier = self.tier.name(), op, error = %err, "tier error treated as a miss");
         self.count(&self.metrics.errors, "pagekeeper:tier_errors_total", 1);
+    }
+
+    /// A failed store: a refusal as too large is counted, and warned about once (NOTE 5);
+    /// anything else is an error. Returns whether it was an error.
+    fn store_failed(&self, err: &TierError) -> bool {
+        let TierError::TooLarge {
+            size_bytes,
+            limit_bytes,
+            ..
+        } = err
+        else {
+            self.error("store", err);
+            return true;
+        };
+        self.count(
+            &self.metrics.too_large,
+            "pagekeeper:tier_too_large_total",
+            1,
+        );
+        if !self.too_large_warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                tier = self.tier.name(),
+                size_bytes,
+                limit_bytes,
+                "tier refused an entry larger than it can hold, so it stores no entry of this size; raise its capacity or remove it (warned once; pagekeeper:tier_too_large_total counts them)"
+            );
+        }
+        false
     }
 }
 
@@ -111,6 +149,7 @@ impl TieredStore {
                 .map(|tier| TierSlot {
                     tier,
                     metrics: TierMetrics::default(),
+                    too_large_warned: AtomicBool::new(false),
                 })
                 .collect(),
             write_through_last: false,
@@ -279,8 +318,9 @@ impl TieredStore {
                     payload.len() as u64,
                 ),
                 Err(e) => {
-                    report.errors += 1;
-                    slot.error("store", &e);
+                    if slot.store_failed(&e) {
+                        report.errors += 1;
+                    }
                 }
             }
         }
@@ -341,9 +381,8 @@ impl TieredStore {
                         next.extend(victims.into_iter().map(|v| (v.key, v.payload, false)));
                     }
                     Err(e) => {
-                        if !matches!(e, TierError::TooLarge { .. }) {
+                        if slot.store_failed(&e) {
                             report.errors += 1;
-                            slot.error("store", &e);
                         }
                         next.push((key, payload, is_new));
                     }
@@ -378,6 +417,7 @@ impl TieredStore {
                     promotions_in: get(&m.promotions_in),
                     demotions_in: get(&m.demotions_in),
                     evictions: get(&m.evictions),
+                    too_large: get(&m.too_large),
                     usage_bytes,
                     capacity_bytes: slot.tier.capacity_bytes(),
                 }

@@ -264,3 +264,33 @@ fn index_rebuild_of_1000_entries_is_fast() {
         Some(&payload(999, 4096)[..])
     );
 }
+
+#[test]
+fn a_second_tier_on_a_live_directory_is_refused_and_touches_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = open(dir.path(), 1 << 20);
+    first.store(&key(1), &payload(1, 100)).unwrap();
+    // The first tier's write in progress: a second opener must not delete it.
+    let in_progress = dir.path().join(format!("{}.4242.0.tmp", key(2)));
+    fs::write(&in_progress, &payload(2, 10)[..]).unwrap();
+
+    let err = DiskTier::open(DiskTierConfig::new(dir.path(), 1 << 20))
+        .err()
+        .expect("a second tier on a live directory must be refused");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("in use by another disk tier")
+            && msg.contains(&dir.path().display().to_string()),
+        "{msg}"
+    );
+    assert!(in_progress.exists(), "the live tier's temp file survives");
+    assert!(first.contains(&key(1)).unwrap());
+
+    // The lock goes with the tier: once it is dropped the directory opens again.
+    drop(first);
+    let second = open(dir.path(), 1 << 20);
+    assert_eq!(
+        second.load(&key(1)).unwrap().as_deref(),
+        Some(&payload(1, 100)[..])
+    );
+}

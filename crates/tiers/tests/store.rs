@@ -187,3 +187,26 @@ fn full_stack_ram_disk_redis() {
     let reader = TieredStore::new(vec![Arc::new(RamTier::new(1 << 20)), redis]);
     assert_eq!(reader.load(&key(10)).map(|l| l.tier_index), Some(1));
 }
+
+#[test]
+fn a_tier_too_small_for_an_entry_counts_each_refusal() {
+    let dir = tempfile::tempdir().unwrap();
+    let ram = Arc::new(RamTier::new(100));
+    let disk = Arc::new(DiskTier::open(DiskTierConfig::new(dir.path(), 1 << 20)).unwrap());
+    let store = TieredStore::new(vec![ram.clone(), disk.clone()]);
+    for n in 0..3 {
+        let report = store.store(&key(n), &payload(n, 1000));
+        assert_eq!(report.stored_in, Some(1), "the entry moves on to the disk");
+        assert_eq!(report.errors, 0, "a refusal as too large is not an error");
+    }
+    let metrics = store.metrics();
+    assert_eq!(metrics[0].too_large, 3, "every refusal is counted");
+    assert_eq!((metrics[0].usage_bytes, metrics[0].errors), (0, 0));
+    assert_eq!(metrics[1].too_large, 0);
+
+    // With no tier able to take it, the entry is dropped, and still counted.
+    let alone = TieredStore::new(vec![Arc::new(RamTier::new(100)) as Arc<dyn Tier>]);
+    let report = alone.store(&key(9), &payload(9, 1000));
+    assert_eq!((report.stored_in, report.dropped), (None, 1));
+    assert_eq!(alone.metrics()[0].too_large, 1);
+}
