@@ -338,6 +338,16 @@ pub enum StoreError {
     Codec(#[from] CodecError),
 }
 
+/// One queued job fewer; wakes `flush` when none is left.
+fn job_done(in_flight: &(Mutex<usize>, Condvar)) {
+    let (lock, cv) = in_flight;
+    let mut n = lock.lock().unwrap();
+    *n -= 1;
+    if *n == 0 {
+        cv.notify_all();
+    }
+}
+
 impl ContextStore {
     pub fn new(cfg: StoreConfig) -> Result<Arc<ContextStore>, StoreError> {
         if cfg.tiers.is_empty()
@@ -440,6 +450,12 @@ impl ContextStore {
                 for j in (0..present.len()).rev().filter(|&j| present[j]) {
                     match self.adopt(&keys[start + j]) {
                         Ok(()) => return Some(start + j),
+                        Err(e @ StoreError::Codec(_)) => {
+                            // Kept, it would fail every restart's adoption and block the
+                            // store of the recomputed context under its key.
+                            let _ = self.tiers[last].delete(&masters[j]);
+                            tracing::warn!("EVICPRESS: a stored master is unusable ({e}); deleted, it is stored again once recomputed");
+                        }
                         Err(e) => tracing::warn!("EVICPRESS: a stored master is unusable: {e}"),
                     }
                 }
@@ -708,12 +724,7 @@ impl ContextStore {
     }
 
     fn job_done(&self) {
-        let (lock, cv) = &*self.in_flight;
-        let mut n = lock.lock().unwrap();
-        *n -= 1;
-        if *n == 0 {
-            cv.notify_all();
-        }
+        job_done(&self.in_flight);
     }
 
     /// Takes back a context returned by [`ContextStore::load`] once the caller is done with
@@ -800,6 +811,9 @@ impl ContextStore {
                         return Err(StoreError::OnlyCopyUnreadable(Box::new(e)));
                     }
                     if (t, c) == master {
+                        if matches!(e, StoreError::Codec(_) | StoreError::CopyMissing) {
+                            self.forget_unusable_master(key, (tier, config));
+                        }
                         return Err(StoreError::MasterUnreadable(Box::new(e)));
                     }
                     fell_back = true;
@@ -815,6 +829,26 @@ impl ContextStore {
             }
         }
         unreachable!("the last candidate returns")
+    }
+
+    /// With a master per context: a master that fails the codec's check or is gone. The
+    /// context is forgotten and both its copies deleted, so that the next request computes
+    /// it and stores it again; kept, every hit would fall through to the same bad master.
+    /// `placed` is where the load found the placed copy (a fallback has since pointed the
+    /// entry at the master).
+    fn forget_unusable_master(&self, key: &ChunkKey, placed: (usize, usize)) {
+        let mut st = self.state.lock().unwrap();
+        if self.forget(&mut st, key).is_none() {
+            return;
+        }
+        st.stats.unreadable_dropped += 1;
+        drop(st);
+        let last = self.tiers.len() - 1;
+        let _ = self.tiers[last].delete(&copy_key(key, 0));
+        if placed != (last, 0) {
+            let _ = self.tiers[placed.0].delete(&copy_key(key, placed.1));
+        }
+        tracing::warn!("EVICPRESS: a context's master is unusable; the context is forgotten and stored again once recomputed");
     }
 
     /// Counts a hit of `key` (frequency, recency, hits, the query kept for profiling) and

@@ -187,7 +187,9 @@ fn a_restart_adopts_the_profile_and_frequency_saved_beside_the_master() {
         "a restored profile needs no new one"
     );
 
-    // A store with another grid does not trust the entry: the context starts over.
+    // A store with another grid does not trust the entry: the context starts over. (One
+    // disk tier per directory: the first store goes first.)
+    drop(s);
     let other = store_with_grid(
         Arc::new(RamTier::new(1 << 30)),
         dir.path(),
@@ -508,4 +510,39 @@ fn a_slowed_tier_changes_placement() {
     assert!(report.model.tiers[0].read_bytes_per_s < 1e7, "{report:?}");
     let slow = s.placement_of(&key).unwrap();
     assert_ne!(slow, fast, "placement ignored a tier 1000x slower");
+}
+
+/// A master that fails the codec's check cannot be served or fallen back on: the context
+/// is forgotten and both copies deleted, so that it is stored again once recomputed
+/// (kept, every later hit would fail on it).
+#[test]
+fn an_unusable_master_is_forgotten_and_stored_again() {
+    let ram = Arc::new(RamTier::new(1 << 30));
+    let last = Arc::new(RamTier::named("last", 1 << 30));
+    let cfg = common::ram_disk_config(
+        (ram.clone() as Arc<dyn Tier>, last.clone() as Arc<dyn Tier>),
+        [1 << 29, u64::MAX],
+        "q8,q4,knorm-0.5",
+        Policy::Lru,
+    );
+    let s = ContextStore::new(cfg).unwrap();
+    let key = ChunkKey([4; 32]);
+    s.offer(key, kv(4, 128));
+    s.flush();
+    assert_eq!(s.placement_of(&key), Some((0, 0)));
+    let copy = copy_key(&key, 0);
+    for tier in [&ram, &last] {
+        let mut bytes = tier.load(&copy).unwrap().unwrap().to_vec();
+        bytes[100] ^= 0xFF;
+        tier.delete(&copy).unwrap();
+        tier.store(&copy, &Payload::from(bytes)).unwrap();
+    }
+    assert!(s.load(&key, None).is_err(), "neither copy is usable");
+    assert!(!s.contains(&key), "the context is forgotten");
+    assert_eq!(s.stats().unreadable_dropped, 1);
+    assert!(ram.load(&copy).unwrap().is_none() && last.load(&copy).unwrap().is_none());
+    assert!(s.offer(key, kv(4, 128)), "stored again");
+    s.flush();
+    let (got, _) = s.load(&key, None).unwrap();
+    assert_eq!(got.n_tokens(), 128);
 }

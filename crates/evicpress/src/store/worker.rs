@@ -8,7 +8,11 @@ impl Drop for ContextStore {
     fn drop(&mut self) {
         self.tx.lock().unwrap().take();
         if let Some(w) = self.worker.lock().unwrap().take() {
-            let _ = w.join();
+            // The last handle may be the worker's own (a job in progress when the others
+            // went): a thread cannot join itself, and it ends once its channel is empty.
+            if w.thread().id() != std::thread::current().id() {
+                let _ = w.join();
+            }
         }
     }
 }
@@ -42,7 +46,12 @@ pub(super) fn worker_loop(rx: Receiver<Job>, store: std::sync::Weak<ContextStore
             Job::Place(key) => store.place(key, None),
             Job::SaveMeta(key) => store.save_meta(&key),
         }
-        store.job_done();
+        // The strong reference goes before the job counts as done: once `flush` returns,
+        // the caller's handle is the last, so dropping it closes the tiers there and then
+        // (a disk tier's directory lock included) instead of at the end of this iteration.
+        let in_flight = store.in_flight.clone();
+        drop(store);
+        super::job_done(&in_flight);
     }
 }
 
