@@ -204,8 +204,9 @@ fn check_head_lengths(f: &GgufFile, cfg: &ModelConfig) -> Result<(), ModelError>
     Ok(())
 }
 
-/// `{arch}.rope.scaling.type`: `none` or absent (1.0), `linear` (1 / `rope.scaling.factor`,
-/// as llama.cpp's `rope_freq_scale_train`); YaRN, LongRoPE and anything else are refused.
+/// `{arch}.rope.scaling.type`: `linear` or absent (1 / `rope.scaling.factor`, as
+/// llama.cpp's `rope_freq_scale_train`), `none` (1.0); YaRN, LongRoPE and anything else
+/// are refused.
 fn linear_rope_freq_scale(f: &GgufFile, arch: &str) -> Result<f32, ModelError> {
     let ty_key = format!("{arch}.rope.scaling.type");
     let factor_key = format!("{arch}.rope.scaling.factor");
@@ -216,9 +217,15 @@ fn linear_rope_freq_scale(f: &GgufFile, arch: &str) -> Result<f32, ModelError> {
         Err(e) => return Err(e.into()),
     };
     match (ty.as_str(), factor) {
-        ("none", _) | ("linear", None) => Ok(1.0),
         // llama.cpp reads a factor of 0 as "no scaling".
-        ("linear", Some(0.0)) => Ok(1.0),
+        ("none", None | Some(0.0) | Some(1.0)) | ("linear", None | Some(0.0)) => Ok(1.0),
+        // llama.cpp computes 1 / factor from the file but then, for type none, rotates
+        // unscaled (`llama_context`: "never scale if scaling type is none"). A file saying
+        // both is contradictory, so it is refused rather than silently read either way.
+        ("none", Some(x)) => Err(ModelError::BadConfig(format!(
+            "{factor_key} = {x} contradicts {ty_key} = \"none\" (llama.cpp would ignore \
+             the factor); set the type to \"linear\" or drop the factor"
+        ))),
         ("linear", Some(x)) if x > 0.0 && x.is_finite() => Ok((1.0 / x) as f32),
         ("linear", Some(x)) => Err(ModelError::BadConfig(format!("{factor_key} = {x}"))),
         (other, _) => Err(ModelError::BadConfig(format!(

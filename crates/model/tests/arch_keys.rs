@@ -284,3 +284,22 @@ fn a_per_layer_kv_head_count_is_honoured_only_when_uniform() {
         );
     }
 }
+
+#[test]
+fn a_scaling_factor_with_scaling_type_none_is_refused() {
+    let none = |factor: Option<f32>| {
+        let mut extra = vec![("llama.rope.scaling.type".into(), V::Str("none"))];
+        extra.extend(factor.map(|x| ("llama.rope.scaling.factor".into(), V::F32(x))));
+        config("none", "llama", extra)
+    };
+    // llama.cpp rotates unscaled under type none, whatever the factor says.
+    for factor in [None, Some(0.0), Some(1.0)] {
+        assert_eq!(none(factor).unwrap().rope_freq_scale, 1.0, "{factor:?}");
+    }
+    let err = none(Some(4.0)).unwrap_err().to_string();
+    assert!(
+        err.contains("llama.rope.scaling.factor = 4")
+            && err.contains("llama.rope.scaling.type = \"none\""),
+        "{err}"
+    );
+}
