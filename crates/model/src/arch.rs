@@ -291,11 +291,15 @@ fn gemma3_extras(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), ModelError> 
         gelu: true,
         qk_norm: true,
         post_norms: true,
-        sliding_window: Some(SlidingWindow {
-            window_tokens: f.get_u64(&key("attention.sliding_window"))? as usize,
-            global_every,
-            rope_theta_local,
-        }),
+        // A window of 0 is llama.cpp's "no sliding window": every layer attends globally.
+        sliding_window: match f.get_u64(&key("attention.sliding_window"))? as usize {
+            0 => None,
+            window_tokens => Some(SlidingWindow {
+                window_tokens,
+                global_every,
+                rope_theta_local,
+            }),
+        },
         qkv_bias: false,
         query_scale: (cfg.n_layers == GEMMA3_27B_LAYERS)
             .then(|| 1.0 / ((cfg.d_model / cfg.n_heads) as f32).sqrt()),

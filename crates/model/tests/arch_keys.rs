@@ -303,3 +303,25 @@ fn a_scaling_factor_with_scaling_type_none_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn gemma3_sliding_window_zero_makes_every_layer_global() {
+    let c = config(
+        "swa0",
+        "gemma3",
+        vec![
+            ("gemma3.attention.sliding_window".into(), V::U32(0)),
+            ("gemma3.rope.scaling.type".into(), V::Str("linear")),
+            ("gemma3.rope.scaling.factor".into(), V::F32(8.0)),
+        ],
+    )
+    .unwrap();
+    assert!(c.extras.sliding_window.is_none());
+    assert_eq!((c.layer_window(0), c.layer_window(1)), (None, None));
+    assert!(c.kv_group_layout().is_none());
+    assert_eq!(
+        c.rope_inv_freq(false)[0],
+        0.125,
+        "every layer is global, so scaled"
+    );
+}
