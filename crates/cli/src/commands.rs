@@ -302,6 +302,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
 }
 
 pub fn perplexity(a: PerplexityArgs) -> Result<()> {
+    pk_engine::perplexity::check_max_chunks(a.chunks)?;
     let r = if a.device == "cuda" {
         crate::gpu::perplexity(&a)?
     } else {

@@ -47,6 +47,15 @@ pub fn perplexity(
     )
 }
 
+/// Refuses `--chunks 0`: no chunk scores no token, and the mean NLL would be 0/0, printed
+/// as "PPL = NaN". The CLI calls this before loading the model, and so does every run.
+pub fn check_max_chunks(max_chunks: Option<usize>) -> Result<()> {
+    if max_chunks == Some(0) {
+        bail!("--chunks must be at least 1, got 0");
+    }
+    Ok(())
+}
+
 /// Scores a chunk of token ids from a first index: the logits rows of `chunk[first..]`.
 pub type ChunkScorer<'a> = dyn FnMut(&[u32], usize) -> Result<Vec<f32>> + 'a;
 
@@ -68,10 +77,7 @@ pub fn perplexity_with(
     if n_ctx < 4 {
         bail!("--ctx must be at least 4, got {n_ctx}");
     }
-    // No chunk scores no token: the mean NLL would be 0/0, printed as "PPL = NaN".
-    if max_chunks == Some(0) {
-        bail!("--chunks must be at least 1, got 0");
-    }
+    check_max_chunks(max_chunks)?;
     let available = ids.len() / n_ctx;
     if available == 0 {
         bail!(
