@@ -109,7 +109,8 @@ pub fn info(a: InfoArgs) -> Result<()> {
         e.1 += t.n_elems();
         n_params += t.n_elems();
     }
-    let cfg = pk_model::ModelConfig::from_gguf(&f);
+    // The checks `generate` runs before loading weights, so that "supported" means it runs.
+    let cfg = crate::preflight::runnable_config(&f);
     if a.json {
         let mut v = serde_json::json!({
             "path": path.display().to_string(),
@@ -122,7 +123,7 @@ pub fn info(a: InfoArgs) -> Result<()> {
         });
         match &cfg {
             Ok(c) => v["config"] = config_json(c),
-            Err(e) => v["not_runnable"] = e.to_string().into(),
+            Err(e) => v["not_runnable"] = format!("{e:#}").into(),
         }
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -141,7 +142,7 @@ pub fn info(a: InfoArgs) -> Result<()> {
     println!("parameters:      {:.1} M", n_params as f64 / 1e6);
     match &cfg {
         Ok(c) => print_config(c),
-        Err(e) => println!("not runnable:    {e}"),
+        Err(e) => println!("not runnable:    {e:#}"),
     }
     for (t, (n, e)) in &by_type {
         println!(
@@ -301,6 +302,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
 }
 
 pub fn perplexity(a: PerplexityArgs) -> Result<()> {
+    pk_engine::perplexity::check_max_chunks(a.chunks)?;
     let r = if a.device == "cuda" {
         crate::gpu::perplexity(&a)?
     } else {

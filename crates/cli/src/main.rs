@@ -18,6 +18,7 @@ mod flag_rules;
 #[cfg(test)]
 mod flag_walk;
 mod gpu;
+mod preflight;
 mod serve;
 mod tier_args;
 mod tier_policy;

@@ -47,6 +47,15 @@ pub fn perplexity(
     )
 }
 
+/// Refuses `--chunks 0`: no chunk scores no token, and the mean NLL would be 0/0, printed
+/// as "PPL = NaN". The CLI calls this before loading the model, and so does every run.
+pub fn check_max_chunks(max_chunks: Option<usize>) -> Result<()> {
+    if max_chunks == Some(0) {
+        bail!("--chunks must be at least 1, got 0");
+    }
+    Ok(())
+}
+
 /// Scores a chunk of token ids from a first index: the logits rows of `chunk[first..]`.
 pub type ChunkScorer<'a> = dyn FnMut(&[u32], usize) -> Result<Vec<f32>> + 'a;
 
@@ -68,6 +77,7 @@ pub fn perplexity_with(
     if n_ctx < 4 {
         bail!("--ctx must be at least 4, got {n_ctx}");
     }
+    check_max_chunks(max_chunks)?;
     let available = ids.len() / n_ctx;
     if available == 0 {
         bail!(
@@ -107,4 +117,41 @@ pub fn perplexity_with(
         scored_tokens: count,
         running_ppl: running,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Scores `chunks` of a 4-token context over 3 vocabulary entries with uniform logits.
+    fn run(max_chunks: Option<usize>) -> Result<PerplexityResult> {
+        let vocab = 3;
+        let ids = [0u32, 1, 2, 0, 1, 2, 0, 1];
+        let mut uniform =
+            |chunk: &[u32], first: usize| Ok(vec![0.0; (chunk.len() - first) * vocab]);
+        perplexity_with(
+            &mut uniform,
+            vocab,
+            None,
+            &ids,
+            4,
+            max_chunks,
+            &mut |_, _| {},
+        )
+    }
+
+    #[test]
+    fn zero_chunks_is_refused_naming_the_flag() {
+        let err = run(Some(0)).unwrap_err().to_string();
+        assert_eq!(err, "--chunks must be at least 1, got 0");
+    }
+
+    #[test]
+    fn uniform_logits_give_the_vocabulary_size() {
+        for (max_chunks, n_chunks) in [(Some(1), 1), (None, 2), (Some(5), 2)] {
+            let r = run(max_chunks).unwrap();
+            assert_eq!(r.n_chunks, n_chunks);
+            assert!((r.ppl - 3.0).abs() < 1e-9, "{}", r.ppl);
+        }
+    }
 }

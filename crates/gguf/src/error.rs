@@ -37,6 +37,10 @@ pub enum GgufError {
     },
     #[error("missing tensor {0}")]
     MissingTensor(String),
+    /// A metadata key or tensor name given twice. llama.cpp's reader refuses such a file,
+    /// and which copy a model was meant to run with cannot be known.
+    #[error("invalid GGUF: duplicate {what} {name:?}")]
+    Duplicate { what: &'static str, name: String },
 }
 
 pub type Result<T> = std::result::Result<T, GgufError>;

@@ -278,6 +278,12 @@ impl GgufFile {
             let key = r.string()?;
             let type_id = r.u32()?;
             let value = r.value(type_id, 0)?;
+            if metadata.contains_key(&key) {
+                return Err(GgufError::Duplicate {
+                    what: "metadata key",
+                    name: key,
+                });
+            }
             metadata.insert(key, value);
         }
         let alignment = match metadata.get("general.alignment") {
@@ -295,6 +301,12 @@ impl GgufFile {
         let mut tensor_index = BTreeMap::new();
         for t in raw {
             let info = t.checked(data_start, file_len_bytes)?;
+            if tensor_index.contains_key(&info.name) {
+                return Err(GgufError::Duplicate {
+                    what: "tensor",
+                    name: info.name,
+                });
+            }
             tensor_index.insert(info.name.clone(), tensors.len());
             tensors.push(info);
         }

@@ -8,7 +8,7 @@
 
 use std::collections::BTreeSet;
 
-use pk_gguf::{GgufError, GgufFile};
+use pk_gguf::{GgufError, GgufFile, MetaValue};
 
 use crate::config::{ArchExtras, ModelConfig, RopeStyle, SlidingWindow};
 use crate::ModelError;
@@ -70,29 +70,27 @@ impl ModelConfig {
         let d_model = f.get_u64(&key("embedding_length"))? as usize;
         let head_dim = optional_u64(f, &key("attention.key_length"))?
             .map_or(d_model / n_heads.max(1), |v| v as usize);
-        let vocab_size = match f.get_u64(&key("vocab_size")) {
-            Ok(v) => v as usize,
-            Err(_) => f.get_str_array("tokenizer.ggml.tokens")?.len(),
+        let vocab_size = match optional_u64(f, &key("vocab_size"))? {
+            Some(v) => v as usize,
+            None => f.get_str_array("tokenizer.ggml.tokens")?.len(),
         };
+        let n_layers = f.get_u64(&key("block_count"))? as usize;
         let mut cfg = ModelConfig {
             name: f.get_str("general.name").unwrap_or("unnamed").to_string(),
-            n_layers: f.get_u64(&key("block_count"))? as usize,
+            n_layers,
             n_heads,
-            n_kv_heads: f
-                .get_u64(&key("attention.head_count_kv"))
-                .unwrap_or(n_heads as u64) as usize,
+            n_kv_heads: n_kv_heads(f, &key("attention.head_count_kv"), n_heads, n_layers)?,
             head_dim,
             d_model,
             d_ff: f.get_u64(&key("feed_forward_length"))? as usize,
             vocab_size,
             context_length: f.get_u64(&key("context_length"))? as usize,
-            rope_theta: f.get_f64(&key("rope.freq_base")).unwrap_or(10000.0) as f32,
+            rope_theta: optional_f64(f, &key("rope.freq_base"))?.unwrap_or(10000.0) as f32,
             rope_style: RopeStyle::Normal,
             rope_freq_scale: linear_rope_freq_scale(f, &arch)?,
             rope_freq_factors: None,
-            rms_eps: f
-                .get_f64(&key("attention.layer_norm_rms_epsilon"))
-                .unwrap_or(1e-5) as f32,
+            // llama.cpp requires it for every architecture we run, so there is no default.
+            rms_eps: f.get_f64(&key("attention.layer_norm_rms_epsilon"))? as f32,
             extras: ArchExtras::default(),
             arch: arch.clone(),
         };
@@ -142,11 +140,46 @@ fn check_arch_keys(f: &GgufFile, arch: &str) -> Result<(), ModelError> {
     Ok(())
 }
 
+/// A key's value, `None` only when it is missing: a value of the wrong type is refused
+/// (naming the key and both types) rather than replaced by a default.
 fn optional_u64(f: &GgufFile, key: &str) -> Result<Option<u64>, ModelError> {
-    match f.get_u64(key) {
+    missing_as_none(f.get_u64(key))
+}
+
+fn optional_f64(f: &GgufFile, key: &str) -> Result<Option<f64>, ModelError> {
+    missing_as_none(f.get_f64(key))
+}
+
+fn missing_as_none<T>(r: Result<T, GgufError>) -> Result<Option<T>, ModelError> {
+    match r {
         Ok(v) => Ok(Some(v)),
         Err(GgufError::MissingKey(_)) => Ok(None),
         Err(e) => Err(e.into()),
+    }
+}
+
+/// `{arch}.attention.head_count_kv`: absent means one KV head per query head (as in
+/// llama.cpp). llama.cpp also reads an array of one count per layer; we run one count
+/// for all layers, so an array is honoured only when it has `n_layers` equal entries.
+fn n_kv_heads(
+    f: &GgufFile,
+    key: &str,
+    n_heads: usize,
+    n_layers: usize,
+) -> Result<usize, ModelError> {
+    let Some(MetaValue::Array(items)) = f.get(key) else {
+        return Ok(optional_u64(f, key)?.map_or(n_heads, |v| v as usize));
+    };
+    let counts: Option<Vec<u64>> = items.iter().map(MetaValue::as_u64).collect();
+    match counts.as_deref() {
+        Some([first, rest @ ..]) if items.len() == n_layers && rest.iter().all(|c| c == first) => {
+            Ok(*first as usize)
+        }
+        _ => Err(ModelError::BadConfig(format!(
+            "{key} is an array of {} entries; per-layer KV head counts are not supported \
+             (give a number, or {n_layers} equal counts)",
+            items.len()
+        ))),
     }
 }
 
@@ -171,25 +204,28 @@ fn check_head_lengths(f: &GgufFile, cfg: &ModelConfig) -> Result<(), ModelError>
     Ok(())
 }
 
-/// `{arch}.rope.scaling.type`: `none` or absent (1.0), `linear` (1 / `rope.scaling.factor`,
-/// as llama.cpp's `rope_freq_scale_train`); YaRN, LongRoPE and anything else are refused.
+/// `{arch}.rope.scaling.type`: `linear` or absent (1 / `rope.scaling.factor`, as
+/// llama.cpp's `rope_freq_scale_train`), `none` (1.0); YaRN, LongRoPE and anything else
+/// are refused.
 fn linear_rope_freq_scale(f: &GgufFile, arch: &str) -> Result<f32, ModelError> {
     let ty_key = format!("{arch}.rope.scaling.type");
     let factor_key = format!("{arch}.rope.scaling.factor");
-    let factor = match f.get_f64(&factor_key) {
-        Ok(v) => Some(v),
-        Err(GgufError::MissingKey(_)) => None,
-        Err(e) => return Err(e.into()),
-    };
+    let factor = optional_f64(f, &factor_key)?;
     let ty = match f.get_str(&ty_key) {
         Ok(t) => t.to_string(),
         Err(GgufError::MissingKey(_)) => "linear".to_string(),
         Err(e) => return Err(e.into()),
     };
     match (ty.as_str(), factor) {
-        ("none", _) | ("linear", None) => Ok(1.0),
         // llama.cpp reads a factor of 0 as "no scaling".
-        ("linear", Some(0.0)) => Ok(1.0),
+        ("none", None | Some(0.0) | Some(1.0)) | ("linear", None | Some(0.0)) => Ok(1.0),
+        // llama.cpp computes 1 / factor from the file but then, for type none, rotates
+        // unscaled (`llama_context`: "never scale if scaling type is none"). A file saying
+        // both is contradictory, so it is refused rather than silently read either way.
+        ("none", Some(x)) => Err(ModelError::BadConfig(format!(
+            "{factor_key} = {x} contradicts {ty_key} = \"none\" (llama.cpp would ignore \
+             the factor); set the type to \"linear\" or drop the factor"
+        ))),
         ("linear", Some(x)) if x > 0.0 && x.is_finite() => Ok((1.0 / x) as f32),
         ("linear", Some(x)) => Err(ModelError::BadConfig(format!("{factor_key} = {x}"))),
         (other, _) => Err(ModelError::BadConfig(format!(
@@ -255,11 +291,15 @@ fn gemma3_extras(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), ModelError> 
         gelu: true,
         qk_norm: true,
         post_norms: true,
-        sliding_window: Some(SlidingWindow {
-            window_tokens: f.get_u64(&key("attention.sliding_window"))? as usize,
-            global_every,
-            rope_theta_local,
-        }),
+        // A window of 0 is llama.cpp's "no sliding window": every layer attends globally.
+        sliding_window: match f.get_u64(&key("attention.sliding_window"))? as usize {
+            0 => None,
+            window_tokens => Some(SlidingWindow {
+                window_tokens,
+                global_every,
+                rope_theta_local,
+            }),
+        },
         qkv_bias: false,
         query_scale: (cfg.n_layers == GEMMA3_27B_LAYERS)
             .then(|| 1.0 / ((cfg.d_model / cfg.n_heads) as f32).sqrt()),

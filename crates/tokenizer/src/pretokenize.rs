@@ -29,10 +29,7 @@ const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|
 /// Which family of splitting rules a vocabulary uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PreTokenizerKind {
-    /// Plain GPT-2 (`gpt2`, `default` and any pre-type we do not know).
-    ///
-    /// llama.cpp itself gives `default` an extra four-stage split and rejects unknown
-    /// names; we fall back to plain GPT-2 instead, which is what HF's GPT-2 tokenizer does.
+    /// Plain GPT-2 (`gpt-2`, `phi-2`, `olmo`, `mpt`, ...).
     Gpt2,
     /// Every `\p{N}` character on its own, then GPT-2 (`smollm`, `starcoder`, `refact`, ...).
     DigitsThenGpt2,
@@ -42,16 +39,89 @@ pub enum PreTokenizerKind {
     Qwen2,
 }
 
+/// The `tokenizer.ggml.pre` values llama.cpp (`llama_vocab::impl::load`) gives each of our
+/// kinds, with no other setting than those the kind implies: Llama 3's names also set
+/// `ignore_merges` and `add_bos`, as `Llama3` does here; no other name sets either.
+///
+/// NOTE 1: Left out on purpose, so that they are refused: `default` (and a missing key),
+/// whose four-stage split we do not implement; `dbrx` and `smaug-bpe`, Llama 3's regex
+/// without its `ignore_merges` and `add_bos`; `jina-v1-en`, `jina-v2-code` and
+/// `roberta-bpe`, GPT-2's regex with a BERT separator appended; and every name with a
+/// regex of its own (`tekken`, `deepseek-llm`, `deepseek-coder`, `gpt-4o`, `superbpe`, ...).
+/// NOTE 2: llama.cpp's `clean_spaces` differs within these lists; it changes only its
+/// whole-text `detokenize`, never how text is encoded or how one token renders.
+const PRE_NAMES: &[(PreTokenizerKind, &[&str])] = &[
+    (
+        PreTokenizerKind::Gpt2,
+        &[
+            "gpt-2",
+            "phi-2",
+            "jina-es",
+            "jina-de",
+            "gigachat",
+            "jina-v2-es",
+            "jina-v2-de",
+            "a.x-4.0",
+            "mellum",
+            "modern-bert",
+            "exaone4",
+            "mpt",
+            "olmo",
+            "jais",
+            "trillion",
+            "granite-docling",
+        ],
+    ),
+    (
+        PreTokenizerKind::DigitsThenGpt2,
+        &[
+            "starcoder",
+            "refact",
+            "command-r",
+            "smollm",
+            "codeshell",
+            "exaone",
+            "minerva-7b",
+            "mellum2",
+        ],
+    ),
+    (
+        PreTokenizerKind::Llama3,
+        &[
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+        ],
+    ),
+    (
+        PreTokenizerKind::Qwen2,
+        &[
+            "qwen2",
+            "deepseek-r1-qwen",
+            "kormo",
+            "f2llmv2",
+            "megrez",
+            "stablelm2",
+            "hunyuan",
+            "solar-open",
+        ],
+    ),
+];
+
 impl PreTokenizerKind {
-    /// Maps a `tokenizer.ggml.pre` value to its rules, following llama.cpp's grouping.
-    pub fn from_pre(pre: &str) -> PreTokenizerKind {
-        match pre {
-            "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" | "exaone"
-            | "minerva-7b" => PreTokenizerKind::DigitsThenGpt2,
-            "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => PreTokenizerKind::Llama3,
-            "qwen2" | "deepseek-r1-qwen" => PreTokenizerKind::Qwen2,
-            _ => PreTokenizerKind::Gpt2,
-        }
+    /// Maps a `tokenizer.ggml.pre` value to its rules, following llama.cpp's grouping;
+    /// `None` for a value whose splitting we do not implement exactly as llama.cpp does.
+    pub fn from_pre(pre: &str) -> Option<PreTokenizerKind> {
+        PRE_NAMES
+            .iter()
+            .find(|(_, names)| names.contains(&pre))
+            .map(|&(kind, _)| kind)
     }
 }
 
@@ -201,18 +271,39 @@ mod tests {
 
     #[test]
     fn pre_names() {
-        assert_eq!(PreTokenizerKind::from_pre("qwen2"), PreTokenizerKind::Qwen2);
-        assert_eq!(
-            PreTokenizerKind::from_pre("smollm"),
-            PreTokenizerKind::DigitsThenGpt2
-        );
-        assert_eq!(
-            PreTokenizerKind::from_pre("llama-bpe"),
-            PreTokenizerKind::Llama3
-        );
-        assert_eq!(
-            PreTokenizerKind::from_pre("something-new"),
-            PreTokenizerKind::Gpt2
-        );
+        use PreTokenizerKind::*;
+        let cases = [
+            ("qwen2", Some(Qwen2)),
+            ("smollm", Some(DigitsThenGpt2)),
+            ("llama-bpe", Some(Llama3)),
+            ("gpt-2", Some(Gpt2)),
+            ("olmo", Some(Gpt2)),
+            ("megrez", Some(Qwen2)),
+            // llama.cpp gives each of these rules (or settings) we do not implement.
+            ("default", None),
+            ("gpt2", None),
+            ("tekken", None),
+            ("smaug-bpe", None),
+            ("dbrx", None),
+            ("deepseek-llm", None),
+            ("deepseek-coder", None),
+            ("gpt-4o", None),
+            ("superbpe", None),
+            ("roberta-bpe", None),
+            ("something-new", None),
+        ];
+        for (pre, kind) in cases {
+            assert_eq!(PreTokenizerKind::from_pre(pre), kind, "{pre}");
+        }
+    }
+
+    #[test]
+    fn each_pre_name_has_one_kind() {
+        let mut seen = std::collections::BTreeSet::new();
+        for (_, names) in PRE_NAMES {
+            for name in *names {
+                assert!(seen.insert(*name), "{name} listed twice");
+            }
+        }
     }
 }

@@ -100,11 +100,7 @@ impl Tokenizer {
         let unk = id_or("tokenizer.ggml.unknown_token_id", default_unk)?;
 
         let (model, default_add_bos) = if model_name == "gpt2" {
-            let pre = match f.get("tokenizer.ggml.pre") {
-                Some(_) => f.get_str("tokenizer.ggml.pre")?,
-                None => "default",
-            };
-            let kind = PreTokenizerKind::from_pre(pre);
+            let kind = pre_tokenizer_kind(f)?;
             let merges = f.get_str_array("tokenizer.ggml.merges")?;
             let bpe = BpeModel::new(&vocab, &merges, PreTokenizer::new(kind))?;
             (Model::Bpe(bpe), kind == PreTokenizerKind::Llama3)
@@ -339,6 +335,26 @@ impl std::fmt::Debug for Tokenizer {
 fn parse_byte_token(text: &str) -> Option<u8> {
     let hex = text.strip_prefix("<0x")?.strip_suffix('>')?;
     u8::from_str_radix(hex, 16).ok()
+}
+
+/// The pre-tokenizer `tokenizer.ggml.pre` names. A value whose splitting we do not
+/// implement exactly as llama.cpp does is refused by name, and so is a missing key, for
+/// which llama.cpp falls back to its `default` rules (not implemented here).
+fn pre_tokenizer_kind(f: &GgufFile) -> Result<PreTokenizerKind, TokenizerError> {
+    const KEY: &str = "tokenizer.ggml.pre";
+    if f.get(KEY).is_none() {
+        return Err(TokenizerError::InvalidMetadata {
+            key: KEY,
+            reason: "missing; llama.cpp would split words by its \"default\" rules, \
+                     which this tokenizer does not implement"
+                .to_string(),
+        });
+    }
+    let pre = f.get_str(KEY)?;
+    PreTokenizerKind::from_pre(pre).ok_or_else(|| TokenizerError::UnrecognizedKey {
+        key: KEY.to_string(),
+        why: format!(" = {pre:?}"),
+    })
 }
 
 #[cfg(test)]

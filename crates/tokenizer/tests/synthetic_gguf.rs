@@ -259,6 +259,7 @@ fn inconsistent_metadata_is_an_error() {
         "no-merges",
         vec![
             ("tokenizer.ggml.model", Value::Str("gpt2")),
+            ("tokenizer.ggml.pre", Value::Str("gpt-2")),
             ("tokenizer.ggml.tokens", Value::StrArray(vec!["a".into()])),
             ("tokenizer.ggml.eos_token_id", Value::U32(0)),
         ],
@@ -305,4 +306,52 @@ fn inconsistent_metadata_is_an_error() {
     ));
     let err = Tokenizer::from_gguf(&no_eos).unwrap_err();
     assert!(err.to_string().contains("eos_token_id"), "{err}");
+}
+
+/// A byte-level BPE vocabulary of three tokens with `tokenizer.ggml.pre` set to `pre`
+/// (absent for `None`).
+fn bpe_gguf(name: &str, pre: Option<&'static str>) -> GgufFile {
+    let mut kvs = vec![
+        ("tokenizer.ggml.model", Value::Str("gpt2")),
+        (
+            "tokenizer.ggml.tokens",
+            Value::StrArray(vec!["a".into(), "b".into(), "ab".into()]),
+        ),
+        ("tokenizer.ggml.merges", Value::StrArray(vec!["a b".into()])),
+        ("tokenizer.ggml.eos_token_id", Value::U32(0)),
+    ];
+    kvs.extend(pre.map(|p| ("tokenizer.ggml.pre", Value::Str(p))));
+    open(&write_gguf(name, kvs))
+}
+
+/// A pre-tokenizer whose splitting llama.cpp does differently from every one we implement
+/// (or one it does not know) is refused with the key and the value, and so is a missing
+/// key, for which llama.cpp would use its own "default" split.
+#[test]
+fn pre_tokenizers_we_do_not_implement_are_refused_by_name() {
+    let tok = Tokenizer::from_gguf(&bpe_gguf("pre-gpt-2", Some("gpt-2"))).unwrap();
+    assert_eq!(tok.encode("ab", false), [2]);
+    for pre in ["tekken", "default", "smaug-bpe", "gpt-4o", "something-new"] {
+        let err = Tokenizer::from_gguf(&bpe_gguf("pre-bad", Some(pre))).unwrap_err();
+        assert!(
+            matches!(&err, TokenizerError::UnrecognizedKey { key, why }
+                if key == "tokenizer.ggml.pre" && *why == format!(" = {pre:?}")),
+            "{pre}: {err:?}"
+        );
+        assert!(err
+            .to_string()
+            .contains(&format!("\"tokenizer.ggml.pre\" = \"{pre}\"")));
+    }
+    let err = Tokenizer::from_gguf(&bpe_gguf("pre-missing", None)).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            TokenizerError::InvalidMetadata {
+                key: "tokenizer.ggml.pre",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("missing"), "{err}");
 }
