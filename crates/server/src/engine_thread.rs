@@ -17,7 +17,7 @@ use pk_engine::{Engine, EngineStats, FinishReason, Request, RequestOutput, SeqEv
 use tokio::sync::{mpsc, oneshot};
 
 pub enum Command {
-    Submit(Request, oneshot::Sender<Result<(), SubmitError>>),
+    Submit(Box<Request>, oneshot::Sender<Result<(), SubmitError>>),
     /// A request's prompts (a completion with a list of them), queued all or none: queued
     /// one by one, a list longer than the queue's free places had its first prompts
     /// computed and thrown away before a 429 that no retry could cure.
@@ -142,7 +142,7 @@ impl EngineHandle {
     pub async fn submit(&self, req: Request) -> Result<(), SubmitError> {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .try_send(Command::Submit(req, reply))
+            .try_send(Command::Submit(Box::new(req), reply))
             .map_err(|e| match e {
                 mpsc::error::TrySendError::Full(_) => SubmitError::QueueFull(COMMAND_QUEUE_LEN),
                 mpsc::error::TrySendError::Closed(_) => SubmitError::Stopped,
@@ -235,7 +235,7 @@ fn run(served: Served, mut rx: mpsc::Receiver<Command>) {
 fn handle(engine: &mut Engine, cmd: Command) {
     match cmd {
         Command::Submit(req, reply) => {
-            let _ = reply.send(engine.submit(recording_latencies(req)));
+            let _ = reply.send(engine.submit(recording_latencies(*req)));
         }
         Command::SubmitAll(reqs, reply) => {
             let _ = reply.send(submit_all(engine, reqs));

@@ -142,19 +142,7 @@ pub async fn completions(
         subs.push((ids.clone(), params));
     }
     share_compiled_grammar(&state, &mut subs).await?;
-    let mut reqs = Vec::with_capacity(subs.len());
-    let mut submitted = Vec::with_capacity(subs.len());
-    for (ids, params) in subs {
-        let (r, s) = prepare(&state, ids, params, req.common.cache_salt.clone()).await?;
-        reqs.push(r);
-        submitted.push(s);
-    }
-    state
-        .engine
-        .submit_all(reqs)
-        .await
-        .map_err(|e| submit_error_in(e, "prompt"))?;
-    let s = merge(submitted);
+    let s = submit_prompts(&state, subs, &req.common.cache_salt).await?;
     let usage_mode = StreamUsage::of(&req.common);
     if req.common.stream {
         return Ok(stream_response(
@@ -199,6 +187,28 @@ pub async fn completions(
         "usage": usage_of(prompt_tokens, &outputs),
     }))
     .into_response())
+}
+
+/// Queues every prompt's request, all or none (`Command::SubmitAll`), and merges their
+/// events into one response's.
+async fn submit_prompts(
+    state: &AppState,
+    subs: Vec<(Vec<u32>, GenerateParams)>,
+    cache_salt: &Option<String>,
+) -> Result<Submitted, ApiError> {
+    let mut reqs = Vec::with_capacity(subs.len());
+    let mut submitted = Vec::with_capacity(subs.len());
+    for (ids, params) in subs {
+        let (r, s) = prepare(state, ids, params, cache_salt.clone()).await?;
+        reqs.push(r);
+        submitted.push(s);
+    }
+    state
+        .engine
+        .submit_all(reqs)
+        .await
+        .map_err(|e| submit_error_in(e, "prompt"))?;
+    Ok(merge(submitted))
 }
 
 /// The prompts' grammar (the same for each) compiled once, on the blocking pool; every
