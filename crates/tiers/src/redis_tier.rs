@@ -410,7 +410,13 @@ impl RedisTier {
 }
 
 /// Parses `v1 <len> <crc32c>`.
+/// The longest metadata [`parse_meta`] accepts: `v1`, a u64 and a u32 in decimal, spaced.
+const MAX_META_BYTES: usize = 2 + 1 + 20 + 1 + 10;
+
 fn parse_meta(meta: &[u8]) -> Option<(u64, u32)> {
+    if meta.len() > MAX_META_BYTES {
+        return None;
+    }
     let text = std::str::from_utf8(meta).ok()?;
     let mut fields = text.split(' ');
     if fields.next()? != "v1" {
@@ -489,12 +495,14 @@ impl Tier for RedisTier {
     fn load_many(&self, keys: &[ChunkKey]) -> Result<Vec<Option<Payload>>, TierError> {
         let started = Instant::now();
         // Round trip 1: metadata, small, tells which keys are visible and how big they are.
+        // Read with GETRANGE up to one byte past the longest valid metadata, so that a huge
+        // value written over it behind the tier's back costs no more than that to find out.
         let metas: Vec<Option<Vec<u8>>> = self.with_link(|link| {
             let cmds = keys
                 .iter()
                 .map(|key| {
-                    let mut get = redis::cmd("GET");
-                    get.arg(self.meta_key(key));
+                    let mut get = redis::cmd("GETRANGE");
+                    get.arg(self.meta_key(key)).arg(0).arg(MAX_META_BYTES);
                     (get, false)
                 })
                 .collect();
@@ -504,7 +512,9 @@ impl Tier for RedisTier {
         let mut corrupt: Vec<ChunkKey> = Vec::new();
         let mut hits: Vec<(usize, u64, u32)> = Vec::new();
         for (i, meta) in metas.iter().enumerate() {
-            match meta.as_deref().map(parse_meta) {
+            // GETRANGE answers an empty string for a missing key; no metadata is empty.
+            let meta = meta.as_deref().filter(|m| !m.is_empty());
+            match meta.map(parse_meta) {
                 None => {}
                 Some(Some((len, crc))) => hits.push((i, len, crc)),
                 Some(None) => corrupt.push(keys[i]),

@@ -207,3 +207,31 @@ fn reads_stop_at_the_length_in_the_metadata() {
     assert_eq!(redis.stats().corrupt_entries, 1);
     assert_eq!(usage_and_lru_len(&redis, &mut raw), (1000, 1));
 }
+
+/// Metadata is read only as far as the longest valid one: an 8 MiB value written over it is
+/// a corrupt entry found for a few bytes, not a read of 8 MiB.
+#[test]
+fn metadata_reads_stop_at_the_longest_valid_metadata() {
+    let server = RedisServer::private();
+    let redis = tier(&server, "oversized_meta", |_| {});
+    let mut raw = server.raw();
+    redis.store(&key(1), &payload(1, 1000)).unwrap();
+    redis.store(&key(2), &payload(2, 1000)).unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(entry_key(&redis, "m", &key(1)))
+        .arg(vec![b'1'; 8 << 20])
+        .query(&mut raw)
+        .unwrap();
+
+    let sent_before = net_output_bytes(&mut raw);
+    assert_eq!(
+        redis.load_many(&[key(1), key(2), key(3)]).unwrap(),
+        vec![None, Some(payload(2, 1000)), None]
+    );
+    let sent_bytes = net_output_bytes(&mut raw) - sent_before;
+    assert!(
+        sent_bytes < 64 << 10,
+        "{sent_bytes} bytes sent for three metadata reads"
+    );
+    assert_eq!(redis.stats().corrupt_entries, 1);
+}
