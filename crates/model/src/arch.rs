@@ -291,8 +291,11 @@ fn gemma3_extras(f: &GgufFile, cfg: &mut ModelConfig) -> Result<(), ModelError> 
         gelu: true,
         qk_norm: true,
         post_norms: true,
-        // A window of 0 is llama.cpp's "no sliding window": every layer attends globally.
-        sliding_window: match f.get_u64(&key("attention.sliding_window"))? as usize {
+        // A window of 0, or none given, is llama.cpp's "no sliding window" (`gemma3.cpp`:
+        // `found_swa && n_swa > 0`): every layer attends globally.
+        sliding_window: match optional_u64(f, &key("attention.sliding_window"))?.unwrap_or(0)
+            as usize
+        {
             0 => None,
             window_tokens => Some(SlidingWindow {
                 window_tokens,

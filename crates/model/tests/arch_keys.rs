@@ -325,3 +325,11 @@ fn gemma3_sliding_window_zero_makes_every_layer_global() {
         "every layer is global, so scaled"
     );
 }
+
+/// A Gemma 3 file without `sliding_window` is llama.cpp's no sliding window, as 0 is.
+#[test]
+fn gemma3_without_a_sliding_window_makes_every_layer_global() {
+    let c = config("no-swa", "gemma3", vec![]).unwrap();
+    assert!(c.extras.sliding_window.is_none());
+    assert_eq!((c.layer_window(0), c.layer_window(1)), (None, None));
+}
