@@ -69,6 +69,9 @@ pub struct TieringStats {
     pub chunks_loaded: u64,
     pub chunks_queued: u64,
     pub chunks_skipped_queue_full: u64,
+    /// Chunks not stored because no tier holds the prompt's prefix up to them: stored, they
+    /// would evict their own prefix's head, and a tail without its head never hits.
+    pub chunks_skipped_past_capacity: u64,
     pub load_failures: u64,
     /// Bytes of encoded payloads queued, by layer kind: full-attention layers (every layer
     /// without KV cache groups) and sliding-window layers.
@@ -266,8 +269,10 @@ impl Tiering {
         let chunk = self.chunk_size_tokens();
         let g = store.geometry();
         let table = table_of(kv, seq);
+        let storable =
+            self.prefix_chunks_that_fit(chunk * g.n_layers * g.n_kv_heads * g.head_dim * 4);
         let mut next = first_chunk;
-        while next < keys.len() && (next + 1) * chunk <= computed_tokens {
+        while next < keys.len().min(storable) && (next + 1) * chunk <= computed_tokens {
             let n = g.n_layers * g.n_kv_heads * chunk * g.head_dim;
             let (mut k, mut v) = (vec![0f32; n], vec![0f32; n]);
             if let Err(e) = store.read_tokens(&table, next * chunk, &mut k, &mut v) {
@@ -283,7 +288,33 @@ impl Tiering {
             }
             next += 1;
         }
+        if next >= storable && storable < keys.len() {
+            // Once per request: the rest is never stored, and nothing more is asked for.
+            self.skip_past_capacity(keys.len() - next);
+            return keys.len();
+        }
         next
+    }
+
+    /// How many leading chunks of a prompt the largest tier can hold at once, for payloads
+    /// of `payload_bytes` (a chunk in f16, the codec's `none`).
+    fn prefix_chunks_that_fit(&self, payload_bytes: usize) -> usize {
+        let largest = self
+            .store
+            .tiers()
+            .map(|t| t.capacity_bytes())
+            .max()
+            .unwrap_or(0);
+        usize::try_from(largest / payload_bytes.max(1) as u64).unwrap_or(usize::MAX)
+    }
+
+    /// Counts chunks left unstored past the tiers' capacity and warns once per process.
+    fn skip_past_capacity(&self, chunks: usize) {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        lock(&self.stats).chunks_skipped_past_capacity += chunks as u64;
+        WARNED.call_once(|| {
+            tracing::warn!("a prompt's KV exceeds every tier's capacity: only its leading chunks that fit are stored (a chunk past them would evict its own prefix)");
+        });
     }
 
     /// Encodes one chunk's payload (every layer, the full-attention layers or the window

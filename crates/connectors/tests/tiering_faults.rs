@@ -123,3 +123,30 @@ fn only_an_f16_pool_reloads_stored_chunks_exactly() {
         warm.check_invariants();
     }
 }
+
+/// A tier that holds one chunk keeps a two-chunk prompt's first chunk, not its second:
+/// stored, the second would evict the first, and a tail without its head never hits (every
+/// run then rewrote both and none hit).
+#[test]
+fn chunks_past_the_tiers_capacity_are_not_stored() {
+    let payload_bytes = 256 * 23040; // SmolLM2's f16 K and V for one 256-token chunk.
+    let ram = Arc::new(RamTier::new((payload_bytes + payload_bytes / 2) as u64));
+    let store = Arc::new(TieredStore::new(vec![ram.clone() as Arc<dyn Tier>]));
+    let book = common::book_ids();
+    let prompt = &book[5000..5600];
+    let (mut cold, tiers) = common::tiered_engine(EngineConfig::default(), config(store.clone()));
+    cold.generate(prompt, &params(), &mut |_| {}).unwrap();
+    let keys = chunk_keys(&cold, prompt);
+    wait_for(&ram, &keys[0], None);
+    drop(cold);
+    let stats = tiers.stats();
+    assert_eq!(
+        (stats.chunks_queued, stats.chunks_skipped_past_capacity),
+        (1, 1)
+    );
+    assert!(ram.load(&keys[1]).unwrap().is_none());
+
+    let (mut warm, _t) = common::tiered_engine(EngineConfig::default(), config(store.clone()));
+    let out = warm.generate(prompt, &params(), &mut |_| {}).unwrap();
+    assert_eq!(out.cached_prompt_tokens, 256, "the first chunk hits");
+}
