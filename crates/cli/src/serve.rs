@@ -80,6 +80,11 @@ pub fn serve(mut a: ServeArgs) -> Result<()> {
     let metrics = pk_server::install_metrics(&served_name(&a, &path))
         .context("installing the metrics recorder")?;
     let plan = plan(&a, &path, &model_config)?;
+    if a.device == "cpu" {
+        let pool_tokens = plan.engine.kv_capacity_tokens.expect("plan sizes the pool");
+        let dtype = plan.engine.kv_dtype;
+        check_pool_fits_memory(pool_tokens, &model_config, dtype, total_memory_bytes())?;
+    }
     let name = plan.model_name.clone();
     let (device, config, reuse) = (a.device.clone(), plan.engine, plan.reuse);
     let engine = EngineHandle::spawn(move || {
@@ -158,6 +163,7 @@ pub struct Plan {
 /// lands here, so the unit test below can check that each one changes the plan.
 pub fn plan(a: &ServeArgs, path: &Path, model_config: &pk_model::ModelConfig) -> Result<Plan> {
     let kv_dtype = a.model.kv_dtype()?;
+    check_nonzero_limits(a)?;
     let pool_tokens = a
         .kv_capacity_tokens
         .unwrap_or_else(|| default_pool_tokens(model_config, kv_dtype));
@@ -196,6 +202,51 @@ pub fn plan(a: &ServeArgs, path: &Path, model_config: &pk_model::ModelConfig) ->
         model_name,
         addr,
     })
+}
+
+/// Limits of 0 would start a server that refuses every request (a pool of no tokens, a
+/// context of none, a queue of none): refused at start-up instead.
+fn check_nonzero_limits(a: &ServeArgs) -> Result<()> {
+    for (value, flag) in [
+        (a.kv_capacity_tokens, "--kv-capacity-tokens"),
+        (a.max_model_len, "--max-model-len"),
+        (Some(a.max_waiting_requests), "--max-waiting-requests"),
+    ] {
+        if value == Some(0) {
+            anyhow::bail!("{flag} 0 would refuse every request; give at least 1");
+        }
+    }
+    Ok(())
+}
+
+/// The machine's memory (`MemTotal`), if it can be read.
+fn total_memory_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// A CPU KV pool larger than the machine's memory is refused before anything is allocated:
+/// its pages are committed as blocks are first written, so it would start and then fail (or
+/// abort on the allocation) under load. `memory_bytes` `None`: not checked.
+pub fn check_pool_fits_memory(
+    pool_tokens: usize,
+    model: &pk_model::ModelConfig,
+    dtype: KvDtype,
+    memory_bytes: Option<u64>,
+) -> Result<()> {
+    let per_token =
+        2 * model.n_layers * model.n_kv_heads * dtype.bytes_per_head_token(model.head_dim);
+    let pool_bytes = (pool_tokens as u128) * (per_token as u128);
+    match memory_bytes {
+        Some(memory) if pool_bytes > memory as u128 => anyhow::bail!(
+            "--kv-capacity-tokens {pool_tokens} needs a KV pool of {:.1} GiB ({per_token} bytes a token), more than this machine's {:.1} GiB of memory",
+            pool_bytes as f64 / (1u64 << 30) as f64,
+            memory as f64 / (1u64 << 30) as f64
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// The KV pool `serve` sizes when `--kv-capacity-tokens` is not given: room for four
@@ -255,6 +306,34 @@ mod tests {
             err.contains("--max-model-len 8192") && err.contains("4096"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn limits_of_zero_and_pools_beyond_memory_are_refused() {
+        for flag in [
+            "--kv-capacity-tokens",
+            "--max-model-len",
+            "--max-waiting-requests",
+        ] {
+            let smol = pk_model::ModelConfig::dummy("llama-3.2-1b").unwrap();
+            let err = plan(&parse(&[flag, "0"]), Path::new("/m/model.gguf"), &smol)
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(err.starts_with(&format!("{flag} 0 ")), "{err}");
+        }
+        let model = pk_model::ModelConfig::dummy("llama-3.2-1b").unwrap();
+        let gib = 1u64 << 30;
+        // Llama 3.2 1B in f16: 32 KiB a token, so 1M tokens are 32 GiB.
+        let err = check_pool_fits_memory(1 << 20, &model, KvDtype::F16, Some(24 * gib))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("32.0 GiB") && err.contains("24.0 GiB"),
+            "{err}"
+        );
+        check_pool_fits_memory(1 << 19, &model, KvDtype::F16, Some(24 * gib)).unwrap();
+        check_pool_fits_memory(1 << 20, &model, KvDtype::F16, None).unwrap();
     }
 
     /// `serve` flags parsed from `args` alone: their environment variables are cleared

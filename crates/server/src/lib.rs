@@ -131,7 +131,7 @@ pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()>
     let drained = listener::serve_connections(
         listener,
         router,
-        listener::HEADER_READ_TIMEOUT,
+        listener::ConnectionLimits::default(),
         signal,
         DRAIN_DEADLINE,
     )
