@@ -223,8 +223,63 @@ fn encode_text(
     }
 }
 
-struct Submitted {
+/// Events sent to a request's handler and not read yet, at most: a client that stops
+/// reading its stream while its sequences keep generating would otherwise have every token
+/// (with its logprobs) buffered for it, up to `n` × `max_tokens`. Past it the send fails,
+/// which cancels the sequences as a disconnect does. A handler that reads as events come
+/// (whole responses, a stream whose client keeps up) never nears it.
+const MAX_UNREAD_EVENTS: usize = 16_384;
+
+/// The sending side of a request's events, counting what the handler has not read.
+struct EventTx {
+    tx: mpsc::UnboundedSender<SeqEvent>,
+    unread: Arc<std::sync::atomic::AtomicUsize>,
+    limit: usize,
+}
+
+impl EventTx {
+    /// `false` once the handler is gone or `limit` events wait unread.
+    fn send(&self, e: SeqEvent) -> bool {
+        use std::sync::atomic::Ordering;
+        if self.unread.load(Ordering::Relaxed) >= self.limit {
+            return false;
+        }
+        self.unread.fetch_add(1, Ordering::Relaxed);
+        self.tx.send(e).is_ok()
+    }
+}
+
+/// The receiving side of [`EventTx`].
+struct EventRx {
     rx: mpsc::UnboundedReceiver<SeqEvent>,
+    unread: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl EventRx {
+    async fn recv(&mut self) -> Option<SeqEvent> {
+        let e = self.rx.recv().await;
+        if e.is_some() {
+            self.unread
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        e
+    }
+}
+
+/// A request's event channel, refusing past `limit` unread events.
+fn event_channel(limit: usize) -> (EventTx, EventRx) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let unread = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let tx = EventTx {
+        tx,
+        unread: unread.clone(),
+        limit,
+    };
+    (tx, EventRx { rx, unread })
+}
+
+struct Submitted {
+    rx: EventRx,
     prompt_tokens: usize,
     /// Choices the request asked for; each ends with its own `Finished`.
     n: usize,
@@ -299,14 +354,14 @@ async fn prepare(
     cache_salt: Option<String>,
 ) -> Result<(Request, Submitted), ApiError> {
     let params = compile_grammar(state, params).await?;
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = event_channel(MAX_UNREAD_EVENTS);
     let prompt_tokens = prompt_ids.len();
     let n = params.n;
     let req = Request {
         prompt_ids,
         params,
         cache_salt,
-        sink: Box::new(move |e| tx.send(e).is_ok()),
+        sink: Box::new(move |e| tx.send(e)),
     };
     let submitted = Submitted {
         rx,
@@ -408,4 +463,25 @@ pub async fn kv_contexts(State(state): State<Arc<AppState>>) -> Response {
         "contexts": store.explain(),
     }))
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A handler that stops reading gets at most `limit` events; the next send fails (which
+    /// cancels the sequences), and reading makes room again.
+    #[tokio::test]
+    async fn events_past_the_unread_limit_are_refused() {
+        let (tx, mut rx) = event_channel(3);
+        let event = || SeqEvent::Logits(vec![0.0]);
+        assert!((0..3).all(|_| tx.send(event())));
+        assert!(!tx.send(event()), "a fourth unread event is refused");
+        assert!(rx.recv().await.is_some());
+        assert!(tx.send(event()), "one read, one more fits");
+        drop(rx);
+        let (tx, rx) = event_channel(3);
+        drop(rx);
+        assert!(!tx.send(event()), "a handler that is gone takes nothing");
+    }
 }

@@ -233,7 +233,8 @@ fn merge(mut subs: Vec<Submitted>) -> Submitted {
     if subs.len() == 1 {
         return subs.pop().expect("one");
     }
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = event_channel(MAX_UNREAD_EVENTS);
+    let tx = Arc::new(tx);
     let mut offset = 0;
     let mut prompt_tokens = 0;
     for s in subs {
@@ -249,7 +250,7 @@ fn merge(mut subs: Vec<Submitted>) -> Submitted {
                     SeqEvent::Finished(o) => o.choice += offset,
                     _ => {}
                 }
-                if tx.send(ev).is_err() {
+                if !tx.send(ev) {
                     break;
                 }
             }
