@@ -91,6 +91,11 @@ pub struct EvalArgs {
 
 fn config(a: &EvalArgs) -> Result<SweepConfig> {
     let model = pk_engine::model_store::resolve_model(a.model.as_deref(), true)?;
+    config_for(a, model)
+}
+
+/// The sweep `a` asks for on the model file `model`, every flag checked.
+fn config_for(a: &EvalArgs, model: std::path::PathBuf) -> Result<SweepConfig> {
     let mut c = if a.full {
         SweepConfig::full(model, a.out.clone())
     } else {
@@ -176,7 +181,64 @@ fn config(a: &EvalArgs) -> Result<SweepConfig> {
     if c.samples == 0 || c.lengths.is_empty() || c.tasks.is_empty() || c.block_sizes.is_empty() {
         bail!("nothing to run: samples, lengths, tasks and block sizes must not be empty");
     }
+    check_values(a, &c)?;
     Ok(c)
+}
+
+/// Values the sweep would crash on, drop without a word, or count twice: refused by flag.
+fn check_values(a: &EvalArgs, c: &SweepConfig) -> Result<()> {
+    if let Some(b) = c.block_sizes.iter().find(|&&b| !(1..=256).contains(&b)) {
+        bail!("--block-sizes: {b} is not a block size (1 to 256 tokens)");
+    }
+    let text_kl = c
+        .tasks
+        .iter()
+        .any(|t| matches!(t, Task::TextKl | Task::TextKlKeepContinuation));
+    let shortest = c.lengths.iter().copied().min().unwrap_or(0);
+    if text_kl && c.continuation_tokens.saturating_add(16) >= shortest {
+        bail!(
+            "--continuation-tokens {} leaves no prefix in a {shortest}-token context (--lengths): text-kl needs a context longer than the continuation plus 16 tokens",
+            c.continuation_tokens
+        );
+    }
+    // A budget that keeps every context whole, or is below 3 blocks, at every length and
+    // block size of the sweep would never run: the full cache alone would be reported.
+    for (given, budget) in a.budgets.iter().flatten().zip(&c.budgets) {
+        let applies = c
+            .lengths
+            .iter()
+            .any(|&l| c.block_sizes.iter().any(|&b| budget.tokens(l, b).is_some()));
+        if !applies {
+            bail!("--budgets {given}: at every --lengths and --block-sizes it is below 3 blocks or keeps the whole context, so no policy would run under it");
+        }
+    }
+    let lists: [(&str, Vec<String>); 5] = [
+        (
+            "--lengths",
+            c.lengths.iter().map(|l| l.to_string()).collect(),
+        ),
+        (
+            "--block-sizes",
+            c.block_sizes.iter().map(|b| b.to_string()).collect(),
+        ),
+        ("--tasks", a.tasks.clone().unwrap_or_default()),
+        ("--policies", a.policies.clone().unwrap_or_default()),
+        (
+            "--kv-granularity",
+            a.kv_granularity.clone().unwrap_or_default(),
+        ),
+    ];
+    for (flag, items) in lists {
+        let mut seen = std::collections::HashSet::new();
+        if let Some(twice) = items.iter().find(|i| !seen.insert(i.as_str())) {
+            bail!("{flag}: {twice} is given twice (each would be run and counted again)");
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(twice) = c.budgets.iter().find(|b| !seen.insert(b.label())) {
+        bail!("--budgets: {} is given twice", twice.label());
+    }
+    Ok(())
 }
 
 /// Flags that the sweep as configured would not use, refused by name: the continuation
@@ -251,4 +313,56 @@ pub fn run(a: EvalArgs) -> Result<()> {
         print!("{}", report::table_text(&report));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The refusal of `eval` with `flags` (and `--out /tmp/unused`), before any model loads.
+    fn refusal(flags: &[&str]) -> String {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            eval: EvalArgs,
+        }
+        let argv = ["eval", "--out", "/tmp/unused"].iter().chain(flags);
+        let a = Cli::try_parse_from(argv).unwrap().eval;
+        config_for(&a, "/m/model.gguf".into())
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn values_the_sweep_would_crash_on_drop_or_count_twice_are_refused() {
+        let base = ["--tasks", "text-kl", "--policies", "knorm"];
+        let with = |extra: &[&'static str]| {
+            let mut v = base.to_vec();
+            v.extend_from_slice(extra);
+            refusal(&v)
+        };
+        let err = with(&["--block-sizes", "0"]);
+        assert!(err.starts_with("--block-sizes: 0"), "{err}");
+        let err = with(&[
+            "--lengths",
+            "256",
+            "--continuation-tokens",
+            "18446744073709551615",
+        ]);
+        assert!(
+            err.starts_with("--continuation-tokens 18446744073709551615"),
+            "{err}"
+        );
+        let err = with(&["--lengths", "256", "--budgets", "100000"]);
+        assert!(err.starts_with("--budgets 100000"), "{err}");
+        let err = with(&["--lengths", "256", "--budgets", "10"]);
+        assert!(err.starts_with("--budgets 10"), "{err}");
+        let err = with(&["--lengths", "256,256"]);
+        assert!(err.starts_with("--lengths: 256 is given twice"), "{err}");
+        let err = refusal(&["--tasks", "text-kl", "--policies", "knorm,knorm"]);
+        assert!(err.starts_with("--policies: knorm is given twice"), "{err}");
+        let err = with(&["--budgets", "25%,25%"]);
+        assert!(err.starts_with("--budgets: "), "{err}");
+    }
 }

@@ -53,6 +53,46 @@ fn default_kv_dtype() -> String {
     "f16".to_string()
 }
 
+/// The sweep-wide settings that change a cell's result without being part of its key:
+/// `samples` places each sample's needle (`depth_for(sample, samples)`) and
+/// `continuation_tokens` sets the text-kl prefix. Kept in `OUT/sweep.json`, so that a
+/// resumed sweep never mixes results of two settings under one key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Manifest {
+    samples: usize,
+    continuation_tokens: usize,
+}
+
+/// Writes `OUT/sweep.json` for a new directory (or one written before it existed), and
+/// refuses a sweep whose settings differ from the ones recorded there, naming the flag.
+pub fn check_manifest(out_dir: &Path, samples: usize, continuation_tokens: usize) -> Result<()> {
+    let path = out_dir.join("sweep.json");
+    let this = Manifest {
+        samples,
+        continuation_tokens,
+    };
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        let json = serde_json::to_string_pretty(&this)?;
+        return std::fs::write(&path, json + "\n")
+            .with_context(|| format!("writing {}", path.display()));
+    };
+    let recorded: Manifest = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a sweep manifest", path.display()))?;
+    for (flag, was, now) in [
+        ("--samples", recorded.samples, samples),
+        (
+            "--continuation-tokens",
+            recorded.continuation_tokens,
+            continuation_tokens,
+        ),
+    ] {
+        if was != now {
+            anyhow::bail!("{} holds a sweep run with {flag} {was}, which its results depend on; this one asks for {now}: use another --out", out_dir.display());
+        }
+    }
+    Ok(())
+}
+
 /// Identifies one measurement; a sweep skips keys already in the file.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct CellKey {
@@ -142,5 +182,24 @@ impl Appender {
         self.0.write_all(line.as_bytes())?;
         self.0.flush()?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_resumed_sweep_must_keep_the_settings_its_results_depend_on() {
+        let dir = tempfile::tempdir().unwrap();
+        check_manifest(dir.path(), 1, 32).unwrap();
+        check_manifest(dir.path(), 1, 32).unwrap();
+        let err = check_manifest(dir.path(), 3, 32).unwrap_err().to_string();
+        assert!(
+            err.contains("--samples 1") && err.contains("asks for 3"),
+            "{err}"
+        );
+        let err = check_manifest(dir.path(), 1, 128).unwrap_err().to_string();
+        assert!(err.contains("--continuation-tokens 32"), "{err}");
     }
 }

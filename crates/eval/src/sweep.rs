@@ -144,6 +144,7 @@ fn key(cfg: &SweepConfig, model: &str, u: &Unit, cell: Cell) -> CellKey {
 pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
     std::fs::create_dir_all(&cfg.out_dir)
         .with_context(|| format!("creating {}", cfg.out_dir.display()))?;
+    record::check_manifest(&cfg.out_dir, cfg.samples, cfg.continuation_tokens)?;
     let path = cfg.out_dir.join("results.jsonl");
     let mut done = record::load(&path)?;
     let model = model_name(&cfg.model_path);
