@@ -89,7 +89,7 @@ fn configs(ratios: &[f32]) -> Result<Vec<Config>> {
         let spec = drop_spec(policy)?;
         for &r in ratios {
             out.push(Config {
-                name: format!("drop {r:.1} {policy}"),
+                name: format!("drop {r} {policy}"),
                 method: Method::Drop(DropSpec::new(r)),
                 policy: Some(spec),
             });
@@ -100,7 +100,7 @@ fn configs(ratios: &[f32]) -> Result<Vec<Config>> {
     for (qname, qs) in [("q8", q(Precision::Q8)), ("q4", q(Precision::Q4))] {
         for &r in ratios {
             out.push(Config {
-                name: format!("drop {r:.1} paged-eviction + {qname}"),
+                name: format!("drop {r} paged-eviction + {qname}"),
                 method: Method::DropQuant(DropSpec::new(r), qs),
                 policy: Some(spec),
             });
@@ -253,10 +253,27 @@ struct Row {
     ppl_method: f64,
 }
 
+/// `--ratios`: at least one, each in [0, 1], none twice (each names its own rows).
+fn check_ratios(ratios: &[f32]) -> Result<()> {
+    if ratios.is_empty() {
+        bail!("--ratios needs at least one ratio");
+    }
+    if let Some(r) = ratios.iter().find(|r| !(0.0..=1.0).contains(*r)) {
+        bail!("--ratios: {r} is outside [0, 1]");
+    }
+    for (i, r) in ratios.iter().enumerate() {
+        if ratios[..i].contains(r) {
+            bail!("--ratios: {r} is given twice");
+        }
+    }
+    Ok(())
+}
+
 pub fn run(a: CodecsArgs) -> Result<()> {
     if a.prefix_tokens < 64 || a.continuation_tokens == 0 || a.samples == 0 {
         bail!("need --prefix-tokens ≥ 64, --continuation-tokens ≥ 1 and --samples ≥ 1");
     }
+    check_ratios(&a.ratios)?;
     let t_start = Instant::now();
     let total = a.prefix_tokens + a.continuation_tokens;
     // Stored contexts are loaded through `prefix_kv`, which writes every layer of every
@@ -402,5 +419,45 @@ fn print_table(a: &CodecsArgs, model_name: &str, wall_s: f64, rows: &[Row]) {
             r.ppl_full,
             r.ppl_method
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows are named by the ratio as given (0.25 and 0.21 apart, not both "0.2").
+    #[test]
+    fn rows_name_the_ratio_as_given() {
+        let names: Vec<String> = configs(&[0.25, 0.21])
+            .unwrap()
+            .into_iter()
+            .map(|c| c.name)
+            .collect();
+        assert!(names.iter().any(|n| n == "drop 0.25 knorm"), "{names:?}");
+        assert!(names.iter().any(|n| n == "drop 0.21 knorm"), "{names:?}");
+        assert!(
+            names.iter().any(|n| n == "drop 0.21 paged-eviction + q8"),
+            "{names:?}"
+        );
+        // The default ratios keep their names ("drop 0.2 …", not "drop 0.20000001 …").
+        assert!(configs(&[0.2])
+            .unwrap()
+            .iter()
+            .any(|c| c.name == "drop 0.2 paged-eviction + q8"));
+        let mut unique = names.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), names.len(), "{names:?}");
+    }
+
+    /// Duplicate, out-of-range or no ratios are refused naming `--ratios`.
+    #[test]
+    fn refuses_bad_ratios_naming_the_flag() {
+        for bad in [&[0.25, 0.25][..], &[0.3, 0.5, 0.3], &[1.5], &[]] {
+            let e = check_ratios(bad).unwrap_err().to_string();
+            assert!(e.contains("--ratios"), "{bad:?}: {e}");
+        }
+        check_ratios(&[0.2, 0.25, 0.21]).unwrap();
     }
 }

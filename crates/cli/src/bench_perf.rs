@@ -225,13 +225,31 @@ fn build_engine(a: &PerfArgs, capacity_tokens: usize) -> Result<Engine> {
     )
 }
 
-pub fn perf(a: PerfArgs) -> Result<()> {
+/// The lengths and sizes every run is made of: positive contexts and batches, and at least
+/// one decode token (its first comes from the prefill's logits; with one, only the prefill
+/// is measured and the decode speed is absent).
+fn check_sizes(a: &PerfArgs) -> Result<()> {
     if a.contexts.is_empty() || a.contexts.contains(&0) {
         bail!("--contexts needs positive lengths");
     }
     if a.batch.is_empty() || a.batch.contains(&0) {
         bail!("--batch needs positive sizes");
     }
+    if a.decode_tokens == 0 {
+        bail!("--decode-tokens must be at least 1 (1 measures the prefill only; the decode speed needs 2 or more)");
+    }
+    Ok(())
+}
+
+/// Decode tokens/s over the timed steps, the first token excepted (it comes from the
+/// prefill's logits); `None` when no step was timed.
+fn decode_speed(generated: usize, seconds: f64) -> Option<f64> {
+    let steps = generated.saturating_sub(1);
+    (steps > 0).then(|| steps as f64 / seconds.max(1e-9))
+}
+
+pub fn perf(a: PerfArgs) -> Result<()> {
+    check_sizes(&a)?;
     if a.device == "cuda" {
         return crate::gpu::perf(&a);
     }
@@ -382,7 +400,6 @@ fn run_context(
         let (f0, s0) = passes_before.unwrap_or_default();
         (f - f0, s - s0)
     });
-    let decoded = out.token_ids.len().saturating_sub(1);
     // KVzip's passes run once the first token is out (it comes from the full prompt's
     // logits), so they fall in the decode time: they are reported on their own.
     let pass_seconds = passes.map_or(0.0, |(f, s)| f + s);
@@ -390,7 +407,8 @@ fn run_context(
         "context_tokens": ctx,
         "prefill_tok_s": ctx as f64 / out.prefill_seconds,
         "decode_tokens": out.token_ids.len(),
-        "decode_tok_s": decoded as f64 / (out.decode_seconds - pass_seconds).max(1e-9),
+        // null when fewer than 2 tokens came out: no decode step was timed.
+        "decode_tok_s": decode_speed(out.token_ids.len(), out.decode_seconds - pass_seconds),
         // The blocks the sequence held at its end (window groups' included), and the
         // most the pool held at once during the run.
         "kv_bytes": out.kv_bytes,
@@ -413,8 +431,12 @@ fn run_context(
             let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
             run["ratio_prefill"] =
                 serde_json::json!(f(&run, "prefill_tok_s") / f(&lc, "prefill_tok_s"));
-            run["ratio_decode"] =
-                serde_json::json!(f(&run, "decode_tok_s") / f(&lc, "decode_tok_s"));
+            // Absent (null) where either side timed no decode step.
+            let ratio_decode = run["decode_tok_s"]
+                .as_f64()
+                .zip(lc["decode_tok_s"].as_f64().filter(|&v| v > 0.0))
+                .map(|(ours, theirs)| ours / theirs);
+            run["ratio_decode"] = serde_json::json!(ratio_decode);
             run["llamacpp"] = lc.clone();
             Some(lc)
         }
@@ -478,11 +500,13 @@ fn print_row(
     lc: Option<&serde_json::Value>,
 ) {
     print!(
-        "{:>8} {:>12.1} {:>8} {:>12.1} {:>12.1} {:>12}",
+        "{:>8} {:>12.1} {:>8} {:>12} {:>12.1} {:>12}",
         ctx,
         run["prefill_tok_s"].as_f64().unwrap(),
         decode_tokens,
-        run["decode_tok_s"].as_f64().unwrap(),
+        run["decode_tok_s"]
+            .as_f64()
+            .map_or("—".to_string(), |v| format!("{v:.1}")),
         run["kv_bytes"].as_f64().unwrap() / (1 << 20) as f64,
         peak_rss.as_ref().map_or("n/a".to_string(), |&b| format!(
             "{:.1}",
@@ -491,11 +515,13 @@ fn print_row(
     );
     if let Some(lc) = lc {
         print!(
-            " | {:>14.1} {:>14.1} | {:>7.2}x {:>7.2}x",
+            " | {:>14.1} {:>14.1} | {:>7.2}x {:>8}",
             lc["prefill_tok_s"].as_f64().unwrap_or(f64::NAN),
             lc["decode_tok_s"].as_f64().unwrap_or(f64::NAN),
             run["ratio_prefill"].as_f64().unwrap_or(f64::NAN),
-            run["ratio_decode"].as_f64().unwrap_or(f64::NAN)
+            run["ratio_decode"]
+                .as_f64()
+                .map_or("—".to_string(), |v| format!("{v:.2}x"))
         );
     }
     println!();
@@ -549,5 +575,49 @@ mod tests {
         let failed = Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied));
         let why = run_peak_rss(&failed).unwrap_err();
         assert!(why.contains("/proc/self/clear_refs"), "{why}");
+    }
+
+    fn parse(args: &[&str]) -> PerfArgs {
+        use clap::{CommandFactory, FromArgMatches};
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            perf: PerfArgs,
+        }
+        let matches = Cli::command()
+            .mut_args(|a| a.env(None))
+            .try_get_matches_from(std::iter::once("perf").chain(args.iter().copied()))
+            .unwrap();
+        Cli::from_arg_matches(&matches).unwrap().perf
+    }
+
+    /// `--decode-tokens 0` is refused naming the flag (it was run as 1); 1 stays allowed,
+    /// since prefill-only measurements use it (scripts/llama_bench_side_by_side.sh).
+    #[test]
+    fn zero_decode_tokens_is_refused_naming_the_flag() {
+        let e = check_sizes(&parse(&["--decode-tokens", "0"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--decode-tokens"), "{e}");
+        for n in ["1", "2", "128"] {
+            check_sizes(&parse(&["--decode-tokens", n])).unwrap();
+        }
+        for (args, flag) in [
+            (&["--contexts", "0"][..], "--contexts"),
+            (&["--batch", "0"], "--batch"),
+        ] {
+            let e = check_sizes(&parse(args)).unwrap_err().to_string();
+            assert!(e.contains(flag), "{e}");
+        }
+    }
+
+    /// With one token out (the prefill's) no decode step was timed: the speed is absent,
+    /// not 0; from two on it is the timed steps over their time.
+    #[test]
+    fn decode_speed_is_absent_without_a_timed_step() {
+        assert_eq!(decode_speed(0, 1.0), None);
+        assert_eq!(decode_speed(1, 0.0), None);
+        assert_eq!(decode_speed(2, 0.5), Some(2.0));
+        assert_eq!(decode_speed(11, 2.0), Some(5.0));
     }
 }

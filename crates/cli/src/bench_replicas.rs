@@ -99,6 +99,8 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     if a.requests.is_some() {
         bail!("--requests does not apply with --replicas: the workload is --contexts × --rounds requests");
     }
+    crate::bench_serve::check_request_flags(&a)?;
+    crate::bench_serve::check_levels(&a)?;
     let (contexts, rounds) = (a.contexts.unwrap_or(6), a.rounds.unwrap_or(3));
     if contexts == 0 || rounds == 0 {
         bail!("--contexts and --rounds must be positive");

@@ -126,7 +126,12 @@ pub(crate) fn one_request(
 ) -> Result<Sample> {
     let body = request_body(prompt, a);
     let t0 = Instant::now();
-    let resp = http.post(url).json(&body).send()?.error_for_status()?;
+    let resp = http.post(url).json(&body).send()?;
+    let status = resp.status();
+    if !status.is_success() {
+        let text = resp.text().unwrap_or_default();
+        bail!("the server answered {status}: {}", error_message(&text));
+    }
     let mut first = None;
     let mut last = t0;
     let mut itl = Vec::new();
@@ -171,6 +176,42 @@ pub(crate) fn one_request(
         prompt_tokens,
         cached_tokens,
     })
+}
+
+/// The message of an error response (the OpenAI body's `error.message`), else its body.
+fn error_message(body: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+        .unwrap_or_else(|| body.trim().to_string())
+}
+
+/// The flags every request is made of, refused here (named) rather than by the server on
+/// every request: lengths of at least one token, and a policy and budget that go together.
+pub(crate) fn check_request_flags(a: &ServeBenchArgs) -> Result<()> {
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    if a.prompt_tokens == 0 {
+        bail!("--prompt-tokens must be at least 1");
+    }
+    crate::args::KvPolicyArgs {
+        kv_policy: a.kv_policy.clone(),
+        kv_budget: a.kv_budget,
+        kv_granularity: None,
+    }
+    .check_one_request()
+}
+
+/// `--concurrency` levels and `--requests` of at least one (a level of none has no figures).
+pub(crate) fn check_levels(a: &ServeBenchArgs) -> Result<()> {
+    if a.concurrency.is_empty() || a.concurrency.contains(&0) {
+        bail!("--concurrency needs levels of at least 1");
+    }
+    if a.requests == Some(0) {
+        bail!("--requests must be at least 1");
+    }
+    Ok(())
 }
 
 /// The `serve` command line for the bench's settings on `port`, `extra` flags last.
@@ -247,6 +288,8 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     {
         bail!("--tier-redis, --routing, --contexts and --rounds belong to the replicas benchmark: add --replicas 1,2,3");
     }
+    check_request_flags(&a)?;
+    check_levels(&a)?;
     let http = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(1800))
         .build()?;
@@ -318,6 +361,12 @@ fn run_level(
         .iter()
         .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
         .collect();
+    if failed.len() == n_requests {
+        bail!(
+            "every request of the level at concurrency {conc} failed: {}",
+            failed[0]
+        );
+    }
     if let Some(e) = failed.first() {
         eprintln!(
             "{} of {n_requests} requests failed; the first: {e}",
@@ -503,5 +552,49 @@ mod tests {
         ] {
             assert_ne!(base, what(extra), "{extra:?} changed nothing");
         }
+    }
+
+    /// Zero concurrency, zero requests, zero-token lengths and a policy the server would
+    /// refuse are refused before any server starts, naming the flag.
+    #[test]
+    fn refuses_flags_that_make_no_figures_naming_them() {
+        let err = |args: &[&str]| {
+            let a = parse(args);
+            check_request_flags(&a)
+                .and_then(|()| check_levels(&a))
+                .unwrap_err()
+                .to_string()
+        };
+        for (args, flag) in [
+            (&["--concurrency", "0"][..], "--concurrency"),
+            (&["--concurrency", "1,0"], "--concurrency"),
+            (&["--requests", "0"], "--requests"),
+            (&["--max-tokens", "0"], "--max-tokens"),
+            (&["--prompt-tokens", "0"], "--prompt-tokens"),
+            (&["--kv-policy", "bogus"], "--kv-policy"),
+            (&["--kv-policy", "knorm"], "--kv-budget"),
+        ] {
+            let e = err(args);
+            assert!(e.contains(flag), "{args:?}: {e}");
+        }
+        let ok = parse(&[
+            "--kv-policy",
+            "knorm",
+            "--kv-budget",
+            "64",
+            "--requests",
+            "1",
+        ]);
+        check_request_flags(&ok).unwrap();
+        check_levels(&ok).unwrap();
+    }
+
+    /// A refused request's error is the body's `error.message`, else the body itself.
+    #[test]
+    fn error_message_is_the_bodys() {
+        let body =
+            r#"{"error":{"message":"unknown kv_policy \"bogus\"","type":"invalid_request_error"}}"#;
+        assert_eq!(error_message(body), "unknown kv_policy \"bogus\"");
+        assert_eq!(error_message(" not json \n"), "not json");
     }
 }

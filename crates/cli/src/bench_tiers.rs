@@ -288,6 +288,18 @@ pub fn run(a: TiersBenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// The chunk size first (a zero one is `--tier-chunk-tokens`'s fault, not the context's),
+/// then a context of whole chunks.
+fn check_context_and_chunk(context_tokens: usize, chunk_tokens: usize) -> Result<()> {
+    if chunk_tokens == 0 {
+        bail!("--tier-chunk-tokens (or the config file's tiers.chunk_tokens) must be at least 1");
+    }
+    if context_tokens == 0 || !context_tokens.is_multiple_of(chunk_tokens) {
+        bail!("--context-tokens must be a positive multiple of the chunk size ({chunk_tokens})");
+    }
+    Ok(())
+}
+
 impl Bench {
     /// The bench's settings from the flags and the config file, checked; its prompt is
     /// made once the model's vocabulary is known.
@@ -298,11 +310,7 @@ impl Bench {
         }
         crate::args::set_threads(args.threads)?;
         let chunk_tokens = args.tiers.chunk_tokens();
-        if a.context_tokens == 0 || !a.context_tokens.is_multiple_of(chunk_tokens) {
-            bail!(
-                "--context-tokens must be a positive multiple of the chunk size ({chunk_tokens})"
-            );
-        }
+        check_context_and_chunk(a.context_tokens, chunk_tokens)?;
         let path = resolve_model(args.model.as_deref(), true)?;
         if args.disable_hybrid_kv_cache_manager {
             let gguf = pk_gguf::GgufFile::open(&path)?;
@@ -548,5 +556,25 @@ impl Report<'_> {
                 mbs(r.write_bytes_per_s)
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A zero chunk size is refused naming `--tier-chunk-tokens`, not `--context-tokens`.
+    #[test]
+    fn zero_chunk_names_its_own_flag() {
+        let e = check_context_and_chunk(2048, 0).unwrap_err().to_string();
+        assert!(e.contains("--tier-chunk-tokens"), "{e}");
+        assert!(!e.contains("--context-tokens"), "{e}");
+        for context in [0, 1000] {
+            let e = check_context_and_chunk(context, 256)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("--context-tokens"), "{e}");
+        }
+        check_context_and_chunk(2048, 256).unwrap();
     }
 }

@@ -140,12 +140,17 @@ fn key(cfg: &SweepConfig, model: &str, u: &Unit, cell: Cell) -> CellKey {
     }
 }
 
-/// Runs what is not yet in `OUT/results.jsonl` and returns every record of the sweep.
-pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
+/// Creates `OUT` and checks its manifest against `cfg`; returns `OUT/results.jsonl`.
+fn prepare_out_dir(cfg: &SweepConfig) -> Result<std::path::PathBuf> {
     std::fs::create_dir_all(&cfg.out_dir)
         .with_context(|| format!("creating {}", cfg.out_dir.display()))?;
     record::check_manifest(&cfg.out_dir, cfg.samples, cfg.continuation_tokens)?;
-    let path = cfg.out_dir.join("results.jsonl");
+    Ok(cfg.out_dir.join("results.jsonl"))
+}
+
+/// Runs what is not yet in `OUT/results.jsonl` and returns every record of the sweep.
+pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
+    let path = prepare_out_dir(cfg)?;
     let mut done = record::load(&path)?;
     let model = model_name(&cfg.model_path);
     let units = units(cfg);
