@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pk_connectors::{ReuseConfig, TieringConfig};
+use pk_connectors::ReuseConfig;
 use pk_engine::{EngineConfig, GenerateParams};
 use pk_tiers::{DiskTier, DiskTierConfig, RamTier, Tier, TieredStore};
 
@@ -27,14 +27,7 @@ fn tiered(dir: &std::path::Path) -> Arc<TieredStore> {
     Arc::new(TieredStore::new(vec![ram, disk]).with_write_through_last(true))
 }
 
-fn config(store: Arc<TieredStore>) -> TieringConfig {
-    TieringConfig {
-        store,
-        chunk_size_tokens: 256,
-        max_pending_bytes: 64 << 20,
-        window_checkpoint_tokens: None,
-    }
-}
+use common::tiers_config as config;
 
 #[test]
 fn stored_prompt_chunks_survive_a_restart() {

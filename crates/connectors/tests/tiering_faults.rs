@@ -7,19 +7,12 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pk_connectors::{TieringConfig, KEY_MODEL_ID};
+use pk_connectors::KEY_MODEL_ID;
 use pk_engine::{Engine, EngineConfig, GenerateParams};
 use pk_model::KvDtype;
 use pk_tiers::{ChunkKey, ChunkKeyer, Payload, RamTier, Tier, TieredStore};
 
-fn config(store: Arc<TieredStore>) -> TieringConfig {
-    TieringConfig {
-        store,
-        chunk_size_tokens: 256,
-        max_pending_bytes: 64 << 20,
-        window_checkpoint_tokens: None,
-    }
-}
+use common::tiers_config as config;
 
 fn params() -> GenerateParams {
     GenerateParams {

@@ -177,6 +177,17 @@ mod tests {
         }
     }
 
+    /// A whole JSON request to `/echo` on a new connection; the reply as text.
+    async fn post_echo(addr: std::net::SocketAddr) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 8\r\nConnection: close\r\n\r\n{\"a\": 1}",
+        )
+        .await
+        .unwrap();
+        read_to_close(&mut s).await
+    }
+
     #[tokio::test]
     async fn stalled_request_heads_and_bodies_are_cut_off() {
         let (_stop, rx) = tokio::sync::oneshot::channel();
@@ -209,13 +220,7 @@ mod tests {
         assert!(reply.contains("stalled"), "{reply}");
 
         // A whole request is answered.
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(
-            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 8\r\nConnection: close\r\n\r\n{\"a\": 1}",
-        )
-        .await
-        .unwrap();
-        let reply = read_to_close(&mut s).await;
+        let reply = post_echo(addr).await;
         assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
     }
 
@@ -228,13 +233,7 @@ mod tests {
         let _idle = tokio::net::TcpStream::connect(addr).await.unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
         let started = std::time::Instant::now();
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(
-            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 8\r\nConnection: close\r\n\r\n{\"a\": 1}",
-        )
-        .await
-        .unwrap();
-        let reply = read_to_close(&mut s).await;
+        let reply = post_echo(addr).await;
         assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
         assert!(
             started.elapsed() >= Duration::from_millis(200),

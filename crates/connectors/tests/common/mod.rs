@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use pk_connectors::{ContextReuse, ContextReuseConfig, ReuseConfig, Tiering, TieringConfig};
 use pk_engine::{Engine, EngineConfig};
+use pk_tiers::TieredStore;
 
 // The engine's tests hold the helpers both crates need (the default model, the book's
 // token ids, a request that waits for blocks); compiled here as well, not copied.
@@ -27,6 +28,17 @@ pub fn contexts_engine(
     let attached = pk_connectors::attach(&mut e, &ReuseConfig::Contexts(contexts)).unwrap();
     let c = attached.contexts().expect("a context store").clone();
     (e, c)
+}
+
+/// Chunk tiers over `store` as the tests use them: 256-token chunks, 64 MiB in flight.
+#[allow(dead_code)]
+pub fn tiers_config(store: Arc<TieredStore>) -> TieringConfig {
+    TieringConfig {
+        store,
+        chunk_size_tokens: 256,
+        max_pending_bytes: 64 << 20,
+        window_checkpoint_tokens: None,
+    }
 }
 
 /// An engine on the default model with the chunk tiers `tiers` attached.
