@@ -8,6 +8,9 @@
 #
 # Usage: scripts/prefetch_plan_sweep.sh [ROUNDS] [PLANS...]   (default: 3 rounds; far near l2)
 # Env:   PK_MODEL (default: the fetched Qwen2.5-Coder-1.5B-Instruct Q4_K_M),
+#        DISTANCES (e.g. "4096 8192": also sweep the `far` and `l2` plans' L2 distance,
+#        `PK_PREFETCH_FAR_BYTES`, each plan once per distance; default: the host's own,
+#        which the first line names),
 #        DECODE_BENCH (default target/release/examples/decode_bench; built if missing).
 set -euo pipefail
 
@@ -36,17 +39,35 @@ quiet=../shared/tools/host-quiet
 
 grep -o -w -E 'avx2|avx512f|avx512_vnni|amx_int8' /proc/cpuinfo | sort -u | tr '\n' ' ' | sed 's/^/CPU flags: /'; echo
 grep -m1 'model name' /proc/cpuinfo
-printf '%-6s %-5s %-11s %-10s %-10s\n' round plan host-quiet "1 thread" "2 threads"
+read -r -a distances <<< "${DISTANCES:-default}"
+for d in "${distances[@]}"; do
+    if [ "$d" != default ] && ! [[ "$d" =~ ^[1-9][0-9]*$ ]]; then
+        echo "DISTANCES: $d is not a number of bytes" >&2
+        exit 2
+    fi
+done
+printf '%-6s %-5s %-8s %-11s %-10s %-10s\n' round plan distance host-quiet "1 thread" "2 threads"
 for round in $(seq "$rounds"); do
     for plan in "${plans[@]}"; do
+    for d in "${distances[@]}"; do
+        # `near` has no L2 distance: it runs once, under the first distance's turn.
+        [ "$plan" = near ] && [ "$d" != "${distances[0]}" ] && continue
+        env_far=()
+        [ "$d" != default ] && [ "$plan" != near ] && env_far=(PK_PREFETCH_FAR_BYTES="$d")
         q=$("$quiet" 2>/dev/null) || true
         q=${q#stalled_fraction_max=}
         q=${q%% *}
-        out=$(PK_PREFETCH_PLAN=$plan "$bench" --model "$model" --reps 1 --context 16 --compare 1,2 --vs-stream 2>&1)
+        out=$(env "${env_far[@]}" PK_PREFETCH_PLAN="$plan" "$bench" --model "$model" --reps 1 --context 16 --compare 1,2 --vs-stream 2>&1)
+        if [ "$round$plan$d" = "1${plans[0]}${distances[0]}" ]; then
+            echo "(${plan}: $(grep -m1 'decode weight prefetch' <<< "$out"))"
+        fi
         # "threads N vs stream (...): share of the DRAM bound per step median X % (...)"
         share() {
             grep -E "^threads $1 vs stream" <<< "$out" | sed -E 's/.*per step median ([0-9.]+) %.*/\1 %/'
         }
-        printf '%-6s %-5s %-11s %-10s %-10s\n' "$round" "$plan" "${q:-n/a}" "$(share 1)" "$(share 2)"
+        shown=$d
+        [ "$plan" = near ] && shown=-
+        printf '%-6s %-5s %-8s %-11s %-10s %-10s\n' "$round" "$plan" "$shown" "${q:-n/a}" "$(share 1)" "$(share 2)"
+    done
     done
 done

@@ -111,6 +111,10 @@ fn main() {
     let prefill = t.elapsed().as_secs_f64();
     let pool = pk_model::kernels::pool::global();
     let read_bytes = model.weights.decode_read_bytes();
+    eprintln!(
+        "decode weight prefetch: {}",
+        pk_model::kernels::stream::decode_prefetch()
+    );
     let stream_buf = args.vs_stream.then(|| {
         let mut b = HugeBuf::zeroed(read_bytes);
         b.iter_mut().enumerate().for_each(|(i, v)| *v = i as u8);

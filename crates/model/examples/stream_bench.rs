@@ -31,6 +31,10 @@ fn main() {
         *v = i as u8;
     }
     let gbs = |s: f64| buf.len() as f64 / s / 1e9;
+    println!(
+        "decode weight prefetch: {}",
+        pk_model::kernels::stream::decode_prefetch()
+    );
     for threads in [1, 2] {
         let plain = gbs(best_seconds(&buf, threads, 5, read_pass_plain));
         let ahead = gbs(best_seconds(&buf, threads, 5, read_pass_prefetched));

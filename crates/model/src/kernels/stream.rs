@@ -4,7 +4,7 @@
 //! Two plans, because either can be the faster on a host: [`read_pass_plain`] leaves the lines
 //! to the hardware prefetcher, and [`read_pass_prefetched`] also asks for them ahead exactly as
 //! a decode tile does (`x86::prefetch_plan`: into L2 4 KiB ahead and into L1 512 B ahead on
-//! Intel, into L2 4 KiB ahead elsewhere). On the AMX host the second read 16.5–18.3 GB/s on one
+//! Intel, into L2 4 KiB ahead elsewhere, 8 KiB on AMD Zen 4; [`decode_prefetch`] names it). On the AMX host the second read 16.5–18.3 GB/s on one
 //! thread where the first read 15.6–15.9 (2026-12-06, docs/results/benchmarks-history.md): a
 //! bound taken from the plain pass alone was 4–15 % too low, and decode's share of it too high.
 
@@ -29,6 +29,26 @@ pub fn read_pass_prefetched(bytes: &[u8]) -> u64 {
         return unsafe { super::x86::read_pass_prefetched(bytes) };
     }
     read_pass_plain(bytes)
+}
+
+/// Decode's weight prefetches on this host, for benchmarks to print beside their figures:
+/// the plan (`PK_PREFETCH_PLAN`) and, where it has one, the L2 distance
+/// (`PK_PREFETCH_FAR_BYTES`).
+pub fn decode_prefetch() -> String {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        return match super::x86::prefetch_plan() {
+            super::x86::PrefetchPlan::Near => {
+                format!("near (L1 {} B ahead)", super::x86::PREFETCH_AHEAD_BYTES)
+            }
+            super::x86::PrefetchPlan::TwoLevel { far_bytes } => format!(
+                "far (L2 {far_bytes} B and L1 {} B ahead)",
+                super::x86::PREFETCH_NEAR_BYTES
+            ),
+            super::x86::PrefetchPlan::L2 { far_bytes } => format!("l2 (L2 {far_bytes} B ahead)"),
+        };
+    }
+    "none (no AVX2)".to_string()
 }
 
 /// The shortest of `passes` timed passes of `pass` over `bytes` in `threads` parts.

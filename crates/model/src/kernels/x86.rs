@@ -398,15 +398,22 @@ pub unsafe fn gemm_groups(
 /// of the read bandwidth on Qwen2.5-1.5B (AVX2 host), and asking for the lines 1 KiB ahead
 /// (about six Q4_1 group blocks, roughly a DRAM latency of work) raised decode by a quarter
 /// (BENCHMARKS.md, "Weight prefetch").
-const PREFETCH_AHEAD_BYTES: usize = 1024;
+pub(super) const PREFETCH_AHEAD_BYTES: usize = 1024;
 
-/// The far distance of [`PrefetchPlan::TwoLevel`] and [`PrefetchPlan::L2`]: lines are asked
-/// for into L2 (`prefetcht2`) this far ahead. An L1 prefetch holds one of the core's few
-/// line-fill buffers until its line arrives from DRAM, so a far `prefetcht0` stalls the
-/// loads behind it, while an L2 request waits in the much deeper L2 queue.
+/// The far distance of [`PrefetchPlan::TwoLevel`] and [`PrefetchPlan::L2`] on most CPUs:
+/// lines are asked for into L2 (`prefetcht2`) this far ahead. An L1 prefetch holds one of the
+/// core's few line-fill buffers until its line arrives from DRAM, so a far `prefetcht0`
+/// stalls the loads behind it, while an L2 request waits in the much deeper L2 queue.
 const PREFETCH_FAR_BYTES: usize = 4096;
+/// The far distance on AMD Zen 4 and later ([`prefetch_far_bytes`]). A prefetch covers a
+/// DRAM latency only if it runs at least latency × bandwidth ahead. On the Zen 4 host
+/// (family 25 model 17, 31.9 GB/s on one thread) 4 KiB ahead held one thread's decode of
+/// Qwen2.5-Coder-1.5B at 17.6–18.3 tok/s (60 % of the DRAM bound), 2 KiB at 10, and 8 KiB
+/// raised it to 24.8–25.2 (81–84 %), with 16 KiB no better (BENCHMARKS.md, "Issue 39 on
+/// AMD EPYC Zen 4").
+const PREFETCH_FAR_BYTES_ZEN4: usize = 8192;
 /// The near distance of [`PrefetchPlan::TwoLevel`], into L1.
-const PREFETCH_NEAR_BYTES: usize = 512;
+pub(super) const PREFETCH_NEAR_BYTES: usize = 512;
 
 /// Where a decode tile asks for the weight lines it will read (prefill tiles do not ask:
 /// four tokens of work per byte make them bound by arithmetic).
@@ -414,17 +421,18 @@ const PREFETCH_NEAR_BYTES: usize = 512;
 pub enum PrefetchPlan {
     /// Into L1 [`PREFETCH_AHEAD_BYTES`] ahead (`PK_PREFETCH_PLAN=near`).
     Near,
-    /// Into L2 [`PREFETCH_FAR_BYTES`] ahead and into L1 [`PREFETCH_NEAR_BYTES`] ahead (`far`),
+    /// Into L2 `far_bytes` ([`prefetch_far_bytes`]) ahead and into L1 [`PREFETCH_NEAR_BYTES`]
+    /// ahead (`far`),
     /// Intel's default: on the AMX host the pair raised Qwen2.5-1.5B decode 1.10–1.12× at 1 and
     /// 2 threads against `near` (docs/results/benchmarks-history.md, "Issue 39 on an Intel Xeon
     /// with AMX").
-    TwoLevel,
-    /// Into L2 [`PREFETCH_FAR_BYTES`] ahead only (`l2`), AMD's default: on an AMD EPYC
+    TwoLevel { far_bytes: usize },
+    /// Into L2 `far_bytes` ([`prefetch_far_bytes`]) ahead only (`l2`), AMD's default: on an AMD EPYC
     /// (Zen 3, AVX2 only) `near` left one thread at 76–82 % of the DRAM bound on
     /// Qwen2.5-1.5B, 1 KiB being too short for its latency, and this plan decoded faster
     /// than both others at 1 and 2 threads (docs/results/benchmarks-history.md, 2026-12-07,
     /// eighteenth session; BENCHMARKS.md's plan sweep on Zen 3 confirms it at one thread).
-    L2,
+    L2 { far_bytes: usize },
 }
 
 /// The decode tiles' [`PrefetchPlan`]: `PK_PREFETCH_PLAN=near|far|l2` chooses (any other
@@ -432,16 +440,59 @@ pub enum PrefetchPlan {
 /// otherwise Intel CPUs take the two levels and others the L2 plan.
 pub fn prefetch_plan() -> PrefetchPlan {
     static PLAN: std::sync::OnceLock<PrefetchPlan> = std::sync::OnceLock::new();
-    *PLAN.get_or_init(|| match std::env::var("PK_PREFETCH_PLAN").as_deref() {
-        Ok("far") => PrefetchPlan::TwoLevel,
-        Ok("near") => PrefetchPlan::Near,
-        Ok("l2") => PrefetchPlan::L2,
-        Ok(other) => {
-            panic!("PK_PREFETCH_PLAN={other:?} is not one of \"far\", \"near\", \"l2\"")
+    *PLAN.get_or_init(|| {
+        let far_bytes = prefetch_far_bytes();
+        match std::env::var("PK_PREFETCH_PLAN").as_deref() {
+            Ok("far") => PrefetchPlan::TwoLevel { far_bytes },
+            Ok("near") => PrefetchPlan::Near,
+            Ok("l2") => PrefetchPlan::L2 { far_bytes },
+            Ok(other) => {
+                panic!("PK_PREFETCH_PLAN={other:?} is not one of \"far\", \"near\", \"l2\"")
+            }
+            Err(_) if is_intel() => PrefetchPlan::TwoLevel { far_bytes },
+            Err(_) => PrefetchPlan::L2 { far_bytes },
         }
-        Err(_) if is_intel() => PrefetchPlan::TwoLevel,
-        Err(_) => PrefetchPlan::L2,
     })
+}
+
+/// How far ahead the `far` and `l2` plans ask for lines into L2: `PK_PREFETCH_FAR_BYTES`
+/// (a multiple of 64 from 512 to 65,536; anything else is refused by name) so that a sweep
+/// can compare distances without rebuilding, otherwise [`PREFETCH_FAR_BYTES_ZEN4`] on AMD
+/// Zen 4 and later and [`PREFETCH_FAR_BYTES`] elsewhere (each measured on its host kind).
+pub fn prefetch_far_bytes() -> usize {
+    match std::env::var("PK_PREFETCH_FAR_BYTES") {
+        Ok(v) => parse_far_bytes(&v).unwrap_or_else(|| {
+            panic!("PK_PREFETCH_FAR_BYTES={v:?} is not a multiple of 64 from 512 to 65536")
+        }),
+        Err(_) if is_amd() && is_zen4_or_later(__cpuid(1).eax) => PREFETCH_FAR_BYTES_ZEN4,
+        Err(_) => PREFETCH_FAR_BYTES,
+    }
+}
+
+fn parse_far_bytes(v: &str) -> Option<usize> {
+    v.parse::<usize>()
+        .ok()
+        .filter(|n| (512..=65536).contains(n) && n % 64 == 0)
+}
+
+fn is_amd() -> bool {
+    let v = __cpuid(0);
+    (v.ebx, v.edx, v.ecx) == (0x6874_7541, 0x6974_6e65, 0x444d_4163)
+}
+
+/// Whether CPUID leaf 1's `eax` of an AMD CPU is family 25 (0x19) with a Zen 4 model
+/// (Genoa and Bergamo 0x10–0x1f and 0xa0–0xaf, Raphael and Phoenix 0x60–0x7f; Zen 3 is
+/// 0x00–0x0f and 0x20–0x5f), or a later family.
+fn is_zen4_or_later(eax: u32) -> bool {
+    let base_family = (eax >> 8) & 0xf;
+    let family = base_family
+        + if base_family == 0xf {
+            (eax >> 20) & 0xff
+        } else {
+            0
+        };
+    let model = ((eax >> 4) & 0xf) | (((eax >> 16) & 0xf) << 4);
+    family > 0x19 || (family == 0x19 && matches!(model, 0x10..=0x1f | 0x60..=0x7f | 0xa0..=0xaf))
 }
 
 fn is_intel() -> bool {
@@ -473,12 +524,12 @@ unsafe fn prefetch_line(line: *const u8, plan: PrefetchPlan) {
         PrefetchPlan::Near => {
             _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(PREFETCH_AHEAD_BYTES) as *const i8)
         }
-        PrefetchPlan::TwoLevel => {
-            _mm_prefetch::<_MM_HINT_T2>(line.wrapping_add(PREFETCH_FAR_BYTES) as *const i8);
+        PrefetchPlan::TwoLevel { far_bytes } => {
+            _mm_prefetch::<_MM_HINT_T2>(line.wrapping_add(far_bytes) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(PREFETCH_NEAR_BYTES) as *const i8);
         }
-        PrefetchPlan::L2 => {
-            _mm_prefetch::<_MM_HINT_T2>(line.wrapping_add(PREFETCH_FAR_BYTES) as *const i8)
+        PrefetchPlan::L2 { far_bytes } => {
+            _mm_prefetch::<_MM_HINT_T2>(line.wrapping_add(far_bytes) as *const i8)
         }
     }
 }
@@ -1123,3 +1174,31 @@ isa_module!(
     "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
     true
 );
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zen4_is_told_from_zen3_and_zen2_by_cpuid() {
+        // CPUID leaf 1 `eax` of the hosts measured: Zen 3 (Milan, family 25 model 1), Zen 4
+        // (Genoa, family 25 model 17), Zen 2 (Rome, family 23 model 49); then Zen 3's
+        // Vermeer (model 0x21), Zen 4's Raphael (0x61), and a Zen 5 (family 26).
+        assert!(!is_zen4_or_later(0x00a0_0f11));
+        assert!(is_zen4_or_later(0x00a1_0f11));
+        assert!(!is_zen4_or_later(0x0083_0f10));
+        assert!(!is_zen4_or_later(0x00a2_0f10));
+        assert!(is_zen4_or_later(0x00a6_0f12));
+        assert!(is_zen4_or_later(0x00b0_0f00));
+    }
+
+    #[test]
+    fn far_distances_outside_the_range_or_off_a_line_are_refused() {
+        assert_eq!(parse_far_bytes("8192"), Some(8192));
+        assert_eq!(parse_far_bytes("512"), Some(512));
+        assert_eq!(parse_far_bytes("65536"), Some(65536));
+        for bad in ["448", "65600", "4100", "", "8k", "-4096"] {
+            assert_eq!(parse_far_bytes(bad), None, "{bad:?}");
+        }
+    }
+}
