@@ -4,7 +4,9 @@
 # per plan, in turn, and prints the median share of the DRAM read bound per step at one and
 # two threads, with host-quiet's figure before each run. Issue 39 left one-thread decode on
 # the Intel AMX host at 87.9–88.7 % of the bound under Intel's default (`far`, two levels)
-# while `l2` took the AMD Zen 3 host from 83 % to over 100 %; this is the run to make there.
+# while `l2` took the AMD Zen 3 host from 83 % to over 100 %; this is the run to make there,
+# with DISTANCES="4096 8192 12288": on AMD Zen 4 the L2 distance, not the plan, was the limit
+# (4 KiB held one thread at 58–61 % of the bound, 8 KiB gave 79–84 %; BENCHMARKS.md).
 #
 # Usage: scripts/prefetch_plan_sweep.sh [ROUNDS] [PLANS...]   (default: 3 rounds; far near l2)
 # Env:   PK_MODEL (default: the fetched Qwen2.5-Coder-1.5B-Instruct Q4_K_M),
