@@ -24,9 +24,14 @@ fn model_path() -> std::path::PathBuf {
     p
 }
 
+/// The test also reads what the server said on stderr: it announces its address with the
+/// model still loading, and then that the model is loaded, so that a load failing after
+/// the address is printed is not taken for a server that was up.
 #[test]
 fn sigterm_lets_a_running_stream_finish() {
     let port = free_port();
+    let log_path = std::env::temp_dir().join(format!("pk-shutdown-e2e-{port}.log"));
+    let log = std::fs::File::create(&log_path).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
         .args([
             "serve",
@@ -40,7 +45,7 @@ fn sigterm_lets_a_running_stream_finish() {
         .arg("--model")
         .arg(model_path())
         .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::from(log))
         .spawn()
         .expect("starting pagekeeper serve");
     let client = reqwest::blocking::Client::builder()
@@ -117,4 +122,15 @@ fn sigterm_lets_a_running_stream_finish() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "exit status after SIGTERM: {status}");
+    let said = std::fs::read_to_string(&log_path).unwrap();
+    let _ = std::fs::remove_file(&log_path);
+    eprintln!("{said}");
+    assert!(
+        said.contains(&format!(
+            "pagekeeper: listening on http://127.0.0.1:{port} for "
+        )),
+        "{said}"
+    );
+    assert!(said.contains(" loaded; serving requests"), "{said}");
+    assert!(said.contains("pagekeeper: shutting down"), "{said}");
 }

@@ -102,6 +102,10 @@ impl EngineHandle {
                     let _ = contexts.set(c.store().clone());
                 }
                 liveness.set(EngineState::Ready);
+                eprintln!(
+                    "pagekeeper: {} loaded; serving requests",
+                    served.engine.model_name
+                );
                 run(served, rx);
             }
             Err(e) => {

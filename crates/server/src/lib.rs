@@ -113,10 +113,16 @@ async fn shutdown_signal() {
 pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!("listening on http://{}", listener.local_addr()?);
+    // The weights may still be loading on the engine thread: say so, so that a load that
+    // fails next is not read as a server that was up; the engine thread says when it is.
+    let loading = match state.engine.state() {
+        EngineState::Ready => "",
+        _ => "; loading the model (/health answers 503 until it is ready)",
+    };
     eprintln!(
-        "pagekeeper: serving {} on http://{}",
+        "pagekeeper: listening on http://{} for {}{loading}",
+        listener.local_addr()?,
         state.model_name,
-        listener.local_addr()?
     );
     let signal = async {
         shutdown_signal().await;
