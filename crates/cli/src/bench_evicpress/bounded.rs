@@ -28,7 +28,7 @@ pub fn real_rows(
     reqs: &[workload::Request],
 ) -> Result<Vec<RunRow>> {
     let mut rows = Vec::new();
-    for &fraction in &a.tiers_fractions {
+    for &fraction in a.tiers_fractions.iter() {
         let t0 = Instant::now();
         let f = Some(fraction);
         let mut runners = warm_runners(a, p, setup, policies, delay, dir, working_set, f)?;

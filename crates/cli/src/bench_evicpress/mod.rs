@@ -121,9 +121,10 @@ pub struct EvicpressArgs {
     pub grid_add: Vec<String>,
     /// Simulated scenarios in which all tiers together hold this fraction of the working
     /// set's f16 bytes (`bounded-<F>`): what does not fit is dropped and recomputed when
-    /// asked for, and a context kept compressed has no master left. Empty: none.
-    #[arg(long, value_delimiter = ',', default_value = "0.5,0.25")]
-    pub tiers_fractions: Vec<f64>,
+    /// asked for, and a context kept compressed has no master left. Empty
+    /// (`--tiers-fractions=`): none.
+    #[arg(long, default_value = "0.5,0.25", value_parser = parse_fractions)]
+    pub tiers_fractions: Fractions,
     /// Also run each `--tiers-fractions` scenario on the real engine and tiers, with one
     /// copy per context (the paper's store, `Copies::PlacedOnly`): every real policy serves
     /// the trace serially, about as long again as the base real runs per fraction.
@@ -178,14 +179,46 @@ fn preset(a: &EvicpressArgs) -> Result<Preset> {
     })
 }
 
-/// `grid` with the `--grid-add` configurations after its own.
-fn with_added(grid: Grid, added: &[String]) -> Result<Grid> {
-    let mut configs: Vec<Compression> = grid.configs()[1..].to_vec();
-    for name in added {
-        configs
-            .push(Compression::parse(name).map_err(|e| anyhow::anyhow!("--grid-add {name}: {e}"))?);
+/// A comma-separated list of numbers that may be empty, one clap value: clap splits a
+/// `Vec` flag's value at its delimiter and parses each piece, so an empty value was one
+/// empty number and refused, and the bounded scenarios could not be turned off.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fractions(pub Vec<f64>);
+
+impl std::ops::Deref for Fractions {
+    type Target = [f64];
+    fn deref(&self) -> &[f64] {
+        &self.0
     }
-    Grid::new(configs).map_err(|e| anyhow::anyhow!("--grid-add: {e}"))
+}
+
+fn parse_fractions(list: &str) -> Result<Fractions, String> {
+    if list.trim().is_empty() {
+        return Ok(Fractions(Vec::new()));
+    }
+    list.split(',')
+        .map(|s| {
+            s.trim()
+                .parse::<f64>()
+                .map_err(|_| format!("{s:?} is not a number"))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Fractions)
+}
+
+/// `grid` with the `--grid-add` configurations after its own. One the grid already holds
+/// (or that the list names twice) is refused by name: adding it would change nothing, and
+/// a report whose command line lists it would claim it was added.
+fn with_added(grid: Grid, added: &[String]) -> Result<Grid> {
+    let mut configs: Vec<Compression> = grid.configs().to_vec();
+    for name in added {
+        let c = Compression::parse(name).map_err(|e| anyhow::anyhow!("--grid-add {name}: {e}"))?;
+        if configs.contains(&c) {
+            anyhow::bail!("--grid-add {name}: the grid already holds it");
+        }
+        configs.push(c);
+    }
+    Grid::new(configs.into_iter().skip(1)).map_err(|e| anyhow::anyhow!("--grid-add: {e}"))
 }
 
 /// Whether the grid drops by KVzip (and every EVICPRESS run is also run without it).
@@ -742,4 +775,35 @@ fn engine_for(
     let attached = pk_connectors::attach(&mut engine, &reuse)?;
     let contexts = attached.contexts().expect("a context store").clone();
     Ok((engine, contexts))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grid_add_refuses_what_the_grid_already_holds() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let grid = Grid::parse("q8,q4").unwrap();
+        let added = with_added(grid.clone(), &names(&["kvzip-0.5"])).unwrap();
+        assert_eq!(added.configs().len(), grid.configs().len() + 1);
+        for dup in [&["q4"][..], &["none"], &["kvzip-0.5", "kvzip-0.5"]] {
+            let e = with_added(grid.clone(), &names(dup))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("already holds"), "{dup:?}: {e}");
+            assert!(e.contains(dup[dup.len() - 1]), "{dup:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn tiers_fractions_may_be_empty_but_not_hold_an_empty_number() {
+        assert_eq!(parse_fractions("").unwrap(), Fractions(vec![]));
+        assert_eq!(
+            parse_fractions("0.5,0.25").unwrap(),
+            Fractions(vec![0.5, 0.25])
+        );
+        assert!(parse_fractions("0.5,,0.25").unwrap_err().contains("\"\""));
+        assert!(parse_fractions("half").unwrap_err().contains("half"));
+    }
 }

@@ -119,7 +119,7 @@ pub fn sweeps(
     let mut validation = sweep.validation(&base, real, rows);
     sweep.add(rows, &base, true);
     // The paper's regime: all tiers together hold less than the working set.
-    for &f in &a.tiers_fractions {
+    for &f in a.tiers_fractions.iter() {
         let bounded = Scenario {
             name: bounded_name(f),
             tiers_fraction: Some(f),
@@ -606,7 +606,7 @@ impl Markdown<'_> {
             flags.push_str(&format!(" --grid-add {}", a.grid_add.join(",")));
         }
         flags.push_str(&format!(
-            " --tiers-fractions {}",
+            " --tiers-fractions={}",
             a.tiers_fractions
                 .iter()
                 .map(f64::to_string)
