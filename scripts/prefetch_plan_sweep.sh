@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Decode's three weight-prefetch plans (`PK_PREFETCH_PLAN=far|near|l2`, `kernels/x86.rs`
+# Decode's three weight-prefetch plans (`PK_PREFETCH_PLAN=far|near|l2`, and `none` for the
+# hardware prefetchers alone when named; `kernels/x86.rs`
 # `PrefetchPlan`) side by side on this host: each round runs `decode_bench --vs-stream` once
 # per plan, in turn, and prints the median share of the DRAM read bound per step at one and
 # two threads, with host-quiet's figure before each run. Issue 39 left one-thread decode on
@@ -26,8 +27,8 @@ if ! [[ "$rounds" =~ ^[1-9][0-9]*$ ]]; then
 fi
 for p in "${plans[@]}"; do
     case "$p" in
-        far | near | l2) ;;
-        *) echo "plan $p: expected far, near or l2" >&2; exit 2 ;;
+        far | near | l2 | none) ;;
+        *) echo "plan $p: expected far, near, l2 or none" >&2; exit 2 ;;
     esac
 done
 model=${PK_MODEL:-$HOME/.cache/pagekeeper/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf}
@@ -53,9 +54,11 @@ for round in $(seq "$rounds"); do
     for plan in "${plans[@]}"; do
     for d in "${distances[@]}"; do
         # `near` has no L2 distance: it runs once, under the first distance's turn.
-        [ "$plan" = near ] && [ "$d" != "${distances[0]}" ] && continue
+        far_plan=1
+        case "$plan" in near | none) far_plan=0 ;; esac
+        [ "$far_plan" = 0 ] && [ "$d" != "${distances[0]}" ] && continue
         env_far=()
-        [ "$d" != default ] && [ "$plan" != near ] && env_far=(PK_PREFETCH_FAR_BYTES="$d")
+        [ "$d" != default ] && [ "$far_plan" = 1 ] && env_far=(PK_PREFETCH_FAR_BYTES="$d")
         q=$("$quiet" 2>/dev/null) || true
         q=${q#stalled_fraction_max=}
         q=${q%% *}
@@ -68,7 +71,7 @@ for round in $(seq "$rounds"); do
             grep -E "^threads $1 vs stream" <<< "$out" | sed -E 's/.*per step median ([0-9.]+) %.*/\1 %/'
         }
         shown=$d
-        [ "$plan" = near ] && shown=-
+        [ "$far_plan" = 0 ] && shown=-
         printf '%-6s %-5s %-8s %-11s %-10s %-10s\n' "$round" "$plan" "$shown" "${q:-n/a}" "$(share 1)" "$(share 2)"
     done
     done

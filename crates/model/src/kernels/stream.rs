@@ -46,6 +46,7 @@ pub fn decode_prefetch() -> String {
                 super::x86::PREFETCH_NEAR_BYTES
             ),
             super::x86::PrefetchPlan::L2 { far_bytes } => format!("l2 (L2 {far_bytes} B ahead)"),
+            super::x86::PrefetchPlan::Off => "none".to_string(),
         };
     }
     "none (no AVX2)".to_string()

@@ -433,9 +433,13 @@ pub enum PrefetchPlan {
     /// than both others at 1 and 2 threads (docs/results/benchmarks-history.md, 2026-12-07,
     /// eighteenth session; BENCHMARKS.md's plan sweep on Zen 3 confirms it at one thread).
     L2 { far_bytes: usize },
+    /// No software prefetch (`none`), the hardware prefetchers alone: for comparisons. On the
+    /// Zen 4 host it left one thread at 65–66 % of the DRAM bound, against 79–81 % for `l2`
+    /// 8 KiB ahead (BENCHMARKS.md, "Issue 39 on AMD EPYC Zen 4").
+    Off,
 }
 
-/// The decode tiles' [`PrefetchPlan`]: `PK_PREFETCH_PLAN=near|far|l2` chooses (any other
+/// The decode tiles' [`PrefetchPlan`]: `PK_PREFETCH_PLAN=near|far|l2|none` chooses (any other
 /// value is refused by name), so that benchmarks compare the plans without rebuilding;
 /// otherwise Intel CPUs take the two levels and others the L2 plan.
 pub fn prefetch_plan() -> PrefetchPlan {
@@ -445,9 +449,12 @@ pub fn prefetch_plan() -> PrefetchPlan {
         match std::env::var("PK_PREFETCH_PLAN").as_deref() {
             Ok("far") => PrefetchPlan::TwoLevel { far_bytes },
             Ok("near") => PrefetchPlan::Near,
+            Ok("none") => PrefetchPlan::Off,
             Ok("l2") => PrefetchPlan::L2 { far_bytes },
             Ok(other) => {
-                panic!("PK_PREFETCH_PLAN={other:?} is not one of \"far\", \"near\", \"l2\"")
+                panic!(
+                    "PK_PREFETCH_PLAN={other:?} is not one of \"far\", \"near\", \"l2\", \"none\""
+                )
             }
             Err(_) if is_intel() => PrefetchPlan::TwoLevel { far_bytes },
             Err(_) => PrefetchPlan::L2 { far_bytes },
@@ -531,6 +538,7 @@ unsafe fn prefetch_line(line: *const u8, plan: PrefetchPlan) {
         PrefetchPlan::L2 { far_bytes } => {
             _mm_prefetch::<_MM_HINT_T2>(line.wrapping_add(far_bytes) as *const i8)
         }
+        PrefetchPlan::Off => {}
     }
 }
 
