@@ -113,17 +113,18 @@ async fn shutdown_signal() {
 pub async fn serve(state: Arc<AppState>, addr: SocketAddr) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!("listening on http://{}", listener.local_addr()?);
-    // The weights may still be loading on the engine thread: say so, so that a load that
-    // fails next is not read as a server that was up; the engine thread says when it is.
-    let loading = match state.engine.state() {
-        EngineState::Ready => "",
-        _ => "; loading the model (/health answers 503 until it is ready)",
-    };
+    // This line is a contract: the benches' child servers (`bench_child.rs`) and scripts
+    // read the bound port from it, so it keeps its words. The weights may still be loading
+    // on the engine thread, so the next line says so, and the engine thread says when they
+    // are loaded: a load that fails next is not read as a server that was up.
     eprintln!(
-        "pagekeeper: listening on http://{} for {}{loading}",
-        listener.local_addr()?,
+        "pagekeeper: serving {} on http://{}",
         state.model_name,
+        listener.local_addr()?
     );
+    if state.engine.state() != EngineState::Ready {
+        eprintln!("pagekeeper: loading the model; /health answers 503 until it is ready");
+    }
     let signal = async {
         shutdown_signal().await;
         eprintln!(
