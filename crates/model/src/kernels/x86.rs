@@ -422,13 +422,12 @@ pub enum PrefetchPlan {
     /// Into L1 [`PREFETCH_AHEAD_BYTES`] ahead (`PK_PREFETCH_PLAN=near`).
     Near,
     /// Into L2 `far_bytes` ([`prefetch_far_bytes`]) ahead and into L1 [`PREFETCH_NEAR_BYTES`]
-    /// ahead (`far`),
-    /// Intel's default: on the AMX host the pair raised Qwen2.5-1.5B decode 1.10–1.12× at 1 and
-    /// 2 threads against `near` (docs/results/benchmarks-history.md, "Issue 39 on an Intel Xeon
-    /// with AMX").
+    /// ahead (`far`), Intel's default: on the AMX host the pair raised Qwen2.5-1.5B decode
+    /// 1.10–1.12× at 1 and 2 threads against `near` (docs/results/benchmarks-history.md,
+    /// "Issue 39 on an Intel Xeon with AMX").
     TwoLevel { far_bytes: usize },
-    /// Into L2 `far_bytes` ([`prefetch_far_bytes`]) ahead only (`l2`), AMD's default: on an AMD EPYC
-    /// (Zen 3, AVX2 only) `near` left one thread at 76–82 % of the DRAM bound on
+    /// Into L2 `far_bytes` ([`prefetch_far_bytes`]) ahead only (`l2`), AMD's default: on an
+    /// AMD EPYC (Zen 3, AVX2 only) `near` left one thread at 76–82 % of the DRAM bound on
     /// Qwen2.5-1.5B, 1 KiB being too short for its latency, and this plan decoded faster
     /// than both others at 1 and 2 threads (docs/results/benchmarks-history.md, 2026-12-07,
     /// eighteenth session; BENCHMARKS.md's plan sweep on Zen 3 confirms it at one thread).
