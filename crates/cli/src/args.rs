@@ -316,3 +316,15 @@ pub struct PerplexityArgs {
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,
 }
+
+/// Flags of one command's argument struct parsed from `args` alone, for unit tests: their
+/// environment variables are cleared from the definition, since config.rs's test sets some
+/// of them while tests run.
+#[cfg(test)]
+pub fn parse_flags_for_test<T: clap::Args + clap::FromArgMatches>(args: &[&str]) -> T {
+    let command = T::augment_args(clap::Command::new("test")).mut_args(|a| a.env(None));
+    let matches = command
+        .try_get_matches_from(std::iter::once("test").chain(args.iter().copied()))
+        .unwrap();
+    T::from_arg_matches(&matches).unwrap()
+}

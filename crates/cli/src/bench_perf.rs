@@ -578,17 +578,7 @@ mod tests {
     }
 
     fn parse(args: &[&str]) -> PerfArgs {
-        use clap::{CommandFactory, FromArgMatches};
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            perf: PerfArgs,
-        }
-        let matches = Cli::command()
-            .mut_args(|a| a.env(None))
-            .try_get_matches_from(std::iter::once("perf").chain(args.iter().copied()))
-            .unwrap();
-        Cli::from_arg_matches(&matches).unwrap().perf
+        crate::args::parse_flags_for_test(args)
     }
 
     /// `--decode-tokens 0` is refused naming the flag (it was run as 1); 1 stays allowed,

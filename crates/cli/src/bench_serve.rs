@@ -514,17 +514,7 @@ mod tests {
     use super::*;
 
     fn parse(args: &[&str]) -> ServeBenchArgs {
-        use clap::{CommandFactory, FromArgMatches};
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            bench: ServeBenchArgs,
-        }
-        let matches = Cli::command()
-            .mut_args(|a| a.env(None))
-            .try_get_matches_from(std::iter::once("bench").chain(args.iter().copied()))
-            .unwrap();
-        Cli::from_arg_matches(&matches).unwrap().bench
+        crate::args::parse_flags_for_test(args)
     }
 
     /// Each flag that configures the servers or the requests changes the server's command

@@ -339,17 +339,7 @@ mod tests {
     /// `serve` flags parsed from `args` alone: their environment variables are cleared
     /// from the definition, since config.rs's test sets some of them while tests run.
     fn parse(args: &[&str]) -> ServeArgs {
-        use clap::{CommandFactory, FromArgMatches};
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            serve: ServeArgs,
-        }
-        let matches = Cli::command()
-            .mut_args(|a| a.env(None))
-            .try_get_matches_from(std::iter::once("serve").chain(args.iter().copied()))
-            .unwrap();
-        Cli::from_arg_matches(&matches).unwrap().serve
+        crate::args::parse_flags_for_test(args)
     }
 
     /// Every flag that `plan` reads changes the plan, each beside the flags it needs: a
