@@ -59,25 +59,26 @@
 //! 2026-12-07): `vpmaddubsw` and `vpmaddwd` issue two a cycle and `vpaddw` four, but a
 //! one-to-one mix of `vpmaddubsw` and `vpaddw` runs at three operations a cycle, and a
 //! broadcast from memory takes no vector pipe: the tiles' chain (product, 16-bit sum) ran at
-//! 3.07 operations a cycle fed by `vpbroadcastd` loads and 3.22 fed by registers. A tile
-//! needs about one `vpaddw` per `vpmaddubsw` (eight products summed in 16 bits, NOTE 3), so
-//! the operation count, not the loads, sets its speed: the Q4K tile does about 21 vector
-//! operations a token and block and runs at 2.5 a cycle with its activations in L1 (about
-//! 200 GOPS, 48 % of the `vpmaddubsw` peak), and six or eight tokens a tile (less unpacking
-//! a token) were no faster. The Q6K prefill tile (`avx2_q6k`) unpacks two pairs of weight vectors at a time
-//! and adds each token's scaled sums into one 32-bit accumulator, about 27 operations where
-//! the general tile took 33 with spills. On the Zen 4 host (AVX-512 hidden, 2.84 GHz) the
+//! 3.07 operations a cycle fed by `vpbroadcastd` loads and 3.22 fed by registers. A tile needs
+//! about one `vpaddw` per `vpmaddubsw` (eight products summed in 16 bits, NOTE 3), so the
+//! operation count, not the loads, sets its speed: the Q4K tile does about 21 vector operations
+//! a token and block and runs at 2.5 a cycle with its activations in L1 (about 200 GOPS, 48 %
+//! of the `vpmaddubsw` peak), and six or eight tokens a tile (less unpacking a token) were no
+//! faster. The Q6K prefill tile (`avx2_q6k`) unpacks two pairs of weight vectors at a time and
+//! adds each token's scaled sums into one 32-bit accumulator, about 27 operations where the
+//! general tile took 33 with spills. On the Zen 4 host (AVX-512 hidden, 2.84 GHz) the
 //! one-to-one mix of `vpmaddubsw` and `vpaddw` issues four operations a cycle, and the chain
 //! 3.22 fed by registers and 3.19 by broadcasts (BENCHMARKS.md, "what bounds one-thread
 //! decode").
 //!
 //! NOTE 8: decode (one token) runs the prefill tiles with one token (`avx2_q4` for Q4K, the
-//! general tile for Q6K). On the Zen 4 host, decode-only Q4K tiles ran faster from cache (3–4 % with a super-block unrolled and the
-//! prefetch plan a constant, 10 % over two row groups sharing each activation broadcast), but
-//! neither raised decode's share of the DRAM bound (79–82 % at one thread either way), so
-//! neither was kept. Two row groups a call read two streams a group apart: their prefetches
-//! must aim at the next pair's lines, or each group's land 8 KiB ahead in the other's rows
-//! and decode fell to 48 % (BENCHMARKS.md, "what bounds one-thread decode").
+//! general tile for Q6K). On the Zen 4 host, decode-only Q4K tiles ran faster from cache (3–4 %
+//! with a super-block unrolled and the prefetch plan a constant, 10 % over two row groups
+//! sharing each activation broadcast), but neither raised decode's share of the DRAM bound
+//! (79–82 % at one thread either way), so neither was kept. Two row groups a call read two
+//! streams a group apart: their prefetches must aim at the next pair's lines, or each group's
+//! land 8 KiB ahead in the other's rows and decode fell to 48 % (BENCHMARKS.md, "what bounds
+//! one-thread decode").
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
