@@ -46,8 +46,15 @@
 //!   each with a signed 8-bit scale `sc` under the super-block's f16 `d`; a value is
 //!   `d·sc·(q − 32)` with 6-bit `q`): one group block per 32 elements, 210 bytes: @0 two
 //!   bytes of the super-block's header (the 8 rows' f16 `d`, group block `j` holding row
-//!   `j`'s), the 8 rows' `sc` of elements 0..16 @2 and of 16..32 @10, nibbles @18 and high
-//!   bits @146 laid out as Q6S's. 6.5625 bits a weight, as in the file, against Q6S's 7.
+//!   `j`'s), the 8 rows' `sc` of elements 0..16 @2 and of 16..32 @10, then six 32-byte
+//!   quant vectors B0..B5 @18, three a half. Byte `4r + i` of B`j` (j < 3) holds in its low
+//!   six bits element `4j + i` of row r, the one unpacked vector `j` holds there, and in its
+//!   top two bits bits `2j..2j + 2` of element `12 + i`'s (unpacked vector 3's); B3..B5 do
+//!   the same for elements `16..32` (vectors 4..7). So six of the eight unpacked vectors
+//!   are one mask each and the other two eight operations, 22 a group block where nibbles
+//!   plus separate high bits (Q6S's layout, which Q6K had before) took 34: on the Zen 4
+//!   host one-token Q6_K products were bound by those operations (BENCHMARKS.md, "what
+//!   bounds one-thread decode"). 6.5625 bits a weight, as in the file, against Q6S's 7.
 //!
 //! Every group block but Q4K's is the same size as the 8 original blocks,
 //! and [`Packed::row_gguf`] restores a row's original bytes exactly, so the GGUF copy need
@@ -144,7 +151,6 @@ const Q4K_BLOCK_BYTES: usize = 144;
 pub const Q6K_GROUP_BLOCK_BYTES: usize = 2 + 8 + 8 + 128 + 64;
 pub const Q6K_SC_AT: usize = 2;
 pub const Q6K_QS_AT: usize = 18;
-pub const Q6K_HIGH_AT: usize = 146;
 
 impl Packed {
     /// Repacks row-major GGUF blocks; `None` for formats without a packed layout.
@@ -329,7 +335,7 @@ fn pack_q4k(src: &[u8], dst: &mut [u8], lane: usize) {
 
 /// Moves one Q6_K super-block of row lane `lane` into its places in the super-block's eight
 /// group blocks `dst`: its `d` into group block `lane`'s header bytes, then each 32-element
-/// block's two scales, nibbles and high bits as [`pack_block`] lays out a Q6S block's.
+/// block's two scales and its quants in the six vectors the module's comment describes.
 fn pack_q6k(src: &[u8], dst: &mut [u8], lane: usize) {
     let gbb = Q6K_GROUP_BLOCK_BYTES;
     dst[lane * gbb..lane * gbb + 2].copy_from_slice(&src[208..210]);
@@ -338,17 +344,31 @@ fn pack_q6k(src: &[u8], dst: &mut [u8], lane: usize) {
         let blk = &mut dst[k * gbb..(k + 1) * gbb];
         blk[Q6K_SC_AT + lane] = src[192 + 2 * k];
         blk[Q6K_SC_AT + 8 + lane] = src[193 + 2 * k];
-        for v in 0..4 {
-            for i in 0..4 {
-                let e = 4 * v + i;
-                blk[Q6K_QS_AT + 32 * v + 4 * lane + i] = (q[e] & 0x0f) | ((q[16 + e] & 0x0f) << 4);
-                // H0 (H1): bits 2v.. of byte 4·lane + i are element 4v + i's (16 + 4v + i's)
-                // two high bits, as for Q6S.
-                for (h, e) in [(0, e), (32, 16 + e)] {
-                    blk[Q6K_HIGH_AT + h + 4 * lane + i] |= (q[e] >> 4) << (2 * v);
+        for (e, &q) in q.iter().enumerate() {
+            match q6k_place(e, lane) {
+                (at, false) => blk[at] |= q,
+                // Vector 3's (7's) three bit pairs go to the top of the half's three vectors.
+                (at, true) => {
+                    for j in 0..3 {
+                        blk[at + 32 * j] |= ((q >> (2 * j)) & 3) << 6;
+                    }
                 }
             }
         }
+    }
+}
+
+/// Where element `e` (< 32) of row lane `lane` goes in a Q6K group block: its byte, and
+/// `false` if it is that byte's low six bits, or `true` if its three bit pairs are the top
+/// two bits of that byte and of the same byte in the half's next two vectors.
+fn q6k_place(e: usize, lane: usize) -> (usize, bool) {
+    let (half, f) = (e / 16, e % 16);
+    let (v, i) = (f / 4, f % 4);
+    let first = Q6K_QS_AT + 32 * 3 * half + 4 * lane + i;
+    if v < 3 {
+        (first + 32 * v, false)
+    } else {
+        (first, true)
     }
 }
 
@@ -362,11 +382,10 @@ fn unpack_q6k(src: &[u8], dst: &mut [u8], lane: usize) {
         dst[192 + 2 * k] = blk[Q6K_SC_AT + lane];
         dst[193 + 2 * k] = blk[Q6K_SC_AT + 8 + lane];
         for e in 0..QK {
-            let (half, f) = (e / 16, e % 16);
-            let byte = blk[Q6K_QS_AT + 32 * (f / 4) + 4 * lane + f % 4];
-            let low = if half == 0 { byte & 0x0f } else { byte >> 4 };
-            let high = (blk[Q6K_HIGH_AT + 32 * half + 4 * lane + f % 4] >> (2 * (f / 4))) & 3;
-            q[32 * k + e] = low | (high << 4);
+            q[32 * k + e] = match q6k_place(e, lane) {
+                (at, false) => blk[at] & 0x3f,
+                (at, true) => (0..3).map(|j| (blk[at + 32 * j] >> 6) << (2 * j)).sum(),
+            };
         }
     }
     // The file's order (see `kquant::q6_k_quants`): each half of 128 takes 64 bytes of `ql`

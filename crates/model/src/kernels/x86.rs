@@ -584,10 +584,15 @@ macro_rules! unpack_group_block {
         let (fmt, gb): (u8, *const u8) = ($fmt, $gb);
         let low4 = _mm256_set1_epi8(0x0f);
         let mut v = [_mm256_setzero_si256(); 8];
-        if fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q6S || fmt == Q4K || fmt == Q6K {
+        if fmt == Q6K {
+            for half in 0..2 {
+                let (v3, first) = crate::kernels::x86::q6k_half!(gb, half);
+                v[4 * half..4 * half + 3].copy_from_slice(&first);
+                v[4 * half + 3] = v3;
+            }
+        } else if fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q6S || fmt == Q4K {
             let at = match fmt {
                 Q4_1 | Q6S => 32,
-                Q6K => crate::kernels::pack::Q6K_QS_AT,
                 Q4K => crate::kernels::pack::Q4K_QS_AT,
                 _ => 16,
             };
@@ -612,12 +617,8 @@ macro_rules! unpack_group_block {
                 v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4));
                 v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4));
             }
-            if fmt == Q6S || fmt == Q6K {
-                let high = if fmt == Q6K {
-                    crate::kernels::pack::Q6K_HIGH_AT
-                } else {
-                    crate::kernels::pack::Q6_HIGH_AT
-                };
+            if fmt == Q6S {
+                let high = crate::kernels::pack::Q6_HIGH_AT;
                 // Bits 2j..2j+2 of H0 (H1) are vector j's (4 + j's) two high bits
                 // (see `pack`): move them to bits 4..6. The 16-bit shifts carry
                 // bits across bytes only into positions the 0x30 mask clears.
@@ -641,6 +642,38 @@ macro_rules! unpack_group_block {
     }};
 }
 pub(super) use unpack_group_block;
+
+/// A Q6K group block's half `half` (0: elements 0..16, 1: 16..32) as its unpacked vectors
+/// `(4·half + 3, [4·half, 4·half + 1, 4·half + 2])`, from the half's three quant vectors
+/// (see `pack`): three masks, and eight operations for the vector whose bit pairs are the
+/// three vectors' top bits. The 16-bit shifts carry bits across bytes only into positions
+/// the masks clear. A macro for the same reason as [`unpack_group_block`].
+macro_rules! q6k_half {
+    ($gb:expr, $half:expr) => {{
+        let (gb, half): (*const u8, usize) = ($gb, $half);
+        let at = gb.add(crate::kernels::pack::Q6K_QS_AT + 96 * half);
+        let b0 = _mm256_loadu_si256(at as *const __m256i);
+        let b1 = _mm256_loadu_si256(at.add(32) as *const __m256i);
+        let b2 = _mm256_loadu_si256(at.add(64) as *const __m256i);
+        let (low6, low2, top2) = (
+            _mm256_set1_epi8(0x3f),
+            _mm256_set1_epi8(0x03),
+            _mm256_set1_epi8(0xc0u8 as i8),
+        );
+        let bits01 = _mm256_and_si256(_mm256_srli_epi16(b0, 6), low2);
+        let bits23 = _mm256_srli_epi16(_mm256_and_si256(b1, top2), 4);
+        let bits45 = _mm256_srli_epi16(_mm256_and_si256(b2, top2), 2);
+        (
+            _mm256_or_si256(bits01, _mm256_or_si256(bits23, bits45)),
+            [
+                _mm256_and_si256(b0, low6),
+                _mm256_and_si256(b1, low6),
+                _mm256_and_si256(b2, low6),
+            ],
+        )
+    }};
+}
+pub(super) use q6k_half;
 
 /// The f16 super-block scales of a Q4K group's 8 rows as f32 `(d, −dmin)`, read from the
 /// first group block `first` of their super-block: the eight rows' `d` then their `dmin`

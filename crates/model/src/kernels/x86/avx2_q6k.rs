@@ -1,6 +1,6 @@
-//! The AVX2 prefill tile for Q6K weights (`x86.rs` NOTE 7): per group block, two pairs
-//! of 32-byte quant loads are unpacked at a time into four weight vectors that every token
-//! of the tile uses at once, and each token adds its scaled 16-bit pair sums straight into
+//! The AVX2 prefill tile for Q6K weights (`x86.rs` NOTE 7): per group block, the weight
+//! vectors are unpacked four at a time (two of each half), which every token of the tile
+//! uses at once, and each token adds its scaled 16-bit pair sums straight into
 //! one 32-bit accumulator. The general tile unpacked all eight weight vectors first and
 //! kept them live across the tokens with four partial sums per token, which spilled on
 //! AVX2's 16 registers. Decode (one token) stays on the general tile, whose weight
@@ -8,29 +8,27 @@
 
 use super::*;
 
-/// Weight vectors `k` and `k + 4` of a Q6K group block (elements `4k..4k + 4` and `16 + 4k..
-/// 16 + 4k + 4` of each of the 8 rows), as `unpack_group_block!` makes them: the nibbles of
-/// quant load `k`, and the two high bits that `H0` (`H1`) keeps at bits `2k..2k + 2` of
-/// each byte moved to bits 4..6 (`pack`'s layout).
+/// Weight vectors `k`, `k + 1`, `k + 4` and `k + 5` of a Q6K group block (`k` 0 or 2), as
+/// `unpack_group_block!` makes them ([`q6k_half`]'s operations for vectors 3 and 7 are spent
+/// only when `k` is 2).
 #[inline(always)]
-unsafe fn unpack(gb: *const u8, k: usize, low4: __m256i, hi2: __m256i) -> (__m256i, __m256i) {
-    use crate::kernels::pack::{Q6K_HIGH_AT, Q6K_QS_AT};
-    let p = _mm256_loadu_si256(gb.add(Q6K_QS_AT + 32 * k) as *const __m256i);
-    let h0 = _mm256_loadu_si256(gb.add(Q6K_HIGH_AT) as *const __m256i);
-    let h1 = _mm256_loadu_si256(gb.add(Q6K_HIGH_AT + 32) as *const __m256i);
-    // The 16-bit shifts carry bits across bytes only into positions the 0x30 mask clears.
-    let place = |h: __m256i| match k {
-        0 => _mm256_slli_epi16(h, 4),
-        1 => _mm256_slli_epi16(h, 2),
-        2 => h,
-        _ => _mm256_srli_epi16(h, 2),
-    };
-    let lo = _mm256_or_si256(_mm256_and_si256(p, low4), _mm256_and_si256(place(h0), hi2));
-    let hi = _mm256_or_si256(
-        _mm256_and_si256(_mm256_srli_epi16(p, 4), low4),
-        _mm256_and_si256(place(h1), hi2),
-    );
-    (lo, hi)
+unsafe fn unpack(gb: *const u8, k: usize) -> [__m256i; 4] {
+    use crate::kernels::pack::Q6K_QS_AT;
+    if k == 0 {
+        // No closures here: they would not take the caller's target features.
+        let low6 = _mm256_set1_epi8(0x3f);
+        let q = gb.add(Q6K_QS_AT);
+        [
+            _mm256_and_si256(_mm256_loadu_si256(q as *const __m256i), low6),
+            _mm256_and_si256(_mm256_loadu_si256(q.add(32) as *const __m256i), low6),
+            _mm256_and_si256(_mm256_loadu_si256(q.add(96) as *const __m256i), low6),
+            _mm256_and_si256(_mm256_loadu_si256(q.add(128) as *const __m256i), low6),
+        ]
+    } else {
+        let (v3, lo) = q6k_half!(gb, 0);
+        let (v7, hi) = q6k_half!(gb, 1);
+        [lo[2], v3, hi[2], v7]
+    }
 }
 
 /// See [`super::gemm_groups`]; `NT` tokens from `t0`, `lanes` valid rows. The integer sums
@@ -52,11 +50,7 @@ pub unsafe fn tile<const FMT: u8, const NT: usize>(
         return super::avx2::tile::<FMT, 1>(group, bpr, acts, t0, out, out_stride, lanes);
     }
     let gbb = crate::kernels::pack::Q6K_GROUP_BLOCK_BYTES;
-    let (low4, hi2, low16) = (
-        _mm256_set1_epi8(0x0f),
-        _mm256_set1_epi8(0x30),
-        _mm256_set1_epi32(0xffff),
-    );
+    let low16 = _mm256_set1_epi32(0xffff);
     let qs = acts.kqs.as_ptr();
     let mut acc = [_mm256_setzero_ps(); NT];
     let mut kacc = [_mm256_setzero_si256(); NT];
@@ -72,8 +66,7 @@ pub unsafe fn tile<const FMT: u8, const NT: usize>(
             _mm256_or_si256(_mm256_and_si256(s, low16), _mm256_slli_epi32(s, 16))
         });
         for k in [0, 2] {
-            let (w0, w4) = unpack(gb, k, low4, hi2);
-            let (w1, w5) = unpack(gb, k + 1, low4, hi2);
+            let [w0, w1, w4, w5] = unpack(gb, k);
             for (j, ka) in kacc.iter_mut().enumerate() {
                 let a = qs.add(((t0 + j) * bpr + b) * QK);
                 let at = |e: usize| _mm256_set1_epi32((a.add(e) as *const i32).read_unaligned());
