@@ -237,7 +237,11 @@ pub struct EngineStats {
     pub prefix_queries_tokens: u64,
     pub prefix_hits_tokens: u64,
     pub preemptions: u64,
+    /// Prompt tokens computed by prefill (a cached prefix is not computed).
     pub prompt_tokens: u64,
+    /// Every choice's whole prompt, counted once when its first token is sampled, cached
+    /// prefix included: vLLM's `vllm:prompt_tokens_total`.
+    pub prompt_tokens_served: u64,
     pub generation_tokens: u64,
     pub steps: u64,
     /// The most bytes of KV blocks in use at once (after a step's allocation).

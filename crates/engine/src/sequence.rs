@@ -274,6 +274,17 @@ impl SeqState {
         i
     }
 
+    /// The prompt's tokens while no token has been sampled yet (the choice's prefill
+    /// ends with the next sample), otherwise 0: what `EngineStats::prompt_tokens_served`
+    /// adds for this choice's next sample.
+    pub fn prompt_tokens_to_serve(&self) -> u64 {
+        if self.generated() == 0 {
+            self.n_prompt as u64
+        } else {
+            0
+        }
+    }
+
     fn generated(&self) -> usize {
         self.all_ids.len() - self.n_prompt
     }

@@ -251,7 +251,10 @@ fn n_choices_fork_one_computed_prompt() {
         ..Default::default()
     };
     let one = run_choices(&mut engine, &greedy, &prompt);
-    let before = engine.stats.prompt_tokens;
+    let (before, served_before) = (
+        engine.stats.prompt_tokens,
+        engine.stats.prompt_tokens_served,
+    );
     let three = run_choices(
         &mut engine,
         &GenerateParams {
@@ -264,6 +267,11 @@ fn n_choices_fork_one_computed_prompt() {
         engine.stats.prompt_tokens - before,
         prompt.len() as u64,
         "the prompt ran once for three choices"
+    );
+    assert_eq!(
+        engine.stats.prompt_tokens_served - served_before,
+        3 * prompt.len() as u64,
+        "vLLM's prompt_tokens_total counts each choice's prompt"
     );
     assert!(
         three.iter().all(|t| *t == one[0]),
@@ -301,6 +309,11 @@ fn n_choices_fork_one_computed_prompt() {
         &prompt,
     );
     assert!(cramped.iter().all(|t| *t == one[0]));
+    assert_eq!(
+        small.stats.prompt_tokens_served,
+        3 * prompt.len() as u64,
+        "a choice that waits and recomputes counts its prompt once"
+    );
     assert_eq!(
         small.kv_manager().pool().num_free_blocks(),
         small.kv_manager().pool().num_blocks()
@@ -576,4 +589,40 @@ fn n_choices_under_a_default_budget_are_refused_by_name() {
         }
         other => panic!("{:?}", other.err()),
     }
+}
+
+/// `prompt_tokens` counts what prefill computed, so a prompt served from the prefix cache
+/// adds only its uncached tail; `prompt_tokens_served` (vLLM's `vllm:prompt_tokens_total`)
+/// adds the whole prompt each time.
+#[test]
+fn served_prompt_tokens_include_the_cached_prefix() {
+    let mut engine = common::engine(EngineConfig::default());
+    let prompt = prompts(&engine)[1].clone();
+    let params = GenerateParams {
+        max_tokens: 2,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    run_choices(&mut engine, &params, &prompt);
+    let (computed, served) = (
+        engine.stats.prompt_tokens,
+        engine.stats.prompt_tokens_served,
+    );
+    assert_eq!(
+        (computed, served),
+        (prompt.len() as u64, prompt.len() as u64)
+    );
+    run_choices(&mut engine, &params, &prompt);
+    assert!(
+        engine.stats.prefix_hits_tokens > 0,
+        "the second prompt hit the cache"
+    );
+    assert_eq!(
+        engine.stats.prompt_tokens - computed,
+        prompt.len() as u64 - engine.stats.prefix_hits_tokens
+    );
+    assert_eq!(
+        engine.stats.prompt_tokens_served - served,
+        prompt.len() as u64
+    );
 }

@@ -349,7 +349,10 @@ fn publish(
     metrics::gauge!("pagekeeper:kv_blocks_in_use_peak")
         .set((s.kv_bytes_peak / engine.kv_block_bytes().max(1)) as f64);
     metrics::gauge!("pagekeeper:num_requests_running_peak").set(s.max_running_seqs as f64);
-    metrics::counter!("vllm:prompt_tokens_total").increment(s.prompt_tokens - last.prompt_tokens);
+    // vLLM's series: every choice's whole prompt, cached prefix included (the prefix cache's
+    // share is `vllm:prefix_cache_hits_total`).
+    metrics::counter!("vllm:prompt_tokens_total")
+        .increment(s.prompt_tokens_served - last.prompt_tokens_served);
     metrics::counter!("vllm:generation_tokens_total")
         .increment(s.generation_tokens - last.generation_tokens);
     metrics::counter!("vllm:num_preemptions_total").increment(s.preemptions - last.preemptions);

@@ -92,6 +92,7 @@ impl Engine {
         s.kv.num_computed = c.to;
         let mut finished = false;
         if let Some(l) = logits {
+            self.stats.prompt_tokens_served += s.prompt_tokens_to_serve();
             finished = s.sample_and_emit(l, &self.tokenizer, ctx);
             self.stats.generation_tokens += 1;
         }
@@ -211,6 +212,7 @@ impl Engine {
                 }
             }
             self.stats.generation_tokens += 1;
+            self.stats.prompt_tokens_served += child.prompt_tokens_to_serve();
             if child.sample_and_emit(logits, &self.tokenizer, ctx) || child.aborted {
                 self.finish(child);
             } else {
