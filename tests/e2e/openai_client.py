@@ -6,6 +6,7 @@ Every check is an assert; the process exits non-zero on the first failure.
 import concurrent.futures
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -556,6 +557,40 @@ for ch in client.chat.completions.create(model=model, messages=question, max_tok
     assert ch.usage is not None, ch
     usages.append(ch.usage.completion_tokens)
 assert usages == sorted(usages) and usages[-1] == usages[-2] and usages[-1] >= 1, usages
+
+# Found by review (2026-12-07, twenty-fourth session).
+def prompt_ids(content):
+    """The prompt's token ids as the server rendered a one-message chat (`prompt_logprobs` 0)."""
+    r = client.chat.completions.create(model=model, max_tokens=1, temperature=0, messages=[{"role": "user", "content": content}],
+                                       extra_body={"prompt_logprobs": 0})
+    return [list(d.keys()) if d else None for d in r.model_extra["prompt_logprobs"]]
+# Text parts are joined with newlines, as vLLM joins them for a template that takes a string.
+parts = prompt_ids([{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}])
+assert parts == prompt_ids("Say\nhi") and parts != prompt_ids("Sayhi"), parts
+# Message fields are named by their path; tool_call_id belongs to tool messages only.
+for message, param in [({"role": "user", "content": "hi", "tool_call_id": "c1"}, "messages[0].tool_call_id"),
+                       ({"role": "user", "content": "hi", "name": "bob"}, "messages[0].name"),
+                       ({"role": "wizard", "content": "hi"}, "messages[0].role"),
+                       ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages[0].content")]:
+    status, err = post("/v1/chat/completions", {**chat_base, "messages": [message]})
+    assert status == 400 and err.get("param") == param, (message, status, err)
+# vllm:prompt_tokens_total counts the whole prompt, a prefix-cache hit included, as vLLM does.
+def counter(name):
+    for line in urllib.request.urlopen(base + "/metrics").read().decode().splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+repeated = "The same prompt twice, so that the second is a prefix-cache hit: one two three four five six seven eight nine ten."
+for _ in range(2):
+    before = counter("vllm:prompt_tokens_total")
+    r = client.completions.create(model=model, prompt=repeated, max_tokens=1)
+    want = before + r.usage.prompt_tokens
+    for _ in range(100):  # the engine thread exports its counters after the step
+        if counter("vllm:prompt_tokens_total") >= want:
+            break
+        time.sleep(0.02)
+    assert counter("vllm:prompt_tokens_total") == want, (before, r.usage, counter("vllm:prompt_tokens_total"))
+assert r.usage.prompt_tokens_details and r.usage.prompt_tokens_details.cached_tokens > 0, r.usage
 
 # Metrics with vLLM's names and a model_name label.
 metrics = urllib.request.urlopen(base + "/metrics").read().decode()

@@ -43,10 +43,14 @@ impl ApiError {
         }
     }
     fn param(param: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError::at(param.to_string(), message)
+    }
+    /// A 400 naming a field by its path in the request (`messages[2].tool_call_id`).
+    fn at(path: String, message: impl Into<String>) -> ApiError {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
-            param: Some(param.to_string()),
+            param: Some(path),
         }
     }
 }

@@ -4,12 +4,15 @@ use serde_json::Map;
 
 use super::*;
 
-fn message_text(content: &Option<Value>) -> Result<String, ApiError> {
+/// Message `i`'s text. A list of text parts is joined with newlines, as vLLM joins them
+/// for a template that takes a string: joined with nothing, `["Say", "hi"]` became "Sayhi".
+fn message_text(i: usize, content: &Option<Value>) -> Result<String, ApiError> {
+    let at = || format!("messages[{i}].content");
     match content {
         None | Some(Value::Null) => Ok(String::new()),
         Some(Value::String(s)) => Ok(s.clone()),
         Some(Value::Array(parts)) => {
-            let mut out = String::new();
+            let mut texts = Vec::with_capacity(parts.len());
             for p in parts {
                 // A part's other keys (`cache_control`, …) would be dropped, so a part is
                 // exactly `{"type": "text", "text": …}`.
@@ -17,8 +20,8 @@ fn message_text(content: &Option<Value>) -> Result<String, ApiError> {
                     .as_object()
                     .and_then(|o| o.keys().find(|k| !matches!(k.as_str(), "type" | "text")))
                 {
-                    return Err(ApiError::param(
-                        "messages",
+                    return Err(ApiError::at(
+                        at(),
                         format!("content part key `{k}` is not supported; a part is {{\"type\": \"text\", \"text\": …}}"),
                     ));
                 }
@@ -26,19 +29,14 @@ fn message_text(content: &Option<Value>) -> Result<String, ApiError> {
                     p.get("type").and_then(Value::as_str),
                     p.get("text").and_then(Value::as_str),
                 ) {
-                    (Some("text"), Some(t)) => out.push_str(t),
-                    _ => {
-                        return Err(ApiError::param(
-                            "messages",
-                            "only text content parts are supported",
-                        ))
-                    }
+                    (Some("text"), Some(t)) => texts.push(t),
+                    _ => return Err(ApiError::at(at(), "only text content parts are supported")),
                 }
             }
-            Ok(out)
+            Ok(texts.join("\n"))
         }
-        Some(_) => Err(ApiError::param(
-            "messages",
+        Some(_) => Err(ApiError::at(
+            at(),
             "message content must be a string or a list of text parts",
         )),
     }
@@ -162,40 +160,14 @@ fn messages(req: &ChatRequest, state: &AppState) -> Result<Vec<ChatMessage>, Api
         ));
     }
     let mut msgs = Vec::with_capacity(req.messages.len());
-    for m in &req.messages {
-        if !matches!(
-            m.role.as_str(),
-            "system" | "user" | "assistant" | "developer" | "tool"
-        ) {
-            return Err(ApiError::param(
-                "messages",
-                format!("unsupported role {:?}", m.role),
-            ));
-        }
-        if let Some((name, message)) = crate::openai::unsupported_message_field(&m.other) {
-            return Err(ApiError::param(
-                "messages",
-                format!("message field {message}; `{name}`"),
-            ));
-        }
-        if m.tool_calls.as_ref().is_some_and(|c| !c.is_null()) && m.role != "assistant" {
-            return Err(ApiError::param(
-                "messages",
-                "only assistant messages carry tool_calls",
-            ));
-        }
-        if m.role == "tool" && m.tool_call_id.is_none() {
-            return Err(ApiError::param(
-                "messages",
-                "a tool message needs tool_call_id",
-            ));
-        }
+    for (i, m) in req.messages.iter().enumerate() {
+        check_message(i, m)?;
         let role = if m.role == "developer" {
             "system"
         } else {
             m.role.as_str()
         };
-        let mut msg = ChatMessage::new(role, &message_text(&m.content)?);
+        let mut msg = ChatMessage::new(role, &message_text(i, &m.content)?);
         msg.tool_calls = m.tool_calls.clone().filter(|c| !c.is_null());
         if let Some(calls) = &msg.tool_calls {
             super::tools::check_history_calls(calls)?;
@@ -204,6 +176,41 @@ fn messages(req: &ChatRequest, state: &AppState) -> Result<Vec<ChatMessage>, Api
         msgs.push(msg);
     }
     Ok(msgs)
+}
+
+/// Message `i`'s role and fields: each refusal names the field by its path.
+fn check_message(i: usize, m: &crate::openai::ChatMessageIn) -> Result<(), ApiError> {
+    let at = |field: &str| format!("messages[{i}].{field}");
+    if !matches!(
+        m.role.as_str(),
+        "system" | "user" | "assistant" | "developer" | "tool"
+    ) {
+        return Err(ApiError::at(
+            at("role"),
+            format!("unsupported role {:?}", m.role),
+        ));
+    }
+    if let Some((name, message)) = crate::openai::unsupported_message_field(&m.other) {
+        return Err(ApiError::at(at(&name), format!("message field {message}")));
+    }
+    if m.tool_calls.as_ref().is_some_and(|c| !c.is_null()) && m.role != "assistant" {
+        return Err(ApiError::at(
+            at("tool_calls"),
+            "only assistant messages carry tool_calls",
+        ));
+    }
+    match (m.role == "tool", m.tool_call_id.is_some()) {
+        (true, false) => Err(ApiError::at(
+            at("tool_call_id"),
+            "a tool message needs tool_call_id",
+        )),
+        // The templates render it only on a tool message, so elsewhere it would be ignored.
+        (false, true) => Err(ApiError::at(
+            at("tool_call_id"),
+            "only tool messages carry tool_call_id",
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// The prompt: the template with the tools where it reads them; otherwise the tools in a
