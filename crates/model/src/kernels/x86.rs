@@ -64,12 +64,12 @@
 //! operation count, not the loads, sets its speed: the Q4K tile does about 21 vector operations
 //! a token and block and runs at 2.5 a cycle with its activations in L1 (about 200 GOPS, 48 %
 //! of the `vpmaddubsw` peak), and six or eight tokens a tile (less unpacking a token) were no
-//! faster. The Q6K prefill tile (`avx2_q6k`) unpacks two pairs of weight vectors at a time and
-//! adds each token's scaled sums into one 32-bit accumulator, about 27 operations where the
-//! general tile took 33 with spills. On the Zen 4 host (AVX-512 hidden, 2.84 GHz) the
-//! one-to-one mix of `vpmaddubsw` and `vpaddw` issues four operations a cycle, and the chain
-//! 3.22 fed by registers and 3.19 by broadcasts (BENCHMARKS.md, "what bounds one-thread
-//! decode").
+//! faster. The Q6K prefill tile (`avx2_q6k`) unpacks four weight vectors at a time and adds
+//! each token's scaled sums into one 32-bit accumulator, about 27 operations where the general
+//! tile took 33 with spills (before Q6K's six-vector layout). On the Zen 4 host (AVX-512
+//! hidden, 2.84 GHz) the one-to-one mix of `vpmaddubsw` and `vpaddw` issues four operations a
+//! cycle, and the chain 3.22 fed by registers and 3.19 by broadcasts (BENCHMARKS.md, "what
+//! bounds one-thread decode").
 //!
 //! NOTE 8: decode (one token) runs the prefill tiles with one token (`avx2_q4` for Q4K, the
 //! general tile for Q6K). On the Zen 4 host, decode-only Q4K tiles ran faster from cache (3–4 %
