@@ -29,13 +29,21 @@ pub(super) fn typed<T: DeserializeOwned>(
         Ok(typed) => return Ok(typed),
         Err(e) => e,
     };
-    let (param, inner) = match path_of(&error) {
+    let (mut param, inner) = match path_of(&error) {
         Some(path) => (Some(path), error.inner().to_string()),
         None => match flattened_culprit(&value) {
             Some((path, message)) => (Some(path), message),
             None => (None, error.inner().to_string()),
         },
     };
+    // A missing field's path ends at the object that lacks it: the field itself is named
+    // only in the message (`missing field `prompt``), so it is added to the path.
+    if let Some(field) = missing_field(&inner) {
+        param = Some(match param {
+            Some(object) => format!("{object}.{field}"),
+            None => field.to_string(),
+        });
+    }
     let message = match &param {
         Some(p) => format!("`{p}`: {inner}"),
         None => format!("malformed request body: {inner}"),
@@ -45,6 +53,12 @@ pub(super) fn typed<T: DeserializeOwned>(
         message,
         param,
     })
+}
+
+/// The field serde's "missing field `X`" names, if that is the error.
+fn missing_field(message: &str) -> Option<&str> {
+    let rest = message.strip_prefix("missing field `")?;
+    rest.split('`').next().filter(|f| !f.is_empty())
 }
 
 /// The error's path, unless it is the body itself (a flattened struct's field reports none).
@@ -127,6 +141,14 @@ mod tests {
         assert_eq!(param.as_deref(), Some("echo"));
         let (param, _) = param_of::<ChatRequest>(json!({"messages": "hi"}));
         assert_eq!(param.as_deref(), Some("messages"));
+    }
+
+    #[test]
+    fn a_missing_field_is_named_by_its_path() {
+        let (param, message) = param_of::<CompletionRequest>(json!({"max_tokens": 3}));
+        assert_eq!(param.as_deref(), Some("prompt"), "{message}");
+        let (param, message) = param_of::<ChatRequest>(json!({"messages": [{"content": "hi"}]}));
+        assert_eq!(param.as_deref(), Some("messages[0].role"), "{message}");
     }
 
     #[test]
