@@ -132,6 +132,11 @@ impl ModelArgs {
     }
 }
 
+/// The most kernel threads a process starts: llama.cpp's limit (`GGML_MAX_N_THREADS`). A
+/// thread count far above the cores only slows every step, and 10,000 threads exhausted the
+/// process before the model loaded.
+pub const MAX_THREADS: usize = 512;
+
 /// Sizes the kernels' thread pool from `--threads` (or the config file's `threads`). Zero
 /// is refused rather than read as rayon's "all cores", which is what leaving it out means.
 pub fn set_threads(threads: Option<usize>) -> Result<()> {
@@ -140,6 +145,11 @@ pub fn set_threads(threads: Option<usize>) -> Result<()> {
     };
     if n == 0 {
         bail!("--threads (or the config file's threads) must be at least 1");
+    }
+    if n > MAX_THREADS {
+        bail!(
+            "--threads (or the config file's threads) is {n}; at most {MAX_THREADS} are supported"
+        );
     }
     rayon::ThreadPoolBuilder::new()
         .num_threads(n)

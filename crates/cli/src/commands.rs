@@ -217,6 +217,18 @@ fn chat_template_kwargs(
 /// Greedy decoding (`--temperature 0`, the default, or any temperature below
 /// [`GREEDY_BELOW_TEMPERATURE`]) takes the most likely token, so the sampling flags would be
 /// accepted and unused there: refused by name instead.
+/// The request's limits, refused as the server refuses them: the engine checks the token
+/// limit only after sampling, so 0 gave one token, and an empty stop string never stops.
+fn check_limits(a: &GenerateArgs) -> Result<()> {
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    if a.stop.iter().any(|s| s.is_empty()) {
+        bail!("--stop strings must not be empty");
+    }
+    Ok(())
+}
+
 fn check_sampling(a: &GenerateArgs) -> Result<()> {
     if a.temperature >= GREEDY_BELOW_TEMPERATURE {
         return Ok(());
@@ -234,6 +246,7 @@ fn check_sampling(a: &GenerateArgs) -> Result<()> {
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
+    check_limits(&a)?;
     check_sampling(&a)?;
     a.kv.check_one_request()?;
     let (mut engine, connector) = a.model.engine_on(&a.device, None)?;
@@ -303,6 +316,10 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
 
 pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     pk_engine::perplexity::check_max_chunks(a.chunks)?;
+    // Checked here as well as in the library: the chunk count below divides by it first.
+    if a.ctx < 4 {
+        bail!("--ctx must be at least 4, got {}", a.ctx);
+    }
     let r = if a.device == "cuda" {
         crate::gpu::perplexity(&a)?
     } else {
@@ -316,6 +333,13 @@ fn cpu_perplexity(a: &PerplexityArgs) -> Result<PerplexityResult> {
     let bytes = std::fs::read(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
     let text = String::from_utf8_lossy(&bytes);
     let mut engine = a.model.engine(Some(a.ctx))?;
+    let model_ctx = engine.model_config().context_length;
+    if a.ctx > model_ctx {
+        bail!(
+            "--ctx {} is longer than the model's context ({model_ctx} tokens)",
+            a.ctx
+        );
+    }
     let ids = engine.tokenizer.encode(&text, false);
     let n_chunks = a
         .chunks

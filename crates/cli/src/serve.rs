@@ -211,10 +211,19 @@ fn check_nonzero_limits(a: &ServeArgs) -> Result<()> {
         (a.kv_capacity_tokens, "--kv-capacity-tokens"),
         (a.max_model_len, "--max-model-len"),
         (Some(a.max_waiting_requests), "--max-waiting-requests"),
+        (Some(a.max_running_seqs), "--max-running-seqs"),
+        (Some(a.max_batch_tokens), "--max-batch-tokens"),
+        (
+            Some(a.max_prefill_tokens_while_decoding),
+            "--max-prefill-tokens-while-decoding",
+        ),
     ] {
         if value == Some(0) {
             anyhow::bail!("{flag} 0 would refuse every request; give at least 1");
         }
+    }
+    if a.served_model_name.as_deref() == Some("") {
+        anyhow::bail!("--served-model-name must not be empty: clients name the model by it");
     }
     Ok(())
 }

@@ -197,9 +197,11 @@ pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const DEFAULT_MODEL_SHA256: &str =
     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 
-/// `$PAGEKEEPER_HOME`, or `~/.cache/pagekeeper`.
+/// `$PAGEKEEPER_HOME` (unless empty), or `~/.cache/pagekeeper`.
 pub fn pagekeeper_home() -> PathBuf {
-    if let Some(p) = std::env::var_os("PAGEKEEPER_HOME") {
+    // An empty value counts as unset: read as a path it was the working directory, where
+    // the default model was then downloaded.
+    if let Some(p) = std::env::var_os("PAGEKEEPER_HOME").filter(|p| !p.is_empty()) {
         return PathBuf::from(p);
     }
     let home = std::env::var_os("HOME")

@@ -249,6 +249,13 @@ impl GgufFile {
             source,
         };
         let file = std::fs::File::open(path).map_err(io_err)?;
+        // A directory opens, and then fails to map with "No such device".
+        if file.metadata().map_err(io_err)?.is_dir() {
+            return Err(GgufError::Invalid(format!(
+                "{} is a directory, not a GGUF file",
+                path.display()
+            )));
+        }
         // SAFETY: the map is read-only; the file is not expected to change while we run. A
         // concurrent truncation would be a user error we cannot defend against with mmap.
         #[allow(unsafe_code)]

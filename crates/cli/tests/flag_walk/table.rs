@@ -689,6 +689,22 @@ pub const TABLE: &[Entry] = &[
     ),
     e(
         "generate",
+        "--max-tokens",
+        Read {
+            args: &["generate", "--prompt", PROMPT, "--max-tokens", "0"],
+            error: "--max-tokens must be at least 1",
+        },
+    ),
+    e(
+        "generate",
+        "--threads",
+        Read {
+            args: &["generate", "--prompt", PROMPT, "--threads", "100000"],
+            error: "--threads",
+        },
+    ),
+    e(
+        "generate",
         "--temperature",
         Output {
             base: &["generate", "--prompt", PROMPT, "--max-tokens", "12"],
@@ -772,6 +788,14 @@ pub const TABLE: &[Entry] = &[
         "--seed",
         Refused {
             args: &["generate", "--prompt", PROMPT, "--seed", "1"],
+        },
+    ),
+    e(
+        "generate",
+        "--stop",
+        Read {
+            args: &["generate", "--prompt", PROMPT, "--stop", ""],
+            error: "--stop strings must not be empty",
         },
     ),
     e(
@@ -1203,6 +1227,22 @@ pub const TABLE: &[Entry] = &[
     ),
     e(
         "perplexity",
+        "--ctx",
+        Read {
+            args: &["perplexity", "--file", "{text}", "--ctx", "0"],
+            error: "--ctx must be at least 4",
+        },
+    ),
+    e(
+        "perplexity",
+        "--ctx",
+        Read {
+            args: &["perplexity", "--file", "{text}", "--ctx", "100000"],
+            error: "--ctx 100000 is longer than the model's context",
+        },
+    ),
+    e(
+        "perplexity",
         "--chunks",
         Output {
             base: PPL,
@@ -1405,10 +1445,34 @@ pub const TABLE: &[Entry] = &[
     e("serve", "--host", SERVE_PLAN),
     e("serve", "--port", SERVE_PLAN),
     e("serve", "--served-model-name", SERVE_PLAN),
+    e(
+        "serve",
+        "--served-model-name",
+        Read {
+            args: &["serve", "--served-model-name", ""],
+            error: "--served-model-name must not be empty",
+        },
+    ),
     e("serve", "--kv-capacity-tokens", SERVE_PLAN),
     e("serve", "--max-running-seqs", SERVE_PLAN),
+    e(
+        "serve",
+        "--max-running-seqs",
+        Read {
+            args: &["serve", "--max-running-seqs", "0"],
+            error: "--max-running-seqs 0",
+        },
+    ),
     e("serve", "--max-waiting-requests", SERVE_PLAN),
     e("serve", "--max-batch-tokens", SERVE_PLAN),
+    e(
+        "serve",
+        "--max-batch-tokens",
+        Read {
+            args: &["serve", "--max-batch-tokens", "0"],
+            error: "--max-batch-tokens 0",
+        },
+    ),
     e("serve", "--max-prefill-tokens-while-decoding", SERVE_PLAN),
     e("serve", "--prefill-prune-interval-tokens", SERVE_PLAN),
     e("serve", "--max-model-len", SERVE_PLAN),

@@ -62,7 +62,8 @@ const RECORD_BYTES: usize = 8 * 64 + 64 + 64;
 /// side-by-side measurements against the VNNI kernel).
 pub fn available() -> bool {
     static YES: OnceLock<bool> = OnceLock::new();
-    *YES.get_or_init(|| permitted() && !std::env::var("PK_AMX").is_ok_and(|v| v == "0"))
+    // The switch is read first, so that a bad value is refused on every CPU.
+    *YES.get_or_init(|| super::env_switch("PK_AMX") != Some(false) && permitted())
 }
 
 /// Whether this process may execute AMX instructions: the CPU has AMX-TILE and AMX-INT8 and

@@ -30,10 +30,11 @@ fn available() -> bool {
 fn available_512() -> bool {
     static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *YES.get_or_init(|| {
-        super::x86::has_avx512()
+        // The switch is read first, so that a bad value is refused on every CPU.
+        super::env_switch("PK_KVZIP_SCORES_AVX2") != Some(true)
+            && super::x86::has_avx512()
             && is_x86_feature_detected!("f16c")
             && is_x86_feature_detected!("fma")
-            && std::env::var("PK_KVZIP_SCORES_AVX2").as_deref() != Ok("1")
     })
 }
 

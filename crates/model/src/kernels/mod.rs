@@ -94,3 +94,15 @@ pub fn amx_permitted() -> bool {
     false
 }
 pub use split_attn::split_attention;
+
+/// A developer switch `name` that takes "0" or "1": `None` when unset. Any other value is
+/// refused by name, like the other `PK_*` switches, rather than read as the default.
+#[cfg(target_arch = "x86_64")]
+fn env_switch(name: &str) -> Option<bool> {
+    match std::env::var(name).as_deref() {
+        Err(_) => None,
+        Ok("0") => Some(false),
+        Ok("1") => Some(true),
+        Ok(other) => panic!("{name}={other:?} is not \"0\" or \"1\""),
+    }
+}

@@ -49,12 +49,7 @@ const YIELD_US: u64 = 200;
 fn tune() -> (Duration, Duration) {
     static T: OnceLock<(Duration, Duration)> = OnceLock::new();
     *T.get_or_init(|| {
-        let v = |k: &str, d: u64| {
-            std::env::var(k)
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(d)
-        };
+        let v = |k: &str, d: u64| env_number(k, 0..=1_000_000).map_or(d, |n| n as u64);
         (
             Duration::from_micros(v("PK_POOL_SPIN_US", SPIN_US)),
             Duration::from_micros(v("PK_POOL_YIELD_US", YIELD_US)),
@@ -277,9 +272,11 @@ impl Pool {
             solo_steps: AtomicU64::new(0),
             solo_now: AtomicBool::new(false),
             // `PK_POOL_TUNE=0` starts with tuning off, so benchmarks can time the split itself.
-            tuner: Mutex::new(Tuner::new(
-                std::env::var("PK_POOL_TUNE").map_or(true, |v| v != "0"),
-            )),
+            tuner: Mutex::new(Tuner::new(match std::env::var("PK_POOL_TUNE").as_deref() {
+                Err(_) | Ok("1") => true,
+                Ok("0") => false,
+                Ok(other) => panic!("PK_POOL_TUNE={other:?} is not \"0\" or \"1\""),
+            })),
             busy: Mutex::new(()),
         }
     }
@@ -532,12 +529,23 @@ pub fn global() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
     POOL.get_or_init(|| {
         Pool::new(
-            std::env::var("PK_DECODE_THREADS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(rayon::current_num_threads),
+            env_number("PK_DECODE_THREADS", 1..=512).unwrap_or_else(rayon::current_num_threads),
         )
     })
+}
+
+/// The developer switch `name` as a number in `range`, `None` when unset; any other value
+/// is refused by name, like the kernels' other `PK_*` switches, rather than ignored.
+fn env_number(name: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize> {
+    let v = std::env::var(name).ok()?;
+    match v.parse::<usize>() {
+        Ok(n) if range.contains(&n) => Some(n),
+        _ => panic!(
+            "{name}={v:?} is not a number from {} to {}",
+            range.start(),
+            range.end()
+        ),
+    }
 }
 
 /// Keeps a helper off the caller's CPU.
