@@ -15,7 +15,6 @@ use super::*;
 unsafe fn unpack(gb: *const u8, k: usize) -> [__m256i; 4] {
     use crate::kernels::pack::Q6K_QS_AT;
     if k == 0 {
-        // No closures here: they would not take the caller's target features.
         let low6 = _mm256_set1_epi8(0x3f);
         let q = gb.add(Q6K_QS_AT);
         [
