@@ -254,3 +254,40 @@ fn pinned_policy_granularity_runs_once() {
         assert!(stderr.contains(named), "{policies}: {stderr}");
     }
 }
+
+/// A length shorter than a task's smallest prompt is refused by name before anything runs:
+/// the task would run at its smallest prompt and be recorded under the shorter length (the
+/// passkey task at `--lengths 5` ran a 99-token prompt recorded as a 5-token context).
+#[test]
+fn a_length_below_the_tasks_smallest_prompt_is_refused() {
+    for (task, length) in [("passkey", "40"), ("niah-multivalue", "128")] {
+        let out = out_dir(&format!("short-{task}"));
+        let o = Command::new(env!("CARGO_BIN_EXE_pagekeeper"))
+            .args([
+                "eval",
+                "--tasks",
+                task,
+                "--lengths",
+                length,
+                "--samples",
+                "1",
+            ])
+            .args(["--policies", "knorm", "--no-progress", "--model"])
+            .arg(model_path())
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .expect("running pagekeeper");
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success(),
+            "{task} at {length} tokens was accepted"
+        );
+        let named = format!("--lengths {length}: {task} needs a context of at least");
+        assert!(stderr.contains(&named), "{task}: {stderr}");
+        let results = out.join("results.jsonl");
+        let recorded = std::fs::read_to_string(&results).unwrap_or_default();
+        assert!(recorded.is_empty(), "{task}: records written: {recorded}");
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}

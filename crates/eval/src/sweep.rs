@@ -170,6 +170,7 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
     let mut engine: Option<Engine> = None;
     let mut reference: Option<Engine> = None;
     let max_len = cfg.lengths.iter().copied().max().unwrap_or(0);
+    let mut lengths_checked = false;
     for u in &units {
         if u.cells
             .iter()
@@ -208,6 +209,10 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
             engine = Some(Engine::load(&cfg.model_path, config)?);
         }
         let e = engine.as_mut().expect("loaded above");
+        if !lengths_checked {
+            check_task_lengths(cfg, e)?;
+            lengths_checked = true;
+        }
         bar.set_message(format!(
             "{} {} B={} #{}",
             u.task.name(),
@@ -245,6 +250,43 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
         records,
         cells_total,
         cells_run: pending,
+    })
+}
+
+/// Refuses a `--lengths` entry shorter than a generative task's smallest prompt (its
+/// instructions, needles and question with no filler, in the chat template): the task would
+/// run at that smallest prompt and be recorded under the shorter length, so its figures
+/// would sit beside the wrong context. Checked with the first engine, before any unit runs.
+fn check_task_lengths(cfg: &SweepConfig, e: &Engine) -> Result<()> {
+    let Some(&shortest) = cfg.lengths.iter().min() else {
+        return Ok(());
+    };
+    let count = |s: &str| e.tokenizer.encode(s, false).len();
+    for &task in cfg.tasks.iter().filter(|t| t.is_generative()) {
+        let sample =
+            tasks::generate(task, 0, cfg.seed, 0, 1, &count).map_err(anyhow::Error::msg)?;
+        let smallest_tokens = e.tokenizer.encode_prompt(&render(e, &sample)?, true).len();
+        if shortest < smallest_tokens {
+            bail!(
+                "--lengths {shortest}: {} needs a context of at least {smallest_tokens} tokens (its prompt with no filler), so it would run longer than the length it is recorded under",
+                task.name()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A generative sample's prompt text: the user message in the model's chat template (or
+/// bare), then the answer's prefix.
+fn render(e: &Engine, sample: &tasks::Sample) -> Result<String> {
+    Ok(match sample.chat {
+        true => {
+            e.chat_template.render(
+                &[ChatMessage::new("user", sample.user_message.as_str())],
+                true,
+            )? + &sample.answer_prefix
+        }
+        false => sample.user_message.clone() + &sample.answer_prefix,
     })
 }
 
@@ -336,15 +378,7 @@ impl UnitRun<'_> {
             &count,
         )
         .map_err(anyhow::Error::msg)?;
-        let text = match sample.chat {
-            true => {
-                e.chat_template.render(
-                    &[ChatMessage::new("user", sample.user_message.as_str())],
-                    true,
-                )? + &sample.answer_prefix
-            }
-            false => sample.user_message.clone() + &sample.answer_prefix,
-        };
+        let text = render(e, &sample)?;
         let (prompt, question) = self.split_question(e, &text, &sample);
         self.record_generative_tokens(&prompt, &question, &sample)?;
         let ctx = e.model_config().context_length;
