@@ -184,29 +184,8 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
         {
             // Free the previous engines' KV pools first.
             drop((engine.take(), reference.take()));
-            // Room for the full run's cached prompt, a policy's own run beside it, and the
-            // private copies its compaction makes of the cached blocks it adopted (without
-            // them the cache entries are given up, and the next policy recomputes).
-            let capacity = 3 * (max_len + cfg.continuation_tokens + 64) + 4 * u.block_size as usize;
-            let config = EngineConfig {
-                block_size_tokens: u.block_size,
-                kv_capacity_tokens: Some(capacity),
-                kv_dtype: cfg.kv_dtype,
-                ..Default::default()
-            };
-            // text-kl's reference is the f16 full cache whatever the sweep's dtype.
-            reference = (cfg.kv_dtype != KvDtype::F16)
-                .then(|| {
-                    Engine::load(
-                        &cfg.model_path,
-                        EngineConfig {
-                            kv_dtype: KvDtype::F16,
-                            ..config.clone()
-                        },
-                    )
-                })
-                .transpose()?;
-            engine = Some(Engine::load(&cfg.model_path, config)?);
+            let (e, r) = load_engines(cfg, u.block_size, max_len)?;
+            (engine, reference) = (Some(e), r);
         }
         let e = engine.as_mut().expect("loaded above");
         if !lengths_checked {
@@ -251,6 +230,38 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<SweepOutcome> {
         cells_total,
         cells_run: pending,
     })
+}
+
+/// The sweep's engine for one block size, and text-kl's f16 reference beside it when the
+/// sweep's KV dtype is not f16.
+fn load_engines(
+    cfg: &SweepConfig,
+    block_size: u32,
+    max_len: usize,
+) -> Result<(Engine, Option<Engine>)> {
+    // Room for the full run's cached prompt, a policy's own run beside it, and the
+    // private copies its compaction makes of the cached blocks it adopted (without
+    // them the cache entries are given up, and the next policy recomputes).
+    let capacity = 3 * (max_len + cfg.continuation_tokens + 64) + 4 * block_size as usize;
+    let config = EngineConfig {
+        block_size_tokens: block_size,
+        kv_capacity_tokens: Some(capacity),
+        kv_dtype: cfg.kv_dtype,
+        ..Default::default()
+    };
+    // text-kl's reference is the f16 full cache whatever the sweep's dtype.
+    let reference = (cfg.kv_dtype != KvDtype::F16)
+        .then(|| {
+            Engine::load(
+                &cfg.model_path,
+                EngineConfig {
+                    kv_dtype: KvDtype::F16,
+                    ..config.clone()
+                },
+            )
+        })
+        .transpose()?;
+    Ok((Engine::load(&cfg.model_path, config)?, reference))
 }
 
 /// Refuses a `--lengths` entry shorter than a generative task's smallest prompt (its
