@@ -22,6 +22,24 @@ pub fn check_device(device: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Refuses a bad value of any developer switch the backends read (`PK_*`; the CPU
+/// kernels' are listed by `pk_model::kernels::check_switches`, the CUDA backend's here),
+/// naming the variable. The backends read them lazily, deep in a run or only on some CPUs,
+/// GPUs or models, where a bad value would panic or be read as the default; this reads them
+/// all before anything loads, in every binary.
+pub fn check_switches() -> anyhow::Result<()> {
+    pk_model::kernels::check_switches().map_err(anyhow::Error::msg)?;
+    let one_of = |name: &str, allowed: &[&str]| match std::env::var(name) {
+        Ok(v) if !allowed.contains(&v.as_str()) => {
+            anyhow::bail!("{name}={v:?}: expected one of {}", allowed.join(", "))
+        }
+        _ => Ok(()),
+    };
+    one_of("PK_CUDA_ACT", &["f16", "bf16"])?;
+    one_of("PK_CUDA_GRAPHS", &["0", "1"])?;
+    one_of("PK_CUDA_REQUIRE", &["0", "1"])
+}
+
 /// The engine on `device` ("cpu" or "cuda") for a model file.
 pub fn engine(device: &str, path: &Path, config: EngineConfig) -> anyhow::Result<Engine> {
     match device {

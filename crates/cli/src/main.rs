@@ -122,6 +122,10 @@ fn main() {
         eprintln!("error: {e:#}");
         std::process::exit(2);
     }
+    if let Err(e) = device::check_switches() {
+        eprintln!("error: {e:#}");
+        std::process::exit(2);
+    }
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
         Command::FetchModel(a) => fetch(&a),

@@ -44,22 +44,36 @@ pub fn convert(ty: GgmlType, data: &[u8]) -> Option<(GgmlType, Vec<u8>)> {
 /// natively (see the module's comment).
 pub fn convert_q4_k() -> bool {
     static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *YES.get_or_init(|| match std::env::var("PK_Q4K").as_deref() {
-        Ok("q4_1") => true,
-        Ok("native") | Err(_) => false,
-        Ok(other) => panic!("PK_Q4K={other:?} is not one of \"native\", \"q4_1\""),
-    })
+    *YES.get_or_init(|| q4_k_choice().unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// `PK_Q4K` as [`convert_q4_k`] reads it; a value other than the two is refused by name.
+pub(crate) fn q4_k_choice() -> Result<bool, String> {
+    match std::env::var("PK_Q4K").as_deref() {
+        Ok("q4_1") => Ok(true),
+        Ok("native") | Err(_) => Ok(false),
+        Ok(other) => Err(format!(
+            "PK_Q4K={other:?} is not one of \"native\", \"q4_1\""
+        )),
+    }
 }
 
 /// Whether Q6_K matrices are converted to Q6S at load (`PK_Q6K=q6s`) rather than run
 /// natively (see the module's comment).
 pub fn convert_q6_k() -> bool {
     static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *YES.get_or_init(|| match std::env::var("PK_Q6K").as_deref() {
-        Ok("q6s") => true,
-        Ok("native") | Err(_) => false,
-        Ok(other) => panic!("PK_Q6K={other:?} is not one of \"native\", \"q6s\""),
-    })
+    *YES.get_or_init(|| q6_k_choice().unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// `PK_Q6K` as [`convert_q6_k`] reads it; a value other than the two is refused by name.
+pub(crate) fn q6_k_choice() -> Result<bool, String> {
+    match std::env::var("PK_Q6K").as_deref() {
+        Ok("q6s") => Ok(true),
+        Ok("native") | Err(_) => Ok(false),
+        Ok(other) => Err(format!(
+            "PK_Q6K={other:?} is not one of \"native\", \"q6s\""
+        )),
+    }
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {

@@ -97,12 +97,34 @@ pub use split_attn::split_attention;
 
 /// A developer switch `name` that takes "0" or "1": `None` when unset. Any other value is
 /// refused by name, like the other `PK_*` switches, rather than read as the default.
+fn switch_value(name: &str) -> Result<Option<bool>, String> {
+    match std::env::var(name).as_deref() {
+        Err(_) => Ok(None),
+        Ok("0") => Ok(Some(false)),
+        Ok("1") => Ok(Some(true)),
+        Ok(other) => Err(format!("{name}={other:?} is not \"0\" or \"1\"")),
+    }
+}
+
+/// [`switch_value`] where a kernel reads it lazily: [`check_switches`] has refused a bad
+/// value before any kernel runs in the programs that call it, so the panic is for the rest.
 #[cfg(target_arch = "x86_64")]
 fn env_switch(name: &str) -> Option<bool> {
-    match std::env::var(name).as_deref() {
-        Err(_) => None,
-        Ok("0") => Some(false),
-        Ok("1") => Some(true),
-        Ok(other) => panic!("{name}={other:?} is not \"0\" or \"1\""),
-    }
+    switch_value(name).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Checks every `PK_*` developer switch the CPU kernels read, as they would read it, so that
+/// a program can refuse a bad value with an error naming the variable before any kernel
+/// runs. The kernels read their switches lazily, some only on the CPUs or models that use
+/// them (`PK_AMX` on an AMX CPU, `PK_Q4K` where a model has Q4_K tensors), and panic on a
+/// bad value; this reads them all, on every CPU.
+pub fn check_switches() -> Result<(), String> {
+    crate::kquant::q4_k_choice()?;
+    crate::kquant::q6_k_choice()?;
+    pool::check_switches()?;
+    switch_value("PK_AMX")?;
+    switch_value("PK_KVZIP_SCORES_AVX2")?;
+    #[cfg(target_arch = "x86_64")]
+    x86::check_switches()?;
+    Ok(())
 }

@@ -27,6 +27,7 @@
 //! thread.
 
 use std::cell::UnsafeCell;
+use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{self, Thread};
@@ -49,7 +50,7 @@ const YIELD_US: u64 = 200;
 fn tune() -> (Duration, Duration) {
     static T: OnceLock<(Duration, Duration)> = OnceLock::new();
     *T.get_or_init(|| {
-        let v = |k: &str, d: u64| env_number(k, 0..=1_000_000).map_or(d, |n| n as u64);
+        let v = |k: &str, d: u64| env_number(k, WAIT_US_RANGE).map_or(d, |n| n as u64);
         (
             Duration::from_micros(v("PK_POOL_SPIN_US", SPIN_US)),
             Duration::from_micros(v("PK_POOL_YIELD_US", YIELD_US)),
@@ -272,11 +273,11 @@ impl Pool {
             solo_steps: AtomicU64::new(0),
             solo_now: AtomicBool::new(false),
             // `PK_POOL_TUNE=0` starts with tuning off, so benchmarks can time the split itself.
-            tuner: Mutex::new(Tuner::new(match std::env::var("PK_POOL_TUNE").as_deref() {
-                Err(_) | Ok("1") => true,
-                Ok("0") => false,
-                Ok(other) => panic!("PK_POOL_TUNE={other:?} is not \"0\" or \"1\""),
-            })),
+            tuner: Mutex::new(Tuner::new(
+                super::switch_value("PK_POOL_TUNE")
+                    .unwrap_or_else(|e| panic!("{e}"))
+                    .unwrap_or(true),
+            )),
             busy: Mutex::new(()),
         }
     }
@@ -529,24 +530,46 @@ pub fn global() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
     POOL.get_or_init(|| {
         Pool::new(
-            env_number("PK_DECODE_THREADS", 1..=512).unwrap_or_else(rayon::current_num_threads),
+            env_number("PK_DECODE_THREADS", DECODE_THREADS_RANGE)
+                .unwrap_or_else(rayon::current_num_threads),
         )
     })
 }
 
 /// The developer switch `name` as a number in `range`, `None` when unset; any other value
 /// is refused by name, like the kernels' other `PK_*` switches, rather than ignored.
-fn env_number(name: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize> {
-    let v = std::env::var(name).ok()?;
+fn number_value(name: &str, range: RangeInclusive<usize>) -> Result<Option<usize>, String> {
+    let Ok(v) = std::env::var(name) else {
+        return Ok(None);
+    };
     match v.parse::<usize>() {
-        Ok(n) if range.contains(&n) => Some(n),
-        _ => panic!(
+        Ok(n) if range.contains(&n) => Ok(Some(n)),
+        _ => Err(format!(
             "{name}={v:?} is not a number from {} to {}",
             range.start(),
             range.end()
-        ),
+        )),
     }
 }
+
+/// [`number_value`] where the pool reads it lazily (see [`super::env_switch`]).
+fn env_number(name: &str, range: RangeInclusive<usize>) -> Option<usize> {
+    number_value(name, range).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The pool's switches as [`tune`], [`global`] and [`Pool::new`] read them.
+pub(super) fn check_switches() -> Result<(), String> {
+    number_value("PK_POOL_SPIN_US", WAIT_US_RANGE)?;
+    number_value("PK_POOL_YIELD_US", WAIT_US_RANGE)?;
+    number_value("PK_DECODE_THREADS", DECODE_THREADS_RANGE)?;
+    super::switch_value("PK_POOL_TUNE")?;
+    Ok(())
+}
+
+/// What `PK_POOL_SPIN_US` and `PK_POOL_YIELD_US` may be, in microseconds.
+const WAIT_US_RANGE: RangeInclusive<usize> = 0..=1_000_000;
+/// What `PK_DECODE_THREADS` may be: the CLI's own thread limit.
+const DECODE_THREADS_RANGE: RangeInclusive<usize> = 1..=512;
 
 /// Keeps a helper off the caller's CPU.
 ///

@@ -102,28 +102,42 @@ pub enum Isa {
 /// kernels only (no AMX); `avx2` narrows every kernel ([`has_avx512`]).
 pub fn detect() -> Option<Isa> {
     static ISA: OnceLock<Option<Isa>> = OnceLock::new();
-    *ISA.get_or_init(|| {
-        let avx2 = is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c");
-        let vnni = is_x86_feature_detected!("avx512vnni")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512bw");
-        let best = match (avx2, vnni) {
-            (true, true) if super::amx::available() => Some(Isa::Amx),
-            (true, true) => Some(Isa::Avx512Vnni),
-            (true, false) => Some(Isa::Avx2),
-            _ => None,
-        };
-        // `PK_ISA=avx2` (or `avx512-vnni`) runs a narrower kernel than the CPU's best, so
-        // that one host can measure the AVX2 hosts' kernel side by side.
-        match std::env::var("PK_ISA").as_deref() {
-            Err(_) => best,
-            Ok("avx2") if best.is_some() => Some(Isa::Avx2),
-            Ok("avx512-vnni") if vnni && avx2 => Some(Isa::Avx512Vnni),
-            Ok(other) => panic!("PK_ISA={other:?} is not one this CPU runs (avx2, avx512-vnni)"),
-        }
-    })
+    *ISA.get_or_init(|| isa_choice().unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// [`detect`]'s choice, or the error naming a `PK_ISA` this CPU cannot run.
+fn isa_choice() -> Result<Option<Isa>, String> {
+    let avx2 = is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    let vnni = is_x86_feature_detected!("avx512vnni")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512bw");
+    let best = match (avx2, vnni) {
+        (true, true) if super::amx::available() => Some(Isa::Amx),
+        (true, true) => Some(Isa::Avx512Vnni),
+        (true, false) => Some(Isa::Avx2),
+        _ => None,
+    };
+    // `PK_ISA=avx2` (or `avx512-vnni`) runs a narrower kernel than the CPU's best, so
+    // that one host can measure the AVX2 hosts' kernel side by side.
+    match std::env::var("PK_ISA").as_deref() {
+        Err(_) => Ok(best),
+        Ok("avx2") if best.is_some() => Ok(Some(Isa::Avx2)),
+        Ok("avx512-vnni") if vnni && avx2 => Ok(Some(Isa::Avx512Vnni)),
+        Ok(other) => Err(format!(
+            "PK_ISA={other:?} is not one this CPU runs (avx2, avx512-vnni)"
+        )),
+    }
+}
+
+/// The switches of this module as its kernels read them (see
+/// [`super::check_switches`]).
+pub(super) fn check_switches() -> Result<(), String> {
+    isa_choice()?;
+    pass_act_bytes_choice()?;
+    prefetch_plan_choice()?;
+    Ok(())
 }
 
 /// Whether AVX-512 kernels (activation quantisers, attention, SwiGLU and GeGLU gates, KVzip
@@ -308,14 +322,18 @@ const PASS_MIN_TOKENS: usize = 32;
 /// is refused by name).
 fn pass_act_bytes() -> usize {
     static BYTES: OnceLock<usize> = OnceLock::new();
-    *BYTES.get_or_init(|| match std::env::var("PK_GEMM_PASS_BYTES") {
-        Err(_) => PASS_ACT_BYTES,
+    *BYTES.get_or_init(|| pass_act_bytes_choice().unwrap_or_else(|e| panic!("{e}")))
+}
+
+fn pass_act_bytes_choice() -> Result<usize, String> {
+    match std::env::var("PK_GEMM_PASS_BYTES") {
+        Err(_) => Ok(PASS_ACT_BYTES),
         Ok(v) => match v.parse::<usize>() {
-            Ok(0) => usize::MAX / 2,
-            Ok(bytes) => bytes,
-            Err(_) => panic!("PK_GEMM_PASS_BYTES={v:?} is not a byte count"),
+            Ok(0) => Ok(usize::MAX / 2),
+            Ok(bytes) => Ok(bytes),
+            Err(_) => Err(format!("PK_GEMM_PASS_BYTES={v:?} is not a byte count")),
         },
-    })
+    }
 }
 
 /// Tokens per pass of [`gemm_groups`] over rows of `bpr` blocks, a multiple of `nt` (the
@@ -417,7 +435,7 @@ pub(super) const PREFETCH_AHEAD_BYTES: usize = 1024;
 /// core's few line-fill buffers until its line arrives from DRAM, so a far `prefetcht0`
 /// stalls the loads behind it, while an L2 request waits in the much deeper L2 queue.
 const PREFETCH_FAR_BYTES: usize = 4096;
-/// The far distance on AMD Zen 4 and later ([`prefetch_far_bytes`]). A prefetch covers a
+/// The far distance on AMD Zen 4 and later ([`far_bytes_choice`]). A prefetch covers a
 /// DRAM latency only if it runs at least latency × bandwidth ahead. On the Zen 4 host
 /// (family 25 model 17, 31.9 GB/s on one thread) 4 KiB ahead held one thread's decode of
 /// Qwen2.5-Coder-1.5B at 17.6–18.3 tok/s (60 % of the DRAM bound), 2 KiB at 10, and 8 KiB
@@ -433,12 +451,12 @@ pub(super) const PREFETCH_NEAR_BYTES: usize = 512;
 pub enum PrefetchPlan {
     /// Into L1 [`PREFETCH_AHEAD_BYTES`] ahead (`PK_PREFETCH_PLAN=near`).
     Near,
-    /// Into L2 `far_bytes` ([`prefetch_far_bytes`]) ahead and into L1 [`PREFETCH_NEAR_BYTES`]
+    /// Into L2 `far_bytes` ([`far_bytes_choice`]) ahead and into L1 [`PREFETCH_NEAR_BYTES`]
     /// ahead (`far`), Intel's default: on the AMX host the pair raised Qwen2.5-1.5B decode
     /// 1.10–1.12× at 1 and 2 threads against `near` (docs/results/benchmarks-history.md,
     /// "Issue 39 on an Intel Xeon with AMX").
     TwoLevel { far_bytes: usize },
-    /// Into L2 `far_bytes` ([`prefetch_far_bytes`]) ahead only (`l2`), AMD's default: on an
+    /// Into L2 `far_bytes` ([`far_bytes_choice`]) ahead only (`l2`), AMD's default: on an
     /// AMD EPYC (Zen 3, AVX2 only) `near` left one thread at 76–82 % of the DRAM bound on
     /// Qwen2.5-1.5B, 1 KiB being too short for its latency, and this plan decoded faster
     /// than both others at 1 and 2 threads (docs/results/benchmarks-history.md, 2026-12-07,
@@ -455,21 +473,23 @@ pub enum PrefetchPlan {
 /// otherwise Intel CPUs take the two levels and others the L2 plan.
 pub fn prefetch_plan() -> PrefetchPlan {
     static PLAN: std::sync::OnceLock<PrefetchPlan> = std::sync::OnceLock::new();
-    *PLAN.get_or_init(|| {
-        let far_bytes = prefetch_far_bytes();
-        match std::env::var("PK_PREFETCH_PLAN").as_deref() {
-            Ok("far") => PrefetchPlan::TwoLevel { far_bytes },
-            Ok("near") => PrefetchPlan::Near,
-            Ok("none") => PrefetchPlan::Off,
-            Ok("l2") => PrefetchPlan::L2 { far_bytes },
-            Ok(other) => {
-                panic!(
-                    "PK_PREFETCH_PLAN={other:?} is not one of \"far\", \"near\", \"l2\", \"none\""
-                )
-            }
-            Err(_) if is_intel() => PrefetchPlan::TwoLevel { far_bytes },
-            Err(_) => PrefetchPlan::L2 { far_bytes },
+    *PLAN.get_or_init(|| prefetch_plan_choice().unwrap_or_else(|e| panic!("{e}")))
+}
+
+fn prefetch_plan_choice() -> Result<PrefetchPlan, String> {
+    let far_bytes = far_bytes_choice()?;
+    Ok(match std::env::var("PK_PREFETCH_PLAN").as_deref() {
+        Ok("far") => PrefetchPlan::TwoLevel { far_bytes },
+        Ok("near") => PrefetchPlan::Near,
+        Ok("none") => PrefetchPlan::Off,
+        Ok("l2") => PrefetchPlan::L2 { far_bytes },
+        Ok(other) => {
+            return Err(format!(
+                "PK_PREFETCH_PLAN={other:?} is not one of \"far\", \"near\", \"l2\", \"none\""
+            ))
         }
+        Err(_) if is_intel() => PrefetchPlan::TwoLevel { far_bytes },
+        Err(_) => PrefetchPlan::L2 { far_bytes },
     })
 }
 
@@ -477,13 +497,13 @@ pub fn prefetch_plan() -> PrefetchPlan {
 /// (a multiple of 64 from 512 to 65,536; anything else is refused by name) so that a sweep
 /// can compare distances without rebuilding, otherwise [`PREFETCH_FAR_BYTES_ZEN4`] on AMD
 /// Zen 4 and later and [`PREFETCH_FAR_BYTES`] elsewhere (each measured on its host kind).
-pub fn prefetch_far_bytes() -> usize {
+fn far_bytes_choice() -> Result<usize, String> {
     match std::env::var("PK_PREFETCH_FAR_BYTES") {
-        Ok(v) => parse_far_bytes(&v).unwrap_or_else(|| {
-            panic!("PK_PREFETCH_FAR_BYTES={v:?} is not a multiple of 64 from 512 to 65536")
+        Ok(v) => parse_far_bytes(&v).ok_or_else(|| {
+            format!("PK_PREFETCH_FAR_BYTES={v:?} is not a multiple of 64 from 512 to 65536")
         }),
-        Err(_) if is_amd() && is_zen4_or_later(__cpuid(1).eax) => PREFETCH_FAR_BYTES_ZEN4,
-        Err(_) => PREFETCH_FAR_BYTES,
+        Err(_) if is_amd() && is_zen4_or_later(__cpuid(1).eax) => Ok(PREFETCH_FAR_BYTES_ZEN4),
+        Err(_) => Ok(PREFETCH_FAR_BYTES),
     }
 }
 
