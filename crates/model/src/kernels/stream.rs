@@ -3,8 +3,9 @@
 //!
 //! Two plans, because either can be the faster on a host: [`read_pass_plain`] leaves the lines
 //! to the hardware prefetcher, and [`read_pass_prefetched`] also asks for them ahead exactly as
-//! a decode tile does (`x86::prefetch_plan`: into L2 4 KiB ahead and into L1 512 B ahead on
-//! Intel, into L2 4 KiB ahead elsewhere, 8 KiB on AMD Zen 4; [`decode_prefetch`] names it).
+//! a decode tile does (`x86::prefetch_plan`: into L2 8 KiB ahead and into L1 512 B ahead on
+//! Intel, into L2 only elsewhere, 8 KiB ahead on AMD Zen 4 and 4 KiB on older AMD;
+//! [`decode_prefetch`] names it).
 //! On the AMX host the second read 16.5–18.3 GB/s on one thread where the first read
 //! 15.6–15.9 (2026-12-06, docs/results/benchmarks-history.md): a bound taken from the plain
 //! pass alone was 4–15 % too low, and decode's share of it too high.

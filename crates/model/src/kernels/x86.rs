@@ -430,18 +430,23 @@ pub unsafe fn gemm_groups(
 /// (BENCHMARKS.md, "Weight prefetch").
 pub(super) const PREFETCH_AHEAD_BYTES: usize = 1024;
 
-/// The far distance of [`PrefetchPlan::TwoLevel`] and [`PrefetchPlan::L2`] on most CPUs:
+/// The far distance of [`PrefetchPlan::TwoLevel`] and [`PrefetchPlan::L2`] on AMD before
+/// Zen 4:
 /// lines are asked for into L2 (`prefetcht2`) this far ahead. An L1 prefetch holds one of the
 /// core's few line-fill buffers until its line arrives from DRAM, so a far `prefetcht0`
 /// stalls the loads behind it, while an L2 request waits in the much deeper L2 queue.
 const PREFETCH_FAR_BYTES: usize = 4096;
-/// The far distance on AMD Zen 4 and later ([`far_bytes_choice`]). A prefetch covers a
-/// DRAM latency only if it runs at least latency × bandwidth ahead. On the Zen 4 host
-/// (family 25 model 17, 31.9 GB/s on one thread) 4 KiB ahead held one thread's decode of
-/// Qwen2.5-Coder-1.5B at 17.6–18.3 tok/s (60 % of the DRAM bound), 2 KiB at 10, and 8 KiB
+/// The far distance on AMD Zen 4 and later and on Intel ([`far_bytes_choice`]). A prefetch
+/// covers a DRAM latency only if it runs at least latency × bandwidth ahead. On the Zen 4
+/// host (family 25 model 17, 31.9 GB/s on one thread) 4 KiB ahead held one thread's decode
+/// of Qwen2.5-Coder-1.5B at 17.6–18.3 tok/s (60 % of the DRAM bound), 2 KiB at 10, and 8 KiB
 /// raised it to 24.8–25.2 (81–84 %), with 16 KiB no better (BENCHMARKS.md, "Issue 39 on
-/// AMD EPYC Zen 4").
-const PREFETCH_FAR_BYTES_ZEN4: usize = 8192;
+/// AMD EPYC Zen 4"). On the Intel AMX host of 2026-12-08 (family 6 model 167), once every
+/// line was asked for once, 8 KiB beat 4 KiB in five of six alternating pairs at one
+/// thread (by 1.1–3.3 points of the bound; the sixth, on a busier host, lost 0.7), and by
+/// about as much at two; 16 KiB was no better (BENCHMARKS.md, "Issue 39 on an Intel Xeon
+/// with AMX (model 167)").
+const PREFETCH_FAR_BYTES_LONG: usize = 8192;
 /// The near distance of [`PrefetchPlan::TwoLevel`], into L1.
 pub(super) const PREFETCH_NEAR_BYTES: usize = 512;
 
@@ -495,14 +500,16 @@ fn prefetch_plan_choice() -> Result<PrefetchPlan, String> {
 
 /// How far ahead the `far` and `l2` plans ask for lines into L2: `PK_PREFETCH_FAR_BYTES`
 /// (a multiple of 64 from 512 to 65,536; anything else is refused by name) so that a sweep
-/// can compare distances without rebuilding, otherwise [`PREFETCH_FAR_BYTES_ZEN4`] on AMD
-/// Zen 4 and later and [`PREFETCH_FAR_BYTES`] elsewhere (each measured on its host kind).
+/// can compare distances without rebuilding, otherwise [`PREFETCH_FAR_BYTES_LONG`] on Intel
+/// and AMD Zen 4 and later, and [`PREFETCH_FAR_BYTES`] on older AMD (each measured on its
+/// host kind).
 fn far_bytes_choice() -> Result<usize, String> {
     match std::env::var("PK_PREFETCH_FAR_BYTES") {
         Ok(v) => parse_far_bytes(&v).ok_or_else(|| {
             format!("PK_PREFETCH_FAR_BYTES={v:?} is not a multiple of 64 from 512 to 65536")
         }),
-        Err(_) if is_amd() && is_zen4_or_later(__cpuid(1).eax) => Ok(PREFETCH_FAR_BYTES_ZEN4),
+        Err(_) if is_intel() => Ok(PREFETCH_FAR_BYTES_LONG),
+        Err(_) if is_amd() && is_zen4_or_later(__cpuid(1).eax) => Ok(PREFETCH_FAR_BYTES_LONG),
         Err(_) => Ok(PREFETCH_FAR_BYTES),
     }
 }
