@@ -3,11 +3,11 @@
 # hardware prefetchers alone when named; `kernels/x86.rs`
 # `PrefetchPlan`) side by side on this host: each round runs `decode_bench --vs-stream` once
 # per plan, in turn, and prints the median share of the DRAM read bound per step at one and
-# two threads, with host-quiet's figure before each run. Issue 39 left one-thread decode on
-# the Intel AMX host at 87.9–88.7 % of the bound under Intel's default (`far`, two levels)
-# while `l2` took the AMD Zen 3 host from 83 % to over 100 %; this is the run to make there,
-# with DISTANCES="4096 8192 12288": on AMD Zen 4 the L2 distance, not the plan, was the limit
-# (4 KiB held one thread at 58–61 % of the bound, 8 KiB gave 79–84 %; BENCHMARKS.md).
+# two threads, with host-quiet's figure before each run. `l2` took the AMD Zen 3 host from
+# 83 % to over 100 %; on AMD Zen 4 the L2 distance, not the plan, was the limit (4 KiB held
+# one thread at 58–61 % of the bound, 8 KiB gave 79–84 %); on the Intel AMX host of
+# 2026-12-08 `far` beat `l2` by 4–6 points once each line was asked for once, and 8 KiB
+# beat 4 KiB (BENCHMARKS.md). On a new host kind run it with DISTANCES="4096 8192 16384".
 #
 # Usage: scripts/prefetch_plan_sweep.sh [ROUNDS] [PLANS...]   (default: 3 rounds; far near l2)
 # Env:   PK_MODEL (default: the fetched Qwen2.5-Coder-1.5B-Instruct Q4_K_M),
