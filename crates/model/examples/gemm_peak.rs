@@ -8,7 +8,7 @@
 //!
 //! Run: `cargo run --release -p pk-model --example gemm_peak [-- --tokens 512] [--cold]`.
 //! `--cold`: each timed call takes the next of enough random matrices of the shape to fill
-//! [`COLD_BYTES`], so that its weights come from DRAM as in the model's forward pass;
+//! [`cold_bytes`], so that its weights come from DRAM as in the model's forward pass;
 //! without it one matrix is repeated and stays in L2 or L3.
 //! Weights are random but valid; the kernels' speed does not depend on the values. On a
 //! host with AMX the peak is that of `tdpbsud` on full 16 × 64-byte tiles in four
@@ -43,8 +43,28 @@ const SHAPES: [(&str, usize, usize, GgmlType); 10] = [
     ("down 8960->1536", 1536, 8960, GgmlType::Q4_1),
 ];
 
-/// The weights `--cold` cycles through per shape: several times any L3 of these hosts.
-const COLD_BYTES: usize = 256 << 20;
+/// The least `--cold` cycles through per shape: several times the L3 of most of these hosts.
+const COLD_BYTES_MIN: usize = 256 << 20;
+
+/// The weights `--cold` cycles through per shape: three times the L3 that sysfs reports for
+/// CPU 0, and at least [`COLD_BYTES_MIN`]. A fixed 256 MiB was L3-resident on an Intel host
+/// that reports 480 MiB of L3 (2026-12-08), where its "cold" rates were partly L3 rates.
+fn cold_bytes() -> usize {
+    let l3_bytes = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index3/size")
+        .ok()
+        .and_then(|s| {
+            let s = s.trim();
+            let (digits, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit())?);
+            let scale = match unit {
+                "K" => 1 << 10,
+                "M" => 1 << 20,
+                _ => return None,
+            };
+            digits.parse::<usize>().ok().map(|n| n * scale)
+        })
+        .unwrap_or(0);
+    (3 * l3_bytes).max(COLD_BYTES_MIN)
+}
 
 fn random_matrix(rng: &mut impl Rng, ty: GgmlType, rows: usize, cols: usize) -> QMatrix {
     let mut data = vec![0u8; rows * ty.row_bytes(cols).unwrap()];
@@ -266,6 +286,13 @@ fn main() {
         .iter()
         .map(|&(_, rows, cols, ty)| random_matrix(&mut rng, ty, rows, cols))
         .collect();
+    if cold {
+        println!(
+            "cold: each shape cycles through {} MiB of matrices (three times the L3, at least {} MiB)",
+            cold_bytes() >> 20,
+            COLD_BYTES_MIN >> 20
+        );
+    }
     for threads in [1usize, 2] {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -278,7 +305,7 @@ fn main() {
                 .collect();
             let mut out = vec![0f32; tokens * rows];
             let copies = if cold {
-                (COLD_BYTES / w.stored_bytes()).max(1)
+                (cold_bytes() / w.stored_bytes()).max(1)
             } else {
                 1
             };
