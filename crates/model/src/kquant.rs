@@ -49,13 +49,7 @@ pub fn convert_q4_k() -> bool {
 
 /// `PK_Q4K` as [`convert_q4_k`] reads it; a value other than the two is refused by name.
 pub(crate) fn q4_k_choice() -> Result<bool, String> {
-    match std::env::var("PK_Q4K").as_deref() {
-        Ok("q4_1") => Ok(true),
-        Ok("native") | Err(_) => Ok(false),
-        Ok(other) => Err(format!(
-            "PK_Q4K={other:?} is not one of \"native\", \"q4_1\""
-        )),
-    }
+    conversion_choice("PK_Q4K", "q4_1")
 }
 
 /// Whether Q6_K matrices are converted to Q6S at load (`PK_Q6K=q6s`) rather than run
@@ -67,11 +61,17 @@ pub fn convert_q6_k() -> bool {
 
 /// `PK_Q6K` as [`convert_q6_k`] reads it; a value other than the two is refused by name.
 pub(crate) fn q6_k_choice() -> Result<bool, String> {
-    match std::env::var("PK_Q6K").as_deref() {
-        Ok("q6s") => Ok(true),
+    conversion_choice("PK_Q6K", "q6s")
+}
+
+/// Whether the switch `var` asks for the format `converted` (`true`) or the native kernels
+/// (`native`, or unset); any other value is an error naming the variable.
+fn conversion_choice(var: &str, converted: &str) -> Result<bool, String> {
+    match std::env::var(var).as_deref() {
+        Ok(v) if v == converted => Ok(true),
         Ok("native") | Err(_) => Ok(false),
         Ok(other) => Err(format!(
-            "PK_Q6K={other:?} is not one of \"native\", \"q6s\""
+            "{var}={other:?} is not one of \"native\", \"{converted}\""
         )),
     }
 }
